@@ -1,0 +1,338 @@
+//! Throughput of the CPU backend's `linear` (`cargo bench -p pd-engine --bench linear`).
+//!
+//! Prints, next to a plain memory-read bandwidth measured in the same run (the machines are
+//! shared and noisy: only same-run ratios mean anything):
+//! - decode (rows = 1 and 16): GB/s of weight bytes read, cycling through enough copies of
+//!   the matrix (≥ 256 MiB) that it is read from memory, not from cache — as in a real
+//!   forward pass, which touches every layer once per step;
+//! - prefill (rows = 512): GFLOP/s.
+//!
+//! Arguments not starting with `-` filter the cases by substring (e.g. `bf16`, `r=1 `).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use pd_engine::backend::cpu::WeightMatrix;
+use pd_engine::backend::cpu::linear::linear;
+use pd_engine::weights::DType;
+use rayon::prelude::*;
+
+/// Decode matrices are cycled through at least this many bytes of copies.
+const COLD_BYTES: usize = 256 << 20;
+/// Size of the read-bandwidth baseline buffer.
+const BASELINE_BYTES: usize = 512 << 20;
+/// Each case runs at least this long (after one warm-up pass).
+const MIN_TIME: Duration = Duration::from_millis(700);
+
+/// Qwen3-0.6B projection shapes `[out, in]`.
+const DECODE_SHAPES: [(&str, usize, usize); 4] = [
+    ("gate/up [3072x1024]", 3072, 1024),
+    ("down [1024x3072]", 1024, 3072),
+    ("q [2048x1024]", 2048, 1024),
+    ("lm_head [151936x1024]", 151_936, 1024),
+];
+const PREFILL_SHAPES: [(&str, usize, usize); 3] = [
+    ("gate/up [3072x1024]", 3072, 1024),
+    ("down [1024x3072]", 1024, 3072),
+    ("q [2048x1024]", 2048, 1024),
+];
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn random_matrix(dtype: DType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(n * k * dtype.size_in_bytes());
+    for _ in 0..n * k {
+        let v = rng.unit() * 0.05;
+        match dtype {
+            DType::F32 => bytes.extend_from_slice(&v.to_le_bytes()),
+            DType::F16 => bytes.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            DType::BF16 => bytes.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+    bytes
+}
+
+/// Sequential streams each thread reads at once in the paired baseline: as many as the
+/// decode kernel walks (it reads `OUT_BLOCK` = 4 distant weight rows in lockstep). On some
+/// machines one stream per core cannot reach the memory bandwidth: only a baseline with the
+/// same memory-level parallelism is a fair ceiling.
+const READ_STREAMS: usize = 4;
+
+/// Sum of `c` read as `streams` equal sub-slices in lockstep, 512 bytes of each at a time.
+fn sum_streams(c: &[u64], streams: usize) -> u64 {
+    const B: usize = 64;
+    let len = c.len() / streams / B * B;
+    let mut acc = 0u64;
+    for blk in (0..len).step_by(B) {
+        for s in 0..streams {
+            let part = &c[s * len + blk..s * len + blk + B];
+            acc = acc.wrapping_add(part.iter().fold(0u64, |a, &b| a.wrapping_add(b)));
+        }
+    }
+    acc
+}
+
+/// Seconds to sum `buf` on all rayon threads, each chunk as `streams` streams.
+fn read_pass(buf: &[u64], streams: usize) -> f64 {
+    let chunk = buf.len().div_ceil(rayon::current_num_threads() * 4);
+    let t = Instant::now();
+    let s: u64 = buf
+        .par_chunks(chunk)
+        .map(|c| sum_streams(c, streams))
+        .reduce(|| 0, u64::wrapping_add);
+    black_box(s);
+    t.elapsed().as_secs_f64()
+}
+
+/// Read bandwidth of summing `buf` (GB/s, best of several passes).
+fn read_bandwidth(buf: &[u64], streams: usize) -> f64 {
+    let best = (0..6)
+        .map(|_| read_pass(buf, streams))
+        .fold(f64::MAX, f64::min);
+    (buf.len() * 8) as f64 / best / 1e9
+}
+
+/// Peak f32 FMA throughput on all rayon threads (GFLOP/s, best of several runs): a register-
+/// only loop of independent FMA chains on the widest vectors this CPU has.
+fn fma_peak() -> f64 {
+    let threads = rayon::current_num_threads();
+    let iters = 20_000_000;
+    let mut best = f64::MAX;
+    let mut flop_per_iter = 0.0;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let (f, _) = rayon::broadcast(|_| fma_loop(iters))
+            .into_iter()
+            .fold((0.0, 0.0), |a, b| (b.0, a.1 + b.1));
+        flop_per_iter = f;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    flop_per_iter * (iters * threads) as f64 / best / 1e9
+}
+
+/// Runs `iters` iterations of independent FMA chains; returns (flop per iteration, a sum
+/// that keeps the work alive).
+fn fma_loop(iters: usize) -> (f64, f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected just above.
+            return (12.0 * 16.0 * 2.0, unsafe { x86::fma512(iters) });
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: AVX2 and FMA were detected just above.
+            return (10.0 * 8.0 * 2.0, unsafe { x86::fma256(iters) });
+        }
+    }
+    let mut acc = [0.0f32; 8];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = a.mul_add(0.999, 0.001);
+        }
+    }
+    (16.0, black_box(acc).iter().sum())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn fma512(iters: usize) -> f32 {
+        let (m, a) = (_mm512_set1_ps(0.999), _mm512_set1_ps(0.001));
+        let mut acc = [_mm512_setzero_ps(); 12];
+        for _ in 0..iters {
+            for v in &mut acc {
+                *v = _mm512_fmadd_ps(*v, m, a);
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fma256(iters: usize) -> f32 {
+        let (m, a) = (_mm256_set1_ps(0.999), _mm256_set1_ps(0.001));
+        let mut acc = [_mm256_setzero_ps(); 10];
+        for _ in 0..iters {
+            for v in &mut acc {
+                *v = _mm256_fmadd_ps(*v, m, a);
+            }
+        }
+        let mut out = [0.0f32; 8];
+        for v in acc {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds 8 f32; unaligned store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+            for (o, l) in out.iter_mut().zip(lanes) {
+                *o += l;
+            }
+        }
+        out.iter().sum()
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Timing of one case: seconds per call (median and best over passes through `mats`) and,
+/// when `baseline` is given, the read bandwidth of an equally large plain-read pass run
+/// right after each pass, with the median of the per-pair ratios (robust to the load of a
+/// shared machine changing during the run).
+struct Timing {
+    median_s: f64,
+    best_s: f64,
+    baseline_gbs: f64,
+    ratio: f64,
+}
+
+fn time_calls(
+    mats: &[Vec<u8>],
+    dtype: DType,
+    n: usize,
+    k: usize,
+    rows: usize,
+    baseline: Option<&[u64]>,
+) -> Timing {
+    let mut rng = Rng(0x1234_5678);
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.unit()).collect();
+    let mut out = vec![0.0f32; rows * n];
+    let bytes = n * k * dtype.size_in_bytes();
+    let pass_bytes = bytes * mats.len();
+    let base = baseline.map(|b| &b[..(pass_bytes / 8).min(b.len())]);
+    let pass = |out: &mut [f32]| {
+        let t = Instant::now();
+        for m in mats {
+            linear(&x, rows, WeightMatrix::new(dtype, n, k, m), out);
+            black_box(&mut *out);
+        }
+        t.elapsed().as_secs_f64() / mats.len() as f64
+    };
+    pass(&mut out);
+    let (mut times, mut base_gbs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < MIN_TIME || times.len() < 5 {
+        let t = pass(&mut out);
+        times.push(t);
+        if let Some(b) = base {
+            let gbs = (b.len() * 8) as f64 / read_pass(b, READ_STREAMS) / 1e9;
+            base_gbs.push(gbs);
+            ratios.push(bytes as f64 / t / 1e9 / gbs);
+        }
+    }
+    let best_s = times.iter().copied().fold(f64::MAX, f64::min);
+    Timing {
+        median_s: median(&mut times),
+        best_s,
+        baseline_gbs: if base_gbs.is_empty() {
+            0.0
+        } else {
+            median(&mut base_gbs)
+        },
+        ratio: if ratios.is_empty() {
+            0.0
+        } else {
+            median(&mut ratios)
+        },
+    }
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted =
+        |label: &str| filters.is_empty() || filters.iter().any(|f| label.contains(f.as_str()));
+    let threads = rayon::current_num_threads();
+    println!("linear bench: {threads} rayon threads");
+
+    let baseline_buf: Vec<u64> = (0..BASELINE_BYTES / 8).map(|i| i as u64).collect();
+    let bw1s = read_bandwidth(&baseline_buf, 1);
+    let bw0 = read_bandwidth(&baseline_buf, READ_STREAMS);
+    println!(
+        "read bandwidth (sum of a {} MiB u64 buffer, {threads} threads): {bw1s:.1} GB/s with one \
+         stream per thread, {bw0:.1} GB/s with {READ_STREAMS} streams per thread\n",
+        BASELINE_BYTES >> 20
+    );
+
+    let dtypes = [DType::BF16, DType::F16, DType::F32];
+    println!(
+        "decode: weight GB/s (median / best); plain-read GB/s ({READ_STREAMS} streams per thread) \
+         measured right after each pass; median ratio of the two"
+    );
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for dtype in dtypes {
+        for (name, n, k) in DECODE_SHAPES {
+            let labels: Vec<(usize, String)> = [1, 16]
+                .into_iter()
+                .map(|rows| (rows, format!("{dtype:>8} {name:<22} r={rows:<3}")))
+                .filter(|(_, l)| wanted(l))
+                .collect();
+            if labels.is_empty() {
+                continue;
+            }
+            let bytes = n * k * dtype.size_in_bytes();
+            let first = random_matrix(dtype, n, k, &mut rng);
+            let copies = COLD_BYTES.div_ceil(bytes);
+            let mats: Vec<Vec<u8>> = (0..copies).map(|_| first.clone()).collect();
+            for (rows, label) in labels {
+                let t = time_calls(&mats, dtype, n, k, rows, Some(&baseline_buf));
+                let (gbm, gbb) = (
+                    bytes as f64 / t.median_s / 1e9,
+                    bytes as f64 / t.best_s / 1e9,
+                );
+                println!(
+                    "{label} {gbm:6.1} / {gbb:6.1} GB/s  read {:5.1} GB/s  {:5.1} %  ({:.3} ms/call)",
+                    t.baseline_gbs,
+                    100.0 * t.ratio,
+                    t.median_s * 1e3
+                );
+            }
+        }
+    }
+
+    let peak = fma_peak();
+    println!("\nprefill: GFLOP/s (median / best); f32 FMA peak measured now: {peak:.0} GFLOP/s");
+    for dtype in dtypes {
+        for (name, n, k) in PREFILL_SHAPES {
+            let rows = 512;
+            let label = format!("{dtype:>8} {name:<22} r={rows:<3}");
+            if !wanted(&label) {
+                continue;
+            }
+            let mats = vec![random_matrix(dtype, n, k, &mut rng)];
+            let t = time_calls(&mats, dtype, n, k, rows, None);
+            let (med, best) = (t.median_s, t.best_s);
+            let flop = 2.0 * (rows * n * k) as f64;
+            println!(
+                "{label} {:6.1} / {:6.1} GFLOP/s  {:5.1} % of peak  ({:.2} ms/call, {:.0} tok/s-equivalent)",
+                flop / med / 1e9,
+                flop / best / 1e9,
+                100.0 * flop / med / 1e9 / peak,
+                med * 1e3,
+                rows as f64 / med
+            );
+        }
+    }
+
+    let bw1 = read_bandwidth(&baseline_buf, READ_STREAMS);
+    let peak1 = fma_peak();
+    println!(
+        "\nat the end: read bandwidth {bw1:.1} GB/s (start {bw0:.1}), FMA peak {peak1:.0} GFLOP/s (start {peak:.0})"
+    );
+}

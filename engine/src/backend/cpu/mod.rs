@@ -1,0 +1,280 @@
+//! The CPU backend: f32 compute over weights kept in their stored dtype, multi-threaded with
+//! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`].
+//! It is the reference every other backend is compared against.
+
+mod attention;
+pub mod convert;
+pub mod linear;
+mod matrix;
+
+use rayon::prelude::*;
+
+use crate::backend::{AttentionMeta, Backend, HostMatrix};
+use crate::error::EngineError;
+use crate::kv::KvLayout;
+use crate::weights::TensorView;
+
+pub use matrix::WeightMatrix;
+
+/// Element-wise work below this many elements runs on the calling thread: forking costs more.
+const PAR_THRESHOLD: usize = 1 << 16;
+
+/// The CPU backend. Threads come from rayon's global pool (all cores by default).
+#[derive(Debug, Default, Clone)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+/// A row-major `f32` matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        Self {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    pub fn from_vec(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(data.len(), rows * cols);
+        Self { rows, cols, data }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// A weight as the CPU backend keeps it: matrices stay in the mapped checkpoint in their
+/// stored dtype; 1-D vectors (norm weights, a few KiB) are widened to f32 once.
+#[derive(Debug, Clone)]
+pub enum CpuWeight {
+    Matrix(TensorView),
+    Vector(Vec<f32>),
+}
+
+impl CpuWeight {
+    fn matrix(&self) -> WeightMatrix<'_> {
+        match self {
+            CpuWeight::Matrix(view) => {
+                WeightMatrix::new(view.dtype, view.shape[0], view.shape[1], view.bytes())
+            }
+            CpuWeight::Vector(_) => panic!("a vector weight used as a matrix"),
+        }
+    }
+
+    fn vector(&self) -> &[f32] {
+        match self {
+            CpuWeight::Vector(v) => v,
+            CpuWeight::Matrix(_) => panic!("a matrix weight used as a vector"),
+        }
+    }
+}
+
+/// K and V of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]` each.
+#[derive(Debug)]
+pub struct CpuLayerKv {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Paged KV storage for all layers.
+#[derive(Debug)]
+pub struct CpuKvStorage {
+    pub layout: KvLayout,
+    pub num_blocks: usize,
+    pub layers: Vec<CpuLayerKv>,
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type KvStorage = CpuKvStorage;
+
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn load_weight(&self, _name: &str, view: TensorView) -> Result<CpuWeight, EngineError> {
+        match view.shape.len() {
+            1 => Ok(CpuWeight::Vector(view.to_f32_vec())),
+            2 => Ok(CpuWeight::Matrix(view)),
+            n => Err(EngineError::Tensor {
+                path: view.path().to_path_buf(),
+                tensor: view.name.clone(),
+                message: format!("has {n} dimensions; the CPU backend takes vectors and matrices"),
+            }),
+        }
+    }
+
+    fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CpuKvStorage, EngineError> {
+        let len = num_blocks
+            .checked_mul(layout.block_size * layout.token_width())
+            .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
+        let mut layers = Vec::with_capacity(layout.num_layers);
+        for _ in 0..layout.num_layers {
+            let mut k = Vec::new();
+            let mut v = Vec::new();
+            if k.try_reserve_exact(len).is_err() || v.try_reserve_exact(len).is_err() {
+                return Err(EngineError::OutOfBlocks(format!(
+                    "cannot allocate {num_blocks} KV blocks ({} MiB) in host memory",
+                    num_blocks * layout.block_bytes() >> 20
+                )));
+            }
+            k.resize(len, 0.0);
+            v.resize(len, 0.0);
+            layers.push(CpuLayerKv { k, v });
+        }
+        Ok(CpuKvStorage {
+            layout: layout.clone(),
+            num_blocks,
+            layers,
+        })
+    }
+
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+        let m = table.matrix();
+        let mut out = CpuTensor::zeros(ids.len(), m.cols);
+        for (row, &id) in out.data.chunks_mut(m.cols).zip(ids) {
+            convert::to_f32(m.dtype, m.row_bytes(id as usize), row);
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, group: usize, eps: f32) -> CpuTensor {
+        let w = weight.vector();
+        assert_eq!(w.len(), group);
+        assert_eq!(x.cols % group, 0);
+        let mut out = x.clone();
+        let norm = |chunk: &mut [f32]| {
+            let ss: f32 = chunk.iter().map(|v| v * v).sum();
+            let inv = 1.0 / (ss / group as f32 + eps).sqrt();
+            for (v, w) in chunk.iter_mut().zip(w) {
+                *v = *v * inv * w;
+            }
+        };
+        if out.data.len() >= PAR_THRESHOLD {
+            out.data.par_chunks_mut(group).for_each(norm);
+        } else {
+            out.data.chunks_mut(group).for_each(norm);
+        }
+        out
+    }
+
+    fn linear(&self, x: &CpuTensor, weight: &CpuWeight) -> CpuTensor {
+        let m = weight.matrix();
+        assert_eq!(x.cols, m.cols, "linear: input width");
+        let mut out = CpuTensor::zeros(x.rows, m.rows);
+        linear::linear(&x.data, x.rows, m, &mut out.data);
+        out
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, theta: f64) {
+        assert_eq!(positions.len(), x.rows);
+        let half = head_dim / 2;
+        // Frequencies in f32 as transformers computes them, so long positions round alike.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|j| 1.0 / (theta as f32).powf((2 * j) as f32 / head_dim as f32))
+            .collect();
+        let cols = x.cols;
+        let apply = |(row, &pos): (&mut [f32], &u32)| {
+            let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
+                .iter()
+                .map(|f| {
+                    let a = pos as f32 * f;
+                    (a.cos(), a.sin())
+                })
+                .unzip();
+            for head in row.chunks_mut(head_dim) {
+                let (lo, hi) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (lo[j], hi[j]);
+                    lo[j] = a * cos[j] - b * sin[j];
+                    hi[j] = b * cos[j] + a * sin[j];
+                }
+            }
+        };
+        if x.data.len() >= PAR_THRESHOLD {
+            x.data.par_chunks_mut(cols).zip(positions).for_each(apply);
+        } else {
+            x.data.chunks_mut(cols).zip(positions).for_each(apply);
+        }
+    }
+
+    fn write_kv(
+        &self,
+        kv: &mut CpuKvStorage,
+        layer: usize,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        slots: &[u32],
+    ) {
+        let width = kv.layout.token_width();
+        assert_eq!(k.cols, width);
+        assert_eq!(v.cols, width);
+        assert_eq!(slots.len(), k.rows);
+        let store = &mut kv.layers[layer];
+        for (r, &slot) in slots.iter().enumerate() {
+            let at = slot as usize * width;
+            store.k[at..at + width].copy_from_slice(k.row(r));
+            store.v[at..at + width].copy_from_slice(v.row(r));
+        }
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CpuTensor,
+        kv: &CpuKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+    ) -> CpuTensor {
+        attention::paged_attention(q, kv, layer, meta)
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        assert_eq!(gate.data.len(), up.data.len());
+        let mut out = gate.clone();
+        let f = |(g, u): (&mut f32, &f32)| *g = *g / (1.0 + (-*g).exp()) * u;
+        if out.data.len() >= PAR_THRESHOLD {
+            out.data.par_iter_mut().zip(&up.data).for_each(f);
+        } else {
+            out.data.iter_mut().zip(&up.data).for_each(f);
+        }
+        out
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        assert_eq!(x.data.len(), y.data.len());
+        for (a, b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(x.row(r));
+        }
+        CpuTensor::from_vec(rows.len(), x.cols, data)
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> HostMatrix {
+        HostMatrix {
+            rows: x.rows,
+            cols: x.cols,
+            data: x.data.clone(),
+        }
+    }
+}
+

@@ -1,0 +1,144 @@
+//! The op-level contract every compute backend implements (CPU here, CUDA in `pd-kernels`).
+//!
+//! The Qwen3 model in [`crate::model`] is written once against this trait; a backend owns
+//! where tensors live and how each op runs, never the model's math order. Activations are
+//! 2-D row-major `f32` matrices (`rows` tokens × `cols` features). Weights stay in the dtype
+//! they were stored in (bf16 / f16 / f32) and are consumed in place. This module does not
+//! own the KV block *allocation* (see [`crate::kv`]), only the storage the blocks index.
+
+pub mod cpu;
+
+use crate::error::EngineError;
+use crate::kv::KvLayout;
+use crate::weights::TensorView;
+
+/// Rows of one sequence inside a batch, for attention.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqAttention {
+    /// First row of this sequence's new tokens in the batch's activation matrix.
+    pub q_start: usize,
+    /// Number of new tokens (query rows) this step; their positions are
+    /// `context_len - q_len .. context_len`.
+    pub q_len: usize,
+    /// Tokens of context after this step's tokens are written (cached + new).
+    pub context_len: usize,
+    /// Physical block id of each logical block, covering at least `context_len` tokens.
+    pub block_table: Vec<u32>,
+}
+
+/// Everything attention needs to know about a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionMeta {
+    pub seqs: Vec<SeqAttention>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Softmax scale, `1 / sqrt(head_dim)` for Qwen3.
+    pub scale: f32,
+}
+
+impl AttentionMeta {
+    /// KV slot (`block * block_size + offset`) of every new token, in batch row order.
+    pub fn slot_mapping(&self, block_size: usize) -> Vec<u32> {
+        let mut slots = Vec::new();
+        for seq in &self.seqs {
+            for pos in seq.context_len - seq.q_len..seq.context_len {
+                let block = seq.block_table[pos / block_size] as usize;
+                slots.push((block * block_size + pos % block_size) as u32);
+            }
+        }
+        slots
+    }
+
+    /// Absolute position of every new token, in batch row order.
+    pub fn positions(&self) -> Vec<u32> {
+        self.seqs
+            .iter()
+            .flat_map(|s| (s.context_len - s.q_len..s.context_len).map(|p| p as u32))
+            .collect()
+    }
+}
+
+/// The op-level backend contract. Implementations: [`cpu::CpuBackend`] here and the CUDA
+/// backend in `pd-kernels`. Ops take shapes from their inputs and panic only on internal
+/// shape bugs (the model guarantees shapes; clients never reach these calls directly).
+pub trait Backend: Send + Sync + 'static {
+    /// A 2-D `f32` activation matrix.
+    type Tensor: Send;
+    /// A weight in its stored dtype, resident where the backend computes.
+    type Weight: Send + Sync;
+    /// Paged K/V storage for every layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    type KvStorage: Send;
+
+    /// Short name for logs and metrics (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// Make a weight usable by this backend. 1-D tensors are vectors (norm weights),
+    /// 2-D ones are `[out_features, in_features]` matrices (or the embedding table).
+    fn load_weight(&self, name: &str, view: TensorView) -> Result<Self::Weight, EngineError>;
+
+    /// Allocate KV storage for `num_blocks` blocks of `layout`.
+    fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize)
+    -> Result<Self::KvStorage, EngineError>;
+
+    /// Rows of the embedding table for `ids` (`[ids.len(), hidden]`).
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+
+    /// RMSNorm over each consecutive group of `group` features (group = hidden size for the
+    /// layer norms, head_dim for Qwen3's per-head q/k norms), times `weight` (`[group]`).
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32)
+    -> Self::Tensor;
+
+    /// `x · Wᵀ`: `[rows, in] × [out, in]ᵀ → [rows, out]`.
+    fn linear(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;
+
+    /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at
+    /// `positions[i]`, `inv_freq[j] = theta^(-2j/head_dim)`.
+    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, theta: f64);
+
+    /// Write this step's keys and values (`[rows, kv_heads * head_dim]`) into `slots`.
+    fn write_kv(
+        &self,
+        kv: &mut Self::KvStorage,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[u32],
+    );
+
+    /// Causal grouped-query attention of the batch's queries (`[rows, heads * head_dim]`)
+    /// over each sequence's paged context, already including this step's keys/values.
+    fn paged_attention(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::KvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+    ) -> Self::Tensor;
+
+    /// `silu(gate) * up`, element-wise.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+
+    /// `x += y`, element-wise.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+
+    /// The listed rows of `x`, in order (picks the positions whose logits are wanted).
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+
+    /// Copy to host memory as `(rows, cols, row-major data)`.
+    fn to_host(&self, x: &Self::Tensor) -> HostMatrix;
+}
+
+/// A row-major `f32` matrix in host memory (logits handed to the sampler).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl HostMatrix {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+}

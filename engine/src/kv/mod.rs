@@ -1,0 +1,127 @@
+//! Paged KV cache layout and block allocation.
+//!
+//! KV lives in fixed-size blocks of `block_size` tokens; a sequence's block table maps its
+//! logical blocks to physical ones. This module owns the layout description (which also
+//! yields the fingerprint two nodes compare before moving KV) and a free-list allocator.
+//! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]).
+
+use crate::config::ModelConfig;
+use crate::error::EngineError;
+
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Shape of the KV cache: everything that must match for KV to be reusable elsewhere.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    pub fn new(config: &ModelConfig, block_size: usize) -> Result<Self, EngineError> {
+        if block_size == 0 || block_size > 1024 || !block_size.is_power_of_two() {
+            return Err(EngineError::InvalidRequest(format!(
+                "block size {block_size} must be a power of two between 1 and 1024"
+            )));
+        }
+        Ok(Self {
+            num_layers: config.num_hidden_layers,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            block_size,
+        })
+    }
+
+    /// f32 elements of K (or of V) for one token in one layer.
+    pub fn token_width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of K and V for one block across all layers (f32 storage).
+    pub fn block_bytes(&self) -> usize {
+        2 * self.num_layers * self.block_size * self.token_width() * 4
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+}
+
+/// A free-list allocator of physical block ids. Blocks are handed out and returned whole;
+/// the caller keeps each request's blocks in a [`BlockTable`] and returns them on every path.
+#[derive(Debug)]
+pub struct BlockAllocator {
+    free: Vec<u32>,
+    total: usize,
+}
+
+impl BlockAllocator {
+    pub fn new(total: usize) -> Self {
+        Self {
+            free: (0..total as u32).rev().collect(),
+            total,
+        }
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Grow `table` so it covers `tokens` tokens, or fail without allocating anything.
+    pub fn grow(
+        &mut self,
+        table: &mut BlockTable,
+        tokens: usize,
+        block_size: usize,
+    ) -> Result<(), EngineError> {
+        let need = tokens.div_ceil(block_size).saturating_sub(table.blocks.len());
+        if need > self.free.len() {
+            return Err(EngineError::OutOfBlocks(format!(
+                "{tokens} tokens need {need} more blocks of {block_size}, {} free",
+                self.free.len()
+            )));
+        }
+        for _ in 0..need {
+            table.blocks.push(self.free.pop().expect("checked above"));
+        }
+        Ok(())
+    }
+
+    /// Return every block of `table`.
+    pub fn release(&mut self, table: &mut BlockTable) {
+        self.free.append(&mut table.blocks);
+    }
+}
+
+/// The physical blocks of one sequence, in logical order.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BlockTable {
+    pub blocks: Vec<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grow_is_all_or_nothing_and_release_returns_everything() {
+        let mut a = BlockAllocator::new(4);
+        let mut t = BlockTable::default();
+        a.grow(&mut t, 17, 16).unwrap();
+        assert_eq!(t.blocks.len(), 2);
+        assert!(a.grow(&mut t, 16 * 7, 16).is_err());
+        assert_eq!(t.blocks.len(), 2, "a failed grow allocates nothing");
+        a.grow(&mut t, 64, 16).unwrap();
+        assert_eq!(a.num_free(), 0);
+        a.release(&mut t);
+        assert_eq!(a.num_free(), 4);
+        assert!(t.blocks.is_empty());
+    }
+}

@@ -1,0 +1,156 @@
+//! Qwen3 (dense) written once over the op-level [`Backend`]: embedding, per layer RMSNorm →
+//! q/k/v projections → per-head q/k RMSNorm → RoPE → paged GQA attention → output projection
+//! → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm and a tied or separate LM head.
+//! No backend-specific code lives here.
+
+use crate::backend::{AttentionMeta, Backend, HostMatrix};
+use crate::config::ModelConfig;
+use crate::error::EngineError;
+use crate::weights::Checkpoint;
+
+struct Layer<B: Backend> {
+    input_norm: B::Weight,
+    q_proj: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_norm: B::Weight,
+    k_norm: B::Weight,
+    post_norm: B::Weight,
+    gate_proj: B::Weight,
+    up_proj: B::Weight,
+    down_proj: B::Weight,
+}
+
+/// Qwen3 weights resident on backend `B`.
+pub struct Qwen3<B: Backend> {
+    config: ModelConfig,
+    embed: B::Weight,
+    layers: Vec<Layer<B>>,
+    norm: B::Weight,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<B::Weight>,
+}
+
+impl<B: Backend> std::fmt::Debug for Qwen3<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qwen3").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Qwen3<B> {
+    /// Load every tensor, checking names and shapes against `config`. `progress(done, total)`
+    /// is called after each tensor (bytes).
+    pub fn load(
+        backend: &B,
+        ckpt: &Checkpoint,
+        config: &ModelConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
+        let c = config;
+        let h = c.hidden_size;
+        let q = c.num_attention_heads * c.head_dim;
+        let kv = c.num_key_value_heads * c.head_dim;
+        let total = ckpt.total_bytes();
+        let mut done = 0usize;
+        let mut get = |name: &str, shape: &[usize]| -> Result<B::Weight, EngineError> {
+            let view = ckpt.tensor(name, shape)?;
+            done += view.bytes().len();
+            let w = backend.load_weight(name, view)?;
+            progress(done.min(total), total);
+            Ok(w)
+        };
+        let embed = get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                input_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                q_proj: get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
+                k_proj: get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
+                v_proj: get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                o_proj: get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
+                q_norm: get(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
+                k_norm: get(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
+                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_proj: get(&format!("{p}.mlp.gate_proj.weight"), &[c.intermediate_size, h])?,
+                up_proj: get(&format!("{p}.mlp.up_proj.weight"), &[c.intermediate_size, h])?,
+                down_proj: get(&format!("{p}.mlp.down_proj.weight"), &[h, c.intermediate_size])?,
+            });
+        }
+        let norm = get("model.norm.weight", &[h])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight", &[c.vocab_size, h])?)
+        };
+        Ok(Self {
+            config: config.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Bytes of weights read by one decode step (every matrix once; the embedding row
+    /// gather is negligible unless the LM head is tied to it).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        let c = &self.config;
+        let elem = c.dtype.size_in_bytes();
+        let h = c.hidden_size;
+        let q = c.num_attention_heads * c.head_dim;
+        let kv = c.num_key_value_heads * c.head_dim;
+        let per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size;
+        (c.num_hidden_layers * per_layer + c.vocab_size * h) * elem
+    }
+
+    /// Run the model over a batch. `tokens[i]` is batch row `i`; `meta` places rows in their
+    /// sequences (whose earlier KV is already cached); this step's K/V are written to the
+    /// cache. Returns logits for `logit_rows` (batch row indices), in that order.
+    pub fn forward(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStorage,
+        block_size: usize,
+        tokens: &[u32],
+        meta: &AttentionMeta,
+        logit_rows: &[usize],
+    ) -> HostMatrix {
+        let c = &self.config;
+        let positions = meta.positions();
+        let slots = meta.slot_mapping(block_size);
+        assert_eq!(positions.len(), tokens.len(), "meta covers every batch row");
+        let eps = c.rms_norm_eps;
+        let mut x = backend.embedding(&self.embed, tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = backend.rms_norm(&x, &layer.input_norm, c.hidden_size, eps);
+            let mut q = backend.linear(&h, &layer.q_proj);
+            let mut k = backend.linear(&h, &layer.k_proj);
+            let v = backend.linear(&h, &layer.v_proj);
+            q = backend.rms_norm(&q, &layer.q_norm, c.head_dim, eps);
+            k = backend.rms_norm(&k, &layer.k_norm, c.head_dim, eps);
+            backend.rope(&mut q, &positions, c.head_dim, c.rope_theta);
+            backend.rope(&mut k, &positions, c.head_dim, c.rope_theta);
+            backend.write_kv(kv, i, &k, &v, &slots);
+            let attn = backend.paged_attention(&q, kv, i, meta);
+            let o = backend.linear(&attn, &layer.o_proj);
+            backend.add_assign(&mut x, &o);
+
+            let h = backend.rms_norm(&x, &layer.post_norm, c.hidden_size, eps);
+            let gate = backend.linear(&h, &layer.gate_proj);
+            let up = backend.linear(&h, &layer.up_proj);
+            let act = backend.silu_mul(&gate, &up);
+            let down = backend.linear(&act, &layer.down_proj);
+            backend.add_assign(&mut x, &down);
+        }
+        let x = backend.select_rows(&x, logit_rows);
+        let x = backend.rms_norm(&x, &self.norm, c.hidden_size, eps);
+        let logits = backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed));
+        backend.to_host(&logits)
+    }
+}

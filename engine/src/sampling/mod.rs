@@ -1,0 +1,35 @@
+//! Token sampling and stop conditions, with vLLM semantics.
+//!
+//! - [`SamplingParams`]: what a request asks for; [`SamplingParams::validate`] rejects bad
+//!   values with a [`SamplingError`] a person can act on.
+//! - [`Sampler`]: one per request, owns a seeded ChaCha RNG and scratch buffers; turns a
+//!   row of logits into a [`SampledToken`] (repetition penalty → greedy or temperature →
+//!   min-p → top-k → top-p → draw), reporting raw log-probabilities. [`prompt_logprobs`]
+//!   scores prompt positions.
+//! - [`StopChecker`]: one per request, fed each generated token and its text; decides
+//!   [`FinishReason`] (EOS / stop token / stop string / `max_tokens`) and withholds text
+//!   that may be the start of a stop string until it is disambiguated.
+//!
+//! Typical step for one request:
+//!
+//! ```ignore
+//! let mut sampler = Sampler::new(&params, params.effective_seed(engine_seed ^ request_hash));
+//! let mut stop = StopChecker::new(&params, eos_token_ids);
+//! loop {
+//!     let tok = sampler.sample(&logits, &prompt, &output);
+//!     output.push(tok.token_id);
+//!     let d = stop.on_token(tok.token_id, &detokenizer.step(tok.token_id));
+//!     stream(d.text);
+//!     if let Some(reason) = d.finished { break; }
+//! }
+//! ```
+
+pub mod params;
+pub mod sampler;
+pub mod stop;
+
+pub use params::{
+    GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingError, SamplingParams,
+};
+pub use sampler::{PromptLogprob, SampledToken, Sampler, TokenLogprob, prompt_logprobs};
+pub use stop::{FinishReason, StopChecker, StopDecision, StopReason};

@@ -1,0 +1,243 @@
+//! Per-request sampling parameters and their validation.
+
+use serde::{Deserialize, Serialize};
+
+/// At most this many stop strings per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Upper bound for `logprobs` and `prompt_logprobs` (top-K alternatives per position).
+pub const MAX_LOGPROBS: u32 = 20;
+
+/// Temperatures below this are treated as greedy decoding (vLLM's `_SAMPLING_EPS`).
+pub const GREEDY_TEMPERATURE_EPS: f32 = 1e-5;
+
+/// How one request wants its tokens chosen and when it wants to stop.
+///
+/// Field semantics follow vLLM's `SamplingParams`. Missing fields deserialize to the
+/// [`Default`] values (greedy, 16 tokens, no stop conditions besides EOS).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature. `0` (or anything below [`GREEDY_TEMPERATURE_EPS`]) means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches
+    /// `top_p`. In `(0, 1]`; `1` disables it.
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens. `0` disables it.
+    pub top_k: u32,
+    /// Drop tokens whose probability is below `min_p` × the most likely token's
+    /// probability. In `[0, 1]`; `0` disables it.
+    pub min_p: f32,
+    /// Penalty for tokens already present in the prompt or the output: positive logits
+    /// are divided by it, negative ones multiplied. `> 0`; `1` disables it.
+    pub repetition_penalty: f32,
+    /// Per-request RNG seed. `None`: the engine derives one (see
+    /// [`SamplingParams::effective_seed`]).
+    pub seed: Option<u64>,
+    /// Maximum number of generated tokens (stop tokens included). `>= 1`.
+    pub max_tokens: u32,
+    /// Stop strings: generation stops when one appears in the output text.
+    pub stop: Vec<String>,
+    /// Token ids that stop generation (the token is kept in the output ids).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's EOS token(s).
+    pub ignore_eos: bool,
+    /// Return this many top alternatives (raw log-probabilities) per generated token.
+    pub logprobs: Option<u32>,
+    /// Return this many top alternatives per prompt position.
+    pub prompt_logprobs: Option<u32>,
+    /// Keep the matched stop string (or the stop token's text) in the output text.
+    pub include_stop_str_in_output: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+            include_stop_str_in_output: false,
+        }
+    }
+}
+
+/// Why a [`SamplingParams`] was rejected. One variant per rule.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// `temperature` is negative, NaN or infinite.
+    #[error("temperature must be a finite number >= 0, got {0}")]
+    InvalidTemperature(f32),
+    /// `top_p` is outside `(0, 1]` or NaN.
+    #[error("top_p must be in (0, 1], got {0}")]
+    InvalidTopP(f32),
+    /// `min_p` is outside `[0, 1]` or NaN.
+    #[error("min_p must be in [0, 1], got {0}")]
+    InvalidMinP(f32),
+    /// `repetition_penalty` is not a finite number `> 0`.
+    #[error("repetition_penalty must be a finite number > 0 (1 disables it), got {0}")]
+    InvalidRepetitionPenalty(f32),
+    /// `max_tokens` is zero.
+    #[error("max_tokens must be >= 1, got 0")]
+    ZeroMaxTokens,
+    /// `max_tokens` exceeds the engine's cap.
+    #[error("max_tokens must be <= {cap}, got {max_tokens}")]
+    MaxTokensTooLarge {
+        /// The requested value.
+        max_tokens: u32,
+        /// The engine's limit.
+        cap: u32,
+    },
+    /// More than [`MAX_STOP_STRINGS`] stop strings.
+    #[error("at most {max} stop strings are allowed, got {0}", max = MAX_STOP_STRINGS)]
+    TooManyStopStrings(usize),
+    /// A stop string is empty.
+    #[error("stop strings must be non-empty, but stop[{index}] is \"\"")]
+    EmptyStopString {
+        /// Position in `stop`.
+        index: usize,
+    },
+    /// A stop token id is not in the vocabulary.
+    #[error(
+        "stop_token_ids[{index}] = {token_id} is out of range: the vocabulary has \
+         {vocab_size} tokens (ids 0..{vocab_size})"
+    )]
+    StopTokenIdOutOfRange {
+        /// Position in `stop_token_ids`.
+        index: usize,
+        /// The offending id.
+        token_id: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+    /// `logprobs` above [`MAX_LOGPROBS`].
+    #[error("logprobs must be <= {max}, got {0}", max = MAX_LOGPROBS)]
+    TooManyLogprobs(u32),
+    /// `prompt_logprobs` above [`MAX_LOGPROBS`].
+    #[error("prompt_logprobs must be <= {max}, got {0}", max = MAX_LOGPROBS)]
+    TooManyPromptLogprobs(u32),
+}
+
+impl SamplingParams {
+    /// Whether this request decodes greedily (argmax after the repetition penalty).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_TEMPERATURE_EPS
+    }
+
+    /// The seed to construct the request's [`Sampler`](super::Sampler) with: the request's
+    /// own `seed`, else `fallback` (which the engine should derive from its own seed and
+    /// something stable per request, so unseeded requests are reproducible per engine seed).
+    pub fn effective_seed(&self, fallback: u64) -> u64 {
+        self.seed.unwrap_or(fallback)
+    }
+
+    /// Checks every rule; the first violation is returned. NaN fails every float rule.
+    pub fn validate(&self, vocab_size: usize, max_tokens_cap: u32) -> Result<(), SamplingError> {
+        // Written as `!(ok)` so that NaN (for which every comparison is false) fails.
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(SamplingError::InvalidTemperature(self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingError::InvalidTopP(self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(SamplingError::InvalidMinP(self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(SamplingError::InvalidRepetitionPenalty(
+                self.repetition_penalty,
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err(SamplingError::ZeroMaxTokens);
+        }
+        if self.max_tokens > max_tokens_cap {
+            return Err(SamplingError::MaxTokensTooLarge {
+                max_tokens: self.max_tokens,
+                cap: max_tokens_cap,
+            });
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(SamplingError::TooManyStopStrings(self.stop.len()));
+        }
+        if let Some(index) = self.stop.iter().position(String::is_empty) {
+            return Err(SamplingError::EmptyStopString { index });
+        }
+        if let Some((index, &token_id)) = self
+            .stop_token_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= vocab_size)
+        {
+            return Err(SamplingError::StopTokenIdOutOfRange {
+                index,
+                token_id,
+                vocab_size,
+            });
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_LOGPROBS) {
+            return Err(SamplingError::TooManyLogprobs(k));
+        }
+        if let Some(k) = self.prompt_logprobs.filter(|&k| k > MAX_LOGPROBS) {
+            return Err(SamplingError::TooManyPromptLogprobs(k));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_greedy() {
+        let p = SamplingParams::default();
+        assert!(p.is_greedy());
+        assert_eq!(p.max_tokens, 16);
+        assert_eq!(p.validate(10, 100), Ok(()));
+    }
+
+    #[test]
+    fn messages_are_actionable() {
+        let p = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            p.validate(10, 100).unwrap_err().to_string(),
+            "temperature must be a finite number >= 0, got -1"
+        );
+        let p = SamplingParams {
+            stop_token_ids: vec![3, 10],
+            ..Default::default()
+        };
+        assert_eq!(
+            p.validate(10, 100).unwrap_err().to_string(),
+            "stop_token_ids[1] = 10 is out of range: the vocabulary has 10 tokens (ids 0..10)"
+        );
+        let p = SamplingParams {
+            stop: vec![String::new(); 17],
+            ..Default::default()
+        };
+        assert_eq!(
+            p.validate(10, 100).unwrap_err().to_string(),
+            "at most 16 stop strings are allowed, got 17"
+        );
+    }
+
+    #[test]
+    fn effective_seed_prefers_request_seed() {
+        let mut p = SamplingParams::default();
+        assert_eq!(p.effective_seed(7), 7);
+        p.seed = Some(3);
+        assert_eq!(p.effective_seed(7), 3);
+    }
+}

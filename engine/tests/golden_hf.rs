@@ -1,0 +1,170 @@
+//! The CPU forward equals Hugging Face transformers' `Qwen3ForCausalLM` on tiny random
+//! checkpoints (fixtures made by `tools/golden/make_golden.py`): logits at every prompt
+//! position and along 32 greedy steps, through the real loader and the paged KV cache, with
+//! whole-prompt, chunked and batched prefill.
+
+use std::path::{Path, PathBuf};
+
+use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::config::ModelConfig;
+use pd_engine::generate::{Runner, Sequence, StepItem};
+use pd_engine::model::Qwen3;
+use pd_engine::weights::Checkpoint;
+
+struct Golden {
+    prompts: Vec<Vec<u32>>,
+    greedy: Vec<Vec<u32>>,
+    /// Per prompt: logits at every prompt position, then the logits of each greedy step.
+    logits: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+}
+
+fn load_golden(dir: &Path) -> Golden {
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("golden.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<Vec<u32>> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect())
+            .collect()
+    };
+    let prompts = ids(&meta["prompts"]);
+    let greedy = ids(&meta["greedy"]);
+    let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |name: &str| -> Vec<f32> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let logits = (0..prompts.len())
+        .map(|i| (f32s(&format!("prompt{i}.logits")), f32s(&format!("prompt{i}.greedy_logits"))))
+        .collect();
+    Golden { prompts, greedy, logits }
+}
+
+fn runner(dir: &Path, block_size: usize) -> Runner<CpuBackend> {
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &config, &mut |_, _| {}).unwrap();
+    Runner::new(CpuBackend::new(), model, block_size, 256).unwrap()
+}
+
+/// `max |a - b|`, and `max |a - b| / max |b|`.
+fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len());
+    let abs = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0.0, f32::max);
+    (abs, abs / scale)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Check one fixture; `check(abs, rel)` decides whether a difference is acceptable.
+fn check_fixture(name: &str, block_size: usize, prefill_chunk: usize, ok: &dyn Fn(f32, f32) -> bool) {
+    let dir = fixture(name);
+    let golden = load_golden(&dir);
+    let mut runner = runner(&dir, block_size);
+    let vocab = runner.model().config().vocab_size;
+    let mut worst = (0.0f32, 0.0f32);
+    for (i, prompt) in golden.prompts.iter().enumerate() {
+        let (want_prompt, want_greedy) = &golden.logits[i];
+        let mut seq = Sequence::new(prompt.clone());
+        let mut got = Vec::new();
+        while seq.computed < prompt.len() {
+            let count = prefill_chunk.min(prompt.len() - seq.computed);
+            let l = runner
+                .step(&mut [StepItem { seq: &mut seq, count, all_logits: true }])
+                .unwrap()
+                .remove(0);
+            got.extend(l.data);
+        }
+        let d = diff(&got, want_prompt);
+        assert!(ok(d.0, d.1), "{name} prompt {i}: prompt logits differ by {d:?}");
+        worst = (worst.0.max(d.0), worst.1.max(d.1));
+
+        let mut last = got[(prompt.len() - 1) * vocab..].to_vec();
+        for (step, &want_token) in golden.greedy[i].iter().enumerate() {
+            let d = diff(&last, &want_greedy[step * vocab..(step + 1) * vocab]);
+            assert!(ok(d.0, d.1), "{name} prompt {i} greedy step {step}: logits differ by {d:?}");
+            worst = (worst.0.max(d.0), worst.1.max(d.1));
+            let token = argmax(&last);
+            assert_eq!(token, want_token, "{name} prompt {i}: greedy token {step}");
+            seq.tokens.push(token);
+            last = runner
+                .step(&mut [StepItem { seq: &mut seq, count: 1, all_logits: false }])
+                .unwrap()
+                .remove(0)
+                .data;
+        }
+        runner.release(&mut seq);
+    }
+    assert_eq!(runner.free_blocks(), runner.total_blocks(), "every block returned");
+    eprintln!("{name}: worst |Δlogit| {:.2e}, relative {:.2e}", worst.0, worst.1);
+}
+
+const F32_TOLERANCE: f32 = 1e-3;
+const BF16_RELATIVE_TOLERANCE: f32 = 1e-2;
+
+#[test]
+fn f32_kv1_matches_transformers() {
+    check_fixture("tiny-kv1", 16, usize::MAX, &|abs, _| abs <= F32_TOLERANCE);
+}
+
+#[test]
+fn f32_gqa_matches_transformers() {
+    check_fixture("tiny-gqa", 16, usize::MAX, &|abs, _| abs <= F32_TOLERANCE);
+}
+
+#[test]
+fn bf16_weights_match_transformers() {
+    check_fixture("tiny-gqa-bf16", 16, usize::MAX, &|_, rel| rel <= BF16_RELATIVE_TOLERANCE);
+}
+
+#[test]
+fn chunked_prefill_and_small_blocks_change_nothing() {
+    check_fixture("tiny-gqa", 4, 5, &|abs, _| abs <= F32_TOLERANCE);
+    check_fixture("tiny-kv1", 1, 3, &|abs, _| abs <= F32_TOLERANCE);
+}
+
+#[test]
+fn batched_prefill_equals_one_by_one() {
+    let dir = fixture("tiny-gqa");
+    let golden = load_golden(&dir);
+    let mut runner = runner(&dir, 16);
+    let vocab = runner.model().config().vocab_size;
+    let mut seqs: Vec<Sequence> = golden.prompts.iter().cloned().map(Sequence::new).collect();
+    let mut items: Vec<StepItem<'_>> = seqs
+        .iter_mut()
+        .map(|seq| {
+            let count = seq.tokens.len();
+            StepItem { seq, count, all_logits: false }
+        })
+        .collect();
+    let out = runner.step(&mut items).unwrap();
+    for (i, logits) in out.iter().enumerate() {
+        let len = golden.prompts[i].len();
+        let want = &golden.logits[i].0[(len - 1) * vocab..len * vocab];
+        let d = diff(&logits.data, want);
+        assert!(d.0 <= F32_TOLERANCE, "batched prompt {i}: {d:?}");
+    }
+    for seq in seqs.iter_mut() {
+        runner.release(seq);
+    }
+    assert_eq!(runner.free_blocks(), runner.total_blocks());
+}

@@ -1,0 +1,56 @@
+//! pdctl: the user's tool. Thin: argument parsing, terminal output and progress; everything
+//! it runs lives in `pd-engine`.
+//!
+//! - `pdctl run`: one model in one process, no cluster.
+//! - `pdctl tokenize`: token ids of raw text.
+//! - `pdctl bench-model`: prefill / decode speed beside the machine's memory bandwidth.
+
+mod bench_model;
+mod load;
+mod run;
+mod tokenize;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "pdctl", version, about = "Run, inspect and benchmark the Qwen3 PD cluster")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate with one model in this process (no cluster).
+    Run(run::RunArgs),
+    /// Print the token ids of raw text (no template, no special tokens added).
+    Tokenize(tokenize::TokenizeArgs),
+    /// Measure prefill and decode speed against the machine's memory-read bandwidth.
+    BenchModel(bench_model::BenchModelArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
+        Command::BenchModel(args) => bench_model::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line a person can act on; the chain of causes joined with ": ".
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

