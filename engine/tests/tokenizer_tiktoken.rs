@@ -48,11 +48,14 @@ struct Line {
 }
 
 fn fixture() -> Vec<Line> {
-    let path = concat!(
+    load_jsonl(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/tokenizer_corpus.jsonl"
-    );
-    let data = std::fs::read_to_string(path).expect("read the fixture");
+    ))
+}
+
+fn load_jsonl(path: &str) -> Vec<Line> {
+    let data = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     data.lines()
         .enumerate()
         .map(|(i, line)| {
@@ -69,6 +72,22 @@ fn fixture() -> Vec<Line> {
                     .collect(),
                 nfc: v.get("nfc").and_then(|s| s.as_str()).map(str::to_string),
             }
+        })
+        .collect()
+}
+
+/// Lines whose ids differ from tiktoken's, described for a failure message.
+fn mismatches(tok: &Tokenizer, lines: &[Line]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|line| {
+            let ids = tok.encode(&line.text).unwrap();
+            (ids != line.ids).then(|| {
+                format!(
+                    "[{}] {:?}\n  tiktoken: {:?}\n  ours:     {:?}",
+                    line.category, line.text, line.ids, ids
+                )
+            })
         })
         .collect()
 }
@@ -94,31 +113,40 @@ fn encode_matches_tiktoken_on_the_fixture() {
     let tok = qwen3();
     let lines = fixture();
     assert!(lines.len() >= 300, "fixture has {} lines", lines.len());
-    let mut mismatches = Vec::new();
-    let mut tokens = 0;
-    for line in &lines {
-        let ids = tok.encode(&line.text).unwrap();
-        tokens += ids.len();
-        if ids != line.ids {
-            mismatches.push(format!(
-                "[{}] {:?}\n  tiktoken: {:?}\n  ours:     {:?}",
-                line.category, line.text, line.ids, ids
-            ));
-        }
-    }
-    assert!(
-        mismatches.is_empty(),
-        "{} of {} lines differ from tiktoken:\n{}",
-        mismatches.len(),
-        lines.len(),
-        mismatches
-            .iter()
-            .take(10)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    let tokens: usize = lines.iter().map(|l| l.ids.len()).sum();
     assert!(tokens > 10_000, "fixture covers only {tokens} tokens");
+    let bad = mismatches(&tok, &lines);
+    assert!(
+        bad.is_empty(),
+        "{} of {} lines differ from tiktoken:\n{}",
+        bad.len(),
+        lines.len(),
+        bad[..bad.len().min(10)].join("\n")
+    );
+}
+
+/// The whole generated corpus (~19,000 strings), when `PD_TOKENIZER_CORPUS` points at the
+/// output of `verify_against_tiktoken.py --write-corpus PATH`; skipped otherwise.
+#[test]
+fn encode_matches_tiktoken_on_the_full_corpus_when_given() {
+    let Some(path) = std::env::var_os("PD_TOKENIZER_CORPUS") else {
+        eprintln!("PD_TOKENIZER_CORPUS not set: skipped");
+        return;
+    };
+    let tok = qwen3();
+    let lines = load_jsonl(path.to_str().expect("UTF-8 path"));
+    let bad = mismatches(&tok, &lines);
+    let tokens: usize = lines.iter().map(|l| l.ids.len()).sum();
+    eprintln!(
+        "full corpus: {} strings, {tokens} tokens, {} mismatches",
+        lines.len(),
+        bad.len()
+    );
+    assert!(bad.is_empty(), "{}", bad[..bad.len().min(10)].join("\n"));
+    for line in &lines {
+        let expected = line.nfc.as_deref().unwrap_or(&line.text);
+        assert_eq!(tok.decode(&line.ids, false).unwrap(), expected);
+    }
 }
 
 #[test]

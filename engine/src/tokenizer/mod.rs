@@ -93,12 +93,22 @@ pub enum TokenizerError {
 }
 
 /// A loaded tokenizer: encoding, decoding and chat templates. Cheap to clone (shared).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
+/// Short on purpose: the vocabulary has 151k entries.
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.inner.vocab_size)
+            .field("eos_token_id", &self.inner.eos_token_id)
+            .field("chat_template", &self.inner.chat)
+            .finish_non_exhaustive()
+    }
+}
+
 struct Inner {
     hf: tokenizers::Tokenizer,
     /// Byte string and `special` flag of every id below `table.len()`; `None` for holes.
@@ -108,7 +118,6 @@ struct Inner {
     chat: ChatTemplate,
 }
 
-#[derive(Debug)]
 struct TokenBytes {
     bytes: Box<[u8]>,
     /// A special added token: dropped by `skip_special_tokens`.
