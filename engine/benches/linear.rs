@@ -1,13 +1,16 @@
 //! Throughput of the CPU backend's `linear` (`cargo bench -p pd-engine --bench linear`).
 //!
-//! Prints, next to a plain memory-read bandwidth measured in the same run (the machines are
-//! shared and noisy: only same-run ratios mean anything):
+//! The machines are shared and noisy, so every timed pass is paired with a baseline run
+//! right after it, and the median of the per-pair ratios is what to read:
 //! - decode (rows = 1 and 16): GB/s of weight bytes read, cycling through enough copies of
-//!   the matrix (≥ 256 MiB) that it is read from memory, not from cache — as in a real
-//!   forward pass, which touches every layer once per step;
-//! - prefill (rows = 512): GFLOP/s.
+//!   the matrix (≥ 256 MiB) that it comes from memory, not cache — as in a real forward
+//!   pass, which touches every layer once per step — against a plain read of as many bytes
+//!   (summing a u64 buffer on all threads, each reading 4 streams at once like the kernel);
+//! - prefill (rows = 512): GFLOP/s against an f32 FMA-peak loop.
 //!
-//! Arguments not starting with `-` filter the cases by substring (e.g. `bf16`, `r=1 `).
+//! Arguments not starting with `-` filter the cases by substring (e.g. `bfloat16`, `r=1 `,
+//! `lm_head`). `PD_CPU_SIMD=avx2` (or `scalar`) measures a fallback kernel instead of the
+//! best one the CPU has.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -106,12 +109,11 @@ fn read_bandwidth(buf: &[u64], streams: usize) -> f64 {
 
 /// Peak f32 FMA throughput on all rayon threads (GFLOP/s, best of several runs): a register-
 /// only loop of independent FMA chains on the widest vectors this CPU has.
-fn fma_peak() -> f64 {
+fn fma_peak(iters: usize, runs: usize) -> f64 {
     let threads = rayon::current_num_threads();
-    let iters = 20_000_000;
     let mut best = f64::MAX;
     let mut flop_per_iter = 0.0;
-    for _ in 0..3 {
+    for _ in 0..runs {
         let t = Instant::now();
         let (f, _) = rayon::broadcast(|_| fma_loop(iters))
             .into_iter()
@@ -189,14 +191,22 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Timing of one case: seconds per call (median and best over passes through `mats`) and,
-/// when `baseline` is given, the read bandwidth of an equally large plain-read pass run
-/// right after each pass, with the median of the per-pair ratios (robust to the load of a
-/// shared machine changing during the run).
+/// What each timed pass is paired with: a plain-read pass over as many bytes (decode), or a
+/// short FMA-peak run (prefill). Pairing each pass with a baseline run right after it, and
+/// taking the median of the per-pair ratios, keeps the ratio meaningful on a shared machine
+/// whose load changes during the run.
+#[derive(Clone, Copy)]
+enum Baseline<'a> {
+    Read(&'a [u64]),
+    Fma,
+}
+
+/// Timing of one case: seconds per call (median and best over passes through `mats`), the
+/// baseline's median (GB/s or GFLOP/s) and the median ratio of the case's rate to it.
 struct Timing {
     median_s: f64,
     best_s: f64,
-    baseline_gbs: f64,
+    baseline: f64,
     ratio: f64,
 }
 
@@ -206,14 +216,13 @@ fn time_calls(
     n: usize,
     k: usize,
     rows: usize,
-    baseline: Option<&[u64]>,
+    baseline: Baseline<'_>,
 ) -> Timing {
     let mut rng = Rng(0x1234_5678);
     let x: Vec<f32> = (0..rows * k).map(|_| rng.unit()).collect();
     let mut out = vec![0.0f32; rows * n];
     let bytes = n * k * dtype.size_in_bytes();
-    let pass_bytes = bytes * mats.len();
-    let base = baseline.map(|b| &b[..(pass_bytes / 8).min(b.len())]);
+    let flop = 2.0 * (rows * n * k) as f64;
     let pass = |out: &mut [f32]| {
         let t = Instant::now();
         for m in mats {
@@ -223,31 +232,28 @@ fn time_calls(
         t.elapsed().as_secs_f64() / mats.len() as f64
     };
     pass(&mut out);
-    let (mut times, mut base_gbs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut times, mut bases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     let start = Instant::now();
     while start.elapsed() < MIN_TIME || times.len() < 5 {
         let t = pass(&mut out);
         times.push(t);
-        if let Some(b) = base {
-            let gbs = (b.len() * 8) as f64 / read_pass(b, READ_STREAMS) / 1e9;
-            base_gbs.push(gbs);
-            ratios.push(bytes as f64 / t / 1e9 / gbs);
-        }
+        let (base, rate) = match baseline {
+            Baseline::Read(buf) => {
+                let b = &buf[..(bytes * mats.len() / 8).min(buf.len())];
+                let gbs = (b.len() * 8) as f64 / read_pass(b, READ_STREAMS) / 1e9;
+                (gbs, bytes as f64 / t / 1e9)
+            }
+            Baseline::Fma => (fma_peak(3_000_000, 1), flop / t / 1e9),
+        };
+        bases.push(base);
+        ratios.push(rate / base);
     }
     let best_s = times.iter().copied().fold(f64::MAX, f64::min);
     Timing {
         median_s: median(&mut times),
         best_s,
-        baseline_gbs: if base_gbs.is_empty() {
-            0.0
-        } else {
-            median(&mut base_gbs)
-        },
-        ratio: if ratios.is_empty() {
-            0.0
-        } else {
-            median(&mut ratios)
-        },
+        baseline: median(&mut bases),
+        ratio: median(&mut ratios),
     }
 }
 
@@ -291,23 +297,28 @@ fn main() {
             let copies = COLD_BYTES.div_ceil(bytes);
             let mats: Vec<Vec<u8>> = (0..copies).map(|_| first.clone()).collect();
             for (rows, label) in labels {
-                let t = time_calls(&mats, dtype, n, k, rows, Some(&baseline_buf));
+                let t = time_calls(&mats, dtype, n, k, rows, Baseline::Read(&baseline_buf));
                 let (gbm, gbb) = (
                     bytes as f64 / t.median_s / 1e9,
                     bytes as f64 / t.best_s / 1e9,
                 );
                 println!(
-                    "{label} {gbm:6.1} / {gbb:6.1} GB/s  read {:5.1} GB/s  {:5.1} %  ({:.3} ms/call)",
-                    t.baseline_gbs,
+                    "{label} {gbm:6.1} / {gbb:6.1} GB/s  read {:5.1} GB/s  {:5.1} %  \
+                     ({:.3} ms/call, {:.1} GFLOP/s)",
+                    t.baseline,
                     100.0 * t.ratio,
-                    t.median_s * 1e3
+                    t.median_s * 1e3,
+                    2.0 * (rows * n * k) as f64 / t.median_s / 1e9
                 );
             }
         }
     }
 
-    let peak = fma_peak();
-    println!("\nprefill: GFLOP/s (median / best); f32 FMA peak measured now: {peak:.0} GFLOP/s");
+    let peak = fma_peak(20_000_000, 3);
+    println!(
+        "\nprefill: GFLOP/s (median / best); f32 FMA peak ({threads} threads) measured right \
+         after each pass; median ratio of the two (start: {peak:.0} GFLOP/s)"
+    );
     for dtype in dtypes {
         for (name, n, k) in PREFILL_SHAPES {
             let rows = 512;
@@ -316,14 +327,16 @@ fn main() {
                 continue;
             }
             let mats = vec![random_matrix(dtype, n, k, &mut rng)];
-            let t = time_calls(&mats, dtype, n, k, rows, None);
+            let t = time_calls(&mats, dtype, n, k, rows, Baseline::Fma);
             let (med, best) = (t.median_s, t.best_s);
             let flop = 2.0 * (rows * n * k) as f64;
             println!(
-                "{label} {:6.1} / {:6.1} GFLOP/s  {:5.1} % of peak  ({:.2} ms/call, {:.0} tok/s-equivalent)",
+                "{label} {:6.1} / {:6.1} GFLOP/s  peak {:5.0} GFLOP/s  {:5.1} %  \
+                 ({:.2} ms/call, {:.0} rows/s)",
                 flop / med / 1e9,
                 flop / best / 1e9,
-                100.0 * flop / med / 1e9 / peak,
+                t.baseline,
+                100.0 * t.ratio,
                 med * 1e3,
                 rows as f64 / med
             );
@@ -331,7 +344,7 @@ fn main() {
     }
 
     let bw1 = read_bandwidth(&baseline_buf, READ_STREAMS);
-    let peak1 = fma_peak();
+    let peak1 = fma_peak(20_000_000, 3);
     println!(
         "\nat the end: read bandwidth {bw1:.1} GB/s (start {bw0:.1}), FMA peak {peak1:.0} GFLOP/s (start {peak:.0})"
     );

@@ -3,8 +3,9 @@
 //! prefill, prompt logprobs, sampling, stop conditions, streaming). `pdctl run` and the
 //! model benchmark use it; the serving scheduler builds on the same `step`.
 
-use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
+use crate::backend::{Backend, HostMatrix};
 use crate::error::EngineError;
+use crate::executor::{ExecItem, Executor};
 use crate::kv::{BlockAllocator, BlockTable, KvLayout};
 use crate::model::Qwen3;
 use crate::sampling::{
@@ -42,12 +43,9 @@ pub struct StepItem<'a> {
     pub all_logits: bool,
 }
 
-/// A model with its KV cache, for direct (unscheduled) use.
+/// A model with its KV cache and a plain block allocator, for direct (unscheduled) use.
 pub struct Runner<B: Backend> {
-    backend: B,
-    model: Qwen3<B>,
-    kv: B::KvStorage,
-    layout: KvLayout,
+    executor: Executor<B>,
     allocator: BlockAllocator,
     max_model_len: usize,
 }
@@ -55,7 +53,7 @@ pub struct Runner<B: Backend> {
 impl<B: Backend> std::fmt::Debug for Runner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runner")
-            .field("layout", &self.layout)
+            .field("executor", &self.executor)
             .field("free_blocks", &self.allocator.num_free())
             .finish_non_exhaustive()
     }
@@ -90,14 +88,9 @@ impl<B: Backend> Runner<B> {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
-        let layout = KvLayout::new(model.config(), block_size)?;
-        let kv = backend.alloc_kv(&layout, num_blocks)?;
         let max_model_len = model.config().max_position_embeddings;
         Ok(Self {
-            backend,
-            model,
-            kv,
-            layout,
+            executor: Executor::new(backend, model, block_size, num_blocks)?,
             allocator: BlockAllocator::new(num_blocks),
             max_model_len,
         })
@@ -105,7 +98,7 @@ impl<B: Backend> Runner<B> {
 
     /// Limit the context (prompt + generated tokens) below the model's maximum.
     pub fn set_max_model_len(&mut self, len: usize) -> Result<(), EngineError> {
-        let max = self.model.config().max_position_embeddings;
+        let max = self.model().config().max_position_embeddings;
         if len == 0 || len > max {
             return Err(EngineError::InvalidRequest(format!(
                 "max model length {len} must be between 1 and the model's {max} positions"
@@ -120,11 +113,11 @@ impl<B: Backend> Runner<B> {
     }
 
     pub fn model(&self) -> &Qwen3<B> {
-        &self.model
+        self.executor.model()
     }
 
     pub fn layout(&self) -> &KvLayout {
-        &self.layout
+        self.executor.layout()
     }
 
     pub fn free_blocks(&self) -> usize {
@@ -145,7 +138,7 @@ impl<B: Backend> Runner<B> {
     /// new token (or of every new token with `all_logits`). On error nothing was computed
     /// and blocks already held stay with their sequences.
     pub fn step(&mut self, items: &mut [StepItem<'_>]) -> Result<Vec<HostMatrix>, EngineError> {
-        let bs = self.layout.block_size;
+        let bs = self.layout().block_size;
         let max_len = self.max_model_len;
         for item in items.iter_mut() {
             let end = item.seq.computed + item.count;
@@ -178,51 +171,18 @@ impl<B: Backend> Runner<B> {
             }
         }
 
-        let c = self.model.config();
-        let mut tokens = Vec::new();
-        let mut seqs = Vec::with_capacity(items.len());
-        let mut logit_rows = Vec::new();
-        let mut row_counts = Vec::with_capacity(items.len());
-        for item in items.iter() {
-            let start = tokens.len();
-            tokens.extend_from_slice(&item.seq.tokens[item.seq.computed..item.seq.computed + item.count]);
-            seqs.push(SeqAttention {
-                q_start: start,
-                q_len: item.count,
-                context_len: item.seq.computed + item.count,
-                block_table: item.seq.table.blocks.clone(),
-            });
-            if item.all_logits {
-                logit_rows.extend(start..start + item.count);
-                row_counts.push(item.count);
-            } else {
-                logit_rows.push(start + item.count - 1);
-                row_counts.push(1);
-            }
-        }
-        let meta = AttentionMeta {
-            seqs,
-            num_heads: c.num_attention_heads,
-            num_kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
-        };
-        let logits = self
-            .model
-            .forward(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
+        let exec: Vec<ExecItem<'_>> = items
+            .iter()
+            .map(|item| ExecItem {
+                tokens: &item.seq.tokens[item.seq.computed..item.seq.computed + item.count],
+                start: item.seq.computed,
+                block_table: &item.seq.table.blocks,
+                all_logits: item.all_logits,
+            })
+            .collect();
+        let out = self.executor.execute(&exec);
         for item in items.iter_mut() {
             item.seq.computed += item.count;
-        }
-        // Split the logits per item.
-        let mut out = Vec::with_capacity(items.len());
-        let mut row = 0;
-        for n in row_counts {
-            out.push(HostMatrix {
-                rows: n,
-                cols: logits.cols,
-                data: logits.data[row * logits.cols..(row + n) * logits.cols].to_vec(),
-            });
-            row += n;
         }
         Ok(out)
     }
@@ -258,7 +218,7 @@ impl<B: Backend> Runner<B> {
         chunk: usize,
         on_token: &mut dyn FnMut(TokenEvent<'_>),
     ) -> Result<Generation, EngineError> {
-        let c = self.model.config().clone();
+        let c = self.model().config().clone();
         let prompt: Vec<u32> = seq.tokens.clone();
         validate_prompt(&prompt, c.vocab_size, self.max_model_len, params.max_tokens)?;
         params.validate(c.vocab_size, u32::MAX)?;
@@ -289,7 +249,11 @@ impl<B: Backend> Runner<B> {
         let mut output: Vec<u32> = Vec::new();
         let mut logprobs: Option<Vec<SampledToken>> = params.logprobs.map(|_| Vec::new());
         let mut text = String::new();
+        // Ids past the tokenizer's vocabulary are padding rows of the embedding: no text
+        // exists for them, so they can never be produced.
+        let known = tokenizer.vocab_size().min(c.vocab_size);
         let finish = loop {
+            last_logits[known..].fill(f32::NEG_INFINITY);
             let sampled = sampler.sample(&last_logits, &prompt, &output);
             output.push(sampled.token_id);
             seq.tokens.push(sampled.token_id);

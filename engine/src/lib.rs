@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod executor;
 pub mod generate;
 pub mod kv;
 pub mod model;

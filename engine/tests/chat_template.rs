@@ -312,4 +312,18 @@ fn bad_model_directories_name_the_file_at_fault() {
         matches!(err, TokenizerError::TokenizerJson { .. }),
         "{err:?}"
     );
+
+    // Decoding is byte-level; a tokenizer with another decoder is refused up front.
+    let byte_level = "\"decoder\": {\n    \"add_prefix_space\": false,\n    \"trim_offsets\": false,\n    \
+                      \"type\": \"ByteLevel\",\n    \"use_regex\": false\n  }";
+    assert!(QWEN3_TOKENIZER_JSON.contains(byte_level));
+    let fused = QWEN3_TOKENIZER_JSON.replacen(byte_level, "\"decoder\": {\"type\": \"Fuse\"}", 1);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), fused).unwrap();
+    let err = Tokenizer::from_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::UnsupportedDecoder { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("`Fuse`"), "{err}");
 }

@@ -300,6 +300,8 @@ fn the_built_in_tokenizer_is_shared_and_thread_safe() {
     fn assert_send_sync<T: Send + Sync + Clone>() {}
     assert_send_sync::<Tokenizer>();
     let a = qwen3();
+    let debug = format!("{a:?}");
+    assert!(debug.len() < 300, "Debug output should stay short: {debug}");
     let handles: Vec<_> = (0..4)
         .map(|i| {
             let tok = a.clone();

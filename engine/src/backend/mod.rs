@@ -127,6 +127,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Copy to host memory as `(rows, cols, row-major data)`.
     fn to_host(&self, x: &Self::Tensor) -> HostMatrix;
+
+    /// Copy block `block` of every layer out of KV storage, laid out layer by layer as
+    /// `[K block, V block]` (each `block_size × kv_heads × head_dim` f32) into `dst`.
+    fn read_block(&self, kv: &Self::KvStorage, block: u32, dst: &mut [f32]);
+
+    /// The inverse of [`Backend::read_block`].
+    fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[f32]);
 }
 
 /// A row-major `f32` matrix in host memory (logits handed to the sampler).

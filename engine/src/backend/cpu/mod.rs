@@ -276,5 +276,25 @@ impl Backend for CpuBackend {
             data: x.data.clone(),
         }
     }
+
+    fn read_block(&self, kv: &CpuKvStorage, block: u32, dst: &mut [f32]) {
+        let n = kv.layout.block_size * kv.layout.token_width();
+        assert_eq!(dst.len(), 2 * n * kv.layers.len(), "block buffer length");
+        let at = block as usize * n;
+        for (layer, out) in kv.layers.iter().zip(dst.chunks_exact_mut(2 * n)) {
+            out[..n].copy_from_slice(&layer.k[at..at + n]);
+            out[n..].copy_from_slice(&layer.v[at..at + n]);
+        }
+    }
+
+    fn write_block(&self, kv: &mut CpuKvStorage, block: u32, src: &[f32]) {
+        let n = kv.layout.block_size * kv.layout.token_width();
+        assert_eq!(src.len(), 2 * n * kv.layers.len(), "block buffer length");
+        let at = block as usize * n;
+        for (layer, data) in kv.layers.iter_mut().zip(src.chunks_exact(2 * n)) {
+            layer.k[at..at + n].copy_from_slice(&data[..n]);
+            layer.v[at..at + n].copy_from_slice(&data[n..]);
+        }
+    }
 }
 
