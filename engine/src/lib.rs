@@ -13,6 +13,7 @@ pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod serve;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;

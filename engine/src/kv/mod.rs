@@ -8,6 +8,11 @@
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 
+pub mod hash;
+pub mod host_tier;
+pub mod pool;
+pub mod tier;
+
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 /// Shape of the KV cache: everything that must match for KV to be reusable elsewhere.

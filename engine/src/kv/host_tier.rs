@@ -1,0 +1,158 @@
+//! The host tier of the prefix cache: an LRU pool of KV blocks in host memory that device
+//! blocks spill to when they are evicted (`--host-cache-blocks`).
+//!
+//! Memory is one preallocated arena of `capacity × block_len` f32 (no allocation per block);
+//! a map `hash → slot` finds a block, an intrusive LRU list over slots picks the victim when
+//! the arena is full. A fetched block stays (and becomes most recently used): the device copy
+//! made from it may be evicted again later. Capacity 0 disables the tier: lookups find
+//! nothing and offers are dropped.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use super::hash::BlockHash;
+use super::pool::LruList;
+use super::tier::{ExternalTier, TierError, TierKind};
+
+pub struct HostTier {
+    block_len: usize,
+    /// `capacity × block_len` f32; slot `s` is `arena[s*block_len .. (s+1)*block_len]`.
+    arena: Vec<f32>,
+    slots: HashMap<BlockHash, u32>,
+    /// The hash held by each occupied slot.
+    slot_hash: Vec<BlockHash>,
+    /// Occupied slots, least recently used at the front.
+    lru: LruList,
+    /// Slots never used yet (taken before evicting anything).
+    unused: Vec<u32>,
+}
+
+impl HostTier {
+    /// A tier of `capacity` blocks of `block_len` f32 each, allocated now.
+    ///
+    /// # Panics
+    /// If `capacity × block_len` overflows or `capacity >= u32::MAX`.
+    pub fn new(capacity: usize, block_len: usize) -> Self {
+        let len = capacity
+            .checked_mul(block_len)
+            .expect("host cache size overflows");
+        Self {
+            block_len,
+            arena: vec![0.0; len],
+            slots: HashMap::with_capacity(capacity),
+            slot_hash: vec![BlockHash(0); capacity],
+            lru: LruList::new(capacity),
+            unused: (0..capacity as u32).rev().collect(),
+        }
+    }
+
+    /// Capacity in blocks (0 = disabled).
+    pub fn capacity(&self) -> usize {
+        self.slot_hash.len()
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.capacity() > 0
+    }
+
+    /// Blocks held now.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.slots.contains_key(&hash)
+    }
+
+    /// Held hashes from the next to be evicted to the last (O(len); for tests and debugging).
+    pub fn eviction_order(&self) -> Vec<BlockHash> {
+        self.lru
+            .iter()
+            .map(|s| self.slot_hash[s as usize])
+            .collect()
+    }
+
+    fn slot(&self, s: u32) -> std::ops::Range<usize> {
+        let start = s as usize * self.block_len;
+        start..start + self.block_len
+    }
+}
+
+impl ExternalTier for HostTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Host
+    }
+
+    fn block_len(&self) -> usize {
+        self.block_len
+    }
+
+    fn lookup(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.slots.contains_key(h))
+            .count()
+    }
+
+    fn fetch(&mut self, hash: BlockHash, dst: &mut [f32]) -> Result<(), TierError> {
+        if dst.len() != self.block_len {
+            return Err(TierError::LengthMismatch {
+                tier: TierKind::Host,
+                expected: self.block_len,
+                got: dst.len(),
+            });
+        }
+        let Some(&s) = self.slots.get(&hash) else {
+            return Err(TierError::Miss {
+                tier: TierKind::Host,
+                hash,
+            });
+        };
+        dst.copy_from_slice(&self.arena[self.slot(s)]);
+        self.lru.move_to_back(s);
+        Ok(())
+    }
+
+    fn offer(&mut self, hash: BlockHash, data: &[f32]) {
+        debug_assert_eq!(data.len(), self.block_len, "offered data is not one block");
+        if !self.is_enabled() || data.len() != self.block_len {
+            return;
+        }
+        if let Some(&s) = self.slots.get(&hash) {
+            // Same hash, same content: only the recency changes.
+            self.lru.move_to_back(s);
+            return;
+        }
+        let s = match self.unused.pop() {
+            Some(s) => s,
+            None => {
+                let s = self
+                    .lru
+                    .pop_front()
+                    .expect("a full tier has occupied slots");
+                let old = self.slot_hash[s as usize];
+                self.slots.remove(&old);
+                s
+            }
+        };
+        let range = self.slot(s);
+        self.arena[range].copy_from_slice(data);
+        self.slot_hash[s as usize] = hash;
+        self.slots.insert(hash, s);
+        self.lru.push_back(s);
+    }
+}
+
+impl fmt::Debug for HostTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostTier")
+            .field("capacity", &self.capacity())
+            .field("block_len", &self.block_len)
+            .field("len", &self.len())
+            .finish()
+    }
+}

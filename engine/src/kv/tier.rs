@@ -1,0 +1,81 @@
+//! Tiers of the prefix cache outside the device: the host tier ([`super::host_tier::HostTier`],
+//! an LRU pool in host memory that evicted device blocks spill to) and, later, the peer tier
+//! (blocks pulled from another node). Both sit behind [`ExternalTier`] so the scheduler treats
+//! them alike; restoring from either counts as an *external* hit (ARCHITECTURE.md §3).
+//!
+//! A block's data is the flat f32 content of one KV block (`block_len` elements, the same
+//! layout as the backend's KV storage for one block); the tier does not interpret it.
+//! Content is addressed by [`BlockHash`], so it is immutable: a hash always names the same
+//! data, and offering a hash a tier already holds changes nothing but its recency.
+
+use std::fmt;
+
+use super::hash::BlockHash;
+
+/// Which tier: also the value of the metrics label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TierKind {
+    Host,
+    Peer,
+}
+
+impl TierKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TierKind::Host => "host",
+            TierKind::Peer => "peer",
+        }
+    }
+}
+
+impl fmt::Display for TierKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TierError {
+    /// The block is not (or no longer) there, e.g. evicted since the lookup. The caller
+    /// computes the block instead.
+    #[error("{tier} tier: block {hash} is not there (evicted since the lookup?)")]
+    Miss { tier: TierKind, hash: BlockHash },
+    /// The destination is not exactly one block long: a bug in the caller.
+    #[error("{tier} tier: destination holds {got} f32 elements, a block is {expected}")]
+    LengthMismatch {
+        tier: TierKind,
+        expected: usize,
+        got: usize,
+    },
+    /// The tier could not be reached or failed (a peer that went away, a transfer error).
+    /// The caller computes the block instead.
+    #[error("{tier} tier: {message}")]
+    Unavailable { tier: TierKind, message: String },
+}
+
+/// A store of KV blocks addressed by [`BlockHash`], outside the device.
+pub trait ExternalTier: Send {
+    /// Which tier this is (for metrics and logs).
+    fn kind(&self) -> TierKind;
+
+    /// f32 elements in one block; `fetch` and `offer` take exactly this many.
+    fn block_len(&self) -> usize;
+
+    /// How many leading `hashes` the tier can provide now. No side effects (the LRU order is
+    /// not touched). It is a hint: a `fetch` afterwards may still miss, since the tier may
+    /// evict blocks in between (another offer, another node).
+    fn lookup(&self, hashes: &[BlockHash]) -> usize;
+
+    /// Copy the block of `hash` into `dst` (`block_len()` elements). On success `dst` holds
+    /// exactly what was offered under `hash`; the block stays in the tier (and counts as
+    /// recently used). On error `dst` may be partly written and must be recomputed:
+    /// [`TierError::Miss`] if the block is gone, [`TierError::Unavailable`] if the tier
+    /// failed, [`TierError::LengthMismatch`] if `dst` has the wrong length.
+    fn fetch(&mut self, hash: BlockHash, dst: &mut [f32]) -> Result<(), TierError>;
+
+    /// Give the tier a copy of the block of `hash` (`block_len()` elements), e.g. a device
+    /// block about to be evicted. Best effort: the tier may store it (evicting others), keep
+    /// an existing copy (marking it recently used), or drop it (disabled or full). Never
+    /// fails; `data` of the wrong length is a caller bug and is ignored (debug builds panic).
+    fn offer(&mut self, hash: BlockHash, data: &[f32]);
+}

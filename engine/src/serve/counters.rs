@@ -1,0 +1,106 @@
+//! Prefix-cache accounting and the engine's cumulative counters.
+//!
+//! The rules (docs/architecture.md, "Prefix-cache accounting"): a request is looked up once,
+//! when it is first scheduled; the outcome is an `Option` set right there (`None` when the
+//! cache is disabled or the request needs prompt logprobs, so nothing is counted). Units are
+//! tokens. Hits are whole blocks and never cover the last prompt token. Local hits come from
+//! the device tier; external queries are what the local lookup left, external hits what was
+//! restored from another tier. A preempted request re-admitted later is not counted again,
+//! and an aborted request keeps its counts. Counters only ever grow: whoever reports them
+//! across a process boundary converts totals into deltas in one place (the metrics issue).
+
+/// The result of a request's one prefix lookup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixOutcome {
+    /// Prompt tokens looked up (the whole prompt).
+    pub queries: usize,
+    /// Tokens found in the device tier.
+    pub local_hits: usize,
+    /// Tokens left after the local lookup (`queries - local_hits`).
+    pub external_queries: usize,
+    /// Tokens restored from another tier.
+    pub external_hits: usize,
+}
+
+impl PrefixOutcome {
+    pub fn new(prompt_tokens: usize, local_hits: usize, external_hits: usize) -> Self {
+        assert!(local_hits + external_hits < prompt_tokens, "the last prompt token is always computed");
+        Self {
+            queries: prompt_tokens,
+            local_hits,
+            external_queries: prompt_tokens - local_hits,
+            external_hits,
+        }
+    }
+}
+
+/// Monotonic totals since the engine started, and the current gauges.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineCounters {
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub external_prefix_cache_queries: u64,
+    pub external_prefix_cache_hits: u64,
+    /// Prompt tokens by source, counted once per request at its first admission.
+    pub prompt_tokens_computed: u64,
+    pub prompt_tokens_local_cache: u64,
+    pub prompt_tokens_external: u64,
+    pub generation_tokens: u64,
+    pub requests_finished_stop: u64,
+    pub requests_finished_length: u64,
+    pub requests_finished_abort: u64,
+    pub requests_failed: u64,
+    pub preemptions: u64,
+    /// Gauges (current values, not totals).
+    pub num_running: u64,
+    pub num_waiting: u64,
+    /// Fraction of KV blocks in use by requests.
+    pub kv_cache_usage: f64,
+}
+
+impl EngineCounters {
+    /// Count one request's first admission. `outcome` is `None` when no lookup happened.
+    pub fn on_admitted(&mut self, prompt_tokens: usize, outcome: Option<&PrefixOutcome>) {
+        let (local, external) = match outcome {
+            Some(o) => {
+                self.prefix_cache_queries += o.queries as u64;
+                self.prefix_cache_hits += o.local_hits as u64;
+                self.external_prefix_cache_queries += o.external_queries as u64;
+                self.external_prefix_cache_hits += o.external_hits as u64;
+                (o.local_hits, o.external_hits)
+            }
+            None => (0, 0),
+        };
+        self.prompt_tokens_local_cache += local as u64;
+        self.prompt_tokens_external += external as u64;
+        self.prompt_tokens_computed += (prompt_tokens - local - external) as u64;
+    }
+
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens_computed + self.prompt_tokens_local_cache + self.prompt_tokens_external
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_lookup_counts_no_queries_but_the_prompt() {
+        let mut c = EngineCounters::default();
+        c.on_admitted(40, None);
+        assert_eq!(c.prefix_cache_queries, 0);
+        assert_eq!(c.prompt_tokens_computed, 40);
+    }
+
+    #[test]
+    fn external_queries_are_what_local_left() {
+        let mut c = EngineCounters::default();
+        c.on_admitted(40, Some(&PrefixOutcome::new(40, 16, 16)));
+        assert_eq!(
+            (c.prefix_cache_queries, c.prefix_cache_hits, c.external_prefix_cache_queries, c.external_prefix_cache_hits),
+            (40, 16, 24, 16)
+        );
+        assert_eq!((c.prompt_tokens_local_cache, c.prompt_tokens_external, c.prompt_tokens_computed), (16, 16, 8));
+    }
+}

@@ -1,0 +1,226 @@
+//! Runs an [`Engine`] on its own thread. Callers submit requests through an
+//! [`EngineHandle`] and read each request's events from its own channel. A request whose
+//! receiver is dropped (the client went away) is aborted. If a step panics, every open
+//! request gets one `Failed` event, the engine is marked unhealthy and the thread ends;
+//! later submissions fail at once with UNAVAILABLE-class errors.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::backend::Backend;
+use crate::error::ErrorKind;
+
+use super::counters::EngineCounters;
+use super::engine::Engine;
+use super::request::{EngineRequest, RequestError, RequestEvent, RequestId};
+
+/// How often an idle engine wakes to expire leases.
+const IDLE_TICK: Duration = Duration::from_millis(50);
+
+enum Command {
+    Submit(EngineRequest, Sender<RequestEvent>),
+    Abort(RequestId),
+    ReleaseLease(u64, Sender<bool>),
+    Shutdown,
+}
+
+/// A cloneable handle to a running engine thread.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    healthy: Arc<AtomicBool>,
+    counters: Arc<Mutex<EngineCounters>>,
+}
+
+/// The engine thread; dropping it shuts the engine down and joins the thread.
+#[derive(Debug)]
+pub struct EngineThread {
+    handle: EngineHandle,
+    join: Option<JoinHandle<()>>,
+}
+
+impl EngineThread {
+    /// Start `engine` on a new thread.
+    pub fn spawn<B: Backend>(engine: Engine<B>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let counters = Arc::new(Mutex::new(engine.counters()));
+        let handle = EngineHandle {
+            tx,
+            healthy: Arc::clone(&healthy),
+            counters: Arc::clone(&counters),
+        };
+        let join = std::thread::Builder::new()
+            .name("pd-engine".into())
+            .spawn(move || run(engine, rx, healthy, counters))
+            .expect("spawning the engine thread");
+        Self {
+            handle,
+            join: Some(join),
+        }
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        let _ = self.handle.tx.send(Command::Shutdown);
+        if let Some(join) = self.join.take() {
+            let _ = join.join();
+        }
+    }
+}
+
+fn unavailable() -> RequestError {
+    RequestError {
+        kind: ErrorKind::Internal,
+        message: "the engine is not running (it failed or shut down)".into(),
+    }
+}
+
+impl EngineHandle {
+    /// Submit a request; its events (exactly one terminal) arrive on the returned channel.
+    pub fn submit(&self, req: EngineRequest) -> Receiver<RequestEvent> {
+        let (tx, rx) = mpsc::channel();
+        if let Err(mpsc::SendError(Command::Submit(_, tx))) = self.tx.send(Command::Submit(req, tx)) {
+            let _ = tx.send(RequestEvent::Failed(unavailable()));
+        }
+        rx
+    }
+
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Release a prefill lease; false if unknown (already released or expired).
+    pub fn release_lease(&self, lease_id: u64) -> bool {
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Command::ReleaseLease(lease_id, tx)).is_err() {
+            return false;
+        }
+        rx.recv().unwrap_or(false)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// The engine's counters as of its last step.
+    pub fn counters(&self) -> EngineCounters {
+        self.counters.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+}
+
+fn run<B: Backend>(
+    mut engine: Engine<B>,
+    rx: Receiver<Command>,
+    healthy: Arc<AtomicBool>,
+    counters: Arc<Mutex<EngineCounters>>,
+) {
+    let mut streams: HashMap<RequestId, Sender<RequestEvent>> = HashMap::new();
+    let publish = |engine: &Engine<B>| {
+        if let Ok(mut c) = counters.lock() {
+            *c = engine.counters();
+        }
+    };
+    loop {
+        // Wait for work when idle; otherwise take whatever commands are queued.
+        let first = if engine.has_work() {
+            match rx.try_recv() {
+                Ok(cmd) => Some(cmd),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv_timeout(IDLE_TICK) {
+                Ok(cmd) => Some(cmd),
+                Err(RecvTimeoutError::Timeout) => {
+                    engine.expire_leases(Instant::now());
+                    publish(&engine);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        };
+        let mut shutdown = false;
+        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            match cmd {
+                Command::Submit(req, tx) => {
+                    let id = req.id.clone();
+                    match engine.submit(req) {
+                        Ok(()) => {
+                            streams.insert(id, tx);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(RequestEvent::Failed(e));
+                        }
+                    }
+                }
+                Command::Abort(id) => {
+                    if let Some(event) = engine.abort(&id)
+                        && let Some(tx) = streams.remove(&id)
+                    {
+                        let _ = tx.send(event);
+                    }
+                }
+                Command::ReleaseLease(lease, reply) => {
+                    let _ = reply.send(engine.release_lease(lease));
+                }
+                Command::Shutdown => shutdown = true,
+            }
+        }
+        if shutdown {
+            for (id, tx) in streams.drain() {
+                if let Some(event) = engine.abort(&id) {
+                    let _ = tx.send(event);
+                }
+            }
+            break;
+        }
+        if !engine.has_work() {
+            publish(&engine);
+            continue;
+        }
+        match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
+            Ok(events) => {
+                for (id, event) in events {
+                    let terminal = !matches!(event, RequestEvent::Token(_));
+                    let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
+                    if terminal {
+                        streams.remove(&id);
+                    } else if delivered == Some(false) {
+                        // The caller dropped its receiver: nobody wants the rest.
+                        streams.remove(&id);
+                        engine.abort(&id);
+                    }
+                }
+                publish(&engine);
+            }
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                tracing::error!(error = %what, "engine step failed; failing every open request");
+                healthy.store(false, Ordering::Release);
+                for (_, tx) in streams.drain() {
+                    let _ = tx.send(RequestEvent::Failed(RequestError {
+                        kind: ErrorKind::Internal,
+                        message: format!("engine failure: {what}"),
+                    }));
+                }
+                break;
+            }
+        }
+    }
+    healthy.store(false, Ordering::Release);
+}

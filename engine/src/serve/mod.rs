@@ -1,0 +1,12 @@
+//! The serving engine both node roles run: continuous batching over a paged KV pool with a
+//! prefix cache (device and host tiers), exact prefix-cache accounting, and a driver thread.
+
+pub mod counters;
+pub mod driver;
+pub mod engine;
+pub mod request;
+
+pub use counters::{EngineCounters, PrefixOutcome};
+pub use driver::{EngineHandle, EngineThread};
+pub use engine::{Engine, EngineConfig, Role};
+pub use request::{EngineRequest, Finished, KvLease, RequestError, RequestEvent, RequestId, RequestTimings, Usage};

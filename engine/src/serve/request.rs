@@ -1,0 +1,118 @@
+//! What goes into the serving engine and what comes out of it, per request.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::ErrorKind;
+use crate::kv::hash::BlockHash;
+use crate::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams};
+
+/// A request's id, unique among the engine's open requests (the router's request id).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub String);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        RequestId(s.to_string())
+    }
+}
+
+/// A request as the engine takes it: token ids only (the router owns text, stop strings
+/// included); stop token ids, EOS and max_tokens are applied here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Tenant isolation for the prefix cache: requests share cached blocks only when their
+    /// salts are equal.
+    pub cache_salt: Option<String>,
+}
+
+/// Token counts of a finished (or aborted) request, as the client sees them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens found in this node's device cache.
+    pub local_cached_tokens: usize,
+    /// Prompt tokens restored from another tier (host memory, a peer).
+    pub external_cached_tokens: usize,
+}
+
+impl Usage {
+    /// The prefill computation saved: local plus external.
+    pub fn cached_tokens(&self) -> usize {
+        self.local_cached_tokens + self.external_cached_tokens
+    }
+}
+
+/// Per-request timings, for the latency histograms.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestTimings {
+    /// Arrival until first scheduled.
+    pub queue: Duration,
+    /// First scheduled until the first token.
+    pub prefill: Duration,
+    /// First token until the end.
+    pub decode: Duration,
+    /// Arrival until the first token (None when none was produced).
+    pub time_to_first_token: Option<Duration>,
+    /// Arrival until the end.
+    pub end_to_end: Duration,
+    /// Gaps between consecutive generated tokens.
+    pub inter_token: Vec<Duration>,
+}
+
+/// The prefill role's result: the blocks holding the prompt's KV, kept under a lease until
+/// released or expired.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvLease {
+    pub lease_id: u64,
+    /// Physical blocks in logical order, covering the prompt.
+    pub blocks: Vec<u32>,
+    /// Hashes of the prompt's full blocks (the salt applied).
+    pub block_hashes: Vec<BlockHash>,
+    pub num_tokens: usize,
+}
+
+/// Why the engine failed a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl fmt::Display for RequestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// One update of a request's stream. Every request gets exactly one terminal event:
+/// `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestEvent {
+    /// One new token.
+    Token(SampledToken),
+    /// The request ended (normally, or aborted with reason `Abort`).
+    Finished(Box<Finished>),
+    /// The engine could not serve the request.
+    Failed(RequestError),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: RequestTimings,
+    pub prompt_logprobs: Option<Vec<PromptLogprob>>,
+    /// Set on a prefill-role node: the KV stays allocated under this lease.
+    pub lease: Option<KvLease>,
+}
