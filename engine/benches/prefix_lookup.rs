@@ -39,9 +39,13 @@ fn prompt(seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Run `f` (which does `units` units of work and returns the time to count) in rounds and
-/// print ns per unit.
-fn report(name: &str, units: usize, mut f: impl FnMut() -> Duration) {
+/// Run `f` (which does `units` blocks of work and returns the time to count) in rounds and
+/// print ns per block.
+fn report(name: &str, units: usize, f: impl FnMut() -> Duration) {
+    report_per(name, units, "block", f);
+}
+
+fn report_per(name: &str, units: usize, unit: &str, mut f: impl FnMut() -> Duration) {
     f(); // warm-up
     let mut per_unit = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
@@ -55,7 +59,7 @@ fn report(name: &str, units: usize, mut f: impl FnMut() -> Duration) {
     }
     per_unit.sort_by(f64::total_cmp);
     println!(
-        "{name:<52} min {:>8.1} ns/block   median {:>8.1} ns/block",
+        "{name:<46} min {:>7.1} ns/{unit:<5}  median {:>7.1} ns/{unit}",
         per_unit[0],
         per_unit[ROUNDS / 2]
     );
@@ -105,7 +109,9 @@ fn main() {
         pool.free(&a.blocks).expect("held");
     }
     // The rest of the pool: cached blocks of other content, evicted first.
-    let rest = pool.allocate(pool.num_free()).expect("free");
+    let rest = pool
+        .allocate(pool.num_free() - pool.num_evictable())
+        .expect("free");
     for (i, &b) in rest.blocks.iter().enumerate() {
         pool.register(b, BlockHash(u128::MAX - i as u128))
             .expect("fresh block");
@@ -126,7 +132,7 @@ fn main() {
         })
     });
     let misses: Vec<BlockHash> = (0..PROMPT_BLOCKS as u128).map(BlockHash).collect();
-    report("cached_prefix (first block misses), per call", 1, || {
+    report_per("cached_prefix, first block misses", 1, "call", || {
         timed(|| {
             black_box(pool.cached_prefix(black_box(&misses)));
         })

@@ -1,18 +1,13 @@
-//! A single-process runner: a model, its paged KV storage and a block allocator, with a
-//! multi-sequence forward step and a complete single-request generation loop (chunked
-//! prefill, prompt logprobs, sampling, stop conditions, streaming). `pdctl run` and the
-//! model benchmark use it; the serving scheduler builds on the same `step`.
+//! A direct runner: the model executor with a plain block allocator and a multi-sequence
+//! forward step, for benchmarks and numerical tests that drive the model without a
+//! scheduler (serving goes through [`crate::serve`]). Also the prompt checks every entry
+//! point shares.
 
 use crate::backend::{Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::executor::{ExecItem, Executor};
 use crate::kv::{BlockAllocator, BlockTable, KvLayout};
 use crate::model::Qwen3;
-use crate::sampling::{
-    FinishReason, PromptLogprob, SampledToken, Sampler, SamplingParams, StopChecker,
-    prompt_logprobs,
-};
-use crate::tokenizer::Tokenizer;
 
 /// One sequence's state in the runner: its tokens and the blocks that hold their KV.
 #[derive(Debug, Default)]
@@ -57,27 +52,6 @@ impl<B: Backend> std::fmt::Debug for Runner<B> {
             .field("free_blocks", &self.allocator.num_free())
             .finish_non_exhaustive()
     }
-}
-
-/// Everything a finished generation produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    pub prompt_tokens: usize,
-    /// Per generated token, when logprobs were asked for.
-    pub logprobs: Option<Vec<SampledToken>>,
-    /// Per prompt position after the first, when prompt logprobs were asked for.
-    pub prompt_logprobs: Option<Vec<PromptLogprob>>,
-}
-
-/// One streamed piece of a generation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenEvent<'a> {
-    pub token: &'a SampledToken,
-    /// Text that became final with this token (may be empty: held back or mid-character).
-    pub text: &'a str,
 }
 
 impl<B: Backend> Runner<B> {
@@ -185,105 +159,6 @@ impl<B: Backend> Runner<B> {
             item.seq.computed += item.count;
         }
         Ok(out)
-    }
-
-    /// Generate for one request: chunked prefill of at most `chunk` tokens per step, then
-    /// token-by-token decoding until a stop condition. `on_token` sees each token as it is
-    /// sampled. Every block is released before returning, on success or error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        params: &SamplingParams,
-        seed: u64,
-        eos_token_ids: &[u32],
-        tokenizer: &Tokenizer,
-        chunk: usize,
-        on_token: &mut dyn FnMut(TokenEvent<'_>),
-    ) -> Result<Generation, EngineError> {
-        let mut seq = Sequence::new(prompt.to_vec());
-        let result = self.generate_inner(&mut seq, params, seed, eos_token_ids, tokenizer, chunk, on_token);
-        self.release(&mut seq);
-        result
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn generate_inner(
-        &mut self,
-        seq: &mut Sequence,
-        params: &SamplingParams,
-        seed: u64,
-        eos_token_ids: &[u32],
-        tokenizer: &Tokenizer,
-        chunk: usize,
-        on_token: &mut dyn FnMut(TokenEvent<'_>),
-    ) -> Result<Generation, EngineError> {
-        let c = self.model().config().clone();
-        let prompt: Vec<u32> = seq.tokens.clone();
-        validate_prompt(&prompt, c.vocab_size, self.max_model_len, params.max_tokens)?;
-        params.validate(c.vocab_size, u32::MAX)?;
-        let chunk = chunk.max(1);
-
-        let mut prompt_lp: Option<Vec<PromptLogprob>> = params.prompt_logprobs.map(|_| Vec::new());
-        let mut last_logits = Vec::new();
-        while seq.computed < prompt.len() {
-            let start = seq.computed;
-            let count = chunk.min(prompt.len() - start);
-            let all = params.prompt_logprobs.is_some();
-            let logits = self.step(&mut [StepItem { seq, count, all_logits: all }])?.remove(0);
-            if let (Some(out), Some(k)) = (prompt_lp.as_mut(), params.prompt_logprobs) {
-                // Row r predicts prompt token start + r + 1.
-                for r in 0..logits.rows {
-                    let next = start + r + 1;
-                    if next < prompt.len() {
-                        out.push(prompt_logprobs(logits.row(r), prompt[next], k));
-                    }
-                }
-            }
-            last_logits = logits.row(logits.rows - 1).to_vec();
-        }
-
-        let mut sampler = Sampler::new(params, seed);
-        let mut stop = StopChecker::new(params, eos_token_ids.to_vec());
-        let mut decoder = tokenizer.incremental_decoder(true);
-        let mut output: Vec<u32> = Vec::new();
-        let mut logprobs: Option<Vec<SampledToken>> = params.logprobs.map(|_| Vec::new());
-        let mut text = String::new();
-        // Ids past the tokenizer's vocabulary are padding rows of the embedding: no text
-        // exists for them, so they can never be produced.
-        let known = tokenizer.vocab_size().min(c.vocab_size);
-        let finish = loop {
-            last_logits[known..].fill(f32::NEG_INFINITY);
-            let sampled = sampler.sample(&last_logits, &prompt, &output);
-            output.push(sampled.token_id);
-            seq.tokens.push(sampled.token_id);
-            let piece = decoder.push(sampled.token_id)?;
-            let decision = stop.on_token(sampled.token_id, &piece);
-            text.push_str(&decision.text);
-            on_token(TokenEvent {
-                token: &sampled,
-                text: &decision.text,
-            });
-            if let Some(lp) = logprobs.as_mut() {
-                lp.push(sampled);
-            }
-            if let Some(reason) = decision.finished {
-                break reason;
-            }
-            let count = seq.tokens.len() - seq.computed;
-            last_logits = self
-                .step(&mut [StepItem { seq, count, all_logits: false }])?
-                .remove(0)
-                .data;
-        };
-        Ok(Generation {
-            token_ids: output,
-            text,
-            finish_reason: finish,
-            prompt_tokens: prompt.len(),
-            logprobs,
-            prompt_logprobs: prompt_lp,
-        })
     }
 }
 

@@ -15,6 +15,7 @@ pub mod model;
 pub mod sampling;
 pub mod serve;
 pub mod synthetic;
+pub mod text;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,19 +1,35 @@
-//! `pdctl run`: generate with one model in this process. Text streams to stdout as it is
-//! generated; `--json` prints one object at the end instead.
+//! `pdctl run`: generate with one model in this process, through the serving engine (the
+//! same continuous-batching engine and prefix cache the nodes run). Text streams to stdout as
+//! it is generated; `--json` prints one object per request instead. With `--prompts-file`
+//! the prompts go through one engine one after another (so the prefix cache is observable),
+//! or all at once with `--concurrent`.
 
 use std::io::Write;
+use std::path::PathBuf;
+use std::sync::mpsc::Receiver;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::generate::{Generation, Runner};
-use pd_engine::kv::DEFAULT_BLOCK_SIZE;
-use pd_engine::sampling::SamplingParams;
+use pd_engine::executor::Executor;
+use pd_engine::generate::validate_prompt;
+use pd_engine::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
+use pd_engine::model::ModelFiles;
+use pd_engine::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob};
+use pd_engine::serve::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, RequestEvent, RequestId, Role,
+    Usage,
+};
+use pd_engine::text::TextStream;
 use pd_engine::tokenizer::{ChatMessage, ChatRole};
 use serde_json::json;
 
+/// Default KV budget when `--num-gpu-blocks` is not given.
+const DEFAULT_KV_BYTES: usize = 2 << 30;
+
 #[derive(Debug, Args)]
-#[group(id = "input", required = true, multiple = false, args = ["prompt", "chat", "token_ids"])]
+#[group(id = "input", required = true, multiple = false, args = ["prompt", "chat", "token_ids", "prompts_file"])]
 pub struct RunArgs {
     /// Model directory (Hugging Face layout) or `synthetic:tiny|qwen3-0.6b|qwen3-8b`.
     #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny")]
@@ -30,20 +46,23 @@ pub struct RunArgs {
     /// Prompt as token ids, comma separated.
     #[arg(long, value_delimiter = ',')]
     token_ids: Option<Vec<u32>>,
+    /// One JSON object per line: `token_ids` or `prompt`, optional `max_tokens`,
+    /// `cache_salt`, `prompt_logprobs`.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// Submit every prompt of `--prompts-file` at once instead of one after another.
+    #[arg(long, requires = "prompts_file")]
+    concurrent: bool,
+    /// Prefix-cache isolation salt for every prompt (a line's `cache_salt` overrides it).
+    #[arg(long, env = "PD_CACHE_SALT")]
+    cache_salt: Option<String>,
 
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
 
-    /// Tokens per KV block.
-    #[arg(long, env = "PD_BLOCK_SIZE", default_value_t = DEFAULT_BLOCK_SIZE)]
-    block_size: usize,
-    /// Context limit (prompt + generated); defaults to the model's max_position_embeddings.
-    #[arg(long, env = "PD_MAX_MODEL_LEN")]
-    max_model_len: Option<usize>,
-    /// Prefill chunk: at most this many prompt tokens per forward pass.
-    #[arg(long, env = "PD_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    max_num_batched_tokens: usize,
-    /// Print one JSON object at the end instead of streaming text.
+    /// Print one JSON object per request (input order) instead of streaming text.
     #[arg(long)]
     json: bool,
 }
@@ -86,6 +105,35 @@ pub struct SamplingArgs {
     prompt_logprobs: Option<u32>,
 }
 
+/// Engine flags, with vLLM's names.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Engine")]
+pub struct EngineArgs {
+    /// Tokens per KV block.
+    #[arg(long, env = "PD_BLOCK_SIZE", default_value_t = DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// KV blocks in the backend's memory (default: 2 GiB worth, at most 4 full contexts).
+    #[arg(long, env = "PD_NUM_GPU_BLOCKS")]
+    num_gpu_blocks: Option<usize>,
+    /// Blocks in the host-memory tier of the prefix cache (0: off).
+    #[arg(long, env = "PD_HOST_CACHE_BLOCKS", default_value_t = 0)]
+    host_cache_blocks: usize,
+    /// Reuse cached KV of common prefixes (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    enable_prefix_caching: bool,
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    no_enable_prefix_caching: bool,
+    /// Context limit (prompt + generated); defaults to the model's max_position_embeddings.
+    #[arg(long, env = "PD_MAX_MODEL_LEN")]
+    max_model_len: Option<usize>,
+    /// Token budget of one engine step (prefill chunks + decode tokens).
+    #[arg(long, env = "PD_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Sequences running at once.
+    #[arg(long, env = "PD_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+}
+
 impl SamplingArgs {
     fn params(&self) -> SamplingParams {
         SamplingParams {
@@ -106,95 +154,256 @@ impl SamplingArgs {
     }
 }
 
+/// One prompt to run.
+struct Job {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    cache_salt: Option<String>,
+}
+
+/// What a request produced, as printed.
+struct Outcome {
+    token_ids: Vec<u32>,
+    text: String,
+    finish_reason: FinishReason,
+    usage: Usage,
+    /// `None` when logprobs were not asked for.
+    logprobs: Option<Vec<SampledToken>>,
+    prompt_logprobs: Option<Vec<PromptLogprob>>,
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let params = args.sampling.params();
     let files = crate::load::open(&args.model)?;
     let config = &files.config;
-    params.validate(config.vocab_size, u32::MAX)?;
-    let max_model_len = args.max_model_len.unwrap_or(config.max_position_embeddings);
+    let max_model_len = args.engine.max_model_len.unwrap_or(config.max_position_embeddings);
+    anyhow::ensure!(
+        (1..=config.max_position_embeddings).contains(&max_model_len),
+        "--max-model-len {max_model_len} must be between 1 and the model's {} positions",
+        config.max_position_embeddings
+    );
+    let jobs = jobs(&args, &files)?;
+    for (i, job) in jobs.iter().enumerate() {
+        let at = |e: anyhow::Error| {
+            if jobs.len() > 1 { e.context(format!("prompt {}", i + 1)) } else { e }
+        };
+        job.params.validate(config.vocab_size, max_model_len as u32).map_err(|e| at(e.into()))?;
+        validate_prompt(&job.prompt, config.vocab_size, max_model_len, job.params.max_tokens)
+            .map_err(|e| at(e.into()))?;
+    }
 
-    let prompt: Vec<u32> = if let Some(ids) = &args.token_ids {
-        ids.clone()
-    } else if let Some(text) = &args.prompt {
-        files.tokenizer.encode(text)?
-    } else if let Some(text) = &args.chat {
+    let layout = KvLayout::new(config, args.engine.block_size)?;
+    let num_blocks = args.engine.num_gpu_blocks.unwrap_or_else(|| {
+        (DEFAULT_KV_BYTES / layout.block_bytes())
+            .min(4 * layout.blocks_for(max_model_len))
+            .max(1)
+    });
+    let model = crate::load::weights(&files)?;
+    let executor = Executor::new(CpuBackend::new(), model, args.engine.block_size, num_blocks)?;
+    let engine_config = EngineConfig {
+        role: Role::Mixed,
+        enable_prefix_caching: !args.engine.no_enable_prefix_caching,
+        host_cache_blocks: args.engine.host_cache_blocks,
+        max_num_batched_tokens: args.engine.max_num_batched_tokens,
+        max_num_seqs: args.engine.max_num_seqs,
+        max_model_len,
+        lease_timeout: Duration::from_secs(30),
+        seed: args.sampling.seed.unwrap_or(0),
+    };
+    let eos = files.eos_token_ids();
+    let vocab_limit = files.tokenizer.vocab_size().min(config.vocab_size);
+    let engine = Engine::new(executor, engine_config, eos.clone(), vocab_limit)
+        .map_err(|e| anyhow::anyhow!(e.message))?;
+    let thread = EngineThread::spawn(engine);
+    let handle = thread.handle();
+
+    let stream_text = !args.json && jobs.len() == 1;
+    let submit = |i: usize, job: &Job| {
+        handle.submit(EngineRequest {
+            id: RequestId(format!("pdctl-{i}")),
+            prompt: job.prompt.clone(),
+            params: job.params.clone(),
+            cache_salt: job.cache_salt.clone(),
+        })
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let print = |i: usize, o: &Outcome, out: &mut std::io::StdoutLock<'_>| -> anyhow::Result<()> {
+        if args.json {
+            writeln!(out, "{}", to_json(o))?;
+        } else if !stream_text {
+            writeln!(out, "[{}] {}", i + 1, o.text)?;
+        } else {
+            writeln!(out)?;
+        }
+        Ok(())
+    };
+    if args.concurrent {
+        let receivers: Vec<_> = jobs.iter().enumerate().map(|(i, j)| submit(i, j)).collect();
+        for (i, (job, rx)) in jobs.iter().zip(receivers).enumerate() {
+            let o = collect(&handle, &files, &eos, job, i, rx, None)?;
+            print(i, &o, &mut out)?;
+        }
+    } else {
+        for (i, job) in jobs.iter().enumerate() {
+            let rx = submit(i, job);
+            let live = stream_text.then_some(&mut out as &mut dyn Write);
+            let o = collect(&handle, &files, &eos, job, i, rx, live)?;
+            print(i, &o, &mut out)?;
+        }
+    }
+    Ok(())
+}
+
+/// Read one request's events to the end, running the text side (detokenization, stop
+/// strings) and aborting the engine request when a stop string ends it.
+fn collect(
+    handle: &EngineHandle,
+    files: &ModelFiles,
+    eos: &[u32],
+    job: &Job,
+    index: usize,
+    rx: Receiver<RequestEvent>,
+    mut live: Option<&mut dyn Write>,
+) -> anyhow::Result<Outcome> {
+    let mut text = TextStream::new(&files.tokenizer, &job.params, eos.to_vec());
+    let mut token_ids = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut text_finish: Option<FinishReason> = None;
+    loop {
+        let event = rx.recv().context("the engine stopped without finishing the request")?;
+        match event {
+            RequestEvent::Token(t) => {
+                if text_finish.is_some() {
+                    continue; // generated before the abort reached the engine
+                }
+                let decision = text.push(t.token_id)?;
+                token_ids.push(t.token_id);
+                logprobs.push(t);
+                if let Some(w) = live.as_mut() {
+                    w.write_all(decision.text.as_bytes())?;
+                    w.flush()?;
+                }
+                if let Some(reason) = decision.finished {
+                    text_finish = Some(reason);
+                    handle.abort(RequestId(format!("pdctl-{index}")));
+                }
+            }
+            RequestEvent::Finished(f) => {
+                let rest = text.flush();
+                if let Some(w) = live.as_mut() {
+                    w.write_all(rest.as_bytes())?;
+                }
+                let mut usage = f.usage;
+                usage.completion_tokens = token_ids.len();
+                return Ok(Outcome {
+                    token_ids,
+                    text: text.text().to_string(),
+                    finish_reason: text_finish.unwrap_or(f.reason),
+                    usage,
+                    logprobs: job.params.logprobs.map(|_| logprobs),
+                    prompt_logprobs: f.prompt_logprobs,
+                });
+            }
+            RequestEvent::Failed(e) => bail!("request {} failed: {e}", index + 1),
+        }
+    }
+}
+
+fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
+    let params = args.sampling.params();
+    let tokenizer = &files.tokenizer;
+    let one = |prompt: Vec<u32>| Job {
+        prompt,
+        params: params.clone(),
+        cache_salt: args.cache_salt.clone(),
+    };
+    if let Some(ids) = &args.token_ids {
+        return Ok(vec![one(ids.clone())]);
+    }
+    if let Some(text) = &args.prompt {
+        return Ok(vec![one(tokenizer.encode(text)?)]);
+    }
+    if let Some(text) = &args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
             messages.push(ChatMessage { role: ChatRole::System, content: system.clone() });
         }
         messages.push(ChatMessage { role: ChatRole::User, content: text.clone() });
-        let rendered = files.tokenizer.apply_chat_template(&messages, true)?;
-        files.tokenizer.encode(&rendered)?
-    } else {
-        bail!("one of --prompt, --chat or --token-ids is required");
-    };
-    pd_engine::generate::validate_prompt(
-        &prompt,
-        config.vocab_size,
-        max_model_len.min(config.max_position_embeddings),
-        params.max_tokens,
-    )?;
-
-    let model = crate::load::weights(&files)?;
-    // KV for exactly this request: no more memory than it can use.
-    let blocks = (prompt.len() + params.max_tokens as usize).div_ceil(args.block_size);
-    let mut runner = Runner::new(CpuBackend::new(), model, args.block_size, blocks)?;
-    runner.set_max_model_len(max_model_len)?;
-    let seed = params.seed.unwrap_or(0);
-    let eos = files.eos_token_ids();
-
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let json = args.json;
-    let mut write_error = None;
-    let generation = runner
-        .generate(
-            &prompt,
-            &params,
-            seed,
-            &eos,
-            &files.tokenizer,
-            args.max_num_batched_tokens,
-            &mut |event| {
-                if !json && !event.text.is_empty() && write_error.is_none() {
-                    if let Err(e) = out.write_all(event.text.as_bytes()).and_then(|_| out.flush()) {
-                        write_error = Some(e);
-                    }
-                }
-            },
-        )
-        .context("generation failed")?;
-    if let Some(e) = write_error {
-        return Err(e).context("writing to stdout");
+        let rendered = tokenizer.apply_chat_template(&messages, true)?;
+        return Ok(vec![one(tokenizer.encode(&rendered)?)]);
     }
-    if json {
-        writeln!(out, "{}", to_json(&generation))?;
-    } else {
-        writeln!(out)?;
+    let path = args.prompts_file.as_ref().expect("clap requires one input");
+    let body = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut jobs = Vec::new();
+    for (n, line) in body.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = format!("{}:{}", path.display(), n + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{at}: not a JSON object"))?;
+        let obj = v.as_object().with_context(|| format!("{at}: not a JSON object"))?;
+        for key in obj.keys() {
+            if !["token_ids", "prompt", "max_tokens", "cache_salt", "prompt_logprobs"].contains(&key.as_str()) {
+                bail!("{at}: unknown field {key:?}");
+            }
+        }
+        let prompt = match (obj.get("token_ids"), obj.get("prompt")) {
+            (Some(ids), None) => serde_json::from_value::<Vec<u32>>(ids.clone())
+                .with_context(|| format!("{at}: token_ids must be a list of non-negative integers"))?,
+            (None, Some(serde_json::Value::String(text))) => tokenizer.encode(text)?,
+            (None, Some(_)) => bail!("{at}: prompt must be a string"),
+            _ => bail!("{at}: exactly one of token_ids or prompt is required"),
+        };
+        let mut p = params.clone();
+        if let Some(m) = obj.get("max_tokens") {
+            p.max_tokens = m
+                .as_u64()
+                .and_then(|m| u32::try_from(m).ok())
+                .with_context(|| format!("{at}: max_tokens must be a positive integer"))?;
+        }
+        if let Some(k) = obj.get("prompt_logprobs") {
+            p.prompt_logprobs = Some(
+                k.as_u64()
+                    .and_then(|k| u32::try_from(k).ok())
+                    .with_context(|| format!("{at}: prompt_logprobs must be a non-negative integer"))?,
+            );
+        }
+        let cache_salt = match obj.get("cache_salt") {
+            None => args.cache_salt.clone(),
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(_) => bail!("{at}: cache_salt must be a string"),
+        };
+        jobs.push(Job { prompt, params: p, cache_salt });
     }
-    Ok(())
+    anyhow::ensure!(!jobs.is_empty(), "{}: no prompts", path.display());
+    Ok(jobs)
 }
 
-fn to_json(g: &Generation) -> serde_json::Value {
-    let top = |top: &[pd_engine::sampling::TokenLogprob]| -> serde_json::Value {
+fn to_json(o: &Outcome) -> serde_json::Value {
+    let top = |top: &[TokenLogprob]| -> serde_json::Value {
         top.iter()
             .map(|t| json!({"token_id": t.token_id, "logprob": t.logprob}))
             .collect()
     };
+    let u = &o.usage;
     json!({
-        "token_ids": g.token_ids,
-        "text": g.text,
-        "finish_reason": g.finish_reason.as_str(),
+        "token_ids": o.token_ids,
+        "text": o.text,
+        "finish_reason": o.finish_reason.as_str(),
         "usage": {
-            "prompt_tokens": g.prompt_tokens,
-            "completion_tokens": g.token_ids.len(),
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "cached_tokens": u.cached_tokens(),
+            "local_cached_tokens": u.local_cached_tokens,
+            "external_cached_tokens": u.external_cached_tokens,
         },
-        "logprobs": g.logprobs.as_ref().map(|lps| lps.iter().map(|s| json!({
-            "token_id": s.token_id,
-            "logprob": s.logprob,
-            "top": top(&s.top),
-        })).collect::<Vec<_>>()),
-        "prompt_logprobs": g.prompt_logprobs.as_ref().map(|lps| lps.iter().map(|p| json!({
+        "logprobs": o.logprobs.as_ref().map(|lps| lps.iter().map(|s| json!({
+                "token_id": s.token_id,
+                "logprob": s.logprob,
+                "top": top(&s.top),
+            })).collect::<Vec<_>>()),
+        "prompt_logprobs": o.prompt_logprobs.as_ref().map(|lps| lps.iter().map(|p| json!({
             "token_id": p.token_id,
             "logprob": p.logprob,
             "top": top(&p.top),

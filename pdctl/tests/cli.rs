@@ -213,3 +213,84 @@ fn broken_model_directories_are_refused_naming_the_problem() {
         "architectures",
     );
 }
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "pdctl failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+#[test]
+fn prompts_file_shows_the_prefix_cache_at_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.jsonl");
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(4);
+    let lines = [
+        serde_json::json!({"prompt": text, "max_tokens": 3}),
+        serde_json::json!({"prompt": text, "max_tokens": 3}),
+        serde_json::json!({"prompt": text, "max_tokens": 3, "cache_salt": "other-tenant"}),
+        serde_json::json!({"prompt": text, "max_tokens": 3, "prompt_logprobs": 1}),
+        serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": 2}),
+    ];
+    let body: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&file, body).unwrap();
+    let f = file.to_str().unwrap();
+    let base = ["run", "--model", "synthetic:tiny", "--prompts-file", f, "--ignore-eos", "--json"];
+    let out = json_lines(&pdctl(cache(), &base));
+    assert_eq!(out.len(), 5, "one result per line, in input order");
+    let usage = |i: usize, k: &str| out[i]["usage"][k].as_u64().unwrap();
+    let prompt_tokens = usage(0, "prompt_tokens");
+    let whole_blocks = (prompt_tokens - 1) / 16 * 16;
+    assert_eq!(usage(0, "cached_tokens"), 0, "cold");
+    assert_eq!(usage(1, "local_cached_tokens"), whole_blocks, "warm: whole blocks below the last token");
+    assert_eq!(usage(1, "cached_tokens"), whole_blocks);
+    assert_eq!(usage(1, "external_cached_tokens"), 0);
+    assert_eq!(usage(2, "cached_tokens"), 0, "another salt never hits");
+    assert_eq!(usage(3, "cached_tokens"), 0, "prompt logprobs need every position computed");
+    assert_eq!(out[3]["prompt_logprobs"].as_array().unwrap().len() as u64, prompt_tokens - 1);
+    assert_eq!(out[0]["token_ids"], out[1]["token_ids"], "cached KV gives the same tokens");
+    assert_eq!(out[4]["usage"]["prompt_tokens"], 3);
+
+    // The same file all at once: the same tokens for every prompt.
+    let mut concurrent = base.to_vec();
+    concurrent.push("--concurrent");
+    let together = json_lines(&pdctl(cache(), &concurrent));
+    for (a, b) in out.iter().zip(&together) {
+        assert_eq!(a["token_ids"], b["token_ids"]);
+    }
+    // With the cache off nothing is ever cached.
+    let mut off = base.to_vec();
+    off.push("--no-enable-prefix-caching");
+    for r in json_lines(&pdctl(cache(), &off)) {
+        assert_eq!(r["usage"]["cached_tokens"], 0);
+    }
+    // Bad lines are refused naming the line.
+    std::fs::write(&file, "{\"prompt\": \"x\"}\n{\"promt\": \"x\"}\n").unwrap();
+    assert_refused(&pdctl(cache(), &["run", "--prompts-file", f]), "prompts.jsonl:2");
+}
+
+#[test]
+fn stop_strings_end_the_text_and_the_request() {
+    let free = json_of(&pdctl(
+        cache(),
+        &["run", "--model", "synthetic:tiny", "--prompt", "Once upon a time", "--max-tokens", "12", "--ignore-eos", "--json"],
+    ));
+    let text = free["text"].as_str().unwrap();
+    // Stop at a piece of the text the model will produce: the output ends right before it.
+    let chars: Vec<char> = text.chars().collect();
+    let mid = chars.len() / 2;
+    let stop: String = chars[mid..(mid + 2).min(chars.len())].iter().collect();
+    let stopped = json_of(&pdctl(
+        cache(),
+        &[
+            "run", "--model", "synthetic:tiny", "--prompt", "Once upon a time", "--max-tokens", "12",
+            "--ignore-eos", "--json", "--stop", &stop,
+        ],
+    ));
+    let got = stopped["text"].as_str().unwrap();
+    assert_eq!(stopped["finish_reason"], "stop");
+    assert!(text.starts_with(got) && !got.contains(&stop), "{got:?} vs {text:?} stop {stop:?}");
+    assert!(stopped["token_ids"].as_array().unwrap().len() <= 12);
+}

@@ -117,8 +117,10 @@ pub fn block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>) -> Ve
 #[derive(Clone)]
 pub struct BlockHasher {
     block_size: usize,
-    /// `parent (16 bytes LE) || tokens of the current block so far (4 bytes LE each)`.
-    buf: Vec<u8>,
+    /// The next hash's input, `16 + 4 * block_size` bytes: the parent (16 bytes LE), then
+    /// the current block's tokens (4 bytes LE each), of which the first `pending` are set.
+    buf: Box<[u8]>,
+    pending: usize,
     hashes: Vec<BlockHash>,
 }
 
@@ -127,11 +129,12 @@ impl BlockHasher {
     /// If `block_size` is 0.
     pub fn new(block_size: usize, salt: Option<&str>) -> Self {
         assert!(block_size > 0, "block size must be positive");
-        let mut buf = Vec::with_capacity(16 + 4 * block_size);
-        buf.extend_from_slice(&root_hash(salt).to_le_bytes());
+        let mut buf = vec![0u8; 16 + 4 * block_size].into_boxed_slice();
+        buf[..16].copy_from_slice(&root_hash(salt).to_le_bytes());
         Self {
             block_size,
             buf,
+            pending: 0,
             hashes: Vec::new(),
         }
     }
@@ -152,7 +155,7 @@ impl BlockHasher {
 
     /// Tokens of the trailing partial block (not hashed yet).
     pub fn pending_tokens(&self) -> usize {
-        (self.buf.len() - 16) / 4
+        self.pending
     }
 
     /// The hashes of every full block so far.
@@ -166,8 +169,10 @@ impl BlockHasher {
 
     /// Append one token; returns the new block's hash if this token completed a block.
     pub fn push(&mut self, token: u32) -> Option<BlockHash> {
-        self.buf.extend_from_slice(&token.to_le_bytes());
-        if self.buf.len() == 16 + 4 * self.block_size {
+        let at = 16 + 4 * self.pending;
+        self.buf[at..at + 4].copy_from_slice(&token.to_le_bytes());
+        self.pending += 1;
+        if self.pending == self.block_size {
             Some(self.finish_block())
         } else {
             None
@@ -179,11 +184,9 @@ impl BlockHasher {
         let before = self.hashes.len();
         let mut rest = tokens;
         while !rest.is_empty() {
-            let room = self.block_size - self.pending_tokens();
+            let room = self.block_size - self.pending;
             let (now, later) = rest.split_at(room.min(rest.len()));
-            for t in now {
-                self.buf.extend_from_slice(&t.to_le_bytes());
-            }
+            self.write(now);
             if now.len() == room {
                 self.finish_block();
             }
@@ -192,11 +195,22 @@ impl BlockHasher {
         &self.hashes[before..]
     }
 
+    /// Append tokens that fit in the current block.
+    fn write(&mut self, tokens: &[u32]) {
+        let start = 16 + 4 * self.pending;
+        let dst = &mut self.buf[start..start + 4 * tokens.len()];
+        for (d, t) in dst.chunks_exact_mut(4).zip(tokens) {
+            d.copy_from_slice(&t.to_le_bytes());
+        }
+        self.pending += tokens.len();
+    }
+
     fn finish_block(&mut self) -> BlockHash {
+        debug_assert_eq!(self.pending, self.block_size);
         let h = BlockHash(xxh3_128_with_seed(&self.buf, SEED));
         self.hashes.push(h);
-        self.buf.clear();
-        self.buf.extend_from_slice(&h.to_le_bytes());
+        self.buf[..16].copy_from_slice(&h.to_le_bytes());
+        self.pending = 0;
         h
     }
 }
