@@ -56,6 +56,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
             ..SamplingParams::default()
         },
         cache_salt: None,
+        imported: None,
     }
 }
 
@@ -333,4 +334,60 @@ fn driver_streams_events_and_aborts_when_the_receiver_is_dropped() {
     assert_eq!(h.counters().num_running, 0);
     assert!(h.is_healthy());
     assert_eq!(h.counters().kv_cache_usage, 0.0);
+}
+
+/// Prefill on one engine, KV moved block by block, decode on another: the same greedy tokens
+/// as one mixed engine, and the decode node pulls only what it does not cache.
+#[test]
+fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
+    let p = prompt(21, 23); // 5 full blocks + 3 tokens
+    let mut mixed = engine(64, config());
+    let want = run_one(&mut mixed, req("m", p.clone(), 8)).tokens;
+
+    let mut prefill = engine(64, EngineConfig { role: Role::Prefill, ..config() });
+    let mut decode = engine(64, EngineConfig { role: Role::Decode, ..config() });
+    let mut transfer = |id: &str, p: &[u32], prefill: &mut Engine<CpuBackend>, decode: &mut Engine<CpuBackend>| {
+        let first = run_one(prefill, req(id, p.to_vec(), 8));
+        let lease = first.finished.unwrap().lease.unwrap();
+        let have = decode.cached_prefix_blocks(p, None);
+        let blocks = prefill
+            .read_lease(lease.lease_id, have, lease.blocks.len() - have)
+            .unwrap();
+        assert!(prefill.release_lease(lease.lease_id));
+        let mut r = req(id, p.to_vec(), 8);
+        r.imported = Some(pd_engine::serve::ImportedKv {
+            first_block: have,
+            blocks,
+            first_token: first.tokens[0],
+        });
+        let rest = run_one(decode, r);
+        let mut tokens = first.tokens.clone();
+        tokens.extend(rest.tokens);
+        (tokens, rest.finished.unwrap().usage, have)
+    };
+    let (tokens, usage, have) = transfer("a", &p, &mut prefill, &mut decode);
+    assert_eq!(tokens, want, "prefill + decode equals one mixed engine");
+    assert_eq!(have, 0);
+    assert_eq!((usage.local_cached_tokens, usage.external_cached_tokens), (0, 23));
+    let c = decode.counters();
+    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (23, 23));
+
+    // Same prompt again: the decode node caches its 5 full blocks and pulls only the last.
+    let (tokens, usage, have) = transfer("b", &p, &mut prefill, &mut decode);
+    assert_eq!(tokens, want);
+    assert_eq!(have, 5);
+    assert_eq!((usage.local_cached_tokens, usage.external_cached_tokens), (20, 3));
+    let c = decode.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (46, 20));
+    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (26, 26));
+    all_free(&prefill);
+    all_free(&decode);
+    assert_eq!(prefill.num_leases(), 0);
+
+    // A decode node refuses requests without KV, and KV of the wrong shape.
+    let err = decode.submit(req("x", p.clone(), 4)).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidArgument);
+    let mut bad = req("y", p.clone(), 4);
+    bad.imported = Some(pd_engine::serve::ImportedKv { first_block: 0, blocks: vec![vec![0.0; 3]; 6], first_token: 1 });
+    assert!(decode.submit(bad).unwrap_err().message.contains("layout"));
 }

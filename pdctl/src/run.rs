@@ -223,6 +223,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             prompt: job.prompt.clone(),
             params: job.params.clone(),
             cache_salt: job.cache_salt.clone(),
+            imported: None,
         })
     };
     let stdout = std::io::stdout();

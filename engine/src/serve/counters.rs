@@ -24,7 +24,10 @@ pub struct PrefixOutcome {
 
 impl PrefixOutcome {
     pub fn new(prompt_tokens: usize, local_hits: usize, external_hits: usize) -> Self {
-        assert!(local_hits + external_hits < prompt_tokens, "the last prompt token is always computed");
+        // Hits never exceed the prompt; a local lookup never covers the last prompt token
+        // (the engine caps it), while KV received from a prefill node may cover the whole
+        // prompt on a decode node.
+        assert!(local_hits + external_hits <= prompt_tokens, "hits exceed the prompt");
         Self {
             queries: prompt_tokens,
             local_hits,

@@ -26,6 +26,8 @@ enum Command {
     Submit(EngineRequest, Sender<RequestEvent>),
     Abort(RequestId),
     ReleaseLease(u64, Sender<bool>),
+    CachedPrefix(Vec<u32>, Option<String>, Sender<usize>),
+    ReadLease(u64, usize, usize, Sender<Option<Vec<Vec<f32>>>>),
     Shutdown,
 }
 
@@ -109,6 +111,22 @@ impl EngineHandle {
         rx.recv().unwrap_or(false)
     }
 
+    /// Leading blocks of `tokens` this engine's device cache holds (0 if the engine is gone).
+    pub fn cached_prefix_blocks(&self, tokens: Vec<u32>, salt: Option<String>) -> usize {
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Command::CachedPrefix(tokens, salt, tx)).is_err() {
+            return 0;
+        }
+        rx.recv().unwrap_or(0)
+    }
+
+    /// Copy blocks of a lease out of KV storage (`None`: no such lease, or out of range).
+    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+        let (tx, rx) = mpsc::channel();
+        self.tx.send(Command::ReadLease(lease_id, first, count, tx)).ok()?;
+        rx.recv().ok().flatten()
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Acquire)
     }
@@ -173,6 +191,12 @@ fn run<B: Backend>(
                 }
                 Command::ReleaseLease(lease, reply) => {
                     let _ = reply.send(engine.release_lease(lease));
+                }
+                Command::CachedPrefix(tokens, salt, reply) => {
+                    let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
+                }
+                Command::ReadLease(lease, first, count, reply) => {
+                    let _ = reply.send(engine.read_lease(lease, first, count));
                 }
                 Command::Shutdown => shutdown = true,
             }

@@ -24,7 +24,8 @@ use crate::sampling::{FinishReason, PromptLogprob, Sampler, StopChecker, prompt_
 
 use super::counters::{EngineCounters, PrefixOutcome};
 use super::request::{
-    EngineRequest, Finished, KvLease, RequestError, RequestEvent, RequestId, RequestTimings, Usage,
+    EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
+    RequestTimings, Usage,
 };
 
 /// What a node does with a request.
@@ -34,6 +35,8 @@ pub enum Role {
     Mixed,
     /// Prefill only: stop after the first token and keep the KV blocks under a lease.
     Prefill,
+    /// Decode only: every request brings its prompt's KV ([`super::ImportedKv`]).
+    Decode,
 }
 
 /// Engine settings (the nodes' and `pdctl run`'s flags).
@@ -83,6 +86,8 @@ struct Seq {
     stop: StopChecker,
     /// Whether the request has been admitted once (lookup and counting happen then only).
     admitted: bool,
+    /// Decode role: KV to place on first admission (dropped after it).
+    imported: Option<ImportedKv>,
     outcome: Option<PrefixOutcome>,
     prompt_logprobs: Option<Vec<PromptLogprob>>,
     arrival: Instant,
@@ -254,21 +259,47 @@ impl<B: Backend> Engine<B> {
                 ),
             });
         }
+        match (&req.imported, self.config.role) {
+            (None, Role::Decode) => {
+                return Err(invalid(
+                    "a decode node serves only requests that bring their prompt's KV".into(),
+                ));
+            }
+            (Some(_), Role::Prefill) => {
+                return Err(invalid("a prefill node does not take imported KV".into()));
+            }
+            (Some(imp), _) => self.check_imported(&req, imp)?,
+            (None, _) => {}
+        }
         let seed = req.params.effective_seed(
             self.config.seed ^ xxhash_rust::xxh3::xxh3_64(req.id.0.as_bytes()),
         );
         let mut hasher = BlockHasher::new(bs, req.cache_salt.as_deref());
         hasher.extend(&req.prompt);
+        let mut tokens = req.prompt.clone();
+        let mut stop = StopChecker::new(&req.params, self.eos_token_ids.clone());
+        if let Some(imp) = &req.imported {
+            // The first token was sampled by the prefill node: it counts towards max_tokens
+            // and stop conditions here, but its KV is computed by this node's first step.
+            if stop.on_token(imp.first_token, "").finished.is_some() {
+                return Err(invalid(
+                    "the first token already ends this request: there is nothing to decode".into(),
+                ));
+            }
+            tokens.push(imp.first_token);
+            hasher.push(imp.first_token);
+        }
         let seq = Seq {
             prompt_len: req.prompt.len(),
-            tokens: req.prompt.clone(),
+            tokens,
             hasher,
             blocks: Vec::new(),
             computed: 0,
             registered: 0,
             sampler: Sampler::new(&req.params, seed),
-            stop: StopChecker::new(&req.params, self.eos_token_ids.clone()),
+            stop,
             admitted: false,
+            imported: req.imported.clone(),
             outcome: None,
             prompt_logprobs: req.params.prompt_logprobs.map(|_| Vec::new()),
             arrival: Instant::now(),
@@ -316,6 +347,23 @@ impl<B: Backend> Engine<B> {
             self.release_lease(id);
             self.expired_leases += 1;
         }
+    }
+
+    /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
+    /// a KV transfer). `None` if the lease does not exist or is shorter.
+    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+        let lease = self.leases.get(&lease_id)?;
+        let blocks = lease.blocks.get(first..first.checked_add(count)?)?;
+        Some(
+            blocks
+                .iter()
+                .map(|&b| {
+                    let mut data = vec![0.0; self.executor.block_len()];
+                    self.executor.read_block(b, &mut data);
+                    data
+                })
+                .collect(),
+        )
     }
 
     pub fn num_leases(&self) -> usize {
@@ -449,7 +497,7 @@ impl<B: Backend> Engine<B> {
             let reason = match (decision.finished, self.config.role) {
                 (Some(reason), _) => Some(reason),
                 (None, Role::Prefill) => Some(FinishReason::Length),
-                (None, Role::Mixed) => None,
+                (None, Role::Mixed | Role::Decode) => None,
             };
             if let Some(reason) = reason {
                 self.running.retain(|r| r != &id);
@@ -515,10 +563,122 @@ impl<B: Backend> Engine<B> {
         self.waiting.push_front(id.clone());
     }
 
+    /// Imported KV must cover the prompt to its end in whole blocks of this node's layout.
+    fn check_imported(&self, req: &EngineRequest, imp: &ImportedKv) -> Result<(), RequestError> {
+        let invalid = |m: String| RequestError { kind: ErrorKind::InvalidArgument, message: m };
+        let bs = self.block_size();
+        let total = req.prompt.len().div_ceil(bs);
+        if imp.first_block + imp.blocks.len() != total || imp.first_block * bs >= req.prompt.len() {
+            return Err(invalid(format!(
+                "imported KV covers blocks {}..{}, the prompt needs blocks ..{total}",
+                imp.first_block,
+                imp.first_block + imp.blocks.len()
+            )));
+        }
+        let len = self.executor.block_len();
+        if let Some(b) = imp.blocks.iter().position(|b| b.len() != len) {
+            return Err(invalid(format!(
+                "imported KV block {} has {} values; this node's layout needs {len}",
+                imp.first_block + b,
+                imp.blocks[b].len()
+            )));
+        }
+        let vocab = self.executor.model().config().vocab_size;
+        if imp.first_token as usize >= vocab {
+            return Err(invalid(format!(
+                "first token {} is outside the vocabulary (size {vocab})",
+                imp.first_token
+            )));
+        }
+        Ok(())
+    }
+
+    /// Leading blocks of `tokens` (with `salt`) this node's device cache holds now: what a
+    /// decode node need not pull.
+    pub fn cached_prefix_blocks(&self, tokens: &[u32], salt: Option<&str>) -> usize {
+        if !self.config.enable_prefix_caching || tokens.is_empty() {
+            return 0;
+        }
+        let bs = self.block_size();
+        let hashes = crate::kv::hash::block_hashes(tokens, bs, salt);
+        // Never the block holding the last token (a prefill node computes it).
+        let usable = (tokens.len() - 1) / bs;
+        self.pool.cached_prefix(&hashes[..usable.min(hashes.len())])
+    }
+
+    /// First admission of a request that brings its prompt's KV: reuse the local prefix,
+    /// place the imported blocks after it, compute only the first token. `None` (nothing
+    /// held) if the pool cannot take it now; the imported KV is kept for the next try.
+    fn admit_imported(&mut self, id: &RequestId, budget: usize, now: Instant) -> Option<Option<usize>> {
+        let bs = self.block_size();
+        let seq = &self.seqs[id];
+        let imp = seq.imported.as_ref()?;
+        let lookup = self.config.enable_prefix_caching;
+        let prompt_len = seq.prompt_len;
+        let total = prompt_len.div_ceil(bs);
+        let full = prompt_len / bs;
+        let hashes: Vec<BlockHash> = if lookup {
+            seq.hasher.hashes()[..full].to_vec()
+        } else {
+            Vec::new()
+        };
+        let local = self.pool.cached_prefix(&hashes);
+        if local < imp.first_block {
+            // Blocks the puller saw cached were evicted since: the imported KV no longer
+            // joins up, so the prompt is computed here instead (and nothing counts as
+            // external).
+            self.seqs.get_mut(id).expect("exists").imported = None;
+            return None;
+        }
+        let mut blocks = self
+            .pool
+            .acquire_cached(&hashes[..local])
+            .expect("pool invariant: cached_prefix blocks can be acquired");
+        let fresh = match self.allocate(total - local) {
+            Some(fresh) => fresh,
+            None => {
+                self.free_blocks(&blocks);
+                return Some(None);
+            }
+        };
+        let imp = self.seqs.get_mut(id).expect("exists").imported.take().expect("checked");
+        for (j, &block) in fresh.iter().enumerate() {
+            let logical = local + j;
+            self.executor.write_block(block, &imp.blocks[logical - imp.first_block]);
+            if logical < hashes.len() {
+                self.register(block, hashes[logical]);
+            }
+        }
+        blocks.extend(fresh);
+        let seq = self.seqs.get_mut(id).expect("exists");
+        seq.blocks = blocks;
+        seq.computed = prompt_len;
+        seq.registered = full;
+        let n = (seq.tokens.len() - prompt_len).min(budget);
+        if !self.grow(id, prompt_len + n) {
+            // Keep nothing; the KV is gone, so the next try computes the prompt.
+            let seq = self.seqs.get_mut(id).expect("exists");
+            let blocks = std::mem::take(&mut seq.blocks);
+            seq.computed = 0;
+            seq.registered = 0;
+            self.free_blocks(&blocks);
+            return Some(None);
+        }
+        let seq = self.seqs.get_mut(id).expect("exists");
+        seq.admitted = true;
+        seq.first_scheduled = Some(now);
+        seq.outcome = lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
+        self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
+        Some(Some(n))
+    }
+
     /// Admit a waiting sequence: prefix lookup (counted the first time only), reuse of cached
     /// and restored blocks, and blocks for its first chunk. Returns the chunk's token count,
     /// or `None` (nothing held) if the pool cannot take it now.
     fn admit(&mut self, id: &RequestId, budget: usize, now: Instant) -> Option<usize> {
+        if let Some(result) = self.admit_imported(id, budget, now) {
+            return result;
+        }
         let bs = self.block_size();
         let seq = &self.seqs[id];
         let lookup = self.config.enable_prefix_caching && !seq.wants_prompt_logprobs();

@@ -33,6 +33,23 @@ pub struct EngineRequest {
     /// Tenant isolation for the prefix cache: requests share cached blocks only when their
     /// salts are equal.
     pub cache_salt: Option<String>,
+    /// Decode role: the prompt's KV computed elsewhere, and the first token sampled there.
+    pub imported: Option<ImportedKv>,
+}
+
+/// KV of a prompt computed by another node (a prefill node), already pulled into host
+/// memory, plus the first token it sampled. The pull happens outside the engine (no network
+/// I/O on the engine thread): the puller first asks which leading blocks this node already
+/// caches ([`crate::serve::EngineHandle::cached_prefix_blocks`]) and pulls only the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImportedKv {
+    /// Logical index of the first block in `blocks`: the blocks before it were cached here.
+    pub first_block: usize,
+    /// Consecutive logical blocks up to the end of the prompt, each in
+    /// [`crate::backend::Backend::read_block`]'s layout.
+    pub blocks: Vec<Vec<f32>>,
+    /// The token the prefill node sampled after the prompt.
+    pub first_token: u32,
 }
 
 /// Token counts of a finished (or aborted) request, as the client sees them.
