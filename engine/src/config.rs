@@ -122,10 +122,12 @@ impl ModelConfig {
                 format!("{kind:?} layers are not supported; only full_attention"),
             ));
         }
-        check_rope_scaling(raw.rope_scaling.as_ref(), "rope_scaling").map_err(|m| err("rope_scaling", m))?;
+        check_rope_scaling(raw.rope_scaling.as_ref(), "rope_scaling")
+            .map_err(|m| err("rope_scaling", m))?;
         let mut rope_theta = raw.rope_theta;
         if let Some(params) = &raw.rope_parameters {
-            check_rope_scaling(Some(params), "rope_parameters").map_err(|m| err("rope_parameters", m))?;
+            check_rope_scaling(Some(params), "rope_parameters")
+                .map_err(|m| err("rope_parameters", m))?;
             if let Some(t) = params.get("rope_theta").and_then(Value::as_f64) {
                 rope_theta = Some(t);
             }
@@ -157,10 +159,18 @@ impl ModelConfig {
         let head_dim = match raw.head_dim {
             Some(d) => need(Some(d), "head_dim")?,
             None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => return Err(err("head_dim", "is missing and hidden_size is not divisible by num_attention_heads".into())),
+            None => {
+                return Err(err(
+                    "head_dim",
+                    "is missing and hidden_size is not divisible by num_attention_heads".into(),
+                ));
+            }
         };
         if head_dim % 2 != 0 {
-            return Err(err("head_dim", format!("{head_dim} must be even for rotary embeddings")));
+            return Err(err(
+                "head_dim",
+                format!("{head_dim} must be even for rotary embeddings"),
+            ));
         }
         let vocab_size = need(raw.vocab_size, "vocab_size")?;
         if vocab_size > u32::MAX as usize {
@@ -169,7 +179,10 @@ impl ModelConfig {
         let max_position_embeddings = need(raw.max_position_embeddings, "max_position_embeddings")?;
         let rope_theta = rope_theta.unwrap_or(10_000.0);
         if !(rope_theta.is_finite() && rope_theta > 1.0) {
-            return Err(err("rope_theta", format!("{rope_theta} must be a finite number > 1")));
+            return Err(err(
+                "rope_theta",
+                format!("{rope_theta} must be a finite number > 1"),
+            ));
         }
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
@@ -189,7 +202,12 @@ impl ModelConfig {
             v.as_u64()
                 .filter(|&id| (id as usize) < vocab_size)
                 .map(|id| id as u32)
-                .ok_or_else(|| err(field, format!("{v} is not a token id below vocab_size {vocab_size}")))
+                .ok_or_else(|| {
+                    err(
+                        field,
+                        format!("{v} is not a token id below vocab_size {vocab_size}"),
+                    )
+                })
         };
         let bos_token_id = match &raw.bos_token_id {
             None | Some(Value::Null) => None,
@@ -220,9 +238,8 @@ impl ModelConfig {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
-            + 2 * h
-            + 2 * self.head_dim;
+        let per_layer =
+            h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h + 2 * self.head_dim;
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
         embed + head + self.num_hidden_layers * per_layer + h
@@ -281,13 +298,18 @@ impl GenerationConfig {
             field: field.to_string(),
             message,
         };
-        let raw: Value =
-            serde_json::from_str(&text).map_err(|e| err("<file>", format!("not valid JSON: {e}")))?;
+        let raw: Value = serde_json::from_str(&text)
+            .map_err(|e| err("<file>", format!("not valid JSON: {e}")))?;
         let token_id = |v: &Value, field: &str| -> Result<u32, EngineError> {
             v.as_u64()
                 .filter(|&id| (id as usize) < vocab_size)
                 .map(|id| id as u32)
-                .ok_or_else(|| err(field, format!("{v} is not a token id below vocab_size {vocab_size}")))
+                .ok_or_else(|| {
+                    err(
+                        field,
+                        format!("{v} is not a token id below vocab_size {vocab_size}"),
+                    )
+                })
         };
         Ok(Self {
             eos_token_ids: parse_eos(raw.get("eos_token_id"), &token_id, "eos_token_id")?,

@@ -83,7 +83,10 @@ impl<B: Backend> Executor<B> {
             let start = tokens.len();
             let count = item.tokens.len();
             assert!(count > 0, "an item without tokens");
-            assert!(item.block_table.len() * bs >= item.start + count, "blocks reserved");
+            assert!(
+                item.block_table.len() * bs >= item.start + count,
+                "blocks reserved"
+            );
             tokens.extend_from_slice(item.tokens);
             seqs.push(SeqAttention {
                 q_start: start,
@@ -106,9 +109,9 @@ impl<B: Backend> Executor<B> {
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
-        let logits = self
-            .model
-            .forward(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
+        let logits =
+            self.model
+                .forward(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
         let mut out = Vec::with_capacity(items.len());
         let mut row = 0;
         for n in row_counts {

@@ -170,7 +170,10 @@ pub fn write_model_dir(
         std::fs::write(&path, bytes).map_err(|e| EngineError::io(&path, e))
     };
     let config = preset.config_json();
-    write("config.json", &serde_json::to_vec_pretty(&config).expect("json"))?;
+    write(
+        "config.json",
+        &serde_json::to_vec_pretty(&config).expect("json"),
+    )?;
     let generation = serde_json::json!({
         "bos_token_id": 151643,
         "eos_token_id": [151645, 151643],
@@ -180,7 +183,10 @@ pub fn write_model_dir(
         "generation_config.json",
         &serde_json::to_vec_pretty(&generation).expect("json"),
     )?;
-    write("tokenizer.json", crate::tokenizer::QWEN3_TOKENIZER_JSON.as_bytes())?;
+    write(
+        "tokenizer.json",
+        crate::tokenizer::QWEN3_TOKENIZER_JSON.as_bytes(),
+    )?;
     write(
         "tokenizer_config.json",
         crate::tokenizer::QWEN3_TOKENIZER_CONFIG_JSON.as_bytes(),
@@ -223,24 +229,89 @@ fn tensor_specs(preset: Preset, seed: u64) -> Vec<TensorSpec<'static>> {
     };
     let fan_in = |n: usize| Init::Uniform(1.0 / (n as f32).sqrt());
     // Embedding scale: with the tied head, logits get a spread of about 0.05·√hidden.
-    add("model.embed_tokens.weight".into(), vec![vocab, h], Init::Uniform(0.05), dtype);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![vocab, h],
+        Init::Uniform(0.05),
+        dtype,
+    );
     for i in 0..layers {
         let p = format!("model.layers.{i}");
-        add(format!("{p}.input_layernorm.weight"), vec![h], Init::NearOne, dtype);
-        add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], fan_in(h), dtype);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kvw, h], fan_in(h), dtype);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kvw, h], fan_in(h), dtype);
-        add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], fan_in(q), dtype);
-        add(format!("{p}.self_attn.q_norm.weight"), vec![hd], Init::NearOne, dtype);
-        add(format!("{p}.self_attn.k_norm.weight"), vec![hd], Init::NearOne, dtype);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![h], Init::NearOne, dtype);
-        add(format!("{p}.mlp.gate_proj.weight"), vec![inter, h], fan_in(h), dtype);
-        add(format!("{p}.mlp.up_proj.weight"), vec![inter, h], fan_in(h), dtype);
-        add(format!("{p}.mlp.down_proj.weight"), vec![h, inter], fan_in(inter), dtype);
+        add(
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            Init::NearOne,
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![q, h],
+            fan_in(h),
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kvw, h],
+            fan_in(h),
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kvw, h],
+            fan_in(h),
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, q],
+            fan_in(q),
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.q_norm.weight"),
+            vec![hd],
+            Init::NearOne,
+            dtype,
+        );
+        add(
+            format!("{p}.self_attn.k_norm.weight"),
+            vec![hd],
+            Init::NearOne,
+            dtype,
+        );
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Init::NearOne,
+            dtype,
+        );
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![inter, h],
+            fan_in(h),
+            dtype,
+        );
+        add(
+            format!("{p}.mlp.up_proj.weight"),
+            vec![inter, h],
+            fan_in(h),
+            dtype,
+        );
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, inter],
+            fan_in(inter),
+            dtype,
+        );
     }
     add("model.norm.weight".into(), vec![h], Init::NearOne, dtype);
     if !tied {
-        add("lm_head.weight".into(), vec![vocab, h], Init::Uniform(0.05), dtype);
+        add(
+            "lm_head.weight".into(),
+            vec![vocab, h],
+            Init::Uniform(0.05),
+            dtype,
+        );
     }
     out
 }
@@ -254,8 +325,9 @@ fn random_bytes(n: usize, tensor_seed: u64, init: Init, dtype: DType) -> Vec<u8>
         .par_chunks_mut(CHUNK * size)
         .enumerate()
         .for_each(|(c, chunk)| {
-            let mut rng =
-                ChaCha8Rng::seed_from_u64(tensor_seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng = ChaCha8Rng::seed_from_u64(
+                tensor_seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
             for out in chunk.chunks_exact_mut(size) {
                 let unit = (rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0;
                 let v = match init {

@@ -19,7 +19,9 @@ struct Golden {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
 }
 
 fn load_golden(dir: &Path) -> Golden {
@@ -29,7 +31,13 @@ fn load_golden(dir: &Path) -> Golden {
         v.as_array()
             .unwrap()
             .iter()
-            .map(|p| p.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect())
+            .map(|p| {
+                p.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| i.as_u64().unwrap() as u32)
+                    .collect()
+            })
             .collect()
     };
     let prompts = ids(&meta["prompts"]);
@@ -45,9 +53,18 @@ fn load_golden(dir: &Path) -> Golden {
             .collect()
     };
     let logits = (0..prompts.len())
-        .map(|i| (f32s(&format!("prompt{i}.logits")), f32s(&format!("prompt{i}.greedy_logits"))))
+        .map(|i| {
+            (
+                f32s(&format!("prompt{i}.logits")),
+                f32s(&format!("prompt{i}.greedy_logits")),
+            )
+        })
         .collect();
-    Golden { prompts, greedy, logits }
+    Golden {
+        prompts,
+        greedy,
+        logits,
+    }
 }
 
 fn runner(dir: &Path, block_size: usize) -> Runner<CpuBackend> {
@@ -60,7 +77,11 @@ fn runner(dir: &Path, block_size: usize) -> Runner<CpuBackend> {
 /// `max |a - b|`, and `max |a - b| / max |b|`.
 fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     assert_eq!(a.len(), b.len());
-    let abs = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let abs = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
     let scale = b.iter().map(|y| y.abs()).fold(0.0, f32::max);
     (abs, abs / scale)
 }
@@ -76,7 +97,12 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// Check one fixture; `check(abs, rel)` decides whether a difference is acceptable.
-fn check_fixture(name: &str, block_size: usize, prefill_chunk: usize, ok: &dyn Fn(f32, f32) -> bool) {
+fn check_fixture(
+    name: &str,
+    block_size: usize,
+    prefill_chunk: usize,
+    ok: &dyn Fn(f32, f32) -> bool,
+) {
     let dir = fixture(name);
     let golden = load_golden(&dir);
     let mut runner = runner(&dir, block_size);
@@ -89,33 +115,54 @@ fn check_fixture(name: &str, block_size: usize, prefill_chunk: usize, ok: &dyn F
         while seq.computed < prompt.len() {
             let count = prefill_chunk.min(prompt.len() - seq.computed);
             let l = runner
-                .step(&mut [StepItem { seq: &mut seq, count, all_logits: true }])
+                .step(&mut [StepItem {
+                    seq: &mut seq,
+                    count,
+                    all_logits: true,
+                }])
                 .unwrap()
                 .remove(0);
             got.extend(l.data);
         }
         let d = diff(&got, want_prompt);
-        assert!(ok(d.0, d.1), "{name} prompt {i}: prompt logits differ by {d:?}");
+        assert!(
+            ok(d.0, d.1),
+            "{name} prompt {i}: prompt logits differ by {d:?}"
+        );
         worst = (worst.0.max(d.0), worst.1.max(d.1));
 
         let mut last = got[(prompt.len() - 1) * vocab..].to_vec();
         for (step, &want_token) in golden.greedy[i].iter().enumerate() {
             let d = diff(&last, &want_greedy[step * vocab..(step + 1) * vocab]);
-            assert!(ok(d.0, d.1), "{name} prompt {i} greedy step {step}: logits differ by {d:?}");
+            assert!(
+                ok(d.0, d.1),
+                "{name} prompt {i} greedy step {step}: logits differ by {d:?}"
+            );
             worst = (worst.0.max(d.0), worst.1.max(d.1));
             let token = argmax(&last);
             assert_eq!(token, want_token, "{name} prompt {i}: greedy token {step}");
             seq.tokens.push(token);
             last = runner
-                .step(&mut [StepItem { seq: &mut seq, count: 1, all_logits: false }])
+                .step(&mut [StepItem {
+                    seq: &mut seq,
+                    count: 1,
+                    all_logits: false,
+                }])
                 .unwrap()
                 .remove(0)
                 .data;
         }
         runner.release(&mut seq);
     }
-    assert_eq!(runner.free_blocks(), runner.total_blocks(), "every block returned");
-    eprintln!("{name}: worst |Δlogit| {:.2e}, relative {:.2e}", worst.0, worst.1);
+    assert_eq!(
+        runner.free_blocks(),
+        runner.total_blocks(),
+        "every block returned"
+    );
+    eprintln!(
+        "{name}: worst |Δlogit| {:.2e}, relative {:.2e}",
+        worst.0, worst.1
+    );
 }
 
 const F32_TOLERANCE: f32 = 1e-3;
@@ -133,7 +180,9 @@ fn f32_gqa_matches_transformers() {
 
 #[test]
 fn bf16_weights_match_transformers() {
-    check_fixture("tiny-gqa-bf16", 16, usize::MAX, &|_, rel| rel <= BF16_RELATIVE_TOLERANCE);
+    check_fixture("tiny-gqa-bf16", 16, usize::MAX, &|_, rel| {
+        rel <= BF16_RELATIVE_TOLERANCE
+    });
 }
 
 #[test]
@@ -153,7 +202,11 @@ fn batched_prefill_equals_one_by_one() {
         .iter_mut()
         .map(|seq| {
             let count = seq.tokens.len();
-            StepItem { seq, count, all_logits: false }
+            StepItem {
+                seq,
+                count,
+                all_logits: false,
+            }
         })
         .collect();
     let out = runner.step(&mut items).unwrap();

@@ -83,14 +83,22 @@ fn last_logits(dir: &Path) -> Vec<f32> {
     let mut runner = Runner::new(CpuBackend::new(), model, 16, 8).unwrap();
     let mut seq = Sequence::new(vec![3, 14, 15, 92, 65, 35, 89, 79]);
     let out = runner
-        .step(&mut [StepItem { seq: &mut seq, count: 8, all_logits: false }])
+        .step(&mut [StepItem {
+            seq: &mut seq,
+            count: 8,
+            all_logits: false,
+        }])
         .unwrap();
     out[0].data.clone()
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().map(|v| v.abs()).fold(0.0, f32::max);
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / scale
 }
 
 #[test]
@@ -102,10 +110,20 @@ fn sharded_checkpoints_load_like_single_files() {
     assert!(!tmp.path().join("model.safetensors").exists());
     let shards = std::fs::read_dir(tmp.path())
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("model-0"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("model-0")
+        })
         .count();
     assert!(shards >= 3, "{shards} shards");
-    assert_eq!(last_logits(tmp.path()), want, "sharding must not change a single bit");
+    assert_eq!(
+        last_logits(tmp.path()),
+        want,
+        "sharding must not change a single bit"
+    );
 }
 
 #[test]
@@ -113,11 +131,19 @@ fn f16_and_bf16_weights_are_read_exactly() {
     for dtype in [DType::F16, DType::BF16] {
         // The same values stored in f32: the half-precision path must compute the same.
         let reference = tempfile::tempdir().unwrap();
-        write_specs(reference.path(), &specs_rounded(dtype, DType::F32), DType::F32, usize::MAX);
+        write_specs(
+            reference.path(),
+            &specs_rounded(dtype, DType::F32),
+            DType::F32,
+            usize::MAX,
+        );
         let tmp = tempfile::tempdir().unwrap();
         write(tmp.path(), dtype, usize::MAX);
         let ckpt = Checkpoint::open(tmp.path()).unwrap();
-        assert_eq!(ckpt.tensor("model.norm.weight", &[96]).unwrap().dtype, dtype);
+        assert_eq!(
+            ckpt.tensor("model.norm.weight", &[96]).unwrap().dtype,
+            dtype
+        );
         let rel = max_rel(&last_logits(tmp.path()), &last_logits(reference.path()));
         assert!(rel < 1e-5, "{dtype}: relative error {rel}");
     }
@@ -144,7 +170,10 @@ fn refusals_name_the_file_and_tensor() {
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
     let err = Checkpoint::open(tmp.path()).unwrap_err().to_string();
-    assert!(err.contains("model.safetensors") && err.contains("not a valid safetensors"), "{err}");
+    assert!(
+        err.contains("model.safetensors") && err.contains("not a valid safetensors"),
+        "{err}"
+    );
 
     // A missing tensor and a misshaped one.
     let tmp = tempfile::tempdir().unwrap();
@@ -164,7 +193,10 @@ fn refusals_name_the_file_and_tensor() {
     let err = Qwen3::load(&CpuBackend::new(), &ckpt, &bigger, &mut |_, _| {})
         .unwrap_err()
         .to_string();
-    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("shape"), "{err}");
+    assert!(
+        err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("shape"),
+        "{err}"
+    );
 
     // No checkpoint at all.
     let empty = tempfile::tempdir().unwrap();
@@ -176,7 +208,13 @@ fn refusals_name_the_file_and_tensor() {
 fn synthetic_models_go_through_the_real_files() {
     let cache = tempfile::tempdir().unwrap();
     let dir = synthetic::materialize(Preset::Tiny, 3, cache.path(), &|_, _| {}).unwrap();
-    for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ] {
         assert!(dir.join(f).exists(), "{f}");
     }
     let files = ModelFiles::open(&dir).unwrap();
@@ -191,9 +229,17 @@ fn synthetic_models_go_through_the_real_files() {
     assert_eq!(bytes(&dir), bytes(&same));
     assert_ne!(bytes(&dir), bytes(&other));
     // The real shapes are what the presets claim.
-    let cfg = |p: Preset| ModelConfig::from_json(&p.config_json().to_string(), Path::new("x")).unwrap();
+    let cfg =
+        |p: Preset| ModelConfig::from_json(&p.config_json().to_string(), Path::new("x")).unwrap();
     let small = cfg(Preset::Qwen3_0_6B);
-    assert_eq!((small.num_hidden_layers, small.hidden_size, small.num_key_value_heads), (28, 1024, 8));
+    assert_eq!(
+        (
+            small.num_hidden_layers,
+            small.hidden_size,
+            small.num_key_value_heads
+        ),
+        (28, 1024, 8)
+    );
     assert!((590_000_000..610_000_000).contains(&small.num_parameters()));
     let big = cfg(Preset::Qwen3_8B);
     assert!((8_100_000_000..8_300_000_000).contains(&big.num_parameters()));

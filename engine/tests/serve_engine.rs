@@ -43,7 +43,9 @@ fn engine(num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 37 + seed * 101 + 7) % 390).collect()
+    (0..len as u32)
+        .map(|i| (i * 37 + seed * 101 + 7) % 390)
+        .collect()
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
@@ -100,7 +102,11 @@ fn check_counters(c: &EngineCounters) {
 }
 
 fn all_free(engine: &Engine<CpuBackend>) {
-    assert_eq!(engine.num_free_blocks(), engine.num_blocks(), "every block came back");
+    assert_eq!(
+        engine.num_free_blocks(),
+        engine.num_blocks(),
+        "every block came back"
+    );
     assert_eq!(engine.num_open(), 0);
 }
 
@@ -111,15 +117,30 @@ fn cold_miss_then_local_hits_of_whole_blocks_below_the_last_token() {
     let a = run_one(&mut e, req("a", p.clone(), 6));
     let c = e.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (18, 0));
-    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (18, 0));
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (18, 0)
+    );
     let b = run_one(&mut e, req("b", p.clone(), 6));
     assert_eq!(a.tokens, b.tokens, "cached KV gives the same tokens");
     let c = e.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (36, 16));
     // External queries are what the local lookups left: 18 + 2; no host tier, no hits.
-    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (20, 0));
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (20, 0)
+    );
     let usage = b.finished.unwrap().usage;
-    assert_eq!((usage.local_cached_tokens, usage.external_cached_tokens), (16, 0));
+    assert_eq!(
+        (usage.local_cached_tokens, usage.external_cached_tokens),
+        (16, 0)
+    );
     assert_eq!((usage.prompt_tokens, usage.completion_tokens), (18, 6));
 
     // A prompt of exactly 4 blocks: the last block holds the last token, so only 3 hit.
@@ -154,10 +175,17 @@ fn disabled_cache_and_prompt_logprobs_count_no_queries() {
     with_lp.params.prompt_logprobs = Some(2);
     let r = run_one(&mut e, with_lp);
     let c = e.counters();
-    assert_eq!(c.prefix_cache_queries, 13, "only the first request looked up");
+    assert_eq!(
+        c.prefix_cache_queries, 13,
+        "only the first request looked up"
+    );
     let f = r.finished.unwrap();
     assert_eq!(f.usage.cached_tokens(), 0);
-    assert_eq!(f.prompt_logprobs.unwrap().len(), 12, "every prompt position after the first");
+    assert_eq!(
+        f.prompt_logprobs.unwrap().len(),
+        12,
+        "every prompt position after the first"
+    );
     all_free(&e);
 }
 
@@ -170,10 +198,20 @@ fn cache_salt_isolates_tenants() {
     run_one(&mut e, a);
     let mut b = req("b", p.clone(), 2);
     b.cache_salt = Some("tenant-b".into());
-    assert_eq!(run_one(&mut e, b).finished.unwrap().usage.cached_tokens(), 0);
+    assert_eq!(
+        run_one(&mut e, b).finished.unwrap().usage.cached_tokens(),
+        0
+    );
     let mut a2 = req("a2", p.clone(), 2);
     a2.cache_salt = Some("tenant-a".into());
-    assert_eq!(run_one(&mut e, a2).finished.unwrap().usage.local_cached_tokens, 16);
+    assert_eq!(
+        run_one(&mut e, a2)
+            .finished
+            .unwrap()
+            .usage
+            .local_cached_tokens,
+        16
+    );
     let unsalted = run_one(&mut e, req("c", p, 2));
     assert_eq!(unsalted.finished.unwrap().usage.cached_tokens(), 0);
 }
@@ -189,12 +227,18 @@ fn evicted_blocks_come_back_from_the_host_tier_as_external_hits() {
     // Fill the pool with other content, evicting a's cached blocks into the host tier.
     run_one(&mut e, req("x", prompt(5, 40), 4));
     let again = run_one(&mut e, req("b", p.clone(), 4));
-    assert_eq!(first.tokens, again.tokens, "restored KV gives the same tokens");
+    assert_eq!(
+        first.tokens, again.tokens,
+        "restored KV gives the same tokens"
+    );
     let usage = again.finished.unwrap().usage;
     assert_eq!(usage.local_cached_tokens + usage.external_cached_tokens, 16);
     assert!(usage.external_cached_tokens > 0, "{usage:?}");
     let c = e.counters();
-    assert_eq!(c.external_prefix_cache_hits as usize, usage.external_cached_tokens);
+    assert_eq!(
+        c.external_prefix_cache_hits as usize,
+        usage.external_cached_tokens
+    );
     // External queries: every prompt token the local lookups left.
     assert_eq!(
         c.external_prefix_cache_queries,
@@ -214,13 +258,18 @@ fn abort_after_lookup_keeps_the_counts_and_frees_everything() {
     e.submit(cfg_small).unwrap();
     e.step(); // admitted: looked up and counted
     let event = e.abort(&RequestId::from("a")).expect("open request");
-    let RequestEvent::Finished(f) = event else { panic!("{event:?}") };
+    let RequestEvent::Finished(f) = event else {
+        panic!("{event:?}")
+    };
     assert_eq!(f.reason, FinishReason::Abort);
     assert_eq!(f.usage.local_cached_tokens, 28);
     let c = e.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (60, 28));
     assert_eq!(c.requests_finished_abort, 1);
-    assert!(e.abort(&RequestId::from("a")).is_none(), "exactly one terminal event");
+    assert!(
+        e.abort(&RequestId::from("a")).is_none(),
+        "exactly one terminal event"
+    );
     // Aborted while still waiting: never looked up, nothing counted.
     e.submit(req("w", p, 3)).unwrap();
     e.abort(&RequestId::from("w")).unwrap();
@@ -243,8 +292,22 @@ fn batching_chunking_caching_and_preemption_never_change_tokens() {
 
     let variants: Vec<(&str, usize, EngineConfig)> = vec![
         ("batched", 256, config()),
-        ("chunked", 256, EngineConfig { max_num_batched_tokens: 5, ..config() }),
-        ("one-seq", 256, EngineConfig { max_num_seqs: 1, ..config() }),
+        (
+            "chunked",
+            256,
+            EngineConfig {
+                max_num_batched_tokens: 5,
+                ..config()
+            },
+        ),
+        (
+            "one-seq",
+            256,
+            EngineConfig {
+                max_num_seqs: 1,
+                ..config()
+            },
+        ),
         // 14 blocks cannot hold all five at once: preemption by recompute.
         ("preempting", 14, config()),
     ];
@@ -259,7 +322,10 @@ fn batching_chunking_caching_and_preemption_never_change_tokens() {
         }
         let c = e.counters();
         let prompt_total: u64 = prompts.iter().map(|p| p.len() as u64).sum();
-        assert_eq!(c.prefix_cache_queries, prompt_total, "{name}: each request looked up once");
+        assert_eq!(
+            c.prefix_cache_queries, prompt_total,
+            "{name}: each request looked up once"
+        );
         assert_eq!(c.prompt_tokens(), prompt_total, "{name}");
         assert_eq!(c.generation_tokens, 60, "{name}");
         if name == "preempting" {
@@ -279,7 +345,10 @@ fn a_request_larger_than_the_pool_is_refused_not_hung() {
     let err = e.submit(req("bad", vec![1, 2, 400], 1)).unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     e.submit(req("dup", prompt(1, 3), 1)).unwrap();
-    assert_eq!(e.submit(req("dup", prompt(1, 3), 1)).unwrap_err().kind, ErrorKind::InvalidArgument);
+    assert_eq!(
+        e.submit(req("dup", prompt(1, 3), 1)).unwrap_err().kind,
+        ErrorKind::InvalidArgument
+    );
     drain(&mut e);
     all_free(&e);
 }
@@ -291,7 +360,11 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
     cfg.lease_timeout = Duration::from_millis(1);
     let mut e = engine(64, cfg);
     let out = run_one(&mut e, req("a", prompt(8, 10), 100));
-    assert_eq!(out.tokens.len(), 1, "a prefill node stops after the first token");
+    assert_eq!(
+        out.tokens.len(),
+        1,
+        "a prefill node stops after the first token"
+    );
     let lease = out.finished.unwrap().lease.expect("a lease");
     assert_eq!(lease.blocks.len(), 3);
     assert_eq!(lease.block_hashes.len(), 2);
@@ -315,7 +388,10 @@ fn driver_streams_events_and_aborts_when_the_receiver_is_dropped() {
     let rx = h.submit(req("a", prompt(9, 12), 5));
     let mut tokens = 0;
     let finished = loop {
-        match rx.recv_timeout(Duration::from_secs(60)).expect("events arrive") {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("events arrive")
+        {
             RequestEvent::Token(_) => tokens += 1,
             RequestEvent::Finished(f) => break f,
             RequestEvent::Failed(e) => panic!("{e}"),
@@ -323,12 +399,17 @@ fn driver_streams_events_and_aborts_when_the_receiver_is_dropped() {
     };
     assert_eq!((tokens, finished.reason), (5, FinishReason::Length));
     let bad = h.submit(req("b", vec![], 5));
-    assert!(matches!(bad.recv().unwrap(), RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument));
+    assert!(
+        matches!(bad.recv().unwrap(), RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument)
+    );
     // A client that goes away: its request is aborted and its blocks return.
     drop(h.submit(req("gone", prompt(9, 12), 200)));
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while h.counters().requests_finished_abort == 0 {
-        assert!(std::time::Instant::now() < deadline, "the dropped request was not aborted");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dropped request was not aborted"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(h.counters().num_running, 0);
@@ -344,42 +425,73 @@ fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
     let mut mixed = engine(64, config());
     let want = run_one(&mut mixed, req("m", p.clone(), 8)).tokens;
 
-    let mut prefill = engine(64, EngineConfig { role: Role::Prefill, ..config() });
-    let mut decode = engine(64, EngineConfig { role: Role::Decode, ..config() });
-    let mut transfer = |id: &str, p: &[u32], prefill: &mut Engine<CpuBackend>, decode: &mut Engine<CpuBackend>| {
-        let first = run_one(prefill, req(id, p.to_vec(), 8));
-        let lease = first.finished.unwrap().lease.unwrap();
-        let have = decode.cached_prefix_blocks(p, None);
-        let blocks = prefill
-            .read_lease(lease.lease_id, have, lease.blocks.len() - have)
-            .unwrap();
-        assert!(prefill.release_lease(lease.lease_id));
-        let mut r = req(id, p.to_vec(), 8);
-        r.imported = Some(pd_engine::serve::ImportedKv {
-            first_block: have,
-            blocks,
-            first_token: first.tokens[0],
-        });
-        let rest = run_one(decode, r);
-        let mut tokens = first.tokens.clone();
-        tokens.extend(rest.tokens);
-        (tokens, rest.finished.unwrap().usage, have)
-    };
+    let mut prefill = engine(
+        64,
+        EngineConfig {
+            role: Role::Prefill,
+            ..config()
+        },
+    );
+    let mut decode = engine(
+        64,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    );
+    let transfer =
+        |id: &str, p: &[u32], prefill: &mut Engine<CpuBackend>, decode: &mut Engine<CpuBackend>| {
+            let first = run_one(prefill, req(id, p.to_vec(), 8));
+            let lease = first.finished.unwrap().lease.unwrap();
+            let have = decode.cached_prefix_blocks(p, None);
+            let blocks = prefill
+                .read_lease(lease.lease_id, have, lease.blocks.len() - have)
+                .unwrap();
+            assert!(prefill.release_lease(lease.lease_id));
+            let mut r = req(id, p.to_vec(), 8);
+            r.imported = Some(pd_engine::serve::ImportedKv {
+                first_block: have,
+                blocks,
+                first_token: first.tokens[0],
+            });
+            let rest = run_one(decode, r);
+            let mut tokens = first.tokens.clone();
+            tokens.extend(rest.tokens);
+            (tokens, rest.finished.unwrap().usage, have)
+        };
     let (tokens, usage, have) = transfer("a", &p, &mut prefill, &mut decode);
     assert_eq!(tokens, want, "prefill + decode equals one mixed engine");
     assert_eq!(have, 0);
-    assert_eq!((usage.local_cached_tokens, usage.external_cached_tokens), (0, 23));
+    assert_eq!(
+        (usage.local_cached_tokens, usage.external_cached_tokens),
+        (0, 23)
+    );
     let c = decode.counters();
-    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (23, 23));
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (23, 23)
+    );
 
     // Same prompt again: the decode node caches its 5 full blocks and pulls only the last.
     let (tokens, usage, have) = transfer("b", &p, &mut prefill, &mut decode);
     assert_eq!(tokens, want);
     assert_eq!(have, 5);
-    assert_eq!((usage.local_cached_tokens, usage.external_cached_tokens), (20, 3));
+    assert_eq!(
+        (usage.local_cached_tokens, usage.external_cached_tokens),
+        (20, 3)
+    );
     let c = decode.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (46, 20));
-    assert_eq!((c.external_prefix_cache_queries, c.external_prefix_cache_hits), (26, 26));
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (26, 26)
+    );
     all_free(&prefill);
     all_free(&decode);
     assert_eq!(prefill.num_leases(), 0);
@@ -388,6 +500,10 @@ fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
     let err = decode.submit(req("x", p.clone(), 4)).unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidArgument);
     let mut bad = req("y", p.clone(), 4);
-    bad.imported = Some(pd_engine::serve::ImportedKv { first_block: 0, blocks: vec![vec![0.0; 3]; 6], first_token: 1 });
+    bad.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: vec![vec![0.0; 3]; 6],
+        first_token: 1,
+    });
     assert!(decode.submit(bad).unwrap_err().message.contains("layout"));
 }

@@ -40,7 +40,10 @@ pub struct BenchModelArgs {
 /// with every rayon thread, as the decode kernels read weights.
 pub fn read_bandwidth(bytes: usize, repeat: usize) -> f64 {
     let words = bytes / 8;
-    let buf: Vec<u64> = (0..words as u64).into_par_iter().map(|i| i.wrapping_mul(0x9E37)).collect();
+    let buf: Vec<u64> = (0..words as u64)
+        .into_par_iter()
+        .map(|i| i.wrapping_mul(0x9E37))
+        .collect();
     let mut best = 0.0f64;
     for _ in 0..repeat.max(1) {
         let t = Instant::now();
@@ -58,7 +61,10 @@ pub fn read_bandwidth(bytes: usize, repeat: usize) -> f64 {
 pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be > 0");
     anyhow::ensure!(args.decode_steps > 0, "--decode-steps must be > 0");
-    anyhow::ensure!(!args.batch.is_empty() && !args.batch.contains(&0), "--batch sizes must be > 0");
+    anyhow::ensure!(
+        !args.batch.is_empty() && !args.batch.contains(&0),
+        "--batch sizes must be > 0"
+    );
     let files = crate::load::open(&args.model)?;
     let model = crate::load::weights(&files)?;
     let weight_bytes = model.weight_bytes_per_step();
@@ -73,7 +79,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
 
     // Deterministic pseudo-random prompts.
     let prompt = |seed: usize, len: usize| -> Vec<u32> {
-        (0..len).map(|i| ((i * 7919 + seed * 104_729 + 17) as u32) % vocab).collect()
+        (0..len)
+            .map(|i| ((i * 7919 + seed * 104_729 + 17) as u32) % vocab)
+            .collect()
     };
 
     // Prefill: one prompt of prompt_len tokens in one forward pass.
@@ -81,7 +89,11 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     for r in 0..args.repeat.max(1) {
         let mut seq = Sequence::new(prompt(r, args.prompt_len));
         let t = Instant::now();
-        runner.step(&mut [StepItem { seq: &mut seq, count: args.prompt_len, all_logits: false }])?;
+        runner.step(&mut [StepItem {
+            seq: &mut seq,
+            count: args.prompt_len,
+            all_logits: false,
+        }])?;
         let dt = t.elapsed().as_secs_f64();
         runner.release(&mut seq);
         prefill_best = prefill_best.max(args.prompt_len as f64 / dt);
@@ -89,19 +101,30 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
 
     let mut decode = Vec::new();
     for &batch in &args.batch {
-        let mut seqs: Vec<Sequence> =
-            (0..batch).map(|b| Sequence::new(prompt(100 + b, args.decode_context))).collect();
+        let mut seqs: Vec<Sequence> = (0..batch)
+            .map(|b| Sequence::new(prompt(100 + b, args.decode_context)))
+            .collect();
         for seq in seqs.iter_mut() {
             let n = seq.tokens.len();
-            runner.step(&mut [StepItem { seq, count: n, all_logits: false }])?;
+            runner.step(&mut [StepItem {
+                seq,
+                count: n,
+                all_logits: false,
+            }])?;
         }
         let mut best_step = f64::INFINITY;
         for step in 0..args.decode_steps {
             for (b, seq) in seqs.iter_mut().enumerate() {
                 seq.tokens.push(((step * 31 + b * 7) as u32) % vocab);
             }
-            let mut items: Vec<StepItem<'_>> =
-                seqs.iter_mut().map(|seq| StepItem { seq, count: 1, all_logits: false }).collect();
+            let mut items: Vec<StepItem<'_>> = seqs
+                .iter_mut()
+                .map(|seq| StepItem {
+                    seq,
+                    count: 1,
+                    all_logits: false,
+                })
+                .collect();
             let t = Instant::now();
             runner.step(&mut items)?;
             best_step = best_step.min(t.elapsed().as_secs_f64());
@@ -132,13 +155,19 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{out}");
         return Ok(());
     }
-    println!("model            {} ({}, {} threads)", args.model, files.config.dtype, threads);
+    println!(
+        "model            {} ({}, {} threads)",
+        args.model, files.config.dtype, threads
+    );
     println!(
         "memory read      {:.1} GB/s (best of before/after, 1 GiB buffer)",
         bandwidth / 1e9
     );
     println!("weights / step   {:.1} MB", weight_bytes as f64 / 1e6);
-    println!("prefill          {:.1} tokens/s (prompt {})", prefill_best, args.prompt_len);
+    println!(
+        "prefill          {:.1} tokens/s (prompt {})",
+        prefill_best, args.prompt_len
+    );
     for (batch, tok_s, effective) in decode {
         println!(
             "decode batch {:<3} {:.1} tokens/s  weights read at {:.1} GB/s = {:.0} % of bandwidth",

@@ -10,9 +10,11 @@ use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
 fn bar(message: &'static str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
-        ProgressStyle::with_template("{msg:>18} [{bar:30}] {binary_bytes}/{binary_total_bytes} ({eta})")
-            .expect("static template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg:>18} [{bar:30}] {binary_bytes}/{binary_total_bytes} ({eta})",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
     );
     bar.set_message(message);
     bar.enable_steady_tick(Duration::from_millis(200));

@@ -15,7 +15,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "pdctl", version, about = "Run, inspect and benchmark the Qwen3 PD cluster")]
+#[command(
+    name = "pdctl",
+    version,
+    about = "Run, inspect and benchmark the Qwen3 PD cluster"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,7 +28,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Generate with one model in this process (no cluster).
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Print the token ids of raw text (no template, no special tokens added).
     Tokenize(tokenize::TokenizeArgs),
     /// Measure prefill and decode speed against the machine's memory-read bandwidth.
@@ -41,7 +45,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run::run(args),
+        Command::Run(args) => run::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::BenchModel(args) => bench_model::run(args),
     };

@@ -16,7 +16,9 @@ use pd_engine::executor::Executor;
 use pd_engine::generate::validate_prompt;
 use pd_engine::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use pd_engine::model::ModelFiles;
-use pd_engine::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob};
+use pd_engine::sampling::{
+    FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
+};
 use pd_engine::serve::{
     Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, RequestEvent, RequestId, Role,
     Usage,
@@ -175,7 +177,10 @@ struct Outcome {
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let files = crate::load::open(&args.model)?;
     let config = &files.config;
-    let max_model_len = args.engine.max_model_len.unwrap_or(config.max_position_embeddings);
+    let max_model_len = args
+        .engine
+        .max_model_len
+        .unwrap_or(config.max_position_embeddings);
     anyhow::ensure!(
         (1..=config.max_position_embeddings).contains(&max_model_len),
         "--max-model-len {max_model_len} must be between 1 and the model's {} positions",
@@ -184,11 +189,22 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let jobs = jobs(&args, &files)?;
     for (i, job) in jobs.iter().enumerate() {
         let at = |e: anyhow::Error| {
-            if jobs.len() > 1 { e.context(format!("prompt {}", i + 1)) } else { e }
+            if jobs.len() > 1 {
+                e.context(format!("prompt {}", i + 1))
+            } else {
+                e
+            }
         };
-        job.params.validate(config.vocab_size, max_model_len as u32).map_err(|e| at(e.into()))?;
-        validate_prompt(&job.prompt, config.vocab_size, max_model_len, job.params.max_tokens)
+        job.params
+            .validate(config.vocab_size, max_model_len as u32)
             .map_err(|e| at(e.into()))?;
+        validate_prompt(
+            &job.prompt,
+            config.vocab_size,
+            max_model_len,
+            job.params.max_tokens,
+        )
+        .map_err(|e| at(e.into()))?;
     }
 
     let layout = KvLayout::new(config, args.engine.block_size)?;
@@ -271,7 +287,9 @@ fn collect(
     let mut logprobs = Vec::new();
     let mut text_finish: Option<FinishReason> = None;
     loop {
-        let event = rx.recv().context("the engine stopped without finishing the request")?;
+        let event = rx
+            .recv()
+            .context("the engine stopped without finishing the request")?;
         match event {
             RequestEvent::Token(t) => {
                 if text_finish.is_some() {
@@ -327,14 +345,21 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
     if let Some(text) = &args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
-            messages.push(ChatMessage { role: ChatRole::System, content: system.clone() });
+            messages.push(ChatMessage {
+                role: ChatRole::System,
+                content: system.clone(),
+            });
         }
-        messages.push(ChatMessage { role: ChatRole::User, content: text.clone() });
+        messages.push(ChatMessage {
+            role: ChatRole::User,
+            content: text.clone(),
+        });
         let rendered = tokenizer.apply_chat_template(&messages, true)?;
         return Ok(vec![one(tokenizer.encode(&rendered)?)]);
     }
     let path = args.prompts_file.as_ref().expect("clap requires one input");
-    let body = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let body =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut jobs = Vec::new();
     for (n, line) in body.lines().enumerate() {
         if line.trim().is_empty() {
@@ -343,15 +368,28 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
         let at = format!("{}:{}", path.display(), n + 1);
         let v: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{at}: not a JSON object"))?;
-        let obj = v.as_object().with_context(|| format!("{at}: not a JSON object"))?;
+        let obj = v
+            .as_object()
+            .with_context(|| format!("{at}: not a JSON object"))?;
         for key in obj.keys() {
-            if !["token_ids", "prompt", "max_tokens", "cache_salt", "prompt_logprobs"].contains(&key.as_str()) {
+            if ![
+                "token_ids",
+                "prompt",
+                "max_tokens",
+                "cache_salt",
+                "prompt_logprobs",
+            ]
+            .contains(&key.as_str())
+            {
                 bail!("{at}: unknown field {key:?}");
             }
         }
         let prompt = match (obj.get("token_ids"), obj.get("prompt")) {
-            (Some(ids), None) => serde_json::from_value::<Vec<u32>>(ids.clone())
-                .with_context(|| format!("{at}: token_ids must be a list of non-negative integers"))?,
+            (Some(ids), None) => {
+                serde_json::from_value::<Vec<u32>>(ids.clone()).with_context(|| {
+                    format!("{at}: token_ids must be a list of non-negative integers")
+                })?
+            }
             (None, Some(serde_json::Value::String(text))) => tokenizer.encode(text)?,
             (None, Some(_)) => bail!("{at}: prompt must be a string"),
             _ => bail!("{at}: exactly one of token_ids or prompt is required"),
@@ -367,7 +405,9 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
             p.prompt_logprobs = Some(
                 k.as_u64()
                     .and_then(|k| u32::try_from(k).ok())
-                    .with_context(|| format!("{at}: prompt_logprobs must be a non-negative integer"))?,
+                    .with_context(|| {
+                        format!("{at}: prompt_logprobs must be a non-negative integer")
+                    })?,
             );
         }
         let cache_salt = match obj.get("cache_salt") {
@@ -375,7 +415,11 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
             Some(serde_json::Value::String(s)) => Some(s.clone()),
             Some(_) => bail!("{at}: cache_salt must be a string"),
         };
-        jobs.push(Job { prompt, params: p, cache_salt });
+        jobs.push(Job {
+            prompt,
+            params: p,
+            cache_salt,
+        });
     }
     anyhow::ensure!(!jobs.is_empty(), "{}: no prompts", path.display());
     Ok(jobs)

@@ -48,7 +48,13 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         let text = value
             .get("text")
             .and_then(|t| t.as_str())
-            .with_context(|| format!("{}:{}: missing string field \"text\"", path.display(), n + 1))?;
+            .with_context(|| {
+                format!(
+                    "{}:{}: missing string field \"text\"",
+                    path.display(),
+                    n + 1
+                )
+            })?;
         let ids = tokenizer.encode(text)?;
         writeln!(out, "{}", serde_json::json!({ "ids": ids }))?;
         out.flush()?;

@@ -17,7 +17,8 @@ fn pdctl(cache: &Path, args: &[&str]) -> Output {
 /// A cache shared by the tests of this file, so `synthetic:tiny` is written once.
 fn cache() -> &'static Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir")).path()
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
+        .path()
 }
 
 fn json_of(out: &Output) -> serde_json::Value {
@@ -32,9 +33,15 @@ fn json_of(out: &Output) -> serde_json::Value {
 /// A failing run: non-zero exit, no panic, and exactly one line on stderr naming `needle`.
 fn assert_refused(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success: {stderr}");
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    assert!(!stderr.contains("RUST_BACKTRACE"), "backtrace hint: {stderr}");
+    assert!(
+        !stderr.contains("RUST_BACKTRACE"),
+        "backtrace hint: {stderr}"
+    );
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line expected, got: {stderr}");
     assert!(
@@ -47,8 +54,19 @@ fn assert_refused(out: &Output, needle: &str) {
 #[test]
 fn run_json_is_complete_and_greedy_is_deterministic() {
     let args = [
-        "run", "--model", "synthetic:tiny", "--prompt", "Hello, world", "--max-tokens", "5",
-        "--ignore-eos", "--logprobs", "3", "--prompt-logprobs", "2", "--json",
+        "run",
+        "--model",
+        "synthetic:tiny",
+        "--prompt",
+        "Hello, world",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--logprobs",
+        "3",
+        "--prompt-logprobs",
+        "2",
+        "--json",
     ];
     let a = json_of(&pdctl(cache(), &args));
     let b = json_of(&pdctl(cache(), &args));
@@ -80,8 +98,20 @@ fn same_seed_same_sample_and_chat_template_is_applied() {
         json_of(&pdctl(
             cache(),
             &[
-                "run", "--model", "synthetic:tiny", "--chat", "Tell me a story", "--max-tokens",
-                "8", "--temperature", "1.0", "--top-p", "0.9", "--seed", seed, "--ignore-eos",
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--chat",
+                "Tell me a story",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.9",
+                "--seed",
+                seed,
+                "--ignore-eos",
                 "--json",
             ],
         ))
@@ -100,7 +130,11 @@ fn tokenize_text_and_jsonl() {
     assert_eq!(out, serde_json::json!({"ids": [9707, 1879]}));
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("in.jsonl");
-    std::fs::write(&file, "{\"text\": \"Hello world\"}\n{\"text\": \"<|im_start|>\"}\n").unwrap();
+    std::fs::write(
+        &file,
+        "{\"text\": \"Hello world\"}\n{\"text\": \"<|im_start|>\"}\n",
+    )
+    .unwrap();
     let out = pdctl(cache(), &["tokenize", "--jsonl", file.to_str().unwrap()]);
     assert!(out.status.success());
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
@@ -116,9 +150,22 @@ fn tokenize_text_and_jsonl() {
 fn streams_text_to_stdout() {
     let out = pdctl(
         cache(),
-        &["run", "--model", "synthetic:tiny", "--prompt", "abc", "--max-tokens", "4", "--ignore-eos"],
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--prompt",
+            "abc",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+        ],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!out.stdout.is_empty());
 }
 
@@ -126,7 +173,10 @@ fn streams_text_to_stdout() {
 fn bad_input_is_refused_with_one_clear_line() {
     let c = cache();
     assert_refused(
-        &pdctl(c, &["run", "--model", "/nonexistent/model", "--prompt", "x"]),
+        &pdctl(
+            c,
+            &["run", "--model", "/nonexistent/model", "--prompt", "x"],
+        ),
         "does not exist",
     );
     assert_refused(
@@ -134,7 +184,16 @@ fn bad_input_is_refused_with_one_clear_line() {
         "synthetic:tiny",
     );
     assert_refused(
-        &pdctl(c, &["run", "--model", "synthetic:tiny", "--token-ids", "1,999999999"]),
+        &pdctl(
+            c,
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--token-ids",
+                "1,999999999",
+            ],
+        ),
         "outside the vocabulary",
     );
     assert_refused(
@@ -142,15 +201,48 @@ fn bad_input_is_refused_with_one_clear_line() {
         "empty",
     );
     assert_refused(
-        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--temperature", "-1"]),
+        &pdctl(
+            c,
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt",
+                "x",
+                "--temperature",
+                "-1",
+            ],
+        ),
         "temperature",
     );
     assert_refused(
-        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--top-p", "1.5"]),
+        &pdctl(
+            c,
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt",
+                "x",
+                "--top-p",
+                "1.5",
+            ],
+        ),
         "top_p",
     );
     assert_refused(
-        &pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--top-p", "0"]),
+        &pdctl(
+            c,
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt",
+                "x",
+                "--top-p",
+                "0",
+            ],
+        ),
         "top_p",
     );
     let long: String = "hello ".repeat(5000);
@@ -166,16 +258,42 @@ fn broken_model_directories_are_refused_naming_the_problem() {
     let src = json_of(&pdctl(c, &["tokenize", "--text", "x"]));
     assert!(src["ids"].is_array());
     // Materialise the tiny model, then copy it and break the copies.
-    assert!(pdctl(c, &["run", "--model", "synthetic:tiny", "--prompt", "x", "--max-tokens", "1"]).status.success());
+    assert!(
+        pdctl(
+            c,
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "1"
+            ]
+        )
+        .status
+        .success()
+    );
     let tiny = std::fs::read_dir(c.join("synthetic"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("tiny-"))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("tiny-")
+        })
         .expect("tiny model in the cache");
     let copy = |name: &str| {
         let dir = c.join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+        for f in [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors",
+        ] {
             std::fs::copy(tiny.join(f), dir.join(f)).unwrap();
         }
         dir
@@ -187,7 +305,10 @@ fn broken_model_directories_are_refused_naming_the_problem() {
     bytes[8..16].copy_from_slice(b"{garbage");
     std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
     assert_refused(
-        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        &pdctl(
+            c,
+            &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"],
+        ),
         "model.safetensors",
     );
 
@@ -198,7 +319,10 @@ fn broken_model_directories_are_refused_naming_the_problem() {
     cfg["intermediate_size"] = serde_json::json!(200);
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     assert_refused(
-        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        &pdctl(
+            c,
+            &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"],
+        ),
         "mlp.gate_proj.weight",
     );
 
@@ -209,13 +333,20 @@ fn broken_model_directories_are_refused_naming_the_problem() {
     cfg["model_type"] = serde_json::json!("qwen3_moe");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     assert_refused(
-        &pdctl(c, &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"]),
+        &pdctl(
+            c,
+            &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"],
+        ),
         "architectures",
     );
 }
 
 fn json_lines(out: &Output) -> Vec<serde_json::Value> {
-    assert!(out.status.success(), "pdctl failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "pdctl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
@@ -237,20 +368,42 @@ fn prompts_file_shows_the_prefix_cache_at_work() {
     let body: String = lines.iter().map(|l| format!("{l}\n")).collect();
     std::fs::write(&file, body).unwrap();
     let f = file.to_str().unwrap();
-    let base = ["run", "--model", "synthetic:tiny", "--prompts-file", f, "--ignore-eos", "--json"];
+    let base = [
+        "run",
+        "--model",
+        "synthetic:tiny",
+        "--prompts-file",
+        f,
+        "--ignore-eos",
+        "--json",
+    ];
     let out = json_lines(&pdctl(cache(), &base));
     assert_eq!(out.len(), 5, "one result per line, in input order");
     let usage = |i: usize, k: &str| out[i]["usage"][k].as_u64().unwrap();
     let prompt_tokens = usage(0, "prompt_tokens");
     let whole_blocks = (prompt_tokens - 1) / 16 * 16;
     assert_eq!(usage(0, "cached_tokens"), 0, "cold");
-    assert_eq!(usage(1, "local_cached_tokens"), whole_blocks, "warm: whole blocks below the last token");
+    assert_eq!(
+        usage(1, "local_cached_tokens"),
+        whole_blocks,
+        "warm: whole blocks below the last token"
+    );
     assert_eq!(usage(1, "cached_tokens"), whole_blocks);
     assert_eq!(usage(1, "external_cached_tokens"), 0);
     assert_eq!(usage(2, "cached_tokens"), 0, "another salt never hits");
-    assert_eq!(usage(3, "cached_tokens"), 0, "prompt logprobs need every position computed");
-    assert_eq!(out[3]["prompt_logprobs"].as_array().unwrap().len() as u64, prompt_tokens - 1);
-    assert_eq!(out[0]["token_ids"], out[1]["token_ids"], "cached KV gives the same tokens");
+    assert_eq!(
+        usage(3, "cached_tokens"),
+        0,
+        "prompt logprobs need every position computed"
+    );
+    assert_eq!(
+        out[3]["prompt_logprobs"].as_array().unwrap().len() as u64,
+        prompt_tokens - 1
+    );
+    assert_eq!(
+        out[0]["token_ids"], out[1]["token_ids"],
+        "cached KV gives the same tokens"
+    );
     assert_eq!(out[4]["usage"]["prompt_tokens"], 3);
 
     // The same file all at once: the same tokens for every prompt.
@@ -268,14 +421,27 @@ fn prompts_file_shows_the_prefix_cache_at_work() {
     }
     // Bad lines are refused naming the line.
     std::fs::write(&file, "{\"prompt\": \"x\"}\n{\"promt\": \"x\"}\n").unwrap();
-    assert_refused(&pdctl(cache(), &["run", "--prompts-file", f]), "prompts.jsonl:2");
+    assert_refused(
+        &pdctl(cache(), &["run", "--prompts-file", f]),
+        "prompts.jsonl:2",
+    );
 }
 
 #[test]
 fn stop_strings_end_the_text_and_the_request() {
     let free = json_of(&pdctl(
         cache(),
-        &["run", "--model", "synthetic:tiny", "--prompt", "Once upon a time", "--max-tokens", "12", "--ignore-eos", "--json"],
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ],
     ));
     let text = free["text"].as_str().unwrap();
     // Stop at a piece of the text the model will produce: the output ends right before it.
@@ -285,12 +451,24 @@ fn stop_strings_end_the_text_and_the_request() {
     let stopped = json_of(&pdctl(
         cache(),
         &[
-            "run", "--model", "synthetic:tiny", "--prompt", "Once upon a time", "--max-tokens", "12",
-            "--ignore-eos", "--json", "--stop", &stop,
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+            "--stop",
+            &stop,
         ],
     ));
     let got = stopped["text"].as_str().unwrap();
     assert_eq!(stopped["finish_reason"], "stop");
-    assert!(text.starts_with(got) && !got.contains(&stop), "{got:?} vs {text:?} stop {stop:?}");
+    assert!(
+        text.starts_with(got) && !got.contains(&stop),
+        "{got:?} vs {text:?} stop {stop:?}"
+    );
     assert!(stopped["token_ids"].as_array().unwrap().len() <= 12);
 }

@@ -78,16 +78,24 @@ pub trait Backend: Send + Sync + 'static {
     fn load_weight(&self, name: &str, view: TensorView) -> Result<Self::Weight, EngineError>;
 
     /// Allocate KV storage for `num_blocks` blocks of `layout`.
-    fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize)
-    -> Result<Self::KvStorage, EngineError>;
+    fn alloc_kv(
+        &self,
+        layout: &KvLayout,
+        num_blocks: usize,
+    ) -> Result<Self::KvStorage, EngineError>;
 
     /// Rows of the embedding table for `ids` (`[ids.len(), hidden]`).
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
 
     /// RMSNorm over each consecutive group of `group` features (group = hidden size for the
     /// layer norms, head_dim for Qwen3's per-head q/k norms), times `weight` (`[group]`).
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32)
-    -> Self::Tensor;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        group: usize,
+        eps: f32,
+    ) -> Self::Tensor;
 
     /// `x · Wᵀ`: `[rows, in] × [out, in]ᵀ → [rows, out]`.
     fn linear(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;

@@ -86,7 +86,9 @@ impl BlockAllocator {
         tokens: usize,
         block_size: usize,
     ) -> Result<(), EngineError> {
-        let need = tokens.div_ceil(block_size).saturating_sub(table.blocks.len());
+        let need = tokens
+            .div_ceil(block_size)
+            .saturating_sub(table.blocks.len());
         if need > self.free.len() {
             return Err(EngineError::OutOfBlocks(format!(
                 "{tokens} tokens need {need} more blocks of {block_size}, {} free",

@@ -47,7 +47,10 @@ impl ModelSource {
     }
 
     /// The model directory, materialising a synthetic model if needed.
-    pub fn resolve(&self, progress: &(dyn Fn(usize, usize) + Sync)) -> Result<PathBuf, EngineError> {
+    pub fn resolve(
+        &self,
+        progress: &(dyn Fn(usize, usize) + Sync),
+    ) -> Result<PathBuf, EngineError> {
         match self {
             ModelSource::Dir(dir) => {
                 if !dir.is_dir() {

@@ -34,7 +34,9 @@ pub struct Qwen3<B: Backend> {
 
 impl<B: Backend> std::fmt::Debug for Qwen3<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Qwen3").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("Qwen3")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -73,9 +75,18 @@ impl<B: Backend> Qwen3<B> {
                 q_norm: get(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
                 k_norm: get(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
                 post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_proj: get(&format!("{p}.mlp.gate_proj.weight"), &[c.intermediate_size, h])?,
-                up_proj: get(&format!("{p}.mlp.up_proj.weight"), &[c.intermediate_size, h])?,
-                down_proj: get(&format!("{p}.mlp.down_proj.weight"), &[h, c.intermediate_size])?,
+                gate_proj: get(
+                    &format!("{p}.mlp.gate_proj.weight"),
+                    &[c.intermediate_size, h],
+                )?,
+                up_proj: get(
+                    &format!("{p}.mlp.up_proj.weight"),
+                    &[c.intermediate_size, h],
+                )?,
+                down_proj: get(
+                    &format!("{p}.mlp.down_proj.weight"),
+                    &[h, c.intermediate_size],
+                )?,
             });
         }
         let norm = get("model.norm.weight", &[h])?;

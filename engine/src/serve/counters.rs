@@ -27,7 +27,10 @@ impl PrefixOutcome {
         // Hits never exceed the prompt; a local lookup never covers the last prompt token
         // (the engine caps it), while KV received from a prefill node may cover the whole
         // prompt on a decode node.
-        assert!(local_hits + external_hits <= prompt_tokens, "hits exceed the prompt");
+        assert!(
+            local_hits + external_hits <= prompt_tokens,
+            "hits exceed the prompt"
+        );
         Self {
             queries: prompt_tokens,
             local_hits,
@@ -101,9 +104,21 @@ mod tests {
         let mut c = EngineCounters::default();
         c.on_admitted(40, Some(&PrefixOutcome::new(40, 16, 16)));
         assert_eq!(
-            (c.prefix_cache_queries, c.prefix_cache_hits, c.external_prefix_cache_queries, c.external_prefix_cache_hits),
+            (
+                c.prefix_cache_queries,
+                c.prefix_cache_hits,
+                c.external_prefix_cache_queries,
+                c.external_prefix_cache_hits
+            ),
             (40, 16, 24, 16)
         );
-        assert_eq!((c.prompt_tokens_local_cache, c.prompt_tokens_external, c.prompt_tokens_computed), (16, 16, 8));
+        assert_eq!(
+            (
+                c.prompt_tokens_local_cache,
+                c.prompt_tokens_external,
+                c.prompt_tokens_computed
+            ),
+            (16, 16, 8)
+        );
     }
 }

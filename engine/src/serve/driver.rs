@@ -92,7 +92,8 @@ impl EngineHandle {
     /// Submit a request; its events (exactly one terminal) arrive on the returned channel.
     pub fn submit(&self, req: EngineRequest) -> Receiver<RequestEvent> {
         let (tx, rx) = mpsc::channel();
-        if let Err(mpsc::SendError(Command::Submit(_, tx))) = self.tx.send(Command::Submit(req, tx)) {
+        if let Err(mpsc::SendError(Command::Submit(_, tx))) = self.tx.send(Command::Submit(req, tx))
+        {
             let _ = tx.send(RequestEvent::Failed(unavailable()));
         }
         rx
@@ -114,7 +115,11 @@ impl EngineHandle {
     /// Leading blocks of `tokens` this engine's device cache holds (0 if the engine is gone).
     pub fn cached_prefix_blocks(&self, tokens: Vec<u32>, salt: Option<String>) -> usize {
         let (tx, rx) = mpsc::channel();
-        if self.tx.send(Command::CachedPrefix(tokens, salt, tx)).is_err() {
+        if self
+            .tx
+            .send(Command::CachedPrefix(tokens, salt, tx))
+            .is_err()
+        {
             return 0;
         }
         rx.recv().unwrap_or(0)
@@ -123,7 +128,9 @@ impl EngineHandle {
     /// Copy blocks of a lease out of KV storage (`None`: no such lease, or out of range).
     pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::ReadLease(lease_id, first, count, tx)).ok()?;
+        self.tx
+            .send(Command::ReadLease(lease_id, first, count, tx))
+            .ok()?;
         rx.recv().ok().flatten()
     }
 
@@ -169,7 +176,10 @@ fn run<B: Backend>(
             }
         };
         let mut shutdown = false;
-        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
             match cmd {
                 Command::Submit(req, tx) => {
                     let id = req.id.clone();

@@ -60,7 +60,10 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     pub fn validate(&self) -> Result<(), RequestError> {
-        let bad = |m: String| RequestError { kind: ErrorKind::InvalidArgument, message: m };
+        let bad = |m: String| RequestError {
+            kind: ErrorKind::InvalidArgument,
+            message: m,
+        };
         if self.max_num_batched_tokens == 0 {
             return Err(bad("max-num-batched-tokens must be > 0".into()));
         }
@@ -236,13 +239,21 @@ impl<B: Backend> Engine<B> {
     /// Queue a request after validating it; an invalid one is refused here, before any
     /// block is touched.
     pub fn submit(&mut self, req: EngineRequest) -> Result<(), RequestError> {
-        let invalid = |m: String| RequestError { kind: ErrorKind::InvalidArgument, message: m };
+        let invalid = |m: String| RequestError {
+            kind: ErrorKind::InvalidArgument,
+            message: m,
+        };
         if self.seqs.contains_key(&req.id) {
             return Err(invalid(format!("request id {} is already in use", req.id)));
         }
         let c = self.executor.model().config();
-        validate_prompt(&req.prompt, c.vocab_size, self.config.max_model_len, req.params.max_tokens)
-            .map_err(|e| invalid(e.to_string()))?;
+        validate_prompt(
+            &req.prompt,
+            c.vocab_size,
+            self.config.max_model_len,
+            req.params.max_tokens,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
         req.params
             .validate(c.vocab_size, self.config.max_model_len as u32)
             .map_err(|e| invalid(e.to_string()))?;
@@ -271,9 +282,9 @@ impl<B: Backend> Engine<B> {
             (Some(imp), _) => self.check_imported(&req, imp)?,
             (None, _) => {}
         }
-        let seed = req.params.effective_seed(
-            self.config.seed ^ xxhash_rust::xxh3::xxh3_64(req.id.0.as_bytes()),
-        );
+        let seed = req
+            .params
+            .effective_seed(self.config.seed ^ xxhash_rust::xxh3::xxh3_64(req.id.0.as_bytes()));
         let mut hasher = BlockHasher::new(bs, req.cache_salt.as_deref());
         hasher.extend(&req.prompt);
         let mut tokens = req.prompt.clone();
@@ -410,7 +421,9 @@ impl<B: Backend> Engine<B> {
 
         // 2. Admit waiting sequences.
         while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(id) = self.waiting.front().cloned() else { break };
+            let Some(id) = self.waiting.front().cloned() else {
+                break;
+            };
             match self.admit(&id, budget, now) {
                 Some(n) => {
                     self.waiting.pop_front();
@@ -449,7 +462,8 @@ impl<B: Backend> Engine<B> {
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
             let start = seq.computed;
             seq.computed += n;
-            if let (Some(lp), Some(k)) = (seq.prompt_logprobs.as_mut(), seq.req.params.prompt_logprobs)
+            if let (Some(lp), Some(k)) =
+                (seq.prompt_logprobs.as_mut(), seq.req.params.prompt_logprobs)
                 && logits.rows == n
             {
                 for r in 0..n {
@@ -565,7 +579,10 @@ impl<B: Backend> Engine<B> {
 
     /// Imported KV must cover the prompt to its end in whole blocks of this node's layout.
     fn check_imported(&self, req: &EngineRequest, imp: &ImportedKv) -> Result<(), RequestError> {
-        let invalid = |m: String| RequestError { kind: ErrorKind::InvalidArgument, message: m };
+        let invalid = |m: String| RequestError {
+            kind: ErrorKind::InvalidArgument,
+            message: m,
+        };
         let bs = self.block_size();
         let total = req.prompt.len().div_ceil(bs);
         if imp.first_block + imp.blocks.len() != total || imp.first_block * bs >= req.prompt.len() {
@@ -609,7 +626,12 @@ impl<B: Backend> Engine<B> {
     /// First admission of a request that brings its prompt's KV: reuse the local prefix,
     /// place the imported blocks after it, compute only the first token. `None` (nothing
     /// held) if the pool cannot take it now; the imported KV is kept for the next try.
-    fn admit_imported(&mut self, id: &RequestId, budget: usize, now: Instant) -> Option<Option<usize>> {
+    fn admit_imported(
+        &mut self,
+        id: &RequestId,
+        budget: usize,
+        now: Instant,
+    ) -> Option<Option<usize>> {
         let bs = self.block_size();
         let seq = &self.seqs[id];
         let imp = seq.imported.as_ref()?;
@@ -641,10 +663,17 @@ impl<B: Backend> Engine<B> {
                 return Some(None);
             }
         };
-        let imp = self.seqs.get_mut(id).expect("exists").imported.take().expect("checked");
+        let imp = self
+            .seqs
+            .get_mut(id)
+            .expect("exists")
+            .imported
+            .take()
+            .expect("checked");
         for (j, &block) in fresh.iter().enumerate() {
             let logical = local + j;
-            self.executor.write_block(block, &imp.blocks[logical - imp.first_block]);
+            self.executor
+                .write_block(block, &imp.blocks[logical - imp.first_block]);
             if logical < hashes.len() {
                 self.register(block, hashes[logical]);
             }
@@ -667,7 +696,8 @@ impl<B: Backend> Engine<B> {
         let seq = self.seqs.get_mut(id).expect("exists");
         seq.admitted = true;
         seq.first_scheduled = Some(now);
-        seq.outcome = lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
+        seq.outcome =
+            lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
         self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
         Some(Some(n))
     }
@@ -732,8 +762,10 @@ impl<B: Backend> Engine<B> {
         if !seq.admitted {
             seq.admitted = true;
             seq.first_scheduled = Some(now);
-            seq.outcome = lookup.then(|| PrefixOutcome::new(seq.prompt_len, local * bs, restored * bs));
-            self.counters.on_admitted(seq.prompt_len, seq.outcome.as_ref());
+            seq.outcome =
+                lookup.then(|| PrefixOutcome::new(seq.prompt_len, local * bs, restored * bs));
+            self.counters
+                .on_admitted(seq.prompt_len, seq.outcome.as_ref());
         }
         Some(n)
     }

@@ -9,4 +9,7 @@ pub mod request;
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread};
 pub use engine::{Engine, EngineConfig, Role};
-pub use request::{EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId, RequestTimings, Usage};
+pub use request::{
+    EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
+    RequestTimings, Usage,
+};

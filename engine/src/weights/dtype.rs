@@ -41,9 +41,12 @@ impl DType {
     pub fn read_f32(self, bytes: &[u8], i: usize) -> f32 {
         match self {
             DType::F32 => f32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().expect("4 bytes")),
-            DType::F16 => half::f16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]]))
-                .to_f32(),
-            DType::BF16 => f32::from_bits((u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]]) as u32) << 16),
+            DType::F16 => {
+                half::f16::from_bits(u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]])).to_f32()
+            }
+            DType::BF16 => {
+                f32::from_bits((u16::from_le_bytes([bytes[i * 2], bytes[i * 2 + 1]]) as u32) << 16)
+            }
         }
     }
 }

@@ -37,7 +37,12 @@ impl safetensors::View for &TensorSpec<'_> {
     }
     fn data(&self) -> Cow<'_, [u8]> {
         let bytes = (self.fill)();
-        assert_eq!(bytes.len(), self.byte_len(), "tensor {} filled with the wrong length", self.name);
+        assert_eq!(
+            bytes.len(),
+            self.byte_len(),
+            "tensor {} filled with the wrong length",
+            self.name
+        );
         Cow::Owned(bytes)
     }
     fn data_len(&self) -> usize {

@@ -105,7 +105,17 @@ mod tests {
     use proptest::prelude::*;
 
     /// Plain attention over contiguous K/V: the reference paged attention must equal.
-    fn contiguous(q: &[f32], k: &[f32], v: &[f32], ctx: usize, q_len: usize, heads: usize, kv_heads: usize, hd: usize) -> Vec<f32> {
+    #[allow(clippy::too_many_arguments)]
+    fn contiguous(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        ctx: usize,
+        q_len: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) -> Vec<f32> {
         let group = heads / kv_heads;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut out = vec![0.0f32; q_len * heads * hd];
@@ -117,14 +127,20 @@ mod tests {
                 let scores: Vec<f64> = (0..=pos)
                     .map(|t| {
                         let kk = &k[(t * kv_heads + kh) * hd..(t * kv_heads + kh + 1) * hd];
-                        qv.iter().zip(kk).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale
+                        qv.iter()
+                            .zip(kk)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * scale
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    let val: f64 = (0..=pos).map(|t| e[t] / z * v[(t * kv_heads + kh) * hd + d] as f64).sum();
+                    let val: f64 = (0..=pos)
+                        .map(|t| e[t] / z * v[(t * kv_heads + kh) * hd + d] as f64)
+                        .sum();
                     out[(r * heads + h) * hd + d] = val as f32;
                 }
             }

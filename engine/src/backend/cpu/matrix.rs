@@ -15,8 +15,17 @@ pub struct WeightMatrix<'a> {
 
 impl<'a> WeightMatrix<'a> {
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Self {
-        assert_eq!(bytes.len(), rows * cols * dtype.size_in_bytes(), "weight byte length");
-        Self { dtype, rows, cols, bytes }
+        assert_eq!(
+            bytes.len(),
+            rows * cols * dtype.size_in_bytes(),
+            "weight byte length"
+        );
+        Self {
+            dtype,
+            rows,
+            cols,
+            bytes,
+        }
     }
 
     /// Bytes of row `r`.

@@ -129,7 +129,7 @@ impl Backend for CpuBackend {
             if k.try_reserve_exact(len).is_err() || v.try_reserve_exact(len).is_err() {
                 return Err(EngineError::OutOfBlocks(format!(
                     "cannot allocate {num_blocks} KV blocks ({} MiB) in host memory",
-                    num_blocks * layout.block_bytes() >> 20
+                    (num_blocks * layout.block_bytes()) >> 20
                 )));
             }
             k.resize(len, 0.0);
@@ -297,4 +297,3 @@ impl Backend for CpuBackend {
         }
     }
 }
-
