@@ -20,7 +20,11 @@ use crate::kv::hash::{BlockHash, BlockHasher};
 use crate::kv::host_tier::HostTier;
 use crate::kv::pool::BlockPool;
 use crate::kv::tier::ExternalTier;
-use crate::sampling::{FinishReason, PromptLogprob, Sampler, StopChecker, prompt_logprobs};
+use rayon::prelude::*;
+
+use crate::sampling::{
+    FinishReason, PromptLogprob, SampledToken, Sampler, StopChecker, prompt_logprobs,
+};
 
 use super::counters::{EngineCounters, PrefixOutcome};
 use super::request::{
@@ -132,6 +136,19 @@ impl Seq {
     }
 }
 
+/// Where the time of the last step went (scheduler overhead versus the forward pass).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    pub seqs: usize,
+    pub tokens: usize,
+    /// Planning: lease expiry, preemption, admission, prefix lookups, block allocation.
+    pub schedule: Duration,
+    /// The model's forward pass.
+    pub forward: Duration,
+    /// Sampling, block registration, stop checks, events.
+    pub postprocess: Duration,
+}
+
 struct Lease {
     blocks: Vec<u32>,
     deadline: Instant,
@@ -154,6 +171,7 @@ pub struct Engine<B: Backend> {
     /// Sampled ids are kept below this (ids past the tokenizer's vocabulary have no text).
     vocab_limit: usize,
     block_buf: Vec<f32>,
+    last_step: StepStats,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -194,6 +212,7 @@ impl<B: Backend> Engine<B> {
             eos_token_ids,
             vocab_limit,
             block_buf: vec![0.0; block_len],
+            last_step: StepStats::default(),
         })
     }
 
@@ -212,6 +231,11 @@ impl<B: Backend> Engine<B> {
         c.num_waiting = self.waiting.len() as u64;
         c.kv_cache_usage = self.pool.usage();
         c
+    }
+
+    /// Timings of the last step that ran the model.
+    pub fn last_step(&self) -> StepStats {
+        self.last_step
     }
 
     pub fn expired_leases(&self) -> u64 {
@@ -383,7 +407,8 @@ impl<B: Backend> Engine<B> {
 
     /// One scheduling step and forward pass. Returns the events it produced.
     pub fn step(&mut self) -> Events {
-        let now = Instant::now();
+        let started = Instant::now();
+        let now = started;
         self.expire_leases(now);
         let mut events = Events::new();
         let bs = self.block_size();
@@ -437,6 +462,7 @@ impl<B: Backend> Engine<B> {
         if scheduled.is_empty() {
             return events;
         }
+        let planned = Instant::now();
 
         // 3. Forward.
         let logits = {
@@ -457,6 +483,14 @@ impl<B: Backend> Engine<B> {
 
         // 4. Results.
         let now = Instant::now();
+        self.last_step = StepStats {
+            seqs: scheduled.len(),
+            tokens: scheduled.iter().map(|(_, n)| n).sum(),
+            schedule: planned - started,
+            forward: now - planned,
+            postprocess: Duration::ZERO,
+        };
+        let mut to_sample = Vec::new();
         for ((id, n), logits) in scheduled.into_iter().zip(logits) {
             let caching = self.config.enable_prefix_caching;
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
@@ -487,14 +521,32 @@ impl<B: Backend> Engine<B> {
                         .expect("pool invariant: the engine registers only blocks it holds");
                 }
             }
-            if seq.computed < seq.tokens.len() {
-                continue; // prefill continues next step
-            }
-            let mut row = logits.row(logits.rows - 1).to_vec();
-            let limit = self.vocab_limit.min(row.len());
-            row[limit..].fill(f32::NEG_INFINITY);
-            let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-            let sampled = seq.sampler.sample(&row, prompt, output);
+            if seq.computed == seq.tokens.len() {
+                to_sample.push((id, logits));
+            } // else: prefill continues next step
+        }
+
+        // Sampling is independent per sequence: run it on every core.
+        let limit = self.vocab_limit;
+        let mut sampled: Vec<(RequestId, Seq, SampledToken)> = to_sample
+            .into_iter()
+            .map(|(id, logits)| {
+                let seq = self.seqs.remove(&id).expect("scheduled sequence exists");
+                (id, seq, logits)
+            })
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|(id, mut seq, logits)| {
+                let mut row = logits.row(logits.rows - 1).to_vec();
+                let limit = limit.min(row.len());
+                row[limit..].fill(f32::NEG_INFINITY);
+                let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                let token = seq.sampler.sample(&row, prompt, output);
+                (id, seq, token)
+            })
+            .collect();
+
+        for (id, mut seq, sampled) in sampled.drain(..) {
             let token = sampled.token_id;
             seq.tokens.push(token);
             seq.hasher.push(token);
@@ -507,6 +559,7 @@ impl<B: Backend> Engine<B> {
             seq.last_token = Some(now);
             self.counters.generation_tokens += 1;
             let decision = seq.stop.on_token(token, "");
+            self.seqs.insert(id.clone(), seq);
             events.push((id.clone(), RequestEvent::Token(sampled)));
             let reason = match (decision.finished, self.config.role) {
                 (Some(reason), _) => Some(reason),
@@ -519,6 +572,7 @@ impl<B: Backend> Engine<B> {
                 events.push((id, event));
             }
         }
+        self.last_step.postprocess = now.elapsed();
         events
     }
 

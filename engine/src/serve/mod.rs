@@ -8,7 +8,7 @@ pub mod request;
 
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread};
-pub use engine::{Engine, EngineConfig, Role};
+pub use engine::{Engine, EngineConfig, Role, StepStats};
 pub use request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
     RequestTimings, Usage,
