@@ -1,4 +1,76 @@
-//! pd-transport: moving KV blocks between nodes, shaped like one-sided RDMA (register
-//! regions, read batches of block descriptors, complete asynchronously, release).
+//! pd-transport: moving KV blocks from a prefill node to a decode node.
 //!
-//! Skeleton: the TCP backend arrives with the cluster issue, RDMA (ibverbs) after it.
+//! # Model: one-sided reads, like RDMA
+//!
+//! The contract is shaped so that an ibverbs backend maps onto it directly:
+//!
+//! | this crate                                   | RDMA                                        |
+//! |----------------------------------------------|---------------------------------------------|
+//! | [`KvSource`] on the exporter (prefill node)  | registered memory region(s)                 |
+//! | a lease id (from the prefill `KvHandle`)     | the region's remote key, valid until released or expired |
+//! | [`PullRequest`]: first block, count, length  | a batch of (region, offset, length) descriptors |
+//! | one pull = one request, one packed response | one batch of RDMA READs, one completion     |
+//! | the `async` pull completing                  | polling the completion queue               |
+//! | [`LayoutFingerprint`] checked on both sides  | checked in the control plane before the read |
+//!
+//! The exporting side registers nothing per transfer: it answers reads of whatever its
+//! [`KvSource`] holds under a lease (the engine's `EngineHandle::read_lease`) and never
+//! pushes. Releasing the lease after the pull stays with the control plane (gRPC). The importer
+//! asks for a contiguous run of a lease's blocks (the blocks it does not cache), all packed into
+//! one response streamed in 4 MiB checksummed chunks: per-operation cost dominates below
+//! ~256 KiB, so many blocks travel per message and a block is never a message of its own.
+//!
+//! # TCP backend
+//!
+//! - Export: [`KvExportServer::bind`] listens (port 0 gives an ephemeral port; the real
+//!   address is returned) and serves many connections, many pulls per connection. Blocks are
+//!   read from the source in batches of ~32 MiB on tokio's blocking pool, the next batch
+//!   while the current one is on the wire. [`KvExportServer::shutdown`] stops gracefully.
+//! - Import: [`pull_blocks`] (one connection per pull) or [`KvPuller::pull`] (connections
+//!   reused per exporter). Every pull has a deadline, sent to the exporter too so it stops
+//!   working for an importer that gave up.
+//! - Checks on every pull: the exporter refuses a wrong fingerprint before sending any KV;
+//!   the importer verifies the echoed fingerprint, lease, block range, block length, every
+//!   chunk length and every chunk's xxh3-64 checksum, and a short stream is a
+//!   [`TransportError::Length`]. Failures are typed ([`TransportError`]) with a stable
+//!   metric label ([`TransportError::reason`]).
+//! - Bytes go straight between the sockets and the `f32` buffers (`bytemuck` casts), no
+//!   per-value conversion. The wire carries f32 little-endian, so big-endian hosts are
+//!   refused at compile time.
+//!
+//! The wire format is documented in [`wire`].
+//!
+//! # Wiring
+//!
+//! ```no_run
+//! # async fn demo(handle: pd_engine::serve::EngineHandle, layout: pd_engine::kv::KvLayout)
+//! # -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use std::time::{Duration, Instant};
+//! use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest};
+//!
+//! let fp = LayoutFingerprint::new(&layout, "Qwen/Qwen3-0.6B|bf16");
+//! // Prefill node:
+//! let (server, addr) = KvExportServer::bind("0.0.0.0:0".parse()?, fp, Arc::new(handle)).await?;
+//! // Decode node (lease id, first block and count from the KvHandle and the local cache):
+//! let puller = KvPuller::new();
+//! let req = PullRequest { lease_id: 7, fingerprint: fp, first_block: 0, count: 4,
+//!                         block_len: layout.block_bytes() / 4 };
+//! let blocks = puller.pull(addr, req, Instant::now() + Duration::from_secs(5)).await?;
+//! # drop(blocks); server.shutdown(Duration::from_secs(5)).await; Ok(()) }
+//! ```
+
+#[cfg(target_endian = "big")]
+compile_error!("pd-transport sends f32 KV as little-endian bytes; big-endian hosts are not supported");
+
+mod chunks;
+mod client;
+mod error;
+mod fingerprint;
+mod server;
+pub mod wire;
+
+pub use client::{KvPuller, PullRequest, pull_blocks};
+pub use error::TransportError;
+pub use fingerprint::{LayoutFingerprint, ParseFingerprintError};
+pub use server::{ExportConfig, ExportStats, KvExportServer, KvSource};

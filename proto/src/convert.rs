@@ -1,0 +1,155 @@
+//! Conversions between wire messages and engine types, and error → status mapping.
+
+use pd_engine::ErrorKind;
+use pd_engine::sampling::{
+    FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
+};
+use pd_engine::serve::Usage;
+use tonic::{Code, Status};
+
+use crate::pb;
+
+/// The one gRPC code of each engine error class.
+pub fn status(kind: ErrorKind, message: impl Into<String>) -> Status {
+    let code = match kind {
+        ErrorKind::InvalidArgument => Code::InvalidArgument,
+        ErrorKind::FailedPrecondition => Code::FailedPrecondition,
+        ErrorKind::ResourceExhausted => Code::ResourceExhausted,
+        ErrorKind::Internal => Code::Internal,
+    };
+    Status::new(code, message)
+}
+
+/// Wire sampling fields (plus the request-level ones) into engine parameters, with the
+/// documented defaults. Range checks happen in [`SamplingParams::validate`], which the caller
+/// runs with the model's vocabulary and caps.
+pub fn sampling_params(
+    wire: Option<&pb::SamplingParams>,
+    max_tokens: u32,
+    stop: Vec<String>,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    include_stop_str_in_output: bool,
+) -> SamplingParams {
+    let d = pb::SamplingParams::default();
+    let w = wire.unwrap_or(&d);
+    SamplingParams {
+        temperature: w.temperature.unwrap_or(1.0),
+        top_p: w.top_p.unwrap_or(1.0),
+        top_k: w.top_k.unwrap_or(0),
+        min_p: w.min_p.unwrap_or(0.0),
+        repetition_penalty: w.repetition_penalty.unwrap_or(1.0),
+        seed: w.seed,
+        max_tokens,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        logprobs: w.logprobs,
+        prompt_logprobs: w.prompt_logprobs,
+        include_stop_str_in_output,
+    }
+}
+
+/// Engine parameters back onto the wire (router → node), sampling fields only.
+pub fn wire_sampling(p: &SamplingParams) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: Some(p.temperature),
+        top_p: Some(p.top_p),
+        top_k: Some(p.top_k),
+        min_p: Some(p.min_p),
+        repetition_penalty: Some(p.repetition_penalty),
+        seed: p.seed,
+        logprobs: p.logprobs,
+        prompt_logprobs: p.prompt_logprobs,
+    }
+}
+
+pub fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Abort => pb::FinishReason::Abort,
+    }
+}
+
+/// `None` for UNSPECIFIED (not a finished message).
+pub fn engine_finish_reason(r: pb::FinishReason) -> Option<FinishReason> {
+    match r {
+        pb::FinishReason::Unspecified => None,
+        pb::FinishReason::Stop => Some(FinishReason::Stop),
+        pb::FinishReason::Length => Some(FinishReason::Length),
+        pb::FinishReason::Abort => Some(FinishReason::Abort),
+    }
+}
+
+pub fn usage(u: &Usage) -> pb::Usage {
+    let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    pb::Usage {
+        prompt_tokens: n(u.prompt_tokens),
+        completion_tokens: n(u.completion_tokens),
+        cached_tokens: n(u.cached_tokens()),
+        local_cached_tokens: n(u.local_cached_tokens),
+        external_cached_tokens: n(u.external_cached_tokens),
+    }
+}
+
+fn top(top: &[TokenLogprob]) -> Vec<pb::TokenLogprob> {
+    top.iter()
+        .map(|t| pb::TokenLogprob {
+            token_id: t.token_id,
+            logprob: t.logprob,
+        })
+        .collect()
+}
+
+pub fn logprob(t: &SampledToken) -> pb::Logprob {
+    pb::Logprob {
+        token_id: t.token_id,
+        logprob: t.logprob,
+        top: top(&t.top),
+    }
+}
+
+pub fn prompt_logprob(t: &PromptLogprob) -> pb::Logprob {
+    pb::Logprob {
+        token_id: t.token_id,
+        logprob: t.logprob,
+        top: top(&t.top),
+    }
+}
+
+/// A wire logprob back into the engine's sampled-token shape.
+pub fn sampled_token(l: &pb::Logprob) -> SampledToken {
+    SampledToken {
+        token_id: l.token_id,
+        logprob: l.logprob,
+        top: l
+            .top
+            .iter()
+            .map(|t| TokenLogprob {
+                token_id: t.token_id,
+                logprob: t.logprob,
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unset_fields_take_vllm_defaults_and_zero_is_kept_where_set() {
+        let p = sampling_params(None, 16, vec![], vec![], false, false);
+        assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p), (1.0, 1.0, 0, 0.0));
+        let w = pb::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
+        assert_eq!(p.temperature, 0.0, "an explicit 0 is greedy, not the default");
+        for r in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
+            assert_eq!(engine_finish_reason(finish_reason(r)), Some(r));
+        }
+    }
+}

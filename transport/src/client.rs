@@ -1,0 +1,286 @@
+//! The import side: read a batch of leased blocks from an exporter, verified, before a
+//! deadline.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
+use tokio::net::TcpStream;
+
+use crate::chunks::{ChunkReader, PullIdentity, status_error};
+use crate::error::TransportError;
+use crate::fingerprint::LayoutFingerprint;
+use crate::wire::{
+    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_MESSAGE_LEN, MAX_PULL_BYTES,
+    PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
+};
+
+/// One read: blocks `first_block .. first_block + count` of lease `lease_id` on the exporter,
+/// each `block_len` f32 values, from an exporter whose layout fingerprint is `fingerprint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullRequest {
+    pub lease_id: u64,
+    pub fingerprint: LayoutFingerprint,
+    pub first_block: usize,
+    pub count: usize,
+    /// f32 values per block (`KvLayout::block_bytes() / 4`).
+    pub block_len: usize,
+}
+
+impl PullRequest {
+    /// Payload bytes of this read (`None` on overflow).
+    pub fn payload_bytes(&self) -> Option<u64> {
+        (self.count as u64)
+            .checked_mul(self.block_len as u64)?
+            .checked_mul(4)
+    }
+}
+
+/// Read `req`'s blocks from the exporter at `addr` over a new connection, verified (length,
+/// fingerprint, checksums), or fail with a typed error once `deadline` passes.
+pub async fn pull_blocks(
+    addr: SocketAddr,
+    req: PullRequest,
+    deadline: Instant,
+) -> Result<Vec<Vec<f32>>, TransportError> {
+    let mut conn = connect(addr, deadline).await?;
+    let mut started = false;
+    transfer(addr, &mut conn, &req, deadline, &mut started).await
+}
+
+/// Connections kept open between pulls, per exporter: a pull reuses an idle connection when
+/// one is there (and retries once on a fresh connection if the idle one turns out closed
+/// before any answer arrived). Clones share the pool.
+#[derive(Clone, Default)]
+pub struct KvPuller {
+    idle: Arc<Mutex<HashMap<SocketAddr, Vec<IdleConn>>>>,
+}
+
+struct IdleConn {
+    conn: BufStream<TcpStream>,
+    since: Instant,
+}
+
+impl std::fmt::Debug for KvPuller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let idle: usize = self
+            .idle
+            .lock()
+            .map(|m| m.values().map(Vec::len).sum())
+            .unwrap_or(0);
+        f.debug_struct("KvPuller").field("idle", &idle).finish()
+    }
+}
+
+/// Idle connections kept per exporter.
+const MAX_IDLE_PER_PEER: usize = 8;
+/// An idle connection older than this is closed rather than reused (the exporter closes
+/// after 60 s by default).
+const MAX_IDLE_AGE: Duration = Duration::from_secs(30);
+
+impl KvPuller {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// [`pull_blocks`] over a pooled connection.
+    pub async fn pull(
+        &self,
+        addr: SocketAddr,
+        req: PullRequest,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<f32>>, TransportError> {
+        if let Some(mut conn) = self.take_idle(addr) {
+            let mut started = false;
+            match transfer(addr, &mut conn, &req, deadline, &mut started).await {
+                Ok(blocks) => {
+                    self.put_idle(addr, conn);
+                    return Ok(blocks);
+                }
+                // The exporter closed the idle connection: nothing was read, try a fresh one.
+                Err(TransportError::Io(e)) if !started => {
+                    tracing::debug!(%addr, error = %e, "stale pooled KV connection; reconnecting");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut conn = connect(addr, deadline).await?;
+        let mut started = false;
+        let blocks = transfer(addr, &mut conn, &req, deadline, &mut started).await?;
+        self.put_idle(addr, conn);
+        Ok(blocks)
+    }
+
+    /// Idle connections currently held for `addr`.
+    pub fn idle_connections(&self, addr: SocketAddr) -> usize {
+        self.idle
+            .lock()
+            .map(|m| m.get(&addr).map_or(0, Vec::len))
+            .unwrap_or(0)
+    }
+
+    fn take_idle(&self, addr: SocketAddr) -> Option<BufStream<TcpStream>> {
+        let mut idle = self.idle.lock().ok()?;
+        let conns = idle.get_mut(&addr)?;
+        conns.retain(|c| c.since.elapsed() < MAX_IDLE_AGE);
+        conns.pop().map(|c| c.conn)
+    }
+
+    fn put_idle(&self, addr: SocketAddr, conn: BufStream<TcpStream>) {
+        if let Ok(mut idle) = self.idle.lock() {
+            let conns = idle.entry(addr).or_default();
+            if conns.len() < MAX_IDLE_PER_PEER {
+                conns.push(IdleConn {
+                    conn,
+                    since: Instant::now(),
+                });
+            }
+        }
+    }
+}
+
+async fn connect(addr: SocketAddr, deadline: Instant) -> Result<BufStream<TcpStream>, TransportError> {
+    let expired = || TransportError::Deadline {
+        addr,
+        stage: "connecting",
+    };
+    if Instant::now() >= deadline {
+        return Err(expired());
+    }
+    let stream = tokio::time::timeout_at(deadline.into(), TcpStream::connect(addr))
+        .await
+        .map_err(|_| expired())?
+        .map_err(|source| TransportError::Connect { addr, source })?;
+    let _ = stream.set_nodelay(true);
+    Ok(BufStream::with_capacity(64 << 10, 4 << 10, stream))
+}
+
+/// One request/response on an open connection, bounded by `deadline`. `started` turns true
+/// once the response header arrived.
+async fn transfer(
+    addr: SocketAddr,
+    conn: &mut BufStream<TcpStream>,
+    req: &PullRequest,
+    deadline: Instant,
+    started: &mut bool,
+) -> Result<Vec<Vec<f32>>, TransportError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(TransportError::Deadline {
+            addr,
+            stage: "transferring",
+        });
+    }
+    let timeout_ms = u32::try_from(left.as_millis().max(1)).unwrap_or(u32::MAX);
+    tokio::time::timeout_at(deadline.into(), exchange(conn, req, timeout_ms, started))
+        .await
+        .unwrap_or(Err(TransportError::Deadline {
+            addr,
+            stage: "transferring",
+        }))
+}
+
+async fn exchange(
+    conn: &mut BufStream<TcpStream>,
+    req: &PullRequest,
+    timeout_ms: u32,
+    started: &mut bool,
+) -> Result<Vec<Vec<f32>>, TransportError> {
+    let total = req
+        .payload_bytes()
+        .filter(|&b| b <= MAX_PULL_BYTES)
+        .ok_or_else(|| {
+            TransportError::Length(format!(
+                "{} blocks of {} values exceed the {MAX_PULL_BYTES}-byte limit of one pull",
+                req.count, req.block_len
+            ))
+        })?;
+    let frame = PullRequestFrame {
+        lease_id: req.lease_id,
+        fingerprint: req.fingerprint,
+        first_block: req.first_block as u64,
+        count: req.count as u64,
+        block_len: req.block_len as u64,
+        timeout_ms,
+    };
+    conn.write_all(&frame.encode()).await?;
+    conn.flush().await?;
+
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    conn.read_exact(&mut head).await?;
+    *started = true;
+    let header = FrameHeader::decode(&head).map_err(protocol)?;
+    if header.version != VERSION || header.kind != FrameKind::PullResponse as u16 {
+        return Err(TransportError::Protocol(format!(
+            "expected a version {VERSION} pull response, got version {} kind {}",
+            header.version, header.kind
+        )));
+    }
+    let body_len = header.body_len as usize;
+    if !(PULL_RESPONSE_BODY_LEN..=PULL_RESPONSE_BODY_LEN + MAX_MESSAGE_LEN).contains(&body_len) {
+        return Err(TransportError::Protocol(format!(
+            "pull response body of {body_len} bytes"
+        )));
+    }
+    let mut body = [0u8; PULL_RESPONSE_BODY_LEN];
+    conn.read_exact(&mut body).await?;
+    let (mut resp, msg_len) = PullResponseFrame::decode_body(&body).map_err(protocol)?;
+    if msg_len != body_len - PULL_RESPONSE_BODY_LEN {
+        return Err(TransportError::Protocol(format!(
+            "message length {msg_len} disagrees with the body length {body_len}"
+        )));
+    }
+    let mut msg = vec![0u8; msg_len];
+    conn.read_exact(&mut msg).await?;
+    resp.message = String::from_utf8_lossy(&msg).into_owned();
+
+    let id = PullIdentity {
+        lease_id: req.lease_id,
+        first_block: req.first_block as u64,
+        count: req.count as u64,
+    };
+    if resp.status == Status::FingerprintMismatch || resp.fingerprint != req.fingerprint {
+        return Err(TransportError::FingerprintMismatch {
+            ours: req.fingerprint,
+            theirs: resp.fingerprint,
+        });
+    }
+    if resp.status != Status::Ok {
+        return Err(status_error(resp.status, resp.message, id));
+    }
+    if (resp.lease_id, resp.first_block) != (id.lease_id, id.first_block) {
+        return Err(TransportError::Protocol(format!(
+            "the exporter answered lease {} from block {}, we asked for lease {} from block {}",
+            resp.lease_id, resp.first_block, id.lease_id, id.first_block
+        )));
+    }
+    if (resp.count, resp.block_len) != (id.count, req.block_len as u64) {
+        return Err(TransportError::Length(format!(
+            "the exporter announced {} blocks of {} values, we asked for {} of {}",
+            resp.count, resp.block_len, req.count, req.block_len
+        )));
+    }
+    if total > 0 && !(1..=MAX_CHUNK_BYTES).contains(&resp.chunk_bytes) {
+        return Err(TransportError::Protocol(format!(
+            "chunk size {} outside 1..={MAX_CHUNK_BYTES}",
+            resp.chunk_bytes
+        )));
+    }
+
+    let mut reader = ChunkReader::new(total, resp.chunk_bytes, id);
+    let mut blocks = Vec::with_capacity(req.count);
+    for _ in 0..req.count {
+        let mut block = vec![0f32; req.block_len];
+        reader
+            .read_into(conn, bytemuck::cast_slice_mut(&mut block))
+            .await?;
+        blocks.push(block);
+    }
+    Ok(blocks)
+}
+
+fn protocol(e: crate::wire::WireError) -> TransportError {
+    TransportError::Protocol(e.to_string())
+}

@@ -1,0 +1,141 @@
+//! Why a KV pull failed.
+
+use std::io;
+use std::net::SocketAddr;
+
+use crate::fingerprint::LayoutFingerprint;
+
+/// A failed KV pull. Each variant has a stable metric label ([`TransportError::reason`]).
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The exporter could not be reached (refused, unreachable, reset during connect).
+    #[error("cannot connect to the KV exporter at {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    /// The transfer did not complete before its deadline; whatever arrived is dropped.
+    #[error("KV transfer from {addr} missed its deadline while {stage}")]
+    Deadline {
+        addr: SocketAddr,
+        /// `"connecting"` or `"transferring"`.
+        stage: &'static str,
+    },
+    /// The two nodes disagree on the model or the KV layout: no KV was sent.
+    #[error(
+        "KV layout fingerprint mismatch: this node has {ours}, the exporter has {theirs} \
+         (model, dtype, block size, layers, KV heads or head dim differ); no KV was moved"
+    )]
+    FingerprintMismatch {
+        ours: LayoutFingerprint,
+        theirs: LayoutFingerprint,
+    },
+    /// The exporter holds no such lease (released, expired, never existed) or the lease does
+    /// not cover the requested blocks.
+    #[error(
+        "the exporter has no lease {lease_id} covering blocks {first_block}..{} \
+         (released, expired or shorter): {message}", first_block + count
+    )]
+    UnknownLease {
+        lease_id: u64,
+        first_block: u64,
+        count: u64,
+        message: String,
+    },
+    /// A length disagreed: block length, block count, chunk length, or a stream that ended
+    /// early.
+    #[error("KV transfer length mismatch: {0}")]
+    Length(String),
+    /// A chunk's bytes do not hash to the checksum sent with them.
+    #[error(
+        "KV transfer checksum mismatch in chunk {chunk}: computed {computed:016x}, \
+         the exporter sent {sent:016x}"
+    )]
+    Checksum { chunk: u64, computed: u64, sent: u64 },
+    /// The connection failed after it was established.
+    #[error("I/O error during the KV transfer: {0}")]
+    Io(#[from] io::Error),
+    /// The peer does not speak this protocol (bad magic, version, frame or echo).
+    #[error("KV transport protocol error: {0}")]
+    Protocol(String),
+    /// The exporter refused the request for another reason (malformed or oversized request,
+    /// shutting down, internal failure).
+    #[error("the KV exporter refused the pull: {0}")]
+    Refused(String),
+}
+
+impl TransportError {
+    /// Every label [`TransportError::reason`] can return.
+    pub const REASONS: [&'static str; 9] = [
+        "connect",
+        "deadline",
+        "fingerprint_mismatch",
+        "unknown_lease",
+        "length",
+        "checksum",
+        "io",
+        "protocol",
+        "refused",
+    ];
+
+    /// A stable, low-cardinality label for a failures-by-reason metric.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Connect { .. } => "connect",
+            Self::Deadline { .. } => "deadline",
+            Self::FingerprintMismatch { .. } => "fingerprint_mismatch",
+            Self::UnknownLease { .. } => "unknown_lease",
+            Self::Length(_) => "length",
+            Self::Checksum { .. } => "checksum",
+            Self::Io(_) => "io",
+            Self::Protocol(_) => "protocol",
+            Self::Refused(_) => "refused",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_are_distinct_and_listed() {
+        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let all = [
+            TransportError::Connect {
+                addr,
+                source: io::Error::from(io::ErrorKind::ConnectionRefused),
+            },
+            TransportError::Deadline {
+                addr,
+                stage: "connecting",
+            },
+            TransportError::FingerprintMismatch {
+                ours: LayoutFingerprint(1),
+                theirs: LayoutFingerprint(2),
+            },
+            TransportError::UnknownLease {
+                lease_id: 7,
+                first_block: 2,
+                count: 3,
+                message: String::new(),
+            },
+            TransportError::Length("x".into()),
+            TransportError::Checksum {
+                chunk: 0,
+                computed: 1,
+                sent: 2,
+            },
+            TransportError::Io(io::Error::other("x")),
+            TransportError::Protocol("x".into()),
+            TransportError::Refused("x".into()),
+        ];
+        let labels: Vec<_> = all.iter().map(|e| e.reason()).collect();
+        assert_eq!(labels, TransportError::REASONS);
+        let msg = all[3].to_string();
+        assert!(msg.contains("lease 7") && msg.contains("blocks 2..5"), "{msg}");
+        let msg = all[2].to_string();
+        assert!(msg.contains("0000000000000001") && msg.contains("0000000000000002"));
+    }
+}

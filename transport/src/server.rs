@@ -1,0 +1,440 @@
+//! The export side: a small TCP server on the prefill node that serves reads of leased KV
+//! blocks (the "remote memory" an importer reads).
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::chunks::{ChunkWriter, write_abort};
+use crate::fingerprint::LayoutFingerprint;
+use crate::wire::{
+    DEFAULT_CHUNK_BYTES, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES,
+    MAX_PULL_BYTES, PULL_REQUEST_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
+};
+
+/// Where exported KV blocks come from: the registered "memory region" of the RDMA model,
+/// addressed by lease and block range.
+///
+/// Implemented by [`pd_engine::serve::EngineHandle`] (through `read_lease`). Calls may block
+/// (the server runs them on tokio's blocking pool).
+pub trait KvSource: Send + Sync {
+    /// Copies of blocks `first .. first + count` of lease `lease_id`, each in the engine's
+    /// block layout (`Backend::read_block`). `None` if the lease does not exist (released,
+    /// expired) or does not cover the range.
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>>;
+}
+
+impl KvSource for pd_engine::serve::EngineHandle {
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+        self.read_lease(lease_id, first, count)
+    }
+}
+
+/// Tuning of an export server. The defaults suit production.
+#[derive(Debug, Clone)]
+pub struct ExportConfig {
+    /// Payload bytes per checksummed chunk (default 4 MiB, at most 64 MiB).
+    pub chunk_bytes: u32,
+    /// Bytes of blocks read from the source per call; the next batch is read while the
+    /// current one is sent (default 32 MiB; at least one block).
+    pub batch_bytes: usize,
+    /// A connection with no request for this long is closed (default 60 s).
+    pub idle_timeout: Duration,
+    /// Upper bound of one transfer, whatever deadline the importer sent (default 120 s).
+    pub max_transfer_time: Duration,
+}
+
+impl Default for ExportConfig {
+    fn default() -> Self {
+        Self {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            batch_bytes: 32 << 20,
+            idle_timeout: Duration::from_secs(60),
+            max_transfer_time: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Cumulative counters of an export server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportStats {
+    /// Connections accepted.
+    pub connections: u64,
+    /// Pulls whose payload was sent in full.
+    pub pulls_ok: u64,
+    /// Pulls refused before any payload (unknown lease, fingerprint, length, bad request).
+    pub pulls_refused: u64,
+    /// Pulls that started and did not finish (aborted, deadline, connection lost).
+    pub pulls_failed: u64,
+    /// Payload bytes of completed pulls.
+    pub bytes_sent: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    connections: AtomicU64,
+    pulls_ok: AtomicU64,
+    pulls_refused: AtomicU64,
+    pulls_failed: AtomicU64,
+    bytes_sent: AtomicU64,
+}
+
+impl Counters {
+    fn bump(c: &AtomicU64, by: u64) {
+        c.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+struct Ctx {
+    fingerprint: LayoutFingerprint,
+    source: Arc<dyn KvSource>,
+    config: ExportConfig,
+    counters: Counters,
+}
+
+/// A running export server. Dropping it stops it at once (open transfers are cut);
+/// [`KvExportServer::shutdown`] stops it gracefully.
+pub struct KvExportServer {
+    local_addr: SocketAddr,
+    ctx: Arc<Ctx>,
+    shutdown: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for KvExportServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvExportServer")
+            .field("local_addr", &self.local_addr)
+            .field("fingerprint", &self.ctx.fingerprint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvExportServer {
+    /// Listen on `addr` (port 0: an ephemeral port) and serve pulls of `source`'s leases to
+    /// importers whose layout fingerprint equals `fingerprint`. Must be called within a tokio
+    /// runtime; the server runs as tasks on it. Returns the server and the address it listens
+    /// on.
+    pub async fn bind(
+        addr: SocketAddr,
+        fingerprint: LayoutFingerprint,
+        source: Arc<dyn KvSource>,
+    ) -> io::Result<(Self, SocketAddr)> {
+        Self::bind_with(addr, fingerprint, source, ExportConfig::default()).await
+    }
+
+    /// [`KvExportServer::bind`] with explicit tuning.
+    pub async fn bind_with(
+        addr: SocketAddr,
+        fingerprint: LayoutFingerprint,
+        source: Arc<dyn KvSource>,
+        mut config: ExportConfig,
+    ) -> io::Result<(Self, SocketAddr)> {
+        config.chunk_bytes = config.chunk_bytes.clamp(1, MAX_CHUNK_BYTES);
+        let listener = TcpListener::bind(addr).await?;
+        let local_addr = listener.local_addr()?;
+        let ctx = Arc::new(Ctx {
+            fingerprint,
+            source,
+            config,
+            counters: Counters::default(),
+        });
+        let (shutdown, rx) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, Arc::clone(&ctx), rx));
+        tracing::info!(%local_addr, %fingerprint, "KV export server listening");
+        let server = Self {
+            local_addr,
+            ctx,
+            shutdown,
+            task: Some(task),
+        };
+        Ok((server, local_addr))
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn fingerprint(&self) -> LayoutFingerprint {
+        self.ctx.fingerprint
+    }
+
+    pub fn stats(&self) -> ExportStats {
+        let c = &self.ctx.counters;
+        ExportStats {
+            connections: c.connections.load(Ordering::Relaxed),
+            pulls_ok: c.pulls_ok.load(Ordering::Relaxed),
+            pulls_refused: c.pulls_refused.load(Ordering::Relaxed),
+            pulls_failed: c.pulls_failed.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stop accepting, close idle connections, let transfers in flight finish for up to
+    /// `grace`, then cut whatever is left. The port is free when this returns.
+    pub async fn shutdown(mut self, grace: Duration) {
+        let _ = self.shutdown.send(true);
+        if let Some(mut task) = self.task.take()
+            && tokio::time::timeout(grace, &mut task).await.is_err()
+        {
+            task.abort();
+            let _ = task.await;
+        }
+        tracing::info!(local_addr = %self.local_addr, "KV export server stopped");
+    }
+}
+
+impl Drop for KvExportServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// Resolves once the server is told to stop (or is gone).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
+    let mut conns = JoinSet::new();
+    let for_conns = shutdown.clone();
+    loop {
+        tokio::select! {
+            _ = stopped(&mut shutdown) => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    Counters::bump(&ctx.counters.connections, 1);
+                    tracing::debug!(%peer, "KV import connection");
+                    conns.spawn(serve_conn(stream, Arc::clone(&ctx), for_conns.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "KV export server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    drop(listener);
+    while conns.join_next().await.is_some() {}
+}
+
+/// Serve requests on one connection until it closes, idles out or the server stops.
+async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
+    let _ = stream.set_nodelay(true);
+    let mut s = BufStream::with_capacity(64 << 10, 256 << 10, stream);
+    loop {
+        let mut head = [0u8; FRAME_HEADER_LEN];
+        let read = tokio::select! {
+            _ = stopped(&mut shutdown) => return,
+            r = tokio::time::timeout(ctx.config.idle_timeout, s.read_exact(&mut head)) => r,
+        };
+        if !matches!(read, Ok(Ok(_))) {
+            return; // idle, closed by the peer, or broken
+        }
+        let header = match FrameHeader::decode(&head) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!(error = %e, "KV export: not a pd-transport peer");
+                return;
+            }
+        };
+        if let Err(e) = header.expect(FrameKind::PullRequest, PULL_REQUEST_BODY_LEN) {
+            let status = if header.version != VERSION {
+                Status::UnsupportedVersion
+            } else {
+                Status::BadRequest
+            };
+            let refusal = PullResponseFrame {
+                status,
+                chunk_bytes: 0,
+                fingerprint: ctx.fingerprint,
+                lease_id: 0,
+                first_block: 0,
+                count: 0,
+                block_len: 0,
+                message: e.to_string(),
+            };
+            let _ = send(&mut s, &refusal).await;
+            return;
+        }
+        let mut body = [0u8; PULL_REQUEST_BODY_LEN];
+        if !matches!(
+            tokio::time::timeout(ctx.config.idle_timeout, s.read_exact(&mut body)).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+        let req = PullRequestFrame::decode_body(&body);
+        let limit = match req.timeout_ms {
+            0 => ctx.config.max_transfer_time,
+            ms => Duration::from_millis(u64::from(ms)).min(ctx.config.max_transfer_time),
+        };
+        match tokio::time::timeout(limit, serve_pull(&mut s, &req, &ctx)).await {
+            Ok(Ok(Next::KeepAlive)) => {}
+            Ok(Ok(Next::Close)) => return,
+            Ok(Err(e)) => {
+                Counters::bump(&ctx.counters.pulls_failed, 1);
+                tracing::debug!(lease = req.lease_id, error = %e, "KV export: transfer failed");
+                return;
+            }
+            Err(_) => {
+                Counters::bump(&ctx.counters.pulls_failed, 1);
+                tracing::debug!(lease = req.lease_id, "KV export: transfer past its deadline");
+                return;
+            }
+        }
+    }
+}
+
+enum Next {
+    KeepAlive,
+    Close,
+}
+
+async fn send(s: &mut BufStream<TcpStream>, frame: &PullResponseFrame) -> io::Result<()> {
+    s.write_all(&frame.encode()).await?;
+    s.flush().await
+}
+
+type Batch = Result<Vec<Vec<f32>>, (Status, String)>;
+
+/// Read blocks `first .. first + count` of the lease on the blocking pool and check them.
+fn read_batch(ctx: &Arc<Ctx>, req: &PullRequestFrame, first: usize, count: usize) -> JoinHandle<Batch> {
+    let ctx = Arc::clone(ctx);
+    let (lease, block_len) = (req.lease_id, req.block_len);
+    tokio::task::spawn_blocking(move || {
+        let Some(blocks) = ctx.source.read_blocks(lease, first, count) else {
+            return Err((
+                Status::UnknownLease,
+                format!(
+                    "no lease {lease} covering blocks {first}..{} here",
+                    first + count
+                ),
+            ));
+        };
+        if blocks.len() != count {
+            return Err((
+                Status::Length,
+                format!("lease {lease}: asked for {count} blocks, the source gave {}", blocks.len()),
+            ));
+        }
+        if let Some(b) = blocks.iter().find(|b| b.len() as u64 != block_len) {
+            return Err((
+                Status::Length,
+                format!(
+                    "lease {lease}: blocks hold {} values here, the request says {block_len}",
+                    b.len()
+                ),
+            ));
+        }
+        Ok(blocks)
+    })
+}
+
+async fn join_batch(handle: JoinHandle<Batch>) -> Batch {
+    handle.await.unwrap_or_else(|e| {
+        Err((
+            Status::Unavailable,
+            format!("reading the lease failed: {e}"),
+        ))
+    })
+}
+
+/// Answer one pull: a refusal, or the header and the whole payload.
+async fn serve_pull(s: &mut BufStream<TcpStream>, req: &PullRequestFrame, ctx: &Arc<Ctx>) -> io::Result<Next> {
+    let mut response = PullResponseFrame {
+        status: Status::Ok,
+        chunk_bytes: ctx.config.chunk_bytes,
+        fingerprint: ctx.fingerprint,
+        lease_id: req.lease_id,
+        first_block: req.first_block,
+        count: req.count,
+        block_len: req.block_len,
+        message: String::new(),
+    };
+    let refuse = |mut response: PullResponseFrame, status: Status, message: String| {
+        Counters::bump(&ctx.counters.pulls_refused, 1);
+        tracing::debug!(lease = req.lease_id, ?status, %message, "KV export: pull refused");
+        response.status = status;
+        response.chunk_bytes = 0;
+        response.message = message;
+        response
+    };
+    if req.fingerprint != ctx.fingerprint {
+        let message = format!(
+            "layout fingerprint {} is not this exporter's {}",
+            req.fingerprint, ctx.fingerprint
+        );
+        send(s, &refuse(response, Status::FingerprintMismatch, message)).await?;
+        return Ok(Next::KeepAlive);
+    }
+    let range = usize::try_from(req.first_block)
+        .ok()
+        .zip(usize::try_from(req.count).ok())
+        .filter(|(first, count)| first.checked_add(*count).is_some());
+    let total = req.payload_bytes().filter(|&b| b <= MAX_PULL_BYTES);
+    let (Some((first, count)), Some(total)) = (range, total) else {
+        let message = format!(
+            "{} blocks of {} values from block {} is out of range (limit {MAX_PULL_BYTES} bytes)",
+            req.count, req.block_len, req.first_block
+        );
+        send(s, &refuse(response, Status::BadRequest, message)).await?;
+        return Ok(Next::Close);
+    };
+    let block_bytes = (req.block_len as usize).saturating_mul(4).max(1);
+    let per_batch = (ctx.config.batch_bytes / block_bytes).max(1);
+    let end = first + count;
+
+    // The first batch decides between a refusal and a transfer.
+    let mut next = first + count.min(per_batch);
+    let mut current = match join_batch(read_batch(ctx, req, first, next - first)).await {
+        Ok(blocks) => blocks,
+        Err((status, message)) => {
+            send(s, &refuse(response, status, message)).await?;
+            return Ok(Next::KeepAlive);
+        }
+    };
+    response.message.clear();
+    s.write_all(&response.encode()).await?;
+    let mut writer = ChunkWriter::new(total, ctx.config.chunk_bytes);
+    loop {
+        // Read the next batch while this one is on the wire.
+        let pending = (next < end).then(|| {
+            let n = (end - next).min(per_batch);
+            let handle = read_batch(ctx, req, next, n);
+            next += n;
+            handle
+        });
+        for block in &current {
+            writer.write(s, bytemuck::cast_slice(block)).await?;
+        }
+        drop(current);
+        let Some(pending) = pending else { break };
+        current = match join_batch(pending).await {
+            Ok(blocks) => blocks,
+            Err((status, message)) => {
+                Counters::bump(&ctx.counters.pulls_failed, 1);
+                tracing::debug!(lease = req.lease_id, %message, "KV export: aborting a transfer");
+                write_abort(s, status, &message).await?;
+                return Ok(Next::Close);
+            }
+        };
+    }
+    s.flush().await?;
+    debug_assert!(writer.is_complete());
+    Counters::bump(&ctx.counters.pulls_ok, 1);
+    Counters::bump(&ctx.counters.bytes_sent, total);
+    Ok(Next::KeepAlive)
+}
