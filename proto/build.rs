@@ -7,10 +7,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     // SAFETY: build scripts are single-threaded; the variable is read by the code generator.
     unsafe { std::env::set_var("PROTOC", protoc) };
-    let files = ["pd/v1/common.proto", "pd/v1/generation.proto", "pd/v1/node.proto"];
+    let files = [
+        "pd/v1/common.proto",
+        "pd/v1/generation.proto",
+        "pd/v1/node.proto",
+    ];
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("pd_v1_descriptor.bin"))
-        .compile_protos(&files, &[".", include.to_str().ok_or("non-UTF-8 include path")?])?;
+        .compile_protos(
+            &files,
+            &[".", include.to_str().ok_or("non-UTF-8 include path")?],
+        )?;
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

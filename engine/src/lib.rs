@@ -6,6 +6,8 @@
 //! Does not own: gRPC, CUDA or RDMA (those crates depend on this one, never the reverse).
 
 pub mod backend;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod executor;

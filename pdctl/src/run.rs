@@ -11,24 +11,18 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::executor::Executor;
+use pd_engine::cli::EngineArgs;
 use pd_engine::generate::validate_prompt;
-use pd_engine::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
 };
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, RequestEvent, RequestId, Role,
-    Usage,
+    EngineHandle, EngineRequest, EngineThread, RequestEvent, RequestId, Role, Usage,
 };
 use pd_engine::text::TextStream;
 use pd_engine::tokenizer::{ChatMessage, ChatRole};
 use serde_json::json;
-
-/// Default KV budget when `--num-gpu-blocks` is not given.
-const DEFAULT_KV_BYTES: usize = 2 << 30;
 
 #[derive(Debug, Args)]
 #[group(id = "input", required = true, multiple = false, args = ["prompt", "chat", "token_ids", "prompts_file"])]
@@ -107,35 +101,6 @@ pub struct SamplingArgs {
     prompt_logprobs: Option<u32>,
 }
 
-/// Engine flags, with vLLM's names.
-#[derive(Debug, Args)]
-#[command(next_help_heading = "Engine")]
-pub struct EngineArgs {
-    /// Tokens per KV block.
-    #[arg(long, env = "PD_BLOCK_SIZE", default_value_t = DEFAULT_BLOCK_SIZE)]
-    block_size: usize,
-    /// KV blocks in the backend's memory (default: 2 GiB worth, at most 4 full contexts).
-    #[arg(long, env = "PD_NUM_GPU_BLOCKS")]
-    num_gpu_blocks: Option<usize>,
-    /// Blocks in the host-memory tier of the prefix cache (0: off).
-    #[arg(long, env = "PD_HOST_CACHE_BLOCKS", default_value_t = 0)]
-    host_cache_blocks: usize,
-    /// Reuse cached KV of common prefixes (on by default).
-    #[arg(long, overrides_with = "no_enable_prefix_caching")]
-    enable_prefix_caching: bool,
-    #[arg(long, overrides_with = "enable_prefix_caching")]
-    no_enable_prefix_caching: bool,
-    /// Context limit (prompt + generated); defaults to the model's max_position_embeddings.
-    #[arg(long, env = "PD_MAX_MODEL_LEN")]
-    max_model_len: Option<usize>,
-    /// Token budget of one engine step (prefill chunks + decode tokens).
-    #[arg(long, env = "PD_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    max_num_batched_tokens: usize,
-    /// Sequences running at once.
-    #[arg(long, env = "PD_MAX_NUM_SEQS", default_value_t = 256)]
-    max_num_seqs: usize,
-}
-
 impl SamplingArgs {
     fn params(&self) -> SamplingParams {
         SamplingParams {
@@ -177,15 +142,7 @@ struct Outcome {
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let files = crate::load::open(&args.model)?;
     let config = &files.config;
-    let max_model_len = args
-        .engine
-        .max_model_len
-        .unwrap_or(config.max_position_embeddings);
-    anyhow::ensure!(
-        (1..=config.max_position_embeddings).contains(&max_model_len),
-        "--max-model-len {max_model_len} must be between 1 and the model's {} positions",
-        config.max_position_embeddings
-    );
+    let max_model_len = args.engine.max_model_len(config)?;
     let jobs = jobs(&args, &files)?;
     for (i, job) in jobs.iter().enumerate() {
         let at = |e: anyhow::Error| {
@@ -207,28 +164,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .map_err(|e| at(e.into()))?;
     }
 
-    let layout = KvLayout::new(config, args.engine.block_size)?;
-    let num_blocks = args.engine.num_gpu_blocks.unwrap_or_else(|| {
-        (DEFAULT_KV_BYTES / layout.block_bytes())
-            .min(4 * layout.blocks_for(max_model_len))
-            .max(1)
-    });
-    let model = crate::load::weights(&files)?;
-    let executor = Executor::new(CpuBackend::new(), model, args.engine.block_size, num_blocks)?;
-    let engine_config = EngineConfig {
-        role: Role::Mixed,
-        enable_prefix_caching: !args.engine.no_enable_prefix_caching,
-        host_cache_blocks: args.engine.host_cache_blocks,
-        max_num_batched_tokens: args.engine.max_num_batched_tokens,
-        max_num_seqs: args.engine.max_num_seqs,
-        max_model_len,
-        lease_timeout: Duration::from_secs(30),
-        seed: args.sampling.seed.unwrap_or(0),
-    };
     let eos = files.eos_token_ids();
-    let vocab_limit = files.tokenizer.vocab_size().min(config.vocab_size);
-    let engine = Engine::new(executor, engine_config, eos.clone(), vocab_limit)
-        .map_err(|e| anyhow::anyhow!(e.message))?;
+    let model = crate::load::weights(&files)?;
+    let engine = args.engine.build(
+        &files,
+        model,
+        Role::Mixed,
+        args.sampling.seed.unwrap_or(0),
+        Duration::from_secs(30),
+    )?;
     let thread = EngineThread::spawn(engine);
     let handle = thread.handle();
 

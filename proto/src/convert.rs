@@ -141,14 +141,24 @@ mod tests {
     #[test]
     fn unset_fields_take_vllm_defaults_and_zero_is_kept_where_set() {
         let p = sampling_params(None, 16, vec![], vec![], false, false);
-        assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p), (1.0, 1.0, 0, 0.0));
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.min_p),
+            (1.0, 1.0, 0, 0.0)
+        );
         let w = pb::SamplingParams {
             temperature: Some(0.0),
             ..Default::default()
         };
         let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
-        assert_eq!(p.temperature, 0.0, "an explicit 0 is greedy, not the default");
-        for r in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
+        assert_eq!(
+            p.temperature, 0.0,
+            "an explicit 0 is greedy, not the default"
+        );
+        for r in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+        ] {
             assert_eq!(engine_finish_reason(finish_reason(r)), Some(r));
         }
     }

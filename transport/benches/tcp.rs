@@ -13,14 +13,20 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_transport::{KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, pull_blocks};
+use pd_transport::{
+    KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, pull_blocks,
+};
 
 struct MemSource(Arc<Vec<Vec<f32>>>);
 
 impl KvSource for MemSource {
     fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         (lease_id == 1)
-            .then(|| self.0.get(first..first.checked_add(count)?).map(<[_]>::to_vec))
+            .then(|| {
+                self.0
+                    .get(first..first.checked_add(count)?)
+                    .map(<[_]>::to_vec)
+            })
             .flatten()
     }
 }
@@ -37,7 +43,10 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
 }
 
 fn best<F: FnMut() -> Duration>(iters: usize, mut f: F) -> Duration {
-    (0..iters).map(|_| f()).min().expect("at least one iteration")
+    (0..iters)
+        .map(|_| f())
+        .min()
+        .expect("at least one iteration")
 }
 
 fn main() {
@@ -124,21 +133,29 @@ fn main() {
     let deadline = || Instant::now() + Duration::from_secs(600);
     let check = |got: &[Vec<f32>]| {
         assert_eq!(got.len(), blocks);
-        assert!(got.iter().zip(source.iter()).all(|(g, s)| g == s), "data differs");
+        assert!(
+            got.iter().zip(source.iter()).all(|(g, s)| g == s),
+            "data differs"
+        );
     };
 
     let fresh = best(iters, || {
         let t = Instant::now();
-        let got = rt.block_on(pull_blocks(addr, req, deadline())).expect("pull");
+        let got = rt
+            .block_on(pull_blocks(addr, req, deadline()))
+            .expect("pull");
         let e = t.elapsed();
         check(&got);
         e
     });
     let puller = KvPuller::new();
-    rt.block_on(puller.pull(addr, req, deadline())).expect("warm-up pull");
+    rt.block_on(puller.pull(addr, req, deadline()))
+        .expect("warm-up pull");
     let pooled = best(iters, || {
         let t = Instant::now();
-        let got = rt.block_on(puller.pull(addr, req, deadline())).expect("pull");
+        let got = rt
+            .block_on(puller.pull(addr, req, deadline()))
+            .expect("pull");
         let e = t.elapsed();
         check(&got);
         e

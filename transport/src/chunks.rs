@@ -233,7 +233,9 @@ pub(crate) fn status_error(status: Status, message: String, id: PullIdentity) ->
         Status::FingerprintMismatch => TransportError::Protocol(format!(
             "fingerprint refusal where none was expected: {message}"
         )),
-        Status::Ok => TransportError::Protocol(format!("status OK where an error was expected: {message}")),
+        Status::Ok => {
+            TransportError::Protocol(format!("status OK where an error was expected: {message}"))
+        }
         Status::BadRequest | Status::Unavailable | Status::UnsupportedVersion => {
             TransportError::Refused(format!("{status:?}: {message}"))
         }
@@ -260,7 +262,12 @@ mod tests {
         out
     }
 
-    async fn decode(stream: &[u8], total: usize, chunk: u32, split: usize) -> Result<Vec<u8>, TransportError> {
+    async fn decode(
+        stream: &[u8],
+        total: usize,
+        chunk: u32,
+        split: usize,
+    ) -> Result<Vec<u8>, TransportError> {
         let mut out = vec![0u8; total];
         let mut r = ChunkReader::new(total as u64, chunk, ID);
         let mut src = stream;
@@ -271,7 +278,9 @@ mod tests {
     }
 
     fn payload(n: usize) -> Vec<u8> {
-        (0..n).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8).collect()
+        (0..n)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8)
+            .collect()
     }
 
     #[tokio::test]
@@ -281,7 +290,10 @@ mod tests {
             for (ws, rs) in [(1 << 20, 7777), (333, 1 << 20), (data.len(), data.len())] {
                 let stream = encode(&data, chunk, ws).await;
                 let chunks = data.len().div_ceil(chunk as usize);
-                assert_eq!(stream.len(), data.len() + chunks * (CHUNK_HEADER_LEN + CHECKSUM_LEN));
+                assert_eq!(
+                    stream.len(),
+                    data.len() + chunks * (CHUNK_HEADER_LEN + CHECKSUM_LEN)
+                );
                 assert_eq!(decode(&stream, data.len(), chunk, rs).await.unwrap(), data);
             }
         }
@@ -294,7 +306,10 @@ mod tests {
         // Chunk 1's payload starts after chunk 0 (16 + 4096 + 8) and its own header.
         stream[16 + 4096 + 8 + 16 + 5] ^= 0x10;
         let err = decode(&stream, data.len(), 4096, 10_000).await.unwrap_err();
-        assert!(matches!(err, TransportError::Checksum { chunk: 1, .. }), "{err}");
+        assert!(
+            matches!(err, TransportError::Checksum { chunk: 1, .. }),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -305,7 +320,10 @@ mod tests {
         let mut swapped = stream[c..].to_vec();
         swapped.extend_from_slice(&stream[..c]);
         let err = decode(&swapped, data.len(), 4096, 8192).await.unwrap_err();
-        assert!(matches!(err, TransportError::Checksum { chunk: 0, .. }), "{err}");
+        assert!(
+            matches!(err, TransportError::Checksum { chunk: 0, .. }),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -313,7 +331,9 @@ mod tests {
         let data = payload(10_000);
         let stream = encode(&data, 4096, 10_000).await;
         for cut in [0, 10, 16 + 100, stream.len() - 1] {
-            let err = decode(&stream[..cut], data.len(), 4096, 10_000).await.unwrap_err();
+            let err = decode(&stream[..cut], data.len(), 4096, 10_000)
+                .await
+                .unwrap_err();
             assert!(matches!(err, TransportError::Length(_)), "cut {cut}: {err}");
         }
         let mut bad = stream.clone();
@@ -331,10 +351,16 @@ mod tests {
         let data = payload(5000);
         let mut stream = encode(&data[..4096], 4096, 4096).await;
         // Rewrite: announce 5000 bytes total, then abort after the first chunk.
-        write_abort(&mut stream, Status::UnknownLease, "lease 1 expired").await.unwrap();
+        write_abort(&mut stream, Status::UnknownLease, "lease 1 expired")
+            .await
+            .unwrap();
         let err = decode(&stream, data.len(), 4096, 5000).await.unwrap_err();
         match err {
-            TransportError::UnknownLease { lease_id: 1, message, .. } => {
+            TransportError::UnknownLease {
+                lease_id: 1,
+                message,
+                ..
+            } => {
                 assert!(message.contains("lease 1 expired") && message.contains("4096 of 5000"));
             }
             e => panic!("{e}"),

@@ -141,7 +141,10 @@ impl KvPuller {
     }
 }
 
-async fn connect(addr: SocketAddr, deadline: Instant) -> Result<BufStream<TcpStream>, TransportError> {
+async fn connect(
+    addr: SocketAddr,
+    deadline: Instant,
+) -> Result<BufStream<TcpStream>, TransportError> {
     let expired = || TransportError::Deadline {
         addr,
         stage: "connecting",

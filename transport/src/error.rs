@@ -52,7 +52,11 @@ pub enum TransportError {
         "KV transfer checksum mismatch in chunk {chunk}: computed {computed:016x}, \
          the exporter sent {sent:016x}"
     )]
-    Checksum { chunk: u64, computed: u64, sent: u64 },
+    Checksum {
+        chunk: u64,
+        computed: u64,
+        sent: u64,
+    },
     /// The connection failed after it was established.
     #[error("I/O error during the KV transfer: {0}")]
     Io(#[from] io::Error),
@@ -134,7 +138,10 @@ mod tests {
         let labels: Vec<_> = all.iter().map(|e| e.reason()).collect();
         assert_eq!(labels, TransportError::REASONS);
         let msg = all[3].to_string();
-        assert!(msg.contains("lease 7") && msg.contains("blocks 2..5"), "{msg}");
+        assert!(
+            msg.contains("lease 7") && msg.contains("blocks 2..5"),
+            "{msg}"
+        );
         let msg = all[2].to_string();
         assert!(msg.contains("0000000000000001") && msg.contains("0000000000000002"));
     }

@@ -110,7 +110,7 @@ mod tests {
         assert_eq!(fp.to_string(), PINNED_QWEN3_06B);
     }
 
-    const PINNED_QWEN3_06B: &str = "0000000000000000";
+    const PINNED_QWEN3_06B: &str = "20c152652167d392";
 
     #[test]
     fn every_field_and_the_model_identity_change_it() {

@@ -61,7 +61,9 @@
 //! ```
 
 #[cfg(target_endian = "big")]
-compile_error!("pd-transport sends f32 KV as little-endian bytes; big-endian hosts are not supported");
+compile_error!(
+    "pd-transport sends f32 KV as little-endian bytes; big-endian hosts are not supported"
+);
 
 mod chunks;
 mod client;

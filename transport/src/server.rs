@@ -15,8 +15,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::chunks::{ChunkWriter, write_abort};
 use crate::fingerprint::LayoutFingerprint;
 use crate::wire::{
-    DEFAULT_CHUNK_BYTES, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES,
-    MAX_PULL_BYTES, PULL_REQUEST_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
+    DEFAULT_CHUNK_BYTES, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_PULL_BYTES,
+    PULL_REQUEST_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
 };
 
 /// Where exported KV blocks come from: the registered "memory region" of the RDMA model,
@@ -291,7 +291,10 @@ async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Recei
             }
             Err(_) => {
                 Counters::bump(&ctx.counters.pulls_failed, 1);
-                tracing::debug!(lease = req.lease_id, "KV export: transfer past its deadline");
+                tracing::debug!(
+                    lease = req.lease_id,
+                    "KV export: transfer past its deadline"
+                );
                 return;
             }
         }
@@ -311,7 +314,12 @@ async fn send(s: &mut BufStream<TcpStream>, frame: &PullResponseFrame) -> io::Re
 type Batch = Result<Vec<Vec<f32>>, (Status, String)>;
 
 /// Read blocks `first .. first + count` of the lease on the blocking pool and check them.
-fn read_batch(ctx: &Arc<Ctx>, req: &PullRequestFrame, first: usize, count: usize) -> JoinHandle<Batch> {
+fn read_batch(
+    ctx: &Arc<Ctx>,
+    req: &PullRequestFrame,
+    first: usize,
+    count: usize,
+) -> JoinHandle<Batch> {
     let ctx = Arc::clone(ctx);
     let (lease, block_len) = (req.lease_id, req.block_len);
     tokio::task::spawn_blocking(move || {
@@ -327,7 +335,10 @@ fn read_batch(ctx: &Arc<Ctx>, req: &PullRequestFrame, first: usize, count: usize
         if blocks.len() != count {
             return Err((
                 Status::Length,
-                format!("lease {lease}: asked for {count} blocks, the source gave {}", blocks.len()),
+                format!(
+                    "lease {lease}: asked for {count} blocks, the source gave {}",
+                    blocks.len()
+                ),
             ));
         }
         if let Some(b) = blocks.iter().find(|b| b.len() as u64 != block_len) {
@@ -353,7 +364,11 @@ async fn join_batch(handle: JoinHandle<Batch>) -> Batch {
 }
 
 /// Answer one pull: a refusal, or the header and the whole payload.
-async fn serve_pull(s: &mut BufStream<TcpStream>, req: &PullRequestFrame, ctx: &Arc<Ctx>) -> io::Result<Next> {
+async fn serve_pull(
+    s: &mut BufStream<TcpStream>,
+    req: &PullRequestFrame,
+    ctx: &Arc<Ctx>,
+) -> io::Result<Next> {
     let mut response = PullResponseFrame {
         status: Status::Ok,
         chunk_bytes: ctx.config.chunk_bytes,

@@ -8,7 +8,7 @@
 //!   lease_id u64 | fingerprint u64 | first_block u64 | count u64
 //!   | block_len u64 (f32 values per block) | timeout_ms u32 | reserved u32 = 0
 //!
-//! kind 2 PULL_RESPONSE, exporter -> importer, body 48 B + message:
+//! kind 2 PULL_RESPONSE, exporter -> importer, body 56 B + message:
 //!   status u16 | reserved u16 = 0 | chunk_bytes u32
 //!   | fingerprint u64 (the EXPORTER's) | lease_id u64 | first_block u64 | count u64
 //!   | block_len u64 | message_len u32 | reserved u32 = 0 | message (UTF-8, <= 4 KiB)
@@ -36,7 +36,7 @@ pub const MAGIC: [u8; 4] = *b"PDKV";
 pub const VERSION: u16 = 1;
 pub const FRAME_HEADER_LEN: usize = 12;
 pub const PULL_REQUEST_BODY_LEN: usize = 48;
-pub const PULL_RESPONSE_BODY_LEN: usize = 48;
+pub const PULL_RESPONSE_BODY_LEN: usize = 56;
 pub const CHUNK_HEADER_LEN: usize = 16;
 pub const CHECKSUM_LEN: usize = 8;
 /// Longest message a response or an abort chunk may carry.
@@ -392,7 +392,11 @@ mod tests {
         assert_eq!(&b[4..6], &[1, 0], "version 1, little-endian");
         assert_eq!(&b[6..8], &[1, 0], "kind PULL_REQUEST");
         assert_eq!(&b[8..12], &[48, 0, 0, 0]);
-        assert_eq!(&b[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "lease id little-endian");
+        assert_eq!(
+            &b[12..20],
+            &[8, 7, 6, 5, 4, 3, 2, 1],
+            "lease id little-endian"
+        );
         let h = FrameHeader::decode(b[..12].try_into().unwrap()).unwrap();
         h.expect(FrameKind::PullRequest, PULL_REQUEST_BODY_LEN)
             .unwrap();
@@ -425,9 +429,9 @@ mod tests {
         let msg_len = "différent".len();
         h.expect(FrameKind::PullResponse, PULL_RESPONSE_BODY_LEN + msg_len)
             .unwrap();
-        let (mut got, len) = PullResponseFrame::decode_body(b[12..60].try_into().unwrap()).unwrap();
+        let (mut got, len) = PullResponseFrame::decode_body(b[12..68].try_into().unwrap()).unwrap();
         assert_eq!(len, msg_len);
-        got.message = String::from_utf8(b[60..].to_vec()).unwrap();
+        got.message = String::from_utf8(b[68..].to_vec()).unwrap();
         assert_eq!(got, resp);
     }
 
@@ -462,17 +466,23 @@ mod tests {
         .encode();
         let h: [u8; 12] = b[..12].try_into().unwrap();
         assert_eq!(
-            FrameHeader::decode(&h).unwrap().expect(FrameKind::PullResponse, 48),
+            FrameHeader::decode(&h)
+                .unwrap()
+                .expect(FrameKind::PullResponse, 48),
             Err(WireError::BadKind(1))
         );
         assert!(matches!(
-            FrameHeader::decode(&h).unwrap().expect(FrameKind::PullRequest, 40),
+            FrameHeader::decode(&h)
+                .unwrap()
+                .expect(FrameKind::PullRequest, 40),
             Err(WireError::BadBodyLen { got: 48, .. })
         ));
         b[4] = 2;
         let h: [u8; 12] = b[..12].try_into().unwrap();
         assert_eq!(
-            FrameHeader::decode(&h).unwrap().expect(FrameKind::PullRequest, 48),
+            FrameHeader::decode(&h)
+                .unwrap()
+                .expect(FrameKind::PullRequest, 48),
             Err(WireError::BadVersion(2))
         );
         b[0] = b'X';

@@ -1,0 +1,155 @@
+//! The real export path: a prefill engine thread serves its lease through
+//! `impl KvSource for EngineHandle`, a decode engine imports the pulled KV, and the greedy
+//! tokens equal one mixed engine's. Uses the engine's tiny transformers-golden checkpoint.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::config::ModelConfig;
+use pd_engine::executor::Executor;
+use pd_engine::kv::KvLayout;
+use pd_engine::model::Qwen3;
+use pd_engine::sampling::SamplingParams;
+use pd_engine::serve::{
+    Engine, EngineConfig, EngineRequest, EngineThread, ImportedKv, RequestEvent, RequestId, Role,
+};
+use pd_engine::weights::Checkpoint;
+use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest, TransportError};
+
+const BS: usize = 4;
+
+fn fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures/golden/tiny-gqa")
+}
+
+fn engine(role: Role) -> (Engine<CpuBackend>, KvLayout) {
+    let dir = fixture();
+    let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &mc, &mut |_, _| {}).unwrap();
+    let exec = Executor::new(CpuBackend::new(), model, BS, 64).unwrap();
+    let layout = KvLayout::new(&mc, BS).unwrap();
+    let cfg = EngineConfig {
+        role,
+        enable_prefix_caching: true,
+        host_cache_blocks: 0,
+        max_num_batched_tokens: 256,
+        max_num_seqs: 16,
+        max_model_len: 512,
+        lease_timeout: Duration::from_secs(60),
+        seed: 0,
+    };
+    (Engine::new(exec, cfg, vec![399], 400).unwrap(), layout)
+}
+
+fn request(id: &str, prompt: Vec<u32>, imported: Option<ImportedKv>) -> EngineRequest {
+    EngineRequest {
+        id: RequestId::from(id),
+        prompt,
+        params: SamplingParams {
+            max_tokens: 8,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        cache_salt: None,
+        imported,
+    }
+}
+
+/// Run one request on an engine to completion; its tokens.
+fn run(engine: &mut Engine<CpuBackend>, r: EngineRequest) -> Vec<u32> {
+    engine.submit(r).unwrap();
+    let mut tokens = Vec::new();
+    while engine.has_work() {
+        for (_, event) in engine.step() {
+            match event {
+                RequestEvent::Token(t) => tokens.push(t.token_id),
+                RequestEvent::Finished(_) => {}
+                RequestEvent::Failed(e) => panic!("{e}"),
+            }
+        }
+    }
+    tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine() {
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 11) % 390).collect();
+    let (mut mixed, layout) = engine(Role::Mixed);
+    let want = run(&mut mixed, request("m", prompt.clone(), None));
+
+    let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
+    let (prefill, _) = engine(Role::Prefill);
+    let prefill = EngineThread::spawn(prefill);
+    let handle = prefill.handle();
+    let (server, addr) =
+        KvExportServer::bind("127.0.0.1:0".parse().unwrap(), fp, Arc::new(handle.clone()))
+            .await
+            .unwrap();
+
+    let rx = handle.submit(request("p", prompt.clone(), None));
+    let (first_token, lease) = tokio::task::spawn_blocking(move || {
+        let mut first = None;
+        loop {
+            match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+                RequestEvent::Token(t) => first = Some(t.token_id),
+                RequestEvent::Finished(f) => break (first.unwrap(), f.lease.unwrap()),
+                RequestEvent::Failed(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await
+    .unwrap();
+
+    let puller = KvPuller::new();
+    let block_len = layout.block_bytes() / 4;
+    let pull = |first_block, count, fingerprint| {
+        puller.pull(
+            addr,
+            PullRequest {
+                lease_id: lease.lease_id,
+                fingerprint,
+                first_block,
+                count,
+                block_len,
+            },
+            Instant::now() + Duration::from_secs(30),
+        )
+    };
+    // Another model's fingerprint is refused.
+    let other = LayoutFingerprint::new(&layout, "tiny-gqa|bf16");
+    let err = pull(0, lease.blocks.len(), other).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::FingerprintMismatch { .. }),
+        "{err}"
+    );
+    // Past the lease's end: unknown.
+    let err = pull(1, lease.blocks.len(), fp).await.unwrap_err();
+    assert!(matches!(err, TransportError::UnknownLease { .. }), "{err}");
+
+    let blocks = pull(0, lease.blocks.len(), fp).await.unwrap();
+    assert_eq!(blocks.len(), 6, "23 tokens in blocks of 4");
+    assert!(handle.release_lease(lease.lease_id));
+    let err = pull(0, 1, fp).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::UnknownLease { .. }),
+        "released: {err}"
+    );
+
+    let (mut decode, _) = engine(Role::Decode);
+    let imported = ImportedKv {
+        first_block: 0,
+        blocks,
+        first_token,
+    };
+    let mut got = vec![first_token];
+    got.extend(run(&mut decode, request("d", prompt, Some(imported))));
+    assert_eq!(
+        got, want,
+        "prefill -> TCP -> decode equals one mixed engine"
+    );
+    server.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(handle.counters().kv_cache_usage, 0.0);
+}
