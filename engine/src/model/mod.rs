@@ -68,6 +68,30 @@ impl ModelSource {
     }
 }
 
+impl ModelSource {
+    /// Config, generation config and tokenizer without the weights: what the router needs.
+    /// A synthetic preset is described from memory (nothing written); a directory is read.
+    pub fn open_metadata(&self) -> Result<ModelFiles, EngineError> {
+        match self {
+            ModelSource::Dir(dir) => ModelFiles::open(dir),
+            ModelSource::Synthetic { preset, .. } => {
+                let name = format!("{SYNTHETIC_PREFIX}{}", preset.name());
+                let config =
+                    ModelConfig::from_json(&preset.config_json().to_string(), Path::new(&name))?;
+                let tokenizer = Tokenizer::qwen3()?;
+                Ok(ModelFiles {
+                    dir: PathBuf::from(name),
+                    generation: GenerationConfig {
+                        eos_token_ids: synthetic::GENERATION_EOS.to_vec(),
+                    },
+                    config,
+                    tokenizer,
+                })
+            }
+        }
+    }
+}
+
 /// A model directory's metadata, validated: config, generation config and tokenizer.
 #[derive(Debug, Clone)]
 pub struct ModelFiles {
