@@ -92,13 +92,40 @@ settle() {
 }
 log() { echo "[$(date +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)] $*" >&2; }
 
+# measured NAME OUT CMD...: runs CMD with stdout to OUT and stderr to OUT.err, and writes NAME.meta
+# (JSON): wall time, the command's own CPU seconds, and the CPU seconds every other process on the
+# machine used meanwhile ("others_share" = their fraction of all CPU time during the phase).
+measured() {
+    local name=$1 out=$2
+    shift 2
+    python3 - "$OUT_DIR/$name.meta" "$out" "$@" <<'PY'
+import json, os, resource, subprocess, sys, time
+meta, out, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+def stat():
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    return sum(v), v[3] + v[4]
+hz = os.sysconf("SC_CLK_TCK")
+t0, i0 = stat(); w0 = time.time()
+with open(out, "w") as o, open(out + ".err", "w") as e:
+    rc = subprocess.call(cmd, stdout=o, stderr=e)
+t1, i1 = stat(); w1 = time.time()
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+own = ru.ru_utime + ru.ru_stime
+total, busy = (t1 - t0) / hz, (t1 - t0 - (i1 - i0)) / hz
+others = max(0.0, busy - own)
+json.dump({"wall_s": w1 - w0, "cpu_s": own, "others_cpu_s": others,
+           "others_share": others / total if total > 0 else 0.0}, open(meta, "w"))
+sys.exit(rc)
+PY
+}
+
 ours() {
     local n=$1
     settle "ours-$n"
     log "ours #$n (cpu busy $(cat "$OUT_DIR/ours-$n.busy") %): $PDCTL bench-model --model $MODEL --json"
-    RAYON_NUM_THREADS="$THREADS" "$PDCTL" bench-model --model "$MODEL" --json \
-        --prompt-len "$PROMPT" --batch "1,$BATCH" --repeat "$REPS" \
-        >"$OUT_DIR/ours-$n.json" 2>"$OUT_DIR/ours-$n.err"
+    RAYON_NUM_THREADS="$THREADS" measured "ours-$n" "$OUT_DIR/ours-$n.json" \
+        "$PDCTL" bench-model --model "$MODEL" --json \
+        --prompt-len "$PROMPT" --batch "1,$BATCH" --repeat "$REPS"
 }
 
 ours 1
@@ -106,15 +133,15 @@ for t in "${dtypes[@]}"; do
     settle "llama-bench-$t"
     log "theirs $t (cpu busy $(cat "$OUT_DIR/llama-bench-$t.busy") %):" \
         "llama-bench -m $GGUF_DIR/$t.gguf -t $THREADS -p $PROMPT -n $GEN -r $REPS"
-    "$LLAMA_BENCH" -m "$GGUF_DIR/$t.gguf" -t "$THREADS" -p "$PROMPT" -n "$GEN" -r "$REPS" -o json \
-        >"$OUT_DIR/llama-bench-$t.json" 2>"$OUT_DIR/llama-bench-$t.err"
+    measured "llama-bench-$t" "$OUT_DIR/llama-bench-$t.json" \
+        "$LLAMA_BENCH" -m "$GGUF_DIR/$t.gguf" -t "$THREADS" -p "$PROMPT" -n "$GEN" -r "$REPS" -o json
     if [[ -n "${LLAMA_BATCHED_BENCH:-}" ]]; then
         # Same decode context as ours (bench-model decodes after a 128-token context).
         settle "batched-bench-$t"
         log "theirs $t (cpu busy $(cat "$OUT_DIR/batched-bench-$t.busy") %): llama-batched-bench -npp 128 -ntg 32 -npl 1,$BATCH -t $THREADS"
-        "$LLAMA_BATCHED_BENCH" -m "$GGUF_DIR/$t.gguf" -c $(((128 + 32) * BATCH + 256)) \
-            -npp 128 -ntg 32 -npl "1,$BATCH" -t "$THREADS" --output-format jsonl \
-            >"$OUT_DIR/batched-bench-$t.jsonl" 2>"$OUT_DIR/batched-bench-$t.err"
+        measured "batched-bench-$t" "$OUT_DIR/batched-bench-$t.jsonl" \
+            "$LLAMA_BATCHED_BENCH" -m "$GGUF_DIR/$t.gguf" -c $(((128 + 32) * BATCH + 256)) \
+            -npp 128 -ntg 32 -npl "1,$BATCH" -t "$THREADS" --output-format jsonl
     fi
 done
 ours 2
@@ -184,8 +211,8 @@ print(f"machine: {theirs[dtypes[0]]['cpu']}, {ours[0]['threads']} threads (ours)
 print(f"memory read bandwidth (pdctl, best of 4 measurements): {bw:.1f} GB/s")
 phases = ["ours-1"] + [f"{k}-{t}" for t in dtypes for k in ("llama-bench", "batched-bench")
                        if os.path.exists(os.path.join(out, f"{k}-{t}.busy"))] + ["ours-2"]
-print("cpu busy % just before each phase (0 = idle machine): " + ", ".join(
-    f"{n} {first_line(n + '.busy')}" for n in phases))
+print("other processes' share of the CPUs during each phase (0 % = the benchmark ran alone):")
+print("  " + ", ".join(f"{n} {100 * load(n + '.meta')['others_share']:.0f} %" for n in phases))
 print(f"ours: {ours[0]['model']} ({ours[0]['dtype']}), runs 1 / 2; "
       "llama.cpp: best repetition (mean of repetitions)")
 print()

@@ -1,10 +1,31 @@
-//! decode-node: pulls a prompt's KV from a prefill node and generates the rest with continuous
-//! batching. Not built yet (the cluster issue): this binary refuses to start rather than
-//! pretend to serve.
+//! decode-node: pulls prompts' KV from prefill nodes and generates the rest (see the
+//! library's docs). Prints one JSON ready line on stdout once it serves;
+//! SIGTERM / Ctrl-C drains and exits 0.
 
-fn main() -> std::process::ExitCode {
-    eprintln!(
-        "decode-node: not available yet in this version; use `pdctl run` for single-process generation"
-    );
-    std::process::ExitCode::from(2)
+use std::process::ExitCode;
+
+use clap::Parser;
+use decode_node::DecodeArgs;
+
+fn main() -> ExitCode {
+    let args = DecodeArgs::parse();
+    pd_node::init_tracing(args.node.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = pd_node::shutdown_signal()?;
+        decode_node::serve(args, shutdown).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -222,7 +222,10 @@ fn synthetic_models_go_through_the_real_files() {
     assert!(files.config.tie_word_embeddings);
     assert_eq!(files.eos_token_ids(), vec![151645, 151643]);
     // The metadata-only view of a preset (what the router loads) equals the written files.
-    let meta = ModelSource::parse("synthetic:tiny").unwrap().open_metadata().unwrap();
+    let meta = ModelSource::parse("synthetic:tiny")
+        .unwrap()
+        .open_metadata()
+        .unwrap();
     assert_eq!(meta.config, files.config);
     assert_eq!(meta.eos_token_ids(), files.eos_token_ids());
     // Seeded: the same seed gives the same bytes, another seed other bytes.

@@ -6,9 +6,11 @@
 //! - `pdctl bench-model`: prefill / decode speed beside the machine's memory bandwidth.
 
 mod bench_model;
+mod generate;
 mod load;
 mod run;
 mod tokenize;
+mod up;
 
 use std::process::ExitCode;
 
@@ -31,6 +33,10 @@ enum Command {
     Run(Box<run::RunArgs>),
     /// Print the token ids of raw text (no template, no special tokens added).
     Tokenize(tokenize::TokenizeArgs),
+    /// Start a local cluster: prefill nodes, decode nodes and a router on 127.0.0.1.
+    Up(up::UpArgs),
+    /// Send one request to a running cluster's router.
+    Generate(Box<generate::GenerateArgs>),
     /// Measure prefill and decode speed against the machine's memory-read bandwidth.
     BenchModel(bench_model::BenchModelArgs),
 }
@@ -47,6 +53,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::Up(args) => up::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::BenchModel(args) => bench_model::run(args),
     };
     match result {

@@ -63,12 +63,12 @@ pub struct RunArgs {
     json: bool,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Sampling")]
 pub struct SamplingArgs {
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 16)]
-    max_tokens: u32,
+    pub(crate) max_tokens: u32,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
@@ -95,14 +95,14 @@ pub struct SamplingArgs {
     ignore_eos: bool,
     /// Top-K logprobs of each generated token.
     #[arg(long)]
-    logprobs: Option<u32>,
+    pub(crate) logprobs: Option<u32>,
     /// Top-K logprobs of each prompt position after the first.
     #[arg(long)]
-    prompt_logprobs: Option<u32>,
+    pub(crate) prompt_logprobs: Option<u32>,
 }
 
 impl SamplingArgs {
-    fn params(&self) -> SamplingParams {
+    pub(crate) fn params(&self) -> SamplingParams {
         SamplingParams {
             temperature: self.temperature,
             top_p: self.top_p,

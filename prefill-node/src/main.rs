@@ -1,10 +1,31 @@
-//! prefill-node: computes a prompt's KV cache and first token, then leases the KV blocks to a
-//! decode node. Not built yet (the cluster issue): this binary refuses to start rather than
-//! pretend to serve.
+//! prefill-node: computes prompts' KV caches and first tokens, and leases the KV to decode
+//! nodes (see the library's docs). Prints one JSON ready line on stdout once it serves;
+//! SIGTERM / Ctrl-C drains and exits 0.
 
-fn main() -> std::process::ExitCode {
-    eprintln!(
-        "prefill-node: not available yet in this version; use `pdctl run` for single-process generation"
-    );
-    std::process::ExitCode::from(2)
+use std::process::ExitCode;
+
+use clap::Parser;
+use prefill_node::PrefillArgs;
+
+fn main() -> ExitCode {
+    let args = PrefillArgs::parse();
+    pd_node::init_tracing(args.node.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = pd_node::shutdown_signal()?;
+        prefill_node::serve(args, shutdown).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,5 +1,27 @@
-//! pd-router: the client-facing gRPC service, request validation and tokenization, the
-//! routing policy, the node registry and the aggregation of node metrics.
+//! pd-router: the client-facing gRPC service of the PD cluster.
 //!
-//! Skeleton: it arrives with the cluster issue. It depends on `pd-engine` only for shared
-//! types (block hashing, counter ids), never on kernels or transport.
+//! A client's `pd.v1.Generation` request is validated into a typed request
+//! ([`validation`]), tokenized (chat template for chat input), routed to a prefill node by a
+//! [`policy`] and to a decode node by load, among the nodes the [`registry`] knows to be up
+//! and KV-compatible; the router then streams the decode node's tokens back as text
+//! ([`flow`]: incremental detokenization, stop strings, usage, cancellation and retries).
+//!
+//! The library is what the `router` binary runs, and what tests embed:
+//! [`serve`]`(config, listener, shutdown)`.
+//!
+//! Depends on `pd-engine` only for shared types (tokenizer, text stream, block hashes,
+//! sampling parameters), never on pd-kernels or pd-transport.
+
+pub mod config;
+pub mod error;
+mod flow;
+pub mod policy;
+pub mod registry;
+mod server;
+mod service;
+pub mod validation;
+
+pub use config::{PolicyKind, RouterArgs, RouterConfig};
+pub use error::{NodeError, RouterError};
+pub use server::{Router, serve};
+pub use service::{GenerationService, grpc_timeout};

@@ -1,0 +1,501 @@
+//! decode-node: pulls a prompt's KV from a prefill node and generates the rest with
+//! continuous batching, streaming the tokens.
+//!
+//! `pd.v1.DecodeService`:
+//! - `Decode`: the `KvHandle` must match this node's layout (fingerprint and block size;
+//!   otherwise FAILED_PRECONDITION naming both), the request is validated at the edge
+//!   (INVALID_ARGUMENT), then only the blocks this node does not cache already are pulled from
+//!   the prefill node's export server before a deadline (the lease's, at most
+//!   [`MAX_PULL_TIME`]; a failed transfer is UNAVAILABLE with the transport's reason), and the
+//!   request runs on an engine of role `Decode` with the pulled KV. Each response carries the
+//!   tokens generated since the previous one (one per engine step, several when they were
+//!   already waiting); the last carries the finish reason and usage. A client that drops the
+//!   stream aborts the request. Releasing the lease is the router's job (after the first
+//!   message or a failure), not this node's.
+//! - `Abort`, `Info`.
+//!
+//! Start-up, health, reflection, the ready line and draining are shared with prefill-node
+//! (crate `pd-node`).
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+use pd_engine::generate::validate_prompt;
+use pd_engine::serve::{EngineRequest, EngineThread, ImportedKv, RequestEvent, RequestId, Role};
+use pd_node::requests::{engine_gone, engine_status, forward_events};
+use pd_node::{ModelFacts, NodeArgs, NodeServer, Ready, RequestGuard, Requests};
+use pd_proto::convert;
+use pd_proto::pb;
+use pd_proto::pb::decode_service_server::{DecodeService, DecodeServiceServer};
+use pd_transport::{KvPuller, LayoutFingerprint, PullRequest};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// The longest a KV pull may take, whatever the lease's deadline.
+pub const MAX_PULL_TIME: Duration = Duration::from_secs(5);
+/// The shortest deadline a pull gets, so that clocks a little apart between the nodes do not
+/// fail a pull the prefill node would still serve (it enforces the lease itself).
+pub const MIN_PULL_TIME: Duration = Duration::from_millis(500);
+
+/// The decode node's flags (each also from a `PD_...` environment variable).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "decode-node",
+    version,
+    about = "PD cluster decode node: pulls prompts' KV from prefill nodes and generates the rest"
+)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub node: NodeArgs,
+}
+
+/// Cumulative KV-transfer counters of a decode node.
+#[derive(Debug, Default)]
+pub struct TransferStats {
+    pulls_ok: AtomicU64,
+    pulls_failed: AtomicU64,
+    blocks_pulled: AtomicU64,
+    bytes_pulled: AtomicU64,
+    /// Blocks not pulled because this node cached them already.
+    blocks_cached: AtomicU64,
+}
+
+/// A snapshot of [`TransferStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferCounts {
+    pub pulls_ok: u64,
+    pub pulls_failed: u64,
+    pub blocks_pulled: u64,
+    pub bytes_pulled: u64,
+    pub blocks_cached: u64,
+}
+
+impl TransferStats {
+    pub fn snapshot(&self) -> TransferCounts {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TransferCounts {
+            pulls_ok: r(&self.pulls_ok),
+            pulls_failed: r(&self.pulls_failed),
+            blocks_pulled: r(&self.blocks_pulled),
+            bytes_pulled: r(&self.bytes_pulled),
+            blocks_cached: r(&self.blocks_cached),
+        }
+    }
+}
+
+/// A decode request checked against this node: the engine request (KV not pulled yet) and
+/// where the KV lies.
+struct ValidDecode {
+    request: EngineRequest,
+    first_token: u32,
+    kv: pb::KvHandle,
+}
+
+/// `pd.v1.DecodeService` over an engine of role `Decode`.
+#[derive(Debug)]
+struct DecodeNodeService {
+    requests: Arc<Requests>,
+    facts: ModelFacts,
+    puller: KvPuller,
+    stats: Arc<TransferStats>,
+}
+
+impl DecodeNodeService {
+    fn validate(&self, req: pb::DecodeRequest) -> Result<ValidDecode, Status> {
+        if req.request_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "request_id is required (the router's id for this request)",
+            ));
+        }
+        let Some(kv) = req.kv else {
+            return Err(Status::invalid_argument(
+                "kv is required: the KvHandle of the prefill node's answer",
+            ));
+        };
+        let f = &self.facts;
+        let theirs: LayoutFingerprint = kv.layout_fingerprint.parse().map_err(|e| {
+            Status::invalid_argument(format!("kv.layout_fingerprint: {e}"))
+        })?;
+        if theirs != f.fingerprint || kv.block_size as usize != f.block_size() {
+            return Err(Status::failed_precondition(format!(
+                "KV layout mismatch: the prefill node's KV has layout fingerprint {theirs} with \
+                 block size {}, this decode node ({}) has {} with block size {}; run both nodes \
+                 with the same --model (and dtype) and --block-size",
+                kv.block_size,
+                f.served_name,
+                f.fingerprint,
+                f.block_size()
+            )));
+        }
+        if kv.block_len != f.block_len as u64 {
+            return Err(Status::failed_precondition(format!(
+                "KV layout mismatch: the prefill node's blocks have {} values, this node's {}",
+                kv.block_len, f.block_len
+            )));
+        }
+        validate_prompt(
+            &req.prompt_token_ids,
+            f.vocab_size,
+            f.max_model_len,
+            req.max_tokens,
+        )
+        .map_err(|e| convert::status(e.kind(), e.to_string()))?;
+        if req.first_token as usize >= f.vocab_size {
+            return Err(Status::invalid_argument(format!(
+                "first_token {} is outside the vocabulary (size {})",
+                req.first_token, f.vocab_size
+            )));
+        }
+        let params = convert::sampling_params(
+            req.sampling.as_ref(),
+            req.max_tokens,
+            vec![],
+            req.stop_token_ids,
+            req.ignore_eos,
+            false,
+        );
+        params
+            .validate(f.vocab_size, f.max_model_len as u32)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let prompt_len = req.prompt_token_ids.len();
+        let blocks = prompt_len.div_ceil(f.block_size());
+        if kv.num_tokens as usize != prompt_len || kv.num_blocks as usize != blocks {
+            return Err(Status::invalid_argument(format!(
+                "the KvHandle covers {} tokens in {} blocks; the prompt has {prompt_len} tokens \
+                 in {blocks} blocks: send the prompt the prefill node computed",
+                kv.num_tokens, kv.num_blocks
+            )));
+        }
+        Ok(ValidDecode {
+            request: EngineRequest {
+                id: RequestId(req.request_id),
+                prompt: req.prompt_token_ids,
+                params,
+                cache_salt: req.cache_salt,
+                imported: None,
+            },
+            first_token: req.first_token,
+            kv,
+        })
+    }
+
+    /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV.
+    async fn pull(
+        &self,
+        req: &EngineRequest,
+        kv: &pb::KvHandle,
+        first_token: u32,
+    ) -> Result<ImportedKv, Status> {
+        let addr = resolve(&kv.addr).await?;
+        let engine = self.requests.engine().clone();
+        let (prompt, salt) = (req.prompt.clone(), req.cache_salt.clone());
+        let cached = tokio::task::spawn_blocking(move || engine.cached_prefix_blocks(prompt, salt))
+            .await
+            .map_err(|e| Status::internal(format!("prefix lookup task failed: {e}")))?;
+        let total = req.prompt.len().div_ceil(self.facts.block_size());
+        // The block holding the last prompt token is never cached here; keep at least it.
+        let first_block = cached.min(total - 1);
+        let count = total - first_block;
+        let pull = PullRequest {
+            lease_id: kv.lease_id,
+            fingerprint: self.facts.fingerprint,
+            first_block,
+            count,
+            block_len: self.facts.block_len,
+        };
+        let started = Instant::now();
+        let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());
+        match self.puller.pull(addr, pull, deadline).await {
+            Ok(blocks) => {
+                let s = &self.stats;
+                s.pulls_ok.fetch_add(1, Ordering::Relaxed);
+                s.blocks_pulled.fetch_add(count as u64, Ordering::Relaxed);
+                s.bytes_pulled
+                    .fetch_add(pull.payload_bytes().unwrap_or(0), Ordering::Relaxed);
+                s.blocks_cached
+                    .fetch_add(first_block as u64, Ordering::Relaxed);
+                tracing::debug!(
+                    request_id = %req.id,
+                    %addr,
+                    lease_id = kv.lease_id,
+                    cached_blocks = first_block,
+                    pulled_blocks = count,
+                    elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "KV pulled"
+                );
+                Ok(ImportedKv {
+                    first_block,
+                    blocks,
+                    first_token,
+                })
+            }
+            Err(e) => {
+                self.stats.pulls_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    request_id = %req.id,
+                    %addr,
+                    lease_id = kv.lease_id,
+                    reason = e.reason(),
+                    error = %e,
+                    "KV pull failed"
+                );
+                Err(Status::unavailable(format!(
+                    "pulling the prompt's KV ({count} blocks of lease {}) from the prefill node \
+                     at {addr} failed [{}]: {e}",
+                    kv.lease_id,
+                    e.reason()
+                )))
+            }
+        }
+    }
+}
+
+/// How long a pull may take: until the lease's deadline (by this node's clock), within
+/// [`MIN_PULL_TIME`, `MAX_PULL_TIME`]; an unset deadline (0) gets the maximum.
+fn pull_budget(lease_deadline_unix_ms: u64, now: SystemTime) -> Duration {
+    if lease_deadline_unix_ms == 0 {
+        return MAX_PULL_TIME;
+    }
+    let deadline = UNIX_EPOCH + Duration::from_millis(lease_deadline_unix_ms);
+    deadline
+        .duration_since(now)
+        .unwrap_or(Duration::ZERO)
+        .clamp(MIN_PULL_TIME, MAX_PULL_TIME)
+}
+
+/// `host:port` of a KV export server.
+async fn resolve(addr: &str) -> Result<SocketAddr, Status> {
+    if let Ok(a) = addr.parse() {
+        return Ok(a);
+    }
+    if addr.rsplit_once(':').is_none_or(|(_, port)| port.parse::<u16>().is_err()) {
+        return Err(Status::invalid_argument(format!(
+            "kv.addr {addr:?} is not host:port"
+        )));
+    }
+    let found = tokio::time::timeout(MAX_PULL_TIME, tokio::net::lookup_host(addr)).await;
+    match found {
+        Ok(Ok(mut addrs)) => addrs.next().ok_or_else(|| {
+            Status::unavailable(format!("kv.addr {addr:?} resolves to no address"))
+        }),
+        Ok(Err(e)) => Err(Status::unavailable(format!(
+            "cannot resolve kv.addr {addr:?}: {e}"
+        ))),
+        Err(_) => Err(Status::unavailable(format!(
+            "resolving kv.addr {addr:?} timed out"
+        ))),
+    }
+}
+
+/// The response stream of one `Decode`: engine events into messages. Dropping it before the
+/// end (the client went away) aborts the engine request.
+pub struct DecodeStream {
+    events: UnboundedReceiver<RequestEvent>,
+    guard: RequestGuard,
+    /// An engine failure to report after the tokens that came before it.
+    pending_error: Option<Status>,
+    done: bool,
+}
+
+impl std::fmt::Debug for DecodeStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeStream")
+            .field("request_id", self.guard.id())
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream for DecodeStream {
+    type Item = Result<pb::DecodeResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if let Some(e) = this.pending_error.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let Some(mut event) = std::task::ready!(this.events.poll_recv(cx)) else {
+            this.done = true;
+            this.guard.finished();
+            return Poll::Ready(Some(Err(engine_gone())));
+        };
+        let mut msg = pb::DecodeResponse::default();
+        // Events already queued travel in one message; none is waited for.
+        loop {
+            match event {
+                RequestEvent::Token(t) => msg.tokens.push(convert::logprob(&t)),
+                RequestEvent::Finished(f) => {
+                    msg.finish_reason = convert::finish_reason(f.reason) as i32;
+                    msg.usage = Some(convert::usage(&f.usage));
+                    this.done = true;
+                    this.guard.finished();
+                    break;
+                }
+                RequestEvent::Failed(e) => {
+                    this.done = true;
+                    this.guard.finished();
+                    if msg.tokens.is_empty() {
+                        return Poll::Ready(Some(Err(engine_status(&e))));
+                    }
+                    this.pending_error = Some(engine_status(&e));
+                    break;
+                }
+            }
+            match this.events.try_recv() {
+                Ok(next) => event = next,
+                Err(_) => break,
+            }
+        }
+        Poll::Ready(Some(Ok(msg)))
+    }
+}
+
+#[tonic::async_trait]
+impl DecodeService for DecodeNodeService {
+    type DecodeStream = DecodeStream;
+
+    async fn decode(
+        &self,
+        request: Request<pb::DecodeRequest>,
+    ) -> Result<Response<DecodeStream>, Status> {
+        let ValidDecode {
+            mut request,
+            first_token,
+            kv,
+        } = self.validate(request.into_inner())?;
+        // Dropped before the end (the call cancelled, the stream dropped): aborts the request.
+        let guard = self.requests.begin(&request.id)?;
+        request.imported = Some(self.pull(&request, &kv, first_token).await?);
+        let events = forward_events(self.requests.engine().submit(request));
+        Ok(Response::new(DecodeStream {
+            events,
+            guard,
+            pending_error: None,
+            done: false,
+        }))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<pb::NodeAbortRequest>,
+    ) -> Result<Response<pb::NodeAbortResponse>, Status> {
+        let id = request.into_inner().request_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("request_id is required"));
+        }
+        let aborted = self.requests.abort(&RequestId(id));
+        Ok(Response::new(pb::NodeAbortResponse { aborted }))
+    }
+
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::NodeInfo>, Status> {
+        Ok(Response::new(pd_node::info::node_info(
+            &self.facts,
+            &self.requests,
+            pb::Role::Decode,
+            None,
+        )))
+    }
+}
+
+/// A started decode node: model loaded, engine running, listener bound; not serving until
+/// [`DecodeNode::run`].
+#[derive(Debug)]
+pub struct DecodeNode {
+    ready: Ready,
+    server: NodeServer,
+    engine: EngineThread,
+    stats: Arc<TransferStats>,
+}
+
+/// Load the model, start the engine and bind the gRPC listener.
+pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
+    // A decode engine holds no leases; the timeout is unused.
+    let (facts, engine) =
+        pd_node::start_engine(&args.node, Role::Decode, Duration::from_secs(30)).await?;
+    let (listener, grpc) =
+        pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
+    let requests = Requests::new(engine.handle());
+    let stats = Arc::new(TransferStats::default());
+    let ready = Ready {
+        role: "decode",
+        grpc,
+        kv: None,
+        model: facts.served_name.clone(),
+        fingerprint: facts.fingerprint.to_string(),
+    };
+    let service = DecodeNodeService {
+        requests: Arc::clone(&requests),
+        facts,
+        puller: KvPuller::new(),
+        stats: Arc::clone(&stats),
+    };
+    let server = NodeServer {
+        listener,
+        routes: tonic::service::Routes::new(DecodeServiceServer::new(service)),
+        service_name: <DecodeServiceServer<DecodeNodeService> as tonic::server::NamedService>::NAME,
+        requests,
+        drain_timeout: args.node.drain_timeout,
+        also_idle: Box::new(|| true),
+    };
+    Ok(DecodeNode {
+        ready,
+        server,
+        engine,
+        stats,
+    })
+}
+
+impl DecodeNode {
+    /// What the ready line says (address, model, fingerprint).
+    pub fn ready(&self) -> &Ready {
+        &self.ready
+    }
+
+    /// This node's KV-transfer counters (they keep counting while it runs).
+    pub fn transfer_stats(&self) -> Arc<TransferStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// Serve until `shutdown` resolves, drain, then stop the engine.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+        let DecodeNode { server, engine, .. } = self;
+        let result = server.run(shutdown).await;
+        // Joining the engine thread waits for its current step: off the async workers.
+        let _ = tokio::task::spawn_blocking(move || drop(engine)).await;
+        result
+    }
+}
+
+/// Start, print the ready line, serve until `shutdown`, drain and stop.
+pub async fn serve(args: DecodeArgs, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let node = start(args).await?;
+    node.ready().announce()?;
+    node.run(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pull_budget_follows_the_lease_within_bounds() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let ms = |d: Duration| (now + d).duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+        assert_eq!(pull_budget(ms(Duration::from_secs(2)), now), Duration::from_secs(2));
+        assert_eq!(pull_budget(ms(Duration::from_secs(60)), now), MAX_PULL_TIME);
+        assert_eq!(pull_budget(ms(Duration::ZERO) - 10_000, now), MIN_PULL_TIME);
+        assert_eq!(pull_budget(0, now), MAX_PULL_TIME);
+    }
+}

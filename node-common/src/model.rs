@@ -1,0 +1,150 @@
+//! Loading `--model` (with progress bars on a terminal) and starting the engine of a role,
+//! plus the facts about the loaded model every node reports (layout, fingerprint, limits).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::kv::KvLayout;
+use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
+use pd_engine::serve::{EngineThread, Role};
+use pd_engine::synthetic;
+use pd_transport::LayoutFingerprint;
+
+use crate::args::NodeArgs;
+
+fn bar(message: &'static str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>18} [{bar:30}] {binary_bytes}/{binary_total_bytes} ({eta})",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(message);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// A loaded model: its metadata and weights on the CPU backend.
+pub struct LoadedModel {
+    /// The name it is served under (`synthetic:tiny`, or the directory's name).
+    pub served_name: String,
+    pub files: ModelFiles,
+    pub weights: Qwen3<CpuBackend>,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("served_name", &self.served_name)
+            .field("dir", &self.files.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Resolve `model` (materialising a synthetic model under `synthetic_cache_dir`, or the
+/// default cache directory) and load its weights, with progress bars on a terminal.
+/// Blocking.
+pub fn load_model(model: &str, synthetic_cache_dir: Option<&Path>) -> anyhow::Result<LoadedModel> {
+    let source = ModelSource::parse(model)?;
+    let progress = bar("writing synthetic");
+    let report = |done: usize, total: usize| {
+        progress.set_length(total as u64);
+        progress.set_position(done as u64);
+    };
+    let dir = match (&source, synthetic_cache_dir) {
+        (ModelSource::Synthetic { preset, seed }, Some(cache)) => {
+            synthetic::materialize(*preset, *seed, cache, &report)
+        }
+        _ => source.resolve(&report),
+    };
+    progress.finish_and_clear();
+    let dir = dir.with_context(|| format!("resolving model {model}"))?;
+    let files = ModelFiles::open(&dir).with_context(|| format!("loading model {model}"))?;
+    let progress = bar("loading weights");
+    let weights = files.load_weights(&CpuBackend::new(), &mut |done, total| {
+        progress.set_length(total as u64);
+        progress.set_position(done as u64);
+    });
+    progress.finish_and_clear();
+    let weights = weights.with_context(|| format!("loading the weights of {model}"))?;
+    Ok(LoadedModel {
+        served_name: source.served_name(),
+        files,
+        weights,
+    })
+}
+
+/// What a node serves, as it reports it (Info, the ready line, KV handles).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFacts {
+    pub served_name: String,
+    pub layout: KvLayout,
+    /// Model identity (served name and dtype) plus KV layout; KV moves only between equal
+    /// fingerprints.
+    pub fingerprint: LayoutFingerprint,
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    pub num_blocks: usize,
+    /// f32 values per KV block (all layers, K and V).
+    pub block_len: usize,
+}
+
+impl ModelFacts {
+    pub fn new(args: &NodeArgs, served_name: &str, files: &ModelFiles) -> anyhow::Result<Self> {
+        let max_model_len = args.engine.max_model_len(&files.config)?;
+        let layout = KvLayout::new(&files.config, args.engine.block_size)?;
+        let num_blocks = args.engine.num_blocks(&layout, max_model_len);
+        Ok(Self {
+            served_name: served_name.to_string(),
+            fingerprint: fingerprint(&layout, served_name, files),
+            block_len: layout.block_bytes() / 4,
+            vocab_size: files.config.vocab_size,
+            max_model_len,
+            num_blocks,
+            layout,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.layout.block_size
+    }
+}
+
+/// The layout fingerprint of `layout` filled by the model served as `served_name`: the
+/// identity is `"<served name>|<config dtype>"`, the same on every node serving that model.
+pub fn fingerprint(layout: &KvLayout, served_name: &str, files: &ModelFiles) -> LayoutFingerprint {
+    let identity = format!("{served_name}|{}", files.config.dtype.torch_name());
+    LayoutFingerprint::new(layout, &identity)
+}
+
+/// Load the model and start an engine of `role` on its own thread (blocking work runs on
+/// tokio's blocking pool). `lease_timeout` bounds how long a prefill lease pins its blocks.
+pub async fn start_engine(
+    args: &NodeArgs,
+    role: Role,
+    lease_timeout: Duration,
+) -> anyhow::Result<(ModelFacts, EngineThread)> {
+    let args = args.clone();
+    tokio::task::spawn_blocking(move || {
+        let loaded = load_model(&args.model, args.synthetic_cache_dir.as_deref())?;
+        let facts = ModelFacts::new(&args, &loaded.served_name, &loaded.files)?;
+        let engine = args
+            .engine
+            .build(
+                &loaded.files,
+                loaded.weights,
+                role,
+                args.seed,
+                lease_timeout,
+            )
+            .context("building the engine")?;
+        Ok((facts, EngineThread::spawn(engine)))
+    })
+    .await
+    .context("the model loading task failed")?
+}

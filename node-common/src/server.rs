@@ -1,0 +1,240 @@
+//! Serving a node's gRPC service with health and reflection on a bound listener, the ready
+//! line, and the drain on shutdown.
+
+use std::future::Future;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Routes;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::requests::Requests;
+
+/// How long aborted requests get to end after the drain timeout, and the gRPC server to
+/// close its connections, before the process stops waiting for them.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How often the drain checks whether the node is idle, and the health monitor the engine.
+const POLL: Duration = Duration::from_millis(20);
+const HEALTH_POLL: Duration = Duration::from_millis(500);
+
+/// The one JSON line a node prints on stdout once it serves (`pdctl up` reads it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Ready {
+    /// `prefill` or `decode`.
+    pub role: &'static str,
+    /// The gRPC server's address.
+    pub grpc: SocketAddr,
+    /// The KV export server's address (prefill nodes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv: Option<SocketAddr>,
+    /// The served model name.
+    pub model: String,
+    /// The KV layout fingerprint (16 hex digits).
+    pub fingerprint: String,
+}
+
+impl Ready {
+    /// The line, without the newline.
+    pub fn line(&self) -> String {
+        serde_json::to_string(self).expect("plain struct serializes")
+    }
+
+    /// Print the line on stdout (flushed) and log it.
+    pub fn announce(&self) -> anyhow::Result<()> {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", self.line()).context("writing the ready line")?;
+        out.flush().context("writing the ready line")?;
+        tracing::info!(
+            role = self.role,
+            grpc = %self.grpc,
+            kv = %self.kv.map(|a| a.to_string()).unwrap_or_default(),
+            model = %self.model,
+            fingerprint = %self.fingerprint,
+            "ready"
+        );
+        Ok(())
+    }
+}
+
+/// Bind a TCP listener on `host:port` (port 0: an ephemeral port); returns it and its
+/// address.
+pub async fn bind(host: &str, port: u16, what: &str) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("binding the {what} on {host}:{port}"))?;
+    let addr = listener
+        .local_addr()
+        .with_context(|| format!("reading the {what}'s address"))?;
+    Ok((listener, addr))
+}
+
+/// A node's gRPC server, ready to run: the node's service routes plus health and reflection,
+/// on a bound listener.
+pub struct NodeServer {
+    pub listener: TcpListener,
+    /// The node's own service (health and reflection are added here).
+    pub routes: Routes,
+    /// Its full gRPC name (`pd.v1.PrefillService`), reported by health.
+    pub service_name: &'static str,
+    pub requests: Arc<Requests>,
+    /// How long in-flight work may take after the shutdown signal.
+    pub drain_timeout: Duration,
+    /// Work beyond open requests the drain waits for (a prefill node's KV leases): returns
+    /// true when there is none.
+    pub also_idle: Box<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl std::fmt::Debug for NodeServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeServer")
+            .field("listener", &self.listener)
+            .field("service_name", &self.service_name)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+async fn set_status(health: &HealthReporter, service: &str, status: ServingStatus) {
+    health.set_service_status("", status).await;
+    health.set_service_status(service, status).await;
+}
+
+/// Wait until `idle()` or `deadline`; whether it became idle.
+async fn wait_idle(idle: impl Fn() -> bool, deadline: Instant) -> bool {
+    loop {
+        if idle() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+impl NodeServer {
+    /// Serve until `shutdown` resolves, then drain: health turns NOT_SERVING, new work is
+    /// refused with UNAVAILABLE (other calls, such as releasing a KV lease, still work), open
+    /// requests (and `also_idle` work) get `drain_timeout` to finish, whatever is left is
+    /// aborted, and the server stops.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+        let NodeServer {
+            listener,
+            routes,
+            service_name,
+            requests,
+            drain_timeout,
+            also_idle,
+        } = self;
+        let (mut health, health_service) = tonic_health::server::health_reporter();
+        set_status(&health, service_name, ServingStatus::Serving).await;
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection()
+            .build_v1()
+            .context("building the reflection service")?;
+        let reflection_v1alpha = reflection()
+            .build_v1alpha()
+            .context("building the reflection service")?;
+        let routes = routes
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+
+        // Tokens stream in small messages: no Nagle delay on the node's connections.
+        let incoming = TcpListenerStream::new(listener).map(|conn| {
+            conn.inspect(|stream| {
+                let _ = stream.set_nodelay(true);
+            })
+        });
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(Server::builder().add_routes(routes).serve_with_incoming_shutdown(
+            incoming,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+
+        // An engine that failed makes the node NOT_SERVING.
+        let monitor = {
+            let health = health.clone();
+            let requests = Arc::clone(&requests);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(HEALTH_POLL).await;
+                    if !requests.engine().is_healthy() {
+                        tracing::error!("the engine failed; reporting NOT_SERVING");
+                        set_status(&health, service_name, ServingStatus::NotServing).await;
+                        return;
+                    }
+                }
+            })
+        };
+
+        tokio::select! {
+            () = shutdown => {}
+            ended = &mut server => {
+                monitor.abort();
+                return match ended {
+                    Ok(Ok(())) => Err(anyhow::anyhow!("the gRPC server stopped unexpectedly")),
+                    Ok(Err(e)) => Err(e).context("the gRPC server failed"),
+                    Err(e) => Err(e).context("the gRPC server task failed"),
+                };
+            }
+        }
+        monitor.abort();
+
+        tracing::info!(
+            open_requests = requests.len(),
+            drain_timeout_s = drain_timeout.as_secs_f64(),
+            "shutdown requested: draining"
+        );
+        requests.start_draining();
+        set_status(&health, service_name, ServingStatus::NotServing).await;
+        let idle = || requests.is_empty() && also_idle();
+        if wait_idle(idle, Instant::now() + drain_timeout).await {
+            tracing::info!("drained");
+        } else {
+            tracing::warn!(
+                open_requests = requests.len(),
+                "drain timeout: aborting the requests still open"
+            );
+            requests.abort_all();
+            if !wait_idle(|| requests.is_empty(), Instant::now() + STOP_GRACE).await {
+                tracing::warn!(
+                    open_requests = requests.len(),
+                    "requests did not end after the abort"
+                );
+            }
+        }
+
+        // Removing the statuses ends open health watch streams, which would otherwise keep
+        // the graceful shutdown waiting.
+        health.clear_service_status("").await;
+        health.clear_service_status(service_name).await;
+        let _ = stop_tx.send(());
+        match tokio::time::timeout(STOP_GRACE, &mut server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the gRPC server failed while stopping"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the gRPC server task failed"),
+            Err(_) => {
+                tracing::warn!("gRPC connections still open after the drain; closing them");
+                server.abort();
+            }
+        }
+        tracing::info!("stopped");
+        Ok(())
+    }
+}

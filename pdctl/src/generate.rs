@@ -1,0 +1,180 @@
+//! `pdctl generate`: one request to a running cluster's router, printed like `pdctl run`
+//! (streamed text, or one JSON object with `--json`).
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Args;
+use pd_proto::pb;
+use pd_proto::pb::generation_client::GenerationClient;
+use serde_json::json;
+
+#[derive(Debug, Args)]
+#[group(id = "input", required = true, multiple = false, args = ["prompt", "chat", "token_ids"])]
+pub struct GenerateArgs {
+    /// The router's gRPC address (HOST:PORT).
+    #[arg(long, env = "PD_ROUTER")]
+    router: String,
+    /// Raw text prompt (no chat template).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// A user message, rendered through the model's chat template by the router.
+    #[arg(long)]
+    chat: Option<String>,
+    /// Optional system message for `--chat`.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Prompt as token ids, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    #[command(flatten)]
+    sampling: crate::run::SamplingArgs,
+    /// Prefix-cache isolation salt.
+    #[arg(long)]
+    cache_salt: Option<String>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(generate(args))
+}
+
+fn request(args: &GenerateArgs) -> pb::GenerateRequest {
+    use pb::generate_request::Input;
+    let input = if let Some(ids) = &args.token_ids {
+        Input::TokenIds(pb::TokenIds { ids: ids.clone() })
+    } else if let Some(text) = &args.prompt {
+        Input::Text(text.clone())
+    } else {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(pb::ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            });
+        }
+        messages.push(pb::ChatMessage {
+            role: "user".into(),
+            content: args.chat.clone().unwrap_or_default(),
+        });
+        Input::Chat(pb::ChatInput {
+            messages,
+            enable_thinking: None,
+        })
+    };
+    let p = args.sampling.params();
+    pb::GenerateRequest {
+        model: String::new(),
+        input: Some(input),
+        sampling: Some(pd_proto::convert::wire_sampling(&p)),
+        max_tokens: Some(p.max_tokens),
+        stop: p.stop.clone(),
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+        include_stop_str_in_output: false,
+        cache_salt: args.cache_salt.clone(),
+        request_id: None,
+    }
+}
+
+async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let endpoint = if args.router.contains("://") {
+        args.router.clone()
+    } else {
+        format!("http://{}", args.router)
+    };
+    let mut client = GenerationClient::connect(endpoint.clone())
+        .await
+        .with_context(|| format!("connecting to the router at {}", args.router))?;
+    let mut stream = client
+        .generate(request(&args))
+        .await
+        .map_err(|s| anyhow::anyhow!("{}: {}", code_name(s.code()), s.message()))?
+        .into_inner();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut token_ids = Vec::new();
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    let mut prompt_logprobs = Vec::new();
+    let mut last = None;
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("{}: {}", code_name(s.code()), s.message()))?
+    {
+        token_ids.extend_from_slice(&chunk.token_ids);
+        text.push_str(&chunk.text);
+        logprobs.extend(chunk.logprobs.iter().cloned());
+        prompt_logprobs.extend(chunk.prompt_logprobs.iter().cloned());
+        if !args.json {
+            out.write_all(chunk.text.as_bytes())?;
+            out.flush()?;
+        }
+        if chunk.finish_reason != pb::FinishReason::Unspecified as i32 {
+            last = Some(chunk);
+        }
+    }
+    let last = last.context("the stream ended without a finish reason")?;
+    if !args.json {
+        writeln!(out)?;
+        return Ok(());
+    }
+    let reason = pd_proto::convert::engine_finish_reason(last.finish_reason())
+        .map(|r| r.as_str())
+        .unwrap_or("unspecified");
+    let usage = last.usage.unwrap_or_default();
+    let lp = |l: &pb::Logprob| {
+        json!({
+            "token_id": l.token_id,
+            "logprob": l.logprob,
+            "top": l.top.iter().map(|t| json!({"token_id": t.token_id, "logprob": t.logprob})).collect::<Vec<_>>(),
+        })
+    };
+    let object = json!({
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": reason,
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "local_cached_tokens": usage.local_cached_tokens,
+            "external_cached_tokens": usage.external_cached_tokens,
+        },
+        "logprobs": args.sampling.logprobs.map(|_| logprobs.iter().map(lp).collect::<Vec<_>>()),
+        "prompt_logprobs": args.sampling.prompt_logprobs.map(|_| prompt_logprobs.iter().map(lp).collect::<Vec<_>>()),
+    });
+    writeln!(out, "{object}")?;
+    Ok(())
+}
+
+/// The status code as gRPC spells it (INVALID_ARGUMENT, ...), for one-line errors.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}

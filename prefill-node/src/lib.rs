@@ -1,0 +1,411 @@
+//! prefill-node: computes a prompt's KV cache and its first token, then leases the KV blocks
+//! to a decode node, which pulls them from this node's KV export server.
+//!
+//! `pd.v1.PrefillService`:
+//! - `Prefill`: the request is validated at the edge (INVALID_ARGUMENT with a message a
+//!   person can act on), run with `max_tokens = 1` on an engine of role `Prefill` (which stops
+//!   after the first token and keeps the prompt's blocks under a lease), and answered with the
+//!   first token, usage (this node's prefix-cache hits) and a `KvHandle` naming the export
+//!   server, the layout fingerprint and the lease. A call the client cancels aborts the engine
+//!   request.
+//! - `ReleaseKv`: frees a lease (the router calls it once the decode node pulled, or gave
+//!   up); a lease nobody releases expires after `--kv-lease-timeout`.
+//! - `Abort`, `Info`.
+//!
+//! Start-up, health, reflection, the ready line and draining are shared with decode-node
+//! (crate `pd-node`). The drain also waits for leases handed out to be released or to
+//! expire, so that decode nodes can finish pulling.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::Parser;
+use pd_engine::generate::validate_prompt;
+use pd_engine::sampling::SampledToken;
+use pd_engine::serve::{
+    EngineHandle, EngineRequest, EngineThread, Finished, KvLease, RequestError, RequestEvent,
+    RequestId, Role,
+};
+use pd_node::args::parse_seconds;
+use pd_node::requests::{engine_gone, engine_status};
+use pd_node::{ModelFacts, NodeArgs, NodeServer, Ready, Requests};
+use pd_proto::convert;
+use pd_proto::pb;
+use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
+use pd_transport::KvExportServer;
+use tonic::{Request, Response, Status};
+
+/// How long the KV export server lets transfers in flight finish once the node has drained.
+const EXPORT_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// The prefill node's flags (each also from a `PD_...` environment variable).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "prefill-node",
+    version,
+    about = "PD cluster prefill node: computes prompts' KV and first tokens, leases the KV to decode nodes"
+)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub node: NodeArgs,
+    /// Port of the KV export server decode nodes pull from (0: an ephemeral port, printed in
+    /// the ready line).
+    #[arg(long, env = "PD_KV_PORT", default_value_t = 0, help_heading = "KV transfer")]
+    pub kv_port: u16,
+    /// Seconds a prompt's KV stays leased for a decode node to pull, unless released sooner.
+    #[arg(long, env = "PD_KV_LEASE_TIMEOUT", value_name = "SECONDS", default_value = "30",
+          value_parser = parse_seconds, help_heading = "KV transfer")]
+    pub kv_lease_timeout: Duration,
+}
+
+/// Leases handed out and not released yet, with their deadlines (for the drain: decode
+/// nodes may still be pulling them).
+#[derive(Debug, Default)]
+struct Leases(Mutex<HashMap<u64, Instant>>);
+
+impl Leases {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn insert(&self, id: u64, deadline: Instant) {
+        self.map().insert(id, deadline);
+    }
+
+    fn remove(&self, id: u64) {
+        self.map().remove(&id);
+    }
+
+    /// No lease is outstanding (expired ones are forgotten).
+    fn is_empty(&self) -> bool {
+        let now = Instant::now();
+        let mut map = self.map();
+        map.retain(|_, deadline| *deadline > now);
+        map.is_empty()
+    }
+}
+
+/// A lease not handed to anyone yet: released when dropped unless [`LeaseGuard::keep`] is
+/// called (a prefill whose caller went away must not pin blocks until the lease expires).
+struct LeaseGuard {
+    engine: EngineHandle,
+    lease: Option<KvLease>,
+}
+
+impl LeaseGuard {
+    fn keep(mut self) -> KvLease {
+        self.lease.take().expect("a guard holds its lease until kept")
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let engine = self.engine.clone();
+        let release = move || {
+            engine.release_lease(lease.lease_id);
+            tracing::debug!(
+                lease_id = lease.lease_id,
+                "released the lease of a prefill nobody received"
+            );
+        };
+        // Releasing waits for the engine thread: never on an async worker.
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(release)),
+            Err(_) => release(),
+        }
+    }
+}
+
+/// How a prefill ended.
+enum Outcome {
+    /// The first token, the engine's result, and the lease (guarded until handed out).
+    Prefilled {
+        first_token: SampledToken,
+        finished: Box<Finished>,
+        lease: LeaseGuard,
+    },
+    Aborted,
+    Failed(RequestError),
+    /// The engine's channel closed without a terminal event.
+    EngineGone,
+}
+
+/// Wait (blocking) for the prefill's first token and terminal event.
+fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>) -> Outcome {
+    let mut first_token = None;
+    loop {
+        match rx.recv() {
+            Ok(RequestEvent::Token(t)) => {
+                first_token.get_or_insert(t);
+            }
+            Ok(RequestEvent::Finished(mut finished)) => {
+                let lease = finished.lease.take().map(|l| LeaseGuard {
+                    engine: engine.clone(),
+                    lease: Some(l),
+                });
+                return match (first_token, lease) {
+                    (Some(first_token), Some(lease)) => Outcome::Prefilled {
+                        first_token,
+                        finished,
+                        lease,
+                    },
+                    _ => Outcome::Aborted,
+                };
+            }
+            Ok(RequestEvent::Failed(e)) => return Outcome::Failed(e),
+            Err(mpsc::RecvError) => return Outcome::EngineGone,
+        }
+    }
+}
+
+/// `pd.v1.PrefillService` over an engine of role `Prefill`.
+#[derive(Debug)]
+struct PrefillNodeService {
+    requests: Arc<Requests>,
+    facts: ModelFacts,
+    kv_addr: SocketAddr,
+    lease_timeout: Duration,
+    leases: Arc<Leases>,
+}
+
+impl PrefillNodeService {
+    fn engine(&self) -> &EngineHandle {
+        self.requests.engine()
+    }
+
+    /// A wire request into an engine request, or INVALID_ARGUMENT.
+    fn validate(&self, req: pb::PrefillRequest) -> Result<EngineRequest, Status> {
+        if req.request_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "request_id is required (the router's id for this request)",
+            ));
+        }
+        let f = &self.facts;
+        validate_prompt(&req.token_ids, f.vocab_size, f.max_model_len, 1)
+            .map_err(|e| convert::status(e.kind(), e.to_string()))?;
+        // A prefill node samples exactly one token: max_tokens is 1 whatever the request
+        // would decode later.
+        let params = convert::sampling_params(req.sampling.as_ref(), 1, vec![], vec![], false, false);
+        params
+            .validate(f.vocab_size, f.max_model_len as u32)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(EngineRequest {
+            id: RequestId(req.request_id),
+            prompt: req.token_ids,
+            params,
+            cache_salt: req.cache_salt,
+            imported: None,
+        })
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+#[tonic::async_trait]
+impl PrefillService for PrefillNodeService {
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let req = self.validate(request.into_inner())?;
+        let id = req.id.clone();
+        // Dropped before the end (the client cancelled the call): aborts the engine request.
+        let guard = self.requests.begin(&id)?;
+        // Taken before the engine sees the request, so the deadline reported is never later
+        // than the engine's.
+        let submitted = SystemTime::now();
+        let rx = self.engine().submit(req);
+        let engine = self.engine().clone();
+        let outcome = tokio::task::spawn_blocking(move || collect(engine, rx))
+            .await
+            .map_err(|e| Status::internal(format!("prefill task failed: {e}")))?;
+        guard.finished();
+        let (first_token, finished, lease) = match outcome {
+            Outcome::Prefilled {
+                first_token,
+                finished,
+                lease,
+            } => (first_token, finished, lease),
+            Outcome::Aborted => {
+                return Err(Status::aborted(format!("request {id} was aborted")));
+            }
+            Outcome::Failed(e) => return Err(engine_status(&e)),
+            Outcome::EngineGone => return Err(engine_gone()),
+        };
+        let lease = lease.keep();
+        let deadline = submitted + finished.timings.end_to_end + self.lease_timeout;
+        self.leases.insert(
+            lease.lease_id,
+            Instant::now() + self.lease_timeout,
+        );
+        let f = &self.facts;
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        tracing::debug!(
+            request_id = %id,
+            lease_id = lease.lease_id,
+            prompt_tokens = finished.usage.prompt_tokens,
+            cached_tokens = finished.usage.cached_tokens(),
+            "prefilled"
+        );
+        Ok(Response::new(pb::PrefillResponse {
+            first_token: Some(convert::logprob(&first_token)),
+            usage: Some(convert::usage(&finished.usage)),
+            kv: Some(pb::KvHandle {
+                addr: self.kv_addr.to_string(),
+                layout_fingerprint: f.fingerprint.to_string(),
+                block_size: n(f.block_size()),
+                num_tokens: n(lease.num_tokens),
+                lease_id: lease.lease_id,
+                lease_deadline_unix_ms: unix_ms(deadline),
+                block_len: f.block_len as u64,
+                num_blocks: n(lease.blocks.len()),
+            }),
+            prompt_logprobs: finished
+                .prompt_logprobs
+                .iter()
+                .flatten()
+                .map(convert::prompt_logprob)
+                .collect(),
+        }))
+    }
+
+    async fn release_kv(
+        &self,
+        request: Request<pb::ReleaseKvRequest>,
+    ) -> Result<Response<pb::ReleaseKvResponse>, Status> {
+        let lease_id = request.into_inner().lease_id;
+        let engine = self.engine().clone();
+        let released = tokio::task::spawn_blocking(move || engine.release_lease(lease_id))
+            .await
+            .map_err(|e| Status::internal(format!("release task failed: {e}")))?;
+        self.leases.remove(lease_id);
+        tracing::debug!(lease_id, released, "lease released");
+        Ok(Response::new(pb::ReleaseKvResponse { released }))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<pb::NodeAbortRequest>,
+    ) -> Result<Response<pb::NodeAbortResponse>, Status> {
+        let id = request.into_inner().request_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("request_id is required"));
+        }
+        let aborted = self.requests.abort(&RequestId(id));
+        Ok(Response::new(pb::NodeAbortResponse { aborted }))
+    }
+
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::NodeInfo>, Status> {
+        Ok(Response::new(pd_node::info::node_info(
+            &self.facts,
+            &self.requests,
+            pb::Role::Prefill,
+            Some(self.kv_addr),
+        )))
+    }
+}
+
+/// A started prefill node: model loaded, engine running, listeners bound; not serving until
+/// [`PrefillNode::run`].
+#[derive(Debug)]
+pub struct PrefillNode {
+    ready: Ready,
+    server: NodeServer,
+    export: KvExportServer,
+    engine: EngineThread,
+}
+
+/// Load the model, start the engine and bind the gRPC and KV export listeners.
+pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
+    anyhow::ensure!(
+        !args.kv_lease_timeout.is_zero(),
+        "--kv-lease-timeout must be more than 0 seconds: decode nodes need time to pull the KV"
+    );
+    let (facts, engine) =
+        pd_node::start_engine(&args.node, Role::Prefill, args.kv_lease_timeout).await?;
+    let handle = engine.handle();
+    let (listener, grpc) =
+        pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
+    let kv_bind = tokio::net::lookup_host((args.node.host.as_str(), args.kv_port))
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .with_context(|| format!("resolving --host {}", args.node.host))?;
+    let (export, kv_addr) =
+        KvExportServer::bind(kv_bind, facts.fingerprint, Arc::new(handle.clone()))
+            .await
+            .with_context(|| format!("binding the KV export server on {kv_bind}"))?;
+    let requests = Requests::new(handle);
+    let leases = Arc::new(Leases::default());
+    let ready = Ready {
+        role: "prefill",
+        grpc,
+        kv: Some(kv_addr),
+        model: facts.served_name.clone(),
+        fingerprint: facts.fingerprint.to_string(),
+    };
+    let service = PrefillNodeService {
+        requests: Arc::clone(&requests),
+        facts,
+        kv_addr,
+        lease_timeout: args.kv_lease_timeout,
+        leases: Arc::clone(&leases),
+    };
+    let server = NodeServer {
+        listener,
+        routes: tonic::service::Routes::new(PrefillServiceServer::new(service)),
+        service_name: <PrefillServiceServer<PrefillNodeService> as tonic::server::NamedService>::NAME,
+        requests,
+        drain_timeout: args.node.drain_timeout,
+        also_idle: Box::new(move || leases.is_empty()),
+    };
+    Ok(PrefillNode {
+        ready,
+        server,
+        export,
+        engine,
+    })
+}
+
+impl PrefillNode {
+    /// What the ready line says (addresses, model, fingerprint).
+    pub fn ready(&self) -> &Ready {
+        &self.ready
+    }
+
+    /// Serve until `shutdown` resolves, drain, then stop the export server and the engine.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+        let PrefillNode {
+            server,
+            export,
+            engine,
+            ..
+        } = self;
+        let result = server.run(shutdown).await;
+        export.shutdown(EXPORT_STOP_GRACE).await;
+        // Joining the engine thread waits for its current step: off the async workers.
+        let _ = tokio::task::spawn_blocking(move || drop(engine)).await;
+        result
+    }
+}
+
+/// Start, print the ready line, serve until `shutdown`, drain and stop.
+pub async fn serve(args: PrefillArgs, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let node = start(args).await?;
+    node.ready().announce()?;
+    node.run(shutdown).await
+}

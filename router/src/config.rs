@@ -1,0 +1,189 @@
+//! The router's configuration: the command line (clap, every flag also read from a `PD_...`
+//! environment variable) and the plain [`RouterConfig`] the library runs with, so tests and
+//! `pdctl up` can build one without a command line.
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// Which prefill node a request goes to (decode nodes are always chosen by load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyKind {
+    /// Each request to the next healthy prefill node in turn.
+    RoundRobin,
+    /// The prefill node with the least load (running + waiting + the router's in-flight).
+    LeastLoaded,
+    /// The prefill node most likely to hold the prompt's prefix in its cache, balanced by load
+    /// (see [`crate::policy::PrefixAware`]).
+    PrefixAware,
+}
+
+/// Everything [`crate::serve`] needs.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// `--model`: a model directory or `synthetic:<preset>`; only its metadata is loaded.
+    pub model: String,
+    /// Prefill node gRPC addresses (`host:port`).
+    pub prefill: Vec<String>,
+    /// Decode node gRPC addresses (`host:port`).
+    pub decode: Vec<String>,
+    pub policy: PolicyKind,
+    /// Upper bound of `max_tokens`; an unset `max_tokens` is `min(cap, context − prompt)`.
+    pub max_tokens_cap: u32,
+    /// How often every node's `Info` is polled.
+    pub health_interval: Duration,
+    /// Deadline of one `Info` poll; a node that misses it is marked down.
+    pub health_timeout: Duration,
+    /// Largest client message the router decodes.
+    pub max_message_bytes: usize,
+    /// Upper bound of a whole request (the client's own `grpc-timeout` may be shorter).
+    pub request_timeout: Option<Duration>,
+    /// Deadline of a whole `Prefill` call, and the longest a decode stream may stay silent,
+    /// when the client's deadline does not end the request first.
+    pub node_timeout: Duration,
+    /// Block hashes remembered per prefill node by the prefix-aware policy (an LRU set).
+    pub prefix_index_blocks: usize,
+}
+
+impl RouterConfig {
+    /// A configuration with the command line's defaults for these nodes.
+    pub fn new(model: impl Into<String>, prefill: Vec<String>, decode: Vec<String>) -> Self {
+        Self {
+            model: model.into(),
+            prefill,
+            decode,
+            policy: PolicyKind::PrefixAware,
+            max_tokens_cap: 4096,
+            health_interval: Duration::from_millis(500),
+            health_timeout: Duration::from_millis(1000),
+            max_message_bytes: 4 << 20,
+            request_timeout: None,
+            node_timeout: Duration::from_secs(120),
+            prefix_index_blocks: 65_536,
+        }
+    }
+}
+
+/// The router's command line (see `router --help`).
+#[derive(Debug, Clone, Args)]
+pub struct RouterArgs {
+    /// Model directory (Hugging Face layout) or `synthetic:<preset>`. Only config.json,
+    /// generation_config.json and the tokenizer are read, never the weights.
+    #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny", help_heading = "Model")]
+    pub model: String,
+
+    /// Address to listen on.
+    #[arg(long, env = "PD_HOST", default_value = "127.0.0.1", help_heading = "Server")]
+    pub host: String,
+
+    /// Port to listen on (0: an ephemeral port, printed in the ready line).
+    #[arg(long, env = "PD_PORT", default_value_t = 0, help_heading = "Server")]
+    pub port: u16,
+
+    /// Largest client message accepted, in bytes; a larger one is refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "PD_MAX_MESSAGE_BYTES", default_value_t = 4 << 20, help_heading = "Server")]
+    pub max_message_bytes: usize,
+
+    /// Upper bound of a whole request, e.g. `30s`, `500ms`, `5m` (a bare number is seconds).
+    /// The client's own deadline (grpc-timeout) applies when it is shorter.
+    #[arg(long, env = "PD_REQUEST_TIMEOUT", value_parser = parse_duration, help_heading = "Server")]
+    pub request_timeout: Option<Duration>,
+
+    /// A prefill node's gRPC address (`host:port`); repeat for several (the environment
+    /// variable takes a comma-separated list).
+    #[arg(long = "prefill", env = "PD_PREFILL", value_delimiter = ',', required = true, help_heading = "Nodes")]
+    pub prefill: Vec<String>,
+
+    /// A decode node's gRPC address (`host:port`); repeat for several.
+    #[arg(long = "decode", env = "PD_DECODE", value_delimiter = ',', required = true, help_heading = "Nodes")]
+    pub decode: Vec<String>,
+
+    /// How often each node is asked for its Info (health, load, KV layout).
+    #[arg(long, env = "PD_HEALTH_INTERVAL_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Nodes")]
+    pub health_interval_ms: u64,
+
+    /// Deadline of one Info call; a node that misses it is marked down until it answers again.
+    #[arg(long, env = "PD_HEALTH_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Nodes")]
+    pub health_timeout_ms: u64,
+
+    /// Deadline of a Prefill call, and the longest a decode stream may stay silent, when the
+    /// request's own deadline is not shorter (same syntax as --request-timeout).
+    #[arg(long, env = "PD_NODE_TIMEOUT", default_value = "120s", value_parser = parse_duration, help_heading = "Nodes")]
+    pub node_timeout: Duration,
+
+    /// How prefill nodes are chosen.
+    #[arg(long, env = "PD_POLICY", value_enum, default_value_t = PolicyKind::PrefixAware, help_heading = "Routing")]
+    pub policy: PolicyKind,
+
+    /// Block hashes the prefix-aware policy remembers per prefill node (least recently used
+    /// ones are forgotten first).
+    #[arg(long, env = "PD_PREFIX_INDEX_BLOCKS", default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Routing")]
+    pub prefix_index_blocks: u64,
+
+    /// Largest max_tokens a request may ask for; an unset max_tokens is
+    /// min(this, context length − prompt length).
+    #[arg(long, env = "PD_MAX_TOKENS_CAP", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Requests")]
+    pub max_tokens_cap: u32,
+}
+
+impl RouterArgs {
+    pub fn to_config(&self) -> RouterConfig {
+        RouterConfig {
+            model: self.model.clone(),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            policy: self.policy,
+            max_tokens_cap: self.max_tokens_cap,
+            health_interval: Duration::from_millis(self.health_interval_ms),
+            health_timeout: Duration::from_millis(self.health_timeout_ms),
+            max_message_bytes: self.max_message_bytes,
+            request_timeout: self.request_timeout,
+            node_timeout: self.node_timeout,
+            prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
+        }
+    }
+}
+
+/// `250ms`, `30s`, `5m`, `1h`, or a bare number of seconds (fractions allowed: `0.5`).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration (examples: 500ms, 30s, 5m, 1h)"))?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{text}` (use ms, s, m or h)"
+            ));
+        }
+    };
+    if !(seconds > 0.0 && seconds.is_finite()) {
+        return Err(format!("`{text}` must be a positive duration"));
+    }
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("`{text}`: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("0.5s"), Ok(Duration::from_millis(500)));
+        assert!(parse_duration("0").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+}

@@ -1,0 +1,153 @@
+//! The router's typed errors, each with one gRPC code.
+
+use pd_engine::EngineError;
+use tonic::{Code, Status};
+
+use crate::registry::NodeRole;
+use crate::validation::ValidationError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    #[error("cannot load the metadata of model `{model}`: {source}")]
+    Model {
+        model: String,
+        #[source]
+        source: EngineError,
+    },
+    #[error("invalid {role} node address `{addr}`: {message}")]
+    BadAddress {
+        role: NodeRole,
+        addr: String,
+        message: String,
+    },
+    #[error("at least one --prefill and one --decode node are needed")]
+    NoNodes,
+    #[error("no healthy {role} node ({detail}); retry once the router's health reports SERVING")]
+    NoHealthyNode { role: NodeRole, detail: String },
+    #[error(
+        "no healthy prefill node shares a KV layout (fingerprint and block size) with a healthy \
+         decode node: {detail}"
+    )]
+    IncompatibleLayouts { detail: String },
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl RouterError {
+    pub fn code(&self) -> Code {
+        match self {
+            RouterError::Validation(_) => Code::InvalidArgument,
+            RouterError::Model { source, .. } => match source.kind() {
+                pd_engine::ErrorKind::Internal => Code::Internal,
+                _ => Code::FailedPrecondition,
+            },
+            RouterError::BadAddress { .. } | RouterError::NoNodes => Code::InvalidArgument,
+            RouterError::NoHealthyNode { .. } => Code::Unavailable,
+            RouterError::IncompatibleLayouts { .. } => Code::FailedPrecondition,
+            RouterError::Node(e) => e.client_code(),
+            RouterError::Serve(_) | RouterError::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<RouterError> for Status {
+    fn from(e: RouterError) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// A call to a node that did not succeed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{role} node {addr}: {what}")]
+pub struct NodeError {
+    pub role: NodeRole,
+    pub addr: String,
+    pub what: NodeFailure,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NodeFailure {
+    /// The node answered with an error status.
+    #[error("{}: {}", code_name(.0.code()), .0.message())]
+    Status(Status),
+    /// The node did not answer within the router's deadline for it.
+    #[error("no answer within {0:?}")]
+    Timeout(std::time::Duration),
+    /// The node broke the protocol (e.g. a decode stream that ended without a finish reason).
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl NodeError {
+    /// Worth trying another node: the node (or the path to it) failed, not the request.
+    pub fn is_retryable(&self) -> bool {
+        match &self.what {
+            NodeFailure::Timeout(_) | NodeFailure::Protocol(_) => true,
+            NodeFailure::Status(s) => matches!(
+                s.code(),
+                Code::Unavailable
+                    | Code::Unknown
+                    | Code::Internal
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+                    | Code::Cancelled
+                    | Code::DeadlineExceeded
+            ),
+        }
+    }
+
+    /// The node itself looks unreachable or stuck: route around it until its next good
+    /// health check.
+    pub fn marks_node_down(&self) -> bool {
+        match &self.what {
+            NodeFailure::Timeout(_) => true,
+            NodeFailure::Protocol(_) => false,
+            NodeFailure::Status(s) => s.code() == Code::Unavailable,
+        }
+    }
+
+    /// The code a client gets when this error ends its request before any token reached it:
+    /// the node's own verdict on the request where it has one, else UNAVAILABLE.
+    pub fn client_code(&self) -> Code {
+        match &self.what {
+            NodeFailure::Status(s) => match s.code() {
+                c @ (Code::InvalidArgument
+                | Code::FailedPrecondition
+                | Code::ResourceExhausted
+                | Code::OutOfRange) => c,
+                _ => Code::Unavailable,
+            },
+            _ => Code::Unavailable,
+        }
+    }
+}
+
+fn code_name(code: Code) -> String {
+    // `Code`'s Debug is the CamelCase variant; clients know the SCREAMING_CASE names.
+    let camel = format!("{code:?}");
+    let mut out = String::with_capacity(camel.len() + 4);
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_names() {
+        assert_eq!(code_name(Code::ResourceExhausted), "RESOURCE_EXHAUSTED");
+        assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+    }
+}

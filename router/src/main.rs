@@ -1,0 +1,89 @@
+//! The `router` binary: parses flags, loads the model's metadata, binds, prints the ready
+//! line `{"role":"router","grpc":"HOST:PORT"}` on stdout, serves until SIGTERM or Ctrl-C.
+
+use std::io::Write as _;
+
+use anyhow::Context as _;
+use clap::Parser;
+use pd_router::{Router, RouterArgs};
+
+#[derive(Debug, Parser)]
+#[command(name = "router", version, about = "The PD cluster's router: the client gRPC API in front of prefill and decode nodes.")]
+struct Cli {
+    #[command(flatten)]
+    router: RouterArgs,
+
+    /// Write logs (stderr) as JSON lines.
+    #[arg(long, env = "PD_LOG_JSON", help_heading = "Logging")]
+    log_json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cli.log_json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+
+    let config = cli.router.to_config();
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    // Node channels start their connection tasks on the runtime.
+    let entered = runtime.enter();
+    let router = Router::new(config).context("cannot start the router")?;
+    drop(entered);
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", cli.router.host, cli.router.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let bound = listener.local_addr().context("listener address")?;
+        let ready = serde_json::json!({"role": "router", "grpc": bound.to_string()});
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{ready}").context("writing the ready line")?;
+        stdout.flush().context("writing the ready line")?;
+        drop(stdout);
+        router
+            .serve(listener, shutdown_signal())
+            .await
+            .context("router failed")
+    })
+}
+
+/// SIGTERM or Ctrl-C: drain and exit. A second signal exits at once.
+async fn shutdown_signal() {
+    wait_for_signal().await;
+    tokio::spawn(async {
+        wait_for_signal().await;
+        tracing::warn!("second signal: exiting without draining");
+        std::process::exit(130);
+    });
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {},
+                    _ = tokio::signal::ctrl_c() => {},
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the router");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

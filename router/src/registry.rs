@@ -1,0 +1,495 @@
+//! The nodes the router knows: static addresses from the command line, kept current by
+//! active health checks.
+//!
+//! Every `--health-interval`, each node's `Info` is called with a `--health-timeout`
+//! deadline. A node is **up** while its last answer came in time, reported `healthy`, and
+//! named the role it was given on the command line; otherwise it is **down** (with the
+//! reason) and no request is routed to it. A request that finds a node unreachable marks it
+//! down at once; the next good `Info` brings it back. Channels connect lazily and reconnect
+//! on their own, so a restarted node is used again without restarting the router.
+//!
+//! Load of a node = `num_running + num_waiting` from its last `Info` + the requests this
+//! router has in flight on it (which counts new work between two polls).
+//!
+//! KV moves only between a prefill and a decode node with equal layout fingerprints and block
+//! sizes; [`Registry::prefill_candidates`] offers only prefill nodes that have such a decode
+//! partner up, and explains the mismatch when none has. The router's gRPC health is SERVING
+//! exactly when at least one such pair is up.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pd_proto::pb;
+use pd_proto::pb::decode_service_client::DecodeServiceClient;
+use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::RouterError;
+
+/// Largest node message the router decodes (prompt logprobs of a long prompt are large).
+pub const NODE_MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// How long opening a connection to a node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeRole {
+    Prefill,
+    Decode,
+}
+
+impl NodeRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeRole::Prefill => "prefill",
+            NodeRole::Decode => "decode",
+        }
+    }
+
+    fn wire(self) -> pb::Role {
+        match self {
+            NodeRole::Prefill => pb::Role::Prefill,
+            NodeRole::Decode => pb::Role::Decode,
+        }
+    }
+}
+
+impl fmt::Display for NodeRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the router currently believes about a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeHealth {
+    /// Not checked yet.
+    Unknown,
+    Up,
+    Down(String),
+}
+
+/// The KV layout two nodes must share for KV to move between them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub fingerprint: String,
+    pub block_size: u32,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fingerprint {} block size {}",
+            self.fingerprint, self.block_size
+        )
+    }
+}
+
+#[derive(Debug)]
+struct NodeState {
+    health: NodeHealth,
+    info: Option<pb::NodeInfo>,
+}
+
+/// One node: its address, channel, last known state and the router's in-flight count.
+#[derive(Debug)]
+pub struct Node {
+    /// Unique within the registry (prefill and decode nodes share the numbering).
+    pub id: usize,
+    pub role: NodeRole,
+    pub addr: String,
+    channel: Channel,
+    state: Mutex<NodeState>,
+    inflight: AtomicU64,
+    /// Incremented each time the node comes (back) up.
+    epoch: AtomicU64,
+}
+
+impl Node {
+    fn state(&self) -> MutexGuard<'_, NodeState> {
+        // The state is a plain value: a panic elsewhere cannot leave it half-written.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn prefill_client(&self) -> PrefillServiceClient<Channel> {
+        PrefillServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
+    }
+
+    pub fn decode_client(&self) -> DecodeServiceClient<Channel> {
+        DecodeServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
+    }
+
+    pub fn health(&self) -> NodeHealth {
+        self.state().health.clone()
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.state().health == NodeHealth::Up
+    }
+
+    /// The last good `Info`.
+    pub fn info(&self) -> Option<pb::NodeInfo> {
+        self.state().info.clone()
+    }
+
+    pub fn layout(&self) -> Option<Layout> {
+        self.state().info.as_ref().map(|i| Layout {
+            fingerprint: i.layout_fingerprint.clone(),
+            block_size: i.block_size,
+        })
+    }
+
+    /// Running + waiting (from the last `Info`) + this router's in-flight requests.
+    pub fn load(&self) -> u64 {
+        let reported = self
+            .state()
+            .info
+            .as_ref()
+            .map_or(0, |i| u64::from(i.num_running) + u64::from(i.num_waiting));
+        reported + self.inflight()
+    }
+
+    /// Changes each time the node comes (back) up: it may have restarted with an empty cache.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Requests this router has in flight on the node.
+    pub fn inflight(&self) -> u64 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request on this node until the guard is dropped.
+    pub fn track(self: &Arc<Self>) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        InflightGuard(self.clone())
+    }
+
+    /// Takes the node out of routing until its next good health check. True if it was up.
+    pub fn mark_down(&self, reason: impl Into<String>) -> bool {
+        let reason = reason.into();
+        let mut state = self.state();
+        let was_up = state.health == NodeHealth::Up;
+        if was_up {
+            tracing::warn!(node = %self.addr, role = %self.role, %reason, "node marked down");
+        }
+        state.health = NodeHealth::Down(reason);
+        was_up
+    }
+
+    /// Applies one health check's outcome; returns whether up/down changed.
+    fn record(&self, outcome: Result<pb::NodeInfo, String>, model: &str) -> bool {
+        let health = match &outcome {
+            Err(reason) => NodeHealth::Down(reason.clone()),
+            Ok(info) if !matches!(info.role(), pb::Role::Unspecified) && info.role() != self.role.wire() => NodeHealth::Down(format!(
+                "it reports role {:?} but was given as --{}",
+                info.role(),
+                self.role
+            )),
+            Ok(info) if !info.healthy => NodeHealth::Down("it reports itself unhealthy".into()),
+            Ok(_) => NodeHealth::Up,
+        };
+        let mut state = self.state();
+        let was_up = state.health == NodeHealth::Up;
+        let is_up = health == NodeHealth::Up;
+        if let Ok(info) = outcome {
+            if !model.is_empty() && !info.model.is_empty() && info.model != model {
+                let first = state.info.as_ref().is_none_or(|old| old.model != info.model);
+                if first {
+                    tracing::warn!(node = %self.addr, node_model = %info.model, router_model = %model,
+                        "node serves a model of another name than the router's");
+                }
+            }
+            state.info = Some(info);
+        }
+        match (&state.health, &health) {
+            (NodeHealth::Up, NodeHealth::Down(reason)) => {
+                tracing::warn!(node = %self.addr, role = %self.role, %reason, "node down")
+            }
+            (NodeHealth::Unknown, NodeHealth::Down(reason)) => {
+                tracing::info!(node = %self.addr, role = %self.role, %reason, "node not up yet")
+            }
+            (NodeHealth::Unknown | NodeHealth::Down(_), NodeHealth::Up) => {
+                self.epoch.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(node = %self.addr, role = %self.role, "node up")
+            }
+            _ => {}
+        }
+        state.health = health;
+        was_up != is_up
+    }
+}
+
+/// Decrements a node's in-flight count on drop.
+#[derive(Debug)]
+pub struct InflightGuard(Arc<Node>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// All nodes, and whether the cluster can serve.
+#[derive(Debug)]
+pub struct Registry {
+    nodes: Vec<Arc<Node>>,
+    model: String,
+    serving: watch::Sender<bool>,
+}
+
+impl Registry {
+    /// Nodes from `host:port` (or `http://host:port`) addresses. Connects lazily.
+    pub fn new(
+        prefill: &[String],
+        decode: &[String],
+        model: impl Into<String>,
+    ) -> Result<Self, RouterError> {
+        if prefill.is_empty() || decode.is_empty() {
+            return Err(RouterError::NoNodes);
+        }
+        let mut nodes = Vec::new();
+        let all = prefill
+            .iter()
+            .map(|a| (NodeRole::Prefill, a))
+            .chain(decode.iter().map(|a| (NodeRole::Decode, a)));
+        for (id, (role, addr)) in all.enumerate() {
+            let addr = addr.trim();
+            let uri = if addr.contains("://") {
+                addr.to_string()
+            } else {
+                format!("http://{addr}")
+            };
+            let bad = |message: String| RouterError::BadAddress {
+                role,
+                addr: addr.to_string(),
+                message,
+            };
+            let endpoint = Endpoint::from_shared(uri)
+                .map_err(|e| bad(format!("{e} (expected host:port)")))?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true);
+            if endpoint.uri().port_u16().is_none() {
+                return Err(bad("no port (expected host:port)".into()));
+            }
+            nodes.push(Arc::new(Node {
+                id,
+                role,
+                addr: addr.trim_start_matches("http://").to_string(),
+                channel: endpoint.connect_lazy(),
+                state: Mutex::new(NodeState {
+                    health: NodeHealth::Unknown,
+                    info: None,
+                }),
+                inflight: AtomicU64::new(0),
+                epoch: AtomicU64::new(0),
+            }));
+        }
+        Ok(Self {
+            nodes,
+            model: model.into(),
+            serving: watch::Sender::new(false),
+        })
+    }
+
+    pub fn nodes(&self) -> &[Arc<Node>] {
+        &self.nodes
+    }
+
+    pub fn role(&self, role: NodeRole) -> impl Iterator<Item = &Arc<Node>> {
+        self.nodes.iter().filter(move |n| n.role == role)
+    }
+
+    /// Whether at least one prefill node and one decode node with the same layout are up;
+    /// follows every change.
+    pub fn serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+
+    /// Starts one health-check task per node in `tasks` (they stop when it is dropped).
+    pub fn spawn_health_checks(
+        self: &Arc<Self>,
+        interval: Duration,
+        timeout: Duration,
+        tasks: &mut JoinSet<()>,
+    ) {
+        for node in &self.nodes {
+            let registry = self.clone();
+            let node = node.clone();
+            tasks.spawn(async move {
+                let mut ticks = tokio::time::interval(interval);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticks.tick().await;
+                    registry.check(&node, timeout).await;
+                }
+            });
+        }
+    }
+
+    /// One health check of one node.
+    pub async fn check(&self, node: &Node, timeout: Duration) {
+        let mut request = tonic::Request::new(pb::InfoRequest {});
+        request.set_timeout(timeout);
+        let call = async {
+            match node.role {
+                NodeRole::Prefill => node.prefill_client().info(request).await,
+                NodeRole::Decode => node.decode_client().info(request).await,
+            }
+        };
+        let outcome = match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(format!(
+                "Info failed: {:?}: {}",
+                status.code(),
+                status.message()
+            )),
+            Err(_) => Err(format!("Info did not answer within {timeout:?}")),
+        };
+        node.record(outcome, &self.model);
+        self.refresh();
+    }
+
+    /// Recomputes the serving flag (after any change of a node's health).
+    pub fn refresh(&self) {
+        let serving = self.compatible_pair_up();
+        self.serving.send_if_modified(|s| {
+            let changed = *s != serving;
+            *s = serving;
+            changed
+        });
+    }
+
+    fn compatible_pair_up(&self) -> bool {
+        let decode: Vec<Layout> = self
+            .role(NodeRole::Decode)
+            .filter(|n| n.is_up())
+            .filter_map(|n| n.layout())
+            .collect();
+        self.role(NodeRole::Prefill)
+            .filter(|n| n.is_up())
+            .filter_map(|n| n.layout())
+            .any(|l| decode.contains(&l))
+    }
+
+    /// The context length requests are validated against: the model's, lowered to the
+    /// smallest `max_model_len` an up node reports.
+    pub fn context_len(&self, model_max: usize) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .filter_map(|n| n.info())
+            .map(|i| i.max_model_len as usize)
+            .filter(|&m| m > 0)
+            .fold(model_max, usize::min)
+    }
+
+    /// Up prefill nodes (not in `exclude`) that have an up decode node of the same layout,
+    /// in registry order.
+    pub fn prefill_candidates(&self, exclude: &[usize]) -> Result<Vec<Arc<Node>>, RouterError> {
+        let prefill: Vec<&Arc<Node>> = self
+            .role(NodeRole::Prefill)
+            .filter(|n| !exclude.contains(&n.id))
+            .collect();
+        let up_prefill: Vec<&Arc<Node>> = prefill.iter().copied().filter(|n| n.is_up()).collect();
+        if up_prefill.is_empty() {
+            return Err(RouterError::NoHealthyNode {
+                role: NodeRole::Prefill,
+                detail: describe(prefill.iter().copied(), exclude),
+            });
+        }
+        let decode: Vec<&Arc<Node>> = self.role(NodeRole::Decode).collect();
+        let up_decode: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();
+        if up_decode.is_empty() {
+            return Err(RouterError::NoHealthyNode {
+                role: NodeRole::Decode,
+                detail: describe(decode.iter().copied(), &[]),
+            });
+        }
+        let decode_layouts: Vec<Layout> = up_decode.iter().filter_map(|n| n.layout()).collect();
+        let candidates: Vec<Arc<Node>> = up_prefill
+            .iter()
+            .filter(|n| n.layout().is_some_and(|l| decode_layouts.contains(&l)))
+            .map(|n| (*n).clone())
+            .collect();
+        if candidates.is_empty() {
+            return Err(RouterError::IncompatibleLayouts {
+                detail: layouts(up_prefill.iter().chain(&up_decode).copied()),
+            });
+        }
+        Ok(candidates)
+    }
+
+    /// Up decode nodes (not in `exclude`) with exactly this layout.
+    pub fn decode_candidates(
+        &self,
+        layout: &Layout,
+        exclude: &[usize],
+    ) -> Result<Vec<Arc<Node>>, RouterError> {
+        let decode: Vec<&Arc<Node>> = self
+            .role(NodeRole::Decode)
+            .filter(|n| !exclude.contains(&n.id))
+            .collect();
+        let up: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();
+        if up.is_empty() {
+            return Err(RouterError::NoHealthyNode {
+                role: NodeRole::Decode,
+                detail: describe(decode.iter().copied(), exclude),
+            });
+        }
+        let matching: Vec<Arc<Node>> = up
+            .iter()
+            .filter(|n| n.layout().as_ref() == Some(layout))
+            .map(|n| (*n).clone())
+            .collect();
+        if matching.is_empty() {
+            return Err(RouterError::IncompatibleLayouts {
+                detail: format!(
+                    "the prompt's KV has {layout}; {}",
+                    layouts(up.iter().copied())
+                ),
+            });
+        }
+        Ok(matching)
+    }
+}
+
+/// `addr (down: reason), addr (not checked yet)` for error messages.
+fn describe<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>, excluded: &[usize]) -> String {
+    let mut parts: Vec<String> = nodes
+        .map(|n| match n.health() {
+            NodeHealth::Up => format!("{} (up)", n.addr),
+            NodeHealth::Unknown => format!("{} (not checked yet)", n.addr),
+            NodeHealth::Down(reason) => format!("{} (down: {reason})", n.addr),
+        })
+        .collect();
+    if !excluded.is_empty() {
+        parts.push(format!("{} already failed this request", excluded.len()));
+    }
+    if parts.is_empty() {
+        "none configured".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// `prefill A has fingerprint X block size 16; decode B has ...`.
+fn layouts<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>) -> String {
+    nodes
+        .map(|n| match n.layout() {
+            Some(l) => format!("{} {} has {l}", n.role, n.addr),
+            None => format!("{} {} has not reported a layout", n.role, n.addr),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}

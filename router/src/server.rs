@@ -1,0 +1,227 @@
+//! Serving: `pd.v1.Generation`, `grpc.health.v1.Health` and server reflection on one listener,
+//! health checks of the nodes in the background, graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use pd_proto::pb::generation_server::GenerationServer;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::body::Body;
+use tonic::codegen::http;
+use tonic::server::NamedService;
+use tonic::{Code, Status};
+use tonic_health::ServingStatus;
+
+use crate::config::RouterConfig;
+use crate::error::RouterError;
+use crate::policy::{self, LeastLoaded};
+use crate::registry::Registry;
+use crate::service::{GenerationService, IdGen, InflightTable, Shared};
+use crate::validation::{ModelMeta, Validator};
+
+/// The health service names the router reports: the whole server (`""`) and the API.
+const HEALTH_SERVICES: [&str; 2] = ["", "pd.v1.Generation"];
+
+/// A router ready to serve: model metadata loaded, nodes registered (not yet checked).
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    shared: Arc<Shared>,
+}
+
+impl Router {
+    /// Loads the model's metadata (config and tokenizer, no weights) and registers the nodes.
+    /// Blocking (the tokenizer takes a moment to parse), and needs a Tokio runtime context
+    /// (node channels start their connection tasks): call it inside `spawn_blocking`, or
+    /// with the runtime entered.
+    pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
+        let model = Arc::new(ModelMeta::load(&config.model).map_err(|source| {
+            RouterError::Model {
+                model: config.model.clone(),
+                source,
+            }
+        })?);
+        let registry = Arc::new(Registry::new(
+            &config.prefill,
+            &config.decode,
+            model.name.clone(),
+        )?);
+        let shared = Arc::new(Shared {
+            validator: Validator::new(model.clone(), config.max_tokens_cap),
+            model,
+            registry,
+            policy: policy::build(config.policy, config.prefix_index_blocks),
+            decode_policy: LeastLoaded::default(),
+            inflight: Arc::new(InflightTable::default()),
+            ids: IdGen::new(),
+            node_timeout: config.node_timeout,
+            request_timeout: config.request_timeout,
+        });
+        Ok(Self { config, shared })
+    }
+
+    /// The served model's name.
+    pub fn model_name(&self) -> &str {
+        &self.shared.model.name
+    }
+
+    /// The node registry (health, load, layouts), e.g. for status displays and tests.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.shared.registry
+    }
+
+    /// Serves on `listener` until `shutdown` completes, then stops accepting requests,
+    /// reports NOT_SERVING, lets the requests in flight finish and returns.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), RouterError> {
+        let Router { config, shared } = self;
+        let registry = shared.registry.clone();
+        let mut background = JoinSet::new();
+        registry.spawn_health_checks(
+            config.health_interval,
+            config.health_timeout,
+            &mut background,
+        );
+
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        for name in HEALTH_SERVICES {
+            reporter
+                .set_service_status(name, ServingStatus::NotServing)
+                .await;
+        }
+        let mut serving = registry.serving();
+        let (stop_health, mut health_stopped) = tokio::sync::watch::channel(false);
+        {
+            let reporter = reporter.clone();
+            background.spawn(async move {
+                loop {
+                    let up = *serving.borrow_and_update();
+                    let status = if up {
+                        ServingStatus::Serving
+                    } else {
+                        ServingStatus::NotServing
+                    };
+                    for name in HEALTH_SERVICES {
+                        reporter.set_service_status(name, status).await;
+                    }
+                    tracing::info!(serving = up, "router health");
+                    tokio::select! {
+                        changed = serving.changed() => if changed.is_err() { return },
+                        _ = health_stopped.wait_for(|s| *s) => return,
+                    }
+                }
+            });
+        }
+
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection()
+            .build_v1()
+            .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
+        let reflection_v1alpha = reflection()
+            .build_v1alpha()
+            .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
+
+        let generation = OversizeIsResourceExhausted(
+            GenerationServer::new(GenerationService::new(shared.clone()))
+                .max_decoding_message_size(config.max_message_bytes),
+        );
+
+        let addr = listener.local_addr().ok();
+        tracing::info!(?addr, model = %shared.model.name, policy = shared.policy.name(),
+            prefill = ?config.prefill, decode = ?config.decode, "router serving");
+        let drain = async move {
+            shutdown.await;
+            tracing::info!("shutting down: draining requests in flight");
+            let _ = stop_health.send(true);
+            for name in HEALTH_SERVICES {
+                reporter
+                    .set_service_status(name, ServingStatus::NotServing)
+                    .await;
+            }
+        };
+        let result = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(generation)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+            .await;
+        background.shutdown().await;
+        tracing::info!(in_flight = shared.inflight.len(), "router stopped");
+        result.map_err(RouterError::from)
+    }
+}
+
+/// Loads `config`'s model metadata, then serves on `listener` until `shutdown` completes
+/// (see [`Router::serve`]).
+pub async fn serve(
+    config: RouterConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let router = tokio::task::spawn_blocking(move || Router::new(config))
+        .await
+        .map_err(|e| RouterError::Internal(format!("loading the router panicked: {e}")))??;
+    router.serve(listener, shutdown).await
+}
+
+/// tonic refuses a request message above the size limit with OUT_OF_RANGE; gRPC's own
+/// implementations (and this project's error rules) say RESOURCE_EXHAUSTED. This wrapper
+/// rewrites exactly that status, with the limit in the message.
+#[derive(Debug, Clone)]
+struct OversizeIsResourceExhausted<S>(S);
+
+impl<S: NamedService> NamedService for OversizeIsResourceExhausted<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<http::Request<Body>> for OversizeIsResourceExhausted<S>
+where
+    S: tonic::codegen::Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = Infallible,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let response = self.0.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            let oversized = Status::from_header_map(response.headers()).filter(|s| {
+                s.code() == Code::OutOfRange && s.message().contains("message length too large")
+            });
+            Ok(match oversized {
+                Some(status) => Status::resource_exhausted(format!(
+                    "the request message is too large ({}); the router's --max-message-bytes \
+                     sets the limit",
+                    status.message().trim_start_matches("Error, ")
+                ))
+                .into_http(),
+                None => response,
+            })
+        })
+    }
+}

@@ -1,0 +1,322 @@
+//! The client API, `pd.v1.Generation`, and the state its requests share.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pd_proto::pb;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::flow;
+use crate::policy::{Candidate, LeastLoaded, RouteInput, RoutingPolicy};
+use crate::registry::{Node, Registry};
+use crate::validation::{ModelMeta, ValidRequest, ValidationError, Validator};
+
+/// Chunks buffered per request between the request task and the client.
+const STREAM_BUFFER: usize = 16;
+
+/// Block size assumed for a node that has not reported one (the engines' default).
+const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// What every request of one router shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub model: Arc<ModelMeta>,
+    pub validator: Validator,
+    pub registry: Arc<Registry>,
+    pub policy: Box<dyn RoutingPolicy>,
+    pub decode_policy: LeastLoaded,
+    pub inflight: Arc<InflightTable>,
+    pub ids: IdGen,
+    pub node_timeout: Duration,
+    pub request_timeout: Option<Duration>,
+}
+
+impl Shared {
+    fn candidates(nodes: &[Arc<Node>]) -> Vec<Candidate> {
+        nodes
+            .iter()
+            .map(|n| Candidate {
+                node: n.id,
+                load: n.load(),
+                block_size: n
+                    .layout()
+                    .map_or(DEFAULT_BLOCK_SIZE, |l| l.block_size as usize)
+                    .max(1),
+                epoch: n.epoch(),
+            })
+            .collect()
+    }
+
+    /// The routing policy's choice among `nodes` (never empty).
+    pub fn pick_prefill(&self, req: &ValidRequest, nodes: &[Arc<Node>]) -> Arc<Node> {
+        let input = RouteInput {
+            tokens: &req.prompt,
+            cache_salt: req.cache_salt.as_deref(),
+        };
+        let index = self.policy.choose(&input, &Self::candidates(nodes));
+        nodes[index].clone()
+    }
+
+    /// The least loaded of `nodes` (never empty).
+    pub fn pick_decode(&self, req: &ValidRequest, nodes: &[Arc<Node>]) -> Arc<Node> {
+        let input = RouteInput {
+            tokens: &req.prompt,
+            cache_salt: req.cache_salt.as_deref(),
+        };
+        let index = self.decode_policy.choose(&input, &Self::candidates(nodes));
+        nodes[index].clone()
+    }
+}
+
+/// Request ids: the ones the router makes, and the per-attempt ids the nodes see (unique
+/// across routers and retries, and still showing the client's id in node logs).
+#[derive(Debug)]
+pub(crate) struct IdGen {
+    nonce: u32,
+    seq: AtomicU64,
+}
+
+impl IdGen {
+    pub fn new() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mixed = (nanos as u64) ^ (u64::from(std::process::id()) << 32);
+        let nonce = (mixed ^ (mixed >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+        Self {
+            nonce: nonce as u32,
+            seq: AtomicU64::new(1),
+        }
+    }
+
+    fn next(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn request_id(&self) -> String {
+        format!("req-{:08x}-{}", self.nonce, self.next())
+    }
+
+    pub fn node_request_id(&self, request_id: &str) -> String {
+        format!("{request_id}@{:08x}.{}", self.nonce, self.next())
+    }
+}
+
+/// Requests in flight by client request id, each with its cancel switch.
+#[derive(Debug, Default)]
+pub(crate) struct InflightTable {
+    map: Mutex<HashMap<String, watch::Sender<bool>>>,
+}
+
+impl InflightTable {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a request; refused if its id is already in flight.
+    pub fn register(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<(InflightEntry, watch::Receiver<bool>), ValidationError> {
+        let mut map = self.map();
+        if map.contains_key(id) {
+            return Err(ValidationError::DuplicateRequestId(id.to_string()));
+        }
+        let (tx, rx) = watch::channel(false);
+        map.insert(id.to_string(), tx);
+        Ok((
+            InflightEntry {
+                table: self.clone(),
+                id: id.to_string(),
+            },
+            rx,
+        ))
+    }
+
+    /// Cancels a request; false if no such request is in flight.
+    pub fn abort(&self, id: &str) -> bool {
+        match self.map().get(id) {
+            Some(cancel) => {
+                cancel.send_replace(true);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+}
+
+/// A request's place in the [`InflightTable`]; removed on drop.
+#[derive(Debug)]
+pub(crate) struct InflightEntry {
+    table: Arc<InflightTable>,
+    id: String,
+}
+
+impl Drop for InflightEntry {
+    fn drop(&mut self) {
+        self.table.map().remove(&self.id);
+    }
+}
+
+/// `grpc-timeout` of a request (the client's deadline), if it sent a valid one.
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    if value.len() < 2 || value.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = value.split_at(value.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// `pd.v1.Generation`.
+#[derive(Debug, Clone)]
+pub struct GenerationService {
+    shared: Arc<Shared>,
+}
+
+impl GenerationService {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrival = Instant::now();
+        let budget = match (grpc_timeout(request.metadata()), self.shared.request_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let req = request.into_inner();
+        let shared = self.shared.clone();
+        let context = shared
+            .registry
+            .context_len(shared.model.max_position_embeddings());
+        // Tokenizing and rendering templates is CPU work: off the async threads.
+        let valid = tokio::task::spawn_blocking(move || {
+            shared
+                .validator
+                .validate(req, context, || shared.ids.request_id())
+        })
+        .await
+        .map_err(|e| Status::internal(format!("request validation panicked: {e}")))??;
+        let (entry, cancel) = self.shared.inflight.register(&valid.request_id)?;
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tracing::debug!(request_id = %valid.request_id, prompt_tokens = valid.prompt.len(), max_tokens = valid.params.max_tokens, "generate");
+        tokio::spawn(flow::run(
+            self.shared.clone(),
+            valid,
+            entry,
+            cancel,
+            tx,
+            budget.map(|b| arrival + b),
+        ));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortResponse>, Status> {
+        let aborted = self.shared.inflight.abort(&request.get_ref().request_id);
+        Ok(Response::new(pb::AbortResponse { aborted }))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let req = request.into_inner();
+        self.shared.validator.check_model(&req.model)?;
+        let shared = self.shared.clone();
+        let ids = tokio::task::spawn_blocking(move || shared.validator.tokenize(&req.text))
+            .await
+            .map_err(|e| Status::internal(format!("tokenization panicked: {e}")))??;
+        Ok(Response::new(pb::TokenizeResponse { ids }))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let model = &self.shared.model;
+        let context = self
+            .shared
+            .registry
+            .context_len(model.max_position_embeddings());
+        Ok(Response::new(pb::ListModelsResponse {
+            models: vec![pb::ModelCard {
+                name: model.name.clone(),
+                max_model_len: u32::try_from(context).unwrap_or(u32::MAX),
+                vocab_size: u32::try_from(model.vocab_size()).unwrap_or(u32::MAX),
+            }],
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts() {
+        let mut m = MetadataMap::new();
+        assert_eq!(grpc_timeout(&m), None);
+        for (v, d) in [
+            ("100m", Duration::from_millis(100)),
+            ("5S", Duration::from_secs(5)),
+            ("2M", Duration::from_secs(120)),
+            ("1H", Duration::from_secs(3600)),
+            ("7u", Duration::from_micros(7)),
+        ] {
+            m.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(grpc_timeout(&m), Some(d), "{v}");
+        }
+        m.insert("grpc-timeout", "12x".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), None);
+    }
+
+    #[test]
+    fn ids_are_unique_and_inflight_ids_too() {
+        let ids = IdGen::new();
+        assert_ne!(ids.request_id(), ids.request_id());
+        assert!(ids.node_request_id("abc").starts_with("abc@"));
+        let table = Arc::new(InflightTable::default());
+        let (entry, mut cancel) = table.register("a").unwrap();
+        assert!(matches!(
+            table.register("a"),
+            Err(ValidationError::DuplicateRequestId(_))
+        ));
+        assert!(!table.abort("b"));
+        assert!(table.abort("a"));
+        assert!(*cancel.borrow_and_update());
+        drop(entry);
+        assert_eq!(table.len(), 0);
+        assert!(table.register("a").is_ok());
+    }
+}

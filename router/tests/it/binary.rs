@@ -1,0 +1,92 @@
+//! The `router` binary: ready line, flags, SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const BIN: &str = env!("CARGO_BIN_EXE_router");
+
+#[test]
+fn prints_the_ready_line_serves_health_and_stops_on_sigterm() {
+    let mut child = Command::new(BIN)
+        // Nothing listens on port 9: the router starts, NOT_SERVING.
+        .args(["--prefill", "127.0.0.1:9", "--port", "0"])
+        .env("PD_DECODE", "127.0.0.1:9")
+        .env("PD_POLICY", "round-robin")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the router binary");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&line).expect("one JSON line");
+    assert_eq!(ready["role"], "router");
+    let grpc = ready["grpc"].as_str().unwrap().to_string();
+    assert!(grpc.starts_with("127.0.0.1:"), "{grpc}");
+    assert!(!grpc.ends_with(":0"));
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let status = runtime.block_on(async {
+        let mut health = HealthClient::connect(format!("http://{grpc}")).await.unwrap();
+        health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status()
+    });
+    assert_eq!(status, ServingStatus::NotServing);
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{status:?}");
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("the router did not stop on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_with_a_usage_message() {
+    let out = Command::new(BIN)
+        .args(["--prefill", "a:1", "--decode", "b:1", "--policy", "random"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prefix-aware"), "{err}");
+
+    let out = Command::new(BIN)
+        .args(["--decode", "b:1"])
+        .env_remove("PD_PREFILL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill"));
+
+    let out = Command::new(BIN)
+        .args(["--prefill", "no-port", "--decode", "b:1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no-port"), "{err}");
+}

@@ -1,0 +1,391 @@
+//! Bad input is refused at the edge with INVALID_ARGUMENT (RESOURCE_EXHAUSTED for an
+//! oversized message) and an actionable message, reaches no node, and harms no other request.
+
+use std::sync::atomic::Ordering::SeqCst;
+
+use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions};
+use pd_proto::pb;
+use pd_proto::pb::generate_request::Input;
+use tonic::Code;
+
+use crate::fake::*;
+
+fn ids(ids: Vec<u32>) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(Input::TokenIds(pb::TokenIds { ids })),
+        max_tokens: Some(8),
+        ..Default::default()
+    }
+}
+
+fn sampling(s: pb::SamplingParams) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        sampling: Some(s),
+        ..text_request("Hello")
+    }
+}
+
+fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(Input::Chat(pb::ChatInput {
+            messages: messages
+                .iter()
+                .map(|(role, content)| pb::ChatMessage {
+                    role: role.to_string(),
+                    content: content.to_string(),
+                })
+                .collect(),
+            enable_thinking: Some(false),
+        })),
+        max_tokens: Some(8),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    // A request that stays in flight, to show bad ones do not disturb it.
+    *d.state.script.lock().unwrap() = Script {
+        messages: vec![vec![101]],
+        end: End::Hang,
+        ..Default::default()
+    };
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let mut busy = text_request("keep going");
+    busy.request_id = Some("busy".into());
+    let mut busy_stream = client.generate(busy.clone()).await.unwrap().into_inner();
+    assert!(busy_stream.message().await.unwrap().is_some());
+    let prefills_before = p.state.prefill_count();
+
+    let f = |v: f32| Some(v);
+    let cases: Vec<(pb::GenerateRequest, &str)> = vec![
+        (
+            pb::GenerateRequest {
+                model: "qwen-huge".into(),
+                ..text_request("Hello")
+            },
+            "unknown model `qwen-huge`",
+        ),
+        (
+            pb::GenerateRequest {
+                input: None,
+                ..text_request("")
+            },
+            "set exactly one of",
+        ),
+        (text_request(""), "the prompt is empty"),
+        (ids(vec![]), "the prompt is empty"),
+        (ids(vec![1; 4096]), "context is 4096 tokens"),
+        (ids(vec![5, 151_936]), "outside the vocabulary"),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(0),
+                ..text_request("Hello")
+            },
+            "max_tokens must be >= 1",
+        ),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(4097),
+                ..text_request("Hello")
+            },
+            "max_tokens must be <= 4096",
+        ),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(200),
+                ..ids(vec![1; 4000])
+            },
+            "exceeds the model's context",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                temperature: f(-1.0),
+                ..Default::default()
+            }),
+            "temperature",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                temperature: f(f32::NAN),
+                ..Default::default()
+            }),
+            "temperature",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                top_p: f(0.0),
+                ..Default::default()
+            }),
+            "top_p must be in (0, 1]",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                top_p: f(1.5),
+                ..Default::default()
+            }),
+            "top_p",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                min_p: f(2.0),
+                ..Default::default()
+            }),
+            "min_p",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                repetition_penalty: f(0.0),
+                ..Default::default()
+            }),
+            "repetition_penalty",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                logprobs: Some(21),
+                ..Default::default()
+            }),
+            "logprobs must be <= 20",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                prompt_logprobs: Some(99),
+                ..Default::default()
+            }),
+            "prompt_logprobs",
+        ),
+        (
+            pb::GenerateRequest {
+                stop: vec!["".into()],
+                ..text_request("Hello")
+            },
+            "stop strings must be non-empty",
+        ),
+        (
+            pb::GenerateRequest {
+                stop: vec!["x".into(); 17],
+                ..text_request("Hello")
+            },
+            "at most 16 stop strings",
+        ),
+        (
+            pb::GenerateRequest {
+                stop_token_ids: vec![7, 200_000],
+                ..text_request("Hello")
+            },
+            "stop_token_ids[1] = 200000",
+        ),
+        (chat(&[]), "`chat.messages` is empty"),
+        (
+            chat(&[("user", "hi"), ("wizard", "abracadabra")]),
+            "chat.messages[1].role is `wizard`",
+        ),
+        (
+            pb::GenerateRequest {
+                request_id: Some(String::new()),
+                ..text_request("Hello")
+            },
+            "request_id must be",
+        ),
+        (busy.clone(), "request_id `busy` is already in flight"),
+    ];
+    for (request, needle) in cases {
+        let status = match collect(&mut client, request.clone()).await {
+            Err(status) => status,
+            Ok(outcome) => panic!("{request:?} was accepted: {outcome:?}"),
+        };
+        assert_eq!(
+            status.code(),
+            Code::InvalidArgument,
+            "{request:?}: {status:?}"
+        );
+        assert!(
+            status.message().contains(needle),
+            "message `{}` lacks `{needle}`",
+            status.message()
+        );
+    }
+    assert_eq!(
+        p.state.prefill_count(),
+        prefills_before,
+        "no bad request reached a node"
+    );
+
+    // The request in flight is untouched, and a good request still works.
+    assert!(
+        client
+            .abort(pb::AbortRequest {
+                request_id: "busy".into()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .aborted
+    );
+    let last = busy_stream.message().await.unwrap().unwrap();
+    assert_eq!(last.finish_reason(), pb::FinishReason::Abort);
+    *d.state.script.lock().unwrap() = Script::default();
+    let (chunks, error) = collect(&mut client, busy).await.unwrap();
+    assert!(error.is_none(), "the id is free again: {error:?}");
+    assert_eq!(
+        chunks.last().unwrap().finish_reason(),
+        pb::FinishReason::Length
+    );
+}
+
+#[tokio::test]
+async fn an_oversized_message_is_resource_exhausted() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let mut cfg = config(&[&p], &[&d]);
+    cfg.max_message_bytes = 1024;
+    let router = RouterUnderTest::start(cfg).await;
+    let mut client = router.client();
+    let status = collect(&mut client, text_request(&"a".repeat(4096)))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--max-message-bytes"),
+        "{status:?}"
+    );
+    // Below the limit all is well.
+    let (_, error) = collect(&mut client, text_request(&"a".repeat(100)))
+        .await
+        .unwrap();
+    assert!(error.is_none());
+    assert_eq!(p.state.prefill_count(), 1);
+}
+
+#[tokio::test]
+async fn unset_max_tokens_is_the_cap_or_the_room_left() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let mut cfg = config(&[&p], &[&d]);
+    cfg.max_tokens_cap = 100;
+    let router = RouterUnderTest::start(cfg).await;
+    let mut client = router.client();
+    let mut req = ids(vec![1; 10]);
+    req.max_tokens = None;
+    collect(&mut client, req).await.unwrap();
+    let mut req = ids(vec![1; 4090]);
+    req.max_tokens = None;
+    collect(&mut client, req).await.unwrap();
+    let sent: Vec<u32> = d
+        .state
+        .decodes
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.max_tokens)
+        .collect();
+    assert_eq!(sent, [100, 6]);
+}
+
+#[tokio::test]
+async fn the_context_follows_the_nodes_max_model_len() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    d.state.max_model_len.store(2048, SeqCst);
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    eventually("the router knows the decode node's limit", || {
+        router.registry.context_len(4096) == 2048
+    })
+    .await;
+    let mut client = router.client();
+    let models = client
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .models;
+    assert_eq!(models[0].max_model_len, 2048);
+    let status = collect(&mut client, ids(vec![1; 3000])).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("context is 2048 tokens"),
+        "{status:?}"
+    );
+}
+
+#[tokio::test]
+async fn chat_input_is_rendered_with_the_template() {
+    let tok = tokenizer();
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let request = chat(&[("system", "Be brief."), ("user", "What is 2+2?")]);
+    let (_, error) = collect(&mut client, request).await.unwrap();
+    assert!(error.is_none());
+    let rendered = tok
+        .apply_chat_template_with(
+            &[
+                ChatMessage::new(ChatRole::System, "Be brief."),
+                ChatMessage::new(ChatRole::User, "What is 2+2?"),
+            ],
+            &ChatTemplateOptions {
+                add_generation_prompt: true,
+                enable_thinking: Some(false),
+            },
+        )
+        .unwrap();
+    assert!(rendered.ends_with("<think>\n\n</think>\n\n"), "{rendered:?}");
+    let sent = p.state.prefills.lock().unwrap()[0].token_ids.clone();
+    assert_eq!(sent, tok.encode(&rendered).unwrap());
+}
+
+#[tokio::test]
+async fn tokenize_and_list_models() {
+    let tok = tokenizer();
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let text = "Hello, world! <|im_start|>héllo";
+    let response = client
+        .tokenize(pb::TokenizeRequest {
+            model: String::new(),
+            text: text.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.ids, tok.encode(text).unwrap());
+    let named = client
+        .tokenize(pb::TokenizeRequest {
+            model: "synthetic:tiny".into(),
+            text: "x".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(named.ids, tok.encode("x").unwrap());
+    let status = client
+        .tokenize(pb::TokenizeRequest {
+            model: "gpt-5".into(),
+            text: "x".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("synthetic:tiny"));
+
+    let models = client
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .models;
+    assert_eq!(
+        models,
+        [pb::ModelCard {
+            name: "synthetic:tiny".into(),
+            max_model_len: 4096,
+            vocab_size: 151_936,
+        }]
+    );
+}
