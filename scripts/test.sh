@@ -23,4 +23,6 @@ if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibv
 fi
 
 echo "== cargo tests"
+# The cluster tests run the real binaries: build them first.
+cargo build --workspace --bins --locked
 cargo test --workspace --locked

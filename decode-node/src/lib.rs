@@ -119,9 +119,10 @@ impl DecodeNodeService {
             ));
         };
         let f = &self.facts;
-        let theirs: LayoutFingerprint = kv.layout_fingerprint.parse().map_err(|e| {
-            Status::invalid_argument(format!("kv.layout_fingerprint: {e}"))
-        })?;
+        let theirs: LayoutFingerprint = kv
+            .layout_fingerprint
+            .parse()
+            .map_err(|e| Status::invalid_argument(format!("kv.layout_fingerprint: {e}")))?;
         if theirs != f.fingerprint || kv.block_size as usize != f.block_size() {
             return Err(Status::failed_precondition(format!(
                 "KV layout mismatch: the prefill node's KV has layout fingerprint {theirs} with \
@@ -274,16 +275,19 @@ async fn resolve(addr: &str) -> Result<SocketAddr, Status> {
     if let Ok(a) = addr.parse() {
         return Ok(a);
     }
-    if addr.rsplit_once(':').is_none_or(|(_, port)| port.parse::<u16>().is_err()) {
+    if addr
+        .rsplit_once(':')
+        .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+    {
         return Err(Status::invalid_argument(format!(
             "kv.addr {addr:?} is not host:port"
         )));
     }
     let found = tokio::time::timeout(MAX_PULL_TIME, tokio::net::lookup_host(addr)).await;
     match found {
-        Ok(Ok(mut addrs)) => addrs.next().ok_or_else(|| {
-            Status::unavailable(format!("kv.addr {addr:?} resolves to no address"))
-        }),
+        Ok(Ok(mut addrs)) => addrs
+            .next()
+            .ok_or_else(|| Status::unavailable(format!("kv.addr {addr:?} resolves to no address"))),
         Ok(Err(e)) => Err(Status::unavailable(format!(
             "cannot resolve kv.addr {addr:?}: {e}"
         ))),
@@ -374,8 +378,15 @@ impl DecodeService for DecodeNodeService {
         } = self.validate(request.into_inner())?;
         // Dropped before the end (the call cancelled, the stream dropped): aborts the request.
         let guard = self.requests.begin(&request.id)?;
-        request.imported = Some(self.pull(&request, &kv, first_token).await?);
-        let events = forward_events(self.requests.engine().submit(request));
+        let imported = self.pull(&request, &kv, first_token).await?;
+        if guard.is_aborted() {
+            return Err(Status::aborted(format!(
+                "request {} was aborted while its KV was pulled",
+                request.id
+            )));
+        }
+        request.imported = Some(imported);
+        let events = forward_events(guard.submit(request));
         Ok(Response::new(DecodeStream {
             events,
             guard,
@@ -478,9 +489,20 @@ impl DecodeNode {
     }
 }
 
-/// Start, print the ready line, serve until `shutdown`, drain and stop.
-pub async fn serve(args: DecodeArgs, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
-    let node = start(args).await?;
+/// Start, print the ready line, serve until `shutdown`, drain and stop. A shutdown during
+/// start-up (loading a large model takes a while) ends it at once.
+pub async fn serve(
+    args: DecodeArgs,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let node = tokio::select! {
+        node = start(args) => node?,
+        () = &mut shutdown => {
+            tracing::info!("shutdown requested while starting; exiting");
+            return Ok(());
+        }
+    };
     node.ready().announce()?;
     node.run(shutdown).await
 }
@@ -493,7 +515,10 @@ mod tests {
     fn pull_budget_follows_the_lease_within_bounds() {
         let now = UNIX_EPOCH + Duration::from_secs(1_000_000);
         let ms = |d: Duration| (now + d).duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
-        assert_eq!(pull_budget(ms(Duration::from_secs(2)), now), Duration::from_secs(2));
+        assert_eq!(
+            pull_budget(ms(Duration::from_secs(2)), now),
+            Duration::from_secs(2)
+        );
         assert_eq!(pull_budget(ms(Duration::from_secs(60)), now), MAX_PULL_TIME);
         assert_eq!(pull_budget(ms(Duration::ZERO) - 10_000, now), MIN_PULL_TIME);
         assert_eq!(pull_budget(0, now), MAX_PULL_TIME);

@@ -21,6 +21,8 @@ fn main() -> ExitCode {
         let shutdown = pd_node::shutdown_signal()?;
         decode_node::serve(args, shutdown).await
     });
+    // Model loading left running by a shutdown during start-up is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

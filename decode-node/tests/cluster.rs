@@ -39,7 +39,9 @@ struct Node {
 async fn prefill_node(flags: &[&str]) -> Node {
     let mut args = PrefillArgs::try_parse_from(["prefill-node"].iter().chain(flags)).unwrap();
     args.node.synthetic_cache_dir = Some(cache().to_path_buf());
-    let node = prefill_node::start(args).await.expect("prefill node starts");
+    let node = prefill_node::start(args)
+        .await
+        .expect("prefill node starts");
     let ready = node.ready().clone();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(node.run(async {
@@ -158,7 +160,12 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
         .into_inner()
 }
 
-fn decode_request(id: &str, tokens: &[u32], r: &pb::PrefillResponse, max_tokens: u32) -> pb::DecodeRequest {
+fn decode_request(
+    id: &str,
+    tokens: &[u32],
+    r: &pb::PrefillResponse,
+    max_tokens: u32,
+) -> pb::DecodeRequest {
     pb::DecodeRequest {
         request_id: id.into(),
         prompt_token_ids: tokens.to_vec(),
@@ -184,7 +191,10 @@ async fn release(node: &Node, lease_id: u64) -> bool {
 
 /// A decode call to its end: the messages, or the status it failed with (at the call or in
 /// the stream).
-async fn decode_all(node: &Node, req: pb::DecodeRequest) -> Result<Vec<pb::DecodeResponse>, Status> {
+async fn decode_all(
+    node: &Node,
+    req: pb::DecodeRequest,
+) -> Result<Vec<pb::DecodeResponse>, Status> {
     let mut stream = node.decode().await.decode(req).await?.into_inner();
     let mut out = Vec::new();
     while let Some(m) = stream.message().await? {
@@ -214,7 +224,11 @@ async fn generate(p: &Node, d: &Node, id: &str, tokens: &[u32], max_tokens: u32)
     let mut out = vec![r.first_token.as_ref().unwrap().token_id];
     let mut released = false;
     loop {
-        let m = stream.message().await.expect("decode stream").expect("a last message");
+        let m = stream
+            .message()
+            .await
+            .expect("decode stream")
+            .expect("a last message");
         if !released {
             // The router's job: free the lease once the decode node answered.
             assert!(release(p, lease).await, "the lease is still held");
@@ -222,7 +236,10 @@ async fn generate(p: &Node, d: &Node, id: &str, tokens: &[u32], max_tokens: u32)
         }
         out.extend(m.tokens.iter().map(|t| t.token_id));
         if m.finish_reason != pb::FinishReason::Unspecified as i32 {
-            assert!(stream.message().await.unwrap().is_none(), "nothing after the last message");
+            assert!(
+                stream.message().await.unwrap().is_none(),
+                "nothing after the last message"
+            );
             return Generated {
                 tokens: out,
                 prefill_usage: r.usage.unwrap(),
@@ -241,7 +258,13 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
     let mut engine = args
         .node
         .engine
-        .build(&loaded.files, loaded.weights, Role::Mixed, 0, Duration::from_secs(30))
+        .build(
+            &loaded.files,
+            loaded.weights,
+            Role::Mixed,
+            0,
+            Duration::from_secs(30),
+        )
         .unwrap();
     prompts
         .iter()
@@ -297,14 +320,20 @@ async fn greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine() {
         let len = tokens.len() as u32;
         assert_eq!(g.prefill_usage.prompt_tokens, len);
         assert_eq!(g.decode_usage.prompt_tokens, len);
-        assert_eq!(g.decode_usage.completion_tokens, max_tokens, "the first token counts");
+        assert_eq!(
+            g.decode_usage.completion_tokens, max_tokens,
+            "the first token counts"
+        );
         // All KV came from the prefill node: external on the decode node, nothing cached.
         assert_eq!(g.decode_usage.local_cached_tokens, 0);
         assert_eq!(g.decode_usage.external_cached_tokens, len);
         got.push(g.tokens);
     }
     let expected = expected.await.unwrap();
-    assert_eq!(got, expected, "prefill + decode must equal one mixed engine, token for token");
+    assert_eq!(
+        got, expected,
+        "prefill + decode must equal one mixed engine, token for token"
+    );
     tokio::join!(p.stop(), d.stop());
 }
 
@@ -346,7 +375,11 @@ async fn a_layout_mismatch_is_refused_with_failed_precondition() {
     for (node, req, theirs) in [
         (&d, wrong_fp, "0123456789abcdef"),
         (&d, wrong_bs, p.ready.fingerprint.as_str()),
-        (&d32, decode_request("real", &tokens, &r, 4), p.ready.fingerprint.as_str()),
+        (
+            &d32,
+            decode_request("real", &tokens, &r, 4),
+            p.ready.fingerprint.as_str(),
+        ),
     ] {
         let id = req.request_id.clone();
         let e = decode_all(node, req).await.expect_err(&id);
@@ -375,7 +408,11 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
         f(&mut req);
         cases.push((req, code, needle));
     };
-    case(&|r| r.request_id.clear(), Code::InvalidArgument, "request_id");
+    case(
+        &|r| r.request_id.clear(),
+        Code::InvalidArgument,
+        "request_id",
+    );
     case(&|r| r.kv = None, Code::InvalidArgument, "kv is required");
     case(
         &|r| r.kv.as_mut().unwrap().layout_fingerprint = "xyz".into(),
@@ -383,16 +420,32 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
         "16 hex digits",
     );
     case(&|r| r.max_tokens = 0, Code::InvalidArgument, "max_tokens");
-    case(&|r| r.first_token = 151_936, Code::InvalidArgument, "vocabulary");
-    case(&|r| r.prompt_token_ids.push(5), Code::InvalidArgument, "KvHandle covers");
-    case(&|r| r.prompt_token_ids.clear(), Code::InvalidArgument, "empty");
+    case(
+        &|r| r.first_token = 151_936,
+        Code::InvalidArgument,
+        "vocabulary",
+    );
+    case(
+        &|r| r.prompt_token_ids.push(5),
+        Code::InvalidArgument,
+        "KvHandle covers",
+    );
+    case(
+        &|r| r.prompt_token_ids.clear(),
+        Code::InvalidArgument,
+        "empty",
+    );
     case(
         &|r| r.sampling.as_mut().unwrap().top_p = Some(2.0),
         Code::InvalidArgument,
         "top_p",
     );
     // The engine refuses after the pull: the first token already ends the request.
-    case(&|r| r.max_tokens = 1, Code::InvalidArgument, "nothing to decode");
+    case(
+        &|r| r.max_tokens = 1,
+        Code::InvalidArgument,
+        "nothing to decode",
+    );
     // Transfer failures: nothing listens there / the lease is gone.
     let closed = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -411,7 +464,11 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
     for (req, code, needle) in cases {
         let e = decode_all(&d, req).await.expect_err(needle);
         assert_eq!(e.code(), code, "{needle}: {e:?}");
-        assert!(e.message().contains(needle), "{needle:?} in {:?}", e.message());
+        assert!(
+            e.message().contains(needle),
+            "{needle:?} in {:?}",
+            e.message()
+        );
     }
     assert_eq!(d.transfers.as_ref().unwrap().snapshot().pulls_failed, 2);
 

@@ -2,21 +2,21 @@
 //! duplicate-id check), guards that abort an engine request whose caller went away, and the
 //! bridge from the engine's blocking event channel into async code.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pd_engine::serve::{EngineHandle, RequestError, RequestEvent, RequestId};
+use pd_engine::serve::{EngineHandle, EngineRequest, RequestError, RequestEvent, RequestId};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tonic::Status;
 
-/// Open requests of a node and whether it is draining.
+/// Open requests of a node (each with its "abort asked" flag) and whether it is draining.
 #[derive(Debug)]
 pub struct Requests {
     engine: EngineHandle,
     draining: AtomicBool,
-    open: Mutex<HashSet<RequestId>>,
+    open: Mutex<HashMap<RequestId, Arc<AtomicBool>>>,
 }
 
 impl Requests {
@@ -24,7 +24,7 @@ impl Requests {
         Arc::new(Self {
             engine,
             draining: AtomicBool::new(false),
-            open: Mutex::new(HashSet::new()),
+            open: Mutex::new(HashMap::new()),
         })
     }
 
@@ -32,8 +32,8 @@ impl Requests {
         &self.engine
     }
 
-    fn open(&self) -> MutexGuard<'_, HashSet<RequestId>> {
-        // A panic while holding this lock cannot leave the set inconsistent (single inserts
+    fn open(&self) -> MutexGuard<'_, HashMap<RequestId, Arc<AtomicBool>>> {
+        // A panic while holding this lock cannot leave the map inconsistent (single inserts
         // and removes), so a poisoned lock is still usable.
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -47,32 +47,45 @@ impl Requests {
                 "this node is draining (shutting down) and takes no new requests; send it to another node",
             ));
         }
-        if !self.open().insert(id.clone()) {
-            return Err(Status::invalid_argument(format!(
-                "request id {id:?} is already in use on this node: request ids must be unique among open requests"
-            )));
+        let aborted = Arc::new(AtomicBool::new(false));
+        {
+            let mut open = self.open();
+            if open.contains_key(id) {
+                return Err(Status::invalid_argument(format!(
+                    "request id \"{id}\" is already in use on this node: request ids must be unique among open requests"
+                )));
+            }
+            open.insert(id.clone(), Arc::clone(&aborted));
         }
         Ok(RequestGuard {
             requests: Arc::clone(self),
             id: id.clone(),
-            finished: Arc::new(AtomicBool::new(false)),
+            aborted,
+            finished: AtomicBool::new(false),
         })
     }
 
-    /// Abort an open request; false if this node has no such request.
+    /// Abort an open request (also one not handed to the engine yet, such as a decode still
+    /// pulling its KV); false if this node has no such request.
     pub fn abort(&self, id: &RequestId) -> bool {
-        let open = self.open().contains(id);
-        if open {
-            self.engine.abort(id.clone());
+        let flag = self.open().get(id).cloned();
+        match flag {
+            Some(aborted) => {
+                // The flag first: a request submitted after this point sees it and aborts
+                // itself; one submitted before is reached by the engine abort.
+                aborted.store(true, Ordering::Release);
+                self.engine.abort(id.clone());
+                true
+            }
+            None => false,
         }
-        open
     }
 
     /// Abort every open request (the end of a drain).
     pub fn abort_all(&self) {
-        let ids: Vec<RequestId> = self.open().iter().cloned().collect();
+        let ids: Vec<RequestId> = self.open().keys().cloned().collect();
         for id in ids {
-            self.engine.abort(id);
+            self.abort(&id);
         }
     }
 
@@ -99,12 +112,33 @@ impl Requests {
 pub struct RequestGuard {
     requests: Arc<Requests>,
     id: RequestId,
-    finished: Arc<AtomicBool>,
+    /// `Abort` was asked for this request.
+    aborted: Arc<AtomicBool>,
+    finished: AtomicBool,
 }
 
 impl RequestGuard {
     pub fn id(&self) -> &RequestId {
         &self.id
+    }
+
+    /// Whether `Abort` was asked for this request (check before costly work such as a KV
+    /// pull).
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Hand the request (whose id is this guard's) to the engine; its events arrive on the
+    /// returned channel. An abort asked before the engine had it still takes effect.
+    pub fn submit(&self, request: EngineRequest) -> mpsc::Receiver<RequestEvent> {
+        debug_assert_eq!(request.id, self.id);
+        let engine = self.requests.engine();
+        let rx = engine.submit(request);
+        if self.is_aborted() {
+            // Commands reach the engine in order: this abort follows the submission.
+            engine.abort(self.id.clone());
+        }
+        rx
     }
 
     /// The engine ended the request (a terminal event arrived): nothing to abort.
@@ -147,5 +181,7 @@ pub fn engine_status(e: &RequestError) -> Status {
 
 /// The engine's channel closed without a terminal event.
 pub fn engine_gone() -> Status {
-    Status::unavailable("the engine stopped before finishing the request (it failed or the node is shutting down)")
+    Status::unavailable(
+        "the engine stopped before finishing the request (it failed or the node is shutting down)",
+    )
 }

@@ -160,12 +160,13 @@ impl NodeServer {
             })
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let mut server = tokio::spawn(Server::builder().add_routes(routes).serve_with_incoming_shutdown(
-            incoming,
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
+        let mut server = tokio::spawn(
+            Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stop_rx.await;
+                }),
+        );
 
         // An engine that failed makes the node NOT_SERVING.
         let monitor = {

@@ -54,7 +54,12 @@ pub struct PrefillArgs {
     pub node: NodeArgs,
     /// Port of the KV export server decode nodes pull from (0: an ephemeral port, printed in
     /// the ready line).
-    #[arg(long, env = "PD_KV_PORT", default_value_t = 0, help_heading = "KV transfer")]
+    #[arg(
+        long,
+        env = "PD_KV_PORT",
+        default_value_t = 0,
+        help_heading = "KV transfer"
+    )]
     pub kv_port: u16,
     /// Seconds a prompt's KV stays leased for a decode node to pull, unless released sooner.
     #[arg(long, env = "PD_KV_LEASE_TIMEOUT", value_name = "SECONDS", default_value = "30",
@@ -98,7 +103,9 @@ struct LeaseGuard {
 
 impl LeaseGuard {
     fn keep(mut self) -> KvLease {
-        self.lease.take().expect("a guard holds its lease until kept")
+        self.lease
+            .take()
+            .expect("a guard holds its lease until kept")
     }
 }
 
@@ -192,7 +199,8 @@ impl PrefillNodeService {
             .map_err(|e| convert::status(e.kind(), e.to_string()))?;
         // A prefill node samples exactly one token: max_tokens is 1 whatever the request
         // would decode later.
-        let params = convert::sampling_params(req.sampling.as_ref(), 1, vec![], vec![], false, false);
+        let params =
+            convert::sampling_params(req.sampling.as_ref(), 1, vec![], vec![], false, false);
         params
             .validate(f.vocab_size, f.max_model_len as u32)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -225,7 +233,7 @@ impl PrefillService for PrefillNodeService {
         // Taken before the engine sees the request, so the deadline reported is never later
         // than the engine's.
         let submitted = SystemTime::now();
-        let rx = self.engine().submit(req);
+        let rx = guard.submit(req);
         let engine = self.engine().clone();
         let outcome = tokio::task::spawn_blocking(move || collect(engine, rx))
             .await
@@ -245,10 +253,8 @@ impl PrefillService for PrefillNodeService {
         };
         let lease = lease.keep();
         let deadline = submitted + finished.timings.end_to_end + self.lease_timeout;
-        self.leases.insert(
-            lease.lease_id,
-            Instant::now() + self.lease_timeout,
-        );
+        self.leases
+            .insert(lease.lease_id, Instant::now() + self.lease_timeout);
         let f = &self.facts;
         let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         tracing::debug!(
@@ -368,7 +374,8 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
     let server = NodeServer {
         listener,
         routes: tonic::service::Routes::new(PrefillServiceServer::new(service)),
-        service_name: <PrefillServiceServer<PrefillNodeService> as tonic::server::NamedService>::NAME,
+        service_name:
+            <PrefillServiceServer<PrefillNodeService> as tonic::server::NamedService>::NAME,
         requests,
         drain_timeout: args.node.drain_timeout,
         also_idle: Box::new(move || leases.is_empty()),
@@ -403,9 +410,20 @@ impl PrefillNode {
     }
 }
 
-/// Start, print the ready line, serve until `shutdown`, drain and stop.
-pub async fn serve(args: PrefillArgs, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
-    let node = start(args).await?;
+/// Start, print the ready line, serve until `shutdown`, drain and stop. A shutdown during
+/// start-up (loading a large model takes a while) ends it at once.
+pub async fn serve(
+    args: PrefillArgs,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let node = tokio::select! {
+        node = start(args) => node?,
+        () = &mut shutdown => {
+            tracing::info!("shutdown requested while starting; exiting");
+            return Ok(());
+        }
+    };
     node.ready().announce()?;
     node.run(shutdown).await
 }

@@ -15,9 +15,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::Code;
 use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 /// A cache shared by the tests of this file, so `synthetic:tiny` is written once.
 fn cache() -> &'static Path {
@@ -109,7 +109,9 @@ async fn channel(addr: std::net::SocketAddr) -> Channel {
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000).collect()
+    (0..len as u32)
+        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
+        .collect()
 }
 
 fn greedy() -> Option<pb::SamplingParams> {
@@ -362,7 +364,10 @@ async fn abort_duplicate_ids_and_cancelled_calls_free_every_block() {
     // submission reach it in order).
     let deadline = Instant::now() + Duration::from_secs(10);
     let again = loop {
-        match client.prefill(prefill_request("impatient", prompt(4, 0))).await {
+        match client
+            .prefill(prefill_request("impatient", prompt(4, 0)))
+            .await
+        {
             Ok(r) => break r.into_inner(),
             Err(e) if e.message().contains("on this node") && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -387,11 +392,18 @@ async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
     let mut health = HealthClient::new(channel(node.ready.grpc).await);
     let call = tokio::spawn({
         let mut client = node.client().await;
-        async move { client.prefill(prefill_request("in-flight", prompt(600, 5))).await }
+        async move {
+            client
+                .prefill(prefill_request("in-flight", prompt(600, 5)))
+                .await
+        }
     });
     wait_busy(&node).await;
     let Node {
-        ready, mut stop, task, ..
+        ready,
+        mut stop,
+        task,
+        ..
     } = node;
     stop.take().unwrap().send(()).unwrap();
     // Draining: NOT_SERVING, new work refused, other calls still answered.
@@ -416,11 +428,25 @@ async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
         .await
         .expect_err("draining");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
-    assert!(!client.info(pb::InfoRequest {}).await.unwrap().into_inner().healthy);
+    assert!(
+        !client
+            .info(pb::InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .healthy
+    );
     // The in-flight prefill finishes; the node waits for its lease.
-    let r = call.await.unwrap().expect("in-flight prefill finishes").into_inner();
+    let r = call
+        .await
+        .unwrap()
+        .expect("in-flight prefill finishes")
+        .into_inner();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!task.is_finished(), "the drain waits for the lease to be released");
+    assert!(
+        !task.is_finished(),
+        "the drain waits for the lease to be released"
+    );
     let released = client
         .release_kv(pb::ReleaseKvRequest {
             lease_id: r.kv.unwrap().lease_id,
@@ -445,7 +471,11 @@ async fn the_drain_timeout_aborts_what_is_left() {
     let node = Node::start(&["--max-num-batched-tokens", "2", "--drain-timeout", "0.2"]).await;
     let call = tokio::spawn({
         let mut client = node.client().await;
-        async move { client.prefill(prefill_request("too-slow", prompt(4000, 6))).await }
+        async move {
+            client
+                .prefill(prefill_request("too-slow", prompt(4000, 6)))
+                .await
+        }
     });
     wait_busy(&node).await;
     let started = Instant::now();
@@ -483,7 +513,11 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     let obj = ready.as_object().unwrap();
     let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["fingerprint", "grpc", "kv", "model", "role"], "{line}");
+    assert_eq!(
+        keys,
+        ["fingerprint", "grpc", "kv", "model", "role"],
+        "{line}"
+    );
     assert_eq!(ready["role"], "prefill");
     assert_eq!(ready["model"], "synthetic:tiny");
     let fingerprint = ready["fingerprint"].as_str().unwrap();
@@ -545,15 +579,18 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     let mut rest = rest;
     let mut more = String::new();
     std::io::Read::read_to_string(&mut rest, &mut more).unwrap();
-    assert!(more.is_empty(), "exactly one line on stdout, then: {more:?}");
+    assert!(
+        more.is_empty(),
+        "exactly one line on stdout, then: {more:?}"
+    );
 }
 
 /// Service names listed by server reflection (v1).
 async fn reflected_services(addr: std::net::SocketAddr) -> Vec<String> {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
     let mut client = ServerReflectionClient::new(channel(addr).await);
     let request = ServerReflectionRequest {
         host: String::new(),

@@ -349,6 +349,15 @@ impl Registry {
         };
         let outcome = match tokio::time::timeout(timeout, call).await {
             Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => Err(format!(
+                "it does not serve pd.v1.{}Service: is it a {} node, given as --{}?",
+                if node.role == NodeRole::Prefill { "Prefill" } else { "Decode" },
+                match node.role {
+                    NodeRole::Prefill => NodeRole::Decode,
+                    NodeRole::Decode => NodeRole::Prefill,
+                },
+                node.role,
+            )),
             Ok(Err(status)) => Err(format!(
                 "Info failed: {:?}: {}",
                 status.code(),

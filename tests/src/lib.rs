@@ -1,4 +1,186 @@
-//! pd-tests: cluster-level tests that start real nodes and a real router on 127.0.0.1.
+//! pd-tests: cluster-level tests that run the product's real binaries on 127.0.0.1 with
+//! ephemeral ports: `pdctl up` starts a router and real prefill/decode node processes, and
+//! the tests talk to it with a gRPC client and with `pdctl` itself.
 //!
-//! Skeleton: the cluster arrives with the cluster issue, and its tests with it. Single-process
-//! end-to-end tests of `pdctl` live in `pdctl/tests/` (cargo builds that binary for them).
+//! The binaries are found beside the test executable (cargo's target directory); build them
+//! first with `cargo build --workspace --bins` (the test script does).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use anyhow::{Context, bail};
+use pd_proto::pb;
+use pd_proto::pb::generation_client::GenerationClient;
+use serde_json::Value;
+
+/// The directory holding `pdctl`, `router`, `prefill-node`, `decode-node`.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    // target/<profile>/deps/<test> → target/<profile>
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf();
+    for bin in ["pdctl", "router", "prefill-node", "decode-node"] {
+        assert!(
+            dir.join(bin).exists(),
+            "{} is missing: run `cargo build --workspace --bins` first",
+            dir.join(bin).display()
+        );
+    }
+    dir
+}
+
+/// A running `pdctl up` cluster; dropping it stops the cluster.
+pub struct Cluster {
+    child: Child,
+    pub ready: Value,
+    pub cache: PathBuf,
+}
+
+impl Cluster {
+    /// `pdctl up` with these arguments, synthetic models cached under `cache`.
+    pub fn up(cache: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin_dir().join("pdctl"))
+            .arg("up")
+            .args(args)
+            .env("PD_CACHE_DIR", cache)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting pdctl up")?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("stdout")?)
+            .read_line(&mut line)
+            .context("reading pdctl up's ready line")?;
+        if line.trim().is_empty() {
+            let status = child.wait()?;
+            bail!("pdctl up exited before it was ready: {status}");
+        }
+        let ready: Value =
+            serde_json::from_str(&line).with_context(|| format!("ready line {line:?}"))?;
+        Ok(Self {
+            child,
+            ready,
+            cache: cache.to_path_buf(),
+        })
+    }
+
+    pub fn router(&self) -> String {
+        self.ready["router"]
+            .as_str()
+            .expect("router address")
+            .to_string()
+    }
+
+    pub fn nodes(&self, role: &str) -> Vec<String> {
+        self.ready[role]
+            .as_array()
+            .expect("node list")
+            .iter()
+            .map(|n| n["addr"].as_str().expect("addr").to_string())
+            .collect()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM and wait; returns whether `pdctl up` exited 0.
+    pub fn stop(mut self) -> bool {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let ok = self.child.wait().map(|s| s.success()).unwrap_or(false);
+        std::mem::forget(self);
+        ok
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: as in `stop`.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Run `pdctl` with `args` (synthetic models under `cache`).
+pub fn pdctl(cache: &Path, args: &[&str]) -> Output {
+    Command::new(bin_dir().join("pdctl"))
+        .args(args)
+        .env("PD_CACHE_DIR", cache)
+        .env_remove("PD_MODEL")
+        .output()
+        .expect("pdctl runs")
+}
+
+/// The single JSON object a successful `pdctl run/generate --json` printed.
+pub fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "pdctl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+pub async fn client(addr: &str) -> GenerationClient<tonic::transport::Channel> {
+    GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("router reachable")
+}
+
+/// A greedy token-id request.
+pub fn greedy(ids: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::TokenIds(pb::TokenIds { ids })),
+        sampling: Some(pb::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Stream a request to the end: (token ids, the last chunk).
+pub async fn collect(
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> Result<(Vec<u32>, pb::GenerateResponse), tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut ids = Vec::new();
+    let mut last = None;
+    while let Some(chunk) = stream.message().await? {
+        ids.extend_from_slice(&chunk.token_ids);
+        last = Some(chunk);
+    }
+    Ok((
+        ids,
+        last.ok_or_else(|| tonic::Status::internal("empty stream"))?,
+    ))
+}
+
+/// Node `Info` over gRPC.
+pub async fn node_info(addr: &str, role: &str) -> pb::NodeInfo {
+    let url = format!("http://{addr}");
+    if role == "prefill" {
+        let mut c = pb::prefill_service_client::PrefillServiceClient::connect(url)
+            .await
+            .unwrap();
+        c.info(pb::InfoRequest {}).await.unwrap().into_inner()
+    } else {
+        let mut c = pb::decode_service_client::DecodeServiceClient::connect(url)
+            .await
+            .unwrap();
+        c.info(pb::InfoRequest {}).await.unwrap().into_inner()
+    }
+}

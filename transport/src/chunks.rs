@@ -18,6 +18,7 @@ const PIECE: usize = 256 << 10;
 pub(crate) struct ChunkWriter {
     chunk_bytes: u64,
     left_total: u64,
+    left_in_segment: u64,
     left_in_chunk: u64,
     index: u64,
     hasher: Xxh3,
@@ -28,10 +29,18 @@ impl ChunkWriter {
         Self {
             chunk_bytes: u64::from(chunk_bytes.max(1)),
             left_total: total,
+            left_in_segment: total,
             left_in_chunk: 0,
             index: 0,
             hasher: Xxh3::with_seed(chunk_seed(0)),
         }
+    }
+
+    /// The next `bytes` of payload form a segment: no chunk spans its end, so the writer can
+    /// stop (and send an ABORT chunk) there. Call only between segments.
+    pub(crate) fn segment(&mut self, bytes: u64) {
+        debug_assert_eq!(self.left_in_chunk, 0, "a segment starts between chunks");
+        self.left_in_segment = bytes.min(self.left_total);
     }
 
     /// Append `data` to the payload.
@@ -42,10 +51,10 @@ impl ChunkWriter {
     ) -> std::io::Result<()> {
         while !data.is_empty() {
             if self.left_in_chunk == 0 {
-                let len = self.chunk_bytes.min(self.left_total);
+                let len = self.chunk_bytes.min(self.left_in_segment);
                 if len == 0 {
                     return Err(std::io::Error::other(
-                        "more payload than the response announced",
+                        "more payload than the response or segment announced",
                     ));
                 }
                 let header = ChunkHeader {
@@ -63,6 +72,7 @@ impl ChunkWriter {
             w.write_all(piece).await?;
             data = rest;
             self.left_in_chunk -= n as u64;
+            self.left_in_segment -= n as u64;
             self.left_total -= n as u64;
             if self.left_in_chunk == 0 {
                 w.write_all(&self.hasher.digest().to_le_bytes()).await?;
@@ -169,15 +179,15 @@ impl ChunkReader {
             .map_err(|e| TransportError::Protocol(format!("chunk {}: {e}", self.index)))?;
         match header.kind {
             ChunkKind::Data => {
-                let want = self.chunk_bytes.min(self.total - self.received);
-                if header.len != want || header.status != Status::Ok {
+                let most = self.chunk_bytes.min(self.total - self.received);
+                if !(1..=most).contains(&header.len) || header.status != Status::Ok {
                     return Err(TransportError::Length(format!(
-                        "chunk {} announces {} bytes, expected {want} ({} of {} payload bytes \
-                         received)",
+                        "chunk {} announces {} bytes, expected 1..={most} ({} of {} payload \
+                         bytes received)",
                         self.index, header.len, self.received, self.total
                     )));
                 }
-                self.left_in_chunk = want;
+                self.left_in_chunk = header.len;
                 self.hasher = Xxh3::with_seed(chunk_seed(self.index));
                 Ok(())
             }
@@ -297,6 +307,22 @@ mod tests {
                 assert_eq!(decode(&stream, data.len(), chunk, rs).await.unwrap(), data);
             }
         }
+    }
+
+    #[tokio::test]
+    async fn segments_end_chunks_early_and_an_abort_can_follow_any_segment() {
+        let data = payload(10_000);
+        let mut stream = Vec::new();
+        let mut w = ChunkWriter::new(data.len() as u64, 4096);
+        for seg in data.chunks(3000).take(2) {
+            w.segment(seg.len() as u64);
+            w.write(&mut stream, seg).await.unwrap();
+        }
+        // 2 segments of 3000 bytes: 2 chunks, each ended by its segment.
+        assert_eq!(stream.len(), 6000 + 2 * (CHUNK_HEADER_LEN + CHECKSUM_LEN));
+        write_abort(&mut stream, Status::Length, "gone").await.unwrap();
+        let err = decode(&stream, data.len(), 4096, 10_000).await.unwrap_err();
+        assert!(matches!(&err, TransportError::Length(m) if m.contains("6000 of 10000")), "{err}");
     }
 
     #[tokio::test]

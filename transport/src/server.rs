@@ -432,6 +432,8 @@ async fn serve_pull(
             next += n;
             handle
         });
+        // Chunks end at the batch's end: an abort can follow the last whole chunk.
+        writer.segment(current.len() as u64 * req.block_len * 4);
         for block in &current {
             writer.write(s, bytemuck::cast_slice(block)).await?;
         }

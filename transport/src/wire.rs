@@ -18,8 +18,10 @@
 //!   kind u32 | status u32 | len u64
 //!   kind 1 DATA:  len bytes of payload, then xxh3-64 of those bytes (u64) with seed
 //!                 CHUNK_SEED + chunk index (wrapping), so reordered chunks fail too.
-//!                 len = min(chunk_bytes, payload bytes left); chunk_bytes is 1..=64 MiB
-//!                 (the server uses 4 MiB).
+//!                 1 <= len <= min(chunk_bytes, payload bytes left); chunk_bytes is
+//!                 1..=64 MiB (4 MiB by default). Chunks are chunk_bytes long except at
+//!                 the end of each batch the exporter reads from its source (~32 MiB), so
+//!                 that it can stop between two chunks.
 //!   kind 2 ABORT: the exporter cannot finish (the lease expired mid-transfer, ...): status
 //!                 says why, len bytes of UTF-8 message follow, then the connection closes.
 //! ```

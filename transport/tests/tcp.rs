@@ -2,7 +2,6 @@
 //! every refusal and failure as its typed error, misbehaving peers (stalling, corrupting,
 //! truncating, not speaking the protocol), concurrency, connection reuse and shutdown.
 
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -192,7 +191,7 @@ async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
     );
 
     // On the wire: exactly one response frame, then nothing (no payload).
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut s = TcpStream::connect(addr).await.unwrap();
     let frame = PullRequestFrame {
         lease_id: LEASE,
         fingerprint: LayoutFingerprint(1),
@@ -201,10 +200,10 @@ async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
         block_len: 100,
         timeout_ms: 5000,
     };
-    s.write_all(&frame.encode()).unwrap();
-    s.shutdown(std::net::Shutdown::Write).unwrap();
+    s.write_all(&frame.encode()).await.unwrap();
+    s.shutdown().await.unwrap();
     let mut reply = Vec::new();
-    s.read_to_end(&mut reply).unwrap();
+    s.read_to_end(&mut reply).await.unwrap();
     let header = FrameHeader::decode(reply[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
     assert_eq!(reply.len(), FRAME_HEADER_LEN + header.body_len as usize);
     let body = &reply[FRAME_HEADER_LEN..FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN];

@@ -33,7 +33,7 @@ fn prints_the_ready_line_serves_health_and_stops_on_sigterm() {
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let status = runtime.block_on(async {
-        let mut health = HealthClient::connect(format!("http://{grpc}")).await.unwrap();
+        let mut health = HealthClient::new(crate::fake::channel(&grpc).await);
         health
             .check(tonic_health::pb::HealthCheckRequest {
                 service: String::new(),

@@ -500,9 +500,7 @@ impl RouterUnderTest {
     }
 
     pub async fn health(&self) -> ServingStatus {
-        let mut health = HealthClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap();
+        let mut health = HealthClient::new(channel(&self.addr.to_string()).await);
         let response = health
             .check(tonic_health::pb::HealthCheckRequest {
                 service: "pd.v1.Generation".into(),
@@ -541,6 +539,15 @@ impl Drop for RouterUnderTest {
             task.abort();
         }
     }
+}
+
+/// A connected channel to `host:port`.
+pub async fn channel(addr: &str) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect")
 }
 
 /// Polls `cond` until it holds (5 s at most).

@@ -151,9 +151,7 @@ async fn reflection_lists_the_services() {
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
     let router = RouterUnderTest::start_unchecked(config(&[&p], &[&d])).await;
-    let mut client = ServerReflectionClient::connect(format!("http://{}", router.addr))
-        .await
-        .unwrap();
+    let mut client = ServerReflectionClient::new(channel(&router.addr.to_string()).await);
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),

@@ -225,7 +225,10 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             .into_inner()
             .aborted
     );
-    let last = busy_stream.message().await.unwrap().unwrap();
+    let mut last = busy_stream.message().await.unwrap().unwrap();
+    while last.finish_reason() == pb::FinishReason::Unspecified {
+        last = busy_stream.message().await.unwrap().unwrap();
+    }
     assert_eq!(last.finish_reason(), pb::FinishReason::Abort);
     *d.state.script.lock().unwrap() = Script::default();
     let (chunks, error) = collect(&mut client, busy).await.unwrap();

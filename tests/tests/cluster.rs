@@ -1,0 +1,224 @@
+//! The keystone and the cluster's behaviour, through real processes started by `pdctl up`.
+
+use std::time::Duration;
+
+use pd_proto::pb;
+use pd_tests::{Cluster, client, collect, greedy, json_of, node_info, pdctl};
+
+/// Prompts of several lengths (some spanning many 16-token blocks).
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            (0..(3 + i * 13))
+                .map(|t| (t * 7919 + i * 104_729 + 11) % 150_000)
+                .collect()
+        })
+        .collect()
+}
+
+fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Greedy tokens of one mixed engine in one process (`pdctl run`).
+fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> Vec<u32> {
+    let out = json_of(&pdctl(
+        cache,
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--token-ids",
+            &ids_arg(ids),
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--ignore-eos",
+            "--json",
+        ],
+    ));
+    out["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+async fn all_blocks_free(cluster: &Cluster) {
+    for role in ["prefill", "decode"] {
+        for addr in cluster.nodes(role) {
+            // Leases are released asynchronously right after the decode stream starts.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let info = node_info(&addr, role).await;
+                if info.free_blocks == info.num_blocks && info.num_running == 0 {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{role} {addr} keeps blocks: {info:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
+    let cache = tempfile::tempdir().unwrap();
+    // Chunked prefill on: the prefill node computes long prompts in pieces of 7 tokens.
+    let cluster = Cluster::up(
+        cache.path(),
+        &[
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--",
+            "--max-num-batched-tokens",
+            "7",
+        ],
+    )
+    .unwrap();
+    let mut c = client(&cluster.router()).await;
+    for ids in prompts() {
+        let want = reference(cache.path(), &ids, 12);
+        let (got, last) = collect(&mut c, greedy(ids.clone(), 12)).await.unwrap();
+        assert_eq!(got, want, "prompt of {} tokens", ids.len());
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+        let usage = last.usage.unwrap();
+        assert_eq!(usage.prompt_tokens as usize, ids.len());
+        assert_eq!(usage.completion_tokens, 12);
+    }
+    // The same long prompt again: the prefill node reuses its cached blocks (local), and
+    // the client's cached tokens are exactly that saving.
+    let long = prompts().pop().unwrap();
+    let (again, last) = collect(&mut c, greedy(long.clone(), 12)).await.unwrap();
+    assert_eq!(again, reference(cache.path(), &long, 12));
+    let usage = last.usage.unwrap();
+    let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
+    assert_eq!(usage.local_cached_tokens, whole_blocks);
+    assert_eq!(usage.cached_tokens, whole_blocks);
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_by_two_serves_64_concurrent_streams_and_frees_everything() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &["--prefill", "2", "--decode", "2"]).unwrap();
+    let router = cluster.router();
+    let ids = prompts();
+    let mut want = Vec::new();
+    for p in &ids {
+        want.push(reference(cache.path(), p, 6));
+    }
+    let mut tasks = Vec::new();
+    for i in 0..64usize {
+        let router = router.clone();
+        let prompt = ids[i % ids.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = client(&router).await;
+            collect(&mut c, greedy(prompt, 6)).await.map(|(t, _)| t)
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let got = t.await.unwrap().expect("every stream completes");
+        assert_eq!(got, want[i % ids.len()], "stream {i}");
+    }
+    all_blocks_free(&cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &[]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    let bad = |f: &dyn Fn(&mut pb::GenerateRequest)| {
+        let mut r = greedy(vec![1, 2, 3], 4);
+        f(&mut r);
+        r
+    };
+    let cases: Vec<(&str, pb::GenerateRequest)> = vec![
+        (
+            "empty",
+            bad(&|r| {
+                r.input = Some(pb::generate_request::Input::TokenIds(pb::TokenIds {
+                    ids: vec![],
+                }))
+            }),
+        ),
+        (
+            "vocab",
+            bad(&|r| {
+                r.input = Some(pb::generate_request::Input::TokenIds(pb::TokenIds {
+                    ids: vec![999_999],
+                }))
+            }),
+        ),
+        (
+            "context",
+            bad(&|r| {
+                r.input = Some(pb::generate_request::Input::TokenIds(pb::TokenIds {
+                    ids: vec![5; 5000],
+                }))
+            }),
+        ),
+        ("max_tokens", bad(&|r| r.max_tokens = Some(0))),
+        (
+            "temperature",
+            bad(&|r| r.sampling.as_mut().unwrap().temperature = Some(-1.0)),
+        ),
+        (
+            "top_p",
+            bad(&|r| r.sampling.as_mut().unwrap().top_p = Some(1.5)),
+        ),
+        ("model", bad(&|r| r.model = "no-such-model".into())),
+    ];
+    for (name, req) in cases {
+        let err = collect(&mut c, req).await.expect_err(name);
+        assert!(
+            matches!(
+                err.code(),
+                tonic::Code::InvalidArgument | tonic::Code::NotFound
+            ),
+            "{name}: {err:?}"
+        );
+        assert!(
+            !err.message().is_empty(),
+            "{name}: the message says what is wrong"
+        );
+    }
+    // A client that drops its stream mid-generation: its KV comes back on both nodes.
+    let mut stream = c
+        .generate(greedy((0..40).collect(), 3000))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    drop(stream);
+    all_blocks_free(&cluster).await;
+    // Abort by request id.
+    let mut req = greedy((0..40).collect(), 3000);
+    req.request_id = Some("to-abort".into());
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    let aborted = c
+        .abort(pb::AbortRequest {
+            request_id: "to-abort".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(aborted.aborted);
+    while let Ok(Some(chunk)) = stream.message().await {
+        if chunk.finish_reason != 0 {
+            assert_eq!(chunk.finish_reason(), pb::FinishReason::Abort);
+        }
+    }
+    all_blocks_free(&cluster).await;
+    // Other requests are unaffected.
+    let (ids, _) = collect(&mut c, greedy(vec![1, 2, 3], 4)).await.unwrap();
+    assert_eq!(ids.len(), 4);
+}
