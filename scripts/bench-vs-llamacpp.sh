@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side CPU benchmark: our `pdctl bench-model` against llama.cpp's `llama-bench` on the
-# same checkpoint, on the same machine, in one run, alternating ours → theirs → ours so that a
-# drift in the shared machine's speed shows up as a gap between our two runs.
+# same checkpoint, on the same machine, in one run, alternating ours → theirs → ours (→ theirs →
+# ours … for ROUNDS > 1), so that both meet the same machine and a drift shows up as a spread.
 #
 # This script does NOT build or download llama.cpp, nor convert checkpoints: see
 # docs/benchmarks.md for how the peer binaries and the GGUF files are made (outside this repo).
@@ -15,20 +15,27 @@
 #                        is run first when PDCTL is unset)
 #   MODEL                our --model (default synthetic:qwen3-0.6b, a bf16 checkpoint)
 #   THREADS              threads for both engines (default: nproc)
-#   REPS                 repetitions for both (default 3)
+#   REPS                 repetitions inside each run, for both (default 3)
+#   ROUNDS               theirs-between-ours rounds (default 1: ours, theirs, ours)
 #   PROMPT               prompt length for prefill (default 512)
 #   GEN                  llama-bench generated tokens (default 128)
 #   BATCH                decode batch compared besides 1 (default 16)
 #   DTYPES               GGUF types to run (default "bf16 f16 f32"; missing files are skipped)
 #   OUT_DIR              where the raw outputs are kept (default: a new temporary directory)
 #   QUIET_WAIT_S         before each phase, wait up to this many seconds for the CPUs to be idle
-#                        (< QUIET_BUSY % busy over 2 s, default 10) — other processes on a shared
-#                        machine slow llama.cpp's spinning thread pool far more than rayon
-#                        (default 0: no waiting; the busy % at each start is printed either way)
+#                        (< QUIET_BUSY % busy over 2 s, default 10); default 0: no waiting
+#   REPORT_ONLY=1        run nothing: print the table of an earlier run's OUT_DIR (same ROUNDS, DTYPES)
+#   CLEAN_MAX            a run counts in the table only if other processes took at most this % of
+#                        the CPUs during it (default 10); when no run of a kind is that clean, all
+#                        of them count and the cell is marked `*`
 #
-# Prints a table: prefill and decode tokens/s for both, the ratios ours/theirs per GGUF type, and
-# the fraction of the memory read bandwidth (measured by pdctl in the same run) each achieves in
-# batch-1 decode. The raw JSON of every run stays in OUT_DIR.
+# Other processes on a shared machine slow llama.cpp's spinning thread pool far more than our
+# rayon pool, and a best-of figure less than a mean: every phase records the share of the CPUs
+# that other processes took while it ran, and the table prints it; trust a run where it is ~0.
+#
+# Prints a table: prefill and decode tokens/s for both (best over all runs, with the range), the
+# ratios ours/theirs per GGUF type, and the fraction of the memory read bandwidth (measured by
+# pdctl in the same run) each achieves in batch-1 decode. Raw JSON of every run stays in OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,10 +44,13 @@ cd "$(dirname "$0")/.."
 MODEL="${MODEL:-synthetic:qwen3-0.6b}"
 THREADS="${THREADS:-$(nproc)}"
 REPS="${REPS:-3}"
+ROUNDS="${ROUNDS:-1}"
 PROMPT="${PROMPT:-512}"
 GEN="${GEN:-128}"
 BATCH="${BATCH:-16}"
 DTYPES="${DTYPES:-bf16 f16 f32}"
+QUIET_WAIT_S="${QUIET_WAIT_S:-0}"
+QUIET_BUSY="${QUIET_BUSY:-10}"
 OUT_DIR="${OUT_DIR:-$(mktemp -d -t bench-vs-llamacpp.XXXXXX)}"
 mkdir -p "$OUT_DIR"
 
@@ -65,39 +75,34 @@ for t in $DTYPES; do
 done
 ((${#dtypes[@]} > 0)) || { echo "no GGUF file found in $GGUF_DIR" >&2; exit 2; }
 
-QUIET_WAIT_S="${QUIET_WAIT_S:-0}"
-QUIET_BUSY="${QUIET_BUSY:-10}"
-
 # Percentage of all CPU time spent busy over the next 2 seconds.
 busy() {
-    local a b
+    local a b total=0 idle i
     read -r -a a < <(head -1 /proc/stat)
     sleep 2
     read -r -a b < <(head -1 /proc/stat)
-    local total=0 idle i
     for i in 1 2 3 4 5 6 7 8; do total=$((total + b[i] - a[i])); done
     idle=$((b[4] - a[4] + b[5] - a[5]))
     echo $(((100 * (total - idle)) / (total > 0 ? total : 1)))
 }
-# Waits (up to QUIET_WAIT_S) for an idle machine; records the busy % seen at the start.
-settle() {
-    local name=$1 waited=0 b
+
+log() { echo "[$(date +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)] $*" >&2; }
+
+# phase NAME OUT CMD...: waits (up to QUIET_WAIT_S) for an idle machine, then runs CMD with
+# stdout to OUT and stderr to OUT.err, and writes NAME.meta (JSON): wall time, the command's own
+# CPU seconds, and the CPU seconds all other processes used meanwhile ("others_share" = their
+# fraction of all CPU time during the phase).
+phase() {
+    local name=$1 out=$2 waited=0 b
+    shift 2
     b=$(busy)
     while ((b >= QUIET_BUSY && waited < QUIET_WAIT_S)); do
         sleep 8
         waited=$((waited + 10))
         b=$(busy)
     done
-    echo "$b" >"$OUT_DIR/$name.busy"
-}
-log() { echo "[$(date +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)] $*" >&2; }
-
-# measured NAME OUT CMD...: runs CMD with stdout to OUT and stderr to OUT.err, and writes NAME.meta
-# (JSON): wall time, the command's own CPU seconds, and the CPU seconds every other process on the
-# machine used meanwhile ("others_share" = their fraction of all CPU time during the phase).
-measured() {
-    local name=$1 out=$2
-    shift 2
+    log "$name (cpu ${b} % busy before): $*"
+    echo "$name" >>"$OUT_DIR/phases"
     python3 - "$OUT_DIR/$name.meta" "$out" "$@" <<'PY'
 import json, os, resource, subprocess, sys, time
 meta, out, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -120,130 +125,143 @@ PY
 }
 
 ours() {
-    local n=$1
-    settle "ours-$n"
-    log "ours #$n (cpu busy $(cat "$OUT_DIR/ours-$n.busy") %): $PDCTL bench-model --model $MODEL --json"
-    RAYON_NUM_THREADS="$THREADS" measured "ours-$n" "$OUT_DIR/ours-$n.json" \
+    RAYON_NUM_THREADS="$THREADS" phase "ours-$1" "$OUT_DIR/ours-$1.json" \
         "$PDCTL" bench-model --model "$MODEL" --json \
         --prompt-len "$PROMPT" --batch "1,$BATCH" --repeat "$REPS"
 }
 
-ours 1
-for t in "${dtypes[@]}"; do
-    settle "llama-bench-$t"
-    log "theirs $t (cpu busy $(cat "$OUT_DIR/llama-bench-$t.busy") %):" \
-        "llama-bench -m $GGUF_DIR/$t.gguf -t $THREADS -p $PROMPT -n $GEN -r $REPS"
-    measured "llama-bench-$t" "$OUT_DIR/llama-bench-$t.json" \
-        "$LLAMA_BENCH" -m "$GGUF_DIR/$t.gguf" -t "$THREADS" -p "$PROMPT" -n "$GEN" -r "$REPS" -o json
-    if [[ -n "${LLAMA_BATCHED_BENCH:-}" ]]; then
-        # Same decode context as ours (bench-model decodes after a 128-token context).
-        settle "batched-bench-$t"
-        log "theirs $t (cpu busy $(cat "$OUT_DIR/batched-bench-$t.busy") %): llama-batched-bench -npp 128 -ntg 32 -npl 1,$BATCH -t $THREADS"
-        measured "batched-bench-$t" "$OUT_DIR/batched-bench-$t.jsonl" \
-            "$LLAMA_BATCHED_BENCH" -m "$GGUF_DIR/$t.gguf" -c $(((128 + 32) * BATCH + 256)) \
-            -npp 128 -ntg 32 -npl "1,$BATCH" -t "$THREADS" --output-format jsonl
-    fi
-done
-ours 2
-log "done; raw outputs in $OUT_DIR"
+theirs() {
+    local r=$1 t
+    for t in "${dtypes[@]}"; do
+        phase "llama-bench-$t-$r" "$OUT_DIR/llama-bench-$t-$r.json" \
+            "$LLAMA_BENCH" -m "$GGUF_DIR/$t.gguf" -t "$THREADS" -p "$PROMPT" -n "$GEN" \
+            -r "$REPS" -o json
+        if [[ -n "${LLAMA_BATCHED_BENCH:-}" ]]; then
+            # The decode context of bench-model: a 128-token prompt, then 32 timed steps.
+            phase "batched-bench-$t-$r" "$OUT_DIR/batched-bench-$t-$r.jsonl" \
+                "$LLAMA_BATCHED_BENCH" -m "$GGUF_DIR/$t.gguf" -c $(((128 + 32) * BATCH + 256)) \
+                -npp 128 -ntg 32 -npl "1,$BATCH" -t "$THREADS" --output-format jsonl
+        fi
+    done
+}
 
-python3 - "$OUT_DIR" "$BATCH" "${dtypes[@]}" <<'EOF'
+if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
+    : >"$OUT_DIR/phases"
+    ours 1
+    for ((r = 1; r <= ROUNDS; r++)); do
+        theirs "$r"
+        ours $((r + 1))
+    done
+    log "done; raw outputs in $OUT_DIR"
+fi
+
+python3 - "$OUT_DIR" "$BATCH" "$ROUNDS" "${CLEAN_MAX:-10}" "${dtypes[@]}" <<'EOF'
 import json, os, sys
 
-out, batch, dtypes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, batch, rounds, clean_max = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+dtypes = sys.argv[5:]
 
 def load(name):
     with open(os.path.join(out, name)) as f:
         return json.load(f)
 
-def first_line(name):
-    with open(os.path.join(out, name)) as f:
-        return f.read().strip()
+def share(name):
+    return 100 * load(name + ".meta")["others_share"]
 
-ours = [load("ours-1.json"), load("ours-2.json")]
+def clean(runs):
+    """runs: [(phase name, [values])] -> (values of the clean runs, or of all and True)."""
+    ok = [v for n, vs in runs if share(n) <= clean_max for v in vs]
+    return (ok, False) if ok else ([v for _, vs in runs for v in vs], True)
 
-def o_prefill(r):
-    return r["prefill"]["tokens_per_s"]
+names = [f"ours-{i}" for i in range(1, rounds + 2)]
+ours_all = [load(n + ".json") for n in names]
+ours = [r for n, r in zip(names, ours_all) if share(n) <= clean_max] or ours_all
 
 def o_decode(r, b):
     return next(d["tokens_per_s"] for d in r["decode"] if d["batch"] == b)
 
-bw = max(r["read_bandwidth_gb_s"] for r in ours)  # GB/s, pdctl's best of before/after, both runs
+bw = max(r["read_bandwidth_gb_s"] for r in ours_all)  # GB/s: pdctl's best over every run
 our_bytes = ours[0]["weight_bytes_per_step"]
-o_pp = [o_prefill(r) for r in ours]
-o_tg = [o_decode(r, 1) for r in ours]
-o_tgb = [o_decode(r, batch) for r in ours]
-
-def mid(xs):
-    return sum(xs) / len(xs)
+mine = {
+    "pp": clean([(n, [r["prefill"]["tokens_per_s"]]) for n, r in zip(names, ours_all)]),
+    "tg": clean([(n, [o_decode(r, 1)]) for n, r in zip(names, ours_all)]),
+    "tgb": clean([(n, [o_decode(r, batch)]) for n, r in zip(names, ours_all)]),
+}
 
 theirs = {}
+info = {}
 for t in dtypes:
-    rows = load(f"llama-bench-{t}.json")
-    pp = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
-    entry = {
-        "pp_avg": pp["avg_ts"], "pp_best": max(pp["samples_ts"]),
-        "tg_avg": tg["avg_ts"], "tg_best": max(tg["samples_ts"]),
-        "bytes": tg["model_size"], "commit": tg.get("build_commit", "?"),
-        "cpu": tg.get("cpu_info", "?"), "threads": tg.get("n_threads", "?"),
-    }
-    path = os.path.join(out, f"batched-bench-{t}.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            recs = [json.loads(l) for l in f if l.strip().startswith("{")]
-        for r in recs:
-            if r["pl"] == batch:
-                entry["tgb"] = r["speed_tg"]
-            if r["pl"] == 1:
-                entry["tg1_ctx"] = r["speed_tg"]
-    theirs[t] = entry
+    runs = {"pp": [], "tg": [], "tg1_ctx": [], "tgb": []}
+    for r in range(1, rounds + 1):
+        n = f"llama-bench-{t}-{r}"
+        rows = load(n + ".json")
+        pp = next(x for x in rows if x["n_prompt"] > 0 and x["n_gen"] == 0)
+        tg = next(x for x in rows if x["n_gen"] > 0 and x["n_prompt"] == 0)
+        runs["pp"].append((n, pp["samples_ts"]))
+        runs["tg"].append((n, tg["samples_ts"]))
+        info[t] = tg
+        n = f"batched-bench-{t}-{r}"
+        path = os.path.join(out, n + ".jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for x in (json.loads(l) for l in f if l.strip().startswith("{")):
+                    if x["pl"] == 1:
+                        runs["tg1_ctx"].append((n, [x["speed_tg"]]))
+                    if x["pl"] == batch:
+                        runs["tgb"].append((n, [x["speed_tg"]]))
+    theirs[t] = {k: clean(v) if v else ([], False) for k, v in runs.items()}
 
-def f(x):
-    return "-" if x is None else f"{x:.1f}"
+def cell(c):
+    xs, dirty = c
+    if not xs:
+        return "-"
+    mark = "*" if dirty else ""
+    if len(xs) == 1:
+        return f"{xs[0]:.1f}{mark}"
+    return f"{max(xs):.1f} ({min(xs):.0f}-{max(xs):.0f}){mark}"
 
 def ratio(a, b):
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+    return f"{max(a[0]) / max(b[0]):.2f}" if a[0] and b[0] else "-"
 
+first = info[dtypes[0]]
 print()
-print(f"machine: {theirs[dtypes[0]]['cpu']}, {ours[0]['threads']} threads (ours) / "
-      f"{theirs[dtypes[0]]['threads']} (llama.cpp {theirs[dtypes[0]]['commit']})")
-print(f"memory read bandwidth (pdctl, best of 4 measurements): {bw:.1f} GB/s")
-phases = ["ours-1"] + [f"{k}-{t}" for t in dtypes for k in ("llama-bench", "batched-bench")
-                       if os.path.exists(os.path.join(out, f"{k}-{t}.busy"))] + ["ours-2"]
+print(f"machine: {first.get('cpu_info', '?')}, threads: ours {ours[0]['threads']}, "
+      f"llama.cpp {first.get('n_threads', '?')} (build {first.get('build_commit', '?')})")
+print(f"memory read bandwidth (pdctl, best of every measurement): {bw:.1f} GB/s")
 print("other processes' share of the CPUs during each phase (0 % = the benchmark ran alone):")
+with open(os.path.join(out, "phases")) as f:
+    phases = f.read().split()
 print("  " + ", ".join(f"{n} {100 * load(n + '.meta')['others_share']:.0f} %" for n in phases))
-print(f"ours: {ours[0]['model']} ({ours[0]['dtype']}), runs 1 / 2; "
-      "llama.cpp: best repetition (mean of repetitions)")
+print(f"ours: {ours[0]['model']} ({ours[0]['dtype']}), {len(ours_all)} runs; llama.cpp: "
+      f"{rounds} run(s) × repetitions. Cells: best (range over the clean runs/repetitions),")
+print(f"tokens/s; clean = others took <= {clean_max:g} % of the CPUs; * = no clean run, all shown.")
 print()
-hdr = f"{'':28}{'ours #1':>9}{'ours #2':>9}"
+W, R = 22, 10
+hdr = f"{'':30}{'ours':>{W}}"
 for t in dtypes:
-    hdr += f"{'llama.cpp ' + t:>21}{'ours/' + t:>11}"
+    hdr += f"{'llama.cpp ' + t:>{W}}{'ours/' + t:>{R}}"
 print(hdr)
 
-def row(label, mine, key_best, key_avg=None):
-    s = f"{label:28}{f(mine[0]):>9}{f(mine[1]):>9}"
+def row(label, key, their_key=None):
+    s = f"{label:30}{cell(mine[key]):>{W}}"
     for t in dtypes:
-        e = theirs[t]
-        best = e.get(key_best)
-        cell = f(best) if key_avg is None else f"{f(best)} ({f(e.get(key_avg))})"
-        s += f"{cell:>21}{ratio(mid(mine), best):>11}"
+        xs = theirs[t][their_key or key]
+        s += f"{cell(xs):>{W}}{ratio(mine[key], xs):>{R}}"
     print(s)
 
-row(f"prefill tok/s (prompt {ours[0]['prefill']['prompt_len']})", o_pp, "pp_best", "pp_avg")
-row("decode tok/s, batch 1", o_tg, "tg_best", "tg_avg")
-if any("tg1_ctx" in theirs[t] for t in dtypes):
-    row("  batch 1 at ctx 128 (bb)", o_tg, "tg1_ctx")
-row(f"decode tok/s, batch {batch}" + (" (bb)" if any("tgb" in theirs[t] for t in dtypes) else ""),
-    o_tgb, "tgb")
-s = f"{'batch-1 decode % of read bw':28}"
-s += "".join(f"{100 * our_bytes * x / 1e9 / bw:>8.0f}%" for x in o_tg)
+row(f"prefill, prompt {ours[0]['prefill']['prompt_len']}", "pp")
+row("decode, batch 1", "tg")
+bb = any(theirs[t]["tgb"] for t in dtypes)
+if bb:
+    row("decode, batch 1, ctx 128 (bb)", "tg", "tg1_ctx")
+row(f"decode, batch {batch}" + (", ctx 128 (bb)" if bb else ""), "tgb")
+s = f"{'batch-1 decode, % of read bw':30}{100 * our_bytes * max(mine['tg'][0]) / 1e9 / bw:>{W - 1}.0f}%"
 for t in dtypes:
-    e = theirs[t]
-    s += f"{100 * e['bytes'] * e['tg_best'] / 1e9 / bw:>20.0f}%{'':>11}"
+    s += f"{100 * info[t]['model_size'] * max(theirs[t]['tg'][0]) / 1e9 / bw:>{W - 1}.0f}%{'':>{R}}"
 print(s)
 print()
-print("ratios use the mean of our two runs. ours: best single step / best of "
-      "repetitions; llama-bench: tokens over the whole timed run.")
-print("(bb) = llama-batched-bench -npp 128 -ntg 32: aggregate decode tokens/s after a 128-token prompt.")
+print("ours: bench-model's best of --repeat (prefill) and best single step (decode, after a")
+print("128-token context); llama-bench: each repetition's tokens over its whole timed run.")
+if bb:
+    print("(bb) = llama-batched-bench -npp 128 -ntg 32: aggregate decode tokens/s after a 128-token prompt.")
 EOF

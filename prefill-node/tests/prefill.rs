@@ -489,18 +489,20 @@ async fn the_drain_timeout_aborts_what_is_left() {
 /// and exit 0 on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_prefill-node"))
-        .args(["--port", "0", "--kv-port", "0"])
-        .env("PD_CACHE_DIR", cache())
-        .env_remove("PD_MODEL")
-        .env_remove("PD_PORT")
-        .env_remove("PD_KV_PORT")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("prefill-node starts");
-    let stdout = child.stdout.take().unwrap();
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_prefill-node"))
+            .args(["--port", "0", "--kv-port", "0"])
+            .env("PD_CACHE_DIR", cache())
+            .env_remove("PD_MODEL")
+            .env_remove("PD_PORT")
+            .env_remove("PD_KV_PORT")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("prefill-node starts"),
+    );
+    let stdout = child.0.stdout.take().unwrap();
     let (line, rest) = tokio::task::spawn_blocking(move || {
         let mut reader = BufReader::new(stdout);
         let mut line = String::new();
@@ -556,18 +558,17 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     );
 
     let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(kill.success());
     let status = tokio::task::spawn_blocking(move || {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Some(status) = child.try_wait().unwrap() {
+            if let Some(status) = child.0.try_wait().unwrap() {
                 return status;
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
                 panic!("prefill-node did not exit after SIGTERM");
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -583,6 +584,18 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
         more.is_empty(),
         "exactly one line on stdout, then: {more:?}"
     );
+}
+
+/// A child process killed if the test fails before it exits.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
 }
 
 /// Service names listed by server reflection (v1).

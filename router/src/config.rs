@@ -69,11 +69,21 @@ impl RouterConfig {
 pub struct RouterArgs {
     /// Model directory (Hugging Face layout) or `synthetic:<preset>`. Only config.json,
     /// generation_config.json and the tokenizer are read, never the weights.
-    #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny", help_heading = "Model")]
+    #[arg(
+        long,
+        env = "PD_MODEL",
+        default_value = "synthetic:tiny",
+        help_heading = "Model"
+    )]
     pub model: String,
 
     /// Address to listen on.
-    #[arg(long, env = "PD_HOST", default_value = "127.0.0.1", help_heading = "Server")]
+    #[arg(
+        long,
+        env = "PD_HOST",
+        default_value = "127.0.0.1",
+        help_heading = "Server"
+    )]
     pub host: String,
 
     /// Port to listen on (0: an ephemeral port, printed in the ready line).
@@ -92,11 +102,23 @@ pub struct RouterArgs {
 
     /// A prefill node's gRPC address (`host:port`); repeat for several (the environment
     /// variable takes a comma-separated list).
-    #[arg(long = "prefill", env = "PD_PREFILL", value_delimiter = ',', required = true, help_heading = "Nodes")]
+    #[arg(
+        long = "prefill",
+        env = "PD_PREFILL",
+        value_delimiter = ',',
+        required = true,
+        help_heading = "Nodes"
+    )]
     pub prefill: Vec<String>,
 
     /// A decode node's gRPC address (`host:port`); repeat for several.
-    #[arg(long = "decode", env = "PD_DECODE", value_delimiter = ',', required = true, help_heading = "Nodes")]
+    #[arg(
+        long = "decode",
+        env = "PD_DECODE",
+        value_delimiter = ',',
+        required = true,
+        help_heading = "Nodes"
+    )]
     pub decode: Vec<String>,
 
     /// How often each node is asked for its Info (health, load, KV layout).

@@ -127,7 +127,6 @@ struct Job {
     held: Held,
     prefill_usage: pb::Usage,
     completion_tokens: u32,
-    arrival: Instant,
 }
 
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
@@ -153,7 +152,6 @@ pub(crate) async fn run(
         held: Held::default(),
         prefill_usage: pb::Usage::default(),
         completion_tokens: 0,
-        arrival: Instant::now(),
     };
     let outcome = job.drive(&mut text).await;
     let last = match outcome {
@@ -168,13 +166,11 @@ pub(crate) async fn run(
             chunk.text = text.flush();
             Some(Ok(job.finish(chunk, FinishReason::Abort)))
         }
-        Err(End::Deadline) => {
-            let budget = deadline.map(|d| d.saturating_duration_since(job.arrival));
-            Some(Err(Status::deadline_exceeded(format!(
-                "the request's deadline ({budget:?}) passed after {} generated tokens",
-                job.completion_tokens
-            ))))
-        }
+        Err(End::Deadline) => Some(Err(Status::deadline_exceeded(format!(
+            "the request's deadline (the client's grpc-timeout, or the router's \
+                 --request-timeout) passed after {} generated tokens",
+            job.completion_tokens
+        )))),
         Err(End::Failed(status)) => {
             tracing::warn!(request_id = %job.req.request_id, code = ?status.code(), message = status.message(), "request failed");
             Some(Err(status))
@@ -204,7 +200,12 @@ impl Job {
 
         let mut chunk = self.chunk();
         chunk.prompt_logprobs = prompt_logprobs;
-        if let Some((reason, _)) = self.feed(text, &mut chunk, std::slice::from_ref(&first), NodeRole::Prefill)? {
+        if let Some((reason, _)) = self.feed(
+            text,
+            &mut chunk,
+            std::slice::from_ref(&first),
+            NodeRole::Prefill,
+        )? {
             return Ok(self.finish(chunk, reason));
         }
         self.send(chunk).await?;
@@ -220,7 +221,11 @@ impl Job {
     }
 
     /// Marks `chunk` as the last one.
-    fn finish(&self, mut chunk: pb::GenerateResponse, reason: FinishReason) -> pb::GenerateResponse {
+    fn finish(
+        &self,
+        mut chunk: pb::GenerateResponse,
+        reason: FinishReason,
+    ) -> pb::GenerateResponse {
         let prompt_tokens = u32::try_from(self.req.prompt.len()).unwrap_or(u32::MAX);
         let local = self.prefill_usage.local_cached_tokens;
         let external = self.prefill_usage.external_cached_tokens;

@@ -8,7 +8,11 @@ use clap::Parser;
 use pd_router::{Router, RouterArgs};
 
 #[derive(Debug, Parser)]
-#[command(name = "router", version, about = "The PD cluster's router: the client gRPC API in front of prefill and decode nodes.")]
+#[command(
+    name = "router",
+    version,
+    about = "The PD cluster's router: the client gRPC API in front of prefill and decode nodes."
+)]
 struct Cli {
     #[command(flatten)]
     router: RouterArgs,
@@ -38,10 +42,11 @@ fn main() -> anyhow::Result<()> {
     let router = Router::new(config).context("cannot start the router")?;
     drop(entered);
     runtime.block_on(async move {
-        let addr = format!("{}:{}", cli.router.host, cli.router.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
+        let (host, port) = (cli.router.host.as_str(), cli.router.port);
+        // A (host, port) pair: IPv6 hosts need no brackets.
+        let listener = tokio::net::TcpListener::bind((host, port))
             .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+            .with_context(|| format!("cannot listen on {host} port {port}"))?;
         let bound = listener.local_addr().context("listener address")?;
         let ready = serde_json::json!({"role": "router", "grpc": bound.to_string()});
         let mut stdout = std::io::stdout().lock();

@@ -99,9 +99,18 @@ pub struct LeastLoaded {
 impl LeastLoaded {
     /// The least loaded of `among` (indices into `candidates`), ranked then by `tie` (higher
     /// first), then by turns.
-    fn pick(&self, candidates: &[Candidate], among: &[usize], tie: impl Fn(usize) -> usize) -> usize {
+    fn pick(
+        &self,
+        candidates: &[Candidate],
+        among: &[usize],
+        tie: impl Fn(usize) -> usize,
+    ) -> usize {
         let key = |i: usize| (candidates[i].load, std::cmp::Reverse(tie(i)));
-        let best = among.iter().map(|&i| key(i)).min().expect("candidates are never empty");
+        let best = among
+            .iter()
+            .map(|&i| key(i))
+            .min()
+            .expect("candidates are never empty");
         let tied: Vec<usize> = among.iter().copied().filter(|&i| key(i) == best).collect();
         tied[self.turn.fetch_add(1, Ordering::Relaxed) % tied.len()]
     }

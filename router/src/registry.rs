@@ -188,11 +188,16 @@ impl Node {
     fn record(&self, outcome: Result<pb::NodeInfo, String>, model: &str) -> bool {
         let health = match &outcome {
             Err(reason) => NodeHealth::Down(reason.clone()),
-            Ok(info) if !matches!(info.role(), pb::Role::Unspecified) && info.role() != self.role.wire() => NodeHealth::Down(format!(
-                "it reports role {:?} but was given as --{}",
-                info.role(),
-                self.role
-            )),
+            Ok(info)
+                if !matches!(info.role(), pb::Role::Unspecified)
+                    && info.role() != self.role.wire() =>
+            {
+                NodeHealth::Down(format!(
+                    "it reports role {:?} but was given as --{}",
+                    info.role(),
+                    self.role
+                ))
+            }
             Ok(info) if !info.healthy => NodeHealth::Down("it reports itself unhealthy".into()),
             Ok(_) => NodeHealth::Up,
         };
@@ -201,7 +206,10 @@ impl Node {
         let is_up = health == NodeHealth::Up;
         if let Ok(info) = outcome {
             if !model.is_empty() && !info.model.is_empty() && info.model != model {
-                let first = state.info.as_ref().is_none_or(|old| old.model != info.model);
+                let first = state
+                    .info
+                    .as_ref()
+                    .is_none_or(|old| old.model != info.model);
                 if first {
                     tracing::warn!(node = %self.addr, node_model = %info.model, router_model = %model,
                         "node serves a model of another name than the router's");
@@ -351,7 +359,11 @@ impl Registry {
             Ok(Ok(response)) => Ok(response.into_inner()),
             Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => Err(format!(
                 "it does not serve pd.v1.{}Service: is it a {} node, given as --{}?",
-                if node.role == NodeRole::Prefill { "Prefill" } else { "Decode" },
+                if node.role == NodeRole::Prefill {
+                    "Prefill"
+                } else {
+                    "Decode"
+                },
                 match node.role {
                     NodeRole::Prefill => NodeRole::Decode,
                     NodeRole::Decode => NodeRole::Prefill,

@@ -40,12 +40,13 @@ impl Router {
     /// (node channels start their connection tasks): call it inside `spawn_blocking`, or
     /// with the runtime entered.
     pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
-        let model = Arc::new(ModelMeta::load(&config.model).map_err(|source| {
-            RouterError::Model {
-                model: config.model.clone(),
-                source,
-            }
-        })?);
+        let model =
+            Arc::new(
+                ModelMeta::load(&config.model).map_err(|source| RouterError::Model {
+                    model: config.model.clone(),
+                    source,
+                })?,
+            );
         let registry = Arc::new(Registry::new(
             &config.prefill,
             &config.decode,

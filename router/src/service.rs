@@ -208,7 +208,10 @@ impl pb::generation_server::Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Instant::now();
-        let budget = match (grpc_timeout(request.metadata()), self.shared.request_timeout) {
+        let budget = match (
+            grpc_timeout(request.metadata()),
+            self.shared.request_timeout,
+        ) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };

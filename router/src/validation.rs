@@ -80,7 +80,9 @@ impl ModelMeta {
     }
 
     fn accepts_name(&self, requested: &str) -> bool {
-        requested.is_empty() || requested == self.name || self.aliases.iter().any(|a| a == requested)
+        requested.is_empty()
+            || requested == self.name
+            || self.aliases.iter().any(|a| a == requested)
     }
 }
 
@@ -103,7 +105,9 @@ pub enum ValidationError {
     Tokenize(String),
     #[error("request_id must be 1 to {max} bytes without control characters, got {len} bytes", max = MAX_REQUEST_ID_BYTES)]
     BadRequestId { len: usize },
-    #[error("request_id `{0}` is already in flight: request ids must be unique among open requests")]
+    #[error(
+        "request_id `{0}` is already in flight: request ids must be unique among open requests"
+    )]
     DuplicateRequestId(String),
     #[error("{0}")]
     Sampling(#[from] SamplingError),
@@ -175,7 +179,9 @@ impl Validator {
         self.check_model(&req.model)?;
         let request_id = match req.request_id {
             Some(id) => {
-                if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES || id.chars().any(char::is_control)
+                if id.is_empty()
+                    || id.len() > MAX_REQUEST_ID_BYTES
+                    || id.chars().any(char::is_control)
                 {
                     return Err(ValidationError::BadRequestId { len: id.len() });
                 }
@@ -223,7 +229,10 @@ impl Validator {
             .map_err(|e| ValidationError::Tokenize(e.to_string()))
     }
 
-    fn prompt(&self, input: Option<pb::generate_request::Input>) -> Result<Vec<u32>, ValidationError> {
+    fn prompt(
+        &self,
+        input: Option<pb::generate_request::Input>,
+    ) -> Result<Vec<u32>, ValidationError> {
         use pb::generate_request::Input;
         match input {
             None => Err(ValidationError::MissingInput),

@@ -320,9 +320,14 @@ mod tests {
         }
         // 2 segments of 3000 bytes: 2 chunks, each ended by its segment.
         assert_eq!(stream.len(), 6000 + 2 * (CHUNK_HEADER_LEN + CHECKSUM_LEN));
-        write_abort(&mut stream, Status::Length, "gone").await.unwrap();
+        write_abort(&mut stream, Status::Length, "gone")
+            .await
+            .unwrap();
         let err = decode(&stream, data.len(), 4096, 10_000).await.unwrap_err();
-        assert!(matches!(&err, TransportError::Length(m) if m.contains("6000 of 10000")), "{err}");
+        assert!(
+            matches!(&err, TransportError::Length(m) if m.contains("6000 of 10000")),
+            "{err}"
+        );
     }
 
     #[tokio::test]

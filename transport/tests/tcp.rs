@@ -18,7 +18,7 @@ use pd_transport::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const FP: LayoutFingerprint = LayoutFingerprint(0x5eed_0f_1a70_u64);
+const FP: LayoutFingerprint = LayoutFingerprint(0x5eed_f1a7_0000_0001);
 const LEASE: u64 = 42;
 
 /// An in-memory exporter: one lease holding `blocks`; `fail_after` calls, the lease is gone

@@ -407,7 +407,10 @@ impl FakeNode {
         }
         if let Some(task) = self.task.take() {
             let abort = task.abort_handle();
-            if tokio::time::timeout(Duration::from_secs(2), task).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(2), task)
+                .await
+                .is_err()
+            {
                 abort.abort();
             }
         }

@@ -41,7 +41,11 @@ async fn streams_the_prefill_token_then_the_decode_tokens() {
     let (chunks, error) = collect(&mut client, req).await.unwrap();
     assert!(error.is_none(), "{error:?}");
 
-    assert_eq!(chunks.len(), 4, "first token, then one chunk per decode message");
+    assert_eq!(
+        chunks.len(),
+        4,
+        "first token, then one chunk per decode message"
+    );
     assert_eq!(chunks[0].token_ids, [ids[0]]);
     assert_eq!(chunks[0].text, tok.decode(&ids[..1], true).unwrap());
     assert_eq!(
@@ -394,12 +398,18 @@ async fn a_failed_prefill_is_retried_once_on_another_node() {
     .await;
     p0.state.fail_next.store(1, SeqCst);
     let mut client = router.client();
-    let (chunks, error) = collect(&mut client, text_request("retry me")).await.unwrap();
+    let (chunks, error) = collect(&mut client, text_request("retry me"))
+        .await
+        .unwrap();
     assert!(error.is_none(), "{error:?}");
     assert_eq!(all_ids(&chunks), [100, 101, 102]);
     assert_eq!(p0.state.prefill_count(), 1);
     assert_eq!(p1.state.prefill_count(), 1);
-    let lease = d.state.decodes.lock().unwrap()[0].kv.clone().unwrap().lease_id;
+    let lease = d.state.decodes.lock().unwrap()[0]
+        .kv
+        .clone()
+        .unwrap()
+        .lease_id;
     assert_eq!(*p1.state.leases.lock().unwrap(), [lease]);
     eventually("p1's lease is released", || p1.state.released() == [lease]).await;
     let failed_id = p0.state.prefills.lock().unwrap()[0].request_id.clone();
@@ -515,7 +525,11 @@ async fn prefix_aware_routing_follows_the_prompt_and_yields_to_load() {
             .unwrap();
         assert!(e.is_none());
     }
-    assert_eq!(home.state.prefill_count(), 4, "the shared prefix stays home");
+    assert_eq!(
+        home.state.prefill_count(),
+        4,
+        "the shared prefix stays home"
+    );
     assert_eq!(away.state.prefill_count(), 0);
 
     // The home node gets busy: balance wins over affinity.

@@ -110,7 +110,9 @@ async fn mismatched_layouts_are_refused_with_failed_precondition() {
     *d.state.fingerprint.lock().unwrap() = FINGERPRINT.into();
     d.state.block_size.store(32, SeqCst);
     eventually("the new layout is seen", || {
-        node(&router, &d).layout().is_some_and(|l| l.block_size == 32)
+        node(&router, &d)
+            .layout()
+            .is_some_and(|l| l.block_size == 32)
     })
     .await;
     let (_, error) = collect(&mut client, text_request("x")).await.unwrap();
@@ -143,10 +145,10 @@ async fn a_node_given_the_wrong_role_is_down_with_the_reason() {
 
 #[tokio::test]
 async fn reflection_lists_the_services() {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
 
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;

@@ -336,7 +336,10 @@ async fn chat_input_is_rendered_with_the_template() {
             },
         )
         .unwrap();
-    assert!(rendered.ends_with("<think>\n\n</think>\n\n"), "{rendered:?}");
+    assert!(
+        rendered.ends_with("<think>\n\n</think>\n\n"),
+        "{rendered:?}"
+    );
     let sent = p.state.prefills.lock().unwrap()[0].token_ids.clone();
     assert_eq!(sent, tok.encode(&rendered).unwrap());
 }

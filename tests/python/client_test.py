@@ -1,0 +1,135 @@
+"""A real third-party client (Python grpcio, stubs generated from proto/) against a live router.
+
+Usage: python3 tests/python/client_test.py ROUTER_ADDR
+Prints one line per check and a closing "N passed, M failed" line; exits non-zero on failure.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROTO = os.path.join(ROOT, "proto")
+
+
+def generate_stubs(out):
+    from grpc_tools import protoc
+    import grpc_tools
+
+    include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+    files = ["pd/v1/common.proto", "pd/v1/generation.proto", "pd/v1/node.proto"]
+    rc = protoc.main(
+        ["protoc", f"-I{PROTO}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}"]
+        + files
+    )
+    if rc != 0:
+        raise RuntimeError(f"protoc failed with {rc}")
+    sys.path.insert(0, out)
+
+
+def main():
+    router = sys.argv[1]
+    out = tempfile.mkdtemp()
+    generate_stubs(out)
+    from pd.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
+
+    channel = grpc.insecure_channel(router)
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    greedy = common_pb2.SamplingParams(temperature=0.0)
+
+    def stream_text():
+        req = generation_pb2.GenerateRequest(
+            text="Hello from Python", sampling=greedy, max_tokens=6, ignore_eos=True
+        )
+        chunks = list(stub.Generate(req, timeout=60))
+        ids = [t for c in chunks for t in c.token_ids]
+        assert len(ids) == 6, ids
+        last = chunks[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH, last
+        assert last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0, last.usage
+        assert all(c.request_id == chunks[0].request_id for c in chunks)
+
+    def abort():
+        req = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=list(range(1, 40))),
+            sampling=greedy,
+            max_tokens=3000,
+            ignore_eos=True,
+            request_id="py-abort",
+        )
+        stream = stub.Generate(req, timeout=60)
+        next(stream)
+        assert stub.Abort(generation_pb2.AbortRequest(request_id="py-abort")).aborted
+        last = None
+        for c in stream:
+            last = c
+        assert last is None or last.finish_reason in (
+            common_pb2.FINISH_REASON_ABORT,
+            common_pb2.FINISH_REASON_UNSPECIFIED,
+        ), last
+        assert not stub.Abort(generation_pb2.AbortRequest(request_id="py-abort")).aborted
+
+    def bad_input_codes():
+        cases = {
+            "empty prompt": generation_pb2.GenerateRequest(text="", max_tokens=4),
+            "temperature": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, sampling=common_pb2.SamplingParams(temperature=-1.0)
+            ),
+            "top_p": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, sampling=common_pb2.SamplingParams(top_p=0.0)
+            ),
+            "token id": generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=[10**9]), max_tokens=4
+            ),
+            "max_tokens": generation_pb2.GenerateRequest(text="x", max_tokens=0),
+        }
+        for name, req in cases.items():
+            try:
+                list(stub.Generate(req, timeout=30))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.code(), e.details())
+                assert e.details(), name
+            else:
+                raise AssertionError(f"{name} was accepted")
+
+    def tokenize_and_models():
+        ids = stub.Tokenize(generation_pb2.TokenizeRequest(text="Hello world")).ids
+        assert list(ids) == [9707, 1879], ids
+        models = stub.ListModels(generation_pb2.ListModelsRequest()).models
+        assert len(models) == 1 and models[0].name, models
+
+    def health():
+        h = health_pb2_grpc.HealthStub(channel)
+        r = h.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING, r
+
+    def reflection():
+        r = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reqs = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        names = [s.name for resp in r.ServerReflectionInfo(reqs, timeout=10) for s in resp.list_services_response.service]
+        assert "pd.v1.Generation" in names, names
+        assert "grpc.health.v1.Health" in names, names
+
+    checks = [stream_text, abort, bad_input_codes, tokenize_and_models, health, reflection]
+    passed = failed = 0
+    for check in checks:
+        try:
+            check()
+            passed += 1
+            print(f"ok   {check.__name__}")
+        except Exception:
+            failed += 1
+            print(f"FAIL {check.__name__}")
+            traceback.print_exc()
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
