@@ -16,9 +16,13 @@ echo "== formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-echo "== dependency rules (engine never depends on gRPC, CUDA or RDMA crates)"
+echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport)"
 if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs)( |$)'; then
     echo "pd-engine must not depend on tonic, cudarc or ibverbs" >&2
+    exit 1
+fi
+if cargo tree -p pd-router -e normal --prefix none | grep -E '^(pd-kernels|pd-transport)( |$)'; then
+    echo "pd-router must not depend on pd-kernels or pd-transport" >&2
     exit 1
 fi
 

@@ -12,7 +12,7 @@ use pd_transport::wire::{
     Status,
 };
 use pd_transport::{
-    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest,
+    ExportConfig, ExportStats, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest,
     TransportError, pull_blocks,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -99,6 +99,22 @@ fn req(first_block: usize, count: usize, block_len: usize) -> PullRequest {
     }
 }
 
+/// The exporter counts a pull once its last byte is flushed, which can be just after the
+/// importer returns: wait (briefly) for its counters to settle.
+async fn settled_stats(
+    server: &KvExportServer,
+    done: impl Fn(&ExportStats) -> bool,
+) -> ExportStats {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = server.stats();
+        if done(&stats) || Instant::now() > give_up {
+            return stats;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn soon() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
@@ -121,7 +137,7 @@ async fn many_blocks_of_random_data_round_trip_bit_exact() {
     let none = pull_blocks(addr, req(64, 0, len), soon()).await.unwrap();
     assert!(none.is_empty());
 
-    let stats = server.stats();
+    let stats = settled_stats(&server, |s| s.pulls_ok == 4).await;
     assert_eq!(
         (stats.pulls_ok, stats.pulls_refused, stats.pulls_failed),
         (4, 0, 0)
@@ -497,7 +513,10 @@ async fn sixteen_concurrent_pulls_each_get_their_own_blocks() {
     for t in tasks {
         t.await.unwrap();
     }
-    assert_eq!(server.stats().pulls_ok, 16);
+    assert_eq!(
+        settled_stats(&server, |s| s.pulls_ok == 16).await.pulls_ok,
+        16
+    );
     assert!(puller.idle_connections(addr) >= 1);
 }
 
