@@ -70,3 +70,33 @@ pub fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()
         }
     })
 }
+
+/// The whole `main` of a node binary: tracing, a runtime, `serve` until SIGTERM / Ctrl-C, and
+/// one `error: ...` line with a non-zero exit on failure.
+pub fn run_main<F, Fut>(log_format: LogFormat, serve: F) -> std::process::ExitCode
+where
+    F: FnOnce(std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    init_tracing(log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = shutdown_signal()?;
+        serve(Box::pin(shutdown)).await
+    });
+    // Model loading left running by a shutdown during start-up is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
