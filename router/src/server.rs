@@ -152,14 +152,20 @@ impl Router {
                     .await;
             }
         };
+        // `tcp_nodelay` on the builder does not reach sockets from our own listener: set it on
+        // each accepted connection, or small stream messages wait for delayed ACKs (~40 ms).
+        let incoming = tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
+            conn.inspect(|stream| {
+                let _ = stream.set_nodelay(true);
+            })
+        });
         let result = tonic::transport::Server::builder()
-            .tcp_nodelay(true)
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(generation)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drain)
+            .serve_with_incoming_shutdown(incoming, drain)
             .await;
         background.shutdown().await;
         tracing::info!(in_flight = shared.inflight.len(), "router stopped");
