@@ -33,9 +33,12 @@
 # rayon pool, and a best-of figure less than a mean: every phase records the share of the CPUs
 # that other processes took while it ran, and the table prints it; trust a run where it is ~0.
 #
-# Prints a table: prefill and decode tokens/s for both (best over all runs, with the range), the
-# ratios ours/theirs per GGUF type, and the fraction of the memory read bandwidth (measured by
-# pdctl in the same run) each achieves in batch-1 decode. Raw JSON of every run stays in OUT_DIR.
+# Each "ours" phase is `pdctl bench-model` (prefill, best decode steps at batch 1 and BATCH) plus
+# `pdctl run` timed for GEN tokens (the serving path's mean decode speed, llama-bench's tg sense);
+# each llama.cpp phase is preceded by a read-bandwidth probe (bench-model's), as the host's memory
+# bandwidth drifts. Prints a table: tokens/s for both (best, with the range), the ratios
+# ours/theirs per GGUF type, and batch-1 decode as a fraction of the read bandwidth measured in
+# the same phase or the nearest probes. Raw JSON of every phase stays in OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -124,15 +127,46 @@ sys.exit(rc)
 PY
 }
 
+# Mean decode speed of our whole serving path (`pdctl run`: scheduler, sampling, detokenizing)
+# in llama-bench's tg sense: GEN tokens after a 1-token prompt, timed as the difference between
+# generating GEN + 1 tokens and 1 token (start-up, loading and prefill cancel out), REPS times.
+cat >"$OUT_DIR/gen_timer.py" <<'PY'
+import json, subprocess, sys, time
+pdctl, model, gen, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def timed(n):
+    t = time.perf_counter()
+    subprocess.run([pdctl, "run", "--model", model, "--token-ids", "9707", "--max-tokens", str(n),
+                    "--ignore-eos"], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+timed(1)  # page the weights in
+out = []
+for _ in range(reps):
+    one, full = timed(1), timed(gen + 1)
+    out.append(gen / max(full - one, 1e-9))
+print(json.dumps({"gen": gen, "tokens_per_s": out}))
+PY
+
+# Read bandwidth now (bench-model's probe: best of 3 passes over 1 GiB, before and after a
+# 1-token step), around the llama.cpp phases: the shared host's memory bandwidth drifts (2x
+# within minutes has been seen), so each engine is set against the bandwidth of its own moment.
+probe() {
+    RAYON_NUM_THREADS="$THREADS" phase "bw-$1" "$OUT_DIR/bw-$1.json" \
+        "$PDCTL" bench-model --model "$MODEL" --json --prompt-len 1 --batch 1 \
+        --decode-context 1 --decode-steps 1 --repeat 3
+}
+
 ours() {
     RAYON_NUM_THREADS="$THREADS" phase "ours-$1" "$OUT_DIR/ours-$1.json" \
         "$PDCTL" bench-model --model "$MODEL" --json \
         --prompt-len "$PROMPT" --batch "1,$BATCH" --repeat "$REPS"
+    RAYON_NUM_THREADS="$THREADS" phase "ours-gen-$1" "$OUT_DIR/ours-gen-$1.json" \
+        python3 "$OUT_DIR/gen_timer.py" "$PDCTL" "$MODEL" "$GEN" "$REPS"
 }
 
 theirs() {
     local r=$1 t
     for t in "${dtypes[@]}"; do
+        probe "llama-bench-$t-$r"
         phase "llama-bench-$t-$r" "$OUT_DIR/llama-bench-$t-$r.json" \
             "$LLAMA_BENCH" -m "$GGUF_DIR/$t.gguf" -t "$THREADS" -p "$PROMPT" -n "$GEN" \
             -r "$REPS" -o json
@@ -143,6 +177,7 @@ theirs() {
                 -npp 128 -ntg 32 -npl "1,$BATCH" -t "$THREADS" --output-format jsonl
         fi
     done
+    probe "after-$r"
 }
 
 if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
@@ -168,100 +203,133 @@ def load(name):
 def share(name):
     return 100 * load(name + ".meta")["others_share"]
 
-def clean(runs):
-    """runs: [(phase name, [values])] -> (values of the clean runs, or of all and True)."""
-    ok = [v for n, vs in runs if share(n) <= clean_max for v in vs]
-    return (ok, False) if ok else ([v for _, vs in runs for v in vs], True)
+with open(os.path.join(out, "phases")) as f:
+    phases = f.read().split()
 
-names = [f"ours-{i}" for i in range(1, rounds + 2)]
-ours_all = [load(n + ".json") for n in names]
-ours = [r for n, r in zip(names, ours_all) if share(n) <= clean_max] or ours_all
+def has_bw(p):
+    return p.startswith("bw-") or (p.startswith("ours-") and not p.startswith("ours-gen"))
+
+def bw_of(name):
+    """GB/s for a phase: bench-model's own probe, else the best of the nearest probes around."""
+    if has_bw(name):
+        return load(name + ".json")["read_bandwidth_gb_s"]
+    i = phases.index(name)
+    before = [p for p in phases[:i] if has_bw(p)][-1:]
+    after = [p for p in phases[i + 1:] if has_bw(p)][:1]
+    return max(load(p + ".json")["read_bandwidth_gb_s"] for p in before + after)
+
+def pick(runs):
+    """runs: [(phase, [tokens/s], bytes read per step or None)] -> ([(tokens/s, fraction of the
+    phase's read bandwidth or None)] of the clean runs, or of all of them, and whether dirty)."""
+    ok = [r for r in runs if share(r[0]) <= clean_max]
+    use, dirty = (ok, False) if ok else (runs, True)
+    vals = [(v, v * r[2] / 1e9 / bw_of(r[0]) if r[2] else None) for r in use for v in r[1]]
+    return vals, dirty
+
+n_ours = rounds + 1
+ours = {i: load(f"ours-{i}.json") for i in range(1, n_ours + 1)}
+first = ours[1]
+our_bytes = first["weight_bytes_per_step"]
 
 def o_decode(r, b):
     return next(d["tokens_per_s"] for d in r["decode"] if d["batch"] == b)
 
-bw = max(r["read_bandwidth_gb_s"] for r in ours_all)  # GB/s: pdctl's best over every run
-our_bytes = ours[0]["weight_bytes_per_step"]
 mine = {
-    "pp": clean([(n, [r["prefill"]["tokens_per_s"]]) for n, r in zip(names, ours_all)]),
-    "tg": clean([(n, [o_decode(r, 1)]) for n, r in zip(names, ours_all)]),
-    "tgb": clean([(n, [o_decode(r, batch)]) for n, r in zip(names, ours_all)]),
+    "pp": pick([(f"ours-{i}", [r["prefill"]["tokens_per_s"]], None) for i, r in ours.items()]),
+    # the serving path's step reads the same weights; its phase has no probe of its own
+    "tg": pick([(f"ours-gen-{i}", load(f"ours-gen-{i}.json")["tokens_per_s"], our_bytes)
+                for i in ours]),
+    "tg_best": pick([(f"ours-{i}", [o_decode(r, 1)], our_bytes) for i, r in ours.items()]),
+    "tgb": pick([(f"ours-{i}", [o_decode(r, batch)], None) for i, r in ours.items()]),
 }
 
-theirs = {}
-info = {}
+theirs, info = {}, {}
 for t in dtypes:
-    runs = {"pp": [], "tg": [], "tg1_ctx": [], "tgb": []}
+    runs = {"pp": [], "tg": [], "tg_best": [], "tgb": []}
     for r in range(1, rounds + 1):
         n = f"llama-bench-{t}-{r}"
         rows = load(n + ".json")
         pp = next(x for x in rows if x["n_prompt"] > 0 and x["n_gen"] == 0)
         tg = next(x for x in rows if x["n_gen"] > 0 and x["n_prompt"] == 0)
-        runs["pp"].append((n, pp["samples_ts"]))
-        runs["tg"].append((n, tg["samples_ts"]))
         info[t] = tg
+        runs["pp"].append((n, pp["samples_ts"], None))
+        runs["tg"].append((n, tg["samples_ts"], tg["model_size"]))
         n = f"batched-bench-{t}-{r}"
         path = os.path.join(out, n + ".jsonl")
         if os.path.exists(path):
             with open(path) as f:
                 for x in (json.loads(l) for l in f if l.strip().startswith("{")):
                     if x["pl"] == 1:
-                        runs["tg1_ctx"].append((n, [x["speed_tg"]]))
+                        runs["tg_best"].append((n, [x["speed_tg"]], tg["model_size"]))
                     if x["pl"] == batch:
-                        runs["tgb"].append((n, [x["speed_tg"]]))
-    theirs[t] = {k: clean(v) if v else ([], False) for k, v in runs.items()}
+                        runs["tgb"].append((n, [x["speed_tg"]], None))
+    theirs[t] = {k: pick(v) if v else ([], False) for k, v in runs.items()}
 
 def cell(c):
-    xs, dirty = c
-    if not xs:
+    vals, dirty = c
+    if not vals:
         return "-"
+    xs = [v for v, _ in vals]
     mark = "*" if dirty else ""
     if len(xs) == 1:
         return f"{xs[0]:.1f}{mark}"
     return f"{max(xs):.1f} ({min(xs):.0f}-{max(xs):.0f}){mark}"
 
-def ratio(a, b):
-    return f"{max(a[0]) / max(b[0]):.2f}" if a[0] and b[0] else "-"
+def frac(c):
+    fs = [f for _, f in c[0] if f is not None]
+    return f"{100 * max(fs):.0f} %" if fs else "-"
 
-first = info[dtypes[0]]
+def ratio(a, b):
+    return f"{max(v for v, _ in a[0]) / max(v for v, _ in b[0]):.2f}" if a[0] and b[0] else "-"
+
+bws = [load(p + ".json")["read_bandwidth_gb_s"] for p in phases if has_bw(p)]
 print()
-print(f"machine: {first.get('cpu_info', '?')}, threads: ours {ours[0]['threads']}, "
-      f"llama.cpp {first.get('n_threads', '?')} (build {first.get('build_commit', '?')})")
-print(f"memory read bandwidth (pdctl, best of every measurement): {bw:.1f} GB/s")
+print(f"machine: {info[dtypes[0]].get('cpu_info', '?')}, threads: ours {first['threads']}, "
+      f"llama.cpp {info[dtypes[0]].get('n_threads', '?')} (build {info[dtypes[0]].get('build_commit', '?')})")
+print(f"memory read bandwidth during the run (pdctl probe): {min(bws):.1f}-{max(bws):.1f} GB/s")
 print("other processes' share of the CPUs during each phase (0 % = the benchmark ran alone):")
-with open(os.path.join(out, "phases")) as f:
-    phases = f.read().split()
-print("  " + ", ".join(f"{n} {100 * load(n + '.meta')['others_share']:.0f} %" for n in phases))
-print(f"ours: {ours[0]['model']} ({ours[0]['dtype']}), {len(ours_all)} runs; llama.cpp: "
-      f"{rounds} run(s) × repetitions. Cells: best (range over the clean runs/repetitions),")
-print(f"tokens/s; clean = others took <= {clean_max:g} % of the CPUs; * = no clean run, all shown.")
+print("  " + ", ".join(f"{n} {share(n):.0f} %" for n in phases if not n.startswith("bw-")))
+print(f"ours: {first['model']} ({first['dtype']}), {n_ours} runs; llama.cpp: {rounds} run(s) x "
+      "repetitions. Cells: tokens/s, best (range) over the")
+print(f"clean runs/repetitions; clean = others took <= {clean_max:g} % of the CPUs; "
+      "* = none was clean, all shown.")
 print()
 W, R = 22, 10
-hdr = f"{'':30}{'ours':>{W}}"
+hdr = f"{'':34}{'ours':>{W}}"
 for t in dtypes:
     hdr += f"{'llama.cpp ' + t:>{W}}{'ours/' + t:>{R}}"
 print(hdr)
 
-def row(label, key, their_key=None):
-    s = f"{label:30}{cell(mine[key]):>{W}}"
+def row(label, key):
+    s = f"{label:34}{cell(mine[key]):>{W}}"
     for t in dtypes:
-        xs = theirs[t][their_key or key]
-        s += f"{cell(xs):>{W}}{ratio(mine[key], xs):>{R}}"
+        c = theirs[t][key]
+        s += f"{cell(c):>{W}}{ratio(mine[key], c):>{R}}"
     print(s)
 
-row(f"prefill, prompt {ours[0]['prefill']['prompt_len']}", "pp")
-row("decode, batch 1", "tg")
-bb = any(theirs[t]["tgb"] for t in dtypes)
-if bb:
-    row("decode, batch 1, ctx 128 (bb)", "tg", "tg1_ctx")
-row(f"decode, batch {batch}" + (", ctx 128 (bb)" if bb else ""), "tgb")
-s = f"{'batch-1 decode, % of read bw':30}{100 * our_bytes * max(mine['tg'][0]) / 1e9 / bw:>{W - 1}.0f}%"
-for t in dtypes:
-    s += f"{100 * info[t]['model_size'] * max(theirs[t]['tg'][0]) / 1e9 / bw:>{W - 1}.0f}%{'':>{R}}"
-print(s)
+def frow(label, key):
+    s = f"{label:34}{frac(mine[key]):>{W}}"
+    for t in dtypes:
+        s += f"{frac(theirs[t][key]):>{W}}{'':>{R}}"
+    print(s)
+
+gen = load("ours-gen-1.json")["gen"]
+bb = any(theirs[t]["tgb"][0] for t in dtypes)
+row(f"prefill, prompt {first['prefill']['prompt_len']}", "pp")
+row(f"decode b1, mean of {gen} tokens", "tg")
+frow("  fraction of read bandwidth", "tg")
+row("decode b1, ctx 128, best step" + ("/bb" if bb else ""), "tg_best")
+frow("  fraction of read bandwidth", "tg_best")
+row(f"decode b{batch}, ctx 128, best step" + ("/bb" if bb else ""), "tgb")
 print()
-print("ours: bench-model's best of --repeat (prefill) and best single step (decode, after a")
-print("128-token context); llama-bench: each repetition's tokens over its whole timed run.")
-if bb:
-    print("(bb) = llama-batched-bench -npp 128 -ntg 32: aggregate decode tokens/s after a 128-token prompt.")
+print(f"prefill: ours = bench-model, best of --repeat single passes; llama.cpp = llama-bench "
+      f"pp{first['prefill']['prompt_len']}, per repetition.")
+print(f"decode b1 mean: ours = `pdctl run` (the serving path), {gen} tokens after a 1-token prompt,")
+print(f"timed as t({gen}+1 tokens) - t(1 token); llama.cpp = llama-bench tg{gen}, per repetition.")
+print("best step: bench-model's fastest of 32 decode steps after a 128-token context"
+      + ("; bb = llama-batched-bench\n-npp 128 -ntg 32: aggregate tokens/s over its 32 steps."
+         if bb else "."))
+print("fraction of read bandwidth: weight bytes per step x tokens/s over pdctl's probe taken in the")
+print("same phase (bench-model) or the nearest before/after; the probe is a plain summing loop,")
+print("so a kernel that streams better than it can exceed 100 %.")
 EOF
