@@ -193,14 +193,17 @@ fn run<B: Backend>(
                     }
                 }
                 Command::Abort(id) => {
-                    if let Some(event) = engine.abort(&id)
-                        && let Some(tx) = streams.remove(&id)
-                    {
-                        let _ = tx.send(event);
+                    if let Some(event) = engine.abort(&id) {
+                        publish(&engine);
+                        if let Some(tx) = streams.remove(&id) {
+                            let _ = tx.send(event);
+                        }
                     }
                 }
                 Command::ReleaseLease(lease, reply) => {
-                    let _ = reply.send(engine.release_lease(lease));
+                    let released = engine.release_lease(lease);
+                    publish(&engine);
+                    let _ = reply.send(released);
                 }
                 Command::CachedPrefix(tokens, salt, reply) => {
                     let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
@@ -225,6 +228,9 @@ fn run<B: Backend>(
         }
         match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
             Ok(events) => {
+                // Publish before delivering: a caller that sees its request end and then
+                // asks for the counters must see that end reflected (blocks, leases).
+                publish(&engine);
                 for (id, event) in events {
                     let terminal = !matches!(event, RequestEvent::Token(_));
                     let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
@@ -236,6 +242,7 @@ fn run<B: Backend>(
                         engine.abort(&id);
                     }
                 }
+                // Aborts of dropped streams above changed the counters again.
                 publish(&engine);
             }
             Err(panic) => {
