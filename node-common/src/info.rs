@@ -37,5 +37,6 @@ pub fn node_info(
         vocab_size: n(facts.vocab_size),
         max_model_len: n(facts.max_model_len),
         healthy: requests.engine().is_healthy() && !requests.is_draining(),
+        counters: None,
     }
 }

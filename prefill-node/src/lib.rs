@@ -283,6 +283,7 @@ impl PrefillService for PrefillNodeService {
                 .flatten()
                 .map(convert::prompt_logprob)
                 .collect(),
+            counters: None,
         }))
     }
 

@@ -122,6 +122,7 @@ impl FakeState {
             vocab_size: 151_936,
             max_model_len: self.max_model_len.load(Ordering::SeqCst),
             healthy: !self.unhealthy.load(Ordering::SeqCst),
+            counters: None,
         }
     }
 
@@ -209,6 +210,7 @@ impl PrefillService for Fake {
             } else {
                 vec![]
             },
+            counters: None,
         }))
     }
 
@@ -306,6 +308,7 @@ impl DecodeService for Fake {
                         local_cached_tokens: 500,
                         external_cached_tokens: 499,
                     }),
+                    counters: None,
                 };
                 if tx.send(Ok(message)).await.is_err() {
                     return;
