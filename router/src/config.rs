@@ -43,6 +43,9 @@ pub struct RouterConfig {
     pub node_timeout: Duration,
     /// Block hashes remembered per prefill node by the prefix-aware policy (an LRU set).
     pub prefix_index_blocks: usize,
+    /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
+    /// `PD_ROUTER_REPORT_FAULTS`, see [`crate::metrics::faults`]).
+    pub report_faults: Option<crate::metrics::FaultSpec>,
 }
 
 impl RouterConfig {
@@ -60,6 +63,7 @@ impl RouterConfig {
             request_timeout: None,
             node_timeout: Duration::from_secs(120),
             prefix_index_blocks: 65_536,
+            report_faults: None,
         }
     }
 }
@@ -89,6 +93,16 @@ pub struct RouterArgs {
     /// Port to listen on (0: an ephemeral port, printed in the ready line).
     #[arg(long, env = "PD_PORT", default_value_t = 0, help_heading = "Server")]
     pub port: u16,
+
+    /// Port of the Prometheus endpoint `/metrics` (on --host; 0: an ephemeral port, printed
+    /// in the ready line as `metrics_addr`).
+    #[arg(
+        long,
+        env = "PD_METRICS_PORT",
+        default_value_t = 0,
+        help_heading = "Server"
+    )]
+    pub metrics_port: u16,
 
     /// Largest client message accepted, in bytes; a larger one is refused with
     /// RESOURCE_EXHAUSTED.
@@ -150,8 +164,10 @@ pub struct RouterArgs {
 }
 
 impl RouterArgs {
-    pub fn to_config(&self) -> RouterConfig {
-        RouterConfig {
+    /// The configuration these flags describe. The test-only report fault hook is read from
+    /// `PD_ROUTER_REPORT_FAULTS` here (a malformed value is an error, never ignored).
+    pub fn to_config(&self) -> Result<RouterConfig, crate::metrics::FaultSpecError> {
+        Ok(RouterConfig {
             model: self.model.clone(),
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
@@ -163,7 +179,8 @@ impl RouterArgs {
             request_timeout: self.request_timeout,
             node_timeout: self.node_timeout,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
-        }
+            report_faults: crate::metrics::FaultSpec::from_env()?,
+        })
     }
 }
 

@@ -331,6 +331,7 @@ impl Job {
                 Ok(Ok(response)) => {
                     self.held.prefilling = None;
                     let response = response.into_inner();
+                    (self.shared.metrics).observe_report(&node, response.counters.as_ref());
                     match (response.first_token, response.kv) {
                         (Some(first), Some(kv)) => {
                             return Ok(Prefilled {
@@ -504,6 +505,7 @@ impl Job {
                 Ok(Err(status)) => return Err(node_error(NodeFailure::Status(status), streamed)),
                 Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), streamed)),
             };
+            (self.shared.metrics).observe_report(node, message.counters.as_ref());
             if !streamed {
                 streamed = true;
                 // The decode node has the KV now (or its own copy of the prefix).

@@ -6,6 +6,9 @@
 //! and KV-compatible; the router then streams the decode node's tokens back as text
 //! ([`flow`]: incremental detokenization, stop strings, usage, cancellation and retries).
 //!
+//! Every node's counters, client-perceived latencies and node health are exported under
+//! `pd_router_*` on `/metrics` ([`metrics`]).
+//!
 //! The library is what the `router` binary runs, and what tests embed:
 //! [`serve`]`(config, listener, shutdown)`.
 //!
@@ -15,6 +18,7 @@
 pub mod config;
 pub mod error;
 mod flow;
+pub mod metrics;
 pub mod policy;
 pub mod registry;
 mod server;
@@ -23,5 +27,6 @@ pub mod validation;
 
 pub use config::{PolicyKind, RouterArgs, RouterConfig};
 pub use error::{NodeError, RouterError};
+pub use metrics::RouterMetrics;
 pub use server::{Router, serve};
 pub use service::{GenerationService, grpc_timeout};

@@ -1,5 +1,6 @@
 //! The `router` binary: parses flags, loads the model's metadata, binds, prints the ready
-//! line `{"role":"router","grpc":"HOST:PORT"}` on stdout, serves until SIGTERM or Ctrl-C.
+//! line `{"role":"router","grpc":"HOST:PORT","metrics_addr":"HOST:PORT"}` on stdout, serves
+//! until SIGTERM or Ctrl-C.
 
 use std::io::Write as _;
 
@@ -35,7 +36,7 @@ fn main() -> anyhow::Result<()> {
         logs.init();
     }
 
-    let config = cli.router.to_config();
+    let config = cli.router.to_config()?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     // Node channels start their connection tasks on the runtime.
     let entered = runtime.enter();
@@ -48,13 +49,24 @@ fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {host} port {port}"))?;
         let bound = listener.local_addr().context("listener address")?;
-        let ready = serde_json::json!({"role": "router", "grpc": bound.to_string()});
+        let metrics_port = cli.router.metrics_port;
+        let metrics_listener = tokio::net::TcpListener::bind((host, metrics_port))
+            .await
+            .with_context(|| format!("cannot listen on {host} port {metrics_port} (/metrics)"))?;
+        let metrics_bound = metrics_listener
+            .local_addr()
+            .context("metrics listener address")?;
+        let ready = serde_json::json!({
+            "role": "router",
+            "grpc": bound.to_string(),
+            "metrics_addr": metrics_bound.to_string(),
+        });
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{ready}").context("writing the ready line")?;
         stdout.flush().context("writing the ready line")?;
         drop(stdout);
         router
-            .serve(listener, shutdown_signal())
+            .serve_with_metrics(listener, Some(metrics_listener), shutdown_signal())
             .await
             .context("router failed")
     })

@@ -29,6 +29,7 @@ use tokio::task::JoinSet;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::RouterError;
+use crate::metrics::RouterMetrics;
 
 /// Largest node message the router decodes (prompt logprobs of a long prompt are large).
 pub const NODE_MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -251,6 +252,8 @@ pub struct Registry {
     nodes: Vec<Arc<Node>>,
     model: String,
     serving: watch::Sender<bool>,
+    /// Receives every node's counter report from the health checks.
+    metrics: Arc<RouterMetrics>,
 }
 
 impl Registry {
@@ -259,6 +262,7 @@ impl Registry {
         prefill: &[String],
         decode: &[String],
         model: impl Into<String>,
+        metrics: Arc<RouterMetrics>,
     ) -> Result<Self, RouterError> {
         if prefill.is_empty() || decode.is_empty() {
             return Err(RouterError::NoNodes);
@@ -307,6 +311,7 @@ impl Registry {
             nodes,
             model: model.into(),
             serving: watch::Sender::new(false),
+            metrics,
         })
     }
 
@@ -377,6 +382,9 @@ impl Registry {
             )),
             Err(_) => Err(format!("Info did not answer within {timeout:?}")),
         };
+        if let Ok(info) = &outcome {
+            self.metrics.observe_report(node, info.counters.as_ref());
+        }
         node.record(outcome, &self.model);
         self.refresh();
     }

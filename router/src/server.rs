@@ -1,5 +1,6 @@
 //! Serving: `pd.v1.Generation`, `grpc.health.v1.Health` and server reflection on one listener,
-//! health checks of the nodes in the background, graceful shutdown.
+//! `/metrics` on another (optional), health checks of the nodes in the background, graceful
+//! shutdown.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -19,6 +20,7 @@ use tonic_health::ServingStatus;
 
 use crate::config::RouterConfig;
 use crate::error::RouterError;
+use crate::metrics::{self, MeteredGeneration, RouterMetrics};
 use crate::policy::{self, LeastLoaded};
 use crate::registry::Registry;
 use crate::service::{GenerationService, IdGen, InflightTable, Shared};
@@ -47,15 +49,28 @@ impl Router {
                     source,
                 })?,
             );
+        let metrics = Arc::new(
+            RouterMetrics::new(&model.name, config.report_faults)
+                .map_err(|e| RouterError::Internal(e.to_string()))?,
+        );
+        if let Some(faults) = &config.report_faults {
+            tracing::warn!(
+                ?faults,
+                "TEST-ONLY counter report faults are on ({})",
+                metrics::faults::ENV
+            );
+        }
         let registry = Arc::new(Registry::new(
             &config.prefill,
             &config.decode,
             model.name.clone(),
+            metrics.clone(),
         )?);
         let shared = Arc::new(Shared {
             validator: Validator::new(model.clone(), config.max_tokens_cap),
             model,
             registry,
+            metrics,
             policy: policy::build(config.policy, config.prefix_index_blocks),
             decode_policy: LeastLoaded::default(),
             inflight: Arc::new(InflightTable::default()),
@@ -76,6 +91,11 @@ impl Router {
         &self.shared.registry
     }
 
+    /// The router's metrics (what `/metrics` exports).
+    pub fn metrics(&self) -> &Arc<RouterMetrics> {
+        &self.shared.metrics
+    }
+
     /// Serves on `listener` until `shutdown` completes, then stops accepting requests,
     /// reports NOT_SERVING, lets the requests in flight finish and returns.
     pub async fn serve(
@@ -83,9 +103,28 @@ impl Router {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RouterError> {
+        self.serve_with_metrics(listener, None, shutdown).await
+    }
+
+    /// [`Router::serve`], and `GET /metrics` on `metrics_listener` when given (until the
+    /// router stops).
+    pub async fn serve_with_metrics(
+        self,
+        listener: TcpListener,
+        metrics_listener: Option<TcpListener>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), RouterError> {
         let Router { config, shared } = self;
         let registry = shared.registry.clone();
         let mut background = JoinSet::new();
+        if let Some(listener) = metrics_listener {
+            let (metrics, registry) = (shared.metrics.clone(), registry.clone());
+            background.spawn(async move {
+                if let Err(e) = metrics::serve_http(listener, metrics, registry).await {
+                    tracing::error!(error = %e, "the /metrics server stopped");
+                }
+            });
+        }
         registry.spawn_health_checks(
             config.health_interval,
             config.health_timeout,
@@ -135,8 +174,11 @@ impl Router {
             .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
 
         let generation = OversizeIsResourceExhausted(
-            GenerationServer::new(GenerationService::new(shared.clone()))
-                .max_decoding_message_size(config.max_message_bytes),
+            GenerationServer::new(MeteredGeneration::new(
+                GenerationService::new(shared.clone()),
+                shared.metrics.clone(),
+            ))
+            .max_decoding_message_size(config.max_message_bytes),
         );
 
         let addr = listener.local_addr().ok();

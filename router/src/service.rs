@@ -29,6 +29,7 @@ pub(crate) struct Shared {
     pub model: Arc<ModelMeta>,
     pub validator: Validator,
     pub registry: Arc<Registry>,
+    pub metrics: Arc<crate::metrics::RouterMetrics>,
     pub policy: Box<dyn RoutingPolicy>,
     pub decode_policy: LeastLoaded,
     pub inflight: Arc<InflightTable>,

@@ -1,0 +1,266 @@
+//! Every name, help text, label name and bucket layout of the router's `/metrics`, once.
+//!
+//! Call sites use these typed ids ([`Family`], [`Cache`], [`Outcome`]); no metric name or
+//! label name is written anywhere else. The names are `pd_router_*` and promtool-clean
+//! (docs/metrics.md lists them); the router never re-exports a `vllm:*` series, or every
+//! dashboard summing over the cluster would count each token twice.
+
+use tonic::Code;
+
+/// Label names (the label *values* come from typed sources: node addresses, roles, enums).
+pub mod label {
+    pub const CACHE: &str = "cache";
+    pub const ROLE: &str = "role";
+    pub const NODE: &str = "node";
+    pub const MODEL_NAME: &str = "model_name";
+    pub const OUTCOME: &str = "outcome";
+    pub const REASON: &str = "reason";
+}
+
+/// One metric family of the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    PrefixCacheQueries,
+    PrefixCacheHits,
+    PromptTokens,
+    GenerationTokens,
+    NodePreemptions,
+    TimeToFirstToken,
+    InterTokenLatency,
+    RequestDuration,
+    Requests,
+    RequestsInFlight,
+    NodeUp,
+    NodeRequestsRunning,
+    NodeRequestsWaiting,
+    NodeKvCacheUsage,
+    KvTransferBytes,
+    KvTransferFailures,
+    KvTransferSeconds,
+    KvLeasesExpired,
+    NodeRestarts,
+}
+
+impl Family {
+    pub const ALL: [Family; 19] = [
+        Family::PrefixCacheQueries,
+        Family::PrefixCacheHits,
+        Family::PromptTokens,
+        Family::GenerationTokens,
+        Family::NodePreemptions,
+        Family::TimeToFirstToken,
+        Family::InterTokenLatency,
+        Family::RequestDuration,
+        Family::Requests,
+        Family::RequestsInFlight,
+        Family::NodeUp,
+        Family::NodeRequestsRunning,
+        Family::NodeRequestsWaiting,
+        Family::NodeKvCacheUsage,
+        Family::KvTransferBytes,
+        Family::KvTransferFailures,
+        Family::KvTransferSeconds,
+        Family::KvLeasesExpired,
+        Family::NodeRestarts,
+    ];
+
+    /// The exposed name (counters carry their `_total` suffix here).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::PrefixCacheQueries => "pd_router_prefix_cache_queries_total",
+            Family::PrefixCacheHits => "pd_router_prefix_cache_hits_total",
+            Family::PromptTokens => "pd_router_prompt_tokens_total",
+            Family::GenerationTokens => "pd_router_generation_tokens_total",
+            Family::NodePreemptions => "pd_router_node_preemptions_total",
+            Family::TimeToFirstToken => "pd_router_time_to_first_token_seconds",
+            Family::InterTokenLatency => "pd_router_inter_token_latency_seconds",
+            Family::RequestDuration => "pd_router_request_duration_seconds",
+            Family::Requests => "pd_router_requests_total",
+            Family::RequestsInFlight => "pd_router_requests_in_flight",
+            Family::NodeUp => "pd_router_node_up",
+            Family::NodeRequestsRunning => "pd_router_node_requests_running",
+            Family::NodeRequestsWaiting => "pd_router_node_requests_waiting",
+            Family::NodeKvCacheUsage => "pd_router_node_kv_cache_usage_ratio",
+            Family::KvTransferBytes => "pd_router_kv_transfer_bytes_total",
+            Family::KvTransferFailures => "pd_router_kv_transfer_failures_total",
+            Family::KvTransferSeconds => "pd_router_kv_transfer_seconds",
+            Family::KvLeasesExpired => "pd_router_kv_leases_expired_total",
+            Family::NodeRestarts => "pd_router_node_restarts_total",
+        }
+    }
+
+    pub fn help(self) -> &'static str {
+        match self {
+            Family::PrefixCacheQueries => {
+                "Prompt tokens looked up in a node's prefix cache (cache=local: its device \
+                 tier; cache=external: what the local lookup left), from the nodes' counters."
+            }
+            Family::PrefixCacheHits => {
+                "Prompt tokens found by those lookups (cache=local: device tier; \
+                 cache=external: restored from the host tier or received from a prefill node)."
+            }
+            Family::PromptTokens => "Prompt tokens a node processed, from its counters.",
+            Family::GenerationTokens => "Tokens a node generated, from its counters.",
+            Family::NodePreemptions => "Requests a node preempted, from its counters.",
+            Family::TimeToFirstToken => {
+                "Time from a request's arrival at the router to its first token leaving the \
+                 router, in seconds."
+            }
+            Family::InterTokenLatency => {
+                "Time between two tokens leaving the router for a client, in seconds (a \
+                 message of n tokens counts n times its gap / n)."
+            }
+            Family::RequestDuration => {
+                "Time from a request's arrival at the router to its end (any outcome), in \
+                 seconds."
+            }
+            Family::Requests => {
+                "Generation requests by how they ended: finish reason (stop, length, abort) or \
+                 gRPC code (invalid_argument, unavailable, cancelled, ...)."
+            }
+            Family::RequestsInFlight => "Generation requests the router is serving now.",
+            Family::NodeUp => "1 if the node's last health check succeeded, else 0.",
+            Family::NodeRequestsRunning => "Requests running on the node (its last Info).",
+            Family::NodeRequestsWaiting => "Requests waiting on the node (its last Info).",
+            Family::NodeKvCacheUsage => {
+                "Fraction of the node's KV blocks in use, 0 to 1 (its last Info)."
+            }
+            Family::KvTransferBytes => {
+                "KV bytes a node moved (decode: received; prefill: served), from its counters."
+            }
+            Family::KvTransferFailures => {
+                "Failed KV transfers by reason, from the nodes' counters."
+            }
+            Family::KvTransferSeconds => {
+                "Completed KV transfers and their summed duration in seconds, from the nodes' \
+                 counters (a summary without quantiles)."
+            }
+            Family::KvLeasesExpired => {
+                "Prefill KV leases that expired before anyone released them, from the nodes' \
+                 counters."
+            }
+            Family::NodeRestarts => {
+                "Node restarts the router noticed: counter epochs seen beyond the first."
+            }
+        }
+    }
+}
+
+/// Which prefix-cache pair a count belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Cache {
+    /// The node's device tier (`vllm:prefix_cache_*` on the node).
+    Local,
+    /// Everything else (`vllm:external_prefix_cache_*` on the node).
+    External,
+}
+
+impl Cache {
+    pub const ALL: [Cache; 2] = [Cache::Local, Cache::External];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cache::Local => "local",
+            Cache::External => "external",
+        }
+    }
+}
+
+/// How a generation request ended, as the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Stop,
+    Length,
+    Abort,
+    /// Ended with an error status, or (`Cancelled`) the client went away.
+    Error(Code),
+}
+
+impl Outcome {
+    /// The outcomes exported at 0 from the start, so rates exist before the first request.
+    pub const INITIAL: [Outcome; 3] = [Outcome::Stop, Outcome::Length, Outcome::Abort];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Stop => "stop",
+            Outcome::Length => "length",
+            Outcome::Abort => "abort",
+            Outcome::Error(code) => code_label(code),
+        }
+    }
+}
+
+/// A gRPC code in snake_case, as the `outcome` label writes it.
+pub fn code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
+/// vLLM's `vllm:time_to_first_token_seconds` buckets, so router and node TTFT line up.
+pub const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// vLLM's `vllm:inter_token_latency_seconds` buckets.
+pub const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+/// vLLM's `vllm:e2e_request_latency_seconds` buckets.
+pub const DURATION_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_promtool_clean() {
+        let mut seen = std::collections::HashSet::new();
+        for f in Family::ALL {
+            let name = f.name();
+            assert!(seen.insert(name), "{name} twice");
+            assert!(name.starts_with("pd_router_"), "{name}");
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{name}"
+            );
+            assert!(!f.help().is_empty());
+        }
+    }
+
+    #[test]
+    fn outcomes_are_snake_case() {
+        assert_eq!(
+            Outcome::Error(Code::InvalidArgument).as_str(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            Outcome::Error(Code::DeadlineExceeded).as_str(),
+            "deadline_exceeded"
+        );
+        assert_eq!(Outcome::Abort.as_str(), "abort");
+    }
+}

@@ -1,0 +1,325 @@
+//! The router's metrics: what it exports on `/metrics` (`--metrics-port`) and where each
+//! number comes from.
+//!
+//! - **Node counters** (prefix-cache queries and hits split local / external, prompt and
+//!   generated tokens, preemptions, KV transfer bytes / time / failures, expired leases, node
+//!   restarts): the nodes' cumulative `CounterReport`s, pulled with every `Info` health poll
+//!   and carried by every `PrefillResponse` and last `DecodeResponse`, converted into
+//!   increments exactly once by [`aggregate`] (the invariant is documented there).
+//! - **Node gauges** (up, running, waiting, KV usage): the registry's view at scrape time
+//!   (the last `Info` of each node).
+//! - **Client-perceived request metrics** (time to first token, inter-token latency, request
+//!   duration, requests by outcome, in flight): measured in the router where chunks leave
+//!   for the client ([`requests`]).
+//!
+//! Names and labels are typed ids in [`ids`]; [`http`] serves the text exposition (0.0.4);
+//! [`faults`] is a test-only hook that drops, repeats and reorders reports.
+
+pub mod aggregate;
+pub mod faults;
+mod http;
+pub mod ids;
+mod requests;
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use pd_proto::pb::CounterReport;
+use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType, Summary};
+use prometheus::{
+    Encoder as _, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    TextEncoder,
+};
+
+pub use self::aggregate::{Aggregator, Increments, NodeKey};
+pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
+pub use self::http::serve as serve_http;
+pub use self::ids::{Cache, Family, Outcome};
+pub(crate) use self::requests::MeteredGeneration;
+
+use self::ids::label;
+use crate::registry::{Node, Registry};
+
+/// Building the metric families failed (a bug: names and labels are fixed).
+#[derive(Debug, thiserror::Error)]
+#[error("metrics: {0}")]
+pub struct MetricsError(#[from] prometheus::Error);
+
+/// Everything the router exports, and the aggregation state behind the node counters.
+#[derive(Debug)]
+pub struct RouterMetrics {
+    model_name: String,
+    registry: prometheus::Registry,
+    queries: IntCounterVec,
+    hits: IntCounterVec,
+    prompt_tokens: IntCounterVec,
+    generation_tokens: IntCounterVec,
+    preemptions: IntCounterVec,
+    pub(crate) ttft: HistogramVec,
+    pub(crate) itl: HistogramVec,
+    pub(crate) duration: HistogramVec,
+    pub(crate) requests: IntCounterVec,
+    pub(crate) in_flight: IntGaugeVec,
+    node_up: IntGaugeVec,
+    node_running: IntGaugeVec,
+    node_waiting: IntGaugeVec,
+    node_kv_usage: GaugeVec,
+    kv_bytes: IntCounterVec,
+    kv_failures: IntCounterVec,
+    kv_leases_expired: IntCounterVec,
+    restarts: IntCounterVec,
+    /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
+    kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
+    aggregator: Mutex<Aggregator>,
+    faults: Option<ReportFaults>,
+}
+
+fn opts(family: Family) -> Opts {
+    Opts::new(family.name(), family.help())
+}
+
+fn histogram(family: Family, buckets: &[f64]) -> HistogramOpts {
+    HistogramOpts::new(family.name(), family.help()).buckets(buckets.to_vec())
+}
+
+const NODE_LABELS: [&str; 2] = [label::NODE, label::ROLE];
+const NODE_COUNT_LABELS: [&str; 3] = [label::ROLE, label::NODE, label::MODEL_NAME];
+const CACHE_LABELS: [&str; 4] = [label::CACHE, label::ROLE, label::NODE, label::MODEL_NAME];
+
+impl RouterMetrics {
+    /// The router's metrics for `model_name`, with the report fault hook when `faults` is
+    /// given (tests only, see [`faults`]).
+    pub fn new(model_name: &str, faults: Option<FaultSpec>) -> Result<Self, MetricsError> {
+        let registry = prometheus::Registry::new();
+        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
+            let c = IntCounterVec::new(opts(family), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let gauge = |family: Family, labels: &[&str]| -> Result<IntGaugeVec, MetricsError> {
+            let g = IntGaugeVec::new(opts(family), labels)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let hist = |family: Family, buckets: &[f64]| -> Result<HistogramVec, MetricsError> {
+            let h = HistogramVec::new(histogram(family, buckets), &[label::MODEL_NAME])?;
+            registry.register(Box::new(h.clone()))?;
+            Ok(h)
+        };
+        let node_kv_usage = GaugeVec::new(opts(Family::NodeKvCacheUsage), &NODE_LABELS)?;
+        registry.register(Box::new(node_kv_usage.clone()))?;
+        let metrics = Self {
+            model_name: model_name.to_string(),
+            queries: counter(Family::PrefixCacheQueries, &CACHE_LABELS)?,
+            hits: counter(Family::PrefixCacheHits, &CACHE_LABELS)?,
+            prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS)?,
+            generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS)?,
+            preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS)?,
+            ttft: hist(Family::TimeToFirstToken, &ids::TTFT_BUCKETS)?,
+            itl: hist(Family::InterTokenLatency, &ids::ITL_BUCKETS)?,
+            duration: hist(Family::RequestDuration, &ids::DURATION_BUCKETS)?,
+            requests: counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?,
+            in_flight: gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?,
+            node_up: gauge(Family::NodeUp, &NODE_LABELS)?,
+            node_running: gauge(Family::NodeRequestsRunning, &NODE_LABELS)?,
+            node_waiting: gauge(Family::NodeRequestsWaiting, &NODE_LABELS)?,
+            node_kv_usage,
+            kv_bytes: counter(Family::KvTransferBytes, &NODE_LABELS)?,
+            kv_failures: counter(
+                Family::KvTransferFailures,
+                &[label::NODE, label::ROLE, label::REASON],
+            )?,
+            kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS)?,
+            restarts: counter(Family::NodeRestarts, &NODE_LABELS)?,
+            kv_seconds: Mutex::new(BTreeMap::new()),
+            aggregator: Mutex::new(Aggregator::new()),
+            faults: faults.map(ReportFaults::new),
+            registry,
+        };
+        // Request series exist from the start, so rates are defined before any request.
+        let model = [metrics.model_name.as_str()];
+        metrics.ttft.with_label_values(&model);
+        metrics.itl.with_label_values(&model);
+        metrics.duration.with_label_values(&model);
+        metrics.in_flight.with_label_values(&model);
+        for outcome in Outcome::INITIAL {
+            metrics
+                .requests
+                .with_label_values(&[model[0], outcome.as_str()]);
+        }
+        Ok(metrics)
+    }
+
+    pub fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last
+    /// `DecodeResponse`); `None` (a node that sends none) is ignored.
+    pub fn observe_report(&self, node: &Node, report: Option<&CounterReport>) {
+        let Some(report) = report else { return };
+        let key = NodeKey {
+            role: node.role,
+            addr: node.addr.clone(),
+        };
+        match &self.faults {
+            None => self.apply(&key, report),
+            Some(faults) => {
+                for r in faults.deliver(&key, report) {
+                    self.apply(&key, &r);
+                }
+            }
+        }
+    }
+
+    /// Converts a report into increments ([`aggregate`]) and adds them to the counters.
+    fn apply(&self, node: &NodeKey, report: &CounterReport) {
+        // Counters are raised under the aggregator's lock, so a scrape never sees a hit
+        // applied before its query from another report of the same node.
+        let mut aggregator = self.aggregator.lock().unwrap_or_else(|e| e.into_inner());
+        let inc = aggregator.apply(node, report);
+        if inc.is_empty() {
+            return;
+        }
+        let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
+        for (cache, queries, hits) in [
+            (
+                Cache::Local,
+                inc.prefix_cache_queries,
+                inc.prefix_cache_hits,
+            ),
+            (
+                Cache::External,
+                inc.external_prefix_cache_queries,
+                inc.external_prefix_cache_hits,
+            ),
+        ] {
+            let labels = [cache.as_str(), role, addr, model];
+            self.queries.with_label_values(&labels).inc_by(queries);
+            self.hits.with_label_values(&labels).inc_by(hits);
+        }
+        let labels = [role, addr, model];
+        self.prompt_tokens
+            .with_label_values(&labels)
+            .inc_by(inc.prompt_tokens);
+        self.generation_tokens
+            .with_label_values(&labels)
+            .inc_by(inc.generation_tokens);
+        self.preemptions
+            .with_label_values(&labels)
+            .inc_by(inc.preemptions);
+        let labels = [addr, role];
+        self.kv_bytes
+            .with_label_values(&labels)
+            .inc_by(inc.kv_transfer_bytes);
+        self.kv_leases_expired
+            .with_label_values(&labels)
+            .inc_by(inc.kv_leases_expired);
+        self.restarts
+            .with_label_values(&labels)
+            .inc_by(u64::from(inc.restarted));
+        for (reason, n) in &inc.kv_transfer_failures {
+            self.kv_failures
+                .with_label_values(&[addr, role, reason])
+                .inc_by(*n);
+        }
+        if inc.kv_transfers > 0 || inc.kv_transfer_seconds > 0.0 {
+            let mut seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = seconds.entry(node.clone()).or_default();
+            entry.0 += inc.kv_transfer_seconds;
+            entry.1 += inc.kv_transfers;
+        }
+    }
+
+    /// Sets the node gauges from the registry and makes every node's counter series exist
+    /// (at 0 until its first count), so dashboards and rates see every node.
+    fn refresh_nodes(&self, registry: &Registry) {
+        let model = self.model_name.as_str();
+        let mut seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
+        for node in registry.nodes() {
+            let (role, addr) = (node.role.as_str(), node.addr.as_str());
+            let labels = [addr, role];
+            self.node_up
+                .with_label_values(&labels)
+                .set(i64::from(node.is_up()));
+            let info = node.info().unwrap_or_default();
+            self.node_running
+                .with_label_values(&labels)
+                .set(i64::from(info.num_running));
+            self.node_waiting
+                .with_label_values(&labels)
+                .set(i64::from(info.num_waiting));
+            let usage = if info.num_blocks > 0 {
+                1.0 - (info.free_blocks.min(info.num_blocks) as f64 / info.num_blocks as f64)
+            } else {
+                0.0
+            };
+            self.node_kv_usage.with_label_values(&labels).set(usage);
+            for c in [&self.kv_bytes, &self.kv_leases_expired, &self.restarts] {
+                c.with_label_values(&labels);
+            }
+            for cache in Cache::ALL {
+                let labels = [cache.as_str(), role, addr, model];
+                self.queries.with_label_values(&labels);
+                self.hits.with_label_values(&labels);
+            }
+            for c in [
+                &self.prompt_tokens,
+                &self.generation_tokens,
+                &self.preemptions,
+            ] {
+                c.with_label_values(&[role, addr, model]);
+            }
+            seconds
+                .entry(NodeKey {
+                    role: node.role,
+                    addr: node.addr.clone(),
+                })
+                .or_default();
+        }
+    }
+
+    /// The text exposition (format 0.0.4) of everything, node gauges as of now.
+    pub fn render(&self, registry: &Registry) -> Result<String, MetricsError> {
+        self.refresh_nodes(registry);
+        let mut families = self.registry.gather();
+        families.push(self.kv_seconds_family());
+        families.sort_by(|a, b| a.name().cmp(b.name()));
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&families, &mut out)?;
+        Ok(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    /// `pd_router_kv_transfer_seconds{node,role}` as a summary without quantiles: the nodes
+    /// report a sum and a count, which is all the router can re-export exactly.
+    fn kv_seconds_family(&self) -> MetricFamily {
+        let seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut family = MetricFamily::default();
+        family.set_name(Family::KvTransferSeconds.name().to_string());
+        family.set_help(Family::KvTransferSeconds.help().to_string());
+        family.set_field_type(MetricType::SUMMARY);
+        let metrics = seconds
+            .iter()
+            .map(|(node, &(sum, count))| {
+                let pair = |name: &str, value: &str| {
+                    let mut p = LabelPair::default();
+                    p.set_name(name.to_string());
+                    p.set_value(value.to_string());
+                    p
+                };
+                let mut summary = Summary::default();
+                summary.set_sample_sum(sum);
+                summary.set_sample_count(count);
+                let mut metric = Metric::default();
+                metric.set_label(vec![
+                    pair(label::NODE, &node.addr),
+                    pair(label::ROLE, node.role.as_str()),
+                ]);
+                metric.set_summary(summary);
+                metric
+            })
+            .collect();
+        family.set_metric(metrics);
+        family
+    }
+}

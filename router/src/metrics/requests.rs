@@ -1,0 +1,203 @@
+//! Client-perceived request metrics, measured where the client sees them: on the response
+//! stream as tonic takes each chunk to send it.
+//!
+//! [`MeteredGeneration`] wraps the `pd.v1.Generation` service: a `Generate` call counts as in
+//! flight from its arrival until its stream ends; the first chunk carrying a token observes
+//! time to first token; every later token observes inter-token latency (a chunk of n tokens
+//! after a gap observes gap / n, n times, so the histogram's count is the tokens after the
+//! first); the end observes the request duration and counts the outcome: the finish reason
+//! of the last chunk, the gRPC code of an error (a request refused before its stream started,
+//! e.g. `invalid_argument`, counts too, without a duration), or `cancelled` when the client
+//! went away before the end.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use pd_proto::pb;
+use pd_proto::pb::generation_server::Generation;
+use tokio::time::Instant;
+use tokio_stream::Stream;
+use tonic::{Code, Request, Response, Status};
+
+use super::RouterMetrics;
+use super::ids::Outcome;
+use crate::service::GenerationService;
+
+/// `pd.v1.Generation` with the router's request metrics.
+#[derive(Debug, Clone)]
+pub(crate) struct MeteredGeneration {
+    inner: GenerationService,
+    metrics: Arc<RouterMetrics>,
+}
+
+impl MeteredGeneration {
+    pub fn new(inner: GenerationService, metrics: Arc<RouterMetrics>) -> Self {
+        Self { inner, metrics }
+    }
+}
+
+#[tonic::async_trait]
+impl Generation for MeteredGeneration {
+    type GenerateStream = MeteredStream<<GenerationService as Generation>::GenerateStream>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let mut timer = RequestTimer::start(self.metrics.clone());
+        match self.inner.generate(request).await {
+            Ok(response) => Ok(response.map(|inner| MeteredStream { inner, timer })),
+            Err(status) => {
+                timer.refused(status.code());
+                Err(status)
+            }
+        }
+    }
+
+    async fn abort(
+        &self,
+        request: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortResponse>, Status> {
+        self.inner.abort(request).await
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.inner.tokenize(request).await
+    }
+
+    async fn list_models(
+        &self,
+        request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.inner.list_models(request).await
+    }
+}
+
+/// One request's timing; records its outcome exactly once (at the end, or on drop).
+#[derive(Debug)]
+struct RequestTimer {
+    metrics: Arc<RouterMetrics>,
+    arrival: Instant,
+    /// When the last token went out (None before the first).
+    last_token: Option<Instant>,
+    done: bool,
+}
+
+impl RequestTimer {
+    fn start(metrics: Arc<RouterMetrics>) -> Self {
+        metrics
+            .in_flight
+            .with_label_values(&[metrics.model_name()])
+            .inc();
+        Self {
+            metrics,
+            arrival: Instant::now(),
+            last_token: None,
+            done: false,
+        }
+    }
+
+    fn chunk(&mut self, chunk: &pb::GenerateResponse) {
+        let model = [self.metrics.model_name()];
+        let tokens = chunk.token_ids.len();
+        if tokens > 0 {
+            let now = Instant::now();
+            match self.last_token {
+                None => {
+                    let ttft = now.duration_since(self.arrival).as_secs_f64();
+                    self.metrics.ttft.with_label_values(&model).observe(ttft);
+                    // The other tokens of the first chunk came at the same moment.
+                    self.observe_gaps(0.0, tokens - 1);
+                }
+                Some(last) => {
+                    let gap = now.duration_since(last).as_secs_f64() / tokens as f64;
+                    self.observe_gaps(gap, tokens);
+                }
+            }
+            self.last_token = Some(now);
+        }
+        let outcome = match chunk.finish_reason() {
+            pb::FinishReason::Unspecified => return,
+            pb::FinishReason::Stop => Outcome::Stop,
+            pb::FinishReason::Length => Outcome::Length,
+            pb::FinishReason::Abort => Outcome::Abort,
+        };
+        self.end(outcome, true);
+    }
+
+    fn observe_gaps(&self, gap: f64, n: usize) {
+        let itl = self
+            .metrics
+            .itl
+            .with_label_values(&[self.metrics.model_name()]);
+        for _ in 0..n {
+            itl.observe(gap);
+        }
+    }
+
+    /// Refused before a stream existed (bad input, duplicate id): counted, no duration.
+    fn refused(&mut self, code: Code) {
+        self.end(Outcome::Error(code), false);
+    }
+
+    fn end(&mut self, outcome: Outcome, timed: bool) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let model = self.metrics.model_name();
+        self.metrics
+            .requests
+            .with_label_values(&[model, outcome.as_str()])
+            .inc();
+        if timed {
+            let seconds = self.arrival.elapsed().as_secs_f64();
+            self.metrics
+                .duration
+                .with_label_values(&[model])
+                .observe(seconds);
+        }
+        self.metrics.in_flight.with_label_values(&[model]).dec();
+    }
+}
+
+impl Drop for RequestTimer {
+    fn drop(&mut self) {
+        // The stream was dropped before its last chunk: the client went away.
+        self.end(Outcome::Error(Code::Cancelled), true);
+    }
+}
+
+/// A response stream that reports each chunk to its [`RequestTimer`].
+#[derive(Debug)]
+pub(crate) struct MeteredStream<S> {
+    inner: S,
+    timer: RequestTimer,
+}
+
+impl<S> Stream for MeteredStream<S>
+where
+    S: Stream<Item = Result<pb::GenerateResponse, Status>> + Unpin,
+{
+    type Item = Result<pb::GenerateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let item = Pin::new(&mut this.inner).poll_next(cx);
+        match &item {
+            Poll::Ready(Some(Ok(chunk))) => this.timer.chunk(chunk),
+            Poll::Ready(Some(Err(status))) => this.timer.end(Outcome::Error(status.code()), true),
+            Poll::Ready(None) => {
+                // Ended without a finish reason or error: the request task gave up because
+                // the client went away.
+                this.timer.end(Outcome::Error(Code::Cancelled), true);
+            }
+            Poll::Pending => {}
+        }
+        item
+    }
+}
