@@ -3,11 +3,16 @@
 //!
 //! - `pdctl run`: one model in one process, no cluster.
 //! - `pdctl tokenize`: token ids of raw text.
+//! - `pdctl metrics`: a live summary of a cluster from its router's `/metrics`.
 //! - `pdctl bench-model`: prefill / decode speed beside the machine's memory bandwidth.
+//! - `pdctl bench`: the serving benchmark against a cluster (`pdctl bench compare` for two
+//!   reports).
 
+mod bench;
 mod bench_model;
 mod generate;
 mod load;
+mod metrics;
 mod run;
 mod tokenize;
 mod up;
@@ -37,8 +42,13 @@ enum Command {
     Up(up::UpArgs),
     /// Send one request to a running cluster's router.
     Generate(Box<generate::GenerateArgs>),
+    /// Live summary of a cluster from its router's /metrics: hit rates, throughput, latency.
+    Metrics(metrics::MetricsArgs),
     /// Measure prefill and decode speed against the machine's memory-read bandwidth.
     BenchModel(bench_model::BenchModelArgs),
+    /// Benchmark a running cluster (or one started with --up): throughput, latencies,
+    /// goodput and the router's prefix-cache hit rates; `bench compare A.json B.json`.
+    Bench(bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -55,7 +65,9 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Up(args) => up::run(args),
         Command::Generate(args) => generate::run(*args),
+        Command::Metrics(args) => metrics::run(args),
         Command::BenchModel(args) => bench_model::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

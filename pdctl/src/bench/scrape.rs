@@ -1,0 +1,325 @@
+//! The router's `/metrics`, read over plain HTTP and parsed with `prometheus-parse`: the
+//! prefix-cache counters `pd_router_prefix_cache_{hits,queries}_total{cache,role,node,...}`
+//! summed per (role, cache), and their change over a window.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::body::Bytes;
+
+const HITS: &str = "pd_router_prefix_cache_hits_total";
+const QUERIES: &str = "pd_router_prefix_cache_queries_total";
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    #[error("`{0}` is not a metrics address (HOST:PORT or http://HOST:PORT/metrics)")]
+    BadAddress(String),
+    #[error("reading {url}: {reason}")]
+    Http { url: String, reason: String },
+    #[error("{url} answered HTTP {status}")]
+    Status { url: String, status: u16 },
+    #[error("{url} is not Prometheus text: {reason}")]
+    Parse { url: String, reason: String },
+    #[error("{url} has no {HITS} / {QUERIES} series (is it the router's metrics port?)")]
+    NoCacheSeries { url: String },
+}
+
+/// Which prefix cache a counter is about (the `cache` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheTier {
+    Local,
+    External,
+}
+
+impl CacheTier {
+    fn from_label(s: &str) -> Option<Self> {
+        match s {
+            "local" => Some(Self::Local),
+            "external" => Some(Self::External),
+            _ => None,
+        }
+    }
+}
+
+/// Prefix-cache hits and queries (tokens), one pair per (node role, cache).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CacheCounters {
+    pub by_role: BTreeMap<(String, CacheTier), HitsQueries>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct HitsQueries {
+    pub hits: f64,
+    pub queries: f64,
+}
+
+impl HitsQueries {
+    /// hits / queries; None when nothing was queried.
+    pub fn rate(&self) -> Option<f64> {
+        (self.queries > 0.0).then(|| self.hits / self.queries)
+    }
+}
+
+impl CacheCounters {
+    /// Summed over roles: the cluster's counters of one cache.
+    pub fn total(&self, cache: CacheTier) -> HitsQueries {
+        self.by_role
+            .iter()
+            .filter(|((_, c), _)| *c == cache)
+            .fold(HitsQueries::default(), |acc, (_, v)| HitsQueries {
+                hits: acc.hits + v.hits,
+                queries: acc.queries + v.queries,
+            })
+    }
+
+    pub fn get(&self, role: &str, cache: CacheTier) -> HitsQueries {
+        self.by_role
+            .get(&(role.to_string(), cache))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The change from `before` to `self` (counters only grow; a series that shrank, e.g.
+    /// a restarted router, counts from zero).
+    pub fn since(&self, before: &CacheCounters) -> CacheCounters {
+        let by_role = self
+            .by_role
+            .iter()
+            .map(|(k, now)| {
+                let then = before.by_role.get(k).copied().unwrap_or_default();
+                let d = |n: f64, t: f64| if n >= t { n - t } else { n };
+                (
+                    k.clone(),
+                    HitsQueries {
+                        hits: d(now.hits, then.hits),
+                        queries: d(now.queries, then.queries),
+                    },
+                )
+            })
+            .collect();
+        CacheCounters { by_role }
+    }
+}
+
+/// Where the router's metrics are.
+#[derive(Debug, Clone)]
+pub struct MetricsEndpoint {
+    url: String,
+    authority: String,
+    path: String,
+}
+
+impl MetricsEndpoint {
+    /// `HOST:PORT`, `http://HOST:PORT` or `http://HOST:PORT/PATH` (default path `/metrics`).
+    pub fn parse(s: &str) -> Result<Self, ScrapeError> {
+        let bad = || ScrapeError::BadAddress(s.to_string());
+        let with_scheme = if s.contains("://") {
+            s.to_string()
+        } else {
+            format!("http://{s}")
+        };
+        let uri: hyper::Uri = with_scheme.parse().map_err(|_| bad())?;
+        if uri.scheme_str() != Some("http") {
+            return Err(bad());
+        }
+        let authority = uri.authority().ok_or_else(bad)?;
+        if authority.port_u16().is_none() {
+            return Err(bad());
+        }
+        let path = match uri.path() {
+            "" | "/" => "/metrics".to_string(),
+            p => p.to_string(),
+        };
+        Ok(Self {
+            url: format!("http://{authority}{path}"),
+            authority: authority.to_string(),
+            path,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// GET the exposition text.
+    pub async fn fetch(&self) -> Result<String, ScrapeError> {
+        let http = |reason: String| ScrapeError::Http {
+            url: self.url.clone(),
+            reason,
+        };
+        let get = async {
+            let stream = tokio::net::TcpStream::connect(&self.authority)
+                .await
+                .map_err(|e| http(e.to_string()))?;
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .map_err(|e| http(e.to_string()))?;
+            tokio::spawn(conn);
+            let request = hyper::Request::get(self.path.as_str())
+                .header(hyper::header::HOST, self.authority.as_str())
+                .body(http_body_util::Empty::<Bytes>::new())
+                .map_err(|e| http(e.to_string()))?;
+            let response = sender
+                .send_request(request)
+                .await
+                .map_err(|e| http(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(ScrapeError::Status {
+                    url: self.url.clone(),
+                    status: response.status().as_u16(),
+                });
+            }
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| http(e.to_string()))?
+                .to_bytes();
+            String::from_utf8(body.to_vec()).map_err(|e| http(e.to_string()))
+        };
+        tokio::time::timeout(SCRAPE_TIMEOUT, get)
+            .await
+            .map_err(|_| http(format!("no answer within {SCRAPE_TIMEOUT:?}")))?
+    }
+
+    /// Fetch and read the prefix-cache counters.
+    pub async fn cache_counters(&self) -> Result<CacheCounters, ScrapeError> {
+        let text = self.fetch().await?;
+        parse_cache_counters(&text).map_err(|e| match e {
+            ParseFailure::Text(reason) => ScrapeError::Parse {
+                url: self.url.clone(),
+                reason,
+            },
+            ParseFailure::NoSeries => ScrapeError::NoCacheSeries {
+                url: self.url.clone(),
+            },
+        })
+    }
+}
+
+#[derive(Debug)]
+pub enum ParseFailure {
+    Text(String),
+    NoSeries,
+}
+
+/// The prefix-cache counters of one exposition, summed over nodes and models per
+/// (role, cache). The metric families must be present (a router with no traffic yet still
+/// writes them once it knows its nodes); a missing family is an error, so a wrong address is
+/// never read as "no hits".
+pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+        .map_err(|e| ParseFailure::Text(e.to_string()))?;
+    let mut counters = CacheCounters::default();
+    let mut seen = false;
+    for sample in &scrape.samples {
+        let is_hits = sample.metric == HITS;
+        if !is_hits && sample.metric != QUERIES {
+            continue;
+        }
+        seen = true;
+        let value = match sample.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Untyped(v)
+            | prometheus_parse::Value::Gauge(v) => v,
+            _ => continue,
+        };
+        let (Some(cache), Some(role)) = (
+            sample.labels.get("cache").and_then(CacheTier::from_label),
+            sample.labels.get("role"),
+        ) else {
+            continue;
+        };
+        let entry = counters.by_role.entry((role.to_string(), cache)).or_default();
+        if is_hits {
+            entry.hits += value;
+        } else {
+            entry.queries += value;
+        }
+    }
+    if !seen && !declares_cache_families(text) {
+        return Err(ParseFailure::NoSeries);
+    }
+    Ok(counters)
+}
+
+/// A router that has served nothing yet may write the families' HELP/TYPE lines without
+/// samples; that is "zero", not "wrong address".
+fn declares_cache_families(text: &str) -> bool {
+    text.lines().any(|l| {
+        l.starts_with("# TYPE pd_router_prefix_cache_hits")
+            || l.starts_with("# TYPE pd_router_prefix_cache_queries")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = "\
+# HELP pd_router_prefix_cache_hits_total Prefix-cache hits in tokens.
+# TYPE pd_router_prefix_cache_hits_total counter
+pd_router_prefix_cache_hits_total{cache=\"local\",role=\"prefill\",node=\"a:1\",model_name=\"m\"} 32
+pd_router_prefix_cache_hits_total{cache=\"local\",role=\"prefill\",node=\"b:2\",model_name=\"m\"} 16
+pd_router_prefix_cache_hits_total{cache=\"external\",role=\"decode\",node=\"c:3\",model_name=\"m\"} 50
+# TYPE pd_router_prefix_cache_queries_total counter
+pd_router_prefix_cache_queries_total{cache=\"local\",role=\"prefill\",node=\"a:1\",model_name=\"m\"} 100
+pd_router_prefix_cache_queries_total{cache=\"local\",role=\"prefill\",node=\"b:2\",model_name=\"m\"} 60
+pd_router_prefix_cache_queries_total{cache=\"external\",role=\"decode\",node=\"c:3\",model_name=\"m\"} 50
+pd_router_requests_total{model_name=\"m\",outcome=\"stop\"} 3
+";
+
+    #[test]
+    fn sums_per_role_and_cache_and_subtracts_windows() {
+        let now = parse_cache_counters(TEXT).unwrap();
+        assert_eq!(
+            now.get("prefill", CacheTier::Local),
+            HitsQueries {
+                hits: 48.0,
+                queries: 160.0
+            }
+        );
+        assert_eq!(now.total(CacheTier::External).rate(), Some(1.0));
+        let before = parse_cache_counters(&TEXT.replace("} 32", "} 0").replace("} 100", "} 68"))
+            .unwrap();
+        let d = now.since(&before);
+        assert_eq!(
+            d.get("prefill", CacheTier::Local),
+            HitsQueries {
+                hits: 32.0,
+                queries: 32.0
+            }
+        );
+        assert_eq!(d.total(CacheTier::External).queries, 0.0);
+        assert_eq!(d.total(CacheTier::External).rate(), None);
+    }
+
+    #[test]
+    fn a_page_without_the_families_is_refused() {
+        assert!(matches!(
+            parse_cache_counters("up 1\n"),
+            Err(ParseFailure::NoSeries)
+        ));
+        assert!(
+            parse_cache_counters("# TYPE pd_router_prefix_cache_hits_total counter\n").is_ok()
+        );
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(
+            MetricsEndpoint::parse("127.0.0.1:9000").unwrap().url(),
+            "http://127.0.0.1:9000/metrics"
+        );
+        assert_eq!(
+            MetricsEndpoint::parse("http://h:1/m").unwrap().url(),
+            "http://h:1/m"
+        );
+        assert!(MetricsEndpoint::parse("https://h:1").is_err());
+        assert!(MetricsEndpoint::parse("nohost").is_err());
+    }
+}
