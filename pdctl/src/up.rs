@@ -1,6 +1,15 @@
 //! `pdctl up`: a whole local cluster in one command — N prefill nodes, M decode nodes and a
 //! router on 127.0.0.1, each a real process started from the binaries beside `pdctl`. Prints
-//! one JSON line once every part is healthy and stops everything on Ctrl-C or SIGTERM.
+//! one JSON line once every part is healthy and stops everything on Ctrl-C or SIGTERM:
+//!
+//! ```text
+//! {"router": "127.0.0.1:P", "router_metrics": "127.0.0.1:P",
+//!  "prefill": [{"addr": "...", "kv": "...", "metrics": "..."}], "decode": [...],
+//!  "prefill_metrics": ["127.0.0.1:P"], "decode_metrics": ["127.0.0.1:P"]}
+//! ```
+//!
+//! Every process serves Prometheus `/metrics` on an ephemeral port (`--metrics-port 0`,
+//! unless the node flags after `--` set one); the `*_metrics` fields are those addresses.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -120,6 +129,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "--kv-transport".into(),
         transport.into(),
     ];
+    if !args
+        .node_args
+        .iter()
+        .any(|a| a == "--metrics-port" || a.starts_with("--metrics-port="))
+    {
+        node_args.extend(["--metrics-port".into(), "0".into()]);
+    }
     node_args.extend(args.node_args.iter().cloned());
 
     let mut starting = Vec::new();
@@ -154,9 +170,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         args.model.clone(),
         "--port".into(),
         args.port.to_string(),
+        "--metrics-port".into(),
+        "0".into(),
     ];
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
+    let mut prefill_metrics = Vec::new();
+    let mut decode_metrics = Vec::new();
     for p in &parts {
         let addr = field(p, "grpc")?;
         let flag = if p.name.starts_with("prefill") {
@@ -166,11 +186,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         };
         router_args.push(flag.into());
         router_args.push(addr.clone());
-        let entry = json!({"addr": addr, "kv": p.ready.get("kv")});
+        let metrics = field(p, "metrics_addr")?;
+        let entry = json!({"addr": addr, "kv": p.ready.get("kv"), "metrics": metrics});
         if p.name.starts_with("prefill") {
             prefill.push(entry);
+            prefill_metrics.push(metrics);
         } else {
             decode.push(entry);
+            decode_metrics.push(metrics);
         }
     }
     let router = match start("router".into(), dir.join("router"), router_args).await {
@@ -181,6 +204,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     let router_addr = field(&router, "grpc")?;
+    let router_metrics = field(&router, "metrics_addr")?;
     parts.push(router);
     if let Err(e) = wait_serving(&router_addr).await {
         stop(&mut parts).await;
@@ -188,7 +212,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     }
     println!(
         "{}",
-        json!({"router": router_addr, "prefill": prefill, "decode": decode})
+        json!({
+            "router": router_addr,
+            "router_metrics": router_metrics,
+            "prefill": prefill,
+            "decode": decode,
+            "prefill_metrics": prefill_metrics,
+            "decode_metrics": decode_metrics,
+        })
     );
 
     // Run until told to stop, or until a part dies.
