@@ -28,7 +28,7 @@ use clap::Parser;
 use pd_engine::generate::validate_prompt;
 use pd_engine::serve::{EngineRequest, EngineThread, ImportedKv, RequestEvent, RequestId, Role};
 use pd_node::requests::{engine_gone, engine_status, forward_events};
-use pd_node::{ModelFacts, NodeArgs, NodeServer, Ready, RequestGuard, Requests};
+use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, RequestGuard, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_server::{DecodeService, DecodeServiceServer};
@@ -104,6 +104,7 @@ struct DecodeNodeService {
     facts: ModelFacts,
     puller: KvPuller,
     stats: Arc<TransferStats>,
+    metrics: Arc<NodeMetrics>,
 }
 
 impl DecodeNodeService {
@@ -242,7 +243,7 @@ impl DecodeNodeService {
                     request_id = %req.id,
                     %addr,
                     lease_id = kv.lease_id,
-                    reason = e.reason(),
+                    reason = %e.reason(),
                     error = %e,
                     "KV pull failed"
                 );
@@ -302,6 +303,8 @@ async fn resolve(addr: &str) -> Result<SocketAddr, Status> {
 pub struct DecodeStream {
     events: UnboundedReceiver<RequestEvent>,
     guard: RequestGuard,
+    /// For the counters on the last message.
+    metrics: Arc<NodeMetrics>,
     /// An engine failure to report after the tokens that came before it.
     pending_error: Option<Status>,
     done: bool,
@@ -340,6 +343,9 @@ impl Stream for DecodeStream {
                 RequestEvent::Finished(f) => {
                     msg.finish_reason = convert::finish_reason(f.reason) as i32;
                     msg.usage = Some(convert::usage(&f.usage));
+                    // The engine publishes its counters before delivering the end: this
+                    // request's counts are in.
+                    msg.counters = Some(this.metrics.counter_report());
                     this.done = true;
                     this.guard.finished();
                     break;
@@ -390,6 +396,7 @@ impl DecodeService for DecodeNodeService {
         Ok(Response::new(DecodeStream {
             events,
             guard,
+            metrics: Arc::clone(&self.metrics),
             pending_error: None,
             done: false,
         }))
@@ -416,6 +423,7 @@ impl DecodeService for DecodeNodeService {
             &self.requests,
             pb::Role::Decode,
             None,
+            &self.metrics,
         )))
     }
 }
@@ -433,27 +441,41 @@ pub struct DecodeNode {
 /// Load the model, start the engine and bind the gRPC listener.
 pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     // A decode engine holds no leases; the timeout is unused.
-    let (facts, engine) =
-        pd_node::start_engine(&args.node, Role::Decode, Duration::from_secs(30)).await?;
+    let started = pd_node::start_engine(&args.node, Role::Decode, Duration::from_secs(30)).await?;
+    let (facts, engine) = (started.facts, started.thread);
     let (listener, grpc) =
         pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
+    let (metrics_listener, metrics_addr) =
+        pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
+    let puller = KvPuller::new();
+    let metrics = Arc::new(NodeMetrics::new(
+        Role::Decode,
+        &facts.served_name,
+        engine.handle(),
+        Arc::clone(puller.stats()),
+        started.histograms,
+    ));
     let requests = Requests::new(engine.handle());
     let stats = Arc::new(TransferStats::default());
     let ready = Ready {
         role: "decode",
         grpc,
         kv: None,
+        metrics_addr,
         model: facts.served_name.clone(),
         fingerprint: facts.fingerprint.to_string(),
     };
     let service = DecodeNodeService {
         requests: Arc::clone(&requests),
         facts,
-        puller: KvPuller::new(),
+        puller,
         stats: Arc::clone(&stats),
+        metrics: Arc::clone(&metrics),
     };
     let server = NodeServer {
         listener,
+        metrics_listener,
+        metrics,
         routes: tonic::service::Routes::new(DecodeServiceServer::new(service)),
         service_name: <DecodeServiceServer<DecodeNodeService> as tonic::server::NamedService>::NAME,
         requests,

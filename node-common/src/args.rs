@@ -32,6 +32,10 @@ pub struct NodeArgs {
     /// gRPC port (0: an ephemeral port, printed in the ready line).
     #[arg(long, env = "PD_PORT", default_value_t = 0)]
     pub port: u16,
+    /// Port of the Prometheus `/metrics` endpoint, on `--host` (0: an ephemeral port, printed
+    /// in the ready line as `metrics_addr`).
+    #[arg(long, env = "PD_METRICS_PORT", default_value_t = 0)]
+    pub metrics_port: u16,
     /// How KV moves between prefill and decode nodes.
     #[arg(long, env = "PD_KV_TRANSPORT", value_enum, default_value_t = KvTransport::Tcp)]
     pub kv_transport: KvTransport,

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use pd_proto::pb;
 
+use crate::metrics::NodeMetrics;
 use crate::model::ModelFacts;
 use crate::requests::Requests;
 
@@ -15,12 +16,13 @@ pub fn free_blocks(facts: &ModelFacts, requests: &Requests) -> usize {
     facts.num_blocks.saturating_sub(in_use)
 }
 
-/// The node's `NodeInfo`.
+/// The node's `NodeInfo`, its cumulative counters included.
 pub fn node_info(
     facts: &ModelFacts,
     requests: &Requests,
     role: pb::Role,
     kv_addr: Option<SocketAddr>,
+    metrics: &NodeMetrics,
 ) -> pb::NodeInfo {
     let counters = requests.engine().counters();
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
@@ -37,6 +39,6 @@ pub fn node_info(
         vocab_size: n(facts.vocab_size),
         max_model_len: n(facts.max_model_len),
         healthy: requests.engine().is_healthy() && !requests.is_draining(),
-        counters: None,
+        counters: Some(metrics.counter_report()),
     }
 }

@@ -2,26 +2,31 @@
 //! only its own gRPC service.
 //!
 //! - [`args::NodeArgs`]: the flags of both roles (`--model`, the engine flags, `--host`,
-//!   `--port`, `--kv-transport`, `--drain-timeout`, `--seed`, `--log-format`).
+//!   `--port`, `--metrics-port`, `--kv-transport`, `--drain-timeout`, `--seed`,
+//!   `--log-format`).
 //! - [`model`]: loading `--model` with progress bars, the engine of a role on its thread, and
 //!   the facts a node reports ([`model::ModelFacts`]: layout, fingerprint, limits).
 //! - [`requests`]: the node's open requests (abort by id, duplicate ids, draining) and guards
 //!   that abort an engine request whose caller went away.
+//! - [`metrics`]: the node's `/metrics` (vLLM's families, KV transfer) and its
+//!   `CounterReport` for the router, under a random epoch.
 //! - [`server`]: gRPC on a bound listener (port 0 works) with `grpc.health.v1` and server
 //!   reflection, the ready line, and the drain on SIGTERM / Ctrl-C.
 //!
-//! Start-up order of a node: load the model, start the engine thread, bind the listeners,
-//! print the ready line, serve. Shutdown: health NOT_SERVING, new work refused, in-flight
+//! Start-up order of a node: load the model, start the engine thread, bind the listeners
+//! (gRPC, metrics), print the ready line, serve. Shutdown: health NOT_SERVING, new work refused, in-flight
 //! work finishes within `--drain-timeout`, the rest is aborted, exit 0.
 
 pub mod args;
 pub mod info;
+pub mod metrics;
 pub mod model;
 pub mod requests;
 pub mod server;
 
 pub use args::{KvTransport, LogFormat, NodeArgs};
-pub use model::{ModelFacts, start_engine};
+pub use metrics::NodeMetrics;
+pub use model::{ModelFacts, StartedEngine, start_engine};
 pub use requests::{RequestGuard, Requests};
 pub use server::{NodeServer, Ready};
 

@@ -2,6 +2,7 @@
 //! plus the facts about the loaded model every node reports (layout, fingerprint, limits).
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -14,6 +15,7 @@ use pd_engine::synthetic;
 use pd_transport::LayoutFingerprint;
 
 use crate::args::NodeArgs;
+use crate::metrics::RequestHistograms;
 
 fn bar(message: &'static str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
@@ -122,14 +124,24 @@ pub fn fingerprint(layout: &KvLayout, served_name: &str, files: &ModelFiles) -> 
     LayoutFingerprint::new(layout, &identity)
 }
 
+/// A node's engine, running.
+#[derive(Debug)]
+pub struct StartedEngine {
+    pub facts: ModelFacts,
+    pub thread: EngineThread,
+    /// The latency histograms the engine thread feeds with every request's end.
+    pub histograms: Arc<RequestHistograms>,
+}
+
 /// Load the model and start an engine of `role` on its own thread (blocking work runs on
 /// tokio's blocking pool). `lease_timeout` bounds how long a prefill lease pins its blocks.
 pub async fn start_engine(
     args: &NodeArgs,
     role: Role,
     lease_timeout: Duration,
-) -> anyhow::Result<(ModelFacts, EngineThread)> {
+) -> anyhow::Result<StartedEngine> {
     let args = args.clone();
+    let histograms = Arc::new(RequestHistograms::default());
     tokio::task::spawn_blocking(move || {
         let loaded = load_model(&args.model, args.synthetic_cache_dir.as_deref())?;
         let facts = ModelFacts::new(&args, &loaded.served_name, &loaded.files)?;
@@ -143,7 +155,12 @@ pub async fn start_engine(
                 lease_timeout,
             )
             .context("building the engine")?;
-        Ok((facts, EngineThread::spawn(engine)))
+        let thread = EngineThread::spawn_observed(engine, histograms.observer());
+        Ok(StartedEngine {
+            facts,
+            thread,
+            histograms,
+        })
     })
     .await
     .context("the model loading task failed")?

@@ -17,6 +17,7 @@ use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::metrics::NodeMetrics;
 use crate::requests::Requests;
 
 /// How long aborted requests get to end after the drain timeout, and the gRPC server to
@@ -36,6 +37,8 @@ pub struct Ready {
     /// The KV export server's address (prefill nodes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv: Option<SocketAddr>,
+    /// The Prometheus `/metrics` endpoint's address.
+    pub metrics_addr: SocketAddr,
     /// The served model name.
     pub model: String,
     /// The KV layout fingerprint (16 hex digits).
@@ -57,6 +60,7 @@ impl Ready {
             role = self.role,
             grpc = %self.grpc,
             kv = %self.kv.map(|a| a.to_string()).unwrap_or_default(),
+            metrics = %self.metrics_addr,
             model = %self.model,
             fingerprint = %self.fingerprint,
             "ready"
@@ -78,9 +82,12 @@ pub async fn bind(host: &str, port: u16, what: &str) -> anyhow::Result<(TcpListe
 }
 
 /// A node's gRPC server, ready to run: the node's service routes plus health and reflection,
-/// on a bound listener.
+/// on a bound listener; and its `/metrics` endpoint on another.
 pub struct NodeServer {
     pub listener: TcpListener,
+    /// Where `/metrics` is served (until the gRPC server has stopped: scrapes see the drain).
+    pub metrics_listener: TcpListener,
+    pub metrics: Arc<NodeMetrics>,
     /// The node's own service (health and reflection are added here).
     pub routes: Routes,
     /// Its full gRPC name (`pd.v1.PrefillService`), reported by health.
@@ -97,6 +104,7 @@ impl std::fmt::Debug for NodeServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeServer")
             .field("listener", &self.listener)
+            .field("metrics_listener", &self.metrics_listener)
             .field("service_name", &self.service_name)
             .field("drain_timeout", &self.drain_timeout)
             .finish_non_exhaustive()
@@ -129,6 +137,8 @@ impl NodeServer {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
         let NodeServer {
             listener,
+            metrics_listener,
+            metrics,
             routes,
             service_name,
             requests,
@@ -152,6 +162,15 @@ impl NodeServer {
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
+
+        let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+        let metrics_server = tokio::spawn(crate::metrics::http::serve(
+            metrics_listener,
+            metrics,
+            async {
+                let _ = metrics_stopped.await;
+            },
+        ));
 
         // Tokens stream in small messages: no Nagle delay on the node's connections.
         let incoming = TcpListenerStream::new(listener).map(|conn| {
@@ -188,6 +207,7 @@ impl NodeServer {
             () = shutdown => {}
             ended = &mut server => {
                 monitor.abort();
+                metrics_server.abort();
                 return match ended {
                     Ok(Ok(())) => Err(anyhow::anyhow!("the gRPC server stopped unexpectedly")),
                     Ok(Err(e)) => Err(e).context("the gRPC server failed"),
@@ -234,6 +254,13 @@ impl NodeServer {
                 tracing::warn!("gRPC connections still open after the drain; closing them");
                 server.abort();
             }
+        }
+        let _ = metrics_stop.send(());
+        match tokio::time::timeout(STOP_GRACE, metrics_server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the metrics server failed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the metrics server task failed"),
+            Err(_) => tracing::warn!("the metrics server did not stop in time"),
         }
         tracing::info!("stopped");
         Ok(())

@@ -32,7 +32,7 @@ use pd_engine::serve::{
 };
 use pd_node::args::parse_seconds;
 use pd_node::requests::{engine_gone, engine_status};
-use pd_node::{ModelFacts, NodeArgs, NodeServer, Ready, Requests};
+use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
@@ -180,6 +180,7 @@ struct PrefillNodeService {
     kv_addr: SocketAddr,
     lease_timeout: Duration,
     leases: Arc<Leases>,
+    metrics: Arc<NodeMetrics>,
 }
 
 impl PrefillNodeService {
@@ -283,7 +284,9 @@ impl PrefillService for PrefillNodeService {
                 .flatten()
                 .map(convert::prompt_logprob)
                 .collect(),
-            counters: None,
+            // Taken after the engine delivered the end, which it publishes the counters
+            // before: this request's counts are in.
+            counters: Some(self.metrics.counter_report()),
         }))
     }
 
@@ -322,6 +325,7 @@ impl PrefillService for PrefillNodeService {
             &self.requests,
             pb::Role::Prefill,
             Some(self.kv_addr),
+            &self.metrics,
         )))
     }
 }
@@ -342,8 +346,8 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         !args.kv_lease_timeout.is_zero(),
         "--kv-lease-timeout must be more than 0 seconds: decode nodes need time to pull the KV"
     );
-    let (facts, engine) =
-        pd_node::start_engine(&args.node, Role::Prefill, args.kv_lease_timeout).await?;
+    let started = pd_node::start_engine(&args.node, Role::Prefill, args.kv_lease_timeout).await?;
+    let (facts, engine) = (started.facts, started.thread);
     let handle = engine.handle();
     let (listener, grpc) =
         pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
@@ -356,12 +360,22 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         KvExportServer::bind(kv_bind, facts.fingerprint, Arc::new(handle.clone()))
             .await
             .with_context(|| format!("binding the KV export server on {kv_bind}"))?;
+    let (metrics_listener, metrics_addr) =
+        pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
+    let metrics = Arc::new(NodeMetrics::new(
+        Role::Prefill,
+        &facts.served_name,
+        handle.clone(),
+        export.transfer_stats(),
+        started.histograms,
+    ));
     let requests = Requests::new(handle);
     let leases = Arc::new(Leases::default());
     let ready = Ready {
         role: "prefill",
         grpc,
         kv: Some(kv_addr),
+        metrics_addr,
         model: facts.served_name.clone(),
         fingerprint: facts.fingerprint.to_string(),
     };
@@ -371,9 +385,12 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         kv_addr,
         lease_timeout: args.kv_lease_timeout,
         leases: Arc::clone(&leases),
+        metrics: Arc::clone(&metrics),
     };
     let server = NodeServer {
         listener,
+        metrics_listener,
+        metrics,
         routes: tonic::service::Routes::new(PrefillServiceServer::new(service)),
         service_name:
             <PrefillServiceServer<PrefillNodeService> as tonic::server::NamedService>::NAME,

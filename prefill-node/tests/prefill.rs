@@ -496,6 +496,7 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
             .env_remove("PD_MODEL")
             .env_remove("PD_PORT")
             .env_remove("PD_KV_PORT")
+            .env_remove("PD_METRICS_PORT")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -517,7 +518,7 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     keys.sort_unstable();
     assert_eq!(
         keys,
-        ["fingerprint", "grpc", "kv", "model", "role"],
+        ["fingerprint", "grpc", "kv", "metrics_addr", "model", "role"],
         "{line}"
     );
     assert_eq!(ready["role"], "prefill");

@@ -12,6 +12,7 @@ use tokio::net::TcpStream;
 use crate::chunks::{ChunkReader, PullIdentity, status_error};
 use crate::error::TransportError;
 use crate::fingerprint::LayoutFingerprint;
+use crate::stats::TransferStats;
 use crate::wire::{
     FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_MESSAGE_LEN, MAX_PULL_BYTES,
     PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
@@ -52,10 +53,12 @@ pub async fn pull_blocks(
 
 /// Connections kept open between pulls, per exporter: a pull reuses an idle connection when
 /// one is there (and retries once on a fresh connection if the idle one turns out closed
-/// before any answer arrived). Clones share the pool.
+/// before any answer arrived). Every pull is counted in the puller's [`TransferStats`]. Clones
+/// share the pool and the counters.
 #[derive(Clone, Default)]
 pub struct KvPuller {
     idle: Arc<Mutex<HashMap<SocketAddr, Vec<IdleConn>>>>,
+    stats: Arc<TransferStats>,
 }
 
 struct IdleConn {
@@ -85,8 +88,30 @@ impl KvPuller {
         Self::default()
     }
 
-    /// [`pull_blocks`] over a pooled connection.
+    /// The counters of this puller's transfers (completed and failed).
+    pub fn stats(&self) -> &Arc<TransferStats> {
+        &self.stats
+    }
+
+    /// [`pull_blocks`] over a pooled connection, counted in [`KvPuller::stats`].
     pub async fn pull(
+        &self,
+        addr: SocketAddr,
+        req: PullRequest,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<f32>>, TransportError> {
+        let started = Instant::now();
+        let result = self.pull_pooled(addr, req, deadline).await;
+        match &result {
+            Ok(_) => self
+                .stats
+                .record_ok(req.payload_bytes().unwrap_or(0), started.elapsed()),
+            Err(e) => self.stats.record_failure(e.reason()),
+        }
+        result
+    }
+
+    async fn pull_pooled(
         &self,
         addr: SocketAddr,
         req: PullRequest,

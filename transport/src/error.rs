@@ -4,6 +4,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use crate::fingerprint::LayoutFingerprint;
+use crate::stats::FailureReason;
 
 /// A failed KV pull. Each variant has a stable metric label ([`TransportError::reason`]).
 #[derive(Debug, thiserror::Error)]
@@ -70,31 +71,17 @@ pub enum TransportError {
 }
 
 impl TransportError {
-    /// Every label [`TransportError::reason`] can return.
-    pub const REASONS: [&'static str; 9] = [
-        "connect",
-        "deadline",
-        "fingerprint_mismatch",
-        "unknown_lease",
-        "length",
-        "checksum",
-        "io",
-        "protocol",
-        "refused",
-    ];
-
     /// A stable, low-cardinality label for a failures-by-reason metric.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> FailureReason {
         match self {
-            Self::Connect { .. } => "connect",
-            Self::Deadline { .. } => "deadline",
-            Self::FingerprintMismatch { .. } => "fingerprint_mismatch",
-            Self::UnknownLease { .. } => "unknown_lease",
-            Self::Length(_) => "length",
-            Self::Checksum { .. } => "checksum",
-            Self::Io(_) => "io",
-            Self::Protocol(_) => "protocol",
-            Self::Refused(_) => "refused",
+            Self::Connect { .. } | Self::Io(_) => FailureReason::Connection,
+            Self::Deadline { .. } => FailureReason::Timeout,
+            Self::FingerprintMismatch { .. } => FailureReason::LayoutMismatch,
+            Self::UnknownLease { .. } => FailureReason::LeaseGone,
+            Self::Length(_) => FailureReason::Length,
+            Self::Checksum { .. } => FailureReason::Checksum,
+            Self::Protocol(_) => FailureReason::Protocol,
+            Self::Refused(_) => FailureReason::Refused,
         }
     }
 }
@@ -104,7 +91,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reasons_are_distinct_and_listed() {
+    fn every_error_has_its_reason() {
         let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let all = [
             TransportError::Connect {
@@ -135,8 +122,22 @@ mod tests {
             TransportError::Protocol("x".into()),
             TransportError::Refused("x".into()),
         ];
-        let labels: Vec<_> = all.iter().map(|e| e.reason()).collect();
-        assert_eq!(labels, TransportError::REASONS);
+        let reasons: Vec<_> = all.iter().map(|e| e.reason()).collect();
+        use FailureReason::*;
+        assert_eq!(
+            reasons,
+            [
+                Connection,
+                Timeout,
+                LayoutMismatch,
+                LeaseGone,
+                Length,
+                Checksum,
+                Connection,
+                Protocol,
+                Refused
+            ]
+        );
         let msg = all[3].to_string();
         assert!(
             msg.contains("lease 7") && msg.contains("blocks 2..5"),

@@ -33,7 +33,10 @@
 //!   the importer verifies the echoed fingerprint, lease, block range, block length, every
 //!   chunk length and every chunk's xxh3-64 checksum, and a short stream is a
 //!   [`TransportError::Length`]. Failures are typed ([`TransportError`]) with a stable
-//!   metric label ([`TransportError::reason`]).
+//!   metric label ([`TransportError::reason`], a [`FailureReason`]).
+//! - Counters for the node's metrics ([`TransferStats`]: bytes, latency histogram, failures
+//!   by reason) are kept by the puller ([`KvPuller::stats`]) and the export server
+//!   ([`KvExportServer::transfer_stats`]).
 //! - Bytes go straight between the sockets and the `f32` buffers (`bytemuck` casts), no
 //!   per-value conversion. The wire carries f32 little-endian, so big-endian hosts are
 //!   refused at compile time.
@@ -70,9 +73,11 @@ mod client;
 mod error;
 mod fingerprint;
 mod server;
+mod stats;
 pub mod wire;
 
 pub use client::{KvPuller, PullRequest, pull_blocks};
 pub use error::TransportError;
 pub use fingerprint::{LayoutFingerprint, ParseFingerprintError};
 pub use server::{ExportConfig, ExportStats, KvExportServer, KvSource};
+pub use stats::{FailureReason, TRANSFER_SECONDS_BUCKETS, TransferCounts, TransferStats};

@@ -5,7 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::{TcpListener, TcpStream};
@@ -14,6 +14,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::chunks::{ChunkWriter, write_abort};
 use crate::fingerprint::LayoutFingerprint;
+use crate::stats::{FailureReason, TransferStats};
 use crate::wire::{
     DEFAULT_CHUNK_BYTES, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_PULL_BYTES,
     PULL_REQUEST_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
@@ -97,6 +98,8 @@ struct Ctx {
     source: Arc<dyn KvSource>,
     config: ExportConfig,
     counters: Counters,
+    /// For the node's metrics: what this exporter served, and its failures by reason.
+    transfers: Arc<TransferStats>,
 }
 
 /// A running export server. Dropping it stops it at once (open transfers are cut);
@@ -145,6 +148,7 @@ impl KvExportServer {
             source,
             config,
             counters: Counters::default(),
+            transfers: Arc::default(),
         });
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&ctx), rx));
@@ -175,6 +179,12 @@ impl KvExportServer {
             pulls_failed: c.pulls_failed.load(Ordering::Relaxed),
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
         }
+    }
+
+    /// The counters of the transfers this server served (completed and failed), for the
+    /// node's metrics.
+    pub fn transfer_stats(&self) -> Arc<TransferStats> {
+        Arc::clone(&self.ctx.transfers)
     }
 
     /// Stop accepting, close idle connections, let transfers in flight finish for up to
@@ -286,11 +296,13 @@ async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Recei
             Ok(Ok(Next::Close)) => return,
             Ok(Err(e)) => {
                 Counters::bump(&ctx.counters.pulls_failed, 1);
+                ctx.transfers.record_failure(FailureReason::Connection);
                 tracing::debug!(lease = req.lease_id, error = %e, "KV export: transfer failed");
                 return;
             }
             Err(_) => {
                 Counters::bump(&ctx.counters.pulls_failed, 1);
+                ctx.transfers.record_failure(FailureReason::Timeout);
                 tracing::debug!(
                     lease = req.lease_id,
                     "KV export: transfer past its deadline"
@@ -369,6 +381,7 @@ async fn serve_pull(
     req: &PullRequestFrame,
     ctx: &Arc<Ctx>,
 ) -> io::Result<Next> {
+    let started = Instant::now();
     let mut response = PullResponseFrame {
         status: Status::Ok,
         chunk_bytes: ctx.config.chunk_bytes,
@@ -381,6 +394,7 @@ async fn serve_pull(
     };
     let refuse = |mut response: PullResponseFrame, status: Status, message: String| {
         Counters::bump(&ctx.counters.pulls_refused, 1);
+        ctx.transfers.record_failure(FailureReason::of_status(status));
         tracing::debug!(lease = req.lease_id, ?status, %message, "KV export: pull refused");
         response.status = status;
         response.chunk_bytes = 0;
@@ -443,8 +457,12 @@ async fn serve_pull(
             Ok(blocks) => blocks,
             Err((status, message)) => {
                 Counters::bump(&ctx.counters.pulls_failed, 1);
+                ctx.transfers
+                    .record_failure(FailureReason::of_status(status));
                 tracing::debug!(lease = req.lease_id, %message, "KV export: aborting a transfer");
-                write_abort(s, status, &message).await?;
+                // Counted once, as this failure: a broken connection while writing the
+                // abort changes nothing (the connection closes either way).
+                let _ = write_abort(s, status, &message).await;
                 return Ok(Next::Close);
             }
         };
@@ -453,5 +471,6 @@ async fn serve_pull(
     debug_assert!(writer.is_complete());
     Counters::bump(&ctx.counters.pulls_ok, 1);
     Counters::bump(&ctx.counters.bytes_sent, total);
+    ctx.transfers.record_ok(total, started.elapsed());
     Ok(Next::KeepAlive)
 }

@@ -57,6 +57,8 @@ pub struct EngineCounters {
     pub requests_finished_abort: u64,
     pub requests_failed: u64,
     pub preemptions: u64,
+    /// Prefill leases released by their deadline rather than by a caller.
+    pub kv_leases_expired: u64,
     /// Gauges (current values, not totals).
     pub num_running: u64,
     pub num_waiting: u64,

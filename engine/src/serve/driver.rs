@@ -2,7 +2,9 @@
 //! [`EngineHandle`] and read each request's events from its own channel. A request whose
 //! receiver is dropped (the client went away) is aborted. If a step panics, every open
 //! request gets one `Failed` event, the engine is marked unhealthy and the thread ends;
-//! later submissions fail at once with UNAVAILABLE-class errors.
+//! later submissions fail at once with UNAVAILABLE-class errors. An optional
+//! [`FinishedObserver`] sees every request's end on the engine thread (the node's latency
+//! histograms), including requests nobody listens to any more.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -17,10 +19,15 @@ use crate::error::ErrorKind;
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
-use super::request::{EngineRequest, RequestError, RequestEvent, RequestId};
+use super::request::{EngineRequest, Finished, RequestError, RequestEvent, RequestId};
 
 /// How often an idle engine wakes to expire leases.
 const IDLE_TICK: Duration = Duration::from_millis(50);
+
+/// Called on the engine thread with every `Finished` event, before it is delivered and whether
+/// or not its caller still listens (a request whose client went away, or that was aborted,
+/// ends here too). It runs between engine steps: keep it cheap.
+pub type FinishedObserver = Box<dyn Fn(&Finished) + Send>;
 
 enum Command {
     Submit(EngineRequest, Sender<RequestEvent>),
@@ -49,6 +56,11 @@ pub struct EngineThread {
 impl EngineThread {
     /// Start `engine` on a new thread.
     pub fn spawn<B: Backend>(engine: Engine<B>) -> Self {
+        Self::spawn_observed(engine, Box::new(|_| {}))
+    }
+
+    /// Start `engine` on a new thread; `observer` sees every request's end.
+    pub fn spawn_observed<B: Backend>(engine: Engine<B>, observer: FinishedObserver) -> Self {
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let counters = Arc::new(Mutex::new(engine.counters()));
@@ -59,7 +71,7 @@ impl EngineThread {
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
-            .spawn(move || run(engine, rx, healthy, counters))
+            .spawn(move || run(engine, rx, healthy, counters, observer))
             .expect("spawning the engine thread");
         Self {
             handle,
@@ -149,7 +161,13 @@ fn run<B: Backend>(
     rx: Receiver<Command>,
     healthy: Arc<AtomicBool>,
     counters: Arc<Mutex<EngineCounters>>,
+    observer: FinishedObserver,
 ) {
+    let observe = |event: &RequestEvent| {
+        if let RequestEvent::Finished(finished) = event {
+            observer(finished);
+        }
+    };
     let mut streams: HashMap<RequestId, Sender<RequestEvent>> = HashMap::new();
     let publish = |engine: &Engine<B>| {
         if let Ok(mut c) = counters.lock() {
@@ -195,6 +213,7 @@ fn run<B: Backend>(
                 Command::Abort(id) => {
                     if let Some(event) = engine.abort(&id) {
                         publish(&engine);
+                        observe(&event);
                         if let Some(tx) = streams.remove(&id) {
                             let _ = tx.send(event);
                         }
@@ -217,6 +236,7 @@ fn run<B: Backend>(
         if shutdown {
             for (id, tx) in streams.drain() {
                 if let Some(event) = engine.abort(&id) {
+                    observe(&event);
                     let _ = tx.send(event);
                 }
             }
@@ -233,13 +253,16 @@ fn run<B: Backend>(
                 publish(&engine);
                 for (id, event) in events {
                     let terminal = !matches!(event, RequestEvent::Token(_));
+                    observe(&event);
                     let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
                     if terminal {
                         streams.remove(&id);
                     } else if delivered == Some(false) {
                         // The caller dropped its receiver: nobody wants the rest.
                         streams.remove(&id);
-                        engine.abort(&id);
+                        if let Some(end) = engine.abort(&id) {
+                            observe(&end);
+                        }
                     }
                 }
                 // Aborts of dropped streams above changed the counters again.

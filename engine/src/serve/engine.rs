@@ -230,6 +230,7 @@ impl<B: Backend> Engine<B> {
         c.num_running = self.running.len() as u64;
         c.num_waiting = self.waiting.len() as u64;
         c.kv_cache_usage = self.pool.usage();
+        c.kv_leases_expired = self.expired_leases;
         c
     }
 

@@ -7,7 +7,7 @@ pub mod engine;
 pub mod request;
 
 pub use counters::{EngineCounters, PrefixOutcome};
-pub use driver::{EngineHandle, EngineThread};
+pub use driver::{EngineHandle, EngineThread, FinishedObserver};
 pub use engine::{Engine, EngineConfig, Role, StepStats};
 pub use request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,

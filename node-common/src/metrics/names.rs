@@ -1,0 +1,262 @@
+//! Every metric family a node exposes, its label names and label values, defined once.
+//!
+//! The `vllm:*` families copy vLLM's exposition (v1 engine, `vllm/v1/metrics/loggers.py`):
+//! names, types, help texts, histogram buckets, the label names `model_name` and `engine` in
+//! that order, then the family's own label (`finished_reason`, `source`), so that vLLM's
+//! dashboards work unchanged against a node. Our nodes add `role` right after `engine`.
+//! Counters are named with their `_total` suffix, as Python's `prometheus_client` writes
+//! them in the text format. The `pd_node_*` families are this project's own.
+
+use pd_engine::sampling::FinishReason;
+use pd_engine::serve::Role;
+
+/// A family's Prometheus type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricType {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl MetricType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Counter => "counter",
+            Self::Gauge => "gauge",
+            Self::Histogram => "histogram",
+        }
+    }
+}
+
+/// Label names.
+pub mod label {
+    pub const MODEL_NAME: &str = "model_name";
+    pub const ENGINE: &str = "engine";
+    pub const ROLE: &str = "role";
+    pub const FINISHED_REASON: &str = "finished_reason";
+    pub const SOURCE: &str = "source";
+    pub const REASON: &str = "reason";
+    /// The histogram bucket bound.
+    pub const LE: &str = "le";
+}
+
+/// The `engine` label value: one engine per node (vLLM numbers its data-parallel engines
+/// from 0).
+pub const ENGINE_INDEX: &str = "0";
+
+/// vLLM's `vllm:time_to_first_token_seconds` buckets.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// vLLM's `vllm:inter_token_latency_seconds` buckets.
+pub const INTER_TOKEN_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+/// vLLM's request latency buckets (end-to-end, queue, prefill, decode).
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// Every metric family of a node, in exposition order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    NumRequestsRunning,
+    NumRequestsWaiting,
+    KvCacheUsagePerc,
+    PrefixCacheQueries,
+    PrefixCacheHits,
+    ExternalPrefixCacheQueries,
+    ExternalPrefixCacheHits,
+    NumPreemptions,
+    PromptTokens,
+    PromptTokensBySource,
+    GenerationTokens,
+    RequestSuccess,
+    TimeToFirstToken,
+    InterTokenLatency,
+    E2eRequestLatency,
+    RequestQueueTime,
+    RequestPrefillTime,
+    RequestDecodeTime,
+    KvTransferBytes,
+    KvTransferSeconds,
+    KvTransferFailures,
+    KvLeasesExpired,
+    Epoch,
+}
+
+impl Family {
+    pub const ALL: [Family; 23] = [
+        Self::NumRequestsRunning,
+        Self::NumRequestsWaiting,
+        Self::KvCacheUsagePerc,
+        Self::PrefixCacheQueries,
+        Self::PrefixCacheHits,
+        Self::ExternalPrefixCacheQueries,
+        Self::ExternalPrefixCacheHits,
+        Self::NumPreemptions,
+        Self::PromptTokens,
+        Self::PromptTokensBySource,
+        Self::GenerationTokens,
+        Self::RequestSuccess,
+        Self::TimeToFirstToken,
+        Self::InterTokenLatency,
+        Self::E2eRequestLatency,
+        Self::RequestQueueTime,
+        Self::RequestPrefillTime,
+        Self::RequestDecodeTime,
+        Self::KvTransferBytes,
+        Self::KvTransferSeconds,
+        Self::KvTransferFailures,
+        Self::KvLeasesExpired,
+        Self::Epoch,
+    ];
+
+    /// The family's name as exposed (counters with `_total`; histogram samples add
+    /// `_bucket`, `_sum`, `_count`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NumRequestsRunning => "vllm:num_requests_running",
+            Self::NumRequestsWaiting => "vllm:num_requests_waiting",
+            Self::KvCacheUsagePerc => "vllm:kv_cache_usage_perc",
+            Self::PrefixCacheQueries => "vllm:prefix_cache_queries_total",
+            Self::PrefixCacheHits => "vllm:prefix_cache_hits_total",
+            Self::ExternalPrefixCacheQueries => "vllm:external_prefix_cache_queries_total",
+            Self::ExternalPrefixCacheHits => "vllm:external_prefix_cache_hits_total",
+            Self::NumPreemptions => "vllm:num_preemptions_total",
+            Self::PromptTokens => "vllm:prompt_tokens_total",
+            Self::PromptTokensBySource => "vllm:prompt_tokens_by_source_total",
+            Self::GenerationTokens => "vllm:generation_tokens_total",
+            Self::RequestSuccess => "vllm:request_success_total",
+            Self::TimeToFirstToken => "vllm:time_to_first_token_seconds",
+            Self::InterTokenLatency => "vllm:inter_token_latency_seconds",
+            Self::E2eRequestLatency => "vllm:e2e_request_latency_seconds",
+            Self::RequestQueueTime => "vllm:request_queue_time_seconds",
+            Self::RequestPrefillTime => "vllm:request_prefill_time_seconds",
+            Self::RequestDecodeTime => "vllm:request_decode_time_seconds",
+            Self::KvTransferBytes => "pd_node_kv_transfer_bytes_total",
+            Self::KvTransferSeconds => "pd_node_kv_transfer_seconds",
+            Self::KvTransferFailures => "pd_node_kv_transfer_failures_total",
+            Self::KvLeasesExpired => "pd_node_kv_leases_expired_total",
+            Self::Epoch => "pd_node_epoch",
+        }
+    }
+
+    pub fn help(self) -> &'static str {
+        match self {
+            Self::NumRequestsRunning => "Number of requests in model execution batches.",
+            Self::NumRequestsWaiting => "Number of requests waiting to be processed.",
+            Self::KvCacheUsagePerc => "KV-cache usage. 1 means 100 percent usage.",
+            Self::PrefixCacheQueries => {
+                "Prefix cache queries, in terms of number of queried tokens."
+            }
+            Self::PrefixCacheHits => "Prefix cache hits, in terms of number of cached tokens.",
+            Self::ExternalPrefixCacheQueries => {
+                "External prefix cache queries from KV connector cross-instance cache sharing, \
+                 in terms of number of queried tokens."
+            }
+            Self::ExternalPrefixCacheHits => {
+                "External prefix cache hits from KV connector cross-instance cache sharing, in \
+                 terms of number of cached tokens."
+            }
+            Self::NumPreemptions => "Cumulative number of preemption from the engine.",
+            Self::PromptTokens => "Number of prefill tokens processed.",
+            Self::PromptTokensBySource => "Number of prompt tokens by source.",
+            Self::GenerationTokens => "Number of generation tokens processed.",
+            Self::RequestSuccess => "Count of successfully processed requests.",
+            Self::TimeToFirstToken => "Histogram of time to first token in seconds.",
+            Self::InterTokenLatency => "Histogram of inter-token latency in seconds.",
+            Self::E2eRequestLatency => "Histogram of e2e request latency in seconds.",
+            Self::RequestQueueTime => "Histogram of time spent in WAITING phase for request.",
+            Self::RequestPrefillTime => "Histogram of time spent in PREFILL phase for request.",
+            Self::RequestDecodeTime => "Histogram of time spent in DECODE phase for request.",
+            Self::KvTransferBytes => {
+                "KV payload bytes of completed transfers: received (decode) or served (prefill)."
+            }
+            Self::KvTransferSeconds => "Duration of completed KV transfers in seconds.",
+            Self::KvTransferFailures => "Failed KV transfers by reason.",
+            Self::KvLeasesExpired => {
+                "Prefill KV leases released by their deadline instead of by the router."
+            }
+            Self::Epoch => {
+                "Random identity of this node process (the epoch of its CounterReport); a new \
+                 value means the node restarted and its counters started again from zero."
+            }
+        }
+    }
+
+    pub fn kind(self) -> MetricType {
+        match self {
+            Self::NumRequestsRunning
+            | Self::NumRequestsWaiting
+            | Self::KvCacheUsagePerc
+            | Self::Epoch => MetricType::Gauge,
+            Self::TimeToFirstToken
+            | Self::InterTokenLatency
+            | Self::E2eRequestLatency
+            | Self::RequestQueueTime
+            | Self::RequestPrefillTime
+            | Self::RequestDecodeTime
+            | Self::KvTransferSeconds => MetricType::Histogram,
+            _ => MetricType::Counter,
+        }
+    }
+
+    /// Whether the family carries vLLM's labels (`model_name`, `engine`) besides `role`.
+    pub fn is_vllm(self) -> bool {
+        self.name().starts_with("vllm:")
+    }
+}
+
+/// The `source` values of `vllm:prompt_tokens_by_source_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptSource {
+    /// Computed on this node.
+    LocalCompute,
+    /// Found in this node's device cache.
+    LocalCacheHit,
+    /// Restored from the host tier or received from the prefill node.
+    ExternalKvTransfer,
+}
+
+impl PromptSource {
+    pub const ALL: [PromptSource; 3] = [
+        Self::LocalCompute,
+        Self::LocalCacheHit,
+        Self::ExternalKvTransfer,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::LocalCompute => "local_compute",
+            Self::LocalCacheHit => "local_cache_hit",
+            Self::ExternalKvTransfer => "external_kv_transfer",
+        }
+    }
+}
+
+/// The `finished_reason` values of `vllm:request_success_total` (vLLM's spelling).
+pub const FINISH_REASONS: [FinishReason; 3] =
+    [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+
+pub fn finished_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+    }
+}
+
+/// The `role` label value of a node's engine.
+pub fn role(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Mixed => "mixed",
+    }
+}
