@@ -1,4 +1,5 @@
-//! The router's typed errors, each with one gRPC code.
+//! The router's typed errors, each with one gRPC code, and how a failed node call is judged
+//! (retry elsewhere? route around the node?).
 
 use pd_engine::EngineError;
 use tonic::{Code, Status};
@@ -76,6 +77,11 @@ pub enum NodeFailure {
     /// The node answered with an error status.
     #[error("{}: {}", code_name(.0.code()), .0.message())]
     Status(Status),
+    /// No answer came back: the connection could not be made or broke during the call (the
+    /// process died, the network failed). tonic reports it as a status too, but one made
+    /// locally from the transport error.
+    #[error("connection failed ({}): {}", code_name(.0.code()), .0.message())]
+    Connection(Status),
     /// The node did not answer within the router's deadline for it.
     #[error("no answer within {0:?}")]
     Timeout(std::time::Duration),
@@ -84,11 +90,24 @@ pub enum NodeFailure {
     Protocol(String),
 }
 
+impl NodeFailure {
+    /// Classifies a failed call's status: one the node sent (`Status`), or one tonic made
+    /// from a transport error (`Connection`). Only the latter carries an error source: a
+    /// status decoded from the node's trailers never has one.
+    pub fn from_status(status: Status) -> Self {
+        if std::error::Error::source(&status).is_some() {
+            NodeFailure::Connection(status)
+        } else {
+            NodeFailure::Status(status)
+        }
+    }
+}
+
 impl NodeError {
     /// Worth trying another node: the node (or the path to it) failed, not the request.
     pub fn is_retryable(&self) -> bool {
         match &self.what {
-            NodeFailure::Timeout(_) | NodeFailure::Protocol(_) => true,
+            NodeFailure::Timeout(_) | NodeFailure::Protocol(_) | NodeFailure::Connection(_) => true,
             NodeFailure::Status(s) => matches!(
                 s.code(),
                 Code::Unavailable
@@ -102,13 +121,14 @@ impl NodeError {
         }
     }
 
-    /// The node itself looks unreachable or stuck: route around it until its next good
-    /// health check.
+    /// The node itself looks unreachable or stuck: route around it at once, until its next
+    /// good health check, rather than sending it more requests until the next poll. A node
+    /// that answered with a status is reachable; whether it is healthy is its `Info`'s call
+    /// (a decode node's UNAVAILABLE may be its prefill peer's fault, not its own).
     pub fn marks_node_down(&self) -> bool {
         match &self.what {
-            NodeFailure::Timeout(_) => true,
-            NodeFailure::Protocol(_) => false,
-            NodeFailure::Status(s) => s.code() == Code::Unavailable,
+            NodeFailure::Timeout(_) | NodeFailure::Connection(_) => true,
+            NodeFailure::Protocol(_) | NodeFailure::Status(_) => false,
         }
     }
 
@@ -149,5 +169,31 @@ mod tests {
     fn code_names() {
         assert_eq!(code_name(Code::ResourceExhausted), "RESOURCE_EXHAUSTED");
         assert_eq!(code_name(Code::Unavailable), "UNAVAILABLE");
+    }
+
+    fn failure(what: NodeFailure) -> NodeError {
+        NodeError {
+            role: NodeRole::Decode,
+            addr: "127.0.0.1:1".into(),
+            what,
+        }
+    }
+
+    #[test]
+    fn a_broken_connection_marks_the_node_down_an_answer_does_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let broken = NodeFailure::from_status(Status::from_error(Box::new(io)));
+        assert!(matches!(broken, NodeFailure::Connection(_)), "{broken:?}");
+        let broken = failure(broken);
+        assert!(broken.marks_node_down() && broken.is_retryable());
+        assert_eq!(broken.client_code(), Code::Unavailable);
+        assert!(broken.to_string().contains("connection failed"), "{broken}");
+
+        let answered = failure(NodeFailure::from_status(Status::unavailable("pull failed")));
+        assert!(matches!(answered.what, NodeFailure::Status(_)));
+        assert!(!answered.marks_node_down() && answered.is_retryable());
+        let refused = failure(NodeFailure::from_status(Status::invalid_argument("bad")));
+        assert!(!refused.is_retryable());
+        assert_eq!(refused.client_code(), Code::InvalidArgument);
     }
 }

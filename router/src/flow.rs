@@ -347,7 +347,7 @@ impl Job {
                         ),
                     }
                 }
-                Ok(Err(status)) => NodeFailure::Status(status),
+                Ok(Err(status)) => NodeFailure::from_status(status),
                 Err(_) => NodeFailure::Timeout(timeout),
             };
             let error = NodeError {
@@ -482,7 +482,7 @@ impl Job {
             .map_err(DecodeEnd::End)?;
         let mut stream = match opened {
             Ok(Ok(response)) => response.into_inner(),
-            Ok(Err(status)) => return Err(node_error(NodeFailure::Status(status), false)),
+            Ok(Err(status)) => return Err(node_error(NodeFailure::from_status(status), false)),
             Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), false)),
         };
         let mut streamed = false;
@@ -502,7 +502,9 @@ impl Job {
                         streamed,
                     ));
                 }
-                Ok(Err(status)) => return Err(node_error(NodeFailure::Status(status), streamed)),
+                Ok(Err(status)) => {
+                    return Err(node_error(NodeFailure::from_status(status), streamed));
+                }
                 Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), streamed)),
             };
             (self.shared.metrics).observe_report(node, message.counters.as_ref());

@@ -184,3 +184,107 @@ pub async fn node_info(addr: &str, role: &str) -> pb::NodeInfo {
         c.info(pb::InfoRequest {}).await.unwrap().into_inner()
     }
 }
+
+/// One product binary (`router`, `prefill-node`, `decode-node`) started directly, for tests
+/// that need to kill and restart a single part (`pdctl up` stops the whole cluster when a
+/// part dies). Dropping it stops the process (SIGTERM, then wait).
+pub struct Process {
+    child: Child,
+    /// The JSON ready line the binary printed.
+    pub ready: Value,
+}
+
+impl Process {
+    /// Starts `bin` (beside the test executable) with `args`, synthetic models cached under
+    /// `cache`, and waits for its ready line.
+    pub fn start(bin: &str, cache: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin_dir().join(bin))
+            .args(args)
+            .env("PD_CACHE_DIR", cache)
+            .env("RUST_LOG", "warn")
+            .env_remove("PD_MODEL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {bin}"))?;
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut line = String::new();
+        lines
+            .read_line(&mut line)
+            .with_context(|| format!("reading {bin}'s ready line"))?;
+        if line.trim().is_empty() {
+            let status = child.wait()?;
+            bail!("{bin} exited before it was ready: {status}");
+        }
+        let ready: Value =
+            serde_json::from_str(&line).with_context(|| format!("{bin} ready line {line:?}"))?;
+        // Keep draining stdout so the child never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while lines.read_line(&mut sink).is_ok_and(|n| n > 0) {
+                sink.clear();
+            }
+        });
+        Ok(Self { child, ready })
+    }
+
+    /// The gRPC address from the ready line (`host:port`).
+    pub fn addr(&self) -> String {
+        self.ready["grpc"]
+            .as_str()
+            .expect("the ready line has a grpc address")
+            .to_string()
+    }
+
+    /// The gRPC port from the ready line.
+    pub fn port(&self) -> u16 {
+        let addr = self.addr();
+        addr.rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .expect("host:port")
+    }
+
+    /// SIGKILL, as a crash would: no drain, no goodbye to anyone.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits (up to a minute) until the router at `addr` reports SERVING on grpc.health.v1.
+pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await
+            && let Ok(r) = HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+            && r.into_inner().status() == ServingStatus::Serving
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the router at {addr} did not report SERVING within 60 s");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
