@@ -2,10 +2,13 @@
 //! vLLM's names, and building an engine from them. Behind the `cli` feature so the engine
 //! itself does not need clap.
 
+use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
 
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::config::ModelConfig;
 use crate::error::EngineError;
@@ -14,8 +17,69 @@ use crate::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use crate::model::{ModelFiles, Qwen3};
 use crate::serve::{Engine, EngineConfig, Role};
 
-/// Default KV budget when `--num-gpu-blocks` is not given.
+/// Default KV budget on the CPU when `--num-gpu-blocks` is not given.
 pub const DEFAULT_KV_BYTES: usize = 2 << 30;
+
+/// Default `--gpu-memory-utilization` (vLLM's).
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+/// Where the model runs (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU backend of this crate.
+    #[default]
+    Cpu,
+    /// CUDA device `ordinal` (the `pd-kernels` backend; needs a build with `cuda`).
+    Cuda { ordinal: usize },
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda { ordinal: 0 }),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| Device::Cuda { ordinal })
+                .ok_or_else(|| format!("unknown device `{other}`: expected cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+/// A fraction in (0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if v > 0.0 && v <= 1.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v} must be in (0, 1]"))
+    }
+}
+
+/// Upper bound of the device memory one engine step of `tokens` tokens works in: the live
+/// activations of one layer (residual, normed input, q/k/v, attention output, the MLP's
+/// gate/up/product and a 16-bit GEMM input copy), logits for every token (prompt logprobs)
+/// and 256 MiB for the GEMM library's workspace and attention partials.
+pub fn step_activation_bytes(config: &ModelConfig, tokens: usize) -> usize {
+    let h = config.hidden_size;
+    let q = config.num_attention_heads * config.head_dim;
+    let kv = config.num_key_value_heads * config.head_dim;
+    let i = config.intermediate_size;
+    let per_token = 4 * (3 * h + 2 * q + 2 * kv + 3 * i) + 2 * i.max(h) + 4 * config.vocab_size;
+    tokens * per_token + (256 << 20)
+}
 
 /// Engine flags, with vLLM's names.
 #[derive(Debug, Clone, Args)]
@@ -44,6 +108,13 @@ pub struct EngineArgs {
     /// Sequences running at once.
     #[arg(long, env = "PD_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Where the model runs: cpu, cuda (device 0) or cuda:N (needs a build with `--features cuda`).
+    #[arg(long, env = "PD_DEVICE", default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Fraction of the GPU's memory this node may use for weights, activations and KV
+    /// together; the KV cache gets what the rest leaves (vLLM's meaning). CUDA only.
+    #[arg(long, env = "PD_GPU_MEMORY_UTILIZATION", default_value_t = DEFAULT_GPU_MEMORY_UTILIZATION, value_parser = parse_fraction)]
+    pub gpu_memory_utilization: f64,
 }
 
 impl EngineArgs {
@@ -68,6 +139,40 @@ impl EngineArgs {
         })
     }
 
+    /// KV blocks on `backend`, whose weights are already loaded: `--num-gpu-blocks` if given;
+    /// else on a device what `--gpu-memory-utilization` leaves after the weights and one
+    /// step's working memory, refused if that cannot hold one `max_model_len` sequence (as
+    /// vLLM refuses); else (the CPU) [`EngineArgs::num_blocks`].
+    pub fn num_blocks_on<B: Backend>(
+        &self,
+        backend: &B,
+        config: &ModelConfig,
+        layout: &KvLayout,
+        max_model_len: usize,
+    ) -> Result<usize, EngineError> {
+        if let Some(n) = self.num_gpu_blocks {
+            return Ok(n);
+        }
+        let tokens = self.max_num_batched_tokens.max(self.max_num_seqs);
+        match backend.kv_memory_budget(step_activation_bytes(config, tokens))? {
+            None => Ok(self.num_blocks(layout, max_model_len)),
+            Some(bytes) => {
+                let blocks = bytes / layout.block_bytes();
+                let needed = layout.blocks_for(max_model_len);
+                if blocks < needed {
+                    return Err(EngineError::OutOfBlocks(format!(
+                        "{} has room for {blocks} KV blocks ({} MiB) but one sequence of \
+                         --max-model-len {max_model_len} needs {needed}; raise \
+                         --gpu-memory-utilization or lower --max-model-len",
+                        backend.name(),
+                        bytes >> 20
+                    )));
+                }
+                Ok(blocks)
+            }
+        }
+    }
+
     /// An engine of `role` on the CPU backend for `model`. `lease_timeout` bounds how long a
     /// prefill lease pins its blocks.
     pub fn build(
@@ -81,7 +186,32 @@ impl EngineArgs {
         let max_model_len = self.max_model_len(&files.config)?;
         let layout = KvLayout::new(&files.config, self.block_size)?;
         let num_blocks = self.num_blocks(&layout, max_model_len);
-        let executor = Executor::new(CpuBackend::new(), model, self.block_size, num_blocks)?;
+        self.build_on(
+            files,
+            CpuBackend::new(),
+            model,
+            num_blocks,
+            role,
+            seed,
+            lease_timeout,
+        )
+    }
+
+    /// An engine of `role` on `backend` (holding `model`'s weights) with `num_blocks` KV
+    /// blocks (from [`EngineArgs::num_blocks_on`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_on<B: Backend>(
+        &self,
+        files: &ModelFiles,
+        backend: B,
+        model: Qwen3<B>,
+        num_blocks: usize,
+        role: Role,
+        seed: u64,
+        lease_timeout: Duration,
+    ) -> Result<Engine<B>, EngineError> {
+        let max_model_len = self.max_model_len(&files.config)?;
+        let executor = Executor::new(backend, model, self.block_size, num_blocks)?;
         let config = EngineConfig {
             role,
             enable_prefix_caching: !self.no_enable_prefix_caching,
@@ -95,5 +225,30 @@ impl EngineArgs {
         let vocab_limit = files.tokenizer.vocab_size().min(files.config.vocab_size);
         Engine::new(executor, config, files.eos_token_ids(), vocab_limit)
             .map_err(|e| EngineError::InvalidRequest(e.message))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda { ordinal: 0 }));
+        assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda { ordinal: 3 }));
+        assert_eq!(Device::Cuda { ordinal: 3 }.to_string(), "cuda:3");
+        let err = "gpu".parse::<Device>().unwrap_err();
+        assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+        assert!("cuda:x".parse::<Device>().is_err());
+    }
+
+    #[test]
+    fn memory_utilization_is_a_fraction() {
+        assert_eq!(parse_fraction("0.9"), Ok(0.9));
+        assert_eq!(parse_fraction("1"), Ok(1.0));
+        assert!(parse_fraction("0").is_err());
+        assert!(parse_fraction("1.5").is_err());
+        assert!(parse_fraction("lots").is_err());
     }
 }

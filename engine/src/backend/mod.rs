@@ -84,6 +84,15 @@ pub trait Backend: Send + Sync + 'static {
         num_blocks: usize,
     ) -> Result<Self::KvStorage, EngineError>;
 
+    /// Bytes of this backend's own memory the KV cache may take once the weights are
+    /// resident and `activation_bytes` of working memory are set aside, or `None` for a
+    /// backend without a fixed memory of its own (the CPU), where the engine's default KV
+    /// size applies. Errs when not even the working memory fits.
+    fn kv_memory_budget(&self, activation_bytes: usize) -> Result<Option<usize>, EngineError> {
+        let _ = activation_bytes;
+        Ok(None)
+    }
+
     /// Rows of the embedding table for `ids` (`[ids.len(), hidden]`).
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
 

@@ -1,0 +1,213 @@
+// Paged causal grouped-query attention, flash-attention style: keys and values stream through
+// shared memory in tiles of TILE_KEYS with an online softmax, so no score matrix is ever
+// materialised. One kernel serves prefill and decode:
+// - grid.x: work items, each up to `rows_per_item` query rows of one sequence;
+// - grid.y: KV heads; the block computes every query head of that KV head's group (GQA), so
+//   a K/V tile loaded once serves group * rows (query row, head) pairs;
+// - grid.z: key splits (split-K). Long contexts with few work items (decode) are cut into
+//   `keys_per_split` ranges whose partial results attention_combine merges.
+// Within a tile each lane owns one key for the q.k dot products, then owns head_dim / 32
+// output dimensions for the p.V accumulation. Arithmetic is f32 on CUDA cores.
+//
+// Metadata (int32): items[2 * i] = sequence, items[2 * i + 1] = first query row of the item
+// within its sequence; seqs[4 * s ..] = q_start (batch row of the sequence's first new token),
+// q_len, context_len, offset of its block table in `block_tables`.
+
+#define TILE_KEYS 32
+#define ATTN_WARPS 4
+#define PAIRS_PER_WARP 4
+#define MAX_PAIRS (ATTN_WARPS * PAIRS_PER_WARP)
+#define MAX_HEAD_DIM 128
+#define DIMS_PER_LANE (MAX_HEAD_DIM / WARP)
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP)
+paged_attention(const float* q, const float* kcache, const float* vcache,
+                const unsigned int* block_tables, const int* items, const int* seqs,
+                float* out, float* part_acc, float* part_ml, int num_heads, int num_kv_heads,
+                int head_dim, int block_size, int rows_per_item, int keys_per_split,
+                float scale) {
+    extern __shared__ float smem[];
+    const int item = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z;
+    const int splits = gridDim.z;
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    const int group = num_heads / num_kv_heads;
+
+    const int seq = items[2 * item];
+    const int r0 = items[2 * item + 1];
+    const int q_start = seqs[4 * seq];
+    const int q_len = seqs[4 * seq + 1];
+    const int ctx = seqs[4 * seq + 2];
+    const unsigned int* table = block_tables + seqs[4 * seq + 3];
+    const int rows_here = min(rows_per_item, q_len - r0);
+    const int pairs = rows_here * group;
+    const int q_width = num_heads * head_dim;
+    const int stride = head_dim + 1;  // padded: lanes reading different keys hit different banks
+    const int first_pos = ctx - q_len + r0;  // position of the item's first query row
+
+    // Keys this block may need: causal up to the item's last row, within this split.
+    const int key_end_item = first_pos + rows_here;
+    const int k_begin = split * keys_per_split;
+    const int k_end = min(key_end_item, k_begin + keys_per_split);
+    const unsigned long long part_base =
+        ((unsigned long long)item * num_kv_heads + kvh) * splits + split;
+
+    if (k_begin >= k_end) {
+        // Nothing for this split (only when splits > 1): mark it empty for the combine.
+        for (int p = threadIdx.x; p < MAX_PAIRS; p += blockDim.x) {
+            part_ml[2 * ((part_base * MAX_PAIRS) + p)] = -INFINITY;
+            part_ml[2 * ((part_base * MAX_PAIRS) + p) + 1] = 0.0f;
+        }
+        return;
+    }
+
+    float* q_s = smem;
+    float* k_s = q_s + MAX_PAIRS * head_dim;
+    float* v_s = k_s + TILE_KEYS * stride;
+
+    for (int i = threadIdx.x; i < pairs * head_dim; i += blockDim.x) {
+        const int p = i / head_dim;
+        const int d = i % head_dim;
+        const int r = p / group;
+        const int h = kvh * group + p % group;
+        q_s[i] = q[(unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d];
+    }
+
+    float m[PAIRS_PER_WARP];
+    float l[PAIRS_PER_WARP];
+    float acc[PAIRS_PER_WARP][DIMS_PER_LANE];
+    #pragma unroll
+    for (int pp = 0; pp < PAIRS_PER_WARP; ++pp) {
+        m[pp] = -INFINITY;
+        l[pp] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) acc[pp][i] = 0.0f;
+    }
+
+    for (int t0 = k_begin; t0 < k_end; t0 += TILE_KEYS) {
+        __syncthreads();  // q_s written / the previous tile fully consumed
+        for (int i = threadIdx.x; i < TILE_KEYS * head_dim; i += blockDim.x) {
+            const int j = i / head_dim;
+            const int d = i % head_dim;
+            const int t = t0 + j;
+            float kv_k = 0.0f;
+            float kv_v = 0.0f;
+            if (t < k_end) {
+                const unsigned long long slot =
+                    (unsigned long long)table[t / block_size] * block_size + t % block_size;
+                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d;
+                kv_k = kcache[at];
+                kv_v = vcache[at];
+            }
+            k_s[j * stride + d] = kv_k;
+            v_s[j * stride + d] = kv_v;
+        }
+        __syncthreads();
+
+        #pragma unroll
+        for (int pp = 0; pp < PAIRS_PER_WARP; ++pp) {
+            const int p = warp + pp * ATTN_WARPS;
+            if (p >= pairs) continue;  // uniform across the warp
+            const int pos = first_pos + p / group;
+            const int t = t0 + lane;
+            float s = -INFINITY;
+            if (t < k_end && t <= pos) {
+                const float* qp = q_s + p * head_dim;
+                const float* kp = k_s + lane * stride;
+                float dot = 0.0f;
+                for (int d = 0; d < head_dim; ++d) dot += qp[d] * kp[d];
+                s = dot * scale;
+            }
+            const float m_new = fmaxf(m[pp], warp_max(s));
+            if (m_new == -INFINITY) continue;  // no visible key yet (uniform: a warp max)
+            const float pj = s == -INFINITY ? 0.0f : expf(s - m_new);
+            const float alpha = expf(m[pp] - m_new);
+            l[pp] = l[pp] * alpha + warp_sum(pj);
+            #pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) acc[pp][i] *= alpha;
+            for (int j = 0; j < TILE_KEYS; ++j) {
+                const float pjj = __shfl_sync(FULL_MASK, pj, j);
+                const float* vp = v_s + j * stride;
+                #pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                    const int d = lane + i * WARP;
+                    if (d < head_dim) acc[pp][i] += pjj * vp[d];
+                }
+            }
+            m[pp] = m_new;
+        }
+    }
+
+    #pragma unroll
+    for (int pp = 0; pp < PAIRS_PER_WARP; ++pp) {
+        const int p = warp + pp * ATTN_WARPS;
+        if (p >= pairs) continue;
+        const int r = p / group;
+        const int h = kvh * group + p % group;
+        if (splits == 1) {
+            const float inv = 1.0f / l[pp];
+            float* o = out + (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim;
+            #pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                const int d = lane + i * WARP;
+                if (d < head_dim) o[d] = acc[pp][i] * inv;
+            }
+        } else {
+            const unsigned long long at = part_base * MAX_PAIRS + p;
+            #pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                const int d = lane + i * WARP;
+                if (d < head_dim) part_acc[at * head_dim + d] = acc[pp][i];
+            }
+            if (lane == 0) {
+                part_ml[2 * at] = m[pp];
+                part_ml[2 * at + 1] = l[pp];
+            }
+        }
+    }
+}
+
+// Merge the key splits of paged_attention: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// grid = (items, num_kv_heads); threads over (pair, dim). Empty splits (l = 0) are skipped
+// rather than multiplied by zero, since their accumulators were never written.
+extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
+                                             const int* items, const int* seqs, float* out,
+                                             int num_heads, int num_kv_heads, int head_dim,
+                                             int rows_per_item, int splits) {
+    const int item = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const int seq = items[2 * item];
+    const int r0 = items[2 * item + 1];
+    const int q_start = seqs[4 * seq];
+    const int q_len = seqs[4 * seq + 1];
+    const int rows_here = min(rows_per_item, q_len - r0);
+    const int pairs = rows_here * group;
+    const int q_width = num_heads * head_dim;
+    const unsigned long long base = ((unsigned long long)item * num_kv_heads + kvh) * splits;
+    for (int i = threadIdx.x; i < pairs * head_dim; i += blockDim.x) {
+        const int p = i / head_dim;
+        const int d = i % head_dim;
+        float mx = -INFINITY;
+        for (int s = 0; s < splits; ++s) {
+            const unsigned long long at = (base + s) * MAX_PAIRS + p;
+            if (part_ml[2 * at + 1] > 0.0f) mx = fmaxf(mx, part_ml[2 * at]);
+        }
+        float num = 0.0f;
+        float den = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const unsigned long long at = (base + s) * MAX_PAIRS + p;
+            const float ls = part_ml[2 * at + 1];
+            if (ls > 0.0f) {
+                const float w = expf(part_ml[2 * at] - mx);
+                num += part_acc[at * head_dim + d] * w;
+                den += ls * w;
+            }
+        }
+        const int r = p / group;
+        const int h = kvh * group + p % group;
+        out[(unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d] = num / den;
+    }
+}

@@ -1,0 +1,83 @@
+// Shared helpers of every kernel source. Prepended to each .cu file before NVRTC compiles it
+// (see kernels/src/cuda/modules.rs), so the sources need no include path and no CUDA headers:
+// bf16 / f16 are handled as raw 16-bit patterns and converted with bit operations or PTX.
+
+// Weight dtypes, as the Rust side numbers them (pd_kernels::cuda::tensor::dtype_code).
+#define DTYPE_F32 0
+#define DTYPE_F16 1
+#define DTYPE_BF16 2
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short v) {
+    return __uint_as_float(((unsigned int)v) << 16);
+}
+
+// Round to nearest even, as torch and the `half` crate do; NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((u >> 16) | 0x40u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(unsigned short v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element `i` of a weight stored as `dtype`.
+__device__ __forceinline__ float load_weight(const void* w, int dtype, unsigned long long i) {
+    if (dtype == DTYPE_BF16) {
+        return bf16_to_f32(((const unsigned short*)w)[i]);
+    } else if (dtype == DTYPE_F16) {
+        return f16_to_f32(((const unsigned short*)w)[i]);
+    }
+    return ((const float*)w)[i];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        v += __shfl_xor_sync(FULL_MASK, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    }
+    return v;
+}
+
+// Sum over a block of up to 1024 threads (blockDim.x a multiple of 32). `scratch` holds 32
+// floats of shared memory. Every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}

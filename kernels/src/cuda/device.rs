@@ -1,0 +1,192 @@
+//! Opening a CUDA device: checks that turn every missing piece (driver, libraries, device,
+//! compute capability) into one [`CudaError`] sentence instead of cudarc's panics, then the
+//! context, stream, cuBLAS handle and the NVRTC-compiled kernels.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, sys};
+
+use super::modules::{self, ComputeCapability, SOURCES};
+use crate::{CudaError, MIN_COMPUTE_CAPABILITY};
+
+/// A device ready to run: its context, the one stream every op is ordered on, cuBLAS and the
+/// loaded kernels.
+pub struct Device {
+    pub ordinal: usize,
+    pub name: String,
+    pub cc: ComputeCapability,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub kernels: Kernels,
+    pub num_sms: u32,
+}
+
+/// Every kernel function, looked up once.
+pub struct Kernels {
+    pub embedding: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub rope: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub add_assign: CudaFunction,
+    pub select_rows: CudaFunction,
+    pub cast_bf16: CudaFunction,
+    pub cast_f16: CudaFunction,
+    pub write_kv: CudaFunction,
+    pub pack_block: CudaFunction,
+    pub unpack_block: CudaFunction,
+    pub paged_attention: CudaFunction,
+    pub attention_combine: CudaFunction,
+}
+
+fn driver(ordinal: usize, what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        ordinal,
+        what,
+        message: e.to_string(),
+    }
+}
+
+impl Device {
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        // SAFETY: these only try to dlopen each library's candidate names.
+        let (has_driver, has_blas) = unsafe {
+            (
+                sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        if !has_driver {
+            return Err(CudaError::NoDriver { ordinal });
+        }
+        if !modules::nvrtc_present() {
+            return Err(CudaError::NoLibrary {
+                ordinal,
+                library: "libnvrtc",
+            });
+        }
+        if !has_blas {
+            return Err(CudaError::NoLibrary {
+                ordinal,
+                library: "libcublas",
+            });
+        }
+        let count = CudaContext::device_count().map_err(driver(ordinal, "counting devices"))?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver(ordinal, "creating a context"))?;
+        let name = ctx.name().map_err(driver(ordinal, "reading the name"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver(ordinal, "reading the compute capability"))?;
+        let cc = ComputeCapability {
+            major: major as u32,
+            minor: minor as u32,
+        };
+        if (cc.major, cc.minor) < MIN_COMPUTE_CAPABILITY {
+            return Err(CudaError::TooOld {
+                ordinal,
+                name,
+                major: cc.major,
+                minor: cc.minor,
+            });
+        }
+        // One stream orders every op, so cudarc's per-buffer event tracking (for multi-stream
+        // use) is pure overhead on each launch.
+        // SAFETY: called before any buffer of this context exists.
+        unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx, ordinal)?;
+        let num_sms =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(driver(ordinal, "reading the multiprocessor count"))? as u32;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Driver {
+            ordinal,
+            what: "creating the cuBLAS handle",
+            message: e.to_string(),
+        })?;
+        let kernels = Kernels::load(&ctx, cc, ordinal)?;
+        Ok(Self {
+            ordinal,
+            name,
+            cc,
+            ctx,
+            stream,
+            blas,
+            kernels,
+            num_sms,
+        })
+    }
+}
+
+/// Activations come from the device's stream-ordered memory pool. Its default release
+/// threshold (0) hands freed memory back to the driver at every synchronisation, i.e. once
+/// per engine step; keep it instead so steady-state steps allocate nothing from the driver.
+fn keep_pool_memory(ctx: &CudaContext, ordinal: usize) -> Result<(), CudaError> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut threshold = u64::MAX;
+    // SAFETY: the device handle comes from a live context; the attribute takes a u64.
+    unsafe {
+        let pool = cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device())
+            .map_err(driver(ordinal, "getting the memory pool"))?;
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(driver(
+            ordinal,
+            "setting the memory pool's release threshold",
+        ))?;
+    }
+    Ok(())
+}
+
+impl Kernels {
+    fn load(
+        ctx: &Arc<CudaContext>,
+        cc: ComputeCapability,
+        ordinal: usize,
+    ) -> Result<Self, CudaError> {
+        let mut functions = std::collections::HashMap::new();
+        for source in &SOURCES {
+            let ptx = modules::compile(source, cc)?;
+            let module = ctx
+                .load_module(ptx)
+                .map_err(driver(ordinal, "loading a kernel module"))?;
+            for &name in source.kernels {
+                let f = module
+                    .load_function(name)
+                    .map_err(driver(ordinal, "looking up a kernel"))?;
+                functions.insert(name, f);
+            }
+        }
+        let mut take = |name: &str| {
+            functions.remove(name).ok_or_else(|| CudaError::Driver {
+                ordinal,
+                what: "looking up a kernel",
+                message: format!("{name} is in no kernel source"),
+            })
+        };
+        Ok(Self {
+            embedding: take("embedding")?,
+            rms_norm: take("rms_norm")?,
+            rope: take("rope")?,
+            silu_mul: take("silu_mul")?,
+            add_assign: take("add_assign")?,
+            select_rows: take("select_rows")?,
+            cast_bf16: take("cast_bf16")?,
+            cast_f16: take("cast_f16")?,
+            write_kv: take("write_kv")?,
+            pack_block: take("pack_block")?,
+            unpack_block: take("unpack_block")?,
+            paged_attention: take("paged_attention")?,
+            attention_combine: take("attention_combine")?,
+        })
+    }
+}

@@ -1,0 +1,98 @@
+// Row-wise and element-wise ops of the Qwen3 forward: embedding gather, RMSNorm (layer norms
+// and the per-head q/k norms), rotary embedding, SiLU-and-multiply, residual add, row
+// selection and the activation casts that feed cuBLAS. Activations are row-major f32.
+
+// out[r, :] = table[ids[r], :]  (one block per row)
+extern "C" __global__ void embedding(const void* table, int dtype, const unsigned int* ids,
+                                     float* out, int rows, int cols) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const unsigned long long base = (unsigned long long)ids[r] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        out[(unsigned long long)r * cols + c] = load_weight(table, dtype, base + c);
+    }
+}
+
+// RMSNorm over each group of `group` consecutive features (one block per group):
+// out = x * rsqrt(mean(x^2) + eps) * w. Same order of operations as the CPU backend.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int groups,
+                                    int group, float eps) {
+    __shared__ float scratch[WARP];
+    const int g = blockIdx.x;
+    if (g >= groups) return;
+    const float* xs = x + (unsigned long long)g * group;
+    float* os = out + (unsigned long long)g * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        ss += xs[i] * xs[i];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        os[i] = xs[i] * inv * w[i];
+    }
+}
+
+// Rotate-half RoPE in place on [rows, heads * head_dim]; one thread per (row, head, j < half).
+// inv_freq[j] = theta^(-2j/head_dim) in f32, as transformers (and the CPU backend) compute it.
+extern "C" __global__ void rope(float* x, const unsigned int* positions, int rows, int cols,
+                                int head_dim, float theta) {
+    const int half = head_dim / 2;
+    const int per_row = cols / 2;
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned long long)rows * per_row) return;
+    const int r = (int)(i / per_row);
+    const int rem = (int)(i % per_row);
+    const int head = rem / half;
+    const int j = rem % half;
+    const float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)head_dim);
+    const float a = (float)positions[r] * inv_freq;
+    float s, c;
+    sincosf(a, &s, &c);
+    float* h = x + (unsigned long long)r * cols + head * head_dim;
+    const float lo = h[j];
+    const float hi = h[j + half];
+    h[j] = lo * c - hi * s;
+    h[j + half] = hi * c + lo * s;
+}
+
+// out = silu(gate) * up
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out,
+                                    unsigned long long n) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// x += y
+extern "C" __global__ void add_assign(float* x, const float* y, unsigned long long n) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] += y[i];
+}
+
+// out[i, :] = x[rows[i], :]  (one block per output row)
+extern "C" __global__ void select_rows(const float* x, const unsigned int* rows, float* out,
+                                       int n, int cols) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned long long src = (unsigned long long)rows[i] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        out[(unsigned long long)i * cols + c] = x[src + c];
+    }
+}
+
+// The GEMM input in the weight's 16-bit type (cuBLAS multiplies bf16 x bf16 or f16 x f16
+// with f32 accumulation; it has no bf16 x f32 mode).
+extern "C" __global__ void cast_bf16(const float* x, unsigned short* out, unsigned long long n) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = f32_to_bf16(x[i]);
+}
+
+extern "C" __global__ void cast_f16(const float* x, unsigned short* out, unsigned long long n) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = f32_to_f16(x[i]);
+}

@@ -1,0 +1,86 @@
+//! `x · Wᵀ` through cuBLAS: bf16 / f16 weights multiply a 16-bit copy of the activations on
+//! the tensor cores with f32 accumulation and f32 output; f32 weights (the tiny test model)
+//! use plain f32 GEMM.
+//!
+//! Row-major `x [rows, in]` is column-major `xᵀ [in, rows]`, and row-major `W [out, in]` is
+//! column-major `Wᵀ [in, out]`; cuBLAS computes column-major `yᵀ [out, rows] = W · xᵀ`
+//! (op(A) = transpose of the stored `Wᵀ`), which is row-major `y [rows, out]`.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::device::Device;
+
+/// Element type of both GEMM inputs.
+#[derive(Debug, Clone, Copy)]
+pub enum GemmType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl GemmType {
+    fn cuda(self) -> cudaDataType {
+        match self {
+            GemmType::F32 => cudaDataType::CUDA_R_32F,
+            GemmType::F16 => cudaDataType::CUDA_R_16F,
+            GemmType::BF16 => cudaDataType::CUDA_R_16BF,
+        }
+    }
+}
+
+/// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out` f32.
+#[allow(clippy::too_many_arguments)]
+pub fn linear<X, W>(
+    dev: &Device,
+    ty: GemmType,
+    x: &impl DevicePtr<X>,
+    rows: usize,
+    w: &impl DevicePtr<W>,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) {
+    let alpha = 1.0f32;
+    let beta = 0.0f32;
+    let stream = &dev.stream;
+    let (xp, _x) = x.device_ptr(stream);
+    let (wp, _w) = w.device_ptr(stream);
+    let (op, _o) = out.device_ptr(stream);
+    let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits in i32");
+    // SAFETY: the pointers are live device buffers of at least n*k, rows*k and rows*n
+    // elements of the stated types (checked by the caller); alpha/beta are host f32 as the
+    // handle's default pointer mode and the f32 compute type expect.
+    let result = unsafe {
+        gemm_ex(
+            *dev.blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            dim(n),
+            dim(rows),
+            dim(k),
+            (&alpha as *const f32).cast::<c_void>(),
+            wp as *const c_void,
+            ty.cuda(),
+            dim(k),
+            xp as *const c_void,
+            ty.cuda(),
+            dim(k),
+            (&beta as *const f32).cast::<c_void>(),
+            op as *mut c_void,
+            cudaDataType::CUDA_R_32F,
+            dim(n),
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    };
+    if let Err(e) = result {
+        panic!(
+            "cuda:{}: cuBLAS GEMM [{rows}x{k}]·[{n}x{k}]ᵀ failed: {e:?}",
+            dev.ordinal
+        );
+    }
+}

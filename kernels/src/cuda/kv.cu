@@ -1,0 +1,43 @@
+// Paged KV writes and block pack / unpack. The cache of one layer is
+// [num_blocks, block_size, num_kv_heads, head_dim] f32 for K and the same for V; a slot is
+// `block * block_size + offset`, so slot s starts at element s * width.
+
+// kcache[slots[r], :] = k[r, :] and the same for v. One block per row.
+extern "C" __global__ void write_kv(float* kcache, float* vcache, const float* k, const float* v,
+                                    const unsigned int* slots, int rows, int width) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const unsigned long long dst = (unsigned long long)slots[r] * width;
+    const unsigned long long src = (unsigned long long)r * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        kcache[dst + c] = k[src + c];
+        vcache[dst + c] = v[src + c];
+    }
+}
+
+// Gather block `block` of every layer into `staging`, laid out layer by layer as
+// [K block, V block] (the order of Backend::read_block), so one copy moves it to the host.
+// grid = (num_layers, 2): y = 0 for K, 1 for V. `bases` holds each layer's K and V pointers
+// as [k0, v0, k1, v1, ...]. `n` = block_size * width.
+extern "C" __global__ void pack_block(const unsigned long long* bases, unsigned int block,
+                                      float* staging, int n) {
+    const int layer = blockIdx.x;
+    const int which = blockIdx.y;
+    const float* src = (const float*)bases[2 * layer + which] + (unsigned long long)block * n;
+    float* dst = staging + ((unsigned long long)2 * layer + which) * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+
+// The inverse of pack_block.
+extern "C" __global__ void unpack_block(const unsigned long long* bases, unsigned int block,
+                                        const float* staging, int n) {
+    const int layer = blockIdx.x;
+    const int which = blockIdx.y;
+    float* dst = (float*)bases[2 * layer + which] + (unsigned long long)block * n;
+    const float* src = staging + ((unsigned long long)2 * layer + which) * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+}

@@ -1,0 +1,664 @@
+//! The CUDA backend: every [`Backend`] op as a kernel launch or a cuBLAS call on one stream
+//! of one device. Ops are asynchronous; [`Backend::to_host`] and the block copies are the
+//! only points that wait for the device.
+//!
+//! The `Backend` ops (other than loading and allocation) cannot return errors: a failed
+//! launch leaves the CUDA context unusable, so it panics with the op's name and the driver's
+//! message, which ends the engine thread (the node then reports itself unhealthy).
+
+mod device;
+mod gemm;
+pub mod modules;
+pub mod plan;
+mod tensor;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
+use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
+use pd_engine::error::EngineError;
+use pd_engine::kv::KvLayout;
+use pd_engine::weights::{DType, TensorView};
+
+pub use device::Device;
+pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
+
+use crate::CudaError;
+use gemm::GemmType;
+use plan::AttentionPlan;
+
+/// Threads per block of the element-wise and row kernels.
+const THREADS: u32 = 256;
+
+/// Whether libcuda (the NVIDIA driver) can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library's candidate names; no symbol is called.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Qwen3 on one NVIDIA GPU (see the crate docs).
+pub struct CudaBackend {
+    dev: Device,
+    gpu_memory_utilization: f64,
+    /// Bytes of weights uploaded so far (reported in logs and the memory error).
+    weight_bytes: AtomicUsize,
+    /// Step metadata uploaded once per step rather than once per layer.
+    uploads: Mutex<Uploads>,
+}
+
+/// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
+#[derive(Default)]
+struct Uploads {
+    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
+    slots: Option<(Vec<u32>, CudaSlice<u32>)>,
+    attention: Option<(AttentionMeta, DevicePlan)>,
+}
+
+/// An [`AttentionPlan`] on the device.
+struct DevicePlan {
+    plan: AttentionPlan,
+    items: CudaSlice<i32>,
+    seqs: CudaSlice<i32>,
+    block_tables: CudaSlice<u32>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.name())
+            .field("gpu", &self.dev.name)
+            .field("compute_capability", &self.dev.cc)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// Open device `ordinal`: check driver, libraries and compute capability, compile the
+    /// kernels for it. `gpu_memory_utilization` is the fraction of the card's memory this
+    /// process may use (weights, activations and KV together), as vLLM defines it.
+    pub fn open(ordinal: usize, gpu_memory_utilization: f64) -> Result<Self, CudaError> {
+        if !(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0) {
+            return Err(CudaError::BadMemoryUtilization(gpu_memory_utilization));
+        }
+        let dev = Device::open(ordinal)?;
+        tracing::info!(
+            device = %format!("cuda:{ordinal}"),
+            gpu = %dev.name,
+            compute_capability = %format!("{}.{}", dev.cc.major, dev.cc.minor),
+            multiprocessors = dev.num_sms,
+            "CUDA device open, kernels compiled"
+        );
+        Ok(Self {
+            dev,
+            gpu_memory_utilization,
+            weight_bytes: AtomicUsize::new(0),
+            uploads: Mutex::new(Uploads::default()),
+        })
+    }
+
+    /// The device, for benchmarks and tests that time or synchronise it.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Wait until every queued op has finished.
+    pub fn synchronize(&self) {
+        if let Err(e) = self.dev.stream.synchronize() {
+            self.fail("synchronize", e);
+        }
+    }
+
+    /// Bytes the KV cache may take: the utilization limit minus what the card already has in
+    /// use (this process's context, cuBLAS and weights, and anything else on the card) minus
+    /// `activation_bytes` of working memory for one engine step.
+    pub fn kv_budget_bytes(&self, activation_bytes: usize) -> Result<usize, CudaError> {
+        let (free, total) = self.dev.ctx.mem_get_info().map_err(|e| CudaError::Driver {
+            ordinal: self.dev.ordinal,
+            what: "reading free memory",
+            message: e.to_string(),
+        })?;
+        let limit = (total as f64 * self.gpu_memory_utilization) as usize;
+        let used = total - free;
+        let needed = used + activation_bytes;
+        if needed >= limit {
+            return Err(CudaError::OutOfMemory {
+                ordinal: self.dev.ordinal,
+                utilization: self.gpu_memory_utilization,
+                needed_mib: needed >> 20,
+                limit_mib: limit >> 20,
+                total_mib: total >> 20,
+            });
+        }
+        tracing::info!(
+            weights_mib = self.weight_bytes.load(Ordering::Relaxed) >> 20,
+            in_use_mib = used >> 20,
+            activations_mib = activation_bytes >> 20,
+            kv_mib = (limit - needed) >> 20,
+            limit_mib = limit >> 20,
+            "device memory plan"
+        );
+        Ok((limit - needed).min(free.saturating_sub(activation_bytes)))
+    }
+
+    fn fail(&self, what: &str, e: impl std::fmt::Debug) -> ! {
+        panic!("cuda:{}: {what} failed: {e:?}", self.dev.ordinal)
+    }
+
+    /// Uninitialised device memory for `len` elements (at least one: CUDA refuses zero).
+    fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
+        // SAFETY: every caller writes the elements it later reads (kernels cover their
+        // whole output).
+        unsafe { self.dev.stream.alloc::<T>(len.max(1)) }.unwrap_or_else(|e| self.fail("alloc", e))
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor {
+            rows,
+            cols,
+            data: self.alloc(rows * cols),
+        }
+    }
+
+    fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
+        if host.is_empty() {
+            return self.alloc(1);
+        }
+        self.dev
+            .stream
+            .clone_htod(host)
+            .unwrap_or_else(|e| self.fail("upload", e))
+    }
+
+    fn launch(&self, name: &str, mut args: LaunchArgs<'_>, cfg: LaunchConfig) {
+        // SAFETY: each call site passes the arguments its kernel declares, in order, with
+        // buffers sized for the grid it launches.
+        if let Err(e) = unsafe { args.launch(cfg) } {
+            self.fail(name, e);
+        }
+    }
+
+    /// One thread per element.
+    fn elements(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(THREADS as usize) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// One block per row.
+    fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// A 16-bit copy of `x` for a GEMM with 16-bit weights.
+    fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {
+        let out = self.alloc::<u16>(x.len());
+        let n = x.len() as u64;
+        let f = match dtype {
+            DType::BF16 => &self.dev.kernels.cast_bf16,
+            DType::F16 => &self.dev.kernels.cast_f16,
+            DType::F32 => unreachable!("f32 weights multiply f32 activations"),
+        };
+        let mut b = self.dev.stream.launch_builder(f);
+        b.arg(&x.data).arg(&out).arg(&n);
+        self.launch("cast", b, Self::elements(x.len()));
+        out
+    }
+}
+
+fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &CudaSlice<u8>) {
+    match w {
+        CudaWeight::Matrix {
+            dtype,
+            rows,
+            cols,
+            data,
+        } => (*dtype, *rows, *cols, data),
+        CudaWeight::Vector(_) => panic!("a vector weight used as a matrix"),
+    }
+}
+
+fn weight_vector(w: &CudaWeight) -> &CudaSlice<f32> {
+    match w {
+        CudaWeight::Vector(v) => v,
+        CudaWeight::Matrix { .. } => panic!("a matrix weight used as a vector"),
+    }
+}
+
+fn engine_error(view: &TensorView, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tensor {
+        path: view.path().to_path_buf(),
+        tensor: view.name.clone(),
+        message: e.to_string(),
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type KvStorage = CudaKvStorage;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.dev.ordinal)
+    }
+
+    fn load_weight(&self, _name: &str, view: TensorView) -> Result<CudaWeight, EngineError> {
+        let upload_error = |e: cudarc::driver::DriverError| {
+            engine_error(&view, format!("cannot upload to {}: {e}", self.name()))
+        };
+        let weight = match view.shape.len() {
+            1 => {
+                let v = view.to_f32_vec();
+                let data = self.dev.stream.clone_htod(&v).map_err(upload_error)?;
+                CudaWeight::Vector(data)
+            }
+            2 => {
+                let data = self
+                    .dev
+                    .stream
+                    .clone_htod(view.bytes())
+                    .map_err(upload_error)?;
+                CudaWeight::Matrix {
+                    dtype: view.dtype,
+                    rows: view.shape[0],
+                    cols: view.shape[1],
+                    data,
+                }
+            }
+            n => {
+                return Err(engine_error(
+                    &view,
+                    format!("has {n} dimensions; the CUDA backend takes vectors and matrices"),
+                ));
+            }
+        };
+        self.weight_bytes
+            .fetch_add(view.bytes().len(), Ordering::Relaxed);
+        Ok(weight)
+    }
+
+    fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CudaKvStorage, EngineError> {
+        plan::check_head_dim(layout.head_dim)
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        let len = num_blocks
+            .checked_mul(layout.block_size * layout.token_width())
+            .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
+        let oom = |e: cudarc::driver::DriverError| {
+            EngineError::OutOfBlocks(format!(
+                "cannot allocate {num_blocks} KV blocks ({} MiB) on {}: {e}",
+                (num_blocks * layout.block_bytes()) >> 20,
+                self.name()
+            ))
+        };
+        let mut k = Vec::with_capacity(layout.num_layers);
+        let mut v = Vec::with_capacity(layout.num_layers);
+        let mut bases = Vec::with_capacity(2 * layout.num_layers);
+        for _ in 0..layout.num_layers {
+            let kl = self
+                .dev
+                .stream
+                .alloc_zeros::<f32>(len.max(1))
+                .map_err(oom)?;
+            let vl = self
+                .dev
+                .stream
+                .alloc_zeros::<f32>(len.max(1))
+                .map_err(oom)?;
+            bases.push(kl.device_ptr(&self.dev.stream).0);
+            bases.push(vl.device_ptr(&self.dev.stream).0);
+            k.push(kl);
+            v.push(vl);
+        }
+        let bases = self.dev.stream.clone_htod(&bases).map_err(oom)?;
+        Ok(CudaKvStorage {
+            layout: layout.clone(),
+            num_blocks,
+            k,
+            v,
+            bases,
+        })
+    }
+
+    fn kv_memory_budget(&self, activation_bytes: usize) -> Result<Option<usize>, EngineError> {
+        self.kv_budget_bytes(activation_bytes)
+            .map(Some)
+            .map_err(|e| EngineError::OutOfBlocks(e.to_string()))
+    }
+
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+        let (dtype, _, cols, data) = weight_matrix(table);
+        let out = self.tensor(ids.len(), cols);
+        if ids.is_empty() {
+            return out;
+        }
+        let ids_dev = self.upload(ids);
+        let (code, rows, cols_i) = (tensor::dtype_code(dtype), ids.len() as i32, cols as i32);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.embedding);
+        b.arg(data)
+            .arg(&code)
+            .arg(&ids_dev)
+            .arg(&out.data)
+            .arg(&rows)
+            .arg(&cols_i);
+        self.launch("embedding", b, Self::per_row(ids.len(), THREADS));
+        out
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32) -> CudaTensor {
+        let w = weight_vector(weight);
+        assert_eq!(x.cols % group, 0, "rms_norm: width is whole groups");
+        let out = self.tensor(x.rows, x.cols);
+        let groups = x.len() / group;
+        if groups == 0 {
+            return out;
+        }
+        let (groups_i, group_i) = (groups as i32, group as i32);
+        let threads = if group <= 128 { 64 } else { THREADS };
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rms_norm);
+        b.arg(&x.data)
+            .arg(w)
+            .arg(&out.data)
+            .arg(&groups_i)
+            .arg(&group_i)
+            .arg(&eps);
+        self.launch("rms_norm", b, Self::per_row(groups, threads));
+        out
+    }
+
+    fn linear(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
+        let (dtype, n, k, w) = weight_matrix(weight);
+        assert_eq!(x.cols, k, "linear: input width");
+        let mut out = self.tensor(x.rows, n);
+        if x.rows == 0 || n == 0 {
+            return out;
+        }
+        match dtype {
+            DType::F32 => {
+                // SAFETY: an f32 matrix's bytes are n*k f32 values (its shape was checked
+                // against the byte length when the checkpoint was opened).
+                let w32 = unsafe { w.transmute::<f32>(n * k) }.expect("f32 weight length");
+                gemm::linear(
+                    &self.dev,
+                    GemmType::F32,
+                    &x.data,
+                    x.rows,
+                    &w32,
+                    n,
+                    k,
+                    &mut out.data,
+                )
+            }
+            DType::BF16 | DType::F16 => {
+                let ty = if dtype == DType::BF16 {
+                    GemmType::BF16
+                } else {
+                    GemmType::F16
+                };
+                let x16 = self.cast(x, dtype);
+                gemm::linear(&self.dev, ty, &x16, x.rows, w, n, k, &mut out.data)
+            }
+        }
+        out
+    }
+
+    fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {
+        assert_eq!(positions.len(), x.rows);
+        if x.is_empty() {
+            return;
+        }
+        let mut uploads = self.uploads.lock().expect("uploads lock");
+        let pos = cached(&mut uploads.positions, positions, |h| self.upload(h));
+        let (rows, cols, hd, th) = (x.rows as i32, x.cols as i32, head_dim as i32, theta as f32);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rope);
+        b.arg(&x.data)
+            .arg(pos)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&hd)
+            .arg(&th);
+        self.launch("rope", b, Self::elements(x.len() / 2));
+    }
+
+    fn write_kv(
+        &self,
+        kv: &mut CudaKvStorage,
+        layer: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        slots: &[u32],
+    ) {
+        let width = kv.layout.token_width();
+        assert_eq!(k.cols, width);
+        assert_eq!(v.cols, width);
+        assert_eq!(slots.len(), k.rows);
+        if slots.is_empty() {
+            return;
+        }
+        let mut uploads = self.uploads.lock().expect("uploads lock");
+        let slots_dev = cached(&mut uploads.slots, slots, |h| self.upload(h));
+        let (rows, width_i) = (k.rows as i32, width as i32);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.write_kv);
+        b.arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(slots_dev)
+            .arg(&rows)
+            .arg(&width_i);
+        self.launch("write_kv", b, Self::per_row(k.rows, 128));
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+    ) -> CudaTensor {
+        let out = self.tensor(q.rows, q.cols);
+        if q.rows == 0 {
+            return out;
+        }
+        plan::check_group(meta.num_heads, meta.num_kv_heads)
+            .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
+        let mut uploads = self.uploads.lock().expect("uploads lock");
+        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
+            let plan = plan::plan(meta, self.dev.num_sms as usize);
+            let device_plan = DevicePlan {
+                items: self.upload(&plan.items),
+                seqs: self.upload(&plan.seqs),
+                block_tables: self.upload(&plan.block_tables),
+                plan,
+            };
+            uploads.attention = Some((meta.clone(), device_plan));
+        }
+        let (_, dp) = uploads.attention.as_ref().expect("set above");
+        let p = &dp.plan;
+        let items = p.num_items();
+        let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
+        let (part_acc, part_ml) = if p.splits > 1 {
+            (
+                self.alloc::<f32>(part_len * meta.head_dim),
+                self.alloc::<f32>(2 * part_len),
+            )
+        } else {
+            (self.alloc::<f32>(1), self.alloc::<f32>(1))
+        };
+        let heads = meta.num_heads as i32;
+        let kv_heads = meta.num_kv_heads as i32;
+        let hd = meta.head_dim as i32;
+        let bs = kv.layout.block_size as i32;
+        let rows_per_item = p.rows_per_item as i32;
+        let keys_per_split = p.keys_per_split as i32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.paged_attention);
+        b.arg(&q.data)
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&dp.block_tables)
+            .arg(&dp.items)
+            .arg(&dp.seqs)
+            .arg(&out.data)
+            .arg(&part_acc)
+            .arg(&part_ml)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&hd)
+            .arg(&bs)
+            .arg(&rows_per_item)
+            .arg(&keys_per_split)
+            .arg(&meta.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
+            block_dim: (plan::THREADS, 1, 1),
+            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
+        };
+        self.launch("paged_attention", b, cfg);
+        if p.splits > 1 {
+            let splits = p.splits as i32;
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.attention_combine);
+            b.arg(&part_acc)
+                .arg(&part_ml)
+                .arg(&dp.items)
+                .arg(&dp.seqs)
+                .arg(&out.data)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&rows_per_item)
+                .arg(&splits);
+            let cfg = LaunchConfig {
+                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
+                block_dim: (plan::THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("attention_combine", b, cfg);
+        }
+        out
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        assert_eq!(gate.len(), up.len());
+        let out = self.tensor(gate.rows, gate.cols);
+        if out.is_empty() {
+            return out;
+        }
+        let n = out.len() as u64;
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.silu_mul);
+        b.arg(&gate.data).arg(&up.data).arg(&out.data).arg(&n);
+        self.launch("silu_mul", b, Self::elements(out.len()));
+        out
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        assert_eq!(x.len(), y.len());
+        if x.is_empty() {
+            return;
+        }
+        let n = x.len() as u64;
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.add_assign);
+        b.arg(&x.data).arg(&y.data).arg(&n);
+        self.launch("add_assign", b, Self::elements(x.len()));
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        let out = self.tensor(rows.len(), x.cols);
+        if out.is_empty() {
+            return out;
+        }
+        assert!(
+            rows.iter().all(|&r| r < x.rows),
+            "select_rows: row in range"
+        );
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.upload(&idx);
+        let (n, cols) = (rows.len() as i32, x.cols as i32);
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.select_rows);
+        b.arg(&x.data).arg(&idx).arg(&out.data).arg(&n).arg(&cols);
+        self.launch("select_rows", b, Self::per_row(rows.len(), THREADS));
+        out
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> HostMatrix {
+        let mut data = vec![0f32; x.len()];
+        if !data.is_empty() {
+            let src = x.data.slice(..x.len());
+            self.dev
+                .stream
+                .memcpy_dtoh(&src, &mut data)
+                .unwrap_or_else(|e| self.fail("copy to host", e));
+        }
+        self.synchronize();
+        HostMatrix {
+            rows: x.rows,
+            cols: x.cols,
+            data,
+        }
+    }
+
+    fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [f32]) {
+        let n = kv.block_len();
+        assert_eq!(dst.len(), 2 * n * kv.k.len(), "block buffer length");
+        assert!((block as usize) < kv.num_blocks, "block id in range");
+        let staging = self.alloc::<f32>(dst.len());
+        let n_i = n as i32;
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.pack_block);
+        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&n_i);
+        self.launch("pack_block", b, block_grid(kv.k.len()));
+        self.dev
+            .stream
+            .memcpy_dtoh(&staging, dst)
+            .unwrap_or_else(|e| self.fail("copy a KV block to host", e));
+        self.synchronize();
+    }
+
+    fn write_block(&self, kv: &mut CudaKvStorage, block: u32, src: &[f32]) {
+        let n = kv.block_len();
+        assert_eq!(src.len(), 2 * n * kv.k.len(), "block buffer length");
+        assert!((block as usize) < kv.num_blocks, "block id in range");
+        let staging = self.upload(src);
+        let n_i = n as i32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.unpack_block);
+        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&n_i);
+        self.launch("unpack_block", b, block_grid(kv.k.len()));
+        // The staging buffer is freed stream-ordered, after the kernel has read it.
+    }
+}
+
+/// pack / unpack: one block per (layer, K or V).
+fn block_grid(layers: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (layers as u32, 2, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The device copy of `host`, uploading it only when it differs from the cached one.
+fn cached<'a>(
+    slot: &'a mut Option<(Vec<u32>, CudaSlice<u32>)>,
+    host: &[u32],
+    upload: impl FnOnce(&[u32]) -> CudaSlice<u32>,
+) -> &'a CudaSlice<u32> {
+    if slot.as_ref().map(|(h, _)| h.as_slice()) != Some(host) {
+        *slot = Some((host.to_vec(), upload(host)));
+    }
+    &slot.as_ref().expect("set above").1
+}

@@ -1,0 +1,114 @@
+//! The CUDA C++ kernel sources and how they are compiled: the one list and the one set of
+//! NVRTC options used both at start-up (for the device's compute capability) and by the CI
+//! check (`examples/nvrtc_check.rs`, for sm_80 and sm_90, assembled with ptxas), so CI
+//! compiles exactly what a GPU host will.
+
+use cudarc::nvrtc::{self, CompileOptions, Ptx};
+
+use crate::CudaError;
+
+/// Helpers every source starts with (prepended: NVRTC gets no include path).
+const COMMON: &str = include_str!("common.cuh");
+
+/// One `.cu` file and the kernels it defines.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    pub name: &'static str,
+    pub code: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+/// Every kernel source of the backend.
+pub const SOURCES: [KernelSource; 3] = [
+    KernelSource {
+        name: "elementwise",
+        code: include_str!("elementwise.cu"),
+        kernels: &[
+            "embedding",
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "add_assign",
+            "select_rows",
+            "cast_bf16",
+            "cast_f16",
+        ],
+    },
+    KernelSource {
+        name: "kv",
+        code: include_str!("kv.cu"),
+        kernels: &["write_kv", "pack_block", "unpack_block"],
+    },
+    KernelSource {
+        name: "attention",
+        code: include_str!("attention.cu"),
+        kernels: &["paged_attention", "attention_combine"],
+    },
+];
+
+/// A compute capability, e.g. 9.0 for Hopper.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComputeCapability {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl ComputeCapability {
+    /// `compute_90`: NVRTC emits PTX for this virtual architecture; the driver turns it into
+    /// the device's machine code when the module loads.
+    pub fn virtual_arch(self) -> String {
+        format!("compute_{}{}", self.major, self.minor)
+    }
+
+    /// `sm_90`, as ptxas names the real architecture.
+    pub fn real_arch(self) -> String {
+        format!("sm_{}{}", self.major, self.minor)
+    }
+}
+
+impl KernelSource {
+    /// The text NVRTC compiles: the common helpers, then the file (with `#line` so errors
+    /// point into the file itself).
+    pub fn full_text(&self) -> String {
+        format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.code)
+    }
+}
+
+/// The NVRTC options of every compile. Precise division, square root and exp (no fast math)
+/// so results stay close to the CPU reference backend.
+pub fn compile_options(source: &KernelSource, cc: ComputeCapability) -> CompileOptions {
+    CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={}", cc.virtual_arch()),
+            "--std=c++17".to_string(),
+            "-lineinfo".to_string(),
+        ],
+        name: Some(format!("{}.cu", source.name)),
+        ..Default::default()
+    }
+}
+
+/// Compile `source` to PTX for `cc`. The caller checks that libnvrtc can be loaded first
+/// (cudarc panics where it cannot).
+pub fn compile(source: &KernelSource, cc: ComputeCapability) -> Result<Ptx, CudaError> {
+    nvrtc::compile_ptx_with_opts(source.full_text(), compile_options(source, cc)).map_err(|e| {
+        CudaError::Compile {
+            source_name: source.name,
+            arch: cc.virtual_arch(),
+            log: compile_log(e),
+        }
+    })
+}
+
+fn compile_log(e: nvrtc::CompileError) -> String {
+    match e {
+        nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use where it cannot).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library's candidate names; no symbol is called.
+    unsafe { nvrtc::sys::is_culib_present() }
+}

@@ -1,0 +1,179 @@
+//! How a batch's attention is cut into thread blocks (host-side, no GPU needed): work items
+//! of up to `rows_per_item` query rows of one sequence, and key splits (split-K) when there
+//! are too few items to fill the device — the usual case for decode. The constants mirror
+//! `attention.cu`'s.
+
+use pd_engine::backend::AttentionMeta;
+
+use crate::CudaError;
+
+/// Keys per shared-memory tile (`TILE_KEYS`).
+pub const TILE_KEYS: usize = 32;
+/// (query row, head) pairs one block computes (`MAX_PAIRS`).
+pub const MAX_PAIRS: usize = 16;
+/// Largest head dimension the kernel holds in registers (`MAX_HEAD_DIM`).
+pub const MAX_HEAD_DIM: usize = 128;
+/// Threads per attention block (`ATTN_WARPS * 32`).
+pub const THREADS: u32 = 128;
+/// A split never has fewer keys than this: below it, merging costs more than it saves.
+const MIN_KEYS_PER_SPLIT: usize = 256;
+/// At most this many splits per item.
+const MAX_SPLITS: usize = 32;
+
+/// The launch shape and the metadata arrays `paged_attention` reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// Per item: sequence index, first query row within the sequence.
+    pub items: Vec<i32>,
+    /// Per sequence: q_start, q_len, context_len, offset of its block table.
+    pub seqs: Vec<i32>,
+    /// Every sequence's block table, concatenated.
+    pub block_tables: Vec<u32>,
+    pub rows_per_item: usize,
+    pub splits: usize,
+    pub keys_per_split: usize,
+}
+
+impl AttentionPlan {
+    pub fn num_items(&self) -> usize {
+        self.items.len() / 2
+    }
+
+    /// Dynamic shared memory of one block: the queries and one K and one V tile (padded rows).
+    pub fn shared_bytes(head_dim: usize) -> usize {
+        4 * (MAX_PAIRS * head_dim + 2 * TILE_KEYS * (head_dim + 1))
+    }
+}
+
+/// Check that the kernel supports this head dimension (called at KV allocation).
+pub fn check_head_dim(head_dim: usize) -> Result<(), CudaError> {
+    if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > MAX_HEAD_DIM {
+        return Err(CudaError::Unsupported(format!(
+            "head_dim {head_dim} (it takes multiples of 32 up to {MAX_HEAD_DIM})"
+        )));
+    }
+    Ok(())
+}
+
+/// Check that a GQA group fits one attention block.
+pub fn check_group(num_heads: usize, num_kv_heads: usize) -> Result<(), CudaError> {
+    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || num_heads / num_kv_heads > MAX_PAIRS {
+        return Err(CudaError::Unsupported(format!(
+            "{num_heads} query heads over {num_kv_heads} KV heads (groups of at most {MAX_PAIRS})"
+        )));
+    }
+    Ok(())
+}
+
+/// Plan `meta` for a device with `num_sms` multiprocessors.
+pub fn plan(meta: &AttentionMeta, num_sms: usize) -> AttentionPlan {
+    let group = meta.num_heads / meta.num_kv_heads;
+    let rows_per_item = (MAX_PAIRS / group).max(1);
+    let mut items = Vec::new();
+    let mut seqs = Vec::with_capacity(meta.seqs.len() * 4);
+    let mut block_tables = Vec::new();
+    let mut max_keys = 0;
+    for (s, seq) in meta.seqs.iter().enumerate() {
+        seqs.extend([
+            seq.q_start as i32,
+            seq.q_len as i32,
+            seq.context_len as i32,
+            block_tables.len() as i32,
+        ]);
+        block_tables.extend_from_slice(&seq.block_table);
+        for r0 in (0..seq.q_len).step_by(rows_per_item) {
+            items.extend([s as i32, r0 as i32]);
+        }
+        max_keys = max_keys.max(seq.context_len);
+    }
+    let blocks = items.len() / 2 * meta.num_kv_heads;
+    let target = 2 * num_sms;
+    let mut splits = 1;
+    if blocks > 0 && blocks < target && max_keys > MIN_KEYS_PER_SPLIT {
+        splits = target
+            .div_ceil(blocks)
+            .min(max_keys.div_ceil(MIN_KEYS_PER_SPLIT))
+            .min(MAX_SPLITS);
+    }
+    let keys_per_split = max_keys.div_ceil(splits).div_ceil(TILE_KEYS).max(1) * TILE_KEYS;
+    let splits = max_keys.div_ceil(keys_per_split).max(1);
+    AttentionPlan {
+        items,
+        seqs,
+        block_tables,
+        rows_per_item,
+        splits,
+        keys_per_split,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pd_engine::backend::SeqAttention;
+
+    use super::*;
+
+    fn meta(seqs: Vec<SeqAttention>) -> AttentionMeta {
+        AttentionMeta {
+            seqs,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            scale: 128f32.powf(-0.5),
+        }
+    }
+
+    fn seq(q_start: usize, q_len: usize, context_len: usize) -> SeqAttention {
+        SeqAttention {
+            q_start,
+            q_len,
+            context_len,
+            block_table: (0..context_len.div_ceil(16) as u32).collect(),
+        }
+    }
+
+    #[test]
+    fn prefill_is_cut_into_items_of_whole_groups_without_splits() {
+        let p = plan(&meta(vec![seq(0, 2048, 2048)]), 132);
+        assert_eq!(p.rows_per_item, 4, "16 pairs over groups of 4 heads");
+        assert_eq!(p.num_items(), 512);
+        assert_eq!(p.splits, 1, "4096 blocks fill the device");
+        assert_eq!(&p.items[..4], &[0, 0, 0, 4]);
+    }
+
+    #[test]
+    fn long_decode_is_split_and_splits_cover_every_key() {
+        let p = plan(&meta(vec![seq(0, 1, 8192)]), 132);
+        assert!(p.splits > 1);
+        assert!(p.splits * p.keys_per_split >= 8192);
+        assert!(
+            (p.splits - 1) * p.keys_per_split < 8192,
+            "no split is empty"
+        );
+        assert_eq!(p.keys_per_split % TILE_KEYS, 0);
+    }
+
+    #[test]
+    fn short_decode_batches_are_not_split() {
+        let seqs = (0..8).map(|i| seq(i, 1, 100)).collect();
+        let p = plan(&meta(seqs), 132);
+        assert_eq!(p.splits, 1);
+        assert_eq!(p.num_items(), 8);
+        assert_eq!(
+            p.seqs[4..8],
+            [1, 1, 100, 7],
+            "second sequence: row 1, table at 7"
+        );
+    }
+
+    #[test]
+    fn unsupported_heads_are_refused() {
+        assert!(check_head_dim(128).is_ok());
+        assert!(check_head_dim(32).is_ok());
+        assert!(check_head_dim(256).is_err());
+        assert!(check_head_dim(80).is_err());
+        assert!(check_group(32, 8).is_ok());
+        assert!(check_group(64, 2).is_err());
+        assert!(check_group(6, 4).is_err());
+    }
+}
