@@ -454,12 +454,12 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
     case(
         &move |r| r.kv.as_mut().unwrap().addr = closed.to_string(),
         Code::Unavailable,
-        "[connect]",
+        "[connection]",
     );
     case(
         &|r| r.kv.as_mut().unwrap().lease_id += 1000,
         Code::Unavailable,
-        "[unknown_lease]",
+        "[lease_gone]",
     );
     for (req, code, needle) in cases {
         let e = decode_all(&d, req).await.expect_err(needle);

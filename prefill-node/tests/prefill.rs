@@ -528,6 +528,8 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     let grpc: std::net::SocketAddr = ready["grpc"].as_str().unwrap().parse().unwrap();
     let kv: std::net::SocketAddr = ready["kv"].as_str().unwrap().parse().unwrap();
     assert!(grpc.ip().is_loopback() && grpc.port() != 0 && kv.port() != 0);
+    let metrics: std::net::SocketAddr = ready["metrics_addr"].as_str().unwrap().parse().unwrap();
+    assert!(metrics.ip().is_loopback() && metrics.port() != 0);
 
     let mut health = HealthClient::new(channel(grpc).await);
     for service in ["", "pd.v1.PrefillService"] {

@@ -394,7 +394,8 @@ async fn serve_pull(
     };
     let refuse = |mut response: PullResponseFrame, status: Status, message: String| {
         Counters::bump(&ctx.counters.pulls_refused, 1);
-        ctx.transfers.record_failure(FailureReason::of_status(status));
+        ctx.transfers
+            .record_failure(FailureReason::of_status(status));
         tracing::debug!(lease = req.lease_id, ?status, %message, "KV export: pull refused");
         response.status = status;
         response.chunk_bytes = 0;

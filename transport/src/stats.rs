@@ -80,8 +80,7 @@ impl std::fmt::Display for FailureReason {
 /// Upper bounds (seconds) of the transfer latency histogram: from a few blocks on a local
 /// link (milliseconds) to a long prompt on a slow one (tens of seconds).
 pub const TRANSFER_SECONDS_BUCKETS: [f64; 16] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 /// A node's live transfer counters (share it in an `Arc`).
@@ -174,7 +173,10 @@ mod tests {
         assert_eq!(c.bucket_counts[2], 1, "3 ms is in the 5 ms bucket");
         assert_eq!(c.bucket_counts[TRANSFER_SECONDS_BUCKETS.len()], 1, "+Inf");
         assert_eq!(c.bucket_counts.iter().sum::<u64>(), 2);
-        let gone = c.failures.iter().find(|(r, _)| *r == FailureReason::LeaseGone);
+        let gone = c
+            .failures
+            .iter()
+            .find(|(r, _)| *r == FailureReason::LeaseGone);
         assert_eq!(gone, Some(&(FailureReason::LeaseGone, 2)));
         assert_eq!(c.failures.iter().map(|(_, n)| n).sum::<u64>(), 2);
     }

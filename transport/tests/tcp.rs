@@ -12,8 +12,8 @@ use pd_transport::wire::{
     Status,
 };
 use pd_transport::{
-    ExportConfig, ExportStats, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest,
-    TransportError, pull_blocks,
+    ExportConfig, ExportStats, FailureReason, KvExportServer, KvPuller, KvSource,
+    LayoutFingerprint, PullRequest, TransportError, pull_blocks,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -167,7 +167,7 @@ async fn unknown_lease_and_out_of_range_blocks_are_unknown_lease() {
         matches!(err, TransportError::UnknownLease { lease_id: 7, .. }),
         "{err}"
     );
-    assert_eq!(err.reason(), "unknown_lease");
+    assert_eq!(err.reason(), FailureReason::LeaseGone);
     let err = pull_blocks(addr, req(3, 2, 100), soon()).await.unwrap_err();
     assert!(
         matches!(
@@ -198,7 +198,7 @@ async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
         }
         e => panic!("{e}"),
     }
-    assert_eq!(err.reason(), "fingerprint_mismatch");
+    assert_eq!(err.reason(), FailureReason::LayoutMismatch);
     assert!(err.to_string().contains(&FP.to_string()), "{err}");
     assert_eq!(
         source.calls.load(Ordering::SeqCst),
@@ -283,7 +283,7 @@ async fn a_stalled_exporter_fails_with_deadline() {
         ),
         "{err}"
     );
-    assert_eq!(err.reason(), "deadline");
+    assert_eq!(err.reason(), FailureReason::Timeout);
     let err = KvPuller::new()
         .pull(
             addr,
@@ -321,7 +321,7 @@ async fn a_past_deadline_and_a_closed_port_fail_at_once() {
         .await
         .unwrap_err();
     assert!(matches!(err, TransportError::Connect { .. }), "{err}");
-    assert_eq!(err.reason(), "connect");
+    assert_eq!(err.reason(), FailureReason::Connection);
     assert!(err.to_string().contains(&closed.to_string()), "{err}");
 }
 
@@ -393,7 +393,7 @@ async fn a_corrupted_payload_fails_the_checksum() {
         matches!(err, TransportError::Checksum { chunk: 1, .. }),
         "{err}"
     );
-    assert_eq!(err.reason(), "checksum");
+    assert_eq!(err.reason(), FailureReason::Checksum);
 }
 
 #[tokio::test]

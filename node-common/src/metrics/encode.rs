@@ -57,7 +57,11 @@ impl TextEncoder {
         let name = family.name();
         let bucket = format!("{name}_bucket");
         let mut cumulative = 0u64;
-        let bounds = h.bounds.iter().copied().chain(std::iter::once(f64::INFINITY));
+        let bounds = h
+            .bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY));
         for (le, n) in bounds.zip(&h.counts) {
             cumulative += n;
             let le = go_float(le);
@@ -156,7 +160,10 @@ mod tests {
         let mut e = TextEncoder::new();
         e.sample("x_total", &[("model_name", "a\"b\\c\nd")], 3.0);
         e.sample("y", &[], 0.5);
-        assert_eq!(e.finish(), "x_total{model_name=\"a\\\"b\\\\c\\nd\"} 3.0\ny 0.5\n");
+        assert_eq!(
+            e.finish(),
+            "x_total{model_name=\"a\\\"b\\\\c\\nd\"} 3.0\ny 0.5\n"
+        );
     }
 
     #[test]
@@ -168,7 +175,11 @@ mod tests {
         };
         let mut e = TextEncoder::new();
         e.header(Family::TimeToFirstToken);
-        e.histogram(Family::TimeToFirstToken, &[("model_name", "m"), ("engine", "0")], &h);
+        e.histogram(
+            Family::TimeToFirstToken,
+            &[("model_name", "m"), ("engine", "0")],
+            &h,
+        );
         let want = "\
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram

@@ -241,8 +241,11 @@ impl PromptSource {
 }
 
 /// The `finished_reason` values of `vllm:request_success_total` (vLLM's spelling).
-pub const FINISH_REASONS: [FinishReason; 3] =
-    [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+pub const FINISH_REASONS: [FinishReason; 3] = [
+    FinishReason::Stop,
+    FinishReason::Length,
+    FinishReason::Abort,
+];
 
 pub fn finished_reason(reason: FinishReason) -> &'static str {
     match reason {

@@ -117,7 +117,11 @@ impl NodeMetrics {
 
 /// The samples of a counter or gauge family: its own labels (after the base ones) and value.
 /// None for a histogram (see [`NodeMetrics::histogram`]).
-fn values(family: Family, snap: &Snapshot, epoch: Epoch) -> Vec<(Vec<(&'static str, &'static str)>, f64)> {
+fn values(
+    family: Family,
+    snap: &Snapshot,
+    epoch: Epoch,
+) -> Vec<(Vec<(&'static str, &'static str)>, f64)> {
     let c = &snap.engine;
     let one = |v: u64| vec![(vec![], v as f64)];
     match family {

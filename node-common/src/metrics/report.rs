@@ -115,15 +115,18 @@ mod tests {
         stats.record_failure(pd_transport::FailureReason::Checksum);
         let r = counter_report(Epoch(7), &engine, &stats.snapshot());
         assert_eq!(r.epoch, 7);
+        assert_eq!((r.prefix_cache_queries, r.prefix_cache_hits), (40, 16));
         assert_eq!(
-            (r.prefix_cache_queries, r.prefix_cache_hits),
-            (40, 16)
-        );
-        assert_eq!(
-            (r.external_prefix_cache_queries, r.external_prefix_cache_hits),
+            (
+                r.external_prefix_cache_queries,
+                r.external_prefix_cache_hits
+            ),
             (24, 8)
         );
-        assert_eq!((r.prompt_tokens, r.generation_tokens, r.preemptions), (40, 5, 4));
+        assert_eq!(
+            (r.prompt_tokens, r.generation_tokens, r.preemptions),
+            (40, 5, 4)
+        );
         assert_eq!(r.requests_finished["stop"], 1);
         assert_eq!(r.requests_finished["length"], 0);
         assert_eq!(r.requests_finished["abort"], 2);

@@ -1,0 +1,530 @@
+//! The nodes' `/metrics` and `CounterReport`, scraped over real HTTP from a prefill node and a
+//! decode node (started in process through their libraries, real gRPC and KV transport on
+//! 127.0.0.1, ephemeral ports; the test plays the router). Exact token counts for a cold
+//! miss, a local hit on repeat, a prompt-logprobs request (no lookup), KV received by the
+//! decode node (external hits), transfer bytes and failures; the exposition read by a strict
+//! parser (`expo`), vLLM's labels and `le` spelling; the report in `Info` and in the
+//! responses equal to what `/metrics` shows; a distinct epoch per node.
+
+mod expo;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use decode_node::DecodeArgs;
+use pd_proto::pb;
+use pd_proto::pb::decode_service_client::DecodeServiceClient;
+use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use prefill_node::PrefillArgs;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Code;
+use tonic::transport::Channel;
+
+use expo::Exposition;
+
+const MODEL: &str = "synthetic:tiny";
+const BLOCK: usize = 16;
+
+fn cache() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
+        .path()
+}
+
+struct Node {
+    ready: pd_node::Ready,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+async fn prefill_node() -> Node {
+    let mut args = PrefillArgs::try_parse_from(["prefill-node"]).unwrap();
+    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
+    let node = prefill_node::start(args)
+        .await
+        .expect("prefill node starts");
+    let ready = node.ready().clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(node.run(async {
+        let _ = stopped.await;
+    }));
+    Node { ready, stop, task }
+}
+
+async fn decode_node() -> Node {
+    let mut args = DecodeArgs::try_parse_from(["decode-node"]).unwrap();
+    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
+    let node = decode_node::start(args).await.expect("decode node starts");
+    let ready = node.ready().clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(node.run(async {
+        let _ = stopped.await;
+    }));
+    Node { ready, stop, task }
+}
+
+impl Node {
+    fn url(&self) -> String {
+        format!("http://{}", self.ready.grpc)
+    }
+
+    async fn prefill(&self) -> PrefillServiceClient<Channel> {
+        PrefillServiceClient::connect(self.url()).await.unwrap()
+    }
+
+    async fn decode(&self) -> DecodeServiceClient<Channel> {
+        DecodeServiceClient::connect(self.url()).await.unwrap()
+    }
+
+    async fn info(&self) -> pb::NodeInfo {
+        let request = pb::InfoRequest {};
+        if self.ready.role == "prefill" {
+            self.prefill().await.info(request).await
+        } else {
+            self.decode().await.info(request).await
+        }
+        .unwrap()
+        .into_inner()
+    }
+
+    /// Scrape and parse strictly; the content type is checked on every scrape.
+    async fn metrics(&self) -> Exposition {
+        let scrape = expo::scrape(self.ready.metrics_addr).await;
+        assert_eq!(
+            scrape.content_type,
+            "text/plain; version=0.0.4; charset=utf-8"
+        );
+        expo::parse(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
+    }
+
+    /// Idle: no request open and every block free (the gauges publish after each step).
+    async fn wait_idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let info = self.info().await;
+            if info.free_blocks == info.num_blocks && info.num_running + info.num_waiting == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} node never idle",
+                self.ready.role
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait for a sample to reach `want`: the exporter counts a transfer once its last byte
+    /// is written, which may trail the importer's view by a moment.
+    async fn eventually(&self, name: &str, labels: &[(&str, &str)], want: f64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = self.metrics().await.value(name, labels);
+            if got == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} {labels:?}: {got}, want {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.wait_idle().await;
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the node stops")
+            .unwrap()
+            .expect("clean stop");
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
+        .collect()
+}
+
+fn sampling(prompt_logprobs: Option<u32>) -> Option<pb::SamplingParams> {
+    Some(pb::SamplingParams {
+        temperature: Some(0.0),
+        prompt_logprobs,
+        ..Default::default()
+    })
+}
+
+async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::PrefillResponse {
+    node.prefill()
+        .await
+        .prefill(pb::PrefillRequest {
+            request_id: id.into(),
+            token_ids: tokens.to_vec(),
+            sampling: sampling(logprobs.then_some(1)),
+            cache_salt: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner()
+}
+
+async fn release(node: &Node, r: &pb::PrefillResponse) {
+    let lease_id = r.kv.as_ref().unwrap().lease_id;
+    let released = node
+        .prefill()
+        .await
+        .release_kv(pb::ReleaseKvRequest { lease_id })
+        .await
+        .unwrap()
+        .into_inner()
+        .released;
+    assert!(released, "lease {lease_id} still held");
+}
+
+fn decode_request(id: &str, tokens: &[u32], r: &pb::PrefillResponse) -> pb::DecodeRequest {
+    pb::DecodeRequest {
+        request_id: id.into(),
+        prompt_token_ids: tokens.to_vec(),
+        first_token: r.first_token.as_ref().unwrap().token_id,
+        sampling: sampling(None),
+        max_tokens: 4,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        cache_salt: None,
+        kv: r.kv.clone(),
+    }
+}
+
+/// Prefill, decode to the end, release the lease: the decode messages.
+async fn generate(p: &Node, d: &Node, id: &str, tokens: &[u32]) -> Vec<pb::DecodeResponse> {
+    let r = prefill(p, id, tokens, false).await;
+    let mut stream = d
+        .decode()
+        .await
+        .decode(decode_request(id, tokens, &r))
+        .await
+        .expect("decode")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await.expect("decode stream") {
+        out.push(m);
+    }
+    release(p, &r).await;
+    out
+}
+
+/// The node's prefix-cache counters at /metrics: (queries, hits, external queries,
+/// external hits).
+fn prefix(m: &Exposition) -> (f64, f64, f64, f64) {
+    (
+        m.value("vllm:prefix_cache_queries_total", &[]),
+        m.value("vllm:prefix_cache_hits_total", &[]),
+        m.value("vllm:external_prefix_cache_queries_total", &[]),
+        m.value("vllm:external_prefix_cache_hits_total", &[]),
+    )
+}
+
+/// Prompt tokens by source: (local_compute, local_cache_hit, external_kv_transfer).
+fn by_source(m: &Exposition) -> (f64, f64, f64) {
+    let v = |s| m.value("vllm:prompt_tokens_by_source_total", &[("source", s)]);
+    (
+        v("local_compute"),
+        v("local_cache_hit"),
+        v("external_kv_transfer"),
+    )
+}
+
+fn finished(m: &Exposition) -> f64 {
+    ["stop", "length", "abort"]
+        .iter()
+        .map(|r| m.value("vllm:request_success_total", &[("finished_reason", r)]))
+        .sum()
+}
+
+/// The report's counters equal what /metrics shows.
+fn assert_report_matches(r: &pb::CounterReport, m: &Exposition) {
+    let n = |v: u64| v as f64;
+    assert_eq!(
+        (
+            n(r.prefix_cache_queries),
+            n(r.prefix_cache_hits),
+            n(r.external_prefix_cache_queries),
+            n(r.external_prefix_cache_hits)
+        ),
+        prefix(m)
+    );
+    assert_eq!(n(r.prompt_tokens), m.value("vllm:prompt_tokens_total", &[]));
+    assert_eq!(
+        n(r.generation_tokens),
+        m.value("vllm:generation_tokens_total", &[])
+    );
+    assert_eq!(n(r.preemptions), m.value("vllm:num_preemptions_total", &[]));
+    for reason in ["stop", "length", "abort"] {
+        let at = m.value("vllm:request_success_total", &[("finished_reason", reason)]);
+        assert_eq!(n(r.requests_finished[reason]), at, "{reason}");
+    }
+    assert_eq!(
+        n(r.kv_transfer_bytes),
+        m.value("pd_node_kv_transfer_bytes_total", &[])
+    );
+    assert_eq!(
+        n(r.kv_transfers),
+        m.value("pd_node_kv_transfer_seconds_count", &[])
+    );
+    for (reason, count) in &r.kv_transfer_failures {
+        let at = m.value("pd_node_kv_transfer_failures_total", &[("reason", reason)]);
+        assert_eq!(n(*count), at, "{reason}");
+    }
+    assert_eq!(
+        n(r.kv_leases_expired),
+        m.value("pd_node_kv_leases_expired_total", &[])
+    );
+    assert_eq!(n(r.epoch), m.value("pd_node_epoch", &[]));
+}
+
+/// Every sample carries vLLM's labels first, in vLLM's order, then `role`; our own families
+/// carry `model_name` and `role`.
+fn assert_labels(m: &Exposition, role: &str) {
+    for s in &m.samples {
+        let names: Vec<&str> = s.labels.iter().map(|(k, _)| k.as_str()).collect();
+        if s.name.starts_with("vllm:") {
+            assert_eq!(names[..3], ["model_name", "engine", "role"], "{s:?}");
+            assert_eq!(s.label("engine"), Some("0"));
+        } else {
+            assert!(s.name.starts_with("pd_node_"), "{s:?}");
+            assert_eq!(names[..2], ["model_name", "role"], "{s:?}");
+        }
+        assert_eq!(s.label("model_name"), Some(MODEL));
+        assert_eq!(s.label("role"), Some(role));
+        let extra = &names[if s.name.starts_with("vllm:") { 3 } else { 2 }..];
+        assert!(
+            extra.len() <= 1
+                && extra
+                    .iter()
+                    .all(|l| ["finished_reason", "source", "reason", "le"].contains(l)),
+            "{s:?}"
+        );
+    }
+}
+
+const VLLM_FAMILIES: [(&str, &str); 18] = [
+    ("vllm:num_requests_running", "gauge"),
+    ("vllm:num_requests_waiting", "gauge"),
+    ("vllm:kv_cache_usage_perc", "gauge"),
+    ("vllm:prefix_cache_queries_total", "counter"),
+    ("vllm:prefix_cache_hits_total", "counter"),
+    ("vllm:external_prefix_cache_queries_total", "counter"),
+    ("vllm:external_prefix_cache_hits_total", "counter"),
+    ("vllm:num_preemptions_total", "counter"),
+    ("vllm:prompt_tokens_total", "counter"),
+    ("vllm:prompt_tokens_by_source_total", "counter"),
+    ("vllm:generation_tokens_total", "counter"),
+    ("vllm:request_success_total", "counter"),
+    ("vllm:time_to_first_token_seconds", "histogram"),
+    ("vllm:inter_token_latency_seconds", "histogram"),
+    ("vllm:e2e_request_latency_seconds", "histogram"),
+    ("vllm:request_queue_time_seconds", "histogram"),
+    ("vllm:request_prefill_time_seconds", "histogram"),
+    ("vllm:request_decode_time_seconds", "histogram"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
+    let p = prefill_node().await;
+    let m = p.metrics().await;
+    for (name, kind) in VLLM_FAMILIES {
+        assert_eq!(m.families[name].kind, kind, "{name}");
+    }
+    for (name, kind) in [
+        ("pd_node_kv_transfer_bytes_total", "counter"),
+        ("pd_node_kv_transfer_seconds", "histogram"),
+        ("pd_node_kv_transfer_failures_total", "counter"),
+        ("pd_node_kv_leases_expired_total", "counter"),
+        ("pd_node_epoch", "gauge"),
+    ] {
+        assert_eq!(m.families[name].kind, kind, "{name}");
+    }
+    assert_eq!(m.families.len(), VLLM_FAMILIES.len() + 5);
+    assert_labels(&m, "prefill");
+    assert_eq!(prefix(&m), (0.0, 0.0, 0.0, 0.0));
+    // vLLM's buckets, written as vLLM writes them.
+    let ttft = [
+        "0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75",
+        "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0",
+        "+Inf",
+    ];
+    assert_eq!(m.les("vllm:time_to_first_token_seconds"), ttft);
+    let latency = [
+        "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0",
+        "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf",
+    ];
+    assert_eq!(m.les("vllm:e2e_request_latency_seconds"), latency);
+    assert_eq!(m.les("vllm:request_decode_time_seconds"), latency);
+    let itl = m.les("vllm:inter_token_latency_seconds");
+    assert_eq!((itl[0].as_str(), itl[11].as_str()), ("0.01", "1.0"));
+
+    // Cold miss: 40 tokens looked up, none found.
+    let a = prompt(40, 1);
+    let r = prefill(&p, "a1", &a, false).await;
+    release(&p, &r).await;
+    let m = p.metrics().await;
+    assert_eq!(prefix(&m), (40.0, 0.0, 40.0, 0.0));
+    assert_eq!(by_source(&m), (40.0, 0.0, 0.0));
+    let report = r
+        .counters
+        .expect("the prefill response carries the counters");
+    assert_eq!(
+        (report.prefix_cache_queries, report.prefix_cache_hits),
+        (40, 0)
+    );
+    assert_eq!(finished(&m), 1.0);
+
+    // The same prompt again: two whole blocks (32 tokens) hit locally; the last token is
+    // never covered.
+    let r = prefill(&p, "a2", &a, false).await;
+    release(&p, &r).await;
+    assert_eq!(
+        r.usage.as_ref().unwrap().local_cached_tokens as usize,
+        2 * BLOCK
+    );
+    let m = p.metrics().await;
+    assert_eq!(prefix(&m), (80.0, 32.0, 48.0, 0.0));
+    assert_eq!(by_source(&m), (48.0, 32.0, 0.0));
+    assert_eq!(r.counters.as_ref().unwrap().prefix_cache_hits, 32);
+
+    // Prompt logprobs need every position computed: no lookup, nothing counted but the
+    // prompt.
+    let r = prefill(&p, "b1", &prompt(40, 2), true).await;
+    release(&p, &r).await;
+    let m = p.metrics().await;
+    assert_eq!(prefix(&m), (80.0, 32.0, 48.0, 0.0));
+    assert_eq!(by_source(&m), (88.0, 32.0, 0.0));
+    assert_eq!(m.value("vllm:prompt_tokens_total", &[]), 120.0);
+    assert_eq!(finished(&m), 3.0);
+    // One first token per request; every end recorded in the histograms.
+    assert_eq!(m.value("vllm:generation_tokens_total", &[]), 3.0);
+    assert_eq!(m.value("vllm:time_to_first_token_seconds_count", &[]), 3.0);
+    assert_eq!(m.value("vllm:e2e_request_latency_seconds_count", &[]), 3.0);
+    assert_eq!(m.value("vllm:request_queue_time_seconds_count", &[]), 3.0);
+
+    // Idle: Info's report equals the scrape, its epoch is the gauge's.
+    p.wait_idle().await;
+    let info = p.info().await;
+    let m = p.metrics().await;
+    let report = info.counters.expect("Info carries the counters");
+    assert_ne!(report.epoch, 0);
+    assert_report_matches(&report, &m);
+    assert_eq!(m.value("vllm:num_requests_running", &[]), 0.0);
+    assert_eq!(m.value("vllm:kv_cache_usage_perc", &[]), 0.0);
+    p.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_nodes() {
+    let p = prefill_node().await;
+    let d = decode_node().await;
+    assert_labels(&d.metrics().await, "decode");
+
+    // Cold on both nodes: the decode node receives the whole prompt (3 blocks).
+    let a = prompt(40, 3);
+    let messages = generate(&p, &d, "a1", &a).await;
+    let (last, rest) = messages.split_last().unwrap();
+    assert!(
+        rest.iter().all(|m| m.counters.is_none()),
+        "counters only at the end"
+    );
+    let report = last
+        .counters
+        .as_ref()
+        .expect("the last message carries the counters");
+    let m = d.metrics().await;
+    assert_eq!(prefix(&m), (40.0, 0.0, 40.0, 40.0));
+    assert_eq!(by_source(&m), (0.0, 0.0, 40.0));
+    let generated: usize = messages.iter().map(|m| m.tokens.len()).sum();
+    assert_eq!(
+        generated, 3,
+        "max_tokens 4, the first came from the prefill node"
+    );
+    assert_eq!(
+        m.value("vllm:generation_tokens_total", &[]),
+        generated as f64
+    );
+    assert_eq!(report.external_prefix_cache_hits, 40);
+    assert_eq!(report.generation_tokens, 3);
+    assert_eq!(m.value("vllm:inter_token_latency_seconds_count", &[]), 2.0);
+
+    let block_bytes = |r: &pb::CounterReport, blocks: u64| {
+        assert_eq!(r.kv_transfer_bytes % blocks, 0);
+        r.kv_transfer_bytes / blocks
+    };
+    let per_block = block_bytes(report, 3);
+    assert!(per_block > 0);
+    assert_eq!(
+        m.value("pd_node_kv_transfer_bytes_total", &[]),
+        (3 * per_block) as f64
+    );
+    assert_eq!(m.value("pd_node_kv_transfer_seconds_count", &[]), 1.0);
+    // The prefill node served the same bytes.
+    p.eventually(
+        "pd_node_kv_transfer_bytes_total",
+        &[],
+        (3 * per_block) as f64,
+    )
+    .await;
+
+    // The same prompt again: the decode node has two blocks itself (local hits) and pulls
+    // only the last one (external).
+    generate(&p, &d, "a2", &a).await;
+    let m = d.metrics().await;
+    assert_eq!(prefix(&m), (80.0, 32.0, 48.0, 48.0));
+    assert_eq!(by_source(&m), (0.0, 32.0, 48.0));
+    assert_eq!(
+        m.value("pd_node_kv_transfer_bytes_total", &[]),
+        (4 * per_block) as f64
+    );
+
+    // A lease released before the decode node pulls: a failure on both nodes, by reason.
+    let b = prompt(40, 4);
+    let r = prefill(&p, "b1", &b, false).await;
+    release(&p, &r).await;
+    let err = d
+        .decode()
+        .await
+        .decode(decode_request("b1", &b, &r))
+        .await
+        .expect_err("the lease is gone");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let gone = [("reason", "lease_gone")];
+    let m = d.metrics().await;
+    assert_eq!(m.value("pd_node_kv_transfer_failures_total", &gone), 1.0);
+    assert_eq!(
+        m.value(
+            "pd_node_kv_transfer_failures_total",
+            &[("reason", "timeout")]
+        ),
+        0.0
+    );
+    p.eventually("pd_node_kv_transfer_failures_total", &gone, 1.0)
+        .await;
+    p.eventually(
+        "pd_node_kv_transfer_bytes_total",
+        &[],
+        (4 * per_block) as f64,
+    )
+    .await;
+
+    // Reports equal the scrapes; each node has its own epoch.
+    d.wait_idle().await;
+    p.wait_idle().await;
+    let (di, pi) = (d.info().await, p.info().await);
+    assert_report_matches(di.counters.as_ref().unwrap(), &d.metrics().await);
+    assert_report_matches(pi.counters.as_ref().unwrap(), &p.metrics().await);
+    assert_eq!(di.counters.as_ref().unwrap().epoch, report.epoch);
+    assert_ne!(di.counters.unwrap().epoch, pi.counters.unwrap().epoch);
+    d.stop().await;
+    p.stop().await;
+}
