@@ -244,11 +244,20 @@ def queries(args):
             else:
                 passed += 1
 
+    def by_role(query, t):
+        result = api(prom, "query", query=f"sum by (role) ({query})", time=t)["result"]
+        return {s["metric"].get("role"): float(s["value"][1]) for s in result}
+
+    # The load is over: the router's aggregates must settle on exactly the nodes' own totals
+    # (both scraped by the same Prometheus). Allow a few scrapes and Info polls to get there.
     for router, node in ROUTER_VS_NODES:
-        r = api(prom, "query", query=f"sum by (role) ({router})", time=at)["result"]
-        n = api(prom, "query", query=f"sum by (role) ({node})", time=at)["result"]
-        rv = {s["metric"].get("role"): float(s["value"][1]) for s in r}
-        nv = {s["metric"].get("role"): float(s["value"][1]) for s in n}
+        deadline = time.monotonic() + 15
+        while True:
+            t = time.time()
+            rv, nv = by_role(router, t), by_role(node, t)
+            if (rv and rv == nv) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         if not rv or rv != nv:
             fail.add(f"router {router} {rv} != nodes' {node} {nv}")
         else:
