@@ -33,3 +33,6 @@ cargo test --workspace --locked
 
 echo "== third-party client (Python grpcio) against a live cluster"
 ./scripts/python-client-test.sh
+
+echo "== Prometheus: rule unit tests; dashboard and rules against a live cluster"
+./scripts/prometheus-check.sh
