@@ -4,7 +4,6 @@
 //! - `pdctl run`: one model in one process, no cluster.
 //! - `pdctl tokenize`: token ids of raw text.
 //! - `pdctl metrics`: a live summary of a cluster from its router's `/metrics`.
-//! - `pdctl metrics`: a live summary of a cluster from its router's `/metrics`.
 //! - `pdctl bench-model`: prefill / decode speed beside the machine's memory bandwidth.
 //! - `pdctl bench`: the serving benchmark against a cluster (`pdctl bench compare` for two
 //!   reports).
@@ -13,7 +12,6 @@ mod bench;
 mod bench_model;
 mod generate;
 mod load;
-mod metrics;
 mod metrics;
 mod run;
 mod tokenize;
@@ -46,8 +44,6 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// Live summary of a cluster from its router's /metrics: hit rates, throughput, latency.
     Metrics(metrics::MetricsArgs),
-    /// Live summary of a cluster from its router's /metrics: hit rates, throughput, latency.
-    Metrics(metrics::MetricsArgs),
     /// Measure prefill and decode speed against the machine's memory-read bandwidth.
     BenchModel(bench_model::BenchModelArgs),
     /// Benchmark a running cluster (or one started with --up): throughput, latencies,
@@ -69,7 +65,6 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Up(args) => up::run(args),
         Command::Generate(args) => generate::run(*args),
-        Command::Metrics(args) => metrics::run(args),
         Command::Metrics(args) => metrics::run(args),
         Command::BenchModel(args) => bench_model::run(args),
         Command::Bench(args) => bench::run(args),

@@ -126,14 +126,16 @@ impl std::fmt::Display for LenRange {
 
 /// One service-level objective of `--goodput`: a request is good when it meets all of them.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
 pub enum Slo {
     /// Time to first token at most this many milliseconds.
-    TtftMs(f64),
+    #[serde(rename = "ttft_ms")]
+    Ttft(f64),
     /// Time per output token (after the first) at most this many milliseconds.
-    TpotMs(f64),
+    #[serde(rename = "tpot_ms")]
+    Tpot(f64),
     /// End-to-end latency at most this many milliseconds.
-    E2elMs(f64),
+    #[serde(rename = "e2el_ms")]
+    E2el(f64),
 }
 
 impl FromStr for Slo {
@@ -146,9 +148,9 @@ impl FromStr for Slo {
             return Err(bad());
         }
         match name.trim() {
-            "ttft" => Ok(Self::TtftMs(ms)),
-            "tpot" => Ok(Self::TpotMs(ms)),
-            "e2el" => Ok(Self::E2elMs(ms)),
+            "ttft" => Ok(Self::Ttft(ms)),
+            "tpot" => Ok(Self::Tpot(ms)),
+            "e2el" => Ok(Self::E2el(ms)),
             _ => Err(bad()),
         }
     }
@@ -163,10 +165,14 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
 
 /// `pdctl bench` (the run itself; `pdctl bench compare` has its own arguments).
 #[derive(Debug, Clone, Args)]
-#[group(id = "target", multiple = false, args = ["router", "up"])]
 pub struct BenchArgs {
     /// The router's gRPC address (HOST:PORT) of a running cluster.
-    #[arg(long, env = "PD_ROUTER", help_heading = "Cluster")]
+    #[arg(
+        long,
+        env = "PD_ROUTER",
+        conflicts_with = "up",
+        help_heading = "Cluster"
+    )]
     pub router: Option<String>,
     /// The router's metrics endpoint (HOST:PORT or URL), for the prefix-cache hit rates over
     /// the benchmark's window. With --up it is found in `pdctl up`'s ready line.
@@ -176,7 +182,12 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Cluster")]
     pub up: bool,
     /// --up: model directory or `synthetic:NAME`.
-    #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny", help_heading = "Cluster")]
+    #[arg(
+        long,
+        env = "PD_MODEL",
+        default_value = "synthetic:tiny",
+        help_heading = "Cluster"
+    )]
     pub model: String,
     /// --up: number of prefill nodes.
     #[arg(long, default_value_t = 1, help_heading = "Cluster")]
@@ -275,15 +286,21 @@ mod tests {
     #[test]
     fn grammar() {
         assert_eq!("inf".parse::<RequestRate>(), Ok(RequestRate::Infinite));
-        assert_eq!("2.5".parse::<RequestRate>(), Ok(RequestRate::PerSecond(2.5)));
+        assert_eq!(
+            "2.5".parse::<RequestRate>(),
+            Ok(RequestRate::PerSecond(2.5))
+        );
         assert!("0".parse::<RequestRate>().is_err());
         assert!("-1".parse::<RequestRate>().is_err());
-        assert_eq!("64:256".parse::<LenRange>(), Ok(LenRange { min: 64, max: 256 }));
+        assert_eq!(
+            "64:256".parse::<LenRange>(),
+            Ok(LenRange { min: 64, max: 256 })
+        );
         assert_eq!("7".parse::<LenRange>(), Ok(LenRange { min: 7, max: 7 }));
         assert!("0".parse::<LenRange>().is_err());
         assert!("9:3".parse::<LenRange>().is_err());
-        assert_eq!("ttft:500".parse::<Slo>(), Ok(Slo::TtftMs(500.0)));
-        assert_eq!("tpot:12.5".parse::<Slo>(), Ok(Slo::TpotMs(12.5)));
+        assert_eq!("ttft:500".parse::<Slo>(), Ok(Slo::Ttft(500.0)));
+        assert_eq!("tpot:12.5".parse::<Slo>(), Ok(Slo::Tpot(12.5)));
         assert!("itl:5".parse::<Slo>().is_err());
         assert!("ttft:-5".parse::<Slo>().is_err());
     }

@@ -173,10 +173,9 @@ pub async fn send(
                     last_token_at = Some(now);
                 }
                 if chunk.finish_reason != pb::FinishReason::Unspecified as i32 {
-                    let reason =
-                        pd_proto::convert::engine_finish_reason(chunk.finish_reason())
-                            .map(|r| r.as_str().to_string())
-                            .unwrap_or_else(|| "unspecified".into());
+                    let reason = pd_proto::convert::engine_finish_reason(chunk.finish_reason())
+                        .map(|r| r.as_str().to_string())
+                        .unwrap_or_else(|| "unspecified".into());
                     record.outcome = Outcome::Finished(reason);
                     let usage = chunk.usage.unwrap_or_default();
                     record.prompt_tokens = usage.prompt_tokens;

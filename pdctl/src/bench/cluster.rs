@@ -20,17 +20,6 @@ pub struct LocalCluster {
     pub description: String,
 }
 
-/// The router's metrics address in `pdctl up`'s ready line, wherever the line puts it.
-fn router_metrics_of(ready: &Value) -> Option<String> {
-    [
-        &ready["router_metrics"],
-        &ready["metrics"]["router"],
-        &ready["router_metrics_addr"],
-    ]
-    .into_iter()
-    .find_map(|v| v.as_str().map(str::to_string))
-}
-
 impl LocalCluster {
     pub fn start(args: &BenchArgs) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating pdctl")?;
@@ -48,6 +37,11 @@ impl LocalCluster {
         }
         // The router reads its policy from the environment (`PD_POLICY`); `pdctl up` passes
         // its environment on.
+        // The cluster's own logs would drown the progress bar and the table: warnings only,
+        // unless the user chose a level.
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn");
+        }
         if let Some(p) = args.policy {
             cmd.env("PD_POLICY", p.as_str());
         }
@@ -58,11 +52,13 @@ impl LocalCluster {
             .spawn()
             .context("starting `pdctl up`")?;
         let mut line = String::new();
-        let read = BufReader::new(child.stdout.take().context("pdctl up's stdout")?)
-            .read_line(&mut line);
+        let read =
+            BufReader::new(child.stdout.take().context("pdctl up's stdout")?).read_line(&mut line);
         if read.is_err() || line.trim().is_empty() {
             let status = child.wait().context("waiting for pdctl up")?;
-            bail!("`pdctl up` exited before the cluster was ready ({status}); see its errors above");
+            bail!(
+                "`pdctl up` exited before the cluster was ready ({status}); see its errors above"
+            );
         }
         let ready: Value = serde_json::from_str(&line)
             .with_context(|| format!("`pdctl up` printed {line:?}, not its ready line"))?;
@@ -79,7 +75,7 @@ impl LocalCluster {
         Ok(Self {
             child,
             router,
-            router_metrics: router_metrics_of(&ready),
+            router_metrics: ready["router_metrics"].as_str().map(str::to_string),
             description,
         })
     }

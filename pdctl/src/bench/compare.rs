@@ -20,10 +20,13 @@ pub struct CompareArgs {
 pub fn load(path: &Path) -> anyhow::Result<Report> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not JSON", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     if value["schema"] != SCHEMA {
-        bail!("{} is not a pdctl bench report (no \"schema\": \"{SCHEMA}\")", path.display());
+        bail!(
+            "{} is not a pdctl bench report (no \"schema\": \"{SCHEMA}\")",
+            path.display()
+        );
     }
     if value["schema_version"] != SCHEMA_VERSION {
         bail!(
@@ -46,7 +49,10 @@ fn figures(r: &Report) -> Vec<(&'static str, Option<f64>)> {
         ("failed requests", Some(s.failed as f64)),
         ("duration (s)", Some(s.duration_s)),
         ("request throughput (req/s)", Some(s.request_throughput)),
-        ("goodput (req/s)", s.goodput.as_ref().map(|g| g.request_goodput)),
+        (
+            "goodput (req/s)",
+            s.goodput.as_ref().map(|g| g.request_goodput),
+        ),
         ("input tokens/s", Some(s.input_token_throughput)),
         ("output tokens/s", Some(s.output_token_throughput)),
         ("TTFT mean (ms)", Some(s.ttft_ms.mean)),
@@ -66,9 +72,10 @@ fn figures(r: &Report) -> Vec<(&'static str, Option<f64>)> {
 }
 
 fn name_of(r: &Report, path: &Path) -> String {
-    r.label
-        .clone()
-        .unwrap_or_else(|| path.file_stem().map_or("?".into(), |s| s.to_string_lossy().into()))
+    r.label.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map_or("?".into(), |s| s.to_string_lossy().into())
+    })
 }
 
 /// The side-by-side table.
@@ -90,10 +97,13 @@ pub fn table(a: &Report, a_name: &str, b: &Report, b_name: &str) -> String {
             "{which}: {} on {}{}, {} (rate {}, concurrency {}, seed {})",
             c.workload,
             c.model,
-            c.cluster.as_ref().map_or(String::new(), |x| format!(" [{x}]")),
+            c.cluster
+                .as_ref()
+                .map_or(String::new(), |x| format!(" [{x}]")),
             c.shape,
             c.request_rate,
-            c.max_concurrency.map_or("unlimited".into(), |n| n.to_string()),
+            c.max_concurrency
+                .map_or("unlimited".into(), |n| n.to_string()),
             c.seed
         );
     }

@@ -84,8 +84,10 @@ fn progress(hidden: bool, total: Option<u64>) -> ProgressBar {
             .expect("a valid template"),
         ),
         None => ProgressBar::new_spinner().with_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {pos} requests ({per_sec})")
-                .expect("a valid template"),
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {pos} requests ({per_sec})",
+            )
+            .expect("a valid template"),
         ),
     };
     if hidden {
@@ -222,10 +224,21 @@ pub async fn run(
     };
     let total = shape.sessions.map(|n| {
         (0..n)
-            .map(|i| plan.sessions[(shape.warmup + i) % plan.sessions.len()].turns.len() as u64)
+            .map(|i| {
+                plan.sessions[(shape.warmup + i) % plan.sessions.len()]
+                    .turns
+                    .len() as u64
+            })
             .sum()
     });
-    let bar = progress(hide_progress, if shape.duration.is_some() { None } else { total });
+    let bar = progress(
+        hide_progress,
+        if shape.duration.is_some() {
+            None
+        } else {
+            total
+        },
+    );
     let started_at = SystemTime::now();
     let window_start = Instant::now();
 

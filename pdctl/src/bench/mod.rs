@@ -193,7 +193,9 @@ async fn resolve_output(
                                 text: text.clone(),
                             })
                             .await
-                            .map_err(|s| anyhow::anyhow!("Tokenize: {}: {}", s.code(), s.message()))?
+                            .map_err(|s| {
+                                anyhow::anyhow!("Tokenize: {}: {}", s.code(), s.message())
+                            })?
                             .into_inner()
                             .ids;
                         let n = (ids.len() as u32).max(1);
@@ -217,6 +219,13 @@ async fn resolve_output(
         all.push(lens);
     }
     Ok(all)
+}
+
+/// The workload's name as typed on the command line.
+fn workload_name(kind: WorkloadKind) -> String {
+    use clap::ValueEnum;
+    kind.to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_string())
 }
 
 fn shape_words(args: &BenchArgs) -> String {
@@ -307,7 +316,7 @@ async fn bench_async(
     let config = report::RunConfig {
         router: router.to_string(),
         model: card.name.clone(),
-        workload: format!("{:?}", args.workload).to_lowercase(),
+        workload: workload_name(args.workload),
         dataset: args.dataset.as_ref().map(|p| p.display().to_string()),
         seed: args.seed,
         shape: shape_words(args),
@@ -328,8 +337,7 @@ async fn bench_async(
     print!("{}", report::table(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report).context("encoding the report")?;
-        std::fs::write(path, text + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(dir) = &args.plot {
         for file in plot::write_all(dir, &out, &report)? {

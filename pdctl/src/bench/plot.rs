@@ -11,7 +11,11 @@ use super::driver::RunOutput;
 use super::report::Report;
 
 const SIZE: (u32, u32) = (900, 520);
-const COLORS: [RGBColor; 3] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44)];
+const COLORS: [RGBColor; 3] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+];
 
 /// Points of the empirical CDF of `samples`: (value, fraction of samples <= value).
 pub fn cdf(samples: &[f64]) -> Vec<(f64, f64)> {
@@ -44,9 +48,8 @@ fn line_chart(
         root.fill(&WHITE)?;
         let all = series.iter().flat_map(|s| s.points.iter());
         let x_max = all.clone().map(|p| p.0).fold(0.0, f64::max).max(1e-3) * 1.05;
-        let (y_min, y_max) = y_range.unwrap_or_else(|| {
-            (0.0, all.map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.1)
-        });
+        let (y_min, y_max) =
+            y_range.unwrap_or_else(|| (0.0, all.map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.1));
         let mut chart = ChartBuilder::on(&root)
             .caption(caption, ("sans-serif", 22))
             .margin(15)
@@ -61,7 +64,10 @@ fn line_chart(
         for (i, s) in series.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             chart
-                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(2)))?
+                .draw_series(LineSeries::new(
+                    s.points.iter().copied(),
+                    color.stroke_width(2),
+                ))?
                 .label(s.name.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         }

@@ -177,10 +177,10 @@ pub struct Report {
 fn is_good(r: &RequestRecord, objectives: &[Slo]) -> bool {
     r.outcome.is_success()
         && objectives.iter().all(|slo| match *slo {
-            Slo::TtftMs(max) => r.ttft.is_some_and(|t| ms(t) <= max),
+            Slo::Ttft(max) => r.ttft.is_some_and(|t| ms(t) <= max),
             // One token has no time per output token: nothing to miss.
-            Slo::TpotMs(max) => r.tpot().is_none_or(|t| ms(t) <= max),
-            Slo::E2elMs(max) => ms(r.e2e) <= max,
+            Slo::Tpot(max) => r.tpot().is_none_or(|t| ms(t) <= max),
+            Slo::E2el(max) => ms(r.e2e) <= max,
         })
 }
 
@@ -391,7 +391,11 @@ pub fn table(report: &Report) -> String {
     let s = &report.summary;
     let mut t = String::new();
     let mut line = |k: &str, v: String| {
-        let _ = writeln!(t, "{k:<44}{v:>16}");
+        let _ = if v.is_empty() {
+            writeln!(t, "{k}")
+        } else {
+            writeln!(t, "{k:<44}{v:>16}")
+        };
     };
     let title = match &report.label {
         Some(l) => format!(" Serving benchmark: {l} "),
@@ -418,13 +422,28 @@ pub fn table(report: &Report) -> String {
     line("Benchmark duration (s):", format!("{:.2}", s.duration_s));
     line("Total input tokens:", s.total_input_tokens.to_string());
     line("Total generated tokens:", s.total_output_tokens.to_string());
-    line("Request throughput (req/s):", format!("{:.2}", s.request_throughput));
+    line(
+        "Request throughput (req/s):",
+        format!("{:.2}", s.request_throughput),
+    );
     if let Some(g) = &s.goodput {
-        line("Request goodput (req/s):", format!("{:.2}", g.request_goodput));
+        line(
+            "Request goodput (req/s):",
+            format!("{:.2}", g.request_goodput),
+        );
     }
-    line("Input token throughput (tok/s):", format!("{:.2}", s.input_token_throughput));
-    line("Output token throughput (tok/s):", format!("{:.2}", s.output_token_throughput));
-    line("Total token throughput (tok/s):", format!("{:.2}", s.total_token_throughput));
+    line(
+        "Input token throughput (tok/s):",
+        format!("{:.2}", s.input_token_throughput),
+    );
+    line(
+        "Output token throughput (tok/s):",
+        format!("{:.2}", s.output_token_throughput),
+    );
+    line(
+        "Total token throughput (tok/s):",
+        format!("{:.2}", s.total_token_throughput),
+    );
     for (name, d) in [
         ("Time to First Token", &s.ttft_ms),
         ("Time per Output Token (excl. 1st token)", &s.tpot_ms),
@@ -449,10 +468,16 @@ pub fn table(report: &Report) -> String {
     match &report.router_prefix_cache {
         Some(c) => {
             line("Router local hit rate (window):", rate(c.local.hit_rate));
-            line("Router external hit rate (window):", rate(c.external.hit_rate));
+            line(
+                "Router external hit rate (window):",
+                rate(c.external.hit_rate),
+            );
             for r in &c.by_role {
                 line(
-                    &format!("  {} {}: {:.0}/{:.0} tokens", r.role, r.cache, r.window.hits, r.window.queries),
+                    &format!(
+                        "  {} {}: {:.0}/{:.0} tokens",
+                        r.role, r.cache, r.window.hits, r.window.queries
+                    ),
                     rate(r.window.hit_rate),
                 );
             }

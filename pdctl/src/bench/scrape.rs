@@ -66,13 +66,13 @@ impl HitsQueries {
 impl CacheCounters {
     /// Summed over roles: the cluster's counters of one cache.
     pub fn total(&self, cache: CacheTier) -> HitsQueries {
-        self.by_role
-            .iter()
-            .filter(|((_, c), _)| *c == cache)
-            .fold(HitsQueries::default(), |acc, (_, v)| HitsQueries {
+        self.by_role.iter().filter(|((_, c), _)| *c == cache).fold(
+            HitsQueries::default(),
+            |acc, (_, v)| HitsQueries {
                 hits: acc.hits + v.hits,
                 queries: acc.queries + v.queries,
-            })
+            },
+        )
     }
 
     pub fn get(&self, role: &str, cache: CacheTier) -> HitsQueries {
@@ -234,7 +234,10 @@ pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
         ) else {
             continue;
         };
-        let entry = counters.by_role.entry((role.to_string(), cache)).or_default();
+        let entry = counters
+            .by_role
+            .entry((role.to_string(), cache))
+            .or_default();
         if is_hits {
             entry.hits += value;
         } else {
@@ -284,8 +287,8 @@ pd_router_requests_total{model_name=\"m\",outcome=\"stop\"} 3
             }
         );
         assert_eq!(now.total(CacheTier::External).rate(), Some(1.0));
-        let before = parse_cache_counters(&TEXT.replace("} 32", "} 0").replace("} 100", "} 68"))
-            .unwrap();
+        let before =
+            parse_cache_counters(&TEXT.replace("} 32", "} 0").replace("} 100", "} 68")).unwrap();
         let d = now.since(&before);
         assert_eq!(
             d.get("prefill", CacheTier::Local),
@@ -304,9 +307,7 @@ pd_router_requests_total{model_name=\"m\",outcome=\"stop\"} 3
             parse_cache_counters("up 1\n"),
             Err(ParseFailure::NoSeries)
         ));
-        assert!(
-            parse_cache_counters("# TYPE pd_router_prefix_cache_hits_total counter\n").is_ok()
-        );
+        assert!(parse_cache_counters("# TYPE pd_router_prefix_cache_hits_total counter\n").is_ok());
     }
 
     #[test]

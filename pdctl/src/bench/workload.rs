@@ -202,8 +202,14 @@ mod tests {
     fn a_seed_names_one_workload() {
         let range = LenRange { min: 8, max: 64 };
         let a = random(7, 20, &LIMITS, PromptFormat::Tokens, range, range);
-        assert_eq!(a, random(7, 20, &LIMITS, PromptFormat::Tokens, range, range));
-        assert_ne!(a, random(8, 20, &LIMITS, PromptFormat::Tokens, range, range));
+        assert_eq!(
+            a,
+            random(7, 20, &LIMITS, PromptFormat::Tokens, range, range)
+        );
+        assert_ne!(
+            a,
+            random(8, 20, &LIMITS, PromptFormat::Tokens, range, range)
+        );
         for s in &a {
             let Prompt::TokenIds(ids) = &s.turns[0].prompt else {
                 panic!("token prompt")
