@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use pd_engine::backend::Backend;
 use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::cli::Device;
 use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
 use pd_engine::serve::{EngineThread, Role};
@@ -52,6 +54,21 @@ impl std::fmt::Debug for LoadedModel {
 /// default cache directory) and load its weights, with progress bars on a terminal.
 /// Blocking.
 pub fn load_model(model: &str, synthetic_cache_dir: Option<&Path>) -> anyhow::Result<LoadedModel> {
+    let (served_name, files) = open_model(model, synthetic_cache_dir)?;
+    let weights = load_weights(&files, &CpuBackend::new(), model)?;
+    Ok(LoadedModel {
+        served_name,
+        files,
+        weights,
+    })
+}
+
+/// Resolve `model` (materialising a synthetic model if needed) and open its metadata:
+/// the name it is served under and its files. Blocking.
+pub fn open_model(
+    model: &str,
+    synthetic_cache_dir: Option<&Path>,
+) -> anyhow::Result<(String, ModelFiles)> {
     let source = ModelSource::parse(model)?;
     let progress = bar("writing synthetic");
     let report = |done: usize, total: usize| {
@@ -67,18 +84,22 @@ pub fn load_model(model: &str, synthetic_cache_dir: Option<&Path>) -> anyhow::Re
     progress.finish_and_clear();
     let dir = dir.with_context(|| format!("resolving model {model}"))?;
     let files = ModelFiles::open(&dir).with_context(|| format!("loading model {model}"))?;
+    Ok((source.served_name(), files))
+}
+
+/// Load the weights of `files` onto `backend`, with a progress bar on a terminal.
+pub fn load_weights<B: Backend>(
+    files: &ModelFiles,
+    backend: &B,
+    model: &str,
+) -> anyhow::Result<Qwen3<B>> {
     let progress = bar("loading weights");
-    let weights = files.load_weights(&CpuBackend::new(), &mut |done, total| {
+    let weights = files.load_weights(backend, &mut |done, total| {
         progress.set_length(total as u64);
         progress.set_position(done as u64);
     });
     progress.finish_and_clear();
-    let weights = weights.with_context(|| format!("loading the weights of {model}"))?;
-    Ok(LoadedModel {
-        served_name: source.served_name(),
-        files,
-        weights,
-    })
+    weights.with_context(|| format!("loading the weights of {model} onto {}", backend.name()))
 }
 
 /// What a node serves, as it reports it (Info, the ready line, KV handles).
@@ -97,10 +118,16 @@ pub struct ModelFacts {
 }
 
 impl ModelFacts {
-    pub fn new(args: &NodeArgs, served_name: &str, files: &ModelFiles) -> anyhow::Result<Self> {
+    /// The facts of `files` served as `served_name` with `num_blocks` KV blocks (from
+    /// [`pd_engine::cli::EngineArgs::num_blocks_on`]).
+    pub fn new(
+        args: &NodeArgs,
+        served_name: &str,
+        files: &ModelFiles,
+        num_blocks: usize,
+    ) -> anyhow::Result<Self> {
         let max_model_len = args.engine.max_model_len(&files.config)?;
         let layout = KvLayout::new(&files.config, args.engine.block_size)?;
-        let num_blocks = args.engine.num_blocks(&layout, max_model_len);
         Ok(Self {
             served_name: served_name.to_string(),
             fingerprint: fingerprint(&layout, served_name, files),
@@ -133,6 +160,40 @@ pub struct StartedEngine {
     pub histograms: Arc<RequestHistograms>,
 }
 
+/// Load the model onto `backend`, size its KV cache and start its engine thread.
+fn start_on<B: Backend>(
+    backend: B,
+    args: &NodeArgs,
+    role: Role,
+    lease_timeout: Duration,
+    histograms: &Arc<RequestHistograms>,
+) -> anyhow::Result<(ModelFacts, EngineThread)> {
+    let (served_name, files) = open_model(&args.model, args.synthetic_cache_dir.as_deref())?;
+    let weights = load_weights(&files, &backend, &args.model)?;
+    let max_model_len = args.engine.max_model_len(&files.config)?;
+    let layout = KvLayout::new(&files.config, args.engine.block_size)?;
+    let num_blocks = args
+        .engine
+        .num_blocks_on(&backend, &files.config, &layout, max_model_len)?;
+    let facts = ModelFacts::new(args, &served_name, &files, num_blocks)?;
+    let engine = args
+        .engine
+        .build_on(
+            &files,
+            backend,
+            weights,
+            num_blocks,
+            role,
+            args.seed,
+            lease_timeout,
+        )
+        .context("building the engine")?;
+    Ok((
+        facts,
+        EngineThread::spawn_observed(engine, histograms.observer()),
+    ))
+}
+
 /// Load the model and start an engine of `role` on its own thread (blocking work runs on
 /// tokio's blocking pool). `lease_timeout` bounds how long a prefill lease pins its blocks.
 pub async fn start_engine(
@@ -143,19 +204,16 @@ pub async fn start_engine(
     let args = args.clone();
     let histograms = Arc::new(RequestHistograms::default());
     tokio::task::spawn_blocking(move || {
-        let loaded = load_model(&args.model, args.synthetic_cache_dir.as_deref())?;
-        let facts = ModelFacts::new(&args, &loaded.served_name, &loaded.files)?;
-        let engine = args
-            .engine
-            .build(
-                &loaded.files,
-                loaded.weights,
-                role,
-                args.seed,
-                lease_timeout,
-            )
-            .context("building the engine")?;
-        let thread = EngineThread::spawn_observed(engine, histograms.observer());
+        // The device is opened first: asking for one that cannot work fails before any
+        // model is written or read.
+        let (facts, thread) = match args.engine.device {
+            Device::Cpu => start_on(CpuBackend::new(), &args, role, lease_timeout, &histograms)?,
+            Device::Cuda { ordinal } => {
+                let backend =
+                    pd_kernels::CudaBackend::open(ordinal, args.engine.gpu_memory_utilization)?;
+                start_on(backend, &args, role, lease_timeout, &histograms)?
+            }
+        };
         Ok(StartedEngine {
             facts,
             thread,

@@ -1,11 +1,16 @@
-//! Resolving `--model` and loading it with progress bars on a terminal.
+//! Resolving `--model`, loading it with progress bars on a terminal, and starting an engine
+//! on the `--device` it asks for.
 
 use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use pd_engine::backend::Backend;
 use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::cli::{Device, EngineArgs};
+use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
+use pd_engine::serve::{EngineThread, Role};
 
 fn bar(message: &'static str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
@@ -36,11 +41,50 @@ pub fn open(model: &str) -> anyhow::Result<ModelFiles> {
 
 /// Map the weights onto the CPU backend.
 pub fn weights(files: &ModelFiles) -> anyhow::Result<Qwen3<CpuBackend>> {
+    weights_on(files, &CpuBackend::new())
+}
+
+/// Load the weights onto `backend`.
+fn weights_on<B: Backend>(files: &ModelFiles, backend: &B) -> anyhow::Result<Qwen3<B>> {
     let progress = bar("loading weights");
-    let model = files.load_weights(&CpuBackend::new(), &mut |done, total| {
+    let model = files.load_weights(backend, &mut |done, total| {
         progress.set_length(total as u64);
         progress.set_position(done as u64);
     });
     progress.finish_and_clear();
-    Ok(model?)
+    model.with_context(|| format!("loading the weights onto {}", backend.name()))
+}
+
+/// Start an engine of `role` for `files` on `args.device` (its weights loaded there, its KV
+/// cache sized for it).
+pub fn start_engine(
+    files: &ModelFiles,
+    args: &EngineArgs,
+    role: Role,
+    seed: u64,
+    lease_timeout: Duration,
+) -> anyhow::Result<EngineThread> {
+    match args.device {
+        Device::Cpu => start_on(CpuBackend::new(), files, args, role, seed, lease_timeout),
+        Device::Cuda { ordinal } => {
+            let backend = pd_kernels::CudaBackend::open(ordinal, args.gpu_memory_utilization)?;
+            start_on(backend, files, args, role, seed, lease_timeout)
+        }
+    }
+}
+
+fn start_on<B: Backend>(
+    backend: B,
+    files: &ModelFiles,
+    args: &EngineArgs,
+    role: Role,
+    seed: u64,
+    lease_timeout: Duration,
+) -> anyhow::Result<EngineThread> {
+    let model = weights_on(files, &backend)?;
+    let max_model_len = args.max_model_len(&files.config)?;
+    let layout = KvLayout::new(&files.config, args.block_size)?;
+    let num_blocks = args.num_blocks_on(&backend, &files.config, &layout, max_model_len)?;
+    let engine = args.build_on(files, backend, model, num_blocks, role, seed, lease_timeout)?;
+    Ok(EngineThread::spawn(engine))
 }

@@ -17,9 +17,7 @@ use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
 };
-use pd_engine::serve::{
-    EngineHandle, EngineRequest, EngineThread, RequestEvent, RequestId, Role, Usage,
-};
+use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
 use pd_engine::text::TextStream;
 use pd_engine::tokenizer::{ChatMessage, ChatRole};
 use serde_json::json;
@@ -165,15 +163,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 
     let eos = files.eos_token_ids();
-    let model = crate::load::weights(&files)?;
-    let engine = args.engine.build(
+    let thread = crate::load::start_engine(
         &files,
-        model,
+        &args.engine,
         Role::Mixed,
         args.sampling.seed.unwrap_or(0),
         Duration::from_secs(30),
     )?;
-    let thread = EngineThread::spawn(engine);
     let handle = thread.handle();
 
     let stream_text = !args.json && jobs.len() == 1;
