@@ -288,3 +288,137 @@ pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+// ---- metrics ------------------------------------------------------------------------------
+
+impl Cluster {
+    /// The router's `/metrics` address (`router_metrics` in `pdctl up`'s ready line).
+    pub fn router_metrics(&self) -> String {
+        self.ready["router_metrics"]
+            .as_str()
+            .expect("router_metrics in the ready line")
+            .to_string()
+    }
+
+    /// The `/metrics` addresses of the nodes of `role` (`prefill` / `decode`), in the order of
+    /// [`Cluster::nodes`].
+    pub fn node_metrics(&self, role: &str) -> Vec<String> {
+        self.ready[format!("{role}_metrics")]
+            .as_array()
+            .expect("node metrics addresses in the ready line")
+            .iter()
+            .map(|m| m.as_str().expect("address").to_string())
+            .collect()
+    }
+}
+
+/// The `metrics_addr` of a binary's ready line (a [`Process`]'s `ready`).
+pub fn metrics_addr(ready: &Value) -> String {
+    ready["metrics_addr"]
+        .as_str()
+        .expect("the ready line has a metrics_addr")
+        .to_string()
+}
+
+/// `GET http://{addr}/metrics`: the exposition text.
+pub async fn scrape(addr: &str) -> anyhow::Result<String> {
+    use http_body_util::BodyExt as _;
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let request = hyper::Request::get("/metrics")
+        .header(hyper::header::HOST, addr)
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())?;
+    let response = sender.send_request(request).await?;
+    if !response.status().is_success() {
+        bail!("{addr}/metrics answered {}", response.status());
+    }
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok(String::from_utf8(body.to_vec())?)
+}
+
+/// One parsed `/metrics` page (with `prometheus-parse`): every sample as (name, labels,
+/// value); histogram buckets appear as `NAME_bucket` samples with an `le` label, `_sum` and
+/// `_count` as their own samples. `prometheus-parse` reads names as `\w+`, so the colon of
+/// vLLM's `vllm:` prefix is swapped for [`COLON`] while parsing and restored after.
+#[derive(Debug, Clone)]
+pub struct Exposition {
+    pub text: String,
+    samples: Vec<(String, std::collections::BTreeMap<String, String>, f64)>,
+}
+
+impl Exposition {
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        use prometheus_parse::Value as V;
+        let readable = text.replace("vllm:", &format!("vllm{COLON}"));
+        let scrape = prometheus_parse::Scrape::parse(readable.lines().map(|l| Ok(l.to_string())))
+            .context("parsing the exposition")?;
+        let mut samples = Vec::new();
+        for s in scrape.samples {
+            let metric = s.metric.replacen(&format!("vllm{COLON}"), "vllm:", 1);
+            let labels: std::collections::BTreeMap<String, String> = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            match s.value {
+                V::Counter(v) | V::Gauge(v) | V::Untyped(v) => samples.push((metric, labels, v)),
+                V::Histogram(buckets) => {
+                    for b in buckets {
+                        let mut labels = labels.clone();
+                        labels.insert("le".into(), b.less_than.to_string());
+                        samples.push((format!("{metric}_bucket"), labels, b.count));
+                    }
+                }
+                V::Summary(_) => {}
+            }
+        }
+        Ok(Self {
+            text: text.to_string(),
+            samples,
+        })
+    }
+
+    /// Sum of the samples named `name` whose labels include every `(label, value)` given.
+    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.get(*k).is_some_and(|x| x == v))
+            })
+            .map(|(_, _, v)| v)
+            .sum()
+    }
+
+    /// Whether any sample is named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.samples.iter().any(|(n, _, _)| n == name)
+    }
+
+    /// The distinct values of `label` among the samples named `name`.
+    pub fn label_values(&self, name: &str, label: &str) -> Vec<String> {
+        let mut values: Vec<String> = self
+            .samples
+            .iter()
+            .filter(|(n, _, _)| n == name)
+            .filter_map(|(_, l, _)| l.get(label).cloned())
+            .collect();
+        values.sort();
+        values.dedup();
+        values
+    }
+}
+
+/// Stands for `:` in metric names while `prometheus-parse` reads them.
+pub const COLON: &str = "__colon__";
+
+/// Scrapes and parses `addr`'s `/metrics`.
+pub async fn exposition(addr: &str) -> anyhow::Result<Exposition> {
+    Exposition::parse(&scrape(addr).await?)
+}
