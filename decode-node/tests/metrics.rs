@@ -517,6 +517,28 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
     )
     .await;
 
+    // A client that goes away mid-stream: the request ends as an abort on the decode node,
+    // and its end still reaches the latency histograms.
+    let before = d.metrics().await;
+    let abort = [("finished_reason", "abort")];
+    let e2e = "vllm:e2e_request_latency_seconds_count";
+    let c = prompt(40, 5);
+    let r = prefill(&p, "c1", &c, false).await;
+    let mut req = decode_request("c1", &c, &r);
+    req.max_tokens = 3000;
+    let mut stream = d.decode().await.decode(req).await.unwrap().into_inner();
+    assert!(stream.message().await.unwrap().is_some(), "a first message");
+    drop(stream);
+    release(&p, &r).await;
+    d.wait_idle().await;
+    let m = d.metrics().await;
+    assert_eq!(
+        m.value("vllm:request_success_total", &abort),
+        before.value("vllm:request_success_total", &abort) + 1.0
+    );
+    assert_eq!(m.value(e2e, &[]), before.value(e2e, &[]) + 1.0);
+    assert_eq!(prefix(&m).0, 120.0, "its lookup counted once");
+
     // Reports equal the scrapes; each node has its own epoch.
     d.wait_idle().await;
     p.wait_idle().await;

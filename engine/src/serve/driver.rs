@@ -24,8 +24,8 @@ use super::request::{EngineRequest, Finished, RequestError, RequestEvent, Reques
 /// How often an idle engine wakes to expire leases.
 const IDLE_TICK: Duration = Duration::from_millis(50);
 
-/// Called on the engine thread with every `Finished` event, before it is delivered and whether
-/// or not its caller still listens (a request whose client went away, or that was aborted,
+/// Called on the engine thread with every `Finished` event, before the counters that include
+/// it are published and before it is delivered, whether or not its caller still listens (a request whose client went away, or that was aborted,
 /// ends here too). It runs between engine steps: keep it cheap.
 pub type FinishedObserver = Box<dyn Fn(&Finished) + Send>;
 
@@ -212,8 +212,8 @@ fn run<B: Backend>(
                 }
                 Command::Abort(id) => {
                     if let Some(event) = engine.abort(&id) {
-                        publish(&engine);
                         observe(&event);
+                        publish(&engine);
                         if let Some(tx) = streams.remove(&id) {
                             let _ = tx.send(event);
                         }
@@ -248,12 +248,13 @@ fn run<B: Backend>(
         }
         match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
             Ok(events) => {
-                // Publish before delivering: a caller that sees its request end and then
-                // asks for the counters must see that end reflected (blocks, leases).
+                // Observe, then publish, then deliver: a caller that sees its request end
+                // and then asks for the counters must see that end reflected (blocks,
+                // leases), and counters that show an end come with its timings.
+                events.iter().for_each(|(_, event)| observe(event));
                 publish(&engine);
                 for (id, event) in events {
                     let terminal = !matches!(event, RequestEvent::Token(_));
-                    observe(&event);
                     let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
                     if terminal {
                         streams.remove(&id);
