@@ -64,6 +64,16 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.router.is_none() && !args.up {
         bail!("pass --router HOST:PORT (a running cluster) or --up (start a local one)");
     }
+    if args.duration.is_some()
+        && args.num_prompts.is_none()
+        && args.request_rate == args::RequestRate::Infinite
+        && args.max_concurrency.is_none()
+    {
+        bail!(
+            "--duration with --request-rate inf would start requests without end: \
+             give --max-concurrency, a --request-rate or --num-prompts"
+        );
+    }
     if args.temperature < 0.0 || !args.temperature.is_finite() {
         bail!("--temperature must be a number >= 0");
     }

@@ -70,6 +70,10 @@ fn line_chart(
                 ))?
                 .label(s.name.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            // Markers where points are few: a window with one sample still shows it.
+            if s.points.len() < 60 {
+                chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+            }
         }
         if series.len() > 1 || series.iter().any(|s| !s.name.is_empty()) {
             chart
