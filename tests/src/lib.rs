@@ -396,6 +396,13 @@ impl Exposition {
             .sum()
     }
 
+    /// Every sample: (name, labels, value).
+    pub fn samples(
+        &self,
+    ) -> impl Iterator<Item = (&str, &std::collections::BTreeMap<String, String>, f64)> {
+        self.samples.iter().map(|(n, l, v)| (n.as_str(), l, *v))
+    }
+
     /// Whether any sample is named `name`.
     pub fn has(&self, name: &str) -> bool {
         self.samples.iter().any(|(n, _, _)| n == name)
@@ -421,4 +428,75 @@ pub const COLON: &str = "__colon__";
 /// Scrapes and parses `addr`'s `/metrics`.
 pub async fn exposition(addr: &str) -> anyhow::Result<Exposition> {
     Exposition::parse(&scrape(addr).await?)
+}
+
+/// One node's counters: prefix cache (local and external pairs), prompt and generated tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Counts {
+    pub queries: f64,
+    pub hits: f64,
+    pub external_queries: f64,
+    pub external_hits: f64,
+    pub prompt_tokens: f64,
+    pub generation_tokens: f64,
+}
+
+impl Counts {
+    /// (queries, hits, external queries, external hits).
+    pub fn prefix(&self) -> (f64, f64, f64, f64) {
+        (
+            self.queries,
+            self.hits,
+            self.external_queries,
+            self.external_hits,
+        )
+    }
+
+    pub fn minus(&self, o: &Counts) -> Counts {
+        Counts {
+            queries: self.queries - o.queries,
+            hits: self.hits - o.hits,
+            external_queries: self.external_queries - o.external_queries,
+            external_hits: self.external_hits - o.external_hits,
+            prompt_tokens: self.prompt_tokens - o.prompt_tokens,
+            generation_tokens: self.generation_tokens - o.generation_tokens,
+        }
+    }
+
+    pub fn plus(&self, o: &Counts) -> Counts {
+        Counts {
+            queries: self.queries + o.queries,
+            hits: self.hits + o.hits,
+            external_queries: self.external_queries + o.external_queries,
+            external_hits: self.external_hits + o.external_hits,
+            prompt_tokens: self.prompt_tokens + o.prompt_tokens,
+            generation_tokens: self.generation_tokens + o.generation_tokens,
+        }
+    }
+
+    /// What a node's own `/metrics` says (vLLM's families).
+    pub fn of_node(e: &Exposition) -> Counts {
+        Counts {
+            queries: e.sum("vllm:prefix_cache_queries_total", &[]),
+            hits: e.sum("vllm:prefix_cache_hits_total", &[]),
+            external_queries: e.sum("vllm:external_prefix_cache_queries_total", &[]),
+            external_hits: e.sum("vllm:external_prefix_cache_hits_total", &[]),
+            prompt_tokens: e.sum("vllm:prompt_tokens_total", &[]),
+            generation_tokens: e.sum("vllm:generation_tokens_total", &[]),
+        }
+    }
+
+    /// What the router says about that node.
+    pub fn of_router(e: &Exposition, role: &str, node: &str) -> Counts {
+        let n = [("role", role), ("node", node)];
+        let cache = |c: &'static str| [("cache", c), ("role", role), ("node", node)];
+        Counts {
+            queries: e.sum("pd_router_prefix_cache_queries_total", &cache("local")),
+            hits: e.sum("pd_router_prefix_cache_hits_total", &cache("local")),
+            external_queries: e.sum("pd_router_prefix_cache_queries_total", &cache("external")),
+            external_hits: e.sum("pd_router_prefix_cache_hits_total", &cache("external")),
+            prompt_tokens: e.sum("pd_router_prompt_tokens_total", &n),
+            generation_tokens: e.sum("pd_router_generation_tokens_total", &n),
+        }
+    }
 }

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Cluster, Exposition, client, collect, exposition, greedy, pdctl};
+use pd_tests::{Cluster, Counts, Exposition, client, collect, exposition, greedy, pdctl};
 
 const BLOCK: f64 = 16.0;
 
@@ -19,66 +19,6 @@ fn prompt(seed: u32, len: u32) -> Vec<u32> {
     (0..len)
         .map(|t| (t * 7919 + seed * 104_729 + 11) % 150_000)
         .collect()
-}
-
-/// One node's counters: prefix cache (local and external pairs), prompt and generated tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-struct Counts {
-    queries: f64,
-    hits: f64,
-    external_queries: f64,
-    external_hits: f64,
-    prompt_tokens: f64,
-    generation_tokens: f64,
-}
-
-impl Counts {
-    /// (queries, hits, external queries, external hits).
-    fn prefix(&self) -> (f64, f64, f64, f64) {
-        (
-            self.queries,
-            self.hits,
-            self.external_queries,
-            self.external_hits,
-        )
-    }
-
-    fn minus(&self, o: &Counts) -> Counts {
-        Counts {
-            queries: self.queries - o.queries,
-            hits: self.hits - o.hits,
-            external_queries: self.external_queries - o.external_queries,
-            external_hits: self.external_hits - o.external_hits,
-            prompt_tokens: self.prompt_tokens - o.prompt_tokens,
-            generation_tokens: self.generation_tokens - o.generation_tokens,
-        }
-    }
-
-    /// What a node's own `/metrics` says (vLLM's families).
-    fn of_node(e: &Exposition) -> Counts {
-        Counts {
-            queries: e.sum("vllm:prefix_cache_queries_total", &[]),
-            hits: e.sum("vllm:prefix_cache_hits_total", &[]),
-            external_queries: e.sum("vllm:external_prefix_cache_queries_total", &[]),
-            external_hits: e.sum("vllm:external_prefix_cache_hits_total", &[]),
-            prompt_tokens: e.sum("vllm:prompt_tokens_total", &[]),
-            generation_tokens: e.sum("vllm:generation_tokens_total", &[]),
-        }
-    }
-
-    /// What the router says about that node.
-    fn of_router(e: &Exposition, role: &str, node: &str) -> Counts {
-        let n = [("role", role), ("node", node)];
-        let cache = |c: &'static str| [("cache", c), ("role", role), ("node", node)];
-        Counts {
-            queries: e.sum("pd_router_prefix_cache_queries_total", &cache("local")),
-            hits: e.sum("pd_router_prefix_cache_hits_total", &cache("local")),
-            external_queries: e.sum("pd_router_prefix_cache_queries_total", &cache("external")),
-            external_hits: e.sum("pd_router_prefix_cache_hits_total", &cache("external")),
-            prompt_tokens: e.sum("pd_router_prompt_tokens_total", &n),
-            generation_tokens: e.sum("pd_router_generation_tokens_total", &n),
-        }
-    }
 }
 
 /// The counters of the cluster's one prefill and one decode node once the router's view of
