@@ -17,7 +17,10 @@ fn a_build_without_cuda_says_how_to_get_it() {
     let e = open_error(1);
     assert!(matches!(e, CudaError::NotCompiled { ordinal: 1 }), "{e:?}");
     let text = e.to_string();
-    assert!(text.starts_with("--device cuda:1 needs a build with CUDA support"), "{text}");
+    assert!(
+        text.starts_with("--device cuda:1 needs a build with CUDA support"),
+        "{text}"
+    );
     assert!(text.contains("--features cuda"), "{text}");
     assert!(!text.contains('\n'), "one sentence: {text}");
 }

@@ -7,7 +7,7 @@
 //! message, which ends the engine thread (the node then reports itself unhealthy).
 
 mod device;
-mod gemm;
+pub mod gemm;
 pub mod modules;
 pub mod plan;
 mod tensor;

@@ -57,7 +57,10 @@ pub fn check_head_dim(head_dim: usize) -> Result<(), CudaError> {
 
 /// Check that a GQA group fits one attention block.
 pub fn check_group(num_heads: usize, num_kv_heads: usize) -> Result<(), CudaError> {
-    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || num_heads / num_kv_heads > MAX_PAIRS {
+    if num_kv_heads == 0
+        || !num_heads.is_multiple_of(num_kv_heads)
+        || num_heads / num_kv_heads > MAX_PAIRS
+    {
         return Err(CudaError::Unsupported(format!(
             "{num_heads} query heads over {num_kv_heads} KV heads (groups of at most {MAX_PAIRS})"
         )));
