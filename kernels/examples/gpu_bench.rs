@@ -1,0 +1,244 @@
+//! The GPU benchmark of scripts/gpu-check.sh: this card's two ceilings (a device-to-device
+//! copy and a large bf16 GEMM through cuBLAS), then per model decode tokens/s at batch 1, 8
+//! and 64 with the fraction of the measured bandwidth reached, and prefill of 2,048 and 8,192
+//! tokens with the fraction of the measured GEMM rate reached. Prints one table last and
+//! writes every figure to OUT_DIR/gpu_bench.json.
+//!
+//! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
+//! Decode with CUDA graphs is not implemented (docs/cuda.md); its column reads "n/a".
+
+use std::time::Instant;
+
+use cudarc::driver::CudaSlice;
+use pd_engine::executor::{ExecItem, Executor};
+use pd_engine::model::{ModelFiles, ModelSource};
+use pd_kernels::CudaBackend;
+use pd_kernels::cuda::gemm::{self, GemmType};
+use serde_json::{Value, json};
+
+const BLOCK: usize = 16;
+const DECODE_CONTEXT: usize = 512;
+const DECODE_STEPS: usize = 32;
+
+fn timed_ms(backend: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    backend.synchronize();
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f();
+        backend.synchronize();
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+/// Bytes read plus written per second by a 2 GiB device-to-device copy (median of 10).
+fn copy_bandwidth(backend: &CudaBackend) -> f64 {
+    let dev = backend.device();
+    let n = 1usize << 29; // f32 values: 2 GiB
+    let src: CudaSlice<f32> = dev.stream.alloc_zeros(n).expect("alloc");
+    let mut dst: CudaSlice<f32> = dev.stream.alloc_zeros(n).expect("alloc");
+    let ms = timed_ms(backend, 10, || {
+        dev.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+    });
+    2.0 * (n * 4) as f64 / (ms / 1e3)
+}
+
+/// FLOP/s of an 8192³ bf16 GEMM with f32 accumulation on random data (median of 10).
+fn gemm_rate(backend: &CudaBackend) -> f64 {
+    let dev = backend.device();
+    let m = 8192usize;
+    // Random bf16 patterns in [-1, 1): exponent bits fixed, mantissa and sign varied.
+    let host: Vec<u16> = (0..m * m)
+        .map(|i| {
+            let r = (i as u32).wrapping_mul(2_654_435_761) >> 9;
+            0x3f00 | (r as u16 & 0x80ff)
+        })
+        .collect();
+    let a = dev.stream.clone_htod(&host).expect("upload");
+    let b = dev.stream.clone_htod(&host).expect("upload");
+    let mut c: CudaSlice<f32> = dev.stream.alloc_zeros(m * m).expect("alloc");
+    let ms = timed_ms(backend, 10, || {
+        gemm::linear(dev, GemmType::BF16, &a, m, &b, m, m, &mut c);
+    });
+    2.0 * (m * m * m) as f64 / (ms / 1e3)
+}
+
+fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 7919 + seed * 104_729 + 17) as u32) % vocab)
+        .collect()
+}
+
+fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
+    let dir = ModelSource::parse(model)
+        .expect("model name")
+        .resolve(&|_, _| {})
+        .expect("model directory");
+    let files = ModelFiles::open(&dir).expect("model files");
+    let backend = CudaBackend::open(0, 0.9).expect("cuda:0");
+    let weights = files
+        .load_weights(&backend, &mut |_, _| {})
+        .expect("weights");
+    let weight_bytes = weights.weight_bytes_per_step() as f64;
+    let linear_flops_per_token = 2.0 * weight_bytes / files.config.dtype.size_in_bytes() as f64;
+    let vocab = files.config.vocab_size as u32;
+    let max_batch = 64;
+    let per_seq = (DECODE_CONTEXT + DECODE_STEPS + 1)
+        .max(8192)
+        .div_ceil(BLOCK);
+    let blocks = max_batch * (DECODE_CONTEXT + DECODE_STEPS + 1).div_ceil(BLOCK) + per_seq;
+    let mut exec = Executor::new(backend, weights, BLOCK, blocks).expect("executor");
+
+    let mut decode = Vec::new();
+    for batch in [1usize, 8, 64] {
+        let per = (DECODE_CONTEXT + DECODE_STEPS + 1).div_ceil(BLOCK);
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..batch)
+            .map(|s| prompt(s, DECODE_CONTEXT, vocab))
+            .collect();
+        for (p, t) in prompts.iter().zip(&tables) {
+            exec.execute(&[ExecItem {
+                tokens: p,
+                start: 0,
+                block_table: t,
+                all_logits: false,
+            }]);
+        }
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31 + 7) % vocab]).collect();
+        let mut step = |i: usize| {
+            let items: Vec<ExecItem<'_>> = tokens
+                .iter()
+                .zip(&tables)
+                .map(|(tok, t)| ExecItem {
+                    tokens: tok,
+                    start: DECODE_CONTEXT + i,
+                    block_table: t,
+                    all_logits: false,
+                })
+                .collect();
+            exec.execute(&items);
+        };
+        step(0); // warm-up
+        let t = Instant::now();
+        for i in 1..=DECODE_STEPS {
+            step(i);
+        }
+        let secs = t.elapsed().as_secs_f64() / DECODE_STEPS as f64;
+        // Bytes of one step: every weight once plus each sequence's KV (f32 K and V).
+        let kv_bytes = (batch * (DECODE_CONTEXT + DECODE_STEPS / 2)) as f64
+            * (2 * files.config.num_hidden_layers
+                * files.config.num_key_value_heads
+                * files.config.head_dim
+                * 4) as f64;
+        decode.push(json!({
+            "batch": batch,
+            "step_ms": secs * 1e3,
+            "tokens_per_s": batch as f64 / secs,
+            "bandwidth_fraction": (weight_bytes + kv_bytes) / secs / bandwidth,
+            "graphs_tokens_per_s": Value::Null,
+        }));
+    }
+
+    let mut prefill = Vec::new();
+    for len in [2048usize, 8192] {
+        let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
+        let p = prompt(999, len, vocab);
+        let mut run = || {
+            exec.execute(&[ExecItem {
+                tokens: &p,
+                start: 0,
+                block_table: &table,
+                all_logits: false,
+            }]);
+        };
+        run(); // warm-up
+        let t = Instant::now();
+        run();
+        let secs = t.elapsed().as_secs_f64();
+        prefill.push(json!({
+            "tokens": len,
+            "ms": secs * 1e3,
+            "tokens_per_s": len as f64 / secs,
+            // Linear layers only (attention FLOPs not counted): the GEMM share of the step.
+            "gemm_fraction": linear_flops_per_token * len as f64 / secs / flops,
+        }));
+    }
+    json!({ "model": model, "decode": decode, "prefill": prefill })
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let out = std::path::PathBuf::from(args.next().expect("usage: gpu_bench OUT_DIR [MODEL...]"));
+    let mut models: Vec<String> = args.collect();
+    if models.is_empty() {
+        models = vec!["synthetic:qwen3-0.6b".into(), "synthetic:qwen3-8b".into()];
+    }
+    let backend = CudaBackend::open(0, 0.9).unwrap_or_else(|e| panic!("{e}"));
+    let gpu = backend.device().name.clone();
+    let bandwidth = copy_bandwidth(&backend);
+    let flops = gemm_rate(&backend);
+    eprintln!(
+        "copy {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
+        bandwidth / 1e9,
+        flops / 1e12
+    );
+    drop(backend);
+    let results: Vec<Value> = models
+        .iter()
+        .map(|m| {
+            eprintln!("benchmarking {m}");
+            bench_model(m, bandwidth, flops)
+        })
+        .collect();
+    let report = json!({
+        "gpu": gpu,
+        "copy_bytes_per_s": bandwidth,
+        "bf16_gemm_flops": flops,
+        "models": results,
+    });
+    std::fs::create_dir_all(&out).expect("out dir");
+    let path = out.join("gpu_bench.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).expect("json")).expect("write");
+
+    println!(
+        "\n{gpu}: copy {:.0} GB/s (read + write), bf16 GEMM {:.0} TFLOP/s",
+        bandwidth / 1e9,
+        flops / 1e12
+    );
+    println!(
+        "{:<22} {:<16} {:>12} {:>14} {:>10}",
+        "model", "phase", "tokens/s", "of ceiling", "graphs"
+    );
+    for m in &results {
+        let name = m["model"].as_str().unwrap_or("?");
+        for d in m["decode"].as_array().into_iter().flatten() {
+            println!(
+                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
+                name,
+                format!("decode b={}", d["batch"]),
+                d["tokens_per_s"].as_f64().unwrap_or(0.0),
+                100.0 * d["bandwidth_fraction"].as_f64().unwrap_or(0.0),
+                "n/a"
+            );
+        }
+        for p in m["prefill"].as_array().into_iter().flatten() {
+            println!(
+                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
+                name,
+                format!("prefill {}", p["tokens"]),
+                p["tokens_per_s"].as_f64().unwrap_or(0.0),
+                100.0 * p["gemm_fraction"].as_f64().unwrap_or(0.0),
+                "-"
+            );
+        }
+    }
+    println!(
+        "(decode: fraction of the copy bandwidth; prefill: fraction of the GEMM rate; full results in {})",
+        path.display()
+    );
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The CUDA backend on a GPU host, in one script (docs/cuda.md):
+#   scripts/gpu-check.sh build          on the x86-64 build machine (has Rust): builds the
+#                                       conformance test and the benchmark in release with the
+#                                       `cuda` feature and puts them, stripped, in .gpu/bin/
+#   scripts/gpu-check.sh run OUT_DIR    on the GPU host (CUDA 13 and a driver, no Rust):
+#                                       (a) the conformance suite CUDA vs CPU (tiny model,
+#                                       long-context split-K, a batch, the qwen3-0.6b shape),
+#                                       (b) the benchmark (copy and GEMM ceilings, decode at
+#                                       batch 1/8/64, prefill of 2,048 and 8,192 tokens) on
+#                                       synthetic:qwen3-0.6b and synthetic:qwen3-8b.
+#                                       Logs and gpu_bench.json go to OUT_DIR; the table is
+#                                       printed last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=.gpu/bin
+
+case "${1:-}" in
+build)
+    mkdir -p "$bin"
+    cargo build --locked --release -p pd-kernels --features cuda --example gpu_bench
+    test_bin="$(cargo test --locked --release -p pd-kernels --features cuda --test gpu_conformance \
+        --no-run --message-format=json 2>/dev/null \
+        | sed -n 's/.*"executable":"\([^"]*gpu_conformance[^"]*\)".*/\1/p' | tail -1)"
+    test -n "$test_bin" || { echo "no gpu_conformance test binary" >&2; exit 1; }
+    cp "$test_bin" "$bin/gpu_conformance"
+    cp target/release/examples/gpu_bench "$bin/gpu_bench"
+    strip "$bin/gpu_conformance" "$bin/gpu_bench"
+    ls -la "$bin"
+    ;;
+run)
+    out="${2:?usage: scripts/gpu-check.sh run OUT_DIR}"
+    mkdir -p "$out"
+    test -x "$bin/gpu_conformance" || { echo "run 'scripts/gpu-check.sh build' first" >&2; exit 1; }
+    # libcublas.so.13 and libnvrtc.so.13: a CUDA 13 toolkit, or the nvidia-* Python wheels.
+    libs=""
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        [ -d "$d" ] && libs="$libs:$d"
+    done
+    if py_nvidia="$(python3 -c 'import nvidia, os; print(nvidia.__path__[0])' 2>/dev/null)"; then
+        for d in "$py_nvidia"/cu13/lib "$py_nvidia"/*/lib; do
+            [ -d "$d" ] && libs="$libs:$d"
+        done
+    fi
+    export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PD_CACHE_DIR="${PD_CACHE_DIR:-/tmp/pd-cache}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
+
+    echo "== (a) conformance: CUDA vs CPU"
+    set +e
+    PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
+    conformance=${PIPESTATUS[0]}
+    echo "== (b) benchmark"
+    "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
+    bench=${PIPESTATUS[0]}
+    set -e
+    echo "conformance exit $conformance, benchmark exit $bench"
+    [ "$conformance" -eq 0 ] && [ "$bench" -eq 0 ]
+    ;;
+*)
+    echo "usage: scripts/gpu-check.sh build | run OUT_DIR" >&2
+    exit 2
+    ;;
+esac
