@@ -68,6 +68,9 @@ pub enum TransportError {
     /// shutting down, internal failure).
     #[error("the KV exporter refused the pull: {0}")]
     Refused(String),
+    /// An RDMA read failed (its reason is the RDMA error's).
+    #[error("RDMA: {0}")]
+    Rdma(#[from] crate::rdma::RdmaError),
 }
 
 impl TransportError {
@@ -82,6 +85,7 @@ impl TransportError {
             Self::Checksum { .. } => FailureReason::Checksum,
             Self::Protocol(_) => FailureReason::Protocol,
             Self::Refused(_) => FailureReason::Refused,
+            Self::Rdma(e) => e.reason(),
         }
     }
 }

@@ -43,6 +43,14 @@
 //!
 //! The wire format is documented in [`wire`].
 //!
+//! # RDMA backend
+//!
+//! [`rdma`]: one-sided RDMA READs of registered lease regions (cargo feature `rdma`; the
+//! pure parts, such as endpoint encoding, read planning, the in-flight window and path
+//! selection, are built and tested in every build). [`KvImporter`] picks the path per
+//! transfer and retries a failed RDMA read once over TCP, counted in
+//! [`TransferCounts::failovers`].
+//!
 //! # Wiring
 //!
 //! ```no_run
@@ -72,6 +80,8 @@ mod chunks;
 mod client;
 mod error;
 mod fingerprint;
+mod importer;
+pub mod rdma;
 mod server;
 mod stats;
 pub mod wire;
@@ -79,5 +89,6 @@ pub mod wire;
 pub use client::{KvPuller, PullRequest, pull_blocks};
 pub use error::TransportError;
 pub use fingerprint::{LayoutFingerprint, ParseFingerprintError};
+pub use importer::{KvImporter, OneSidedReader, PathUsed};
 pub use server::{ExportConfig, ExportStats, KvExportServer, KvSource};
 pub use stats::{FailureReason, TRANSFER_SECONDS_BUCKETS, TransferCounts, TransferStats};

@@ -92,6 +92,7 @@ pub struct TransferStats {
     /// Per bucket, not cumulative; the last one is `+Inf`.
     buckets: [AtomicU64; TRANSFER_SECONDS_BUCKETS.len() + 1],
     failures: [AtomicU64; FailureReason::ALL.len()],
+    failovers: AtomicU64,
 }
 
 /// A snapshot of [`TransferStats`].
@@ -108,6 +109,9 @@ pub struct TransferCounts {
     pub bucket_counts: Vec<u64>,
     /// Failed transfers per reason, in [`FailureReason::ALL`] order.
     pub failures: Vec<(FailureReason, u64)>,
+    /// Transfers whose RDMA read failed and that were retried over TCP (the retry's outcome
+    /// is counted as any transfer's).
+    pub failovers: u64,
 }
 
 impl TransferStats {
@@ -136,6 +140,11 @@ impl TransferStats {
         self.failures[i].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// An RDMA read failed and the transfer is retried over TCP.
+    pub fn record_failover(&self) {
+        self.failovers.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> TransferCounts {
         let transfers = self.transfers.load(Ordering::Acquire);
         TransferCounts {
@@ -152,6 +161,7 @@ impl TransferStats {
                 .zip(&self.failures)
                 .map(|(&r, c)| (r, c.load(Ordering::Relaxed)))
                 .collect(),
+            failovers: self.failovers.load(Ordering::Relaxed),
         }
     }
 }

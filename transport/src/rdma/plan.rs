@@ -1,0 +1,173 @@
+//! Turning "blocks `first .. first + count` of an offer" into RDMA READ work requests.
+//!
+//! The byte range of the blocks is cut where a region ends and wherever an operation would
+//! pass `max_op_bytes`; pieces of regions that are contiguous in the exporter's address
+//! space under the same rkey are coalesced first, so a lease registered as one region (the
+//! CPU backend) is read in `ceil(bytes / max_op_bytes)` operations, each landing right after
+//! the previous one in the reader's buffer. Per-operation cost dominates below ~256 KiB, so
+//! the default operation is 4 MiB (docs/transport.md, throughput model).
+
+use super::descriptor::{RdmaOffer, RemoteRegion};
+
+/// Default largest RDMA READ: well past where per-operation cost stops mattering, well below
+/// the 2 GiB a work request can carry.
+pub const DEFAULT_MAX_OP_BYTES: u32 = 4 << 20;
+
+/// One RDMA READ: `len` bytes at `remote_addr` (under `rkey`) into the reader's buffer at
+/// `local_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOp {
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub local_offset: u64,
+    pub len: u32,
+}
+
+/// A block range the offer does not hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("blocks {first}..{end} are outside the {held} blocks the prefill node registered")]
+pub struct PlanError {
+    pub first: u64,
+    pub end: u64,
+    pub held: u64,
+}
+
+/// Regions merged where one continues the other (same rkey, adjacent addresses).
+fn coalesce(regions: &[RemoteRegion]) -> Vec<RemoteRegion> {
+    let mut out: Vec<RemoteRegion> = Vec::with_capacity(regions.len());
+    for r in regions {
+        match out.last_mut() {
+            Some(last)
+                if last.rkey == r.rkey && last.addr.checked_add(last.len) == Some(r.addr) =>
+            {
+                last.len += r.len;
+            }
+            _ => out.push(*r),
+        }
+    }
+    out
+}
+
+/// The READs that bring blocks `first .. first + count` of `offer` into a buffer of
+/// `count * block_bytes` bytes, in order, none longer than `max_op_bytes`.
+pub fn plan_reads(
+    offer: &RdmaOffer,
+    first: u64,
+    count: u64,
+    max_op_bytes: u32,
+) -> Result<Vec<ReadOp>, PlanError> {
+    let held = offer.num_blocks();
+    let end = first.checked_add(count).filter(|&e| e <= held);
+    let Some(end) = end else {
+        return Err(PlanError {
+            first,
+            end: first.saturating_add(count),
+            held,
+        });
+    };
+    let max = u64::from(max_op_bytes.max(1));
+    // In bytes of the regions' concatenation (validated: it is num_blocks * block_bytes).
+    let (mut want, want_end) = (first * offer.block_bytes, end * offer.block_bytes);
+    let mut ops = Vec::new();
+    let mut region_start = 0u64;
+    for r in coalesce(&offer.regions) {
+        let region_end = region_start + r.len;
+        while want < want_end && want < region_end {
+            let len = (want_end.min(region_end) - want).min(max);
+            ops.push(ReadOp {
+                remote_addr: r.addr + (want - region_start),
+                rkey: r.rkey,
+                local_offset: want - first * offer.block_bytes,
+                len: len as u32,
+            });
+            want += len;
+        }
+        region_start = region_end;
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::descriptor::tests::offer;
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn one_region_is_read_in_max_sized_operations() {
+        let o = offer(1 << 20, &[10]);
+        let ops = plan_reads(&o, 2, 7, 4 << 20).unwrap();
+        let lens: Vec<u32> = ops.iter().map(|op| op.len).collect();
+        assert_eq!(lens, [4 << 20, 3 << 20]);
+        assert_eq!(ops[0].remote_addr, o.regions[0].addr + (2 << 20));
+        assert_eq!(ops[1].local_offset, 4 << 20);
+    }
+
+    #[test]
+    fn adjacent_regions_with_one_rkey_coalesce() {
+        let mut o = offer(4096, &[2, 2]);
+        o.regions[1].addr = o.regions[0].addr + o.regions[0].len;
+        o.regions[1].rkey = o.regions[0].rkey;
+        assert_eq!(plan_reads(&o, 0, 4, 1 << 20).unwrap().len(), 1);
+        o.regions[1].rkey += 1;
+        assert_eq!(plan_reads(&o, 0, 4, 1 << 20).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn out_of_range_blocks_are_an_error_and_zero_blocks_no_operation() {
+        let o = offer(64, &[3]);
+        assert_eq!(
+            plan_reads(&o, 2, 2, 1024),
+            Err(PlanError {
+                first: 2,
+                end: 4,
+                held: 3
+            })
+        );
+        assert!(plan_reads(&o, u64::MAX, 2, 1024).is_err());
+        assert_eq!(plan_reads(&o, 3, 0, 1024), Ok(vec![]));
+    }
+
+    proptest! {
+        /// Executing the plan against the exporter's memory yields exactly the requested
+        /// blocks' bytes, with no operation over the limit.
+        #[test]
+        fn the_plan_reads_exactly_the_requested_bytes(
+            block_bytes in 1u64..5000,
+            regions in proptest::collection::vec(1u64..6, 1..5),
+            max_op in 1u32..20_000,
+            first_frac in 0.0f64..1.0,
+            count_frac in 0.0f64..1.0,
+        ) {
+            let o = offer(block_bytes, &regions);
+            let n = o.num_blocks();
+            let first = ((n as f64) * first_frac) as u64;
+            let count = (((n - first) as f64) * count_frac).round() as u64;
+            // The exporter's memory: byte k of the concatenation is f(k), placed per region.
+            let f = |k: u64| (k.wrapping_mul(2_654_435_761) >> 5) as u8;
+            let mut remote = std::collections::HashMap::new();
+            let mut k = 0u64;
+            for r in &o.regions {
+                for i in 0..r.len {
+                    remote.insert((r.rkey, r.addr + i), f(k));
+                    k += 1;
+                }
+            }
+            let ops = plan_reads(&o, first, count, max_op).unwrap();
+            let mut local = vec![None; (count * block_bytes) as usize];
+            for op in &ops {
+                prop_assert!(op.len >= 1 && op.len <= max_op);
+                for i in 0..u64::from(op.len) {
+                    let slot = &mut local[(op.local_offset + i) as usize];
+                    prop_assert!(slot.is_none(), "a byte written twice");
+                    *slot = Some(remote[&(op.rkey, op.remote_addr + i)]);
+                }
+            }
+            let want: Vec<Option<u8>> =
+                (first * block_bytes..(first + count) * block_bytes).map(|k| Some(f(k))).collect();
+            prop_assert_eq!(local, want);
+            // Local offsets only grow: the buffer fills front to back.
+            prop_assert!(ops.windows(2).all(|w| w[0].local_offset + u64::from(w[0].len) == w[1].local_offset));
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! The prefill node's side: lease blocks in registered memory, and queue pairs that let
+//! decode nodes READ them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::memory_region::MemoryRegion;
+
+use super::device::RdmaDevice;
+use super::qp::{Connection, RD_ATOMIC};
+use crate::rdma::{QpEndpoint, RdmaError, RdmaOffer, RemoteRegion, block_checksum};
+
+/// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
+/// restarted connects again and its old queue pair is useless).
+const MAX_PEERS: usize = 256;
+
+/// One lease's blocks, packed, registered for remote read.
+struct Published {
+    /// Dropped (deregistered: the rkey is revoked) before the buffer is freed.
+    _mr: Arc<MemoryRegion>,
+    _buf: Box<[f32]>,
+    deadline: Instant,
+}
+
+/// Registers leases' blocks and accepts decode nodes' queue pairs.
+pub struct RdmaExporter {
+    device: RdmaDevice,
+    connect_addr: String,
+    leases: Mutex<HashMap<u64, Published>>,
+    /// Dropped before the device (field order is irrelevant: each holds the device's Arcs).
+    peers: Mutex<VecDeque<Connection>>,
+}
+
+impl std::fmt::Debug for RdmaExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaExporter")
+            .field("device", &self.device)
+            .field("connect_addr", &self.connect_addr)
+            .field("published", &self.published())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl RdmaExporter {
+    /// An exporter on `device` whose offers name `connect_addr` (this node's gRPC
+    /// `host:port`) for `RdmaConnect`.
+    pub fn new(device: &RdmaDevice, connect_addr: String) -> Result<Self, RdmaError> {
+        tracing::info!(
+            device = %device.describe(),
+            %connect_addr,
+            "RDMA export: lease blocks are staged in registered host memory (GPUDirect RDMA \
+             is not used: the engine does not expose its KV storage for registration)"
+        );
+        Ok(Self {
+            device: device.clone(),
+            connect_addr,
+            leases: Mutex::default(),
+            peers: Mutex::default(),
+        })
+    }
+
+    /// Register `blocks` (lease `lease_id`'s, in order) until `deadline` or
+    /// [`RdmaExporter::retire`]; the encoded [`RdmaOffer`] for the `KvHandle`.
+    pub fn publish(
+        &self,
+        lease_id: u64,
+        blocks: &[Vec<f32>],
+        deadline: Instant,
+    ) -> Result<Vec<u8>, RdmaError> {
+        self.retire_expired(Instant::now());
+        let block_len = blocks.first().map_or(0, Vec::len);
+        if block_len == 0 || blocks.iter().any(|b| b.len() != block_len) {
+            return Err(RdmaError::BlockSize {
+                theirs: 0,
+                ours: block_len as u64 * 4,
+            });
+        }
+        let mut buf: Box<[f32]> = blocks.concat().into_boxed_slice();
+        let bytes: &[u8] = bytemuck::cast_slice(&buf);
+        let block_bytes = block_len * 4;
+        let checksums = bytes
+            .chunks_exact(block_bytes)
+            .enumerate()
+            .map(|(i, b)| block_checksum(i as u64, b))
+            .collect();
+        let len = bytes.len();
+        // SAFETY: the boxed slice's heap memory does not move and is freed only after the
+        // region (field order of `Published`).
+        let mr = unsafe {
+            self.device.register(
+                buf.as_mut_ptr().cast::<u8>(),
+                len,
+                AccessFlags::LocalWrite | AccessFlags::RemoteRead,
+            )?
+        };
+        let offer = RdmaOffer {
+            fabric: self.device.fabric(),
+            connect_addr: self.connect_addr.clone(),
+            block_bytes: block_bytes as u64,
+            regions: vec![RemoteRegion {
+                addr: buf.as_ptr() as u64,
+                len: len as u64,
+                rkey: mr.rkey(),
+            }],
+            checksums,
+        };
+        lock(&self.leases).insert(
+            lease_id,
+            Published {
+                _mr: mr,
+                _buf: buf,
+                deadline,
+            },
+        );
+        Ok(offer.encode())
+    }
+
+    /// Deregister a lease's blocks (released). Whether it was registered.
+    pub fn retire(&self, lease_id: u64) -> bool {
+        lock(&self.leases).remove(&lease_id).is_some()
+    }
+
+    /// Deregister every lease past its deadline; how many.
+    pub fn retire_expired(&self, now: Instant) -> usize {
+        let mut leases = lock(&self.leases);
+        let before = leases.len();
+        leases.retain(|_, p| p.deadline > now);
+        before - leases.len()
+    }
+
+    /// Leases registered now.
+    pub fn published(&self) -> usize {
+        lock(&self.leases).len()
+    }
+
+    /// A decode node's queue pair endpoint (encoded): connect a queue pair of ours to it and
+    /// answer with its endpoint (encoded).
+    pub fn accept(&self, endpoint: &[u8]) -> Result<Vec<u8>, RdmaError> {
+        let remote = QpEndpoint::decode(endpoint)?;
+        // The target side posts nothing: a small send queue suffices.
+        let mut conn = Connection::create(&self.device, u32::from(RD_ATOMIC), true)?;
+        conn.connect(&self.device, &remote)?;
+        let answer = conn.local.encode();
+        tracing::info!(
+            peer = %remote.fabric,
+            peer_qpn = remote.qpn,
+            qpn = conn.local.qpn,
+            "RDMA queue pair connected for a decode node"
+        );
+        let mut peers = lock(&self.peers);
+        if peers.len() >= MAX_PEERS {
+            peers.pop_front();
+        }
+        peers.push_back(conn);
+        Ok(answer)
+    }
+}
