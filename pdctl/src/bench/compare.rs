@@ -81,14 +81,16 @@ fn name_of(r: &Report, path: &Path) -> String {
 /// The side-by-side table.
 pub fn table(a: &Report, a_name: &str, b: &Report, b_name: &str) -> String {
     let mut t = String::new();
-    let _ = writeln!(t, "{:<28}{:>14}{:>14}{:>10}", "", a_name, b_name, "B/A");
+    // Columns as wide as the longer run name, so labels never run together.
+    let w = a_name.len().max(b_name.len()).max(12) + 2;
+    let _ = writeln!(t, "{:<28}{a_name:>w$}{b_name:>w$}{:>10}", "", "B/A");
     for ((name, x), (_, y)) in figures(a).into_iter().zip(figures(b)) {
         let cell = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{v:.3}"));
         let ratio = match (x, y) {
             (Some(x), Some(y)) if x != 0.0 => format!("{:.3}", y / x),
             _ => "n/a".into(),
         };
-        let _ = writeln!(t, "{name:<28}{:>14}{:>14}{ratio:>10}", cell(x), cell(y));
+        let _ = writeln!(t, "{name:<28}{:>w$}{:>w$}{ratio:>10}", cell(x), cell(y));
     }
     for (which, r) in [("A", a), ("B", b)] {
         let c = &r.config;
