@@ -138,10 +138,12 @@ async fn model_card(channel: &Channel) -> anyhow::Result<pb::ModelCard> {
 
 fn pool(args: &BenchArgs, limits: &ModelLimits, count: usize) -> anyhow::Result<Vec<Session>> {
     let read = || -> anyhow::Result<String> {
-        let path = args
-            .dataset
-            .as_ref()
-            .with_context(|| format!("--workload {:?} needs --dataset FILE", args.workload))?;
+        let path = args.dataset.as_ref().with_context(|| {
+            format!(
+                "--workload {} needs --dataset FILE",
+                workload_name(args.workload)
+            )
+        })?;
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
     };
     let output = args.output_len;
