@@ -36,3 +36,7 @@ echo "== third-party client (Python grpcio) against a live cluster"
 
 echo "== Prometheus: rule unit tests; dashboard and rules against a live cluster"
 ./scripts/prometheus-check.sh
+
+# The feature builds come last: they overwrite target/debug's binaries with feature builds.
+echo "== CUDA backend without a GPU: cuda feature build, NVRTC + ptxas for sm_80 and sm_90"
+./scripts/cuda-check.sh
