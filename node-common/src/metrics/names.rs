@@ -86,12 +86,13 @@ pub enum Family {
     KvTransferBytes,
     KvTransferSeconds,
     KvTransferFailures,
+    KvTransferFailovers,
     KvLeasesExpired,
     Epoch,
 }
 
 impl Family {
-    pub const ALL: [Family; 23] = [
+    pub const ALL: [Family; 24] = [
         Self::NumRequestsRunning,
         Self::NumRequestsWaiting,
         Self::KvCacheUsagePerc,
@@ -113,6 +114,7 @@ impl Family {
         Self::KvTransferBytes,
         Self::KvTransferSeconds,
         Self::KvTransferFailures,
+        Self::KvTransferFailovers,
         Self::KvLeasesExpired,
         Self::Epoch,
     ];
@@ -142,6 +144,7 @@ impl Family {
             Self::KvTransferBytes => "pd_node_kv_transfer_bytes_total",
             Self::KvTransferSeconds => "pd_node_kv_transfer_seconds",
             Self::KvTransferFailures => "pd_node_kv_transfer_failures_total",
+            Self::KvTransferFailovers => "pd_node_kv_transfer_failovers_total",
             Self::KvLeasesExpired => "pd_node_kv_leases_expired_total",
             Self::Epoch => "pd_node_epoch",
         }
@@ -180,6 +183,9 @@ impl Family {
             }
             Self::KvTransferSeconds => "Duration of completed KV transfers in seconds.",
             Self::KvTransferFailures => "Failed KV transfers by reason.",
+            Self::KvTransferFailovers => {
+                "KV transfers whose RDMA read failed and that were retried over TCP."
+            }
             Self::KvLeasesExpired => {
                 "Prefill KV leases released by their deadline instead of by the router."
             }

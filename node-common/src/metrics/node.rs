@@ -160,6 +160,7 @@ fn values(
             .iter()
             .map(|(reason, n)| (vec![(label::REASON, reason.as_str())], *n as f64))
             .collect(),
+        Family::KvTransferFailovers => one(snap.transfers.failovers),
         Family::KvLeasesExpired => one(c.kv_leases_expired),
         Family::Epoch => one(epoch.get()),
         Family::TimeToFirstToken

@@ -79,7 +79,7 @@ pub use endpoint::{EndpointError, Fabric, LinkLayer, PathMtu, QpEndpoint};
 pub use error::{RdmaError, RdmaStartError};
 pub use imp::{RdmaDevice, RdmaExporter, RdmaReader};
 pub use plan::{DEFAULT_MAX_OP_BYTES, PlanError, ReadOp, plan_reads};
-pub use select::KvTransportMode;
+pub use select::{KvTransportMode, start_rdma};
 pub use window::{CompletionError, DEFAULT_MAX_IN_FLIGHT, ReadWindow};
 
 use crate::LayoutFingerprint;
