@@ -26,6 +26,9 @@ pub(super) struct Inner {
     pub(super) gid_index: u32,
     pub(super) fabric: Fabric,
     pub(super) mtu: PathMtu,
+    /// Outstanding RDMA READs per queue pair, as initiator and as target: 16, or less where
+    /// the device allows less.
+    pub(super) rd_atomic: u8,
     /// Dropped before the context (field order).
     pub(super) pd: Arc<ProtectionDomain>,
     pub(super) ctx: Arc<DeviceContext>,
@@ -102,10 +105,19 @@ impl RdmaDevice {
             device: name.to_string(),
             message,
         };
-        let ports = ctx
+        let dev_attr = ctx
             .query_device()
-            .map_err(|e| verbs_error("ibv_query_device", e))?
-            .phys_port_cnt();
+            .map_err(|e| verbs_error("ibv_query_device", e))?;
+        let ports = dev_attr.phys_port_cnt();
+        let rd_atomic = [
+            16,
+            dev_attr.max_qp_rd_atom(),
+            dev_attr.max_qp_init_rd_atom(),
+        ]
+        .into_iter()
+        .min()
+        .unwrap_or(1)
+        .clamp(1, 16) as u8;
         let candidates: Vec<u8> = match config.port {
             Some(p) if p == 0 || p > ports => {
                 return Err(device_err(format!("has ports 1..={ports}, not {p}")));
@@ -166,6 +178,7 @@ impl RdmaDevice {
                 gid_index,
                 fabric,
                 mtu: path_mtu(attr.active_mtu()),
+                rd_atomic,
                 pd,
                 ctx,
             }),

@@ -9,7 +9,7 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::device::RdmaDevice;
-use super::qp::{Connection, RD_ATOMIC};
+use super::qp::Connection;
 use crate::rdma::{QpEndpoint, RdmaError, RdmaOffer, RemoteRegion, block_checksum};
 
 /// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
@@ -144,7 +144,7 @@ impl RdmaExporter {
     pub fn accept(&self, endpoint: &[u8]) -> Result<Vec<u8>, RdmaError> {
         let remote = QpEndpoint::decode(endpoint)?;
         // The target side posts nothing: a small send queue suffices.
-        let mut conn = Connection::create(&self.device, u32::from(RD_ATOMIC), true)?;
+        let mut conn = Connection::create(&self.device, 16, true)?;
         conn.connect(&self.device, &remote)?;
         let answer = conn.local.encode();
         tracing::info!(

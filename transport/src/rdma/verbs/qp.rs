@@ -15,9 +15,6 @@ use super::device::RdmaDevice;
 use super::verbs_error;
 use crate::rdma::{LinkLayer, PathMtu, QpEndpoint, RdmaError};
 
-/// RDMA READs one queue pair keeps outstanding as initiator, and accepts as target.
-pub(super) const RD_ATOMIC: u8 = 16;
-
 /// A queue pair with its completion queue. The queue pair is dropped (destroyed) first, so
 /// nothing completes into a destroyed queue.
 pub(super) struct Connection {
@@ -127,7 +124,7 @@ impl Connection {
             .setup_path_mtu(verbs_mtu(self.local.mtu.min(remote.mtu)))
             .setup_dest_qp_num(remote.qpn)
             .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(RD_ATOMIC)
+            .setup_max_dest_read_atomic(d.rd_atomic)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&ah);
         self.qp
@@ -141,7 +138,7 @@ impl Connection {
             .setup_timeout(14)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(RD_ATOMIC);
+            .setup_max_read_atomic(d.rd_atomic);
         self.qp
             .modify(&attr)
             .map_err(|e| verbs_error("ibv_modify_qp(RTS)", e))

@@ -1,0 +1,160 @@
+//! The prefill → decode path over RDMA, on a host with an RDMA device only: set
+//! `PD_TEST_RDMA_DEVICE` (e.g. `rxe0` after `rdma link add rxe0 type rxe netdev eth0`, or
+//! `mlx5_0`) and run `cargo test -p decode-node --features rdma --test rdma`. Without the
+//! variable every test here returns at once: the build machines have no RDMA device and
+//! their kernel has no Soft-RoCE, so this file has never run there (docs/transport.md).
+//!
+//! Checked: the prefill node offers the lease over RDMA, the decode node reads it (no
+//! failover), and the greedy tokens equal those of the same request moved over TCP.
+
+use std::path::Path;
+use std::time::Duration;
+
+use clap::Parser;
+use decode_node::DecodeArgs;
+use pd_proto::pb;
+use pd_proto::pb::decode_service_client::DecodeServiceClient;
+use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use prefill_node::PrefillArgs;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+fn device() -> Option<String> {
+    let dev = std::env::var("PD_TEST_RDMA_DEVICE").ok()?;
+    assert!(
+        pd_transport::rdma::BUILT,
+        "PD_TEST_RDMA_DEVICE is set: run with --features rdma"
+    );
+    Some(dev)
+}
+
+fn cache() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
+        .path()
+}
+
+/// A prefill and a decode node in this process with `flags`; the stop senders and the
+/// decode node's metrics address.
+async fn pair(
+    flags: &[&str],
+) -> (
+    String,
+    String,
+    std::net::SocketAddr,
+    Vec<oneshot::Sender<()>>,
+) {
+    let argv = |bin: &'static str| std::iter::once(bin).chain(flags.iter().copied());
+    let mut pa = PrefillArgs::try_parse_from(argv("prefill-node")).unwrap();
+    pa.node.synthetic_cache_dir = Some(cache().to_path_buf());
+    let mut da = DecodeArgs::try_parse_from(argv("decode-node")).unwrap();
+    da.node.synthetic_cache_dir = Some(cache().to_path_buf());
+    let p = prefill_node::start(pa).await.expect("prefill node starts");
+    let d = decode_node::start(da).await.expect("decode node starts");
+    let (purl, durl) = (
+        format!("http://{}", p.ready().grpc),
+        format!("http://{}", d.ready().grpc),
+    );
+    let metrics = d.ready().metrics_addr;
+    let (ps, pr) = oneshot::channel::<()>();
+    let (ds, dr) = oneshot::channel::<()>();
+    tokio::spawn(p.run(async {
+        let _ = pr.await;
+    }));
+    tokio::spawn(d.run(async {
+        let _ = dr.await;
+    }));
+    (purl, durl, metrics, vec![ps, ds])
+}
+
+/// Prefill then decode `tokens`; the tokens and whether the handle offered RDMA.
+async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, bool) {
+    let greedy = Some(pb::SamplingParams {
+        temperature: Some(0.0),
+        ..Default::default()
+    });
+    let mut prefill = PrefillServiceClient::connect(purl.to_string())
+        .await
+        .unwrap();
+    let r = prefill
+        .prefill(pb::PrefillRequest {
+            request_id: "r".into(),
+            token_ids: tokens.to_vec(),
+            sampling: greedy.clone(),
+            cache_salt: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let kv = r.kv.clone().unwrap();
+    let first = r.first_token.unwrap().token_id;
+    let mut stream = DecodeServiceClient::connect(durl.to_string())
+        .await
+        .unwrap()
+        .decode(pb::DecodeRequest {
+            request_id: "r".into(),
+            prompt_token_ids: tokens.to_vec(),
+            first_token: first,
+            sampling: greedy,
+            max_tokens: 8,
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            cache_salt: None,
+            kv: Some(kv.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = vec![first];
+    while let Some(m) = stream.message().await.unwrap() {
+        out.extend(m.tokens.iter().map(|t| t.token_id));
+    }
+    prefill
+        .release_kv(pb::ReleaseKvRequest {
+            lease_id: kv.lease_id,
+        })
+        .await
+        .unwrap();
+    (out, !kv.rdma.is_empty())
+}
+
+/// The value of an unlabelled-by-reason sample of the decode node's `/metrics`.
+async fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kv_moves_over_rdma_and_decodes_as_over_tcp() {
+    let Some(dev) = device() else {
+        eprintln!("PD_TEST_RDMA_DEVICE not set: skipped (no RDMA device on this host)");
+        return;
+    };
+    let tokens: Vec<u32> = (0..100u32).map(|i| (i * 7919 + 11) % 150_000).collect();
+    let (purl, durl, metrics, stops) =
+        pair(&["--kv-transport", "rdma", "--rdma-device", &dev]).await;
+    let (over_rdma, offered) = generate(&purl, &durl, &tokens).await;
+    assert!(offered, "the prefill node offered the lease over RDMA");
+    assert_eq!(
+        metric(metrics, "pd_node_kv_transfer_failovers_total").await,
+        0.0,
+        "the read went over RDMA without failing over"
+    );
+    assert!(metric(metrics, "pd_node_kv_transfer_bytes_total").await > 0.0);
+    drop(stops);
+    let (purl, durl, _, stops) = pair(&["--kv-transport", "tcp"]).await;
+    let (over_tcp, offered) = generate(&purl, &durl, &tokens).await;
+    assert!(!offered);
+    assert_eq!(over_rdma, over_tcp);
+    drop(stops);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
