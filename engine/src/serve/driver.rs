@@ -19,6 +19,7 @@ use crate::error::ErrorKind;
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
+use super::lease_store::LeaseStore;
 use super::request::{EngineRequest, Finished, RequestError, RequestEvent, RequestId};
 
 /// How often an idle engine wakes to expire leases.
@@ -34,7 +35,6 @@ enum Command {
     Abort(RequestId),
     ReleaseLease(u64, Sender<bool>),
     CachedPrefix(Vec<u32>, Option<String>, Sender<usize>),
-    ReadLease(u64, usize, usize, Sender<Option<Vec<Vec<f32>>>>),
     Shutdown,
 }
 
@@ -44,6 +44,7 @@ pub struct EngineHandle {
     tx: Sender<Command>,
     healthy: Arc<AtomicBool>,
     counters: Arc<Mutex<EngineCounters>>,
+    leases: LeaseStore,
 }
 
 /// The engine thread; dropping it shuts the engine down and joins the thread.
@@ -68,6 +69,7 @@ impl EngineThread {
             tx,
             healthy: Arc::clone(&healthy),
             counters: Arc::clone(&counters),
+            leases: engine.lease_store(),
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
@@ -137,13 +139,10 @@ impl EngineHandle {
         rx.recv().unwrap_or(0)
     }
 
-    /// Copy blocks of a lease out of KV storage (`None`: no such lease, or out of range).
+    /// Copies of blocks of a lease (`None`: no such lease, or out of range). Served from the
+    /// lease's copy without waiting for the engine thread ([`LeaseStore`]).
     pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
-        let (tx, rx) = mpsc::channel();
-        self.tx
-            .send(Command::ReadLease(lease_id, first, count, tx))
-            .ok()?;
-        rx.recv().ok().flatten()
+        self.leases.read(lease_id, first, count)
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -226,9 +225,6 @@ fn run<B: Backend>(
                 }
                 Command::CachedPrefix(tokens, salt, reply) => {
                     let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
-                }
-                Command::ReadLease(lease, first, count, reply) => {
-                    let _ = reply.send(engine.read_lease(lease, first, count));
                 }
                 Command::Shutdown => shutdown = true,
             }

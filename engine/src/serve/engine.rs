@@ -27,6 +27,7 @@ use crate::sampling::{
 };
 
 use super::counters::{EngineCounters, PrefixOutcome};
+use super::lease_store::LeaseStore;
 use super::request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
     RequestTimings, Usage,
@@ -164,6 +165,8 @@ pub struct Engine<B: Backend> {
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     leases: HashMap<u64, Lease>,
+    /// Copies of the leased blocks, for the export side (read without this thread).
+    lease_store: LeaseStore,
     next_lease: u64,
     counters: EngineCounters,
     expired_leases: u64,
@@ -206,6 +209,7 @@ impl<B: Backend> Engine<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             leases: HashMap::new(),
+            lease_store: LeaseStore::default(),
             next_lease: 1,
             counters: EngineCounters::default(),
             expired_leases: 0,
@@ -362,6 +366,7 @@ impl<B: Backend> Engine<B> {
 
     /// Release a prefill lease; false if it does not exist (released or expired).
     pub fn release_lease(&mut self, lease_id: u64) -> bool {
+        self.lease_store.remove(lease_id);
         match self.leases.remove(&lease_id) {
             Some(lease) => {
                 self.free_blocks(&lease.blocks);
@@ -388,18 +393,12 @@ impl<B: Backend> Engine<B> {
     /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
     /// a KV transfer). `None` if the lease does not exist or is shorter.
     pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
-        let lease = self.leases.get(&lease_id)?;
-        let blocks = lease.blocks.get(first..first.checked_add(count)?)?;
-        Some(
-            blocks
-                .iter()
-                .map(|&b| {
-                    let mut data = vec![0.0; self.executor.block_len()];
-                    self.executor.read_block(b, &mut data);
-                    data
-                })
-                .collect(),
-        )
+        self.lease_store.read(lease_id, first, count)
+    }
+
+    /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).
+    pub fn lease_store(&self) -> LeaseStore {
+        self.lease_store.clone()
     }
 
     pub fn num_leases(&self) -> usize {
@@ -836,6 +835,15 @@ impl<B: Backend> Engine<B> {
             let prompt_blocks = seq.prompt_len.div_ceil(self.block_size());
             let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
             self.free_blocks(rest);
+            let copies = keep
+                .iter()
+                .map(|&b| {
+                    let mut data = vec![0.0; self.executor.block_len()];
+                    self.executor.read_block(b, &mut data);
+                    data
+                })
+                .collect();
+            self.lease_store.insert(lease_id, copies);
             self.leases.insert(
                 lease_id,
                 Lease {

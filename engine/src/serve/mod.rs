@@ -4,11 +4,13 @@
 pub mod counters;
 pub mod driver;
 pub mod engine;
+pub mod lease_store;
 pub mod request;
 
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread, FinishedObserver};
 pub use engine::{Engine, EngineConfig, Role, StepStats};
+pub use lease_store::LeaseStore;
 pub use request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
     RequestTimings, Usage,

@@ -1,0 +1,65 @@
+//! Copies of leased KV, readable without the engine thread.
+//!
+//! A prefill lease's blocks are copied out of KV storage when the lease is made (on the
+//! engine thread, where the storage lives) and served from here to decode nodes by the
+//! export side of the transport. Reading through the engine thread instead would wait for
+//! the step in progress — seconds for a long prefill chunk — and the pull would miss its
+//! deadline. The copy lives exactly as long as the lease: removed at release or expiry, so
+//! a late reader finds nothing, as with the lease itself. It does not replace the lease's
+//! hold on the engine's blocks (the prefix cache keeps those).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Leased blocks by lease id, each in `Backend::read_block`'s layout. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseStore {
+    leases: Arc<Mutex<HashMap<u64, Arc<Vec<Vec<f32>>>>>>,
+}
+
+impl LeaseStore {
+    pub fn insert(&self, lease_id: u64, blocks: Vec<Vec<f32>>) {
+        if let Ok(mut leases) = self.leases.lock() {
+            leases.insert(lease_id, Arc::new(blocks));
+        }
+    }
+
+    pub fn remove(&self, lease_id: u64) {
+        if let Ok(mut leases) = self.leases.lock() {
+            leases.remove(&lease_id);
+        }
+    }
+
+    /// Blocks `first .. first + count` of a lease; `None` if the lease is gone or shorter.
+    pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+        // Clone the Arc under the lock, copy the blocks outside it.
+        let blocks = self.leases.lock().ok()?.get(&lease_id).cloned()?;
+        Some(blocks.get(first..first.checked_add(count)?)?.to_vec())
+    }
+
+    pub fn len(&self) -> usize {
+        self.leases.lock().map(|l| l.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_ranges_until_removed() {
+        let store = LeaseStore::default();
+        store.insert(7, vec![vec![1.0], vec![2.0], vec![3.0]]);
+        assert_eq!(store.read(7, 1, 2), Some(vec![vec![2.0], vec![3.0]]));
+        assert_eq!(store.read(7, 2, 2), None, "past the end");
+        assert_eq!(store.read(7, usize::MAX, 2), None, "overflow");
+        assert_eq!(store.read(8, 0, 1), None, "unknown lease");
+        store.remove(7);
+        assert_eq!(store.read(7, 0, 1), None, "released");
+        assert!(store.is_empty());
+    }
+}
