@@ -34,8 +34,8 @@ pub struct UpArgs {
     /// Model directory or `synthetic:NAME`, served by every node.
     #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny")]
     model: String,
-    /// Number of prefill nodes.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    /// Number of prefill nodes (0: aggregated mode, decode nodes serve whole requests).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64))]
     prefill: u16,
     /// Number of decode nodes.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]

@@ -115,12 +115,12 @@ pub struct RouterArgs {
     pub request_timeout: Option<Duration>,
 
     /// A prefill node's gRPC address (`host:port`); repeat for several (the environment
-    /// variable takes a comma-separated list).
+    /// variable takes a comma-separated list). None: aggregated mode, each request goes whole
+    /// to one decode node, which computes the prompt too.
     #[arg(
         long = "prefill",
         env = "PD_PREFILL",
         value_delimiter = ',',
-        required = true,
         help_heading = "Nodes"
     )]
     pub prefill: Vec<String>,

@@ -23,7 +23,10 @@ pub enum RouterError {
         addr: String,
         message: String,
     },
-    #[error("at least one --prefill and one --decode node are needed")]
+    #[error(
+        "at least one --decode node is needed (with --prefill nodes the cluster disaggregates; \
+         without, decode nodes serve whole requests)"
+    )]
     NoNodes,
     #[error("no healthy {role} node ({detail}); retry once the router's health reports SERVING")]
     NoHealthyNode { role: NodeRole, detail: String },

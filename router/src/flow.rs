@@ -20,10 +20,27 @@
 //!   request: `Abort` on the prefill node if it was still prefilling, on the decode node if it
 //!   was decoding, and `ReleaseKv` if a lease is held. Every node call has a deadline.
 //!
+//! **Aggregated mode** (decode nodes only, see [`crate::registry`]): no prefill step. The
+//! decode node is chosen by the routing policy (it computes the prompt, so prefix affinity
+//! pays there), gets the request without a KV handle and streams every token, the first
+//! included. A failure before its first message is retried once on another decode node (the
+//! client has seen nothing); after that it is UNAVAILABLE as above.
+//!
 //! Usage on the last chunk: the prompt's tokens, the tokens streamed to the client, and the
-//! cached tokens **of the prefill node** (local + external): the prefill computation saved.
-//! KV that the decode node received from the prefill node was computed, not cached
-//! (ARCHITECTURE §3 rule 7).
+//! cached tokens **of the node that computed the prompt** (local + external): the computation
+//! its prefix cache saved. In the cluster that is the prefill node; KV that the decode node
+//! received from the prefill node was computed, not cached (ARCHITECTURE §3 rule 7). In
+//! aggregated mode it is the decode node's own usage, which comes on its last message: when a
+//! stop string ends the text first, the router aborts the node and waits (at most
+//! [`release::CONTROL_TIMEOUT`]) for that message before it ends the client's stream.
+//!
+//! The client's stream ends as soon as its last chunk is sent; what the request still holds
+//! on the nodes (a lease, a decode to abort) is given back after that, off the client's path.
+//!
+//! Parts: [`decode`] (the decode step), [`release`] (what a request holds and its release).
+
+mod decode;
+mod release;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -31,19 +48,18 @@ use std::time::Duration;
 
 use pd_engine::sampling::FinishReason;
 use pd_engine::text::TextStream;
-use pd_proto::convert::{engine_finish_reason, finish_reason, wire_sampling};
+use pd_proto::convert::{finish_reason, wire_sampling};
 use pd_proto::pb;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tonic::{Code, Status};
+use tonic::Status;
 
+use self::decode::Handoff;
+use self::release::{Held, abort_prefill};
 use crate::error::{NodeError, NodeFailure};
-use crate::registry::{Layout, Node, NodeRole};
+use crate::registry::{Node, NodeRole};
 use crate::service::{InflightEntry, Shared};
 use crate::validation::ValidRequest;
-
-/// Deadline of the calls that clean up after a request (`Abort`, `ReleaseKv`).
-pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub(crate) type ChunkTx = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
@@ -89,17 +105,6 @@ impl Watch {
     }
 }
 
-/// What the request holds on the nodes right now; released by [`Job::release_all`].
-#[derive(Default)]
-struct Held {
-    /// A Prefill call in progress: (node, node request id).
-    prefilling: Option<(Arc<Node>, String)>,
-    /// A KV lease on a prefill node.
-    lease: Option<(Arc<Node>, u64)>,
-    /// A decode in progress: (node, node request id).
-    decoding: Option<(Arc<Node>, String)>,
-}
-
 /// A successful Prefill.
 struct Prefilled {
     node: Arc<Node>,
@@ -110,27 +115,20 @@ struct Prefilled {
     prompt_logprobs: Vec<pb::Logprob>,
 }
 
-/// How a decode attempt failed.
-enum DecodeEnd {
-    End(End),
-    Node {
-        error: NodeError,
-        /// The node had sent at least one message (the lease is released, tokens went out).
-        streamed: bool,
-    },
-}
-
 struct Job {
     shared: Arc<Shared>,
     req: ValidRequest,
     watch: Watch,
     held: Held,
-    prefill_usage: pb::Usage,
+    /// The usage of the node that computed the prompt (its cached tokens reach the client).
+    compute_usage: pb::Usage,
     completion_tokens: u32,
 }
 
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
-/// before the last message goes out, so the client may reuse its request id right away.
+/// before the last message goes out, so the client may reuse its request id right away, and
+/// the client's stream ends before the release (a 1-token request does not wait for
+/// `ReleaseKv`).
 pub(crate) async fn run(
     shared: Arc<Shared>,
     req: ValidRequest,
@@ -150,7 +148,7 @@ pub(crate) async fn run(
             deadline,
         },
         held: Held::default(),
-        prefill_usage: pb::Usage::default(),
+        compute_usage: pb::Usage::default(),
         completion_tokens: 0,
     };
     let outcome = job.drive(&mut text).await;
@@ -177,17 +175,22 @@ pub(crate) async fn run(
         }
     };
     drop(entry);
-    let send = async {
-        if let Some(last) = last {
-            // Fails only when the client is gone, which is fine now.
-            let _ = tx.send(last).await;
-        }
-    };
-    tokio::join!(send, job.release_all());
+    let held = std::mem::take(&mut job.held);
+    // The job's watch holds a sender too: the stream ends once it and `tx` are gone.
+    drop(job);
+    if let Some(last) = last {
+        // Fails only when the client is gone, which is fine now.
+        let _ = tx.send(last).await;
+    }
+    drop(tx);
+    held.release().await;
 }
 
 impl Job {
     async fn drive(&mut self, text: &mut TextStream<'_>) -> Result<pb::GenerateResponse, End> {
+        if self.shared.registry.aggregated() {
+            return self.decode(text, None).await;
+        }
         let Prefilled {
             node,
             first,
@@ -195,7 +198,7 @@ impl Job {
             usage,
             prompt_logprobs,
         } = self.prefill().await?;
-        self.prefill_usage = usage;
+        self.compute_usage = usage;
         self.held.lease = Some((node, kv.lease_id));
 
         let mut chunk = self.chunk();
@@ -209,7 +212,11 @@ impl Job {
             return Ok(self.finish(chunk, reason));
         }
         self.send(chunk).await?;
-        self.decode(text, &kv, first.token_id).await
+        let handoff = Handoff {
+            kv: &kv,
+            first_token: first.token_id,
+        };
+        self.decode(text, Some(handoff)).await
     }
 
     /// An empty chunk of this request.
@@ -227,8 +234,8 @@ impl Job {
         reason: FinishReason,
     ) -> pb::GenerateResponse {
         let prompt_tokens = u32::try_from(self.req.prompt.len()).unwrap_or(u32::MAX);
-        let local = self.prefill_usage.local_cached_tokens;
-        let external = self.prefill_usage.external_cached_tokens;
+        let local = self.compute_usage.local_cached_tokens;
+        let external = self.compute_usage.external_cached_tokens;
         chunk.finish_reason = finish_reason(reason) as i32;
         chunk.usage = Some(pb::Usage {
             prompt_tokens,
@@ -308,7 +315,7 @@ impl Job {
                     }));
                 }
             };
-            let node = self.shared.pick_prefill(&self.req, &candidates);
+            let node = self.shared.pick_by_policy(&self.req, &candidates);
             let node_request_id = self.shared.ids.node_request_id(&self.req.request_id);
             let mut request = tonic::Request::new(pb::PrefillRequest {
                 request_id: node_request_id.clone(),
@@ -375,234 +382,4 @@ impl Job {
             return Err(End::Failed(Status::new(error.client_code(), message)));
         }
     }
-
-    // ---- decode --------------------------------------------------------------------------
-
-    async fn decode(
-        &mut self,
-        text: &mut TextStream<'_>,
-        kv: &pb::KvHandle,
-        first_token: u32,
-    ) -> Result<pb::GenerateResponse, End> {
-        let layout = Layout {
-            fingerprint: kv.layout_fingerprint.clone(),
-            block_size: kv.block_size,
-        };
-        let mut excluded = Vec::new();
-        let mut previous: Option<NodeError> = None;
-        loop {
-            let candidates = match self.shared.registry.decode_candidates(&layout, &excluded) {
-                Ok(c) => c,
-                Err(e) => {
-                    let message = match &previous {
-                        None => e.to_string(),
-                        Some(prev) => format!("{prev}; no other decode node to retry on: {e}"),
-                    };
-                    return Err(self.failed_after_tokens(message));
-                }
-            };
-            let node = self.shared.pick_decode(&self.req, &candidates);
-            match self.decode_on(&node, text, kv, first_token).await {
-                Ok(last) => return Ok(last),
-                Err(DecodeEnd::End(end)) => return Err(end),
-                Err(DecodeEnd::Node { error, streamed }) => {
-                    if let Some((node, id)) = self.held.decoding.take() {
-                        tokio::spawn(abort_decode(node, id));
-                    }
-                    if error.marks_node_down() {
-                        node.mark_down(error.what.to_string());
-                    }
-                    let lease_held = self.held.lease.is_some();
-                    if !streamed && lease_held && previous.is_none() && error.is_retryable() {
-                        tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
-                        excluded.push(node.id);
-                        previous = Some(error);
-                        continue;
-                    }
-                    let message = match previous {
-                        None => error.to_string(),
-                        Some(prev) => format!("{prev}; retried: {error}"),
-                    };
-                    return Err(self.failed_after_tokens(message));
-                }
-            }
-        }
-    }
-
-    fn failed_after_tokens(&self, cause: String) -> End {
-        End::Failed(Status::new(
-            Code::Unavailable,
-            format!(
-                "the request failed after {} tokens were streamed and cannot be resumed: {cause}",
-                self.completion_tokens
-            ),
-        ))
-    }
-
-    async fn decode_on(
-        &mut self,
-        node: &Arc<Node>,
-        text: &mut TextStream<'_>,
-        kv: &pb::KvHandle,
-        first_token: u32,
-    ) -> Result<pb::GenerateResponse, DecodeEnd> {
-        let params = &self.req.params;
-        let node_request_id = self.shared.ids.node_request_id(&self.req.request_id);
-        let mut request = tonic::Request::new(pb::DecodeRequest {
-            request_id: node_request_id.clone(),
-            prompt_token_ids: self.req.prompt.clone(),
-            first_token,
-            sampling: Some(wire_sampling(params)),
-            max_tokens: params.max_tokens,
-            stop_token_ids: params.stop_token_ids.clone(),
-            ignore_eos: params.ignore_eos,
-            cache_salt: self.req.cache_salt.clone(),
-            kv: Some(kv.clone()),
-        });
-        if let Some(remaining) = self.remaining() {
-            request.set_timeout(remaining);
-        }
-        self.held.decoding = Some((node.clone(), node_request_id));
-        tracing::debug!(request_id = %self.req.request_id, node = %node.addr, "decode");
-        let _load = node.track();
-        let mut client = node.decode_client();
-        let timeout = self.shared.node_timeout;
-        let node_error = |what: NodeFailure, streamed: bool| DecodeEnd::Node {
-            error: NodeError {
-                role: NodeRole::Decode,
-                addr: node.addr.clone(),
-                what,
-            },
-            streamed,
-        };
-        let opened = self
-            .watch
-            .run(tokio::time::timeout(timeout, client.decode(request)))
-            .await
-            .map_err(DecodeEnd::End)?;
-        let mut stream = match opened {
-            Ok(Ok(response)) => response.into_inner(),
-            Ok(Err(status)) => return Err(node_error(NodeFailure::from_status(status), false)),
-            Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), false)),
-        };
-        let mut streamed = false;
-        loop {
-            let next = self
-                .watch
-                .run(tokio::time::timeout(timeout, stream.message()))
-                .await
-                .map_err(DecodeEnd::End)?;
-            let message = match next {
-                Ok(Ok(Some(m))) => m,
-                Ok(Ok(None)) => {
-                    return Err(node_error(
-                        NodeFailure::Protocol(
-                            "the decode stream ended without a finish reason".into(),
-                        ),
-                        streamed,
-                    ));
-                }
-                Ok(Err(status)) => {
-                    return Err(node_error(NodeFailure::from_status(status), streamed));
-                }
-                Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), streamed)),
-            };
-            (self.shared.metrics).observe_report(node, message.counters.as_ref());
-            if !streamed {
-                streamed = true;
-                // The decode node has the KV now (or its own copy of the prefix).
-                if let Some((node, lease)) = self.held.lease.take() {
-                    tokio::spawn(release_kv(node, lease));
-                }
-            }
-            let mut chunk = self.chunk();
-            let ours = self
-                .feed(text, &mut chunk, &message.tokens, NodeRole::Decode)
-                .map_err(DecodeEnd::End)?;
-            let theirs = engine_finish_reason(message.finish_reason());
-            match (ours, theirs) {
-                (Some((reason, all_consumed)), _) => {
-                    if theirs.is_some() && all_consumed {
-                        // The node finished at the same token: nothing to abort.
-                        self.held.decoding = None;
-                    }
-                    return Ok(self.finish(chunk, reason));
-                }
-                (None, Some(reason)) => {
-                    // The node ended it (context length, its own abort): flush held-back text.
-                    chunk.text.push_str(&text.flush());
-                    self.held.decoding = None;
-                    return Ok(self.finish(chunk, reason));
-                }
-                (None, None) => {
-                    if !chunk.token_ids.is_empty() {
-                        self.send(chunk).await.map_err(DecodeEnd::End)?;
-                    }
-                }
-            }
-        }
-    }
-
-    // ---- cleanup -------------------------------------------------------------------------
-
-    /// Aborts what still runs on the nodes and releases the lease, concurrently.
-    async fn release_all(&mut self) {
-        let held = std::mem::take(&mut self.held);
-        let prefill = async {
-            if let Some((node, id)) = held.prefilling {
-                abort_prefill(node, id).await;
-            }
-        };
-        let decode = async {
-            if let Some((node, id)) = held.decoding {
-                abort_decode(node, id).await;
-            }
-        };
-        let lease = async {
-            if let Some((node, lease)) = held.lease {
-                release_kv(node, lease).await;
-            }
-        };
-        tokio::join!(prefill, decode, lease);
-    }
-}
-
-async fn control<T>(
-    what: &str,
-    node: &Node,
-    call: impl Future<Output = Result<tonic::Response<T>, Status>>,
-) {
-    match tokio::time::timeout(CONTROL_TIMEOUT, call).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(status)) => {
-            tracing::warn!(node = %node.addr, role = %node.role, code = ?status.code(), message = status.message(), "{what} failed")
-        }
-        Err(_) => {
-            tracing::warn!(node = %node.addr, role = %node.role, "{what} did not answer within {CONTROL_TIMEOUT:?}")
-        }
-    }
-}
-
-fn control_request<T>(message: T) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.set_timeout(CONTROL_TIMEOUT);
-    request
-}
-
-async fn abort_prefill(node: Arc<Node>, request_id: String) {
-    let mut client = node.prefill_client();
-    let request = control_request(pb::NodeAbortRequest { request_id });
-    control("Abort", &node, client.abort(request)).await;
-}
-
-async fn abort_decode(node: Arc<Node>, request_id: String) {
-    let mut client = node.decode_client();
-    let request = control_request(pb::NodeAbortRequest { request_id });
-    control("Abort", &node, client.abort(request)).await;
-}
-
-async fn release_kv(node: Arc<Node>, lease_id: u64) {
-    let mut client = node.prefill_client();
-    let request = control_request(pb::ReleaseKvRequest { lease_id });
-    control("ReleaseKv", &node, client.release_kv(request)).await;
 }

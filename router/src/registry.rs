@@ -15,6 +15,10 @@
 //! sizes; [`Registry::prefill_candidates`] offers only prefill nodes that have such a decode
 //! partner up, and explains the mismatch when none has. The router's gRPC health is SERVING
 //! exactly when at least one such pair is up.
+//!
+//! **Aggregated mode**: with decode nodes only (no `--prefill`), no KV moves between nodes:
+//! each request goes whole to one decode node, which computes its prompt too. Any up decode
+//! node is a candidate and the router is SERVING while one is up.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -264,7 +268,7 @@ impl Registry {
         model: impl Into<String>,
         metrics: Arc<RouterMetrics>,
     ) -> Result<Self, RouterError> {
-        if prefill.is_empty() || decode.is_empty() {
+        if decode.is_empty() {
             return Err(RouterError::NoNodes);
         }
         let mut nodes = Vec::new();
@@ -321,6 +325,11 @@ impl Registry {
 
     pub fn role(&self, role: NodeRole) -> impl Iterator<Item = &Arc<Node>> {
         self.nodes.iter().filter(move |n| n.role == role)
+    }
+
+    /// No prefill nodes: decode nodes serve whole requests (see the module doc).
+    pub fn aggregated(&self) -> bool {
+        self.role(NodeRole::Prefill).next().is_none()
     }
 
     /// Whether at least one prefill node and one decode node with the same layout are up;
@@ -400,6 +409,9 @@ impl Registry {
     }
 
     fn compatible_pair_up(&self) -> bool {
+        if self.aggregated() {
+            return self.role(NodeRole::Decode).any(|n| n.is_up());
+        }
         let decode: Vec<Layout> = self
             .role(NodeRole::Decode)
             .filter(|n| n.is_up())
@@ -459,10 +471,11 @@ impl Registry {
         Ok(candidates)
     }
 
-    /// Up decode nodes (not in `exclude`) with exactly this layout.
+    /// Up decode nodes (not in `exclude`) with exactly this layout; any layout for `None`
+    /// (aggregated mode: no KV comes from elsewhere).
     pub fn decode_candidates(
         &self,
-        layout: &Layout,
+        layout: Option<&Layout>,
         exclude: &[usize],
     ) -> Result<Vec<Arc<Node>>, RouterError> {
         let decode: Vec<&Arc<Node>> = self
@@ -476,6 +489,9 @@ impl Registry {
                 detail: describe(decode.iter().copied(), exclude),
             });
         }
+        let Some(layout) = layout else {
+            return Ok(up.into_iter().cloned().collect());
+        };
         let matching: Vec<Arc<Node>> = up
             .iter()
             .filter(|n| n.layout().as_ref() == Some(layout))

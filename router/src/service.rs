@@ -54,8 +54,9 @@ impl Shared {
             .collect()
     }
 
-    /// The routing policy's choice among `nodes` (never empty).
-    pub fn pick_prefill(&self, req: &ValidRequest, nodes: &[Arc<Node>]) -> Arc<Node> {
+    /// The routing policy's choice among `nodes` (never empty): the nodes that compute the
+    /// prompt (prefill nodes; decode nodes in aggregated mode).
+    pub fn pick_by_policy(&self, req: &ValidRequest, nodes: &[Arc<Node>]) -> Arc<Node> {
         let input = RouteInput {
             tokens: &req.prompt,
             cache_salt: req.cache_salt.as_deref(),
@@ -221,14 +222,20 @@ impl pb::generation_server::Generation for GenerationService {
         let context = shared
             .registry
             .context_len(shared.model.max_position_embeddings());
-        // Tokenizing and rendering templates is CPU work: off the async threads.
-        let valid = tokio::task::spawn_blocking(move || {
-            shared
-                .validator
-                .validate(req, context, || shared.ids.request_id())
-        })
-        .await
-        .map_err(|e| Status::internal(format!("request validation panicked: {e}")))??;
+        let valid = if matches!(req.input, Some(pb::generate_request::Input::TokenIds(_))) {
+            // Token ids are checked in one pass: cheaper here than a hop to the blocking pool,
+            // which costs a thread wake-up on every request.
+            (shared.validator).validate(req, context, || shared.ids.request_id())?
+        } else {
+            // Tokenizing and rendering templates is CPU work: off the async threads.
+            tokio::task::spawn_blocking(move || {
+                shared
+                    .validator
+                    .validate(req, context, || shared.ids.request_id())
+            })
+            .await
+            .map_err(|e| Status::internal(format!("request validation panicked: {e}")))??
+        };
         let (entry, cancel) = self.shared.inflight.register(&valid.request_id)?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tracing::debug!(request_id = %valid.request_id, prompt_tokens = valid.prompt.len(), max_tokens = valid.params.max_tokens, "generate");

@@ -74,13 +74,14 @@ fn bad_flags_are_refused_with_a_usage_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prefix-aware"), "{err}");
 
+    // No --prefill is aggregated mode; no --decode is refused.
     let out = Command::new(BIN)
-        .args(["--decode", "b:1"])
-        .env_remove("PD_PREFILL")
+        .args(["--prefill", "a:1"])
+        .env_remove("PD_DECODE")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--decode"));
 
     let out = Command::new(BIN)
         .args(["--prefill", "no-port", "--decode", "b:1"])

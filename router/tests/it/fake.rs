@@ -309,6 +309,7 @@ impl DecodeService for Fake {
                         external_cached_tokens: 499,
                     }),
                     counters: None,
+                    prompt_logprobs: vec![],
                 };
                 if tx.send(Ok(message)).await.is_err() {
                     return;

@@ -1,0 +1,264 @@
+//! The decode step of a request: a decode node chosen among the compatible ones, its stream
+//! turned into the client's chunks, one retry while the client cannot tell, and in aggregated
+//! mode the node's own usage and prompt logprobs (see the parent module's doc).
+
+use std::sync::Arc;
+
+use pd_engine::text::TextStream;
+use pd_proto::convert::{engine_finish_reason, wire_sampling};
+use pd_proto::pb;
+use tonic::Code;
+use tonic::Status;
+
+use super::release::{CONTROL_TIMEOUT, abort_decode, release_kv};
+use super::{End, Job};
+use crate::error::{NodeError, NodeFailure};
+use crate::registry::{Layout, Node, NodeRole};
+
+/// How a decode attempt failed.
+pub(super) enum DecodeEnd {
+    End(End),
+    Node {
+        error: NodeError,
+        /// The node had sent at least one message (the lease is released, tokens went out).
+        streamed: bool,
+    },
+}
+
+/// What a decode node is given in the cluster: the prefill node's KV and first token. None in
+/// aggregated mode (the decode node computes the prompt itself).
+#[derive(Clone, Copy)]
+pub(super) struct Handoff<'a> {
+    pub kv: &'a pb::KvHandle,
+    pub first_token: u32,
+}
+
+impl Job {
+    pub(super) async fn decode(
+        &mut self,
+        text: &mut TextStream<'_>,
+        handoff: Option<Handoff<'_>>,
+    ) -> Result<pb::GenerateResponse, End> {
+        let layout = handoff.map(|h| Layout {
+            fingerprint: h.kv.layout_fingerprint.clone(),
+            block_size: h.kv.block_size,
+        });
+        let mut excluded = Vec::new();
+        let mut previous: Option<NodeError> = None;
+        loop {
+            let candidates =
+                match (self.shared.registry).decode_candidates(layout.as_ref(), &excluded) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let code = match &previous {
+                            None => e.code(),
+                            Some(prev) => prev.client_code(),
+                        };
+                        let message = match &previous {
+                            None => e.to_string(),
+                            Some(prev) => format!("{prev}; no other decode node to retry on: {e}"),
+                        };
+                        return Err(self.failed(code, message));
+                    }
+                };
+            let node = match handoff {
+                Some(_) => self.shared.pick_decode(&self.req, &candidates),
+                // The decode node computes the prompt: the policy's prefix affinity applies.
+                None => self.shared.pick_by_policy(&self.req, &candidates),
+            };
+            match self.decode_on(&node, text, handoff).await {
+                Ok(last) => return Ok(last),
+                Err(DecodeEnd::End(end)) => return Err(end),
+                Err(DecodeEnd::Node { error, streamed }) => {
+                    if let Some((node, id)) = self.held.decoding.take() {
+                        tokio::spawn(abort_decode(node, id));
+                    }
+                    if error.marks_node_down() {
+                        node.mark_down(error.what.to_string());
+                    }
+                    // Retried only while the client cannot tell: in the cluster the lease is
+                    // still held, so another decode node can pull the same KV.
+                    let resumable = handoff.is_none() || self.held.lease.is_some();
+                    if !streamed && resumable && previous.is_none() && error.is_retryable() {
+                        tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
+                        excluded.push(node.id);
+                        previous = Some(error);
+                        continue;
+                    }
+                    let code = error.client_code();
+                    let message = match previous {
+                        None => error.to_string(),
+                        Some(prev) => format!("{prev}; retried: {error}"),
+                    };
+                    return Err(self.failed(code, message));
+                }
+            }
+        }
+    }
+
+    /// A decode failure's end: `code` while the client has seen no token (aggregated mode),
+    /// else UNAVAILABLE, for a stream that cannot be resumed.
+    fn failed(&self, code: Code, cause: String) -> End {
+        if self.completion_tokens == 0 {
+            return End::Failed(Status::new(code, cause));
+        }
+        End::Failed(Status::new(
+            Code::Unavailable,
+            format!(
+                "the request failed after {} tokens were streamed and cannot be resumed: {cause}",
+                self.completion_tokens
+            ),
+        ))
+    }
+
+    async fn decode_on(
+        &mut self,
+        node: &Arc<Node>,
+        text: &mut TextStream<'_>,
+        handoff: Option<Handoff<'_>>,
+    ) -> Result<pb::GenerateResponse, DecodeEnd> {
+        let params = &self.req.params;
+        let node_request_id = self.shared.ids.node_request_id(&self.req.request_id);
+        let mut request = tonic::Request::new(pb::DecodeRequest {
+            request_id: node_request_id.clone(),
+            prompt_token_ids: self.req.prompt.clone(),
+            first_token: handoff.map_or(0, |h| h.first_token),
+            sampling: Some(wire_sampling(params)),
+            max_tokens: params.max_tokens,
+            stop_token_ids: params.stop_token_ids.clone(),
+            ignore_eos: params.ignore_eos,
+            cache_salt: self.req.cache_salt.clone(),
+            kv: handoff.map(|h| h.kv.clone()),
+        });
+        if let Some(remaining) = self.remaining() {
+            request.set_timeout(remaining);
+        }
+        self.held.decoding = Some((node.clone(), node_request_id));
+        tracing::debug!(request_id = %self.req.request_id, node = %node.addr, "decode");
+        let _load = node.track();
+        let mut client = node.decode_client();
+        let timeout = self.shared.node_timeout;
+        let node_error = |what: NodeFailure, streamed: bool| DecodeEnd::Node {
+            error: NodeError {
+                role: NodeRole::Decode,
+                addr: node.addr.clone(),
+                what,
+            },
+            streamed,
+        };
+        let opened = self
+            .watch
+            .run(tokio::time::timeout(timeout, client.decode(request)))
+            .await
+            .map_err(DecodeEnd::End)?;
+        let mut stream = match opened {
+            Ok(Ok(response)) => response.into_inner(),
+            Ok(Err(status)) => return Err(node_error(NodeFailure::from_status(status), false)),
+            Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), false)),
+        };
+        let mut streamed = false;
+        loop {
+            let next = self
+                .watch
+                .run(tokio::time::timeout(timeout, stream.message()))
+                .await
+                .map_err(DecodeEnd::End)?;
+            let message = match next {
+                Ok(Ok(Some(m))) => m,
+                Ok(Ok(None)) => {
+                    return Err(node_error(
+                        NodeFailure::Protocol(
+                            "the decode stream ended without a finish reason".into(),
+                        ),
+                        streamed,
+                    ));
+                }
+                Ok(Err(status)) => {
+                    return Err(node_error(NodeFailure::from_status(status), streamed));
+                }
+                Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), streamed)),
+            };
+            (self.shared.metrics).observe_report(node, message.counters.as_ref());
+            if !streamed {
+                streamed = true;
+                // The decode node has the KV now (or its own copy of the prefix).
+                if let Some((node, lease)) = self.held.lease.take() {
+                    tokio::spawn(release_kv(node, lease));
+                }
+            }
+            let mut chunk = self.chunk();
+            let ours = self
+                .feed(text, &mut chunk, &message.tokens, NodeRole::Decode)
+                .map_err(DecodeEnd::End)?;
+            let theirs = engine_finish_reason(message.finish_reason());
+            let mut last = (theirs.is_some()).then_some(message);
+            match (ours, theirs) {
+                (Some((reason, all_consumed)), _) => {
+                    if theirs.is_some() && all_consumed {
+                        // The node finished at the same token: nothing to abort.
+                        self.held.decoding = None;
+                    } else if handoff.is_none() {
+                        last = self.abort_for_last_message(&mut stream).await;
+                    }
+                    self.take_compute_usage(handoff, &mut chunk, last);
+                    return Ok(self.finish(chunk, reason));
+                }
+                (None, Some(reason)) => {
+                    // The node ended it (context length, its own abort): flush held-back text.
+                    chunk.text.push_str(&text.flush());
+                    self.held.decoding = None;
+                    self.take_compute_usage(handoff, &mut chunk, last);
+                    return Ok(self.finish(chunk, reason));
+                }
+                (None, None) => {
+                    if !chunk.token_ids.is_empty() {
+                        self.send(chunk).await.map_err(DecodeEnd::End)?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Aggregated mode, the text ended before the node did: aborts the node's request and
+    /// waits (at most [`CONTROL_TIMEOUT`]) for its last message, which carries its usage.
+    async fn abort_for_last_message(
+        &mut self,
+        stream: &mut tonic::Streaming<pb::DecodeResponse>,
+    ) -> Option<pb::DecodeResponse> {
+        let (node, id) = self.held.decoding.take()?;
+        abort_decode(node.clone(), id).await;
+        let metrics = &self.shared.metrics;
+        let last = async {
+            while let Ok(Some(message)) = stream.message().await {
+                metrics.observe_report(&node, message.counters.as_ref());
+                if message.finish_reason() != pb::FinishReason::Unspecified {
+                    return Some(message);
+                }
+            }
+            None
+        };
+        tokio::time::timeout(CONTROL_TIMEOUT, last)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Aggregated mode: the decode node computed the prompt, so its last message's usage is
+    /// the one the client gets, and its prompt logprobs go out on the last chunk.
+    fn take_compute_usage(
+        &mut self,
+        handoff: Option<Handoff<'_>>,
+        chunk: &mut pb::GenerateResponse,
+        last: Option<pb::DecodeResponse>,
+    ) {
+        if handoff.is_some() {
+            return;
+        }
+        let Some(last) = last else {
+            tracing::warn!(request_id = %self.req.request_id, "the decode node's usage did not arrive; cached tokens reported as 0");
+            return;
+        };
+        self.compute_usage = last.usage.unwrap_or_default();
+        chunk.prompt_logprobs = last.prompt_logprobs;
+    }
+}

@@ -1,0 +1,135 @@
+//! Aggregated mode (`pdctl up --prefill 0`): the router sends each request whole to a decode
+//! node, which computes the prompt itself. Greedy output equals one mixed engine (`pdctl
+//! run`), and the client's cached tokens are that node's own prefix-cache hits.
+
+use std::path::Path;
+use std::time::Duration;
+
+use pd_proto::pb;
+use pd_tests::{Cluster, client, collect, greedy, json_of, node_info, pdctl};
+use serde_json::Value;
+
+/// Prompts of several lengths (some spanning many 16-token blocks).
+fn prompts() -> Vec<Vec<u32>> {
+    (0..5u32)
+        .map(|i| {
+            (0..(3 + i * 17))
+                .map(|t| (t * 7919 + i * 104_729 + 13) % 150_000)
+                .collect()
+        })
+        .collect()
+}
+
+fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// `pdctl run --json` of one mixed engine in one process.
+fn reference(cache: &Path, ids: &[u32], max_tokens: u32) -> Value {
+    json_of(&pdctl(
+        cache,
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--token-ids",
+            &ids_arg(ids),
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--ignore-eos",
+            "--json",
+        ],
+    ))
+}
+
+fn token_ids(v: &Value) -> Vec<u32> {
+    v["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|t| t.as_u64().expect("a token id") as u32)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    // Chunked prefill on the decode node too: prompts are computed in pieces of 7 tokens.
+    let cluster = Cluster::up(
+        cache.path(),
+        &[
+            "--prefill",
+            "0",
+            "--decode",
+            "1",
+            "--",
+            "--max-num-batched-tokens",
+            "7",
+        ],
+    )
+    .unwrap();
+    assert!(cluster.nodes("prefill").is_empty());
+    let mut c = client(&cluster.router()).await;
+    for ids in prompts() {
+        let want = token_ids(&reference(cache.path(), &ids, 10));
+        let (got, last) = collect(&mut c, greedy(ids.clone(), 10)).await.unwrap();
+        assert_eq!(got, want, "prompt of {} tokens", ids.len());
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+        let usage = last.usage.unwrap();
+        assert_eq!(usage.prompt_tokens as usize, ids.len());
+        assert_eq!(usage.completion_tokens, 10);
+    }
+
+    // The longest prompt again: the decode node's own cache saved its whole blocks.
+    let long = prompts().pop().unwrap();
+    let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
+    let (_, last) = collect(&mut c, greedy(long.clone(), 10)).await.unwrap();
+    let usage = last.usage.unwrap();
+    assert_eq!(usage.local_cached_tokens, whole_blocks);
+    assert_eq!(usage.cached_tokens, whole_blocks);
+
+    // A stop string ends the text before the node ends the request: the router aborts it
+    // there and still reports the node's cache hits.
+    let run = reference(cache.path(), &long, 10);
+    let text: Vec<char> = run["text"].as_str().unwrap().chars().collect();
+    assert!(text.len() >= 4, "enough text to cut: {text:?}");
+    let stop: String = text[text.len() / 2..text.len() / 2 + 2].iter().collect();
+    let mut req = greedy(long.clone(), 500);
+    req.stop = vec![stop.clone()];
+    let (got, last) = collect(&mut c, req).await.unwrap();
+    assert_eq!(
+        last.finish_reason(),
+        pb::FinishReason::Stop,
+        "stop {stop:?}"
+    );
+    assert!(got.len() <= 10 && token_ids(&run).starts_with(&got));
+    let usage = last.usage.unwrap();
+    assert_eq!(usage.local_cached_tokens, whole_blocks);
+    assert_eq!(usage.completion_tokens as usize, got.len());
+
+    // Prompt logprobs come from the node that computed the prompt.
+    let mut req = greedy(long.clone(), 2);
+    req.sampling.as_mut().unwrap().prompt_logprobs = Some(2);
+    let (_, last) = collect(&mut c, req).await.unwrap();
+    let logprobs = &last.prompt_logprobs;
+    assert_eq!(logprobs.len(), long.len() - 1);
+    for (i, lp) in logprobs.iter().enumerate() {
+        assert_eq!(lp.token_id, long[i + 1], "position {}", i + 1);
+    }
+
+    // Every block comes back.
+    let addr = &cluster.nodes("decode")[0];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = node_info(addr, "decode").await;
+        if info.free_blocks == info.num_blocks && info.num_running == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "blocks kept: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
