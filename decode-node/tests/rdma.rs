@@ -21,10 +21,9 @@ use tokio::sync::oneshot;
 
 fn device() -> Option<String> {
     let dev = std::env::var("PD_TEST_RDMA_DEVICE").ok()?;
-    assert!(
-        pd_transport::rdma::BUILT,
-        "PD_TEST_RDMA_DEVICE is set: run with --features rdma"
-    );
+    if !pd_transport::rdma::BUILT {
+        panic!("PD_TEST_RDMA_DEVICE is set: run with --features rdma");
+    }
     Some(dev)
 }
 
@@ -80,7 +79,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, bool) {
         .prefill(pb::PrefillRequest {
             request_id: "r".into(),
             token_ids: tokens.to_vec(),
-            sampling: greedy.clone(),
+            sampling: greedy,
             cache_salt: None,
         })
         .await
