@@ -12,11 +12,12 @@
 # Environment: RDMA_DEVICE (e.g. mlx5_0), RDMA_GID_INDEX (RoCE), SIZES (operation sizes in
 # bytes, default "65536 1048576 4194304"), ITERS (default 20 benchmark reads of the lease),
 # BENCH_PORT (default 18600). The builds use their own target directory (target/rdma-check)
-# so that they never replace the default build's binaries.
+# so that they never replace the default build's binaries; scripts/test.sh runs this last and
+# sets RDMA_TARGET_DIR=target to share the dependencies already built there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGET=target/rdma-check
+TARGET="${RDMA_TARGET_DIR:-target/rdma-check}"
 SIZES="${SIZES:-65536 1048576 4194304}"
 ITERS="${ITERS:-20}"
 BENCH_PORT="${BENCH_PORT:-18600}"

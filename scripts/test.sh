@@ -2,6 +2,8 @@
 # The whole test suite: the README's second command and what CI runs. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A fresh CI build gains nothing from incremental compilation, and its files fill the disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 echo "== python tools (tokenizer verification against tiktoken)"
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
@@ -37,6 +39,12 @@ echo "== third-party client (Python grpcio) against a live cluster"
 echo "== Prometheus: rule unit tests; dashboard and rules against a live cluster"
 ./scripts/prometheus-check.sh
 
+echo "== deploy/: kustomize overlays, kubernetes-validate, yamllint, --check-config per container"
+./scripts/deploy-check.sh
+
 # The feature builds come last: they overwrite target/debug's binaries with feature builds.
 echo "== CUDA backend without a GPU: cuda feature build, NVRTC + ptxas for sm_80 and sm_90"
 ./scripts/cuda-check.sh
+
+echo "== RDMA transport without RDMA hardware: rdma feature build, unit tests, no-device start"
+RDMA_TARGET_DIR=target ./scripts/rdma-check.sh

@@ -6,12 +6,17 @@
 //!   otherwise FAILED_PRECONDITION naming both), the request is validated at the edge
 //!   (INVALID_ARGUMENT), then only the blocks this node does not cache already are pulled from
 //!   the prefill node's export server before a deadline (the lease's, at most
-//!   [`MAX_PULL_TIME`]; a failed transfer is UNAVAILABLE with the transport's reason), and the
-//!   request runs on an engine of role `Decode` with the pulled KV. Each response carries the
-//!   tokens generated since the previous one (one per engine step, several when they were
-//!   already waiting); the last carries the finish reason and usage. A client that drops the
-//!   stream aborts the request. Releasing the lease is the router's job (after the first
-//!   message or a failure), not this node's.
+//!   [`MAX_PULL_TIME`]; over RDMA when both nodes run it (`--kv-transport rdma|auto`), a
+//!   failed RDMA read retried once over TCP; a failed transfer is UNAVAILABLE with the
+//!   transport's reason), and the request runs on the engine with the pulled KV. Each
+//!   response carries the tokens generated since the previous one (one per engine step,
+//!   several when they were already waiting); the last carries the finish reason and usage.
+//!   A client that drops the stream aborts the request. Releasing the lease is the router's
+//!   job (after the first message or a failure), not this node's.
+//! - `Decode` **without** a `KvHandle` (the router's aggregated mode, no prefill nodes): this
+//!   node computes the prompt itself (its own prefix cache, chunked prefill) and streams every
+//!   token, the first included; `first_token` is ignored. The engine runs with role `Mixed`,
+//!   which takes both kinds of request; the node still reports role decode.
 //! - `Abort`, `Info`.
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with prefill-node
@@ -32,7 +37,7 @@ use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, RequestGuard
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_server::{DecodeService, DecodeServiceServer};
-use pd_transport::{KvPuller, LayoutFingerprint, PullRequest};
+use pd_transport::{KvImporter, LayoutFingerprint, PathUsed, PullRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -90,11 +95,11 @@ impl TransferStats {
 }
 
 /// A decode request checked against this node: the engine request (KV not pulled yet) and
-/// where the KV lies.
+/// where the KV lies (none: the prompt is computed here).
 struct ValidDecode {
     request: EngineRequest,
     first_token: u32,
-    kv: pb::KvHandle,
+    kv: Option<pb::KvHandle>,
 }
 
 /// `pd.v1.DecodeService` over an engine of role `Decode`.
@@ -102,7 +107,9 @@ struct ValidDecode {
 struct DecodeNodeService {
     requests: Arc<Requests>,
     facts: ModelFacts,
-    puller: KvPuller,
+    /// Pulls over RDMA where both nodes can (`--kv-transport`), over TCP otherwise or after
+    /// an RDMA failure.
+    importer: KvImporter,
     stats: Arc<TransferStats>,
     metrics: Arc<NodeMetrics>,
 }
@@ -114,11 +121,48 @@ impl DecodeNodeService {
                 "request_id is required (the router's id for this request)",
             ));
         }
-        let Some(kv) = req.kv else {
-            return Err(Status::invalid_argument(
-                "kv is required: the KvHandle of the prefill node's answer",
-            ));
-        };
+        let f = &self.facts;
+        validate_prompt(
+            &req.prompt_token_ids,
+            f.vocab_size,
+            f.max_model_len,
+            req.max_tokens,
+        )
+        .map_err(|e| convert::status(e.kind(), e.to_string()))?;
+        let params = convert::sampling_params(
+            req.sampling.as_ref(),
+            req.max_tokens,
+            vec![],
+            req.stop_token_ids,
+            req.ignore_eos,
+            false,
+        );
+        params
+            .validate(f.vocab_size, f.max_model_len as u32)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(kv) = &req.kv {
+            self.validate_kv(kv, &req.prompt_token_ids, req.first_token)?;
+        }
+        Ok(ValidDecode {
+            request: EngineRequest {
+                id: RequestId(req.request_id),
+                prompt: req.prompt_token_ids,
+                params,
+                cache_salt: req.cache_salt,
+                imported: None,
+            },
+            first_token: req.first_token,
+            kv: req.kv,
+        })
+    }
+
+    /// A KV handle fits this node's layout and the prompt it comes with.
+    fn validate_kv(
+        &self,
+        kv: &pb::KvHandle,
+        prompt: &[u32],
+        first_token: u32,
+    ) -> Result<(), Status> {
         let f = &self.facts;
         let theirs: LayoutFingerprint = kv
             .layout_fingerprint
@@ -141,31 +185,13 @@ impl DecodeNodeService {
                 kv.block_len, f.block_len
             )));
         }
-        validate_prompt(
-            &req.prompt_token_ids,
-            f.vocab_size,
-            f.max_model_len,
-            req.max_tokens,
-        )
-        .map_err(|e| convert::status(e.kind(), e.to_string()))?;
-        if req.first_token as usize >= f.vocab_size {
+        if first_token as usize >= f.vocab_size {
             return Err(Status::invalid_argument(format!(
-                "first_token {} is outside the vocabulary (size {})",
-                req.first_token, f.vocab_size
+                "first_token {first_token} is outside the vocabulary (size {})",
+                f.vocab_size
             )));
         }
-        let params = convert::sampling_params(
-            req.sampling.as_ref(),
-            req.max_tokens,
-            vec![],
-            req.stop_token_ids,
-            req.ignore_eos,
-            false,
-        );
-        params
-            .validate(f.vocab_size, f.max_model_len as u32)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let prompt_len = req.prompt_token_ids.len();
+        let prompt_len = prompt.len();
         let blocks = prompt_len.div_ceil(f.block_size());
         if kv.num_tokens as usize != prompt_len || kv.num_blocks as usize != blocks {
             return Err(Status::invalid_argument(format!(
@@ -174,17 +200,7 @@ impl DecodeNodeService {
                 kv.num_tokens, kv.num_blocks
             )));
         }
-        Ok(ValidDecode {
-            request: EngineRequest {
-                id: RequestId(req.request_id),
-                prompt: req.prompt_token_ids,
-                params,
-                cache_salt: req.cache_salt,
-                imported: None,
-            },
-            first_token: req.first_token,
-            kv,
-        })
+        Ok(())
     }
 
     /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV.
@@ -213,8 +229,8 @@ impl DecodeNodeService {
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());
-        match self.puller.pull(addr, pull, deadline).await {
-            Ok(blocks) => {
+        match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
+            Ok((blocks, path)) => {
                 let s = &self.stats;
                 s.pulls_ok.fetch_add(1, Ordering::Relaxed);
                 s.blocks_pulled.fetch_add(count as u64, Ordering::Relaxed);
@@ -228,6 +244,11 @@ impl DecodeNodeService {
                     lease_id = kv.lease_id,
                     cached_blocks = first_block,
                     pulled_blocks = count,
+                    path = match path {
+                        PathUsed::Rdma => "rdma",
+                        PathUsed::Tcp => "tcp",
+                        PathUsed::TcpAfterRdmaFailure => "tcp after rdma failure",
+                    },
                     elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
                     "KV pulled"
                 );
@@ -343,6 +364,13 @@ impl Stream for DecodeStream {
                 RequestEvent::Finished(f) => {
                     msg.finish_reason = convert::finish_reason(f.reason) as i32;
                     msg.usage = Some(convert::usage(&f.usage));
+                    // Only a prompt computed here (no KV handle) has them.
+                    msg.prompt_logprobs = f
+                        .prompt_logprobs
+                        .iter()
+                        .flatten()
+                        .map(convert::prompt_logprob)
+                        .collect();
                     // The engine publishes its counters before delivering the end: this
                     // request's counts are in.
                     msg.counters = Some(this.metrics.counter_report());
@@ -384,14 +412,16 @@ impl DecodeService for DecodeNodeService {
         } = self.validate(request.into_inner())?;
         // Dropped before the end (the call cancelled, the stream dropped): aborts the request.
         let guard = self.requests.begin(&request.id)?;
-        let imported = self.pull(&request, &kv, first_token).await?;
-        if guard.is_aborted() {
-            return Err(Status::aborted(format!(
-                "request {} was aborted while its KV was pulled",
-                request.id
-            )));
+        if let Some(kv) = &kv {
+            let imported = self.pull(&request, kv, first_token).await?;
+            if guard.is_aborted() {
+                return Err(Status::aborted(format!(
+                    "request {} was aborted while its KV was pulled",
+                    request.id
+                )));
+            }
+            request.imported = Some(imported);
         }
-        request.imported = Some(imported);
         let events = forward_events(guard.submit(request));
         Ok(Response::new(DecodeStream {
             events,
@@ -440,19 +470,22 @@ pub struct DecodeNode {
 
 /// Load the model, start the engine and bind the gRPC listener.
 pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
-    // A decode engine holds no leases; the timeout is unused.
-    let started = pd_node::start_engine(&args.node, Role::Decode, Duration::from_secs(30)).await?;
+    // `Mixed` takes requests with imported KV and, in the router's aggregated mode, requests
+    // whose prompt is computed here. It holds no leases; the timeout is unused.
+    // Before the model loads: `--kv-transport rdma` without a device fails at once.
+    let rdma = pd_node::kv_transport::open_rdma(&args.node)?;
+    let started = pd_node::start_engine(&args.node, Role::Mixed, Duration::from_secs(30)).await?;
     let (facts, engine) = (started.facts, started.thread);
     let (listener, grpc) =
         pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
     let (metrics_listener, metrics_addr) =
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
-    let puller = KvPuller::new();
+    let importer = pd_node::kv_transport::importer(rdma.as_ref(), facts.fingerprint, &args.node)?;
     let metrics = Arc::new(NodeMetrics::new(
         Role::Decode,
         &facts.served_name,
         engine.handle(),
-        Arc::clone(puller.stats()),
+        Arc::clone(importer.stats()),
         started.histograms,
     ));
     let requests = Requests::new(engine.handle());
@@ -468,7 +501,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     let service = DecodeNodeService {
         requests: Arc::clone(&requests),
         facts,
-        puller,
+        importer,
         stats: Arc::clone(&stats),
         metrics: Arc::clone(&metrics),
     };

@@ -6,11 +6,58 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use pd_engine::cli::EngineArgs;
 
-/// How KV moves between the nodes.
+/// How KV moves between the nodes. The prefill node runs its TCP export server in every
+/// mode, so TCP is always there to fall back on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KvTransport {
     /// A TCP export server on the prefill node; decode nodes pull from it.
     Tcp,
+    /// One-sided RDMA READs (a build with `--features rdma` and an RDMA device are required:
+    /// the node does not start otherwise); a failed read is retried once over TCP.
+    Rdma,
+    /// RDMA where this node has a usable device and the other end offers a common fabric,
+    /// TCP otherwise.
+    Auto,
+}
+
+impl KvTransport {
+    /// The transport crate's view of it.
+    pub fn mode(self) -> pd_transport::rdma::KvTransportMode {
+        use pd_transport::rdma::KvTransportMode;
+        match self {
+            Self::Tcp => KvTransportMode::Tcp,
+            Self::Rdma => KvTransportMode::Rdma,
+            Self::Auto => KvTransportMode::Auto,
+        }
+    }
+}
+
+/// Which RDMA device, port and GID a node uses (with `--kv-transport rdma|auto`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct RdmaArgs {
+    /// RDMA device name (`ibv_devices` lists them, e.g. `mlx5_0`, `rxe0`). Default: the first
+    /// device with an active port.
+    #[arg(long, env = "PD_RDMA_DEVICE", help_heading = "KV transfer")]
+    pub rdma_device: Option<String>,
+    /// HCA port number (from 1). Default: the device's first active port.
+    #[arg(long, env = "PD_RDMA_PORT", help_heading = "KV transfer",
+          value_parser = clap::value_parser!(u8).range(1..))]
+    pub rdma_port: Option<u8>,
+    /// GID table index (`show_gids` lists them). Default: 0 on InfiniBand; on RoCE the first
+    /// RoCE v2 GID of an IPv4 address.
+    #[arg(long, env = "PD_RDMA_GID_INDEX", help_heading = "KV transfer")]
+    pub rdma_gid_index: Option<u32>,
+}
+
+impl RdmaArgs {
+    pub fn config(&self) -> pd_transport::rdma::RdmaConfig {
+        pd_transport::rdma::RdmaConfig {
+            device: self.rdma_device.clone(),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+            ..Default::default()
+        }
+    }
 }
 
 /// Log line format on stderr.
@@ -36,9 +83,21 @@ pub struct NodeArgs {
     /// in the ready line as `metrics_addr`).
     #[arg(long, env = "PD_METRICS_PORT", default_value_t = 0)]
     pub metrics_port: u16,
-    /// How KV moves between prefill and decode nodes.
-    #[arg(long, env = "PD_KV_TRANSPORT", value_enum, default_value_t = KvTransport::Tcp)]
+    /// The IP address other processes dial to reach this node's KV (in the KV handles a
+    /// prefill node hands out). Needed when `--host` is a wildcard such as 0.0.0.0: on
+    /// Kubernetes, the pod IP (`status.podIP`). Default: the bound address.
+    #[arg(long, env = "PD_ADVERTISE_HOST")]
+    pub advertise_host: Option<std::net::IpAddr>,
+    /// Parse and validate every flag and `PD_*` variable, print the effective configuration
+    /// and exit (0, or non-zero with the problem) without loading a model.
+    #[arg(long)]
+    pub check_config: bool,
+    /// How KV moves between prefill and decode nodes: `tcp`, `rdma` (required: the node does
+    /// not start without RDMA) or `auto` (RDMA where both ends can, TCP otherwise).
+    #[arg(long, env = "PD_KV_TRANSPORT", value_enum, default_value_t = KvTransport::Auto)]
     pub kv_transport: KvTransport,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Seconds in-flight requests get to finish after SIGTERM / Ctrl-C before they are
     /// aborted.
     #[arg(long, env = "PD_DRAIN_TIMEOUT", value_name = "SECONDS", default_value = "30",

@@ -4,6 +4,8 @@
 //! - [`args::NodeArgs`]: the flags of both roles (`--model`, the engine flags, `--host`,
 //!   `--port`, `--metrics-port`, `--kv-transport`, `--drain-timeout`, `--seed`,
 //!   `--log-format`).
+//! - [`kv_transport`]: `--kv-transport tcp|rdma|auto` and the `--rdma-*` flags: opening
+//!   RDMA (or refusing to start), the decode node's importer, the RdmaConnect client.
 //! - [`model`]: loading `--model` with progress bars, the engine of a role on its thread, and
 //!   the facts a node reports ([`model::ModelFacts`]: layout, fingerprint, limits).
 //! - [`requests`]: the node's open requests (abort by id, duplicate ids, draining) and guards
@@ -18,7 +20,9 @@
 //! work finishes within `--drain-timeout`, the rest is aborted, exit 0.
 
 pub mod args;
+pub mod check;
 pub mod info;
+pub mod kv_transport;
 pub mod metrics;
 pub mod model;
 pub mod requests;

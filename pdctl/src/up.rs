@@ -24,9 +24,14 @@ use tokio::process::{Child, Command};
 /// How long a node may take to load its model and print its ready line.
 const READY_TIMEOUT: Duration = Duration::from_secs(900);
 
+/// Passed to every node as `--kv-transport` (docs/transport.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KvTransport {
     Tcp,
+    /// Every node must open an RDMA device (binaries built with `--features rdma`).
+    Rdma,
+    /// RDMA where the nodes can, TCP otherwise.
+    Auto,
 }
 
 #[derive(Debug, Args)]
@@ -43,8 +48,9 @@ pub struct UpArgs {
     /// The router's gRPC port (0: ephemeral).
     #[arg(long, default_value_t = 0)]
     port: u16,
-    /// How KV moves from prefill to decode nodes.
-    #[arg(long, value_enum, default_value = "tcp")]
+    /// How KV moves from prefill to decode nodes (`auto`: RDMA where the nodes have a
+    /// device and were built with it, TCP otherwise).
+    #[arg(long, value_enum, default_value = "auto")]
     kv_transport: KvTransport,
     /// Where the `router`, `prefill-node` and `decode-node` binaries are (default: beside pdctl).
     #[arg(long, env = "PD_BIN_DIR")]
@@ -122,6 +128,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let dir = bin_dir(&args)?;
     let transport = match args.kv_transport {
         KvTransport::Tcp => "tcp",
+        KvTransport::Rdma => "rdma",
+        KvTransport::Auto => "auto",
     };
     let mut node_args = vec![
         "--model".to_string(),

@@ -10,6 +10,10 @@
 //!   request.
 //! - `ReleaseKv`: frees a lease (the router calls it once the decode node pulled, or gave
 //!   up); a lease nobody releases expires after `--kv-lease-timeout`.
+//! - `RdmaConnect`: a decode node connects an RDMA queue pair to this node's (endpoint
+//!   exchange). With `--kv-transport rdma|auto` and a device, every lease's blocks are also
+//!   registered for one-sided RDMA reads and the `KvHandle` carries the offer
+//!   (`pd_transport::rdma`); the TCP export server runs in every mode.
 //! - `Abort`, `Info`.
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with decode-node
@@ -37,6 +41,7 @@ use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
 use pd_transport::KvExportServer;
+use pd_transport::rdma::{RdmaError, RdmaExporter};
 use tonic::{Request, Response, Status};
 
 /// How long the KV export server lets transfers in flight finish once the node has drained.
@@ -181,9 +186,39 @@ struct PrefillNodeService {
     lease_timeout: Duration,
     leases: Arc<Leases>,
     metrics: Arc<NodeMetrics>,
+    /// Leases registered for RDMA reads (`--kv-transport rdma|auto` with a device).
+    rdma: Option<Arc<RdmaExporter>>,
 }
 
 impl PrefillNodeService {
+    /// Register a new lease's blocks for RDMA reads: the `KvHandle.rdma` offer, or empty
+    /// (decode nodes then pull over TCP) when this node runs without RDMA or registering
+    /// failed.
+    async fn offer_rdma(&self, lease_id: u64, num_blocks: usize, deadline: Instant) -> Vec<u8> {
+        let Some(rdma) = &self.rdma else {
+            return Vec::new();
+        };
+        let (rdma, engine) = (Arc::clone(rdma), self.engine().clone());
+        let published = tokio::task::spawn_blocking(move || {
+            let blocks = engine.read_lease(lease_id, 0, num_blocks).ok_or_else(|| {
+                RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
+            })?;
+            rdma.publish(lease_id, &blocks, deadline)
+        })
+        .await;
+        match published {
+            Ok(Ok(offer)) => offer,
+            Ok(Err(e)) => {
+                tracing::warn!(lease_id, error = %e, "RDMA registration failed; this lease moves over TCP");
+                Vec::new()
+            }
+            Err(e) => {
+                tracing::warn!(lease_id, error = %e, "RDMA registration task failed; this lease moves over TCP");
+                Vec::new()
+            }
+        }
+    }
+
     fn engine(&self) -> &EngineHandle {
         self.requests.engine()
     }
@@ -254,8 +289,11 @@ impl PrefillService for PrefillNodeService {
         };
         let lease = lease.keep();
         let deadline = submitted + finished.timings.end_to_end + self.lease_timeout;
-        self.leases
-            .insert(lease.lease_id, Instant::now() + self.lease_timeout);
+        let lease_end = Instant::now() + self.lease_timeout;
+        self.leases.insert(lease.lease_id, lease_end);
+        let rdma = self
+            .offer_rdma(lease.lease_id, lease.blocks.len(), lease_end)
+            .await;
         let f = &self.facts;
         let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         tracing::debug!(
@@ -277,6 +315,7 @@ impl PrefillService for PrefillNodeService {
                 lease_deadline_unix_ms: unix_ms(deadline),
                 block_len: f.block_len as u64,
                 num_blocks: n(lease.blocks.len()),
+                rdma,
             }),
             prompt_logprobs: finished
                 .prompt_logprobs
@@ -300,6 +339,10 @@ impl PrefillService for PrefillNodeService {
             .await
             .map_err(|e| Status::internal(format!("release task failed: {e}")))?;
         self.leases.remove(lease_id);
+        if let Some(rdma) = &self.rdma {
+            // Revokes the region's rkey: a late RDMA reader gets a remote access error.
+            rdma.retire(lease_id);
+        }
         tracing::debug!(lease_id, released, "lease released");
         Ok(Response::new(pb::ReleaseKvResponse { released }))
     }
@@ -328,6 +371,40 @@ impl PrefillService for PrefillNodeService {
             &self.metrics,
         )))
     }
+
+    async fn rdma_connect(
+        &self,
+        request: Request<pb::RdmaConnectRequest>,
+    ) -> Result<Response<pb::RdmaConnectResponse>, Status> {
+        let req = request.into_inner();
+        let theirs: pd_transport::LayoutFingerprint = req
+            .layout_fingerprint
+            .parse()
+            .map_err(|e| Status::invalid_argument(format!("layout_fingerprint: {e}")))?;
+        if theirs != self.facts.fingerprint {
+            return Err(Status::failed_precondition(format!(
+                "KV layout mismatch: the decode node has layout fingerprint {theirs}, this \
+                 prefill node {}; no RDMA connection between different layouts",
+                self.facts.fingerprint
+            )));
+        }
+        let Some(rdma) = &self.rdma else {
+            return Err(Status::failed_precondition(
+                "this prefill node runs without RDMA (--kv-transport tcp, or auto without a \
+                 usable device); pull its KV over TCP",
+            ));
+        };
+        let rdma = Arc::clone(rdma);
+        // Creating and connecting a queue pair is a few blocking verbs calls.
+        let answer = tokio::task::spawn_blocking(move || rdma.accept(&req.endpoint))
+            .await
+            .map_err(|e| Status::internal(format!("RDMA connect task failed: {e}")))?;
+        match answer {
+            Ok(endpoint) => Ok(Response::new(pb::RdmaConnectResponse { endpoint })),
+            Err(e @ RdmaError::Endpoint(_)) => Err(Status::invalid_argument(e.to_string())),
+            Err(e) => Err(Status::unavailable(format!("RDMA connect failed: {e}"))),
+        }
+    }
 }
 
 /// A started prefill node: model loaded, engine running, listeners bound; not serving until
@@ -346,6 +423,8 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         !args.kv_lease_timeout.is_zero(),
         "--kv-lease-timeout must be more than 0 seconds: decode nodes need time to pull the KV"
     );
+    // Before the model loads: `--kv-transport rdma` without a device fails at once.
+    let rdma_device = pd_node::kv_transport::open_rdma(&args.node)?;
     let started = pd_node::start_engine(&args.node, Role::Prefill, args.kv_lease_timeout).await?;
     let (facts, engine) = (started.facts, started.thread);
     let handle = engine.handle();
@@ -360,6 +439,18 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         KvExportServer::bind(kv_bind, facts.fingerprint, Arc::new(handle.clone()))
             .await
             .with_context(|| format!("binding the KV export server on {kv_bind}"))?;
+    // What decode nodes dial: the advertised IP when the bind address is a wildcard.
+    let kv_addr = args
+        .node
+        .advertise_host
+        .map_or(kv_addr, |ip| SocketAddr::new(ip, kv_addr.port()));
+    if kv_addr.ip().is_unspecified() {
+        tracing::warn!(
+            %kv_addr,
+            "the KV address handed to decode nodes is a wildcard: set --advertise-host to \
+             this node's IP when decode nodes run on other hosts"
+        );
+    }
     let (metrics_listener, metrics_addr) =
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
     let metrics = Arc::new(NodeMetrics::new(
@@ -369,6 +460,19 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         export.transfer_stats(),
         started.histograms,
     ));
+    // Decode nodes call RdmaConnect on the gRPC address, advertised like the KV address.
+    let connect_addr = args
+        .node
+        .advertise_host
+        .map_or(grpc, |ip| SocketAddr::new(ip, grpc.port()));
+    let rdma = match &rdma_device {
+        Some(device) => {
+            let exporter = Arc::new(RdmaExporter::new(device, connect_addr.to_string())?);
+            spawn_rdma_sweeper(Arc::downgrade(&exporter));
+            Some(exporter)
+        }
+        None => None,
+    };
     let requests = Requests::new(handle);
     let leases = Arc::new(Leases::default());
     let ready = Ready {
@@ -386,6 +490,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         lease_timeout: args.kv_lease_timeout,
         leases: Arc::clone(&leases),
         metrics: Arc::clone(&metrics),
+        rdma,
     };
     let server = NodeServer {
         listener,
@@ -404,6 +509,24 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         export,
         engine,
     })
+}
+
+/// Deregister expired leases' RDMA regions every second, so that an idle node does not keep
+/// them pinned; ends once the exporter is gone.
+fn spawn_rdma_sweeper(exporter: std::sync::Weak<RdmaExporter>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let Some(exporter) = exporter.upgrade() else {
+                return;
+            };
+            let n = exporter.retire_expired(Instant::now());
+            if n > 0 {
+                tracing::debug!(expired = n, "RDMA regions of expired leases deregistered");
+            }
+        }
+    });
 }
 
 impl PrefillNode {

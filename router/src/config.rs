@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use crate::discovery::DnsTarget;
+use crate::registry::NodeRole;
+
 /// Which prefill node a request goes to (decode nodes are always chosen by load).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PolicyKind {
@@ -27,6 +30,10 @@ pub struct RouterConfig {
     pub prefill: Vec<String>,
     /// Decode node gRPC addresses (`host:port`).
     pub decode: Vec<String>,
+    /// Names re-resolved every `dns_interval` for more nodes (headless Services).
+    pub prefill_dns: Vec<crate::discovery::DnsTarget>,
+    pub decode_dns: Vec<crate::discovery::DnsTarget>,
+    pub dns_interval: Duration,
     pub policy: PolicyKind,
     /// Upper bound of `max_tokens`; an unset `max_tokens` is `min(cap, context − prompt)`.
     pub max_tokens_cap: u32,
@@ -55,6 +62,9 @@ impl RouterConfig {
             model: model.into(),
             prefill,
             decode,
+            prefill_dns: Vec::new(),
+            decode_dns: Vec::new(),
+            dns_interval: Duration::from_secs(5),
             policy: PolicyKind::PrefixAware,
             max_tokens_cap: 4096,
             health_interval: Duration::from_millis(500),
@@ -130,10 +140,27 @@ pub struct RouterArgs {
         long = "decode",
         env = "PD_DECODE",
         value_delimiter = ',',
-        required = true,
+        required_unless_present = "decode_dns",
         help_heading = "Nodes"
     )]
     pub decode: Vec<String>,
+
+    /// A DNS name standing for prefill nodes, `NAME:PORT` (a headless Service: one address
+    /// per ready pod), re-resolved every --dns-interval: nodes that appear are health-checked
+    /// and used, nodes that disappear leave routing. Repeat for several; combines with
+    /// --prefill.
+    #[arg(long = "prefill-dns", env = "PD_PREFILL_DNS", value_delimiter = ',',
+          value_parser = prefill_dns, help_heading = "Nodes")]
+    pub prefill_dns: Vec<DnsTarget>,
+
+    /// A DNS name standing for decode nodes, `NAME:PORT` (see --prefill-dns).
+    #[arg(long = "decode-dns", env = "PD_DECODE_DNS", value_delimiter = ',',
+          value_parser = decode_dns, help_heading = "Nodes")]
+    pub decode_dns: Vec<DnsTarget>,
+
+    /// How often --prefill-dns / --decode-dns names are resolved again.
+    #[arg(long, env = "PD_DNS_INTERVAL", default_value = "5s", value_parser = parse_duration, help_heading = "Nodes")]
+    pub dns_interval: Duration,
 
     /// How often each node is asked for its Info (health, load, KV layout).
     #[arg(long, env = "PD_HEALTH_INTERVAL_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Nodes")]
@@ -171,6 +198,9 @@ impl RouterArgs {
             model: self.model.clone(),
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
+            prefill_dns: self.prefill_dns.clone(),
+            decode_dns: self.decode_dns.clone(),
+            dns_interval: self.dns_interval,
             policy: self.policy,
             max_tokens_cap: self.max_tokens_cap,
             health_interval: Duration::from_millis(self.health_interval_ms),
@@ -182,6 +212,14 @@ impl RouterArgs {
             report_faults: crate::metrics::FaultSpec::from_env()?,
         })
     }
+}
+
+fn prefill_dns(text: &str) -> Result<DnsTarget, String> {
+    DnsTarget::parse(NodeRole::Prefill, text)
+}
+
+fn decode_dns(text: &str) -> Result<DnsTarget, String> {
+    DnsTarget::parse(NodeRole::Decode, text)
 }
 
 /// `250ms`, `30s`, `5m`, `1h`, or a bare number of seconds (fractions allowed: `0.5`).

@@ -24,8 +24,8 @@ pub enum RouterError {
         message: String,
     },
     #[error(
-        "at least one --decode node is needed (with --prefill nodes the cluster disaggregates; \
-         without, decode nodes serve whole requests)"
+        "at least one --decode node or --decode-dns name is needed (with --prefill nodes the \
+         cluster disaggregates; without, decode nodes serve whole requests)"
     )]
     NoNodes,
     #[error("no healthy {role} node ({detail}); retry once the router's health reports SERVING")]

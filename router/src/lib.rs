@@ -16,6 +16,7 @@
 //! sampling parameters), never on pd-kernels or pd-transport.
 
 pub mod config;
+pub mod discovery;
 pub mod error;
 mod flow;
 pub mod metrics;

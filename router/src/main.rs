@@ -21,10 +21,26 @@ struct Cli {
     /// Write logs (stderr) as JSON lines.
     #[arg(long, env = "PD_LOG_JSON", help_heading = "Logging")]
     log_json: bool,
+
+    /// Parse and validate every flag and `PD_*` variable, print the effective configuration
+    /// and exit (0, or non-zero with the problem) without serving.
+    #[arg(long)]
+    check_config: bool,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line a person can act on: the chain of causes joined with ": ".
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
@@ -40,6 +56,13 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     // Node channels start their connection tasks on the runtime.
     let entered = runtime.enter();
+    if cli.check_config {
+        for note in Router::check_config(&config).context("invalid configuration")? {
+            eprintln!("note: {note}");
+        }
+        println!("{config:#?}");
+        return Ok(());
+    }
     let router = Router::new(config).context("cannot start the router")?;
     drop(entered);
     runtime.block_on(async move {

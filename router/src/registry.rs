@@ -19,10 +19,16 @@
 //! **Aggregated mode**: with decode nodes only (no `--prefill`), no KV moves between nodes:
 //! each request goes whole to one decode node, which computes its prompt too. Any up decode
 //! node is a candidate and the router is SERVING while one is up.
+//!
+//! **Membership** changes at run time when nodes come from DNS ([`crate::discovery`]): a
+//! discovered node is added with its own health-check task and is routed to once a check
+//! finds it up; a node that leaves DNS is removed from the list at once (its health task
+//! stops), while requests already on it keep their `Arc<Node>` and finish. Readers take a
+//! snapshot of the list ([`Registry::nodes`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use pd_proto::pb;
@@ -113,6 +119,10 @@ pub struct Node {
     inflight: AtomicU64,
     /// Incremented each time the node comes (back) up.
     epoch: AtomicU64,
+    /// Found through DNS (removed when it leaves DNS) rather than given on the command line.
+    discovered: bool,
+    /// Set when it left the registry: its health task stops.
+    removed: AtomicBool,
 }
 
 impl Node {
@@ -250,10 +260,22 @@ impl Drop for InflightGuard {
     }
 }
 
+/// Which roles also get nodes from DNS (`--prefill-dns`, `--decode-dns`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DnsRoles {
+    pub prefill: bool,
+    pub decode: bool,
+}
+
 /// All nodes, and whether the cluster can serve.
 #[derive(Debug)]
 pub struct Registry {
-    nodes: Vec<Arc<Node>>,
+    nodes: RwLock<Vec<Arc<Node>>>,
+    next_id: AtomicUsize,
+    /// No prefill nodes configured, neither static nor by DNS.
+    aggregated: bool,
+    /// Where the health-check tasks of nodes added later run.
+    tasks: Mutex<Option<tokio::runtime::Handle>>,
     model: String,
     serving: watch::Sender<bool>,
     /// Receives every node's counter report from the health checks.
@@ -262,74 +284,143 @@ pub struct Registry {
 
 impl Registry {
     /// Nodes from `host:port` (or `http://host:port`) addresses. Connects lazily.
+    /// `dns` says which roles also get nodes from DNS later ([`crate::discovery`]).
     pub fn new(
         prefill: &[String],
         decode: &[String],
+        dns: DnsRoles,
         model: impl Into<String>,
         metrics: Arc<RouterMetrics>,
     ) -> Result<Self, RouterError> {
-        if decode.is_empty() {
+        if decode.is_empty() && !dns.decode {
             return Err(RouterError::NoNodes);
         }
-        let mut nodes = Vec::new();
+        let registry = Self {
+            nodes: RwLock::new(Vec::new()),
+            next_id: AtomicUsize::new(0),
+            aggregated: prefill.is_empty() && !dns.prefill,
+            tasks: Mutex::new(None),
+            model: model.into(),
+            serving: watch::Sender::new(false),
+            metrics,
+        };
         let all = prefill
             .iter()
             .map(|a| (NodeRole::Prefill, a))
             .chain(decode.iter().map(|a| (NodeRole::Decode, a)));
-        for (id, (role, addr)) in all.enumerate() {
-            let addr = addr.trim();
-            let uri = if addr.contains("://") {
-                addr.to_string()
-            } else {
-                format!("http://{addr}")
-            };
-            let bad = |message: String| RouterError::BadAddress {
-                role,
-                addr: addr.to_string(),
-                message,
-            };
-            let endpoint = Endpoint::from_shared(uri)
-                .map_err(|e| bad(format!("{e} (expected host:port)")))?
-                .connect_timeout(CONNECT_TIMEOUT)
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_timeout(Duration::from_secs(5))
-                .keep_alive_while_idle(true);
-            if endpoint.uri().port_u16().is_none() {
-                return Err(bad("no port (expected host:port)".into()));
-            }
-            nodes.push(Arc::new(Node {
-                id,
-                role,
-                addr: addr.trim_start_matches("http://").to_string(),
-                channel: endpoint.connect_lazy(),
-                state: Mutex::new(NodeState {
-                    health: NodeHealth::Unknown,
-                    info: None,
-                }),
-                inflight: AtomicU64::new(0),
-                epoch: AtomicU64::new(0),
-            }));
+        for (role, addr) in all {
+            let node = registry.make_node(role, addr, false)?;
+            registry.write_nodes().push(node);
         }
-        Ok(Self {
-            nodes,
-            model: model.into(),
-            serving: watch::Sender::new(false),
-            metrics,
-        })
+        Ok(registry)
     }
 
-    pub fn nodes(&self) -> &[Arc<Node>] {
-        &self.nodes
+    fn make_node(
+        &self,
+        role: NodeRole,
+        addr: &str,
+        discovered: bool,
+    ) -> Result<Arc<Node>, RouterError> {
+        let addr = addr.trim();
+        let uri = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let bad = |message: String| RouterError::BadAddress {
+            role,
+            addr: addr.to_string(),
+            message,
+        };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| bad(format!("{e} (expected host:port)")))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true);
+        if endpoint.uri().port_u16().is_none() {
+            return Err(bad("no port (expected host:port)".into()));
+        }
+        Ok(Arc::new(Node {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            role,
+            addr: addr.trim_start_matches("http://").to_string(),
+            channel: endpoint.connect_lazy(),
+            state: Mutex::new(NodeState {
+                health: NodeHealth::Unknown,
+                info: None,
+            }),
+            inflight: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            discovered,
+            removed: AtomicBool::new(false),
+        }))
     }
 
-    pub fn role(&self, role: NodeRole) -> impl Iterator<Item = &Arc<Node>> {
-        self.nodes.iter().filter(move |n| n.role == role)
+    fn write_nodes(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Node>>> {
+        // The list is replaced whole on every change: a panic elsewhere cannot leave it torn.
+        self.nodes.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A snapshot of the nodes, in the order they were added.
+    pub fn nodes(&self) -> Vec<Arc<Node>> {
+        self.nodes.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A snapshot of the nodes of one role.
+    pub fn role(&self, role: NodeRole) -> Vec<Arc<Node>> {
+        self.nodes()
+            .into_iter()
+            .filter(|n| n.role == role)
+            .collect()
+    }
+
+    /// Adds a node found through DNS (unless one with this role and address is there) and
+    /// starts its health checks; it is routed to once a check finds it up.
+    pub fn add_discovered(
+        self: &Arc<Self>,
+        role: NodeRole,
+        addr: &str,
+        interval: Duration,
+        timeout: Duration,
+    ) -> Result<(), RouterError> {
+        if self
+            .nodes()
+            .iter()
+            .any(|n| n.role == role && n.addr == addr)
+        {
+            return Ok(());
+        }
+        let node = self.make_node(role, addr, true)?;
+        self.write_nodes().push(node.clone());
+        let runtime = self.tasks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match runtime {
+            Some(runtime) => {
+                runtime.spawn(Self::health_loop(self.clone(), node, interval, timeout));
+            }
+            None => tracing::warn!(%addr, "no runtime for health checks yet; node stays unchecked"),
+        }
+        Ok(())
+    }
+
+    /// Removes a node that left DNS: no new request goes to it; those on it finish.
+    pub fn remove_discovered(&self, role: NodeRole, addr: &str) {
+        let mut nodes = self.write_nodes();
+        nodes.retain(|n| {
+            let gone = n.discovered && n.role == role && n.addr == addr;
+            if gone {
+                n.removed.store(true, Ordering::Relaxed);
+            }
+            !gone
+        });
+        drop(nodes);
+        self.refresh();
     }
 
     /// No prefill nodes: decode nodes serve whole requests (see the module doc).
     pub fn aggregated(&self) -> bool {
-        self.role(NodeRole::Prefill).next().is_none()
+        self.aggregated
     }
 
     /// Whether at least one prefill node and one decode node with the same layout are up;
@@ -338,24 +429,35 @@ impl Registry {
         self.serving.subscribe()
     }
 
-    /// Starts one health-check task per node in `tasks` (they stop when it is dropped).
+    /// Starts one health-check task per node in `tasks` (they stop when it is dropped);
+    /// nodes added later get theirs on the same runtime.
     pub fn spawn_health_checks(
         self: &Arc<Self>,
         interval: Duration,
         timeout: Duration,
         tasks: &mut JoinSet<()>,
     ) {
-        for node in &self.nodes {
-            let registry = self.clone();
-            let node = node.clone();
-            tasks.spawn(async move {
-                let mut ticks = tokio::time::interval(interval);
-                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    ticks.tick().await;
-                    registry.check(&node, timeout).await;
-                }
-            });
+        *self.tasks.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(tokio::runtime::Handle::current());
+        for node in self.nodes() {
+            tasks.spawn(Self::health_loop(self.clone(), node, interval, timeout));
+        }
+    }
+
+    async fn health_loop(
+        registry: Arc<Self>,
+        node: Arc<Node>,
+        interval: Duration,
+        timeout: Duration,
+    ) {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if node.removed.load(Ordering::Relaxed) {
+                return;
+            }
+            registry.check(&node, timeout).await;
         }
     }
 
@@ -410,14 +512,16 @@ impl Registry {
 
     fn compatible_pair_up(&self) -> bool {
         if self.aggregated() {
-            return self.role(NodeRole::Decode).any(|n| n.is_up());
+            return self.role(NodeRole::Decode).iter().any(|n| n.is_up());
         }
         let decode: Vec<Layout> = self
             .role(NodeRole::Decode)
+            .iter()
             .filter(|n| n.is_up())
             .filter_map(|n| n.layout())
             .collect();
         self.role(NodeRole::Prefill)
+            .iter()
             .filter(|n| n.is_up())
             .filter_map(|n| n.layout())
             .any(|l| decode.contains(&l))
@@ -426,7 +530,7 @@ impl Registry {
     /// The context length requests are validated against: the model's, lowered to the
     /// smallest `max_model_len` an up node reports.
     pub fn context_len(&self, model_max: usize) -> usize {
-        self.nodes
+        self.nodes()
             .iter()
             .filter(|n| n.is_up())
             .filter_map(|n| n.info())
@@ -438,8 +542,9 @@ impl Registry {
     /// Up prefill nodes (not in `exclude`) that have an up decode node of the same layout,
     /// in registry order.
     pub fn prefill_candidates(&self, exclude: &[usize]) -> Result<Vec<Arc<Node>>, RouterError> {
-        let prefill: Vec<&Arc<Node>> = self
-            .role(NodeRole::Prefill)
+        let all_prefill = self.role(NodeRole::Prefill);
+        let prefill: Vec<&Arc<Node>> = all_prefill
+            .iter()
             .filter(|n| !exclude.contains(&n.id))
             .collect();
         let up_prefill: Vec<&Arc<Node>> = prefill.iter().copied().filter(|n| n.is_up()).collect();
@@ -449,7 +554,8 @@ impl Registry {
                 detail: describe(prefill.iter().copied(), exclude),
             });
         }
-        let decode: Vec<&Arc<Node>> = self.role(NodeRole::Decode).collect();
+        let all_decode = self.role(NodeRole::Decode);
+        let decode: Vec<&Arc<Node>> = all_decode.iter().collect();
         let up_decode: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();
         if up_decode.is_empty() {
             return Err(RouterError::NoHealthyNode {
@@ -478,8 +584,9 @@ impl Registry {
         layout: Option<&Layout>,
         exclude: &[usize],
     ) -> Result<Vec<Arc<Node>>, RouterError> {
-        let decode: Vec<&Arc<Node>> = self
-            .role(NodeRole::Decode)
+        let all_decode = self.role(NodeRole::Decode);
+        let decode: Vec<&Arc<Node>> = all_decode
+            .iter()
             .filter(|n| !exclude.contains(&n.id))
             .collect();
         let up: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();

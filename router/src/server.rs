@@ -19,10 +19,11 @@ use tonic::{Code, Status};
 use tonic_health::ServingStatus;
 
 use crate::config::RouterConfig;
+use crate::discovery;
 use crate::error::RouterError;
 use crate::metrics::{self, MeteredGeneration, RouterMetrics};
 use crate::policy::{self, LeastLoaded};
-use crate::registry::Registry;
+use crate::registry::{DnsRoles, Registry};
 use crate::service::{GenerationService, IdGen, InflightTable, Shared};
 use crate::validation::{ModelMeta, Validator};
 
@@ -60,9 +61,14 @@ impl Router {
                 metrics::faults::ENV
             );
         }
+        let dns = DnsRoles {
+            prefill: !config.prefill_dns.is_empty(),
+            decode: !config.decode_dns.is_empty(),
+        };
         let registry = Arc::new(Registry::new(
             &config.prefill,
             &config.decode,
+            dns,
             model.name.clone(),
             metrics.clone(),
         )?);
@@ -79,6 +85,41 @@ impl Router {
             request_timeout: config.request_timeout,
         });
         Ok(Self { config, shared })
+    }
+
+    /// `--check-config`: validates `config` as [`Router::new`] would, without serving.
+    /// A model directory missing on this machine is a note (it exists where the router
+    /// runs), not a failure; so is every other thing only the serving host can know.
+    /// Needs a Tokio runtime context, like `new`.
+    pub fn check_config(config: &RouterConfig) -> Result<Vec<String>, RouterError> {
+        let mut notes = Vec::new();
+        let missing_dir = !config.model.starts_with("synthetic:")
+            && !std::path::Path::new(&config.model).exists();
+        let name = if missing_dir {
+            notes.push(format!(
+                "model directory {} is not on this machine; it is read at start",
+                config.model
+            ));
+            config.model.clone()
+        } else {
+            ModelMeta::load(&config.model)
+                .map_err(|source| RouterError::Model {
+                    model: config.model.clone(),
+                    source,
+                })?
+                .name
+                .clone()
+        };
+        let metrics = Arc::new(
+            RouterMetrics::new(&name, config.report_faults)
+                .map_err(|e| RouterError::Internal(e.to_string()))?,
+        );
+        let dns = DnsRoles {
+            prefill: !config.prefill_dns.is_empty(),
+            decode: !config.decode_dns.is_empty(),
+        };
+        Registry::new(&config.prefill, &config.decode, dns, name, metrics)?;
+        Ok(notes)
     }
 
     /// The served model's name.
@@ -130,6 +171,16 @@ impl Router {
             config.health_timeout,
             &mut background,
         );
+        for target in config.prefill_dns.iter().chain(&config.decode_dns) {
+            background.spawn(discovery::follow(
+                registry.clone(),
+                target.clone(),
+                discovery::SystemResolver,
+                config.dns_interval,
+                config.health_interval,
+                config.health_timeout,
+            ));
+        }
 
         let (reporter, health_service) = tonic_health::server::health_reporter();
         for name in HEALTH_SERVICES {

@@ -11,10 +11,13 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Leased blocks by lease id, each in `Backend::read_block`'s layout. Cheap to clone.
+/// One lease's blocks, each in `Backend::read_block`'s layout.
+type Blocks = Arc<Vec<Vec<f32>>>;
+
+/// Leased blocks by lease id. Cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct LeaseStore {
-    leases: Arc<Mutex<HashMap<u64, Arc<Vec<Vec<f32>>>>>>,
+    leases: Arc<Mutex<HashMap<u64, Blocks>>>,
 }
 
 impl LeaseStore {

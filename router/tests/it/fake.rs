@@ -204,6 +204,7 @@ impl PrefillService for Fake {
                 lease_deadline_unix_ms: 0,
                 block_len: 1,
                 num_blocks: n.div_ceil(block_size.max(1)),
+                rdma: vec![],
             }),
             prompt_logprobs: if wants_prompt_logprobs {
                 req.token_ids[1..].iter().map(|&t| logprob(t)).collect()
@@ -243,6 +244,15 @@ impl PrefillService for Fake {
         _request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
         Ok(Response::new(self.0.info()))
+    }
+
+    async fn rdma_connect(
+        &self,
+        _request: Request<pb::RdmaConnectRequest>,
+    ) -> Result<Response<pb::RdmaConnectResponse>, Status> {
+        Err(Status::failed_precondition(
+            "the fake prefill node has no RDMA",
+        ))
     }
 }
 

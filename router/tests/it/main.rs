@@ -1,6 +1,7 @@
 //! The router against scripted fake prefill/decode nodes over real sockets.
 
 mod binary;
+mod discovery;
 mod fake;
 mod generate;
 mod health;

@@ -1,0 +1,80 @@
+//! `--check-config`: the effective configuration from flags and `PD_*` variables, or one
+//! line naming the problem, without loading a model (deploy/k8s manifests are checked with it).
+
+use std::process::{Command, Output};
+
+fn check(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_prefill-node"));
+    cmd.arg("--check-config").args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // The caller's own PD_* settings must not leak into the check.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PD_") && !env.iter().any(|(e, _)| *e == k) {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.output().expect("run prefill-node")
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the effective configuration is JSON")
+}
+
+#[test]
+fn flags_and_environment_make_the_effective_configuration() {
+    let out = check(
+        &[
+            "--host=0.0.0.0",
+            "--port=50051",
+            "--advertise-host=10.1.2.3",
+            "--kv-port=50052",
+        ],
+        &[
+            ("PD_MODEL", "synthetic:qwen3-0.6b"),
+            ("PD_BLOCK_SIZE", "32"),
+        ],
+    );
+    let c = json(&out);
+    assert_eq!(c["role"], "prefill");
+    assert_eq!(c["model"]["source"], "synthetic:qwen3-0.6b");
+    assert_eq!(c["model"]["max_model_len"], 40960);
+    assert_eq!(c["engine"]["block_size"], 32);
+    assert_eq!(c["advertise_host"], "10.1.2.3");
+    assert_eq!(c["role_flags"]["kv_port"], 50052);
+}
+
+#[test]
+fn what_only_the_serving_host_has_is_a_note_not_a_failure() {
+    let out = check(&["--model=/models/not-here", "--host=0.0.0.0"], &[]);
+    json(&out);
+    let notes = String::from_utf8_lossy(&out.stderr);
+    assert!(notes.contains("/models/not-here"), "{notes}");
+    assert!(notes.contains("--advertise-host"), "{notes}");
+}
+
+#[test]
+fn a_bad_value_exits_non_zero_naming_it() {
+    for (args, needle) in [
+        (&["--model=synthetic:nope"][..], "--model"),
+        (&["--max-model-len=1000000"][..], "--max-model-len"),
+        (&["--block-size=0"][..], "--block-size"),
+        (&["--max-num-seqs=0"][..], "--max-num-seqs"),
+        (&["--kv-lease-timeout=0"][..], "--kv-lease-timeout"),
+        (&["--advertise-host=pod-ip"][..], "--advertise-host"),
+        (&["--no-such-flag"][..], "--no-such-flag"),
+    ] {
+        let out = check(args, &[]);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?} printed a configuration");
+    }
+}
