@@ -24,3 +24,9 @@ prompt="$(printf 'A shared system prompt that many requests start with. %.0s' 1 
 echo "--- the same long prompt twice: the second reuses the prefill node's cache"
 gen --prompt "$prompt Question one?" --max-tokens 8 --json
 gen --prompt "$prompt Question two?" --max-tokens 8 --json
+echo "--- what the router's /metrics says now (pd_router_*: local vs external hits per node and role)"
+# The router applies the nodes' counter reports as they arrive (on responses and its 0.5 s
+# Info polls); give the last one a moment.
+sleep 1
+router_metrics=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router_metrics"])' "$dir/ready.json")
+./target/release/pdctl metrics --router-metrics "$router_metrics" --once
