@@ -199,6 +199,15 @@ impl Job {
                         self.held.decoding = None;
                     } else if handoff.is_none() {
                         last = self.abort_for_last_message(&mut stream).await;
+                    } else if theirs.is_none() {
+                        // PD: the node's last message (ending by itself, or after the abort
+                        // the release sends) carries its counters; take them as soon as they
+                        // come, without holding the client's end for them.
+                        tokio::spawn(observe_last_report(
+                            self.shared.metrics.clone(),
+                            node.clone(),
+                            stream,
+                        ));
                     }
                     self.take_compute_usage(handoff, &mut chunk, last);
                     return Ok(self.finish(chunk, reason));
@@ -261,4 +270,23 @@ impl Job {
         self.compute_usage = last.usage.unwrap_or_default();
         chunk.prompt_logprobs = last.prompt_logprobs;
     }
+}
+
+/// Reads a decode stream the client no longer needs up to its last message (at most
+/// [`CONTROL_TIMEOUT`]) so the node's final counter report reaches the metrics at once
+/// rather than with the next `Info` poll.
+async fn observe_last_report(
+    metrics: Arc<crate::metrics::RouterMetrics>,
+    node: Arc<Node>,
+    mut stream: tonic::Streaming<pb::DecodeResponse>,
+) {
+    let last = async {
+        while let Ok(Some(message)) = stream.message().await {
+            metrics.observe_report(&node, message.counters.as_ref());
+            if message.finish_reason() != pb::FinishReason::Unspecified {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(CONTROL_TIMEOUT, last).await;
 }
