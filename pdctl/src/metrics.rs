@@ -15,13 +15,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use http_body_util::BodyExt as _;
-use hyper::body::Bytes;
 use prometheus_parse::{Scrape, Value};
 use serde::Serialize;
 
-/// How long one scrape may take.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::bench::scrape::MetricsEndpoint;
 
 #[derive(Debug, Args)]
 pub struct MetricsArgs {
@@ -48,7 +45,7 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 }
 
 pub fn run(args: MetricsArgs) -> anyhow::Result<()> {
-    let url = Url::parse(&args.router_metrics)?;
+    let url = MetricsEndpoint::parse(&args.router_metrics)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -59,11 +56,11 @@ pub fn run(args: MetricsArgs) -> anyhow::Result<()> {
             let text = url.fetch().await?;
             let now = Instant::now();
             let snapshot = Snapshot::parse(&text)
-                .with_context(|| format!("{} is not the router's /metrics", url.text))?;
+                .with_context(|| format!("{} is not the router's /metrics", url.url()))?;
             let window = previous
                 .as_ref()
                 .map(|(at, before)| (now.duration_since(*at).as_secs_f64(), before));
-            let summary = Summary::new(&url.text, &snapshot, window);
+            let summary = Summary::new(url.url(), &snapshot, window);
             let mut out = std::io::stdout().lock();
             if args.json {
                 writeln!(out, "{}", serde_json::to_string(&summary)?)?;
@@ -83,64 +80,6 @@ pub fn run(args: MetricsArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_secs_f64(args.interval)).await;
         }
     })
-}
-
-/// Where the metrics are.
-#[derive(Debug, Clone)]
-struct Url {
-    text: String,
-    authority: String,
-    path: String,
-}
-
-impl Url {
-    /// `HOST:PORT`, `http://HOST:PORT` or `http://HOST:PORT/PATH` (default path `/metrics`).
-    fn parse(s: &str) -> anyhow::Result<Self> {
-        let with_scheme = if s.contains("://") {
-            s.to_string()
-        } else {
-            format!("http://{s}")
-        };
-        let bad =
-            || format!("`{s}` is not a metrics address (HOST:PORT or http://HOST:PORT/metrics)");
-        let uri: hyper::Uri = with_scheme.parse().ok().with_context(bad)?;
-        let authority = uri.authority().filter(|a| a.port_u16().is_some());
-        let (Some("http"), Some(authority)) = (uri.scheme_str(), authority) else {
-            bail!(bad());
-        };
-        let path = match uri.path() {
-            "" | "/" => "/metrics".to_string(),
-            p => p.to_string(),
-        };
-        Ok(Self {
-            text: format!("http://{authority}{path}"),
-            authority: authority.to_string(),
-            path,
-        })
-    }
-
-    async fn fetch(&self) -> anyhow::Result<String> {
-        let get = async {
-            let stream = tokio::net::TcpStream::connect(&self.authority).await?;
-            let (mut sender, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
-            tokio::spawn(conn);
-            let request = hyper::Request::get(self.path.as_str())
-                .header(hyper::header::HOST, self.authority.as_str())
-                .body(http_body_util::Empty::<Bytes>::new())?;
-            let response = sender.send_request(request).await?;
-            if !response.status().is_success() {
-                bail!("HTTP {}", response.status());
-            }
-            let body = response.into_body().collect().await?.to_bytes();
-            Ok(String::from_utf8(body.to_vec())?)
-        };
-        tokio::time::timeout(SCRAPE_TIMEOUT, get)
-            .await
-            .map_err(|_| anyhow::anyhow!("no answer within {SCRAPE_TIMEOUT:?}"))
-            .and_then(|r| r)
-            .with_context(|| format!("reading {}", self.text))
-    }
 }
 
 /// Tokens looked up and found.
@@ -563,10 +502,10 @@ pd_router_time_to_first_token_seconds_count{model_name=\"m\"} 4
     #[test]
     fn addresses() {
         assert_eq!(
-            Url::parse("127.0.0.1:9").unwrap().text,
+            MetricsEndpoint::parse("127.0.0.1:9").unwrap().url(),
             "http://127.0.0.1:9/metrics"
         );
-        assert!(Url::parse("https://h:1").is_err());
-        assert!(Url::parse("h").is_err());
+        assert!(MetricsEndpoint::parse("https://h:1").is_err());
+        assert!(MetricsEndpoint::parse("h").is_err());
     }
 }

@@ -16,7 +16,8 @@ mod dataset;
 mod driver;
 mod plot;
 mod report;
-mod scrape;
+/// Also what `pdctl metrics` reads the router's `/metrics` with.
+pub(crate) mod scrape;
 mod stats;
 mod workload;
 
