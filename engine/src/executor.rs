@@ -7,6 +7,7 @@ use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::model::Qwen3;
+use crate::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
 
 /// One sequence's part of a forward pass.
 #[derive(Debug, Clone, Copy)]
@@ -73,12 +74,77 @@ impl<B: Backend> Executor<B> {
     /// One forward pass. Returns, per item, the logits of its last new token (or of every
     /// new token with `all_logits`), and writes the new tokens' K/V into their blocks.
     pub fn execute(&mut self, items: &[ExecItem<'_>]) -> Vec<HostMatrix> {
+        let (logits, spans) = self.forward(items);
+        split_rows(&self.backend.to_host(&logits), &spans)
+    }
+
+    /// [`Executor::execute`], choosing the next token on the backend for every item with a
+    /// plan (`plans[i]`, from [`crate::sampling::Sampler::device_plan`]) instead of copying
+    /// its logits to the host. Items without a plan, and items with `all_logits` (their
+    /// prompt logprobs need the rows), get their logits as before. Only the first
+    /// `vocab_limit` columns are candidate tokens.
+    ///
+    /// # Panics
+    /// If `plans` and `items` differ in length.
+    pub fn execute_sampling(
+        &mut self,
+        items: &[ExecItem<'_>],
+        plans: &[Option<DeviceSampling>],
+        vocab_limit: usize,
+    ) -> Vec<StepOutput> {
+        assert_eq!(plans.len(), items.len(), "one plan (or None) per item");
+        let (logits, spans) = self.forward(items);
+        let mut device_rows = Vec::new();
+        let mut host_rows = Vec::new();
+        let mut host_spans = Vec::new();
+        for ((item, plan), &(first, n)) in items.iter().zip(plans).zip(&spans) {
+            match plan {
+                Some(method) if !item.all_logits => device_rows.push(DeviceSampleRow {
+                    row: first,
+                    method: *method,
+                }),
+                _ => {
+                    host_spans.push((host_rows.len(), n));
+                    host_rows.extend(first..first + n);
+                }
+            }
+        }
+        let mut sampled = if device_rows.is_empty() {
+            Vec::new()
+        } else {
+            self.backend.sample(&logits, &device_rows, vocab_limit)
+        }
+        .into_iter();
+        let mut host = if host_rows.is_empty() {
+            Vec::new()
+        } else if device_rows.is_empty() {
+            split_rows(&self.backend.to_host(&logits), &host_spans)
+        } else {
+            let rows = self.backend.select_rows(&logits, &host_rows);
+            split_rows(&self.backend.to_host(&rows), &host_spans)
+        }
+        .into_iter();
+        items
+            .iter()
+            .zip(plans)
+            .map(|(item, plan)| match plan {
+                Some(_) if !item.all_logits => {
+                    StepOutput::Sampled(sampled.next().expect("one sample per device row"))
+                }
+                _ => StepOutput::Logits(host.next().expect("one matrix per host item")),
+            })
+            .collect()
+    }
+
+    /// The forward pass shared by both `execute` variants: logits left on the backend, and
+    /// each item's `(first row, rows)` in them.
+    fn forward(&mut self, items: &[ExecItem<'_>]) -> (B::Tensor, Vec<(usize, usize)>) {
         let bs = self.layout.block_size;
         let c = self.model.config();
         let mut tokens = Vec::new();
         let mut seqs = Vec::with_capacity(items.len());
         let mut logit_rows = Vec::new();
-        let mut row_counts = Vec::with_capacity(items.len());
+        let mut spans = Vec::with_capacity(items.len());
         for item in items {
             let start = tokens.len();
             let count = item.tokens.len();
@@ -94,13 +160,9 @@ impl<B: Backend> Executor<B> {
                 context_len: item.start + count,
                 block_table: item.block_table.to_vec(),
             });
-            if item.all_logits {
-                logit_rows.extend(start..start + count);
-                row_counts.push(count);
-            } else {
-                logit_rows.push(start + count - 1);
-                row_counts.push(1);
-            }
+            let n = if item.all_logits { count } else { 1 };
+            spans.push((logit_rows.len(), n));
+            logit_rows.extend(start + count - n..start + count);
         }
         let meta = AttentionMeta {
             seqs,
@@ -111,18 +173,8 @@ impl<B: Backend> Executor<B> {
         };
         let logits =
             self.model
-                .forward(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
-        let mut out = Vec::with_capacity(items.len());
-        let mut row = 0;
-        for n in row_counts {
-            out.push(HostMatrix {
-                rows: n,
-                cols: logits.cols,
-                data: logits.data[row * logits.cols..(row + n) * logits.cols].to_vec(),
-            });
-            row += n;
-        }
-        out
+                .forward_logits(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
+        (logits, spans)
     }
 
     /// f32 elements of one block across all layers, K and V ([`Self::read_block`]'s length).
@@ -139,4 +191,25 @@ impl<B: Backend> Executor<B> {
     pub fn write_block(&mut self, block: u32, src: &[f32]) {
         self.backend.write_block(&mut self.kv, block, src);
     }
+}
+
+/// What [`Executor::execute_sampling`] returns for one item.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutput {
+    /// The item's logits rows, on the host, for the host sampler (or prompt logprobs).
+    Logits(HostMatrix),
+    /// The token the backend chose; hand it to [`crate::sampling::Sampler::accept`].
+    Sampled(DeviceSample),
+}
+
+/// Cut a host matrix into consecutive `(first row, rows)` spans.
+fn split_rows(m: &HostMatrix, spans: &[(usize, usize)]) -> Vec<HostMatrix> {
+    spans
+        .iter()
+        .map(|&(first, n)| HostMatrix {
+            rows: n,
+            cols: m.cols,
+            data: m.data[first * m.cols..(first + n) * m.cols].to_vec(),
+        })
+        .collect()
 }

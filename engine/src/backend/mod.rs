@@ -5,11 +5,14 @@
 //! 2-D row-major `f32` matrices (`rows` tokens × `cols` features). Weights stay in the dtype
 //! they were stored in (bf16 / f16 / f32) and are consumed in place. This module does not
 //! own the KV block *allocation* (see [`crate::kv`]), only the storage the blocks index.
+//! Sampling decisions stay with [`crate::sampling`]; a backend only runs the part of it
+//! that [`crate::sampling::device`] specifies, next to the logits.
 
 pub mod cpu;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
+use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
 
 /// Rows of one sequence inside a batch, for attention.
@@ -144,6 +147,18 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Copy to host memory as `(rows, cols, row-major data)`.
     fn to_host(&self, x: &Self::Tensor) -> HostMatrix;
+
+    /// Choose one token for each listed row of `logits` (`[rows, vocab]`) where the logits
+    /// are, returning only the token ids (and their log-probabilities) to the host. Only the
+    /// first `vocab_limit` columns are candidates. Must choose exactly the token of
+    /// [`crate::sampling::device::sample_row`] for every row (the conformance contract; the
+    /// log-probability may differ by rounding).
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        rows: &[DeviceSampleRow],
+        vocab_limit: usize,
+    ) -> Vec<DeviceSample>;
 
     /// Copy block `block` of every layer out of KV storage, laid out layer by layer as
     /// `[K block, V block]` (each `block_size × kv_heads × head_dim` f32) into `dst`.

@@ -132,6 +132,21 @@ impl<B: Backend> Qwen3<B> {
         meta: &AttentionMeta,
         logit_rows: &[usize],
     ) -> HostMatrix {
+        let logits = self.forward_logits(backend, kv, block_size, tokens, meta, logit_rows);
+        backend.to_host(&logits)
+    }
+
+    /// [`Qwen3::forward`] with the logits left on the backend (`[logit_rows, vocab]`), for
+    /// the caller to sample there or copy what it needs.
+    pub fn forward_logits(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStorage,
+        block_size: usize,
+        tokens: &[u32],
+        meta: &AttentionMeta,
+        logit_rows: &[usize],
+    ) -> B::Tensor {
         let c = &self.config;
         let positions = meta.positions();
         let slots = meta.slot_mapping(block_size);
@@ -161,7 +176,6 @@ impl<B: Backend> Qwen3<B> {
         }
         let x = backend.select_rows(&x, logit_rows);
         let x = backend.rms_norm(&x, &self.norm, c.hidden_size, eps);
-        let logits = backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed));
-        backend.to_host(&logits)
+        backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 }

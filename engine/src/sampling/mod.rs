@@ -6,6 +6,9 @@
 //!   row of logits into a [`SampledToken`] (repetition penalty → greedy or temperature →
 //!   min-p → top-k → top-p → draw), reporting raw log-probabilities. [`prompt_logprobs`]
 //!   scores prompt positions.
+//! - [`device`]: the subset of the sampler a backend runs where the logits are (greedy and
+//!   top-k ≤ 64 / top-p without penalties, min-p or logprobs), with the same tokens for the
+//!   same seeds ([`Sampler::device_plan`] / [`Sampler::accept`]).
 //! - [`StopChecker`]: one per request, fed each generated token and its text; decides
 //!   [`FinishReason`] (EOS / stop token / stop string / `max_tokens`) and withholds text
 //!   that may be the start of a stop string until it is disambiguated.
@@ -24,10 +27,12 @@
 //! }
 //! ```
 
+pub mod device;
 pub mod params;
 pub mod sampler;
 pub mod stop;
 
+pub use device::{DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K};
 pub use params::{
     GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingError, SamplingParams,
 };

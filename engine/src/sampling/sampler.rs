@@ -15,6 +15,7 @@ use std::fmt;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K};
 use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams};
 
 /// One token and its raw log-probability.
@@ -154,6 +155,46 @@ impl Sampler {
         self.greedy
     }
 
+    /// How a backend may choose this request's next token where the logits are (see
+    /// [`super::device`]), or `None` when it needs the host: a repetition penalty, min-p,
+    /// `logprobs > 0`, or temperature sampling without a top-k in
+    /// `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw is *peeked* from the request's RNG;
+    /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
+    /// one [`Sampler::sample`] would have used.
+    pub fn device_plan(&self) -> Option<DeviceSampling> {
+        if self.repetition_penalty != 1.0
+            || self.min_p > 0.0
+            || self.logprobs.is_some_and(|k| k > 0)
+        {
+            return None;
+        }
+        if self.greedy {
+            return Some(DeviceSampling::Greedy);
+        }
+        if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
+            return None;
+        }
+        Some(DeviceSampling::TopK {
+            k: self.top_k,
+            inv_temperature: 1.0 / self.temperature,
+            top_p: self.top_p,
+            uniform: self.rng.clone().random::<f64>(),
+        })
+    }
+
+    /// The token a backend chose for this request following [`Sampler::device_plan`]. Advances
+    /// the RNG by the one draw the backend used, if it used it.
+    pub fn accept(&mut self, sample: DeviceSample) -> SampledToken {
+        if sample.used_draw {
+            let _: f64 = self.rng.random();
+        }
+        SampledToken {
+            token_id: sample.token_id,
+            logprob: sample.logprob,
+            top: Vec::new(),
+        }
+    }
+
     /// Chooses the next token from one row of logits (`vocab_size` entries).
     ///
     /// `prompt_tokens` and `output_tokens` are the request's tokens so far; they only feed
@@ -234,18 +275,21 @@ impl Sampler {
             if self.top_p < 1.0 {
                 top_p_sorted(work, cand, self.top_p, w);
             }
-            return draw_candidates(work, cand, w, rng).unwrap_or(max_id);
+            return draw_candidates(work, cand, w, rng.random::<f64>()).unwrap_or(max_id);
         }
         match dense_weights(work, w, k, self.top_p, &mut self.bufs) {
             Survivors::Dense => draw_weights(&self.bufs.dense, rng),
-            Survivors::Candidates => draw_candidates(work, &self.bufs.candidates, w, rng),
+            Survivors::Candidates => {
+                draw_candidates(work, &self.bufs.candidates, w, rng.random::<f64>())
+            }
         }
         .unwrap_or(max_id)
     }
 }
 
-/// Up to this `k`, top-k runs as one pass with a sorted insertion buffer.
-const SMALL_TOP_K: usize = 64;
+/// Up to this `k`, top-k runs as one pass with a sorted insertion buffer (and a backend may
+/// sample the request itself, see [`super::device`]).
+pub(super) const SMALL_TOP_K: usize = 64;
 
 /// Buckets of the top-p mass histogram, over `(lmax - l) / t` in `[0, 88)` (a token
 /// further below has weight 0).
@@ -281,7 +325,7 @@ fn apply_repetition_penalty(
 
 /// Index and value of the largest logit, ties to the lower id, NaN ignored. Returns
 /// `(0, -inf)` when nothing is larger than `-inf`.
-fn argmax(logits: &[f32]) -> (u32, f32) {
+pub(super) fn argmax(logits: &[f32]) -> (u32, f32) {
     // Two simple passes (a max reduction, then a search) vectorise far better than one
     // pass tracking the index.
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -330,15 +374,15 @@ fn exp_nonpos(x: f32) -> f32 {
 /// Unnormalised probability after temperature and min-p: `exp((l - lmax) / t)` for
 /// `l >= threshold`, else 0 (NaN and `-inf` give 0).
 #[derive(Clone, Copy)]
-struct Weights {
-    lmax: f32,
-    inv_t: f32,
-    threshold: f32,
+pub(super) struct Weights {
+    pub(super) lmax: f32,
+    pub(super) inv_t: f32,
+    pub(super) threshold: f32,
 }
 
 impl Weights {
     #[inline(always)]
-    fn of(self, l: f32) -> f32 {
+    pub(super) fn of(self, l: f32) -> f32 {
         let x = (l - self.lmax) * self.inv_t;
         exp_nonpos(if l >= self.threshold {
             x
@@ -586,18 +630,19 @@ fn draw_weights(weights: &[f32], rng: &mut ChaCha8Rng) -> Option<u32> {
     last_positive(ci, weights.chunks(CHUNK).nth(ci)?)
 }
 
-/// One draw among `candidates`; `None` if every weight is 0.
-fn draw_candidates(
+/// One draw among `candidates` with `uniform` in `[0, 1)` (the request's next RNG value);
+/// `None` if every weight is 0.
+pub(super) fn draw_candidates(
     logits: &[f32],
     candidates: &[u32],
     w: Weights,
-    rng: &mut ChaCha8Rng,
+    uniform: f64,
 ) -> Option<u32> {
     let total: f64 = candidates
         .iter()
         .map(|&i| f64::from(w.of(logits[i as usize])))
         .sum();
-    let target = rng.random::<f64>() * total;
+    let target = uniform * total;
     let mut cum = 0.0f64;
     let mut last = None;
     for &i in candidates {
@@ -615,7 +660,7 @@ fn draw_candidates(
 
 /// The `k` best ids with `logit >= threshold` (and finite below), sorted by logit
 /// descending then id ascending, in one pass with a bounded insertion buffer.
-fn top_k_sorted(logits: &[f32], k: usize, threshold: f32, out: &mut Vec<u32>) {
+pub(super) fn top_k_sorted(logits: &[f32], k: usize, threshold: f32, out: &mut Vec<u32>) {
     out.clear();
     if k == 0 {
         return;
@@ -644,7 +689,7 @@ fn top_k_sorted(logits: &[f32], k: usize, threshold: f32, out: &mut Vec<u32>) {
 /// Top-p over candidates already sorted best first: a token is dropped once the mass of
 /// the tokens ranked above it reaches `top_p` of the total (vLLM's `cumsum <= 1 - p`
 /// mask seen from the other end). The best token is always kept.
-fn top_p_sorted(logits: &[f32], candidates: &mut Vec<u32>, top_p: f32, w: Weights) {
+pub(super) fn top_p_sorted(logits: &[f32], candidates: &mut Vec<u32>, top_p: f32, w: Weights) {
     let total: f64 = candidates
         .iter()
         .map(|&i| f64::from(w.of(logits[i as usize])))
@@ -661,7 +706,7 @@ fn top_p_sorted(logits: &[f32], candidates: &mut Vec<u32>, top_p: f32, w: Weight
 }
 
 /// `log(sum(exp(logits)))`, NaN ignored; `-inf` if every logit is `-inf`.
-fn log_sum_exp(logits: &[f32]) -> f64 {
+pub(super) fn log_sum_exp(logits: &[f32]) -> f64 {
     let (_, m) = argmax(logits);
     if !(m > f32::NEG_INFINITY && m < f32::INFINITY) {
         return f64::from(m);
@@ -675,7 +720,7 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
 }
 
 #[inline]
-fn raw_logprob(logit: f32, lse: f64) -> f32 {
+pub(super) fn raw_logprob(logit: f32, lse: f64) -> f32 {
     if logit.is_nan() || logit == f32::NEG_INFINITY {
         f32::NEG_INFINITY
     } else {

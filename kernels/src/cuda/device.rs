@@ -38,6 +38,7 @@ pub struct Kernels {
     pub unpack_block: CudaFunction,
     pub paged_attention: CudaFunction,
     pub attention_combine: CudaFunction,
+    pub sample_rows: CudaFunction,
 }
 
 fn driver(ordinal: usize, what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
@@ -187,6 +188,7 @@ impl Kernels {
             unpack_block: take("unpack_block")?,
             paged_attention: take("paged_attention")?,
             attention_combine: take("attention_combine")?,
+            sample_rows: take("sample_rows")?,
         })
     }
 }

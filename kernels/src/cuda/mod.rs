@@ -1,6 +1,6 @@
 //! The CUDA backend: every [`Backend`] op as a kernel launch or a cuBLAS call on one stream
-//! of one device. Ops are asynchronous; [`Backend::to_host`] and the block copies are the
-//! only points that wait for the device.
+//! of one device. Ops are asynchronous; [`Backend::to_host`], [`Backend::sample`] and the
+//! block copies are the only points that wait for the device.
 //!
 //! The `Backend` ops (other than loading and allocation) cannot return errors: a failed
 //! launch leaves the CUDA context unusable, so it panics with the op's name and the driver's
@@ -10,6 +10,7 @@ mod device;
 pub mod gemm;
 pub mod modules;
 pub mod plan;
+mod sample;
 mod tensor;
 
 use std::sync::Mutex;
@@ -19,6 +20,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelA
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
+use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
 pub use device::Device;
@@ -608,6 +610,15 @@ impl Backend for CudaBackend {
             cols: x.cols,
             data,
         }
+    }
+
+    fn sample(
+        &self,
+        logits: &CudaTensor,
+        rows: &[DeviceSampleRow],
+        vocab_limit: usize,
+    ) -> Vec<DeviceSample> {
+        self.sample_on_device(logits, rows, vocab_limit)
     }
 
     fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [f32]) {

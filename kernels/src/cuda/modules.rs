@@ -19,7 +19,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 3] = [
+pub const SOURCES: [KernelSource; 4] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -43,6 +43,11 @@ pub const SOURCES: [KernelSource; 3] = [
         name: "attention",
         code: include_str!("attention.cu"),
         kernels: &["paged_attention", "attention_combine"],
+    },
+    KernelSource {
+        name: "sample",
+        code: include_str!("sample.cu"),
+        kernels: &["sample_rows"],
     },
 ];
 

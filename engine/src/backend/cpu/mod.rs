@@ -12,6 +12,8 @@ use rayon::prelude::*;
 use crate::backend::{AttentionMeta, Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
+use crate::sampling::device::sample_row;
+use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
 
 pub use matrix::WeightMatrix;
@@ -275,6 +277,19 @@ impl Backend for CpuBackend {
             cols: x.cols,
             data: x.data.clone(),
         }
+    }
+
+    fn sample(
+        &self,
+        logits: &CpuTensor,
+        rows: &[DeviceSampleRow],
+        vocab_limit: usize,
+    ) -> Vec<DeviceSample> {
+        let limit = vocab_limit.min(logits.cols);
+        // Rows are independent: one per core, as the engine samples on the host.
+        rows.par_iter()
+            .map(|r| sample_row(&logits.row(r.row)[..limit], r.method))
+            .collect()
     }
 
     fn read_block(&self, kv: &CpuKvStorage, block: u32, dst: &mut [f32]) {
