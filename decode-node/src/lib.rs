@@ -480,7 +480,10 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
     let (metrics_listener, metrics_addr) =
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
-    let importer = pd_node::kv_transport::importer(rdma.as_ref(), facts.fingerprint, &args.node)?;
+    // Pulled blocks arrive in the engine's recycled buffers: it gives each back once the
+    // block is in KV storage, so steady pulls do not fault in fresh pages.
+    let importer = pd_node::kv_transport::importer(rdma.as_ref(), facts.fingerprint, &args.node)?
+        .with_buffers(engine.handle().import_buffers().clone());
     let metrics = Arc::new(NodeMetrics::new(
         Role::Decode,
         &facts.served_name,

@@ -200,7 +200,8 @@ impl PrefillNodeService {
         };
         let (rdma, engine) = (Arc::clone(rdma), self.engine().clone());
         let published = tokio::task::spawn_blocking(move || {
-            let blocks = engine.read_lease(lease_id, 0, num_blocks).ok_or_else(|| {
+            let lease = engine.lease_blocks(lease_id);
+            let blocks = lease.filter(|b| b.len() == num_blocks).ok_or_else(|| {
                 RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
             })?;
             rdma.publish(lease_id, &blocks, deadline)

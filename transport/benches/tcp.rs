@@ -1,32 +1,40 @@
 //! KV transfer throughput over loopback TCP, beside two baselines measured in the same run:
-//! a raw socket (plain write / read of the same bytes into preallocated buffers, no framing,
-//! no checksum, no copy out of the source) and memcpy of the same bytes.
+//! a raw socket (plain write / read of the same bytes into preallocated buffers over one
+//! open connection, no framing, no checksum, no copy out of the source) and memcpy of the
+//! same bytes.
 //!
 //! `cargo bench -p pd-transport --bench tcp`
 //!
+//! The raw socket and the transport run alternately, so that load from elsewhere on a shared
+//! machine falls on both alike; the best run of each is reported. Rows:
+//! - "pooled (decode node)": as a decode node pulls: a pooled connection, blocks received
+//!   into the engine's recycled buffers ([`BlockBuffers`]), which it gives back after copying
+//!   them into KV storage. Compared with the raw socket, which also reuses its connection
+//!   and buffers.
+//! - "new conn + buffers": a fresh connection and freshly allocated blocks per pull (what a
+//!   node's first pull from a peer costs).
+//!
 //! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_LEN` f32 values per block
 //! (default 917504 = Qwen3-0.6B: 2 x 28 layers x 16 tokens x 8 KV heads x 128 dims, 3.67 MB),
-//! `PD_BENCH_ITERS` (default 3; the best run is reported).
+//! `PD_BENCH_ITERS` (default 5).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_transport::{
-    KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, pull_blocks,
+    KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
 };
 
 struct MemSource(Arc<Vec<Vec<f32>>>);
 
 impl KvSource for MemSource {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+        // Shared, not copied: as the engine's lease store lends a lease's blocks.
         (lease_id == 1)
-            .then(|| {
-                self.0
-                    .get(first..first.checked_add(count)?)
-                    .map(<[_]>::to_vec)
-            })
+            .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
             .flatten()
     }
 }
@@ -42,20 +50,56 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-fn best<F: FnMut() -> Duration>(iters: usize, mut f: F) -> Duration {
-    (0..iters)
-        .map(|_| f())
-        .min()
-        .expect("at least one iteration")
+/// A raw-socket peer over one open connection: each request byte is answered with every
+/// block's bytes.
+struct RawPeer {
+    stream: TcpStream,
+    writer: std::thread::JoinHandle<()>,
+}
+
+impl RawPeer {
+    fn start(source: Arc<Vec<Vec<f32>>>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let writer = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut go = [0u8; 1];
+            while s.read_exact(&mut go).is_ok() {
+                for b in source.iter() {
+                    s.write_all(bytemuck::cast_slice(b)).expect("write");
+                }
+            }
+        });
+        let stream = TcpStream::connect(addr).expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        Self { stream, writer }
+    }
+
+    fn read(&mut self, dst: &mut [Vec<f32>]) -> Duration {
+        let t = Instant::now();
+        self.stream.write_all(&[1]).expect("request");
+        for d in dst.iter_mut() {
+            self.stream
+                .read_exact(bytemuck::cast_slice_mut(d))
+                .expect("read");
+        }
+        t.elapsed()
+    }
+
+    fn stop(self) {
+        drop(self.stream);
+        self.writer.join().expect("writer");
+    }
 }
 
 fn main() {
     let blocks = env("PD_BENCH_BLOCKS", 256);
     let block_len = env("PD_BENCH_BLOCK_LEN", 2 * 28 * 16 * 8 * 128);
-    let iters = env("PD_BENCH_ITERS", 3).max(1);
+    let iters = env("PD_BENCH_ITERS", 5).max(1);
     let bytes = (blocks * block_len * 4) as u64;
     println!(
-        "{blocks} blocks x {:.2} MB = {:.1} MB per transfer, best of {iters}",
+        "{blocks} blocks x {:.2} MB = {:.1} MB per transfer, best of {iters}, raw socket and \
+         transport alternating",
         block_len as f64 * 4.0 / 1e6,
         bytes as f64 / 1e6
     );
@@ -76,39 +120,13 @@ fn main() {
             .collect(),
     );
     let mut dst: Vec<Vec<f32>> = vec![vec![0.0f32; block_len]; blocks];
-
-    // memcpy baseline.
-    let memcpy = best(iters, || {
-        let t = Instant::now();
-        for (d, s) in dst.iter_mut().zip(source.iter()) {
-            d.copy_from_slice(s);
-        }
-        std::hint::black_box(&dst);
-        t.elapsed()
-    });
-
-    // Raw socket baseline: same bytes, preallocated destination.
-    let raw = best(iters, || {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let src = Arc::clone(&source);
-        let writer = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().expect("accept");
-            for b in src.iter() {
-                s.write_all(bytemuck::cast_slice(b)).expect("write");
-            }
-        });
-        let mut s = TcpStream::connect(addr).expect("connect");
-        let t = Instant::now();
-        for d in dst.iter_mut() {
-            s.read_exact(bytemuck::cast_slice_mut(d)).expect("read");
-        }
-        let e = t.elapsed();
-        writer.join().expect("writer");
-        e
-    });
-    assert!(dst.iter().zip(source.iter()).all(|(d, s)| d == s));
-    drop(dst);
+    let check = |got: &[Vec<f32>]| {
+        assert_eq!(got.len(), blocks);
+        assert!(
+            got.iter().zip(source.iter()).all(|(g, s)| g == s),
+            "data differs"
+        );
+    };
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -131,52 +149,64 @@ fn main() {
         block_len,
     };
     let deadline = || Instant::now() + Duration::from_secs(600);
-    let check = |got: &[Vec<f32>]| {
-        assert_eq!(got.len(), blocks);
-        assert!(
-            got.iter().zip(source.iter()).all(|(g, s)| g == s),
-            "data differs"
-        );
-    };
 
-    let fresh = best(iters, || {
-        let t = Instant::now();
-        let got = rt
-            .block_on(pull_blocks(addr, req, deadline()))
-            .expect("pull");
-        let e = t.elapsed();
-        check(&got);
-        e
-    });
-    let puller = KvPuller::new();
-    rt.block_on(puller.pull(addr, req, deadline()))
+    let buffers = BlockBuffers::new(block_len, bytes as usize);
+    let puller = KvPuller::with_buffers(buffers.clone());
+    let mut raw_peer = RawPeer::start(Arc::clone(&source));
+    // Warm-up: connections open, buffers faulted in.
+    raw_peer.read(&mut dst);
+    let warm = rt
+        .block_on(puller.pull(addr, req, deadline()))
         .expect("warm-up pull");
-    let pooled = best(iters, || {
+    buffers.give_all(warm);
+
+    let (mut memcpy, mut raw, mut fresh, mut pooled) =
+        (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
+    for _ in 0..iters {
+        let t = Instant::now();
+        for (d, s) in dst.iter_mut().zip(source.iter()) {
+            d.copy_from_slice(s);
+        }
+        std::hint::black_box(&dst);
+        memcpy = memcpy.min(t.elapsed());
+
+        raw = raw.min(raw_peer.read(&mut dst));
+        check(&dst);
+
         let t = Instant::now();
         let got = rt
             .block_on(puller.pull(addr, req, deadline()))
             .expect("pull");
-        let e = t.elapsed();
+        pooled = pooled.min(t.elapsed());
         check(&got);
-        e
-    });
+        buffers.give_all(got);
+
+        let t = Instant::now();
+        let got = rt
+            .block_on(pull_blocks(addr, req, deadline()))
+            .expect("pull");
+        fresh = fresh.min(t.elapsed());
+        check(&got);
+    }
+    raw_peer.stop();
     rt.block_on(server.shutdown(Duration::from_secs(5)));
 
     let row = |name: &str, d: Duration| {
         println!(
-            "{name:<34} {:>8.1} ms {:>7.2} GB/s",
+            "{name:<36} {:>8.1} ms {:>7.2} GB/s",
             d.as_secs_f64() * 1e3,
             gbps(bytes, d)
         );
     };
     row("memcpy (baseline)", memcpy);
     row("raw TCP socket (baseline)", raw);
-    row("pd-transport, new connection", fresh);
-    row("pd-transport, pooled connection", pooled);
-    let t = fresh.min(pooled);
+    row("pd-transport, pooled (decode node)", pooled);
+    row("pd-transport, new conn + buffers", fresh);
     println!(
-        "pd-transport / raw socket: {:.2}   pd-transport / memcpy: {:.2}",
-        raw.as_secs_f64() / t.as_secs_f64(),
-        memcpy.as_secs_f64() / t.as_secs_f64()
+        "pd-transport pooled / raw socket: {:.2}   new conn / raw socket: {:.2}   pooled / \
+         memcpy: {:.2}",
+        raw.as_secs_f64() / pooled.as_secs_f64(),
+        raw.as_secs_f64() / fresh.as_secs_f64(),
+        memcpy.as_secs_f64() / pooled.as_secs_f64()
     );
 }

@@ -2,8 +2,10 @@
 //! checksummed DATA chunks as it writes them, the importer reassembles them straight into
 //! the blocks' f32 buffers and verifies every chunk as it reads.
 
+use std::hash::Hasher as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use xxhash_rust::xxh3::Xxh3;
+
+use twox_hash::XxHash3_64 as Xxh3;
 
 use crate::error::TransportError;
 use crate::wire::{
@@ -68,14 +70,14 @@ impl ChunkWriter {
             }
             let n = data.len().min(PIECE).min(self.left_in_chunk as usize);
             let (piece, rest) = data.split_at(n);
-            self.hasher.update(piece);
+            self.hasher.write(piece);
             w.write_all(piece).await?;
             data = rest;
             self.left_in_chunk -= n as u64;
             self.left_in_segment -= n as u64;
             self.left_total -= n as u64;
             if self.left_in_chunk == 0 {
-                w.write_all(&self.hasher.digest().to_le_bytes()).await?;
+                w.write_all(&self.hasher.finish().to_le_bytes()).await?;
                 self.index += 1;
             }
         }
@@ -150,14 +152,14 @@ impl ChunkReader {
             let n = buf.len().min(PIECE).min(self.left_in_chunk as usize);
             let (piece, rest) = std::mem::take(&mut buf).split_at_mut(n);
             self.read_exact(r, piece).await?;
-            self.hasher.update(piece);
+            self.hasher.write(piece);
             self.received += n as u64;
             self.left_in_chunk -= n as u64;
             if self.left_in_chunk == 0 {
                 let mut sum = [0u8; CHECKSUM_LEN];
                 self.read_exact(r, &mut sum).await?;
                 let sent = u64::from_le_bytes(sum);
-                let computed = self.hasher.digest();
+                let computed = self.hasher.finish();
                 if sent != computed {
                     return Err(TransportError::Checksum {
                         chunk: self.index,

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::block_buffers::BlockBuffers;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
@@ -48,17 +49,22 @@ pub async fn pull_blocks(
 ) -> Result<Vec<Vec<f32>>, TransportError> {
     let mut conn = connect(addr, deadline).await?;
     let mut started = false;
-    transfer(addr, &mut conn, &req, deadline, &mut started).await
+    transfer(addr, &mut conn, &req, deadline, &mut started, None).await
 }
 
 /// Connections kept open between pulls, per exporter: a pull reuses an idle connection when
 /// one is there (and retries once on a fresh connection if the idle one turns out closed
 /// before any answer arrived). Every pull is counted in the puller's [`TransferStats`]. Clones
 /// share the pool and the counters.
+///
+/// Blocks arrive in buffers from [`KvPuller::with_buffers`]'s [`BlockBuffers`] when their
+/// length matches (the decode engine gives them back once copied into KV storage), else in
+/// new ones.
 #[derive(Clone, Default)]
 pub struct KvPuller {
     idle: Arc<Mutex<HashMap<SocketAddr, Vec<IdleConn>>>>,
     stats: Arc<TransferStats>,
+    buffers: Option<BlockBuffers>,
 }
 
 struct IdleConn {
@@ -86,6 +92,14 @@ const MAX_IDLE_AGE: Duration = Duration::from_secs(30);
 impl KvPuller {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A puller whose blocks arrive in `buffers` (see the type's documentation).
+    pub fn with_buffers(buffers: BlockBuffers) -> Self {
+        Self {
+            buffers: Some(buffers),
+            ..Self::default()
+        }
     }
 
     /// The counters of this puller's transfers (completed and failed).
@@ -117,9 +131,10 @@ impl KvPuller {
         req: PullRequest,
         deadline: Instant,
     ) -> Result<Vec<Vec<f32>>, TransportError> {
+        let buffers = self.buffers.as_ref();
         if let Some(mut conn) = self.take_idle(addr) {
             let mut started = false;
-            match transfer(addr, &mut conn, &req, deadline, &mut started).await {
+            match transfer(addr, &mut conn, &req, deadline, &mut started, buffers).await {
                 Ok(blocks) => {
                     self.put_idle(addr, conn);
                     return Ok(blocks);
@@ -133,7 +148,7 @@ impl KvPuller {
         }
         let mut conn = connect(addr, deadline).await?;
         let mut started = false;
-        let blocks = transfer(addr, &mut conn, &req, deadline, &mut started).await?;
+        let blocks = transfer(addr, &mut conn, &req, deadline, &mut started, buffers).await?;
         self.put_idle(addr, conn);
         Ok(blocks)
     }
@@ -193,6 +208,7 @@ async fn transfer(
     req: &PullRequest,
     deadline: Instant,
     started: &mut bool,
+    buffers: Option<&BlockBuffers>,
 ) -> Result<Vec<Vec<f32>>, TransportError> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -202,7 +218,8 @@ async fn transfer(
         });
     }
     let timeout_ms = u32::try_from(left.as_millis().max(1)).unwrap_or(u32::MAX);
-    tokio::time::timeout_at(deadline.into(), exchange(conn, req, timeout_ms, started))
+    let exchanged = exchange(conn, req, timeout_ms, started, buffers);
+    tokio::time::timeout_at(deadline.into(), exchanged)
         .await
         .unwrap_or(Err(TransportError::Deadline {
             addr,
@@ -215,6 +232,7 @@ async fn exchange(
     req: &PullRequest,
     timeout_ms: u32,
     started: &mut bool,
+    buffers: Option<&BlockBuffers>,
 ) -> Result<Vec<Vec<f32>>, TransportError> {
     let total = req
         .payload_bytes()
@@ -298,13 +316,20 @@ async fn exchange(
     }
 
     let mut reader = ChunkReader::new(total, resp.chunk_bytes, id);
+    let buffers = buffers.filter(|b| b.block_len() == req.block_len);
     let mut blocks = Vec::with_capacity(req.count);
     for _ in 0..req.count {
-        let mut block = vec![0f32; req.block_len];
-        reader
+        let mut block = buffers.map_or_else(|| vec![0f32; req.block_len], BlockBuffers::take);
+        let read = reader
             .read_into(conn, bytemuck::cast_slice_mut(&mut block))
-            .await?;
+            .await;
         blocks.push(block);
+        if let Err(e) = read {
+            if let Some(b) = buffers {
+                b.give_all(blocks);
+            }
+            return Err(e);
+        }
     }
     Ok(blocks)
 }

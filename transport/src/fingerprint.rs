@@ -14,7 +14,7 @@
 //! len(model_identity)            then the identity's UTF-8 bytes
 //! ```
 //!
-//! hashed with `XXH3_64bits_withSeed(bytes, SEED)` ([`xxhash_rust::xxh3::xxh3_64_with_seed`];
+//! hashed with `XXH3_64bits_withSeed(bytes, SEED)` (`twox_hash::XxHash3_64::oneshot_with_seed`;
 //! `xxhash.xxh3_64_intdigest(bytes, seed=SEED)` in Python) where `SEED` =
 //! [`LayoutFingerprint::SEED`] = `0x7064_2d6b_762d_6c31` (the ASCII bytes `pd-kv-l1` read
 //! big-endian). The value is the same in every process and on every platform.
@@ -23,7 +23,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use pd_engine::kv::KvLayout;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use twox_hash::XxHash3_64;
 
 /// 64-bit identity of a KV layout plus the model that fills it. `Display` writes 16 lowercase
 /// hex digits; `FromStr` reads them back.
@@ -56,7 +56,7 @@ impl LayoutFingerprint {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
         bytes.extend_from_slice(model_identity.as_bytes());
-        Self(xxh3_64_with_seed(&bytes, Self::SEED))
+        Self(XxHash3_64::oneshot_with_seed(Self::SEED, &bytes))
     }
 }
 
@@ -106,7 +106,10 @@ mod tests {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
         bytes.extend_from_slice(b"Qwen/Qwen3-0.6B|bf16");
-        assert_eq!(fp.0, xxh3_64_with_seed(&bytes, 0x7064_2d6b_762d_6c31));
+        assert_eq!(
+            fp.0,
+            xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 0x7064_2d6b_762d_6c31)
+        );
         assert_eq!(fp.to_string(), PINNED_QWEN3_06B);
     }
 

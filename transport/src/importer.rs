@@ -56,6 +56,12 @@ impl KvImporter {
         }
     }
 
+    /// TCP pulls receive into `buffers` from now on (see [`KvPuller::with_buffers`]).
+    pub fn with_buffers(mut self, buffers: pd_engine::kv::block_buffers::BlockBuffers) -> Self {
+        self.tcp = KvPuller::with_buffers(buffers);
+        self
+    }
+
     /// Counters of every pull, both paths, and the failovers.
     pub fn stats(&self) -> &Arc<TransferStats> {
         self.tcp.stats()

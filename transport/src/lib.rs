@@ -90,5 +90,5 @@ pub use client::{KvPuller, PullRequest, pull_blocks};
 pub use error::TransportError;
 pub use fingerprint::{LayoutFingerprint, ParseFingerprintError};
 pub use importer::{KvImporter, OneSidedReader, PathUsed};
-pub use server::{ExportConfig, ExportStats, KvExportServer, KvSource};
+pub use server::{ExportConfig, ExportStats, KvExportServer, KvSource, SharedBlocks};
 pub use stats::{FailureReason, TRANSFER_SECONDS_BUCKETS, TransferCounts, TransferStats};

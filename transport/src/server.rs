@@ -23,18 +23,49 @@ use crate::wire::{
 /// Where exported KV blocks come from: the registered "memory region" of the RDMA model,
 /// addressed by lease and block range.
 ///
-/// Implemented by [`pd_engine::serve::EngineHandle`] (through `read_lease`). Calls may block
-/// (the server runs them on tokio's blocking pool).
+/// Implemented by [`pd_engine::serve::EngineHandle`] (through `lease_blocks`). Calls run on
+/// the async runtime, once per batch of a pull: they must not block.
 pub trait KvSource: Send + Sync {
-    /// Copies of blocks `first .. first + count` of lease `lease_id`, each in the engine's
-    /// block layout (`Backend::read_block`). `None` if the lease does not exist (released,
-    /// expired) or does not cover the range.
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>>;
+    /// Blocks `first .. first + count` of lease `lease_id`, each in the engine's block layout
+    /// (`Backend::read_block`), lent without a copy. `None` if the lease does not exist
+    /// (released, expired) or does not cover the range.
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks>;
 }
 
 impl KvSource for pd_engine::serve::EngineHandle {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
-        self.read_lease(lease_id, first, count)
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+        SharedBlocks::new(self.lease_blocks(lease_id)?, first, count)
+    }
+}
+
+/// A run of a lease's blocks, lent to the exporter: the lease's blocks stay shared (an
+/// `Arc`), so serving a pull copies nothing before the socket.
+#[derive(Debug, Clone)]
+pub struct SharedBlocks {
+    all: Arc<Vec<Vec<f32>>>,
+    first: usize,
+    count: usize,
+}
+
+impl SharedBlocks {
+    /// Blocks `first .. first + count` of `all`; `None` if `all` is shorter.
+    pub fn new(all: Arc<Vec<Vec<f32>>>, first: usize, count: usize) -> Option<Self> {
+        let end = first.checked_add(count)?;
+        (end <= all.len()).then_some(Self { all, first, count })
+    }
+
+    /// Blocks that are not shared with anything else (tests, one-off sources).
+    pub fn owned(blocks: Vec<Vec<f32>>) -> Self {
+        let count = blocks.len();
+        Self {
+            all: Arc::new(blocks),
+            first: 0,
+            count,
+        }
+    }
+
+    pub fn blocks(&self) -> &[Vec<f32>] {
+        &self.all[self.first..self.first + self.count]
     }
 }
 
@@ -43,8 +74,8 @@ impl KvSource for pd_engine::serve::EngineHandle {
 pub struct ExportConfig {
     /// Payload bytes per checksummed chunk (default 4 MiB, at most 64 MiB).
     pub chunk_bytes: u32,
-    /// Bytes of blocks read from the source per call; the next batch is read while the
-    /// current one is sent (default 32 MiB; at least one block).
+    /// Bytes of blocks asked of the source per call (default 32 MiB; at least one block): a
+    /// lease released mid-transfer is noticed at the next batch, and the transfer aborted.
     pub batch_bytes: usize,
     /// A connection with no request for this long is closed (default 60 s).
     pub idle_timeout: Duration,
@@ -323,19 +354,13 @@ async fn send(s: &mut BufStream<TcpStream>, frame: &PullResponseFrame) -> io::Re
     s.flush().await
 }
 
-type Batch = Result<Vec<Vec<f32>>, (Status, String)>;
+type Batch = Result<SharedBlocks, (Status, String)>;
 
-/// Read blocks `first .. first + count` of the lease on the blocking pool and check them.
-fn read_batch(
-    ctx: &Arc<Ctx>,
-    req: &PullRequestFrame,
-    first: usize,
-    count: usize,
-) -> JoinHandle<Batch> {
-    let ctx = Arc::clone(ctx);
+/// Blocks `first .. first + count` of the lease, checked.
+fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> Batch {
     let (lease, block_len) = (req.lease_id, req.block_len);
-    tokio::task::spawn_blocking(move || {
-        let Some(blocks) = ctx.source.read_blocks(lease, first, count) else {
+    {
+        let Some(shared) = ctx.source.read_blocks(lease, first, count) else {
             return Err((
                 Status::UnknownLease,
                 format!(
@@ -344,6 +369,7 @@ fn read_batch(
                 ),
             ));
         };
+        let blocks = shared.blocks();
         if blocks.len() != count {
             return Err((
                 Status::Length,
@@ -362,17 +388,8 @@ fn read_batch(
                 ),
             ));
         }
-        Ok(blocks)
-    })
-}
-
-async fn join_batch(handle: JoinHandle<Batch>) -> Batch {
-    handle.await.unwrap_or_else(|e| {
-        Err((
-            Status::Unavailable,
-            format!("reading the lease failed: {e}"),
-        ))
-    })
+        Ok(shared)
+    }
 }
 
 /// Answer one pull: a refusal, or the header and the whole payload.
@@ -429,7 +446,7 @@ async fn serve_pull(
 
     // The first batch decides between a refusal and a transfer.
     let mut next = first + count.min(per_batch);
-    let mut current = match join_batch(read_batch(ctx, req, first, next - first)).await {
+    let mut current = match read_batch(ctx, req, first, next - first) {
         Ok(blocks) => blocks,
         Err((status, message)) => {
             send(s, &refuse(response, status, message)).await?;
@@ -440,21 +457,19 @@ async fn serve_pull(
     s.write_all(&response.encode()).await?;
     let mut writer = ChunkWriter::new(total, ctx.config.chunk_bytes);
     loop {
-        // Read the next batch while this one is on the wire.
-        let pending = (next < end).then(|| {
-            let n = (end - next).min(per_batch);
-            let handle = read_batch(ctx, req, next, n);
-            next += n;
-            handle
-        });
         // Chunks end at the batch's end: an abort can follow the last whole chunk.
-        writer.segment(current.len() as u64 * req.block_len * 4);
-        for block in &current {
+        writer.segment(current.blocks().len() as u64 * req.block_len * 4);
+        for block in current.blocks() {
             writer.write(s, bytemuck::cast_slice(block)).await?;
         }
         drop(current);
-        let Some(pending) = pending else { break };
-        current = match join_batch(pending).await {
+        if next >= end {
+            break;
+        }
+        let n = (end - next).min(per_batch);
+        let batch = read_batch(ctx, req, next, n);
+        next += n;
+        current = match batch {
             Ok(blocks) => blocks,
             Err((status, message)) => {
                 Counters::bump(&ctx.counters.pulls_failed, 1);

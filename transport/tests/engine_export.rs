@@ -103,7 +103,10 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
     .await
     .unwrap();
 
-    let puller = KvPuller::new();
+    // As a decode node does: blocks arrive in the decode engine's recycled buffers.
+    let (mut decode, _) = engine(Role::Decode);
+    let buffers = decode.import_buffers();
+    let puller = KvPuller::with_buffers(buffers.clone());
     let block_len = layout.block_bytes() / 4;
     let pull = |first_block, count, fingerprint| {
         puller.pull(
@@ -138,7 +141,6 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
         "released: {err}"
     );
 
-    let (mut decode, _) = engine(Role::Decode);
     let imported = ImportedKv {
         first_block: 0,
         blocks,
@@ -149,6 +151,11 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
     assert_eq!(
         got, want,
         "prefill -> TCP -> decode equals one mixed engine"
+    );
+    assert_eq!(
+        buffers.spare(),
+        6,
+        "the decode engine gives the pulled blocks' buffers back once they are in KV storage"
     );
     server.shutdown(Duration::from_secs(5)).await;
     assert_eq!(handle.counters().kv_cache_usage, 0.0);

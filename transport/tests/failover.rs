@@ -14,7 +14,7 @@ use pd_transport::rdma::{
 };
 use pd_transport::{
     FailureReason, KvExportServer, KvImporter, KvSource, LayoutFingerprint, OneSidedReader,
-    PathUsed, PullRequest, TransportError,
+    PathUsed, PullRequest, SharedBlocks, TransportError,
 };
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x0123_4567_89ab_cdef);
@@ -24,9 +24,11 @@ const BLOCK_LEN: usize = 1024;
 struct Mem(Vec<Vec<f32>>);
 
 impl KvSource for Mem {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
         (lease_id == LEASE).then_some(())?;
-        Some(self.0.get(first..first + count)?.to_vec())
+        Some(SharedBlocks::owned(
+            self.0.get(first..first + count)?.to_vec(),
+        ))
     }
 }
 

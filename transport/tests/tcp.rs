@@ -13,7 +13,7 @@ use pd_transport::wire::{
 };
 use pd_transport::{
     ExportConfig, ExportStats, FailureReason, KvExportServer, KvPuller, KvSource,
-    LayoutFingerprint, PullRequest, TransportError, pull_blocks,
+    LayoutFingerprint, PullRequest, SharedBlocks, TransportError, pull_blocks,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -44,11 +44,13 @@ impl MemSource {
 }
 
 impl KvSource for MemSource {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
         if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after || lease_id != LEASE {
             return None;
         }
-        Some(self.blocks.get(first..first.checked_add(count)?)?.to_vec())
+        Some(SharedBlocks::owned(
+            self.blocks.get(first..first.checked_add(count)?)?.to_vec(),
+        ))
     }
 }
 

@@ -8,6 +8,7 @@
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 
+pub mod block_buffers;
 pub mod hash;
 pub mod host_tier;
 pub mod pool;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
+use crate::kv::block_buffers::BlockBuffers;
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
@@ -45,6 +46,7 @@ pub struct EngineHandle {
     healthy: Arc<AtomicBool>,
     counters: Arc<Mutex<EngineCounters>>,
     leases: LeaseStore,
+    import_buffers: BlockBuffers,
 }
 
 /// The engine thread; dropping it shuts the engine down and joins the thread.
@@ -70,6 +72,7 @@ impl EngineThread {
             healthy: Arc::clone(&healthy),
             counters: Arc::clone(&counters),
             leases: engine.lease_store(),
+            import_buffers: engine.import_buffers(),
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
@@ -143,6 +146,18 @@ impl EngineHandle {
     /// lease's copy without waiting for the engine thread ([`LeaseStore`]).
     pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         self.leases.read(lease_id, first, count)
+    }
+
+    /// All of a lease's blocks, shared without a copy (`None`: no such lease). Served
+    /// without waiting for the engine thread ([`LeaseStore`]).
+    pub fn lease_blocks(&self, lease_id: u64) -> Option<Arc<Vec<Vec<f32>>>> {
+        self.leases.get(lease_id)
+    }
+
+    /// The buffers imported KV should arrive in: the engine gives each back once its block
+    /// is in KV storage, so steady imports reuse warm memory ([`BlockBuffers`]).
+    pub fn import_buffers(&self) -> &BlockBuffers {
+        &self.import_buffers
     }
 
     pub fn is_healthy(&self) -> bool {

@@ -16,6 +16,7 @@ use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::executor::{ExecItem, Executor};
 use crate::generate::validate_prompt;
+use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
 use crate::kv::hash::{BlockHash, BlockHasher};
 use crate::kv::host_tier::HostTier;
 use crate::kv::pool::BlockPool;
@@ -167,6 +168,8 @@ pub struct Engine<B: Backend> {
     leases: HashMap<u64, Lease>,
     /// Copies of the leased blocks, for the export side (read without this thread).
     lease_store: LeaseStore,
+    /// Host buffers of imported blocks, given back once copied into KV storage.
+    import_buffers: BlockBuffers,
     next_lease: u64,
     counters: EngineCounters,
     expired_leases: u64,
@@ -210,6 +213,7 @@ impl<B: Backend> Engine<B> {
             running: Vec::new(),
             leases: HashMap::new(),
             lease_store: LeaseStore::default(),
+            import_buffers: BlockBuffers::new(block_len, DEFAULT_SPARE_BYTES),
             next_lease: 1,
             counters: EngineCounters::default(),
             expired_leases: 0,
@@ -267,7 +271,7 @@ impl<B: Backend> Engine<B> {
 
     /// Queue a request after validating it; an invalid one is refused here, before any
     /// block is touched.
-    pub fn submit(&mut self, req: EngineRequest) -> Result<(), RequestError> {
+    pub fn submit(&mut self, mut req: EngineRequest) -> Result<(), RequestError> {
         let invalid = |m: String| RequestError {
             kind: ErrorKind::InvalidArgument,
             message: m,
@@ -339,7 +343,7 @@ impl<B: Backend> Engine<B> {
             sampler: Sampler::new(&req.params, seed),
             stop,
             admitted: false,
-            imported: req.imported.clone(),
+            imported: req.imported.take(),
             outcome: None,
             prompt_logprobs: req.params.prompt_logprobs.map(|_| Vec::new()),
             arrival: Instant::now(),
@@ -394,6 +398,12 @@ impl<B: Backend> Engine<B> {
     /// a KV transfer). `None` if the lease does not exist or is shorter.
     pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         self.lease_store.read(lease_id, first, count)
+    }
+
+    /// The buffers imported KV arrives in: the importer takes them, this engine gives them
+    /// back after copying their blocks into KV storage.
+    pub fn import_buffers(&self) -> BlockBuffers {
+        self.import_buffers.clone()
     }
 
     /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).
@@ -732,6 +742,7 @@ impl<B: Backend> Engine<B> {
                 self.register(block, hashes[logical]);
             }
         }
+        self.import_buffers.give_all(imp.blocks);
         blocks.extend(fresh);
         let seq = self.seqs.get_mut(id).expect("exists");
         seq.blocks = blocks;

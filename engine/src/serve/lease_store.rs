@@ -33,7 +33,14 @@ impl LeaseStore {
         }
     }
 
-    /// Blocks `first .. first + count` of a lease; `None` if the lease is gone or shorter.
+    /// All of a lease's blocks, shared (not copied); `None` if the lease is gone. The blocks
+    /// stay readable through the returned `Arc` even if the lease is released meanwhile.
+    pub fn get(&self, lease_id: u64) -> Option<Arc<Vec<Vec<f32>>>> {
+        self.leases.lock().ok()?.get(&lease_id).cloned()
+    }
+
+    /// Copies of blocks `first .. first + count` of a lease; `None` if the lease is gone or
+    /// shorter.
     pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         // Clone the Arc under the lock, copy the blocks outside it.
         let blocks = self.leases.lock().ok()?.get(&lease_id).cloned()?;
@@ -61,8 +68,12 @@ mod tests {
         assert_eq!(store.read(7, 2, 2), None, "past the end");
         assert_eq!(store.read(7, usize::MAX, 2), None, "overflow");
         assert_eq!(store.read(8, 0, 1), None, "unknown lease");
+        let shared = store.get(7).expect("leased");
+        assert_eq!(shared.len(), 3);
         store.remove(7);
         assert_eq!(store.read(7, 0, 1), None, "released");
+        assert!(store.get(7).is_none(), "released");
+        assert_eq!(shared[2], vec![3.0], "a reader's shared copy outlives the release");
         assert!(store.is_empty());
     }
 }

@@ -25,7 +25,7 @@
 //! num_blocks x checksum: u64   xxh3-64 of block i's bytes with seed BLOCK_SEED + i
 //! ```
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use twox_hash::XxHash3_64;
 
 use super::endpoint::{EndpointError, Fabric, LinkLayer};
 
@@ -64,7 +64,7 @@ pub struct RdmaOffer {
 
 /// The checksum of block `index` holding `bytes`.
 pub fn block_checksum(index: u64, bytes: &[u8]) -> u64 {
-    xxh3_64_with_seed(bytes, BLOCK_SEED.wrapping_add(index))
+    XxHash3_64::oneshot_with_seed(BLOCK_SEED.wrapping_add(index), bytes)
 }
 
 const MAGIC: [u8; 4] = *b"PDRX";
