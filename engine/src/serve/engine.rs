@@ -8,6 +8,10 @@
 //! sequences are admitted in arrival order while `max_num_seqs` and the token budget allow,
 //! each with one prefix lookup (device, then host tier); (3) one forward pass; (4) sampling,
 //! block registration in the prefix cache, stop checks and events.
+//!
+//! Split by concern: [`seq`] (one open request), [`import`] (KV that arrives with a
+//! request), [`leases`] (prefill leases and the import buffers); the settings are
+//! [`super::config`].
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -23,120 +27,19 @@ use crate::kv::pool::BlockPool;
 use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
 
-use crate::sampling::{
-    FinishReason, PromptLogprob, SampledToken, Sampler, StopChecker, prompt_logprobs,
-};
+use crate::sampling::{FinishReason, SampledToken, Sampler, StopChecker, prompt_logprobs};
 
+mod import;
+mod leases;
+mod seq;
+
+use leases::Lease;
+use seq::Seq;
+
+use super::config::{EngineConfig, Role};
 use super::counters::{EngineCounters, PrefixOutcome};
 use super::lease_store::LeaseStore;
-use super::request::{
-    EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
-    RequestTimings, Usage,
-};
-
-/// What a node does with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Prefill and decode in one engine.
-    Mixed,
-    /// Prefill only: stop after the first token and keep the KV blocks under a lease.
-    Prefill,
-    /// Decode only: every request brings its prompt's KV ([`super::ImportedKv`]).
-    Decode,
-}
-
-/// Engine settings (the nodes' and `pdctl run`'s flags).
-#[derive(Debug, Clone, PartialEq)]
-pub struct EngineConfig {
-    pub role: Role,
-    pub enable_prefix_caching: bool,
-    /// Blocks in the host tier (0 disables it).
-    pub host_cache_blocks: usize,
-    /// Token budget of one step (prefill chunks + decode tokens).
-    pub max_num_batched_tokens: usize,
-    /// Sequences running at once.
-    pub max_num_seqs: usize,
-    /// Context limit (prompt + generated).
-    pub max_model_len: usize,
-    /// How long a prefill lease pins its blocks if never released.
-    pub lease_timeout: Duration,
-    /// Seed for requests without one (each request gets `seed ^ hash(request id)`).
-    pub seed: u64,
-}
-
-impl EngineConfig {
-    pub fn validate(&self) -> Result<(), RequestError> {
-        let bad = |m: String| RequestError {
-            kind: ErrorKind::InvalidArgument,
-            message: m,
-        };
-        if self.max_num_batched_tokens == 0 {
-            return Err(bad("max-num-batched-tokens must be > 0".into()));
-        }
-        if self.max_num_seqs == 0 {
-            return Err(bad("max-num-seqs must be > 0".into()));
-        }
-        Ok(())
-    }
-}
-
-struct Seq {
-    req: EngineRequest,
-    prompt_len: usize,
-    /// Prompt followed by the generated tokens.
-    tokens: Vec<u32>,
-    hasher: BlockHasher,
-    blocks: Vec<u32>,
-    /// Tokens whose KV is in `blocks`.
-    computed: usize,
-    /// Leading blocks registered in the prefix cache.
-    registered: usize,
-    sampler: Sampler,
-    stop: StopChecker,
-    /// Whether the request has been admitted once (lookup and counting happen then only).
-    admitted: bool,
-    /// Decode role: KV to place on first admission (dropped after it).
-    imported: Option<ImportedKv>,
-    outcome: Option<PrefixOutcome>,
-    prompt_logprobs: Option<Vec<PromptLogprob>>,
-    arrival: Instant,
-    first_scheduled: Option<Instant>,
-    first_token: Option<Instant>,
-    last_token: Option<Instant>,
-    inter_token: Vec<Duration>,
-}
-
-impl Seq {
-    fn wants_prompt_logprobs(&self) -> bool {
-        self.req.params.prompt_logprobs.is_some()
-    }
-
-    fn usage(&self) -> Usage {
-        let (local, external) = self
-            .outcome
-            .map(|o| (o.local_hits, o.external_hits))
-            .unwrap_or((0, 0));
-        Usage {
-            prompt_tokens: self.prompt_len,
-            completion_tokens: self.tokens.len() - self.prompt_len,
-            local_cached_tokens: local,
-            external_cached_tokens: external,
-        }
-    }
-
-    fn timings(&self, now: Instant) -> RequestTimings {
-        let scheduled = self.first_scheduled.unwrap_or(now);
-        let first = self.first_token;
-        RequestTimings {
-            queue: scheduled - self.arrival,
-            prefill: first.unwrap_or(now) - scheduled,
-            decode: first.map(|f| now - f).unwrap_or_default(),
-            time_to_first_token: first.map(|f| f - self.arrival),
-            end_to_end: now - self.arrival,
-            inter_token: self.inter_token.clone(),
-        }
-    }
-}
+use super::request::{EngineRequest, Finished, RequestError, RequestEvent, RequestId};
 
 /// Where the time of the last step went (scheduler overhead versus the forward pass).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -149,11 +52,6 @@ pub struct StepStats {
     pub forward: Duration,
     /// Sampling, block registration, stop checks, events.
     pub postprocess: Duration,
-}
-
-struct Lease {
-    blocks: Vec<u32>,
-    deadline: Instant,
 }
 
 /// The serving engine (see the module doc).
@@ -366,53 +264,6 @@ impl<B: Backend> Engine<B> {
         self.waiting.retain(|w| w != id);
         self.running.retain(|r| r != id);
         Some(self.finish(id, FinishReason::Abort, Instant::now()))
-    }
-
-    /// Release a prefill lease; false if it does not exist (released or expired).
-    pub fn release_lease(&mut self, lease_id: u64) -> bool {
-        self.lease_store.remove(lease_id);
-        match self.leases.remove(&lease_id) {
-            Some(lease) => {
-                self.free_blocks(&lease.blocks);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Release every lease past its deadline.
-    pub fn expire_leases(&mut self, now: Instant) {
-        let expired: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
-            self.release_lease(id);
-            self.expired_leases += 1;
-        }
-    }
-
-    /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
-    /// a KV transfer). `None` if the lease does not exist or is shorter.
-    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
-        self.lease_store.read(lease_id, first, count)
-    }
-
-    /// The buffers imported KV arrives in: the importer takes them, this engine gives them
-    /// back after copying their blocks into KV storage.
-    pub fn import_buffers(&self) -> BlockBuffers {
-        self.import_buffers.clone()
-    }
-
-    /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).
-    pub fn lease_store(&self) -> LeaseStore {
-        self.lease_store.clone()
-    }
-
-    pub fn num_leases(&self) -> usize {
-        self.leases.len()
     }
 
     /// One scheduling step and forward pass. Returns the events it produced.
@@ -641,132 +492,6 @@ impl<B: Backend> Engine<B> {
         self.waiting.push_front(id.clone());
     }
 
-    /// Imported KV must cover the prompt to its end in whole blocks of this node's layout.
-    fn check_imported(&self, req: &EngineRequest, imp: &ImportedKv) -> Result<(), RequestError> {
-        let invalid = |m: String| RequestError {
-            kind: ErrorKind::InvalidArgument,
-            message: m,
-        };
-        let bs = self.block_size();
-        let total = req.prompt.len().div_ceil(bs);
-        if imp.first_block + imp.blocks.len() != total || imp.first_block * bs >= req.prompt.len() {
-            return Err(invalid(format!(
-                "imported KV covers blocks {}..{}, the prompt needs blocks ..{total}",
-                imp.first_block,
-                imp.first_block + imp.blocks.len()
-            )));
-        }
-        let len = self.executor.block_len();
-        if let Some(b) = imp.blocks.iter().position(|b| b.len() != len) {
-            return Err(invalid(format!(
-                "imported KV block {} has {} values; this node's layout needs {len}",
-                imp.first_block + b,
-                imp.blocks[b].len()
-            )));
-        }
-        let vocab = self.executor.model().config().vocab_size;
-        if imp.first_token as usize >= vocab {
-            return Err(invalid(format!(
-                "first token {} is outside the vocabulary (size {vocab})",
-                imp.first_token
-            )));
-        }
-        Ok(())
-    }
-
-    /// Leading blocks of `tokens` (with `salt`) this node's device cache holds now: what a
-    /// decode node need not pull.
-    pub fn cached_prefix_blocks(&self, tokens: &[u32], salt: Option<&str>) -> usize {
-        if !self.config.enable_prefix_caching || tokens.is_empty() {
-            return 0;
-        }
-        let bs = self.block_size();
-        let hashes = crate::kv::hash::block_hashes(tokens, bs, salt);
-        // Never the block holding the last token (a prefill node computes it).
-        let usable = (tokens.len() - 1) / bs;
-        self.pool.cached_prefix(&hashes[..usable.min(hashes.len())])
-    }
-
-    /// First admission of a request that brings its prompt's KV: reuse the local prefix,
-    /// place the imported blocks after it, compute only the first token. `None` (nothing
-    /// held) if the pool cannot take it now; the imported KV is kept for the next try.
-    fn admit_imported(
-        &mut self,
-        id: &RequestId,
-        budget: usize,
-        now: Instant,
-    ) -> Option<Option<usize>> {
-        let bs = self.block_size();
-        let seq = &self.seqs[id];
-        let imp = seq.imported.as_ref()?;
-        let lookup = self.config.enable_prefix_caching;
-        let prompt_len = seq.prompt_len;
-        let total = prompt_len.div_ceil(bs);
-        let full = prompt_len / bs;
-        let hashes: Vec<BlockHash> = if lookup {
-            seq.hasher.hashes()[..full].to_vec()
-        } else {
-            Vec::new()
-        };
-        let local = self.pool.cached_prefix(&hashes);
-        if local < imp.first_block {
-            // Blocks the puller saw cached were evicted since: the imported KV no longer
-            // joins up, so the prompt is computed here instead (and nothing counts as
-            // external).
-            self.seqs.get_mut(id).expect("exists").imported = None;
-            return None;
-        }
-        let mut blocks = self
-            .pool
-            .acquire_cached(&hashes[..local])
-            .expect("pool invariant: cached_prefix blocks can be acquired");
-        let fresh = match self.allocate(total - local) {
-            Some(fresh) => fresh,
-            None => {
-                self.free_blocks(&blocks);
-                return Some(None);
-            }
-        };
-        let imp = self
-            .seqs
-            .get_mut(id)
-            .expect("exists")
-            .imported
-            .take()
-            .expect("checked");
-        for (j, &block) in fresh.iter().enumerate() {
-            let logical = local + j;
-            self.executor
-                .write_block(block, &imp.blocks[logical - imp.first_block]);
-            if logical < hashes.len() {
-                self.register(block, hashes[logical]);
-            }
-        }
-        self.import_buffers.give_all(imp.blocks);
-        blocks.extend(fresh);
-        let seq = self.seqs.get_mut(id).expect("exists");
-        seq.blocks = blocks;
-        seq.computed = prompt_len;
-        seq.registered = full;
-        let n = (seq.tokens.len() - prompt_len).min(budget);
-        if !self.grow(id, prompt_len + n) {
-            // Keep nothing; the KV is gone, so the next try computes the prompt.
-            let seq = self.seqs.get_mut(id).expect("exists");
-            let blocks = std::mem::take(&mut seq.blocks);
-            seq.computed = 0;
-            seq.registered = 0;
-            self.free_blocks(&blocks);
-            return Some(None);
-        }
-        let seq = self.seqs.get_mut(id).expect("exists");
-        seq.admitted = true;
-        seq.first_scheduled = Some(now);
-        seq.outcome =
-            lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
-        self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
-        Some(Some(n))
-    }
-
     /// Admit a waiting sequence: prefix lookup (counted the first time only), reuse of cached
     /// and restored blocks, and blocks for its first chunk. Returns the chunk's token count,
     /// or `None` (nothing held) if the pool cannot take it now.
@@ -840,35 +565,7 @@ impl<B: Backend> Engine<B> {
         let mut seq = self.seqs.remove(id).expect("finishing an open request");
         let blocks = std::mem::take(&mut seq.blocks);
         let lease = if self.config.role == Role::Prefill && reason != FinishReason::Abort {
-            let lease_id = self.next_lease;
-            self.next_lease += 1;
-            // The lease covers the prompt's KV (the first token's KV is not computed yet).
-            let prompt_blocks = seq.prompt_len.div_ceil(self.block_size());
-            let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
-            self.free_blocks(rest);
-            let copies = keep
-                .iter()
-                .map(|&b| {
-                    let mut data = vec![0.0; self.executor.block_len()];
-                    self.executor.read_block(b, &mut data);
-                    data
-                })
-                .collect();
-            self.lease_store.insert(lease_id, copies);
-            self.leases.insert(
-                lease_id,
-                Lease {
-                    blocks: keep.to_vec(),
-                    deadline: now + self.config.lease_timeout,
-                },
-            );
-            let full = seq.prompt_len / self.block_size();
-            Some(KvLease {
-                lease_id,
-                blocks: keep.to_vec(),
-                block_hashes: seq.hasher.hashes()[..full].to_vec(),
-                num_tokens: seq.prompt_len,
-            })
+            Some(self.lease_prompt_blocks(&seq, &blocks, now))
         } else {
             self.free_blocks(&blocks);
             None

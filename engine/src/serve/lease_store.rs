@@ -73,7 +73,11 @@ mod tests {
         store.remove(7);
         assert_eq!(store.read(7, 0, 1), None, "released");
         assert!(store.get(7).is_none(), "released");
-        assert_eq!(shared[2], vec![3.0], "a reader's shared copy outlives the release");
+        assert_eq!(
+            shared[2],
+            vec![3.0],
+            "a reader's shared copy outlives the release"
+        );
         assert!(store.is_empty());
     }
 }

@@ -1,15 +1,17 @@
 //! The serving engine both node roles run: continuous batching over a paged KV pool with a
 //! prefix cache (device and host tiers), exact prefix-cache accounting, and a driver thread.
 
+pub mod config;
 pub mod counters;
 pub mod driver;
 pub mod engine;
 pub mod lease_store;
 pub mod request;
 
+pub use config::{EngineConfig, Role};
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread, FinishedObserver};
-pub use engine::{Engine, EngineConfig, Role, StepStats};
+pub use engine::{Engine, StepStats};
 pub use lease_store::LeaseStore;
 pub use request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,

@@ -1,0 +1,54 @@
+//! Engine settings: the node's role and the scheduler's limits (the nodes' and `pdctl run`'s
+//! flags), checked before an engine starts. Owns no state.
+
+use std::time::Duration;
+
+use crate::error::ErrorKind;
+
+use super::request::RequestError;
+
+/// What a node does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill and decode in one engine.
+    Mixed,
+    /// Prefill only: stop after the first token and keep the KV blocks under a lease.
+    Prefill,
+    /// Decode only: every request brings its prompt's KV ([`super::ImportedKv`]).
+    Decode,
+}
+
+/// Engine settings (the nodes' and `pdctl run`'s flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    pub role: Role,
+    pub enable_prefix_caching: bool,
+    /// Blocks in the host tier (0 disables it).
+    pub host_cache_blocks: usize,
+    /// Token budget of one step (prefill chunks + decode tokens).
+    pub max_num_batched_tokens: usize,
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Context limit (prompt + generated).
+    pub max_model_len: usize,
+    /// How long a prefill lease pins its blocks if never released.
+    pub lease_timeout: Duration,
+    /// Seed for requests without one (each request gets `seed ^ hash(request id)`).
+    pub seed: u64,
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let bad = |m: String| RequestError {
+            kind: ErrorKind::InvalidArgument,
+            message: m,
+        };
+        if self.max_num_batched_tokens == 0 {
+            return Err(bad("max-num-batched-tokens must be > 0".into()));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(bad("max-num-seqs must be > 0".into()));
+        }
+        Ok(())
+    }
+}

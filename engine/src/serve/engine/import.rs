@@ -1,0 +1,146 @@
+//! KV that arrives with a request (decode role): checked against this node's layout at
+//! submit, and placed after the locally cached prefix at first admission, so only the first
+//! token is computed here. Also the lookup a decode node makes before pulling: which leading
+//! blocks it need not pull.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::ErrorKind;
+use crate::kv::hash::BlockHash;
+use crate::serve::counters::PrefixOutcome;
+use crate::serve::request::{EngineRequest, ImportedKv, RequestError, RequestId};
+
+use super::Engine;
+
+impl<B: Backend> Engine<B> {
+    /// Imported KV must cover the prompt to its end in whole blocks of this node's layout.
+    pub(super) fn check_imported(
+        &self,
+        req: &EngineRequest,
+        imp: &ImportedKv,
+    ) -> Result<(), RequestError> {
+        let invalid = |m: String| RequestError {
+            kind: ErrorKind::InvalidArgument,
+            message: m,
+        };
+        let bs = self.block_size();
+        let total = req.prompt.len().div_ceil(bs);
+        if imp.first_block + imp.blocks.len() != total || imp.first_block * bs >= req.prompt.len() {
+            return Err(invalid(format!(
+                "imported KV covers blocks {}..{}, the prompt needs blocks ..{total}",
+                imp.first_block,
+                imp.first_block + imp.blocks.len()
+            )));
+        }
+        let len = self.executor.block_len();
+        if let Some(b) = imp.blocks.iter().position(|b| b.len() != len) {
+            return Err(invalid(format!(
+                "imported KV block {} has {} values; this node's layout needs {len}",
+                imp.first_block + b,
+                imp.blocks[b].len()
+            )));
+        }
+        let vocab = self.executor.model().config().vocab_size;
+        if imp.first_token as usize >= vocab {
+            return Err(invalid(format!(
+                "first token {} is outside the vocabulary (size {vocab})",
+                imp.first_token
+            )));
+        }
+        Ok(())
+    }
+
+    /// Leading blocks of `tokens` (with `salt`) this node's device cache holds now: what a
+    /// decode node need not pull.
+    pub fn cached_prefix_blocks(&self, tokens: &[u32], salt: Option<&str>) -> usize {
+        if !self.config.enable_prefix_caching || tokens.is_empty() {
+            return 0;
+        }
+        let bs = self.block_size();
+        let hashes = crate::kv::hash::block_hashes(tokens, bs, salt);
+        // Never the block holding the last token (a prefill node computes it).
+        let usable = (tokens.len() - 1) / bs;
+        self.pool.cached_prefix(&hashes[..usable.min(hashes.len())])
+    }
+
+    /// First admission of a request that brings its prompt's KV: reuse the local prefix,
+    /// place the imported blocks after it, compute only the first token. `None` (nothing
+    /// held) if the pool cannot take it now; the imported KV is kept for the next try.
+    pub(super) fn admit_imported(
+        &mut self,
+        id: &RequestId,
+        budget: usize,
+        now: Instant,
+    ) -> Option<Option<usize>> {
+        let bs = self.block_size();
+        let seq = &self.seqs[id];
+        let imp = seq.imported.as_ref()?;
+        let lookup = self.config.enable_prefix_caching;
+        let prompt_len = seq.prompt_len;
+        let total = prompt_len.div_ceil(bs);
+        let full = prompt_len / bs;
+        let hashes: Vec<BlockHash> = if lookup {
+            seq.hasher.hashes()[..full].to_vec()
+        } else {
+            Vec::new()
+        };
+        let local = self.pool.cached_prefix(&hashes);
+        if local < imp.first_block {
+            // Blocks the puller saw cached were evicted since: the imported KV no longer
+            // joins up, so the prompt is computed here instead (and nothing counts as
+            // external).
+            self.seqs.get_mut(id).expect("exists").imported = None;
+            return None;
+        }
+        let mut blocks = self
+            .pool
+            .acquire_cached(&hashes[..local])
+            .expect("pool invariant: cached_prefix blocks can be acquired");
+        let fresh = match self.allocate(total - local) {
+            Some(fresh) => fresh,
+            None => {
+                self.free_blocks(&blocks);
+                return Some(None);
+            }
+        };
+        let imp = self
+            .seqs
+            .get_mut(id)
+            .expect("exists")
+            .imported
+            .take()
+            .expect("checked");
+        for (j, &block) in fresh.iter().enumerate() {
+            let logical = local + j;
+            self.executor
+                .write_block(block, &imp.blocks[logical - imp.first_block]);
+            if logical < hashes.len() {
+                self.register(block, hashes[logical]);
+            }
+        }
+        self.import_buffers.give_all(imp.blocks);
+        blocks.extend(fresh);
+        let seq = self.seqs.get_mut(id).expect("exists");
+        seq.blocks = blocks;
+        seq.computed = prompt_len;
+        seq.registered = full;
+        let n = (seq.tokens.len() - prompt_len).min(budget);
+        if !self.grow(id, prompt_len + n) {
+            // Keep nothing; the KV is gone, so the next try computes the prompt.
+            let seq = self.seqs.get_mut(id).expect("exists");
+            let blocks = std::mem::take(&mut seq.blocks);
+            seq.computed = 0;
+            seq.registered = 0;
+            self.free_blocks(&blocks);
+            return Some(None);
+        }
+        let seq = self.seqs.get_mut(id).expect("exists");
+        seq.admitted = true;
+        seq.first_scheduled = Some(now);
+        seq.outcome =
+            lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
+        self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
+        Some(Some(n))
+    }
+}

@@ -1,0 +1,107 @@
+//! Prefill leases: the prompt's KV blocks kept for a decode node after a prefill request
+//! ends, copied into the [`LeaseStore`] for the exporter, released by the decode node or
+//! expired after `lease_timeout`; and the buffers imported KV arrives in (the other end of
+//! a transfer).
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::kv::block_buffers::BlockBuffers;
+use crate::serve::lease_store::LeaseStore;
+use crate::serve::request::KvLease;
+
+use super::Engine;
+use super::seq::Seq;
+
+pub(super) struct Lease {
+    pub(super) blocks: Vec<u32>,
+    pub(super) deadline: Instant,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Release a prefill lease; false if it does not exist (released or expired).
+    pub fn release_lease(&mut self, lease_id: u64) -> bool {
+        self.lease_store.remove(lease_id);
+        match self.leases.remove(&lease_id) {
+            Some(lease) => {
+                self.free_blocks(&lease.blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Release every lease past its deadline.
+    pub fn expire_leases(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.release_lease(id);
+            self.expired_leases += 1;
+        }
+    }
+
+    /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
+    /// a KV transfer). `None` if the lease does not exist or is shorter.
+    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+        self.lease_store.read(lease_id, first, count)
+    }
+
+    /// The buffers imported KV arrives in: the importer takes them, this engine gives them
+    /// back after copying their blocks into KV storage.
+    pub fn import_buffers(&self) -> BlockBuffers {
+        self.import_buffers.clone()
+    }
+
+    /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).
+    pub fn lease_store(&self) -> LeaseStore {
+        self.lease_store.clone()
+    }
+
+    pub fn num_leases(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Keep a finished prefill request's prompt blocks under a new lease (copied into the
+    /// lease store for the exporter) and free the rest of `blocks`.
+    pub(super) fn lease_prompt_blocks(
+        &mut self,
+        seq: &Seq,
+        blocks: &[u32],
+        now: Instant,
+    ) -> KvLease {
+        let lease_id = self.next_lease;
+        self.next_lease += 1;
+        // The lease covers the prompt's KV (the first token's KV is not computed yet).
+        let prompt_blocks = seq.prompt_len.div_ceil(self.block_size());
+        let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
+        self.free_blocks(rest);
+        let copies = keep
+            .iter()
+            .map(|&b| {
+                let mut data = vec![0.0; self.executor.block_len()];
+                self.executor.read_block(b, &mut data);
+                data
+            })
+            .collect();
+        self.lease_store.insert(lease_id, copies);
+        self.leases.insert(
+            lease_id,
+            Lease {
+                blocks: keep.to_vec(),
+                deadline: now + self.config.lease_timeout,
+            },
+        );
+        let full = seq.prompt_len / self.block_size();
+        KvLease {
+            lease_id,
+            blocks: keep.to_vec(),
+            block_hashes: seq.hasher.hashes()[..full].to_vec(),
+            num_tokens: seq.prompt_len,
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! One open request inside the engine: its tokens, blocks, sampler, stop state, imported KV
+//! and timings, and what it reports at the end (usage, timings). The scheduling rules that
+//! move it live in the engine.
+
+use std::time::{Duration, Instant};
+
+use crate::kv::hash::BlockHasher;
+use crate::sampling::{PromptLogprob, Sampler, StopChecker};
+use crate::serve::counters::PrefixOutcome;
+use crate::serve::request::{EngineRequest, ImportedKv, RequestTimings, Usage};
+
+pub(super) struct Seq {
+    pub(super) req: EngineRequest,
+    pub(super) prompt_len: usize,
+    /// Prompt followed by the generated tokens.
+    pub(super) tokens: Vec<u32>,
+    pub(super) hasher: BlockHasher,
+    pub(super) blocks: Vec<u32>,
+    /// Tokens whose KV is in `blocks`.
+    pub(super) computed: usize,
+    /// Leading blocks registered in the prefix cache.
+    pub(super) registered: usize,
+    pub(super) sampler: Sampler,
+    pub(super) stop: StopChecker,
+    /// Whether the request has been admitted once (lookup and counting happen then only).
+    pub(super) admitted: bool,
+    /// Decode role: KV to place on first admission (dropped after it).
+    pub(super) imported: Option<ImportedKv>,
+    pub(super) outcome: Option<PrefixOutcome>,
+    pub(super) prompt_logprobs: Option<Vec<PromptLogprob>>,
+    pub(super) arrival: Instant,
+    pub(super) first_scheduled: Option<Instant>,
+    pub(super) first_token: Option<Instant>,
+    pub(super) last_token: Option<Instant>,
+    pub(super) inter_token: Vec<Duration>,
+}
+
+impl Seq {
+    pub(super) fn wants_prompt_logprobs(&self) -> bool {
+        self.req.params.prompt_logprobs.is_some()
+    }
+
+    pub(super) fn usage(&self) -> Usage {
+        let (local, external) = self
+            .outcome
+            .map(|o| (o.local_hits, o.external_hits))
+            .unwrap_or((0, 0));
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.tokens.len() - self.prompt_len,
+            local_cached_tokens: local,
+            external_cached_tokens: external,
+        }
+    }
+
+    pub(super) fn timings(&self, now: Instant) -> RequestTimings {
+        let scheduled = self.first_scheduled.unwrap_or(now);
+        let first = self.first_token;
+        RequestTimings {
+            queue: scheduled - self.arrival,
+            prefill: first.unwrap_or(now) - scheduled,
+            decode: first.map(|f| now - f).unwrap_or_default(),
+            time_to_first_token: first.map(|f| f - self.arrival),
+            end_to_end: now - self.arrival,
+            inter_token: self.inter_token.clone(),
+        }
+    }
+}
