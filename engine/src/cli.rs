@@ -10,6 +10,7 @@ use clap::Args;
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::graph::DecodeGraphs;
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::executor::Executor;
@@ -55,6 +56,36 @@ impl fmt::Display for Device {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
         }
+    }
+}
+
+/// Whether pure decode steps replay CUDA graphs (`--cuda-graphs on|off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaGraphs {
+    On,
+    /// The default until a GPU run has measured graphs (docs/cuda.md).
+    #[default]
+    Off,
+}
+
+impl FromStr for CudaGraphs {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "on" => Ok(CudaGraphs::On),
+            "off" => Ok(CudaGraphs::Off),
+            other => Err(format!("unknown value `{other}`: expected on or off")),
+        }
+    }
+}
+
+impl fmt::Display for CudaGraphs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CudaGraphs::On => "on",
+            CudaGraphs::Off => "off",
+        })
     }
 }
 
@@ -115,6 +146,11 @@ pub struct EngineArgs {
     /// together; the KV cache gets what the rest leaves (vLLM's meaning). CUDA only.
     #[arg(long, env = "PD_GPU_MEMORY_UTILIZATION", default_value_t = DEFAULT_GPU_MEMORY_UTILIZATION, value_parser = parse_fraction)]
     pub gpu_memory_utilization: f64,
+    /// Replay pure decode steps from CUDA graphs captured per batch-size bucket (1, 2, 4, 8,
+    /// 16, ... 128 sequences): on or off. A failed capture logs once and falls back to
+    /// eager launches. CUDA only (ignored on the CPU).
+    #[arg(long, env = "PD_CUDA_GRAPHS", default_value_t = CudaGraphs::Off)]
+    pub cuda_graphs: CudaGraphs,
 }
 
 impl EngineArgs {
@@ -211,7 +247,14 @@ impl EngineArgs {
         lease_timeout: Duration,
     ) -> Result<Engine<B>, EngineError> {
         let max_model_len = self.max_model_len(&files.config)?;
-        let executor = Executor::new(backend, model, self.block_size, num_blocks)?;
+        let mut executor = Executor::new(backend, model, self.block_size, num_blocks)?;
+        if self.cuda_graphs == CudaGraphs::On {
+            executor.set_decode_graphs(Some(DecodeGraphs::new(
+                self.max_num_seqs,
+                max_model_len,
+                self.block_size,
+            )));
+        }
         let config = EngineConfig {
             role,
             enable_prefix_caching: !self.no_enable_prefix_caching,
@@ -241,6 +284,16 @@ mod tests {
         let err = "gpu".parse::<Device>().unwrap_err();
         assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
         assert!("cuda:x".parse::<Device>().is_err());
+    }
+
+    #[test]
+    fn cuda_graphs_parse_and_print() {
+        assert_eq!("on".parse::<CudaGraphs>(), Ok(CudaGraphs::On));
+        assert_eq!("off".parse::<CudaGraphs>(), Ok(CudaGraphs::Off));
+        assert_eq!(CudaGraphs::default(), CudaGraphs::Off);
+        assert_eq!(CudaGraphs::On.to_string(), "on");
+        let err = "yes".parse::<CudaGraphs>().unwrap_err();
+        assert!(err.contains("expected on or off"), "{err}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! KV storage (for the host tier and KV transfer). It owns no allocation policy: the
 //! single-request [`crate::generate::Runner`] and the serving engine each bring their own.
 
+use crate::backend::graph::{DecodeGraphStep, DecodeGraphs, is_pure_decode};
 use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
@@ -28,6 +29,8 @@ pub struct Executor<B: Backend> {
     kv: B::KvStorage,
     layout: KvLayout,
     num_blocks: usize,
+    /// Pure decode steps go through the backend's captured graphs (`--cuda-graphs on`).
+    graphs: Option<DecodeGraphs>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -56,7 +59,12 @@ impl<B: Backend> Executor<B> {
             kv,
             layout,
             num_blocks,
+            graphs: None,
         })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn model(&self) -> &Qwen3<B> {
@@ -69,6 +77,13 @@ impl<B: Backend> Executor<B> {
 
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Offer pure decode steps (one new token per sequence, no prompt logprobs) of up to
+    /// `graphs.max_batch` sequences to the backend's captured graphs; `None`: every step runs
+    /// eagerly. A backend without graphs (the CPU) runs them eagerly either way.
+    pub fn set_decode_graphs(&mut self, graphs: Option<DecodeGraphs>) {
+        self.graphs = graphs;
     }
 
     /// One forward pass. Returns, per item, the logits of its last new token (or of every
@@ -171,10 +186,41 @@ impl<B: Backend> Executor<B> {
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
+        if let Some(logits) = self.decode_graph(items, &tokens, &meta) {
+            return (logits, spans);
+        }
         let logits =
             self.model
                 .forward_logits(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
         (logits, spans)
+    }
+
+    /// A pure decode step through the backend's graph for its bucket, if graphs are on and
+    /// the backend has (or can capture) one; the logits rows start with the items' rows.
+    fn decode_graph(
+        &mut self,
+        items: &[ExecItem<'_>],
+        tokens: &[u32],
+        meta: &AttentionMeta,
+    ) -> Option<B::Tensor> {
+        let graphs = self.graphs?;
+        if !is_pure_decode(items.iter().map(|i| (i.tokens.len(), i.all_logits))) {
+            return None;
+        }
+        let step = DecodeGraphStep {
+            bucket: graphs.bucket(items.len())?,
+            graphs,
+            block_size: self.layout.block_size,
+            logits_cols: self.model.config().vocab_size,
+            tokens,
+            meta,
+        };
+        let (padded_tokens, padded_meta, rows) = step.padded();
+        let (model, backend, kv) = (&self.model, &self.backend, &mut self.kv);
+        let bs = step.block_size;
+        backend.decode_graph(&step, &mut || {
+            model.forward_logits(backend, kv, bs, &padded_tokens, &padded_meta, &rows)
+        })
     }
 
     /// f32 elements of one block across all layers, K and V ([`Self::read_block`]'s length).

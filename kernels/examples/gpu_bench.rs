@@ -5,13 +5,17 @@
 //! writes every figure to OUT_DIR/gpu_bench.json.
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
-//! Decode with CUDA graphs is not implemented (docs/cuda.md); its column reads "n/a".
+//! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
+//! launches, then replaying CUDA graphs (`--cuda-graphs on`); the "graphs" column is the
+//! second's tokens/s, or why it fell back to eager launches.
 
 use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
+use pd_engine::backend::graph::DecodeGraphs;
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::model::{ModelFiles, ModelSource};
+use pd_engine::sampling::DeviceSampling;
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::gemm::{self, GemmType};
 use serde_json::{Value, json};
@@ -86,15 +90,16 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
     let linear_flops_per_token = 2.0 * weight_bytes / files.config.dtype.size_in_bytes() as f64;
     let vocab = files.config.vocab_size as u32;
     let max_batch = 64;
-    let per_seq = (DECODE_CONTEXT + DECODE_STEPS + 1)
-        .max(8192)
-        .div_ceil(BLOCK);
-    let blocks = max_batch * (DECODE_CONTEXT + DECODE_STEPS + 1).div_ceil(BLOCK) + per_seq;
+    // Eager steps, then as many with graphs (plus their warm-up / capture step).
+    let decode_len = DECODE_CONTEXT + 2 * DECODE_STEPS + 2;
+    let per_seq = decode_len.max(8192).div_ceil(BLOCK);
+    let blocks = max_batch * decode_len.div_ceil(BLOCK) + per_seq;
+    let max_model_len = files.config.max_position_embeddings;
     let mut exec = Executor::new(backend, weights, BLOCK, blocks).expect("executor");
 
     let mut decode = Vec::new();
     for batch in [1usize, 8, 64] {
-        let per = (DECODE_CONTEXT + DECODE_STEPS + 1).div_ceil(BLOCK);
+        let per = decode_len.div_ceil(BLOCK);
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
             .collect();
@@ -110,25 +115,36 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
             }]);
         }
         let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31 + 7) % vocab]).collect();
-        let mut step = |i: usize| {
-            let items: Vec<ExecItem<'_>> = tokens
-                .iter()
-                .zip(&tables)
-                .map(|(tok, t)| ExecItem {
-                    tokens: tok,
-                    start: DECODE_CONTEXT + i,
-                    block_table: t,
-                    all_logits: false,
-                })
-                .collect();
-            exec.execute(&items);
+        let plans = vec![Some(DeviceSampling::Greedy); batch];
+        // Seconds per step of `DECODE_STEPS` steps from position `first`, after one warm-up
+        // step (which captures the graph when graphs are on).
+        let timed_steps = |exec: &mut Executor<CudaBackend>, first: usize| {
+            let mut step = |i: usize| {
+                let items: Vec<ExecItem<'_>> = tokens
+                    .iter()
+                    .zip(&tables)
+                    .map(|(tok, t)| ExecItem {
+                        tokens: tok,
+                        start: first + i,
+                        block_table: t,
+                        all_logits: false,
+                    })
+                    .collect();
+                exec.execute_sampling(&items, &plans, vocab as usize);
+            };
+            step(0);
+            let t = Instant::now();
+            for i in 1..=DECODE_STEPS {
+                step(i);
+            }
+            t.elapsed().as_secs_f64() / DECODE_STEPS as f64
         };
-        step(0); // warm-up
-        let t = Instant::now();
-        for i in 1..=DECODE_STEPS {
-            step(i);
-        }
-        let secs = t.elapsed().as_secs_f64() / DECODE_STEPS as f64;
+        exec.set_decode_graphs(None);
+        let secs = timed_steps(&mut exec, DECODE_CONTEXT);
+        exec.set_decode_graphs(Some(DecodeGraphs::new(max_batch, max_model_len, BLOCK)));
+        let graph_secs = timed_steps(&mut exec, DECODE_CONTEXT + DECODE_STEPS + 1);
+        let graphs_ok = exec.backend().decode_graphs_captured() > 0;
+        exec.set_decode_graphs(None);
         // Bytes of one step: every weight once plus each sequence's KV (f32 K and V).
         let kv_bytes = (batch * (DECODE_CONTEXT + DECODE_STEPS / 2)) as f64
             * (2 * files.config.num_hidden_layers
@@ -140,7 +156,8 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
             "step_ms": secs * 1e3,
             "tokens_per_s": batch as f64 / secs,
             "bandwidth_fraction": (weight_bytes + kv_bytes) / secs / bandwidth,
-            "graphs_tokens_per_s": Value::Null,
+            "graphs_tokens_per_s": if graphs_ok { json!(batch as f64 / graph_secs) } else { Value::Null },
+            "graphs_bandwidth_fraction": if graphs_ok { json!((weight_bytes + kv_bytes) / graph_secs / bandwidth) } else { Value::Null },
         }));
     }
 
@@ -223,7 +240,10 @@ fn main() {
                 format!("decode b={}", d["batch"]),
                 d["tokens_per_s"].as_f64().unwrap_or(0.0),
                 100.0 * d["bandwidth_fraction"].as_f64().unwrap_or(0.0),
-                "n/a"
+                match d["graphs_tokens_per_s"].as_f64() {
+                    Some(t) => format!("{t:.1}"),
+                    None => "failed".to_string(),
+                }
             );
         }
         for p in m["prefill"].as_array().into_iter().flatten() {

@@ -373,3 +373,60 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
     };
     assert_eq!(run(false), run(true));
 }
+
+/// Decode through captured CUDA graphs gives the logits of eager decode: a batch of 3 (the
+/// bucket of 4 has a padding row), 12 steps, the graph replayed from the second step on.
+fn graphs_match_eager(model: &str) {
+    use pd_engine::backend::graph::DecodeGraphs;
+
+    let files = files(model);
+    let per = 4;
+    let blocks = 3 * per + 1;
+    let mut eager = executor(CudaBackend::open(0, 0.4).expect("cuda:0"), &files, blocks);
+    let mut graphs = executor(CudaBackend::open(0, 0.4).expect("cuda:0"), &files, blocks);
+    graphs.set_decode_graphs(Some(DecodeGraphs::new(8, per * BLOCK, BLOCK)));
+    let tables: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (s * per as u32..(s + 1) * per as u32).collect())
+        .collect();
+    let vocab = files.config.vocab_size as u32;
+    let mut tokens: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| {
+            (0..9 + 5 * s)
+                .map(|i| (i * 613 + s * 7 + 3) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut computed = [0usize; 3];
+    for step in 0..13 {
+        let items: Vec<ExecItem<'_>> = (0..3)
+            .map(|i| ExecItem {
+                tokens: &tokens[i][computed[i]..],
+                start: computed[i],
+                block_table: &tables[i],
+                all_logits: false,
+            })
+            .collect();
+        let e = eager.execute(&items);
+        let g = graphs.execute(&items);
+        for (i, (e, g)) in e.iter().zip(&g).enumerate() {
+            compare(&format!("{model} graphs step {step} sequence {i}"), e, g);
+        }
+        for i in 0..3 {
+            computed[i] = tokens[i].len();
+            tokens[i].push(argmax(e[i].row(0)).0 as u32);
+        }
+    }
+    assert_eq!(
+        graphs.backend().decode_graphs_captured(),
+        1,
+        "the bucket of 4 was captured (not an eager fallback)"
+    );
+}
+
+#[test]
+fn decode_graphs_match_eager_decode() {
+    if enabled("decode_graphs_match_eager_decode") {
+        graphs_match_eager("synthetic:tiny");
+        graphs_match_eager("synthetic:qwen3-0.6b");
+    }
+}

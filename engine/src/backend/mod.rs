@@ -9,11 +9,13 @@
 //! that [`crate::sampling::device`] specifies, next to the logits.
 
 pub mod cpu;
+pub mod graph;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
+use graph::DecodeGraphStep;
 
 /// Rows of one sequence inside a batch, for attention.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,6 +161,21 @@ pub trait Backend: Send + Sync + 'static {
         rows: &[DeviceSampleRow],
         vocab_limit: usize,
     ) -> Vec<DeviceSample>;
+
+    /// Run a pure decode step through a graph this backend captured for `step.bucket` rows
+    /// (see [`graph`]), staging the step's metadata in the graph's fixed buffers. The first
+    /// time for a bucket the backend records `forward` (the model over
+    /// [`DecodeGraphStep::padded`]) and then replays the recording. Returns the logits of
+    /// the bucket's rows, the real sequences first, or `None` when the backend has no graphs
+    /// or capturing failed: the caller then runs the step eagerly. Default: `None`.
+    fn decode_graph(
+        &self,
+        step: &DecodeGraphStep<'_>,
+        forward: &mut dyn FnMut() -> Self::Tensor,
+    ) -> Option<Self::Tensor> {
+        let _ = (step, forward);
+        None
+    }
 
     /// Copy block `block` of every layer out of KV storage, laid out layer by layer as
     /// `[K block, V block]` (each `block_size × kv_heads × head_dim` f32) into `dst`.

@@ -103,7 +103,11 @@ impl Device {
         let num_sms =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(driver(ordinal, "reading the multiprocessor count"))? as u32;
-        let stream = ctx.default_stream();
+        // A stream of our own rather than the legacy default stream, which cannot be
+        // captured into a CUDA graph (`--cuda-graphs`).
+        let stream = ctx
+            .new_stream()
+            .map_err(driver(ordinal, "creating a stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Driver {
             ordinal,
             what: "creating the cuBLAS handle",

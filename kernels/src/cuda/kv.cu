@@ -2,11 +2,12 @@
 // [num_blocks, block_size, num_kv_heads, head_dim] f32 for K and the same for V; a slot is
 // `block * block_size + offset`, so slot s starts at element s * width.
 
-// kcache[slots[r], :] = k[r, :] and the same for v. One block per row.
+// kcache[slots[r], :] = k[r, :] and the same for v. One block per row. Slot 0xffffffff marks
+// a padding row of a captured decode graph: it has no KV.
 extern "C" __global__ void write_kv(float* kcache, float* vcache, const float* k, const float* v,
                                     const unsigned int* slots, int rows, int width) {
     const int r = blockIdx.x;
-    if (r >= rows) return;
+    if (r >= rows || slots[r] == 0xffffffffu) return;
     const unsigned long long dst = (unsigned long long)slots[r] * width;
     const unsigned long long src = (unsigned long long)r * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {

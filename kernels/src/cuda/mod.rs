@@ -8,6 +8,7 @@
 
 mod device;
 pub mod gemm;
+mod graph;
 pub mod modules;
 pub mod plan;
 mod sample;
@@ -17,6 +18,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
+use pd_engine::backend::graph::DecodeGraphStep;
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
@@ -28,6 +30,7 @@ pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
 
 use crate::CudaError;
 use gemm::GemmType;
+use graph::{Graphs, Launch};
 use plan::AttentionPlan;
 
 /// Threads per block of the element-wise and row kernels.
@@ -47,6 +50,8 @@ pub struct CudaBackend {
     weight_bytes: AtomicUsize,
     /// Step metadata uploaded once per step rather than once per layer.
     uploads: Mutex<Uploads>,
+    /// Decode graphs per batch-size bucket (`--cuda-graphs on`).
+    graphs: Mutex<Graphs>,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -96,6 +101,7 @@ impl CudaBackend {
             gpu_memory_utilization,
             weight_bytes: AtomicUsize::new(0),
             uploads: Mutex::new(Uploads::default()),
+            graphs: Mutex::new(Graphs::default()),
         })
     }
 
@@ -178,6 +184,43 @@ impl CudaBackend {
         if let Err(e) = unsafe { args.launch(cfg) } {
             self.fail(name, e);
         }
+    }
+
+    /// The device address of `slice`, for a kernel argument. The caller keeps the slice alive
+    /// until the launch is queued (frees are stream-ordered after it).
+    fn ptr<T>(&self, slice: &CudaSlice<T>) -> u64 {
+        slice.device_ptr(&self.dev.stream).0
+    }
+
+    /// The attention launch shape and device metadata of `meta` (planned and uploaded when
+    /// it changed since the last call). The addresses stay valid until the next call with
+    /// another `meta` replaces the cached copy, i.e. past the launches of this op.
+    fn attention_plan(&self, meta: &AttentionMeta) -> (Launch, u64, u64, u64) {
+        let mut uploads = self.uploads.lock().expect("uploads lock");
+        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
+            let plan = plan::plan(meta, self.dev.num_sms as usize);
+            let device_plan = DevicePlan {
+                items: self.upload(&plan.items),
+                seqs: self.upload(&plan.seqs),
+                block_tables: self.upload(&plan.block_tables),
+                plan,
+            };
+            uploads.attention = Some((meta.clone(), device_plan));
+        }
+        let (_, dp) = uploads.attention.as_ref().expect("set above");
+        let p = &dp.plan;
+        let launch = Launch {
+            items: p.num_items(),
+            rows_per_item: p.rows_per_item,
+            splits: p.splits,
+            keys_per_split: p.keys_per_split,
+        };
+        (
+            launch,
+            self.ptr(&dp.items),
+            self.ptr(&dp.seqs),
+            self.ptr(&dp.block_tables),
+        )
     }
 
     /// One thread per element.
@@ -339,12 +382,20 @@ impl Backend for CudaBackend {
         if ids.is_empty() {
             return out;
         }
-        let ids_dev = self.upload(ids);
+        // An eager upload lives until the end of the call, after the launch is queued.
+        let ids_dev;
+        let ids_ptr = match self.capture_inputs() {
+            Some(staged) => staged.ids,
+            None => {
+                ids_dev = self.upload(ids);
+                self.ptr(&ids_dev)
+            }
+        };
         let (code, rows, cols_i) = (tensor::dtype_code(dtype), ids.len() as i32, cols as i32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.embedding);
         b.arg(data)
             .arg(&code)
-            .arg(&ids_dev)
+            .arg(&ids_ptr)
             .arg(&out.data)
             .arg(&rows)
             .arg(&cols_i);
@@ -414,12 +465,19 @@ impl Backend for CudaBackend {
         if x.is_empty() {
             return;
         }
-        let mut uploads = self.uploads.lock().expect("uploads lock");
-        let pos = cached(&mut uploads.positions, positions, |h| self.upload(h));
+        let pos = match self.capture_inputs() {
+            Some(staged) => staged.positions,
+            None => {
+                let mut uploads = self.uploads.lock().expect("uploads lock");
+                self.ptr(cached(&mut uploads.positions, positions, |h| {
+                    self.upload(h)
+                }))
+            }
+        };
         let (rows, cols, hd, th) = (x.rows as i32, x.cols as i32, head_dim as i32, theta as f32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rope);
         b.arg(&x.data)
-            .arg(pos)
+            .arg(&pos)
             .arg(&rows)
             .arg(&cols)
             .arg(&hd)
@@ -442,15 +500,20 @@ impl Backend for CudaBackend {
         if slots.is_empty() {
             return;
         }
-        let mut uploads = self.uploads.lock().expect("uploads lock");
-        let slots_dev = cached(&mut uploads.slots, slots, |h| self.upload(h));
+        let slots_dev = match self.capture_inputs() {
+            Some(staged) => staged.slots,
+            None => {
+                let mut uploads = self.uploads.lock().expect("uploads lock");
+                self.ptr(cached(&mut uploads.slots, slots, |h| self.upload(h)))
+            }
+        };
         let (rows, width_i) = (k.rows as i32, width as i32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.write_kv);
         b.arg(&kv.k[layer])
             .arg(&kv.v[layer])
             .arg(&k.data)
             .arg(&v.data)
-            .arg(slots_dev)
+            .arg(&slots_dev)
             .arg(&rows)
             .arg(&width_i);
         self.launch("write_kv", b, Self::per_row(k.rows, 128));
@@ -469,20 +532,11 @@ impl Backend for CudaBackend {
         }
         plan::check_group(meta.num_heads, meta.num_kv_heads)
             .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
-        let mut uploads = self.uploads.lock().expect("uploads lock");
-        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
-            let plan = plan::plan(meta, self.dev.num_sms as usize);
-            let device_plan = DevicePlan {
-                items: self.upload(&plan.items),
-                seqs: self.upload(&plan.seqs),
-                block_tables: self.upload(&plan.block_tables),
-                plan,
-            };
-            uploads.attention = Some((meta.clone(), device_plan));
-        }
-        let (_, dp) = uploads.attention.as_ref().expect("set above");
-        let p = &dp.plan;
-        let items = p.num_items();
+        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
+            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
+            None => self.attention_plan(meta),
+        };
+        let items = p.items;
         let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
         let (part_acc, part_ml) = if p.splits > 1 {
             (
@@ -505,9 +559,9 @@ impl Backend for CudaBackend {
         b.arg(&q.data)
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
-            .arg(&dp.block_tables)
-            .arg(&dp.items)
-            .arg(&dp.seqs)
+            .arg(&tables_ptr)
+            .arg(&items_ptr)
+            .arg(&seqs_ptr)
             .arg(&out.data)
             .arg(&part_acc)
             .arg(&part_ml)
@@ -532,8 +586,8 @@ impl Backend for CudaBackend {
                 .launch_builder(&self.dev.kernels.attention_combine);
             b.arg(&part_acc)
                 .arg(&part_ml)
-                .arg(&dp.items)
-                .arg(&dp.seqs)
+                .arg(&items_ptr)
+                .arg(&seqs_ptr)
                 .arg(&out.data)
                 .arg(&heads)
                 .arg(&kv_heads)
@@ -583,8 +637,15 @@ impl Backend for CudaBackend {
             rows.iter().all(|&r| r < x.rows),
             "select_rows: row in range"
         );
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.upload(&idx);
+        let idx_dev;
+        let idx = match self.capture_inputs() {
+            Some(staged) => staged.select,
+            None => {
+                let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                idx_dev = self.upload(&host);
+                self.ptr(&idx_dev)
+            }
+        };
         let (n, cols) = (rows.len() as i32, x.cols as i32);
         let mut b = self
             .dev
@@ -619,6 +680,14 @@ impl Backend for CudaBackend {
         vocab_limit: usize,
     ) -> Vec<DeviceSample> {
         self.sample_on_device(logits, rows, vocab_limit)
+    }
+
+    fn decode_graph(
+        &self,
+        step: &DecodeGraphStep<'_>,
+        forward: &mut dyn FnMut() -> CudaTensor,
+    ) -> Option<CudaTensor> {
+        self.run_decode_graph(step, forward)
     }
 
     fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [f32]) {
