@@ -5,10 +5,13 @@
 #                                       `cuda` feature and puts them, stripped, in .gpu/bin/
 #   scripts/gpu-check.sh run OUT_DIR    on the GPU host (CUDA 13 and a driver, no Rust):
 #                                       (a) the conformance suite CUDA vs CPU (tiny model,
-#                                       long-context split-K, a batch, the qwen3-0.6b shape),
+#                                       long-context split-K, a batch, the qwen3-0.6b shape,
+#                                       device sampling vs the CPU's tokens, decode through
+#                                       CUDA graphs vs eager decode),
 #                                       (b) the benchmark (copy and GEMM ceilings, decode at
-#                                       batch 1/8/64, prefill of 2,048 and 8,192 tokens) on
-#                                       synthetic:qwen3-0.6b and synthetic:qwen3-8b.
+#                                       batch 1/8/64 eagerly and with CUDA graphs, prefill of
+#                                       2,048 and 8,192 tokens) on synthetic:qwen3-0.6b and
+#                                       synthetic:qwen3-8b.
 #                                       Logs and gpu_bench.json go to OUT_DIR; the table is
 #                                       printed last.
 set -euo pipefail
