@@ -201,9 +201,11 @@ impl PrefillNodeService {
         let (rdma, engine) = (Arc::clone(rdma), self.engine().clone());
         let published = tokio::task::spawn_blocking(move || {
             let lease = engine.lease_blocks(lease_id);
-            let blocks = lease.filter(|b| b.len() == num_blocks).ok_or_else(|| {
-                RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
-            })?;
+            let blocks = lease
+                .filter(|kv| kv.blocks.len() == num_blocks)
+                .ok_or_else(|| {
+                    RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
+                })?;
             rdma.publish(lease_id, &blocks, deadline)
         })
         .await;

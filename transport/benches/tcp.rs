@@ -17,6 +17,9 @@
 //! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_LEN` f32 values per block
 //! (default 917504 = Qwen3-0.6B: 2 x 28 layers x 16 tokens x 8 KV heads x 128 dims, 3.67 MB),
 //! `PD_BENCH_ITERS` (default 5).
+//!
+//! The per-block checksums are computed once, when the lease is made (as the prefill engine
+//! does); that time is printed too, but it is not part of a transfer.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -24,15 +27,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::serve::LeasedKv;
 use pd_transport::{
     KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
 };
 
-struct MemSource(Arc<Vec<Vec<f32>>>);
+struct MemSource(Arc<LeasedKv>);
 
 impl KvSource for MemSource {
     fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
-        // Shared, not copied: as the engine's lease store lends a lease's blocks.
+        // Shared, not copied, checksummed beforehand: as the engine's lease store lends a
+        // lease's blocks.
         (lease_id == 1)
             .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
             .flatten()
@@ -58,14 +63,14 @@ struct RawPeer {
 }
 
 impl RawPeer {
-    fn start(source: Arc<Vec<Vec<f32>>>) -> Self {
+    fn start(source: Arc<LeasedKv>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let writer = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().expect("accept");
             let mut go = [0u8; 1];
             while s.read_exact(&mut go).is_ok() {
-                for b in source.iter() {
+                for b in &source.blocks {
                     s.write_all(bytemuck::cast_slice(b)).expect("write");
                 }
             }
@@ -105,25 +110,28 @@ fn main() {
     );
 
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let source: Arc<Vec<Vec<f32>>> = Arc::new(
-        (0..blocks)
-            .map(|_| {
-                (0..block_len)
-                    .map(|_| {
-                        state = state
-                            .wrapping_mul(6_364_136_223_846_793_005)
-                            .wrapping_add(1_442_695_040_888_963_407);
-                        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-                    })
-                    .collect()
-            })
-            .collect(),
-    );
+    let blocks_data: Vec<Vec<f32>> = (0..blocks)
+        .map(|_| {
+            (0..block_len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                })
+                .collect()
+        })
+        .collect();
+    // The per-block checksums are computed here, as the prefill engine computes them when
+    // it makes a lease (not during a transfer).
+    let lease_started = Instant::now();
+    let source = Arc::new(LeasedKv::new(blocks_data));
+    let checksum_time = lease_started.elapsed();
     let mut dst: Vec<Vec<f32>> = vec![vec![0.0f32; block_len]; blocks];
     let check = |got: &[Vec<f32>]| {
         assert_eq!(got.len(), blocks);
         assert!(
-            got.iter().zip(source.iter()).all(|(g, s)| g == s),
+            got.iter().zip(&source.blocks).all(|(g, s)| g == s),
             "data differs"
         );
     };
@@ -164,7 +172,7 @@ fn main() {
         (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
     for _ in 0..iters {
         let t = Instant::now();
-        for (d, s) in dst.iter_mut().zip(source.iter()) {
+        for (d, s) in dst.iter_mut().zip(&source.blocks) {
             d.copy_from_slice(s);
         }
         std::hint::black_box(&dst);
@@ -202,6 +210,7 @@ fn main() {
     row("raw TCP socket (baseline)", raw);
     row("pd-transport, pooled (decode node)", pooled);
     row("pd-transport, new conn + buffers", fresh);
+    row("(checksums at lease time, once)", checksum_time);
     println!(
         "pd-transport pooled / raw socket: {:.2}   new conn / raw socket: {:.2}   pooled / \
          memcpy: {:.2}",

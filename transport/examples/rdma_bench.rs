@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
     BoxFuture, RdmaConfig, RdmaConnector, RdmaDevice, RdmaExporter, RdmaOffer, RdmaReader,
 };
@@ -85,8 +86,9 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
     let blocks: Vec<Vec<f32>> = (0..count)
         .map(|b| (0..block_len).map(|i| (b * 7 + i) as f32).collect())
         .collect();
-    let offer = exporter.publish(LEASE, &blocks, Instant::now() + Duration::from_secs(86_400))?;
-    drop(blocks);
+    let kv = LeasedKv::new(blocks);
+    let offer = exporter.publish(LEASE, &kv, Instant::now() + Duration::from_secs(86_400))?;
+    drop(kv);
     let listener = TcpListener::bind(&listen).await?;
     eprintln!(
         "serving {count} blocks of {block_kib} KiB on {listen} ({})",

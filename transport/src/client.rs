@@ -10,12 +10,12 @@ use pd_engine::kv::block_buffers::BlockBuffers;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
-use crate::chunks::{ChunkReader, PullIdentity, status_error};
+use crate::chunks::{BlockReader, PullIdentity, status_error};
 use crate::error::TransportError;
 use crate::fingerprint::LayoutFingerprint;
 use crate::stats::TransferStats;
 use crate::wire::{
-    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_MESSAGE_LEN, MAX_PULL_BYTES,
+    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_MESSAGE_LEN, MAX_PULL_BYTES,
     PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
 };
 
@@ -308,20 +308,21 @@ async fn exchange(
             resp.count, resp.block_len, req.count, req.block_len
         )));
     }
-    if total > 0 && !(1..=MAX_CHUNK_BYTES).contains(&resp.chunk_bytes) {
+    let block_bytes = req.block_len as u64 * 4;
+    if total > 0 && u64::from(resp.chunk_bytes) != block_bytes {
         return Err(TransportError::Protocol(format!(
-            "chunk size {} outside 1..={MAX_CHUNK_BYTES}",
+            "chunks of {} bytes announced; a chunk is one block of {block_bytes} bytes",
             resp.chunk_bytes
         )));
     }
 
-    let mut reader = ChunkReader::new(total, resp.chunk_bytes, id);
+    let mut reader = BlockReader::new(block_bytes, id);
     let buffers = buffers.filter(|b| b.block_len() == req.block_len);
     let mut blocks = Vec::with_capacity(req.count);
     for _ in 0..req.count {
         let mut block = buffers.map_or_else(|| vec![0f32; req.block_len], BlockBuffers::take);
         let read = reader
-            .read_into(conn, bytemuck::cast_slice_mut(&mut block))
+            .read_block(conn, bytemuck::cast_slice_mut(&mut block))
             .await;
         blocks.push(block);
         if let Err(e) = read {

@@ -48,13 +48,14 @@ pub enum TransportError {
     /// early.
     #[error("KV transfer length mismatch: {0}")]
     Length(String),
-    /// A chunk's bytes do not hash to the checksum sent with them.
+    /// A block's bytes do not hash to the checksum sent with them (`block`: its index in
+    /// the lease).
     #[error(
-        "KV transfer checksum mismatch in chunk {chunk}: computed {computed:016x}, \
+        "KV transfer checksum mismatch in lease block {block}: computed {computed:016x}, \
          the exporter sent {sent:016x}"
     )]
     Checksum {
-        chunk: u64,
+        block: u64,
         computed: u64,
         sent: u64,
     },
@@ -118,7 +119,7 @@ mod tests {
             },
             TransportError::Length("x".into()),
             TransportError::Checksum {
-                chunk: 0,
+                block: 0,
                 computed: 1,
                 sent: 2,
             },

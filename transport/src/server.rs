@@ -7,16 +7,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::serve::LeasedKv;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::chunks::{ChunkWriter, write_abort};
+use crate::chunks::{write_abort, write_block};
 use crate::fingerprint::LayoutFingerprint;
 use crate::stats::{FailureReason, TransferStats};
 use crate::wire::{
-    DEFAULT_CHUNK_BYTES, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_PULL_BYTES,
+    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_CHUNK_BYTES, MAX_PULL_BYTES,
     PULL_REQUEST_BODY_LEN, PullRequestFrame, PullResponseFrame, Status, VERSION,
 };
 
@@ -38,42 +39,39 @@ impl KvSource for pd_engine::serve::EngineHandle {
     }
 }
 
-/// A run of a lease's blocks, lent to the exporter: the lease's blocks stay shared (an
-/// `Arc`), so serving a pull copies nothing before the socket.
+/// A run of a lease's blocks with their checksums, lent to the exporter: the lease stays
+/// shared (an `Arc`), so serving a pull copies and hashes nothing before the socket.
 #[derive(Debug, Clone)]
 pub struct SharedBlocks {
-    all: Arc<Vec<Vec<f32>>>,
+    lease: Arc<LeasedKv>,
     first: usize,
     count: usize,
 }
 
 impl SharedBlocks {
-    /// Blocks `first .. first + count` of `all`; `None` if `all` is shorter.
-    pub fn new(all: Arc<Vec<Vec<f32>>>, first: usize, count: usize) -> Option<Self> {
+    /// Blocks `first .. first + count` of `lease`; `None` if the lease is shorter.
+    pub fn new(lease: Arc<LeasedKv>, first: usize, count: usize) -> Option<Self> {
         let end = first.checked_add(count)?;
-        (end <= all.len()).then_some(Self { all, first, count })
-    }
-
-    /// Blocks that are not shared with anything else (tests, one-off sources).
-    pub fn owned(blocks: Vec<Vec<f32>>) -> Self {
-        let count = blocks.len();
-        Self {
-            all: Arc::new(blocks),
-            first: 0,
+        (end <= lease.blocks.len() && end <= lease.checksums.len()).then_some(Self {
+            lease,
+            first,
             count,
-        }
+        })
     }
 
     pub fn blocks(&self) -> &[Vec<f32>] {
-        &self.all[self.first..self.first + self.count]
+        &self.lease.blocks[self.first..self.first + self.count]
+    }
+
+    /// `checksums()[i]` belongs to `blocks()[i]`.
+    pub fn checksums(&self) -> &[u64] {
+        &self.lease.checksums[self.first..self.first + self.count]
     }
 }
 
 /// Tuning of an export server. The defaults suit production.
 #[derive(Debug, Clone)]
 pub struct ExportConfig {
-    /// Payload bytes per checksummed chunk (default 4 MiB, at most 64 MiB).
-    pub chunk_bytes: u32,
     /// Bytes of blocks asked of the source per call (default 32 MiB; at least one block): a
     /// lease released mid-transfer is noticed at the next batch, and the transfer aborted.
     pub batch_bytes: usize,
@@ -86,7 +84,6 @@ pub struct ExportConfig {
 impl Default for ExportConfig {
     fn default() -> Self {
         Self {
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
             batch_bytes: 32 << 20,
             idle_timeout: Duration::from_secs(60),
             max_transfer_time: Duration::from_secs(120),
@@ -169,9 +166,8 @@ impl KvExportServer {
         addr: SocketAddr,
         fingerprint: LayoutFingerprint,
         source: Arc<dyn KvSource>,
-        mut config: ExportConfig,
+        config: ExportConfig,
     ) -> io::Result<(Self, SocketAddr)> {
-        config.chunk_bytes = config.chunk_bytes.clamp(1, MAX_CHUNK_BYTES);
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
         let ctx = Arc::new(Ctx {
@@ -399,9 +395,10 @@ async fn serve_pull(
     ctx: &Arc<Ctx>,
 ) -> io::Result<Next> {
     let started = Instant::now();
+    let block_bytes = req.block_len.saturating_mul(4);
     let mut response = PullResponseFrame {
         status: Status::Ok,
-        chunk_bytes: ctx.config.chunk_bytes,
+        chunk_bytes: u32::try_from(block_bytes).unwrap_or(u32::MAX),
         fingerprint: ctx.fingerprint,
         lease_id: req.lease_id,
         first_block: req.first_block,
@@ -432,16 +429,17 @@ async fn serve_pull(
         .zip(usize::try_from(req.count).ok())
         .filter(|(first, count)| first.checked_add(*count).is_some());
     let total = req.payload_bytes().filter(|&b| b <= MAX_PULL_BYTES);
-    let (Some((first, count)), Some(total)) = (range, total) else {
+    let fits = block_bytes <= u64::from(MAX_CHUNK_BYTES);
+    let (Some((first, count)), Some(total), true) = (range, total, fits) else {
         let message = format!(
-            "{} blocks of {} values from block {} is out of range (limit {MAX_PULL_BYTES} bytes)",
+            "{} blocks of {} values from block {} is out of range (limit {MAX_PULL_BYTES} \
+             bytes, {MAX_CHUNK_BYTES} per block)",
             req.count, req.block_len, req.first_block
         );
         send(s, &refuse(response, Status::BadRequest, message)).await?;
         return Ok(Next::Close);
     };
-    let block_bytes = (req.block_len as usize).saturating_mul(4).max(1);
-    let per_batch = (ctx.config.batch_bytes / block_bytes).max(1);
+    let per_batch = (ctx.config.batch_bytes / (block_bytes as usize).max(1)).max(1);
     let end = first + count;
 
     // The first batch decides between a refusal and a transfer.
@@ -455,12 +453,9 @@ async fn serve_pull(
     };
     response.message.clear();
     s.write_all(&response.encode()).await?;
-    let mut writer = ChunkWriter::new(total, ctx.config.chunk_bytes);
     loop {
-        // Chunks end at the batch's end: an abort can follow the last whole chunk.
-        writer.segment(current.blocks().len() as u64 * req.block_len * 4);
-        for block in current.blocks() {
-            writer.write(s, bytemuck::cast_slice(block)).await?;
+        for (block, &sum) in current.blocks().iter().zip(current.checksums()) {
+            write_block(s, bytemuck::cast_slice(block), sum).await?;
         }
         drop(current);
         if next >= end {
@@ -484,7 +479,6 @@ async fn serve_pull(
         };
     }
     s.flush().await?;
-    debug_assert!(writer.is_complete());
     Counters::bump(&ctx.counters.pulls_ok, 1);
     Counters::bump(&ctx.counters.bytes_sent, total);
     ctx.transfers.record_ok(total, started.elapsed());

@@ -1,8 +1,8 @@
-//! The TCP wire format, version 1. Every integer is little-endian; KV values travel as the
+//! The TCP wire format, version 2. Every integer is little-endian; KV values travel as the
 //! raw little-endian bytes of their f32s.
 //!
 //! ```text
-//! frame header (12 B)   magic "PDKV" | version u16 = 1 | kind u16 | body_len u32
+//! frame header (12 B)   magic "PDKV" | version u16 = 2 | kind u16 | body_len u32
 //!
 //! kind 1 PULL_REQUEST, importer -> exporter, body 48 B:
 //!   lease_id u64 | fingerprint u64 | first_block u64 | count u64
@@ -13,17 +13,19 @@
 //!   | fingerprint u64 (the EXPORTER's) | lease_id u64 | first_block u64 | count u64
 //!   | block_len u64 | message_len u32 | reserved u32 = 0 | message (UTF-8, <= 4 KiB)
 //!
-//! status OK only: the payload follows, count * block_len * 4 bytes (the blocks in order,
-//! each block's f32s in order) cut into chunks, each with a 16 B chunk header:
+//! status OK only: the payload follows, the count blocks in order (each block's f32s in
+//! order), one chunk per block, each with a 16 B chunk header:
 //!   kind u32 | status u32 | len u64
-//!   kind 1 DATA:  len bytes of payload, then xxh3-64 of those bytes (u64) with seed
-//!                 CHUNK_SEED + chunk index (wrapping), so reordered chunks fail too.
-//!                 1 <= len <= min(chunk_bytes, payload bytes left); chunk_bytes is
-//!                 1..=64 MiB (4 MiB by default). Chunks are chunk_bytes long except at
-//!                 the end of each batch the exporter reads from its source (~32 MiB), so
-//!                 that it can stop between two chunks.
+//!   kind 1 DATA:  len = block_len * 4 = chunk_bytes bytes of the block, then its checksum
+//!                 (u64): xxh3-64 of those bytes with seed BLOCK_SEED + the block's index in
+//!                 the lease (wrapping; `pd_engine::kv::checksum`), so a block delivered
+//!                 in the wrong place fails too. The same checksum the RDMA offer carries;
+//!                 computed once when the lease is made.
 //!   kind 2 ABORT: the exporter cannot finish (the lease expired mid-transfer, ...): status
 //!                 says why, len bytes of UTF-8 message follow, then the connection closes.
+//!
+//! Version 1 cut the payload into 4 MiB chunks checksummed as they were sent; version 2
+//! makes a chunk a block so that the sender sends checksums it already has.
 //! ```
 //!
 //! After the last DATA chunk the connection carries the next request (connection reuse). A
@@ -35,7 +37,7 @@
 use crate::fingerprint::LayoutFingerprint;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const FRAME_HEADER_LEN: usize = 12;
 pub const PULL_REQUEST_BODY_LEN: usize = 48;
 pub const PULL_RESPONSE_BODY_LEN: usize = 56;
@@ -43,20 +45,10 @@ pub const CHUNK_HEADER_LEN: usize = 16;
 pub const CHECKSUM_LEN: usize = 8;
 /// Longest message a response or an abort chunk may carry.
 pub const MAX_MESSAGE_LEN: usize = 4096;
-/// Chunk size the exporter uses: large enough that per-chunk cost is noise.
-pub const DEFAULT_CHUNK_BYTES: u32 = 4 << 20;
-/// Largest chunk an importer accepts.
-pub const MAX_CHUNK_BYTES: u32 = 64 << 20;
+/// Largest block (= chunk) either side accepts.
+pub const MAX_CHUNK_BYTES: u32 = 1 << 31;
 /// Largest payload of one pull (either side refuses more).
 pub const MAX_PULL_BYTES: u64 = 1 << 36;
-/// Base seed of the chunk checksums (`pd-kv-c1`).
-pub const CHUNK_SEED: u64 = 0x7064_2d6b_762d_6331;
-
-/// The xxh3-64 seed of chunk `index`.
-pub fn chunk_seed(index: u64) -> u64 {
-    CHUNK_SEED.wrapping_add(index)
-}
-
 /// A frame or chunk that does not follow this format.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
@@ -156,7 +148,7 @@ impl FrameHeader {
         })
     }
 
-    /// The header of a version-1 frame of `kind` with a body of `expected` bytes.
+    /// The header of a current-version frame of `kind` with a body of `expected` bytes.
     pub fn expect(&self, kind: FrameKind, expected: usize) -> Result<(), WireError> {
         if self.version != VERSION {
             return Err(WireError::BadVersion(self.version));
@@ -391,7 +383,7 @@ mod tests {
         };
         let b = req.encode();
         assert_eq!(&b[..4], b"PDKV");
-        assert_eq!(&b[4..6], &[1, 0], "version 1, little-endian");
+        assert_eq!(&b[4..6], &[2, 0], "version 2, little-endian");
         assert_eq!(&b[6..8], &[1, 0], "kind PULL_REQUEST");
         assert_eq!(&b[8..12], &[48, 0, 0, 0]);
         assert_eq!(
@@ -418,7 +410,7 @@ mod tests {
     fn response_round_trips_with_its_message() {
         let resp = PullResponseFrame {
             status: Status::FingerprintMismatch,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            chunk_bytes: 3 << 20,
             fingerprint: LayoutFingerprint(42),
             lease_id: 9,
             first_block: 1,
@@ -479,13 +471,13 @@ mod tests {
                 .expect(FrameKind::PullRequest, 40),
             Err(WireError::BadBodyLen { got: 48, .. })
         ));
-        b[4] = 2;
+        b[4] = 1; // version 1 peers (4 MiB chunks hashed while sent) are refused
         let h: [u8; 12] = b[..12].try_into().unwrap();
         assert_eq!(
             FrameHeader::decode(&h)
                 .unwrap()
                 .expect(FrameKind::PullRequest, 48),
-            Err(WireError::BadVersion(2))
+            Err(WireError::BadVersion(1))
         );
         b[0] = b'X';
         let h: [u8; 12] = b[..12].try_into().unwrap();
@@ -504,29 +496,5 @@ mod tests {
         };
         assert_eq!(ChunkHeader::decode(&ok.encode()), Ok(ok));
         assert_eq!(Status::from_u32(99), Err(WireError::BadStatus(99)));
-    }
-
-    #[test]
-    fn streaming_checksum_equals_one_shot() {
-        use std::hash::Hasher;
-        use twox_hash::XxHash3_64;
-        // Past 240 bytes XXH3 takes its long-input (SIMD) path; cover both.
-        for n in [100usize, 10_000, 300_000] {
-            let data: Vec<u8> = (0..n as u32).map(|i| (i * 31 % 251) as u8).collect();
-            let mut h = XxHash3_64::with_seed(chunk_seed(3));
-            for part in data.chunks(777) {
-                h.write(part);
-            }
-            let one_shot = XxHash3_64::oneshot_with_seed(chunk_seed(3), &data);
-            assert_eq!(h.finish(), one_shot);
-            // The wire's checksum is standard XXH3-64: equal to the reference
-            // implementation's (xxhash-rust, a separate code base), whatever SIMD path
-            // this CPU takes.
-            assert_eq!(
-                one_shot,
-                xxhash_rust::xxh3::xxh3_64_with_seed(&data, chunk_seed(3))
-            );
-        }
-        assert_ne!(chunk_seed(0), chunk_seed(1));
     }
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
     BoxFuture, Fabric, LinkLayer, RdmaError, RdmaOffer, RemoteRegion, block_checksum, plan_reads,
 };
@@ -21,14 +22,12 @@ const FP: LayoutFingerprint = LayoutFingerprint(0x0123_4567_89ab_cdef);
 const LEASE: u64 = 9;
 const BLOCK_LEN: usize = 1024;
 
-struct Mem(Vec<Vec<f32>>);
+struct Mem(Arc<LeasedKv>);
 
 impl KvSource for Mem {
     fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
         (lease_id == LEASE).then_some(())?;
-        Some(SharedBlocks::owned(
-            self.0.get(first..first + count)?.to_vec(),
-        ))
+        SharedBlocks::new(Arc::clone(&self.0), first, count)
     }
 }
 
@@ -148,7 +147,7 @@ async fn server(n: usize) -> (KvExportServer, std::net::SocketAddr, Vec<Vec<f32>
     let (server, addr) = KvExportServer::bind(
         "127.0.0.1:0".parse().unwrap(),
         FP,
-        Arc::new(Mem(data.clone())),
+        Arc::new(Mem(Arc::new(LeasedKv::new(data.clone())))),
     )
     .await
     .unwrap();

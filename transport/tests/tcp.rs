@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::serve::LeasedKv;
 use pd_transport::wire::{
     FRAME_HEADER_LEN, FrameHeader, PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame,
     Status,
@@ -24,7 +25,7 @@ const LEASE: u64 = 42;
 /// An in-memory exporter: one lease holding `blocks`; `fail_after` calls, the lease is gone
 /// (as if it expired mid-transfer).
 struct MemSource {
-    blocks: Vec<Vec<f32>>,
+    lease: Arc<LeasedKv>,
     calls: AtomicUsize,
     fail_after: usize,
 }
@@ -36,7 +37,7 @@ impl MemSource {
 
     fn failing_after(blocks: Vec<Vec<f32>>, fail_after: usize) -> Arc<Self> {
         Arc::new(Self {
-            blocks,
+            lease: Arc::new(LeasedKv::new(blocks)),
             calls: AtomicUsize::new(0),
             fail_after,
         })
@@ -48,9 +49,7 @@ impl KvSource for MemSource {
         if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after || lease_id != LEASE {
             return None;
         }
-        Some(SharedBlocks::owned(
-            self.blocks.get(first..first.checked_add(count)?)?.to_vec(),
-        ))
+        SharedBlocks::new(Arc::clone(&self.lease), first, count)
     }
 }
 
@@ -76,10 +75,9 @@ fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
         })
 }
 
-/// Small chunks and batches so that a few MB cross many chunk and batch boundaries.
+/// Small batches so that a few MB cross many batch boundaries.
 fn small_config() -> ExportConfig {
     ExportConfig {
-        chunk_bytes: 1 << 20,
         batch_bytes: 3 << 20,
         ..ExportConfig::default()
     }
@@ -123,7 +121,7 @@ fn soon() -> Instant {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_blocks_of_random_data_round_trip_bit_exact() {
-    let len = 40_000; // 160 KB blocks, so chunks and batches cut through blocks
+    let len = 40_000; // 160 KB blocks, several per 3 MiB batch
     let blocks = random_blocks(64, len, 1);
     let source = MemSource::new(blocks.clone());
     let (server, addr) = serve(Arc::clone(&source), small_config()).await;
@@ -149,7 +147,7 @@ async fn many_blocks_of_random_data_round_trip_bit_exact() {
 }
 
 #[tokio::test]
-async fn default_config_packs_qwen_sized_blocks_into_4_mib_chunks() {
+async fn default_config_moves_qwen_sized_blocks() {
     let len = 2 * 28 * 16 * 8 * 128 / 16; // a Qwen3-0.6B block cut 16x to keep tests quick
     let blocks = random_blocks(40, len, 2);
     let (server, addr) = serve(MemSource::new(blocks.clone()), ExportConfig::default()).await;
@@ -390,9 +388,10 @@ async fn a_corrupted_payload_fails_the_checksum() {
     let err = pull_blocks(proxy, req(0, 8, 100_000), soon())
         .await
         .unwrap_err();
-    // 1 MiB chunks: byte 1.5 M of the payload is in chunk 1.
+    // A chunk is a block (400,000 bytes) with 24 bytes of framing: payload byte 1.5 M is
+    // in block 3.
     assert!(
-        matches!(err, TransportError::Checksum { chunk: 1, .. }),
+        matches!(err, TransportError::Checksum { block: 3, .. }),
         "{err}"
     );
     assert_eq!(err.reason(), FailureReason::Checksum);
@@ -438,10 +437,7 @@ async fn a_truncated_stream_is_a_length_error() {
             matches!(err, TransportError::Length(_)),
             "cut at {cut}: {err}"
         );
-        assert!(
-            err.to_string().contains("of 3200000 payload bytes"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("of 8 blocks"), "{err}");
     }
     // Cut inside the response header: an I/O error (nothing of the payload was announced).
     let proxy = faulty_proxy(upstream, Fault::Cut(5)).await;
@@ -484,7 +480,7 @@ async fn the_exporter_answers_an_unknown_version_with_its_own_and_closes() {
     let mut reply = Vec::new();
     s.read_to_end(&mut reply).await.unwrap();
     let header = FrameHeader::decode(reply[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
-    assert_eq!(header.version, 1);
+    assert_eq!(header.version, pd_transport::wire::VERSION);
     let body = &reply[FRAME_HEADER_LEN..FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN];
     let (resp, _) = PullResponseFrame::decode_body(body.try_into().unwrap()).unwrap();
     assert_eq!(resp.status, Status::UnsupportedVersion);

@@ -9,6 +9,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 
 pub mod block_buffers;
+pub mod checksum;
 pub mod hash;
 pub mod host_tier;
 pub mod pool;

@@ -20,7 +20,7 @@ use crate::kv::block_buffers::BlockBuffers;
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
-use super::lease_store::LeaseStore;
+use super::lease_store::{LeaseStore, LeasedKv};
 use super::request::{EngineRequest, Finished, RequestError, RequestEvent, RequestId};
 
 /// How often an idle engine wakes to expire leases.
@@ -150,7 +150,7 @@ impl EngineHandle {
 
     /// All of a lease's blocks, shared without a copy (`None`: no such lease). Served
     /// without waiting for the engine thread ([`LeaseStore`]).
-    pub fn lease_blocks(&self, lease_id: u64) -> Option<Arc<Vec<Vec<f32>>>> {
+    pub fn lease_blocks(&self, lease_id: u64) -> Option<Arc<LeasedKv>> {
         self.leases.get(lease_id)
     }
 

@@ -12,7 +12,7 @@ pub use config::{EngineConfig, Role};
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread, FinishedObserver};
 pub use engine::{Engine, StepStats};
-pub use lease_store::LeaseStore;
+pub use lease_store::{LeaseStore, LeasedKv};
 pub use request::{
     EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
     RequestTimings, Usage,

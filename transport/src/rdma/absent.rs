@@ -39,7 +39,7 @@ impl RdmaExporter {
     pub fn publish(
         &self,
         _lease_id: u64,
-        _blocks: &[Vec<f32>],
+        _kv: &pd_engine::serve::LeasedKv,
         _deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
         match self.0 {}

@@ -25,12 +25,10 @@
 //! num_blocks x checksum: u64   xxh3-64 of block i's bytes with seed BLOCK_SEED + i
 //! ```
 
-use twox_hash::XxHash3_64;
-
 use super::endpoint::{EndpointError, Fabric, LinkLayer};
 
-/// Base seed of the per-block checksums (`pd-kv-r1`).
-pub const BLOCK_SEED: u64 = 0x7064_2d6b_762d_7231;
+/// The per-block checksum TCP sends too, computed when the lease is made.
+pub use pd_engine::kv::checksum::{BLOCK_SEED, block_checksum};
 
 /// Most blocks one offer may describe (a 1 M-token prompt in blocks of 16 tokens is 65,536).
 pub const MAX_OFFER_BLOCKS: u32 = 1 << 20;
@@ -60,11 +58,6 @@ pub struct RdmaOffer {
     pub regions: Vec<RemoteRegion>,
     /// One per block.
     pub checksums: Vec<u64>,
-}
-
-/// The checksum of block `index` holding `bytes`.
-pub fn block_checksum(index: u64, bytes: &[u8]) -> u64 {
-    XxHash3_64::oneshot_with_seed(BLOCK_SEED.wrapping_add(index), bytes)
 }
 
 const MAGIC: [u8; 4] = *b"PDRX";
@@ -320,12 +313,6 @@ pub(crate) mod tests {
         long.push(0);
         assert!(RdmaOffer::decode(&long).is_err());
         assert!(RdmaOffer::decode(&[]).is_err());
-    }
-
-    #[test]
-    fn block_checksums_depend_on_the_index() {
-        assert_ne!(block_checksum(0, b"kv"), block_checksum(1, b"kv"));
-        assert_eq!(block_checksum(5, b"kv"), block_checksum(5, b"kv"));
     }
 
     proptest! {

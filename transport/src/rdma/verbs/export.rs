@@ -10,7 +10,9 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::device::RdmaDevice;
 use super::qp::Connection;
-use crate::rdma::{QpEndpoint, RdmaError, RdmaOffer, RemoteRegion, block_checksum};
+use pd_engine::serve::LeasedKv;
+
+use crate::rdma::{QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
 
 /// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
 /// restarted connects again and its old queue pair is useless).
@@ -65,14 +67,15 @@ impl RdmaExporter {
         })
     }
 
-    /// Register `blocks` (lease `lease_id`'s, in order) until `deadline` or
-    /// [`RdmaExporter::retire`]; the encoded [`RdmaOffer`] for the `KvHandle`.
+    /// Register lease `lease_id`'s blocks until `deadline` or [`RdmaExporter::retire`]; the
+    /// encoded [`RdmaOffer`] for the `KvHandle`, with the checksums the lease store computed.
     pub fn publish(
         &self,
         lease_id: u64,
-        blocks: &[Vec<f32>],
+        kv: &LeasedKv,
         deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
+        let blocks = &kv.blocks;
         self.retire_expired(Instant::now());
         let block_len = blocks.first().map_or(0, Vec::len);
         if block_len == 0 || blocks.iter().any(|b| b.len() != block_len) {
@@ -83,12 +86,7 @@ impl RdmaExporter {
         }
         let mut buf: Box<[f32]> = blocks.concat().into_boxed_slice();
         let bytes: &[u8] = bytemuck::cast_slice(&buf);
-        let block_bytes = block_len * 4;
-        let checksums = bytes
-            .chunks_exact(block_bytes)
-            .enumerate()
-            .map(|(i, b)| block_checksum(i as u64, b))
-            .collect();
+        let checksums = kv.checksums.clone();
         let len = bytes.len();
         // SAFETY: the boxed slice's heap memory does not move and is freed only after the
         // region (field order of `Published`).
@@ -102,7 +100,7 @@ impl RdmaExporter {
         let offer = RdmaOffer {
             fabric: self.device.fabric(),
             connect_addr: self.connect_addr.clone(),
-            block_bytes: block_bytes as u64,
+            block_bytes: block_len as u64 * 4,
             regions: vec![RemoteRegion {
                 addr: buf.as_ptr() as u64,
                 len: len as u64,
