@@ -119,6 +119,18 @@ pub struct RouterArgs {
     #[arg(long, env = "PD_MAX_MESSAGE_BYTES", default_value_t = 4 << 20, help_heading = "Server")]
     pub max_message_bytes: usize,
 
+    /// Threads of the async runtime that carries the gRPC traffic (0: one per four CPU cores,
+    /// at least one). Tokenizing text and rendering chat templates run on a separate
+    /// blocking pool, so these threads only move messages; handing a request from one thread
+    /// to another costs more than a second thread gains until one is busy (docs/cluster.md).
+    #[arg(
+        long,
+        env = "PD_ROUTER_WORKER_THREADS",
+        default_value_t = 0,
+        help_heading = "Server"
+    )]
+    pub worker_threads: usize,
+
     /// Upper bound of a whole request, e.g. `30s`, `500ms`, `5m` (a bare number is seconds).
     /// The client's own deadline (grpc-timeout) applies when it is shorter.
     #[arg(long, env = "PD_REQUEST_TIMEOUT", value_parser = parse_duration, help_heading = "Server")]
@@ -191,6 +203,15 @@ pub struct RouterArgs {
 }
 
 impl RouterArgs {
+    /// `--worker-threads`, with 0 resolved for this machine (cgroup CPU limits included).
+    pub fn runtime_threads(&self) -> usize {
+        if self.worker_threads > 0 {
+            return self.worker_threads;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / 4).max(1)
+    }
+
     /// The configuration these flags describe. The test-only report fault hook is read from
     /// `PD_ROUTER_REPORT_FAULTS` here (a malformed value is an error, never ignored).
     pub fn to_config(&self) -> Result<RouterConfig, crate::metrics::FaultSpecError> {

@@ -53,7 +53,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     let config = cli.router.to_config()?;
-    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.router.runtime_threads())
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
     // Node channels start their connection tasks on the runtime.
     let entered = runtime.enter();
     if cli.check_config {

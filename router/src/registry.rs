@@ -154,6 +154,11 @@ impl Node {
         self.state().info.clone()
     }
 
+    /// The context length from the last good `Info` (0: not reported).
+    pub fn max_model_len(&self) -> u32 {
+        self.state().info.as_ref().map_or(0, |i| i.max_model_len)
+    }
+
     pub fn layout(&self) -> Option<Layout> {
         self.state().info.as_ref().map(|i| Layout {
             fingerprint: i.layout_fingerprint.clone(),
@@ -530,11 +535,11 @@ impl Registry {
     /// The context length requests are validated against: the model's, lowered to the
     /// smallest `max_model_len` an up node reports.
     pub fn context_len(&self, model_max: usize) -> usize {
+        // Runs on every request: reads the one number, not a clone of each node's Info.
         self.nodes()
             .iter()
             .filter(|n| n.is_up())
-            .filter_map(|n| n.info())
-            .map(|i| i.max_model_len as usize)
+            .map(|n| n.max_model_len() as usize)
             .filter(|&m| m > 0)
             .fold(model_max, usize::min)
     }

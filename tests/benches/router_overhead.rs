@@ -1,11 +1,13 @@
 //! Router overhead: the latency a client sees for a 1-token request through the router
 //! (validation, routing, Prefill, the chunk streamed back) versus the same Prefill sent straight
-//! to the prefill node, alternating, on one `pdctl up` cluster of `synthetic:tiny`. The direct
+//! to the prefill node, in shuffled rounds, on one `pdctl up` cluster of `synthetic:tiny`. The direct
 //! request's lease is released after its timing ends (the router, too, releases it after the
 //! client's stream has ended). Prints p50 / p99 of each and the difference.
 //!
 //! `BASELINE_ROUTER=/path/to/another/router` also times that router binary, started on the
-//! same nodes, in the same alternation: before/after figures of a router change from one run.
+//! same nodes, in the same rounds: before/after figures of a router change from one run.
+//! Several binaries may be given, separated by commas (`BASELINE_ROUTER=/tmp/a,/tmp/b`).
+//! `N` sets the number of timed requests of each kind (default 300).
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p pd-tests --bench router_overhead`
 
@@ -30,6 +32,55 @@ async fn through(router: &mut GenerationClient<Channel>, prompt: &[u32]) -> Dura
     t.elapsed()
 }
 
+/// One Prefill straight to the node; its lease is released after the timing ends.
+async fn direct(
+    prefill: &mut pb::prefill_service_client::PrefillServiceClient<Channel>,
+    prompt: &[u32],
+    request_id: String,
+) -> Duration {
+    let t = Instant::now();
+    let resp = prefill
+        .prefill(pb::PrefillRequest {
+            request_id,
+            token_ids: prompt.to_vec(),
+            sampling: Some(pb::SamplingParams {
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            cache_salt: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    let d = t.elapsed();
+    let lease = resp.kv.expect("kv handle").lease_id;
+    prefill
+        .release_kv(pb::ReleaseKvRequest { lease_id: lease })
+        .await
+        .expect("release");
+    d
+}
+
+/// A fixed-seed xorshift: the same shuffled order in every run, no dependency.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Fisher–Yates.
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n: usize = std::env::var("N")
@@ -41,9 +92,17 @@ async fn main() {
     let mut router = client(&cluster.router()).await;
     let prefill_addr = cluster.nodes("prefill")[0].clone();
     let decode_addr = cluster.nodes("decode")[0].clone();
-    let baseline_bin = std::env::var("BASELINE_ROUTER").ok();
-    let baseline = baseline_bin.as_deref().map(|bin| {
-        Process::start(
+    let baseline_bins: Vec<String> = std::env::var("BASELINE_ROUTER")
+        .map(|v| {
+            v.split(',')
+                .filter(|b| !b.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut baselines = Vec::new();
+    for bin in &baseline_bins {
+        let process = Process::start(
             bin,
             cache.path(),
             &[
@@ -55,56 +114,46 @@ async fn main() {
                 &decode_addr,
             ],
         )
-        .expect("baseline router")
-    });
-    let mut baseline_client = None;
-    if let Some(b) = &baseline {
-        wait_serving(&b.addr())
+        .expect("baseline router");
+        wait_serving(&process.addr())
             .await
             .expect("baseline router serving");
-        baseline_client = Some(client(&b.addr()).await);
+        let c = client(&process.addr()).await;
+        baselines.push((process, c, Vec::new()));
     }
     let mut prefill =
         pb::prefill_service_client::PrefillServiceClient::connect(format!("http://{prefill_addr}"))
             .await
             .expect("prefill node");
     let prompt: Vec<u32> = (1..9).collect();
-    let (mut via_router, mut via_baseline, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    // Target 0 is the node itself, 1 the cluster's router, 2.. the baseline routers. Each
+    // round times every target once, in a fresh random order: what a request follows (e.g. a
+    // router still releasing the previous request's lease) then weighs on all targets alike.
+    let targets = 2 + baselines.len();
+    let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
+    let mut order: Vec<usize> = (0..targets).collect();
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     for i in 0..n + 20 {
-        let r = through(&mut router, &prompt).await;
-        let b = match &mut baseline_client {
-            Some(c) => Some(through(c, &prompt).await),
-            None => None,
-        };
-        let t = Instant::now();
-        let resp = prefill
-            .prefill(pb::PrefillRequest {
-                request_id: format!("direct-{i}"),
-                token_ids: prompt.clone(),
-                sampling: Some(pb::SamplingParams {
-                    temperature: Some(0.0),
-                    ..Default::default()
-                }),
-                cache_salt: None,
-            })
-            .await
-            .expect("prefill")
-            .into_inner();
-        let d = t.elapsed();
-        let lease = resp.kv.expect("kv handle").lease_id;
-        prefill
-            .release_kv(pb::ReleaseKvRequest { lease_id: lease })
-            .await
-            .expect("release");
-        if i >= 20 {
-            via_router.push(r);
-            via_baseline.extend(b);
-            direct.push(d);
+        rng.shuffle(&mut order);
+        for &target in &order {
+            let t = match target {
+                0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
+                1 => through(&mut router, &prompt).await,
+                b => through(&mut baselines[b - 2].1, &prompt).await,
+            };
+            if i >= 20 {
+                times[target].push(t);
+            }
         }
+    }
+    let mut via_router = std::mem::take(&mut times[1]);
+    let mut direct = std::mem::take(&mut times[0]);
+    for ((_, _, v), t) in baselines.iter_mut().zip(times.into_iter().skip(2)) {
+        *v = t;
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let (d50, d99) = (percentile(&mut direct, 0.5), percentile(&mut direct, 0.99));
-    println!("1-token requests, synthetic:tiny, {n} each, alternating");
+    println!("1-token requests, synthetic:tiny, {n} each, in shuffled rounds");
     println!(
         "  straight to the node      p50 {:8.0} us   p99 {:8.0} us",
         us(d50),
@@ -121,9 +170,9 @@ async fn main() {
         );
     };
     report("through the router", &mut via_router);
-    if let Some(bin) = &baseline_bin {
-        report(&format!("through {bin}"), &mut via_baseline);
+    for (bin, (_, _, times)) in baseline_bins.iter().zip(&mut baselines) {
+        report(&format!("through {bin}"), times);
     }
-    drop(baseline);
+    drop(baselines);
     cluster.stop();
 }

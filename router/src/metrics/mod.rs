@@ -27,8 +27,8 @@ use std::sync::Mutex;
 use pd_proto::pb::CounterReport;
 use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType, Summary};
 use prometheus::{
-    Encoder as _, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
-    TextEncoder,
+    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, TextEncoder,
 };
 
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
@@ -55,11 +55,11 @@ pub struct RouterMetrics {
     prompt_tokens: IntCounterVec,
     generation_tokens: IntCounterVec,
     preemptions: IntCounterVec,
-    pub(crate) ttft: HistogramVec,
-    pub(crate) itl: HistogramVec,
-    pub(crate) duration: HistogramVec,
     pub(crate) requests: IntCounterVec,
-    pub(crate) in_flight: IntGaugeVec,
+    /// Time to first token, inter-token latency, request duration and requests in flight of
+    /// this router's one model, looked up once: a label lookup hashes the label values under
+    /// a lock, and these are touched on every request and chunk.
+    pub(crate) model: ModelSeries,
     node_up: IntGaugeVec,
     node_running: IntGaugeVec,
     node_waiting: IntGaugeVec,
@@ -72,6 +72,15 @@ pub struct RouterMetrics {
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
     aggregator: Mutex<Aggregator>,
     faults: Option<ReportFaults>,
+}
+
+/// The per-request series of the served model (see [`RouterMetrics::model`]).
+#[derive(Debug)]
+pub(crate) struct ModelSeries {
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub duration: Histogram,
+    pub in_flight: IntGauge,
 }
 
 fn opts(family: Family) -> Opts {
@@ -108,6 +117,17 @@ impl RouterMetrics {
         };
         let node_kv_usage = GaugeVec::new(opts(Family::NodeKvCacheUsage), &NODE_LABELS)?;
         registry.register(Box::new(node_kv_usage.clone()))?;
+        let ttft = hist(Family::TimeToFirstToken, &ids::TTFT_BUCKETS)?;
+        let itl = hist(Family::InterTokenLatency, &ids::ITL_BUCKETS)?;
+        let duration = hist(Family::RequestDuration, &ids::DURATION_BUCKETS)?;
+        let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?;
+        // Request series exist from the start, so rates are defined before any request.
+        let model = ModelSeries {
+            ttft: ttft.with_label_values(&[model_name]),
+            itl: itl.with_label_values(&[model_name]),
+            duration: duration.with_label_values(&[model_name]),
+            in_flight: in_flight.with_label_values(&[model_name]),
+        };
         let metrics = Self {
             model_name: model_name.to_string(),
             queries: counter(Family::PrefixCacheQueries, &CACHE_LABELS)?,
@@ -115,11 +135,8 @@ impl RouterMetrics {
             prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS)?,
             generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS)?,
             preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS)?,
-            ttft: hist(Family::TimeToFirstToken, &ids::TTFT_BUCKETS)?,
-            itl: hist(Family::InterTokenLatency, &ids::ITL_BUCKETS)?,
-            duration: hist(Family::RequestDuration, &ids::DURATION_BUCKETS)?,
             requests: counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?,
-            in_flight: gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?,
+            model,
             node_up: gauge(Family::NodeUp, &NODE_LABELS)?,
             node_running: gauge(Family::NodeRequestsRunning, &NODE_LABELS)?,
             node_waiting: gauge(Family::NodeRequestsWaiting, &NODE_LABELS)?,
@@ -136,16 +153,10 @@ impl RouterMetrics {
             faults: faults.map(ReportFaults::new),
             registry,
         };
-        // Request series exist from the start, so rates are defined before any request.
-        let model = [metrics.model_name.as_str()];
-        metrics.ttft.with_label_values(&model);
-        metrics.itl.with_label_values(&model);
-        metrics.duration.with_label_values(&model);
-        metrics.in_flight.with_label_values(&model);
         for outcome in Outcome::INITIAL {
             metrics
                 .requests
-                .with_label_values(&[model[0], outcome.as_str()]);
+                .with_label_values(&[model_name, outcome.as_str()]);
         }
         Ok(metrics)
     }
@@ -182,6 +193,14 @@ impl RouterMetrics {
             return;
         }
         let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
+        // Only counters that move are looked up (a label lookup hashes the values under a
+        // lock; a PrefillResponse moves about half of them); `refresh_nodes` makes the other
+        // series exist before every scrape.
+        let add = |counter: &IntCounterVec, labels: &[&str], n: u64| {
+            if n > 0 {
+                counter.with_label_values(labels).inc_by(n);
+            }
+        };
         for (cache, queries, hits) in [
             (
                 Cache::Local,
@@ -195,29 +214,17 @@ impl RouterMetrics {
             ),
         ] {
             let labels = [cache.as_str(), role, addr, model];
-            self.queries.with_label_values(&labels).inc_by(queries);
-            self.hits.with_label_values(&labels).inc_by(hits);
+            add(&self.queries, &labels, queries);
+            add(&self.hits, &labels, hits);
         }
         let labels = [role, addr, model];
-        self.prompt_tokens
-            .with_label_values(&labels)
-            .inc_by(inc.prompt_tokens);
-        self.generation_tokens
-            .with_label_values(&labels)
-            .inc_by(inc.generation_tokens);
-        self.preemptions
-            .with_label_values(&labels)
-            .inc_by(inc.preemptions);
+        add(&self.prompt_tokens, &labels, inc.prompt_tokens);
+        add(&self.generation_tokens, &labels, inc.generation_tokens);
+        add(&self.preemptions, &labels, inc.preemptions);
         let labels = [addr, role];
-        self.kv_bytes
-            .with_label_values(&labels)
-            .inc_by(inc.kv_transfer_bytes);
-        self.kv_leases_expired
-            .with_label_values(&labels)
-            .inc_by(inc.kv_leases_expired);
-        self.restarts
-            .with_label_values(&labels)
-            .inc_by(u64::from(inc.restarted));
+        add(&self.kv_bytes, &labels, inc.kv_transfer_bytes);
+        add(&self.kv_leases_expired, &labels, inc.kv_leases_expired);
+        add(&self.restarts, &labels, u64::from(inc.restarted));
         for (reason, n) in &inc.kv_transfer_failures {
             self.kv_failures
                 .with_label_values(&[addr, role, reason])

@@ -89,10 +89,7 @@ struct RequestTimer {
 
 impl RequestTimer {
     fn start(metrics: Arc<RouterMetrics>) -> Self {
-        metrics
-            .in_flight
-            .with_label_values(&[metrics.model_name()])
-            .inc();
+        metrics.model.in_flight.inc();
         Self {
             metrics,
             arrival: Instant::now(),
@@ -102,14 +99,13 @@ impl RequestTimer {
     }
 
     fn chunk(&mut self, chunk: &pb::GenerateResponse) {
-        let model = [self.metrics.model_name()];
         let tokens = chunk.token_ids.len();
         if tokens > 0 {
             let now = Instant::now();
             match self.last_token {
                 None => {
                     let ttft = now.duration_since(self.arrival).as_secs_f64();
-                    self.metrics.ttft.with_label_values(&model).observe(ttft);
+                    self.metrics.model.ttft.observe(ttft);
                     // The other tokens of the first chunk came at the same moment.
                     self.observe_gaps(0.0, tokens - 1);
                 }
@@ -130,10 +126,7 @@ impl RequestTimer {
     }
 
     fn observe_gaps(&self, gap: f64, n: usize) {
-        let itl = self
-            .metrics
-            .itl
-            .with_label_values(&[self.metrics.model_name()]);
+        let itl = &self.metrics.model.itl;
         for _ in 0..n {
             itl.observe(gap);
         }
@@ -149,19 +142,15 @@ impl RequestTimer {
             return;
         }
         self.done = true;
-        let model = self.metrics.model_name();
         self.metrics
             .requests
-            .with_label_values(&[model, outcome.as_str()])
+            .with_label_values(&[self.metrics.model_name(), outcome.as_str()])
             .inc();
         if timed {
             let seconds = self.arrival.elapsed().as_secs_f64();
-            self.metrics
-                .duration
-                .with_label_values(&[model])
-                .observe(seconds);
+            self.metrics.model.duration.observe(seconds);
         }
-        self.metrics.in_flight.with_label_values(&[model]).dec();
+        self.metrics.model.in_flight.dec();
     }
 }
 
