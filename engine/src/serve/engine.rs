@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
-use crate::executor::{ExecItem, Executor};
+use crate::executor::{ExecItem, Executor, StepOutput};
 use crate::generate::validate_prompt;
 use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
 use crate::kv::hash::{BlockHash, BlockHasher};
@@ -27,7 +27,9 @@ use crate::kv::pool::BlockPool;
 use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
 
-use crate::sampling::{FinishReason, SampledToken, Sampler, StopChecker, prompt_logprobs};
+use crate::sampling::{
+    DeviceSampling, FinishReason, SampledToken, Sampler, StopChecker, prompt_logprobs,
+};
 
 mod import;
 mod leases;
@@ -325,8 +327,22 @@ impl<B: Backend> Engine<B> {
         }
         let planned = Instant::now();
 
-        // 3. Forward.
-        let logits = {
+        // 3. Forward. Sequences that finish their tokens this step and whose sampling the
+        // backend can do (greedy, top-k <= 64 without penalties / min-p / logprobs) get their
+        // token chosen where the logits are; the others get logits for the host sampler.
+        let outputs = {
+            let plans: Vec<Option<DeviceSampling>> = scheduled
+                .iter()
+                .map(|(id, n)| {
+                    let seq = &self.seqs[id];
+                    let completes = seq.computed + n == seq.tokens.len();
+                    if completes {
+                        seq.sampler.device_plan()
+                    } else {
+                        None
+                    }
+                })
+                .collect();
             let items: Vec<ExecItem<'_>> = scheduled
                 .iter()
                 .map(|(id, n)| {
@@ -339,7 +355,8 @@ impl<B: Backend> Engine<B> {
                     }
                 })
                 .collect();
-            self.executor.execute(&items)
+            self.executor
+                .execute_sampling(&items, &plans, self.vocab_limit)
         };
 
         // 4. Results.
@@ -352,14 +369,16 @@ impl<B: Backend> Engine<B> {
             postprocess: Duration::ZERO,
         };
         let mut to_sample = Vec::new();
-        for ((id, n), logits) in scheduled.into_iter().zip(logits) {
+        for ((id, n), output) in scheduled.into_iter().zip(outputs) {
             let caching = self.config.enable_prefix_caching;
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
             let start = seq.computed;
             seq.computed += n;
-            if let (Some(lp), Some(k)) =
-                (seq.prompt_logprobs.as_mut(), seq.req.params.prompt_logprobs)
-                && logits.rows == n
+            if let (Some(lp), Some(k), StepOutput::Logits(logits)) = (
+                seq.prompt_logprobs.as_mut(),
+                seq.req.params.prompt_logprobs,
+                &output,
+            ) && logits.rows == n
             {
                 for r in 0..n {
                     let p = start + r;
@@ -383,7 +402,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
             if seq.computed == seq.tokens.len() {
-                to_sample.push((id, logits));
+                to_sample.push((id, output));
             } // else: prefill continues next step
         }
 
@@ -397,12 +416,17 @@ impl<B: Backend> Engine<B> {
             })
             .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|(id, mut seq, logits)| {
-                let mut row = logits.row(logits.rows - 1).to_vec();
-                let limit = limit.min(row.len());
-                row[limit..].fill(f32::NEG_INFINITY);
-                let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                let token = seq.sampler.sample(&row, prompt, output);
+            .map(|(id, mut seq, output)| {
+                let token = match output {
+                    StepOutput::Sampled(sample) => seq.sampler.accept(sample),
+                    StepOutput::Logits(logits) => {
+                        let mut row = logits.row(logits.rows - 1).to_vec();
+                        let limit = limit.min(row.len());
+                        row[limit..].fill(f32::NEG_INFINITY);
+                        let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                        seq.sampler.sample(&row, prompt, output)
+                    }
+                };
                 (id, seq, token)
             })
             .collect();
