@@ -17,21 +17,23 @@
 //! [`KvSource`] holds under a lease (the engine's `EngineHandle::read_lease`) and never
 //! pushes. Releasing the lease after the pull stays with the control plane (gRPC). The importer
 //! asks for a contiguous run of a lease's blocks (the blocks it does not cache), all packed into
-//! one response streamed in 4 MiB checksummed chunks: per-operation cost dominates below
-//! ~256 KiB, so many blocks travel per message and a block is never a message of its own.
+//! one response: per-operation cost dominates below ~256 KiB, so a pull is one request and
+//! one streamed response, not a message per block.
 //!
 //! # TCP backend
 //!
 //! - Export: [`KvExportServer::bind`] listens (port 0 gives an ephemeral port; the real
 //!   address is returned) and serves many connections, many pulls per connection. Blocks are
-//!   read from the source in batches of ~32 MiB on tokio's blocking pool, the next batch
-//!   while the current one is on the wire. [`KvExportServer::shutdown`] stops gracefully.
+//!   lent by the source ([`SharedBlocks`]: the lease store's memory, no copy) in batches of
+//!   ~32 MiB, each block sent with the checksum computed when its lease was made, so the
+//!   exporter neither copies nor hashes. [`KvExportServer::shutdown`] stops gracefully.
 //! - Import: [`pull_blocks`] (one connection per pull) or [`KvPuller::pull`] (connections
-//!   reused per exporter). Every pull has a deadline, sent to the exporter too so it stops
+//!   reused per exporter; blocks land in the decode engine's recycled buffers). Every pull has a deadline, sent to the exporter too so it stops
 //!   working for an importer that gave up.
 //! - Checks on every pull: the exporter refuses a wrong fingerprint before sending any KV;
 //!   the importer verifies the echoed fingerprint, lease, block range, block length, every
-//!   chunk length and every chunk's xxh3-64 checksum, and a short stream is a
+//!   chunk length and every block's xxh3-64 checksum (`pd_engine::kv::checksum`), and a
+//!   short stream is a
 //!   [`TransportError::Length`]. Failures are typed ([`TransportError`]) with a stable
 //!   metric label ([`TransportError::reason`], a [`FailureReason`]).
 //! - Counters for the node's metrics ([`TransferStats`]: bytes, latency histogram, failures
