@@ -197,7 +197,7 @@ async fn connect(
         .map_err(|_| expired())?
         .map_err(|source| TransportError::Connect { addr, source })?;
     let _ = stream.set_nodelay(true);
-    Ok(BufStream::with_capacity(64 << 10, 4 << 10, stream))
+    Ok(BufStream::with_capacity(4 << 10, 4 << 10, stream))
 }
 
 /// One request/response on an open connection, bounded by `deadline`. `started` turns true
