@@ -4,6 +4,7 @@
 
 mod device;
 mod export;
+mod landing;
 mod qp;
 mod read;
 

@@ -1,18 +1,19 @@
 //! The decode node's side: connect to a prefill node once, then READ offered blocks into a
-//! registered landing buffer, with a bounded window of READs in flight.
+//! registered landing buffer (kept for later transfers: [`super::landing`]), with a bounded
+//! window of READs in flight.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::{PollCompletionQueueError, WorkCompletionStatus};
 use sideway::ibverbs::queue_pair::{
     PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
 };
 
 use super::device::RdmaDevice;
+use super::landing::{Landing, LandingPool};
 use super::qp::Connection;
 use super::verbs_error;
 use crate::importer::OneSidedReader;
@@ -34,6 +35,7 @@ pub struct RdmaReader {
     max_in_flight: usize,
     peers: Mutex<HashMap<String, PeerSlot>>,
     next_tag: AtomicU32,
+    landings: Arc<LandingPool>,
 }
 
 impl std::fmt::Debug for RdmaReader {
@@ -59,6 +61,7 @@ impl RdmaReader {
             max_in_flight: config.max_in_flight.max(1),
             peers: Mutex::default(),
             next_tag: AtomicU32::new(1),
+            landings: Arc::new(LandingPool::new(device)),
         })
     }
 
@@ -118,12 +121,29 @@ impl RdmaReader {
             Some(c) => c,
             None => self.connect(&offer.connect_addr, deadline).await?,
         };
-        let device = self.device.clone();
+        let landings = Arc::clone(&self.landings);
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let max_in_flight = self.max_in_flight;
         let len = req.count * req.block_len;
-        let (conn, result) = tokio::task::spawn_blocking(move || {
-            transfer(&device, conn, &ops, len, tag, max_in_flight, deadline)
+        let (conn, landed) = tokio::task::spawn_blocking(move || {
+            let landing = match landings.take(len) {
+                Ok(l) => l,
+                Err(e) => return (Some(conn), Err(e)),
+            };
+            let (conn, landing, result) =
+                transfer(conn, landing, &ops, tag, max_in_flight, deadline);
+            let landed = result.map(|()| {
+                let blocks = copy_out(&landing, len, req.block_len);
+                (landing, blocks)
+            });
+            // No READ targets the buffer any more (done, or the queue pair is destroyed).
+            match landed {
+                Ok((landing, blocks)) => {
+                    landings.give(landing);
+                    (conn, Ok(blocks))
+                }
+                Err(e) => (conn, Err(e)),
+            }
         })
         .await
         .map_err(|e| RdmaError::Verbs {
@@ -133,46 +153,40 @@ impl RdmaReader {
         // A queue pair that saw an error is in the error state: drop it, reconnect next time.
         *guard = conn;
         drop(guard);
-        let landed = result?;
-        let mut blocks = Vec::with_capacity(req.count);
-        for (i, block) in landed.chunks_exact(req.block_len.max(1)).enumerate() {
+        let blocks = landed?;
+        for (i, block) in blocks.iter().enumerate() {
             let index = (req.first_block + i) as u64;
             let sum = block_checksum(index, bytemuck::cast_slice(block));
             if offer.checksums.get(index as usize) != Some(&sum) {
                 return Err(RdmaError::Checksum { block: index });
             }
-            blocks.push(block.to_vec());
         }
         Ok(blocks)
     }
 }
 
-/// Run `ops` on `conn` into a fresh registered buffer of `len` f32 values. Returns the
-/// connection if it is still usable, and the buffer or the error. Blocking: polls the
+/// The landed values as blocks of `block_len`.
+fn copy_out(landing: &Landing, len: usize, block_len: usize) -> Vec<Vec<f32>> {
+    landing
+        .values(len)
+        .chunks_exact(block_len.max(1))
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// Run `ops` on `conn` into `landing` (registered, large enough for every op). Returns the
+/// connection if it is still usable (on an error it is destroyed first, so no READ can write
+/// into `landing` afterwards), the landing buffer, and the outcome. Blocking: polls the
 /// completion queue until every READ completed or `deadline` passed.
 fn transfer(
-    device: &RdmaDevice,
     mut conn: Connection,
+    landing: Landing,
     ops: &[ReadOp],
-    len: usize,
     tag: u32,
     max_in_flight: usize,
     deadline: Instant,
-) -> (Option<Connection>, Result<Vec<f32>, RdmaError>) {
-    let mut buf = vec![0f32; len.max(1)];
-    // SAFETY: `buf` is neither moved nor freed before `mr` is dropped, and on any error the
-    // queue pair is destroyed (no DMA in flight) before either.
-    let mr = match unsafe {
-        device.register(
-            buf.as_mut_ptr().cast::<u8>(),
-            buf.len() * 4,
-            AccessFlags::LocalWrite,
-        )
-    } {
-        Ok(mr) => mr,
-        Err(e) => return (Some(conn), Err(e)),
-    };
-    let base = buf.as_mut_ptr() as u64;
+) -> (Option<Connection>, Landing, Result<(), RdmaError>) {
+    let (lkey, base) = (landing.lkey(), landing.base());
     let mut window = ReadWindow::new(tag, ops.len(), max_in_flight);
     let mut idle_polls = 0u32;
     let outcome = loop {
@@ -187,9 +201,10 @@ fn transfer(
                 let wr = post
                     .construct_wr(window.wr_id(i), WorkRequestFlags::Signaled)
                     .setup_read(op.rkey, op.remote_addr);
-                // SAFETY: the SGE lies inside `buf`, registered as `mr` until the READ
-                // completed or the queue pair is destroyed.
-                unsafe { wr.setup_sge(mr.lkey(), base + op.local_offset, op.len) };
+                // SAFETY: the SGE lies inside `landing` (the plan fits the transfer, which
+                // fits the buffer), registered until the READ completed or the queue pair is
+                // destroyed.
+                unsafe { wr.setup_sge(lkey, base + op.local_offset, op.len) };
             }
             if let Err(e) = post.post() {
                 break Err(verbs_error("ibv_post_send", e));
@@ -234,17 +249,11 @@ fn transfer(
         }
     };
     match outcome {
-        Ok(()) => {
-            drop(mr);
-            buf.truncate(len);
-            (Some(conn), Ok(buf))
-        }
+        Ok(()) => (Some(conn), landing, Ok(())),
         Err(e) => {
-            // Destroy the queue pair first: after that no READ can write into `buf`.
+            // Destroy the queue pair first: after that no READ can write into `landing`.
             drop(conn);
-            drop(mr);
-            drop(buf);
-            (None, Err(e))
+            (None, landing, Err(e))
         }
     }
 }
