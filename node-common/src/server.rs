@@ -69,6 +69,37 @@ impl Ready {
     }
 }
 
+/// A node that has started (model loaded, listeners bound): what the prefill and decode
+/// nodes share for [`serve`].
+pub trait StartedNode: Send + Sized {
+    /// What the ready line says.
+    fn ready(&self) -> &Ready;
+
+    /// Serve until `shutdown` resolves, drain, then stop.
+    fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> impl Future<Output = anyhow::Result<()>> + Send;
+}
+
+/// Start a node, print its ready line, serve until `shutdown`, drain and stop. A shutdown
+/// during start-up (loading a large model takes a while) ends it at once.
+pub async fn serve<N: StartedNode>(
+    start: impl Future<Output = anyhow::Result<N>> + Send,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let node = tokio::select! {
+        node = start => node?,
+        () = &mut shutdown => {
+            tracing::info!("shutdown requested while starting; exiting");
+            return Ok(());
+        }
+    };
+    node.ready().announce()?;
+    node.run(shutdown).await
+}
+
 /// Bind a TCP listener on `host:port` (port 0: an ephemeral port); returns it and its
 /// address.
 pub async fn bind(host: &str, port: u16, what: &str) -> anyhow::Result<(TcpListener, SocketAddr)> {

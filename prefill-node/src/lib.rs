@@ -554,20 +554,24 @@ impl PrefillNode {
     }
 }
 
-/// Start, print the ready line, serve until `shutdown`, drain and stop. A shutdown during
-/// start-up (loading a large model takes a while) ends it at once.
+impl pd_node::server::StartedNode for PrefillNode {
+    fn ready(&self) -> &Ready {
+        PrefillNode::ready(self)
+    }
+
+    fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> impl Future<Output = anyhow::Result<()>> + Send {
+        PrefillNode::run(self, shutdown)
+    }
+}
+
+/// Start, print the ready line, serve until `shutdown`, drain and stop
+/// ([`pd_node::server::serve`]).
 pub async fn serve(
     args: PrefillArgs,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let mut shutdown = std::pin::pin!(shutdown);
-    let node = tokio::select! {
-        node = start(args) => node?,
-        () = &mut shutdown => {
-            tracing::info!("shutdown requested while starting; exiting");
-            return Ok(());
-        }
-    };
-    node.ready().announce()?;
-    node.run(shutdown).await
+    pd_node::server::serve(start(args), shutdown).await
 }
