@@ -271,27 +271,9 @@ where
 
 /// Poll the router's gRPC health check until it reports SERVING.
 async fn wait_serving(addr: &str) -> anyhow::Result<()> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?;
-        if let Ok(channel) = endpoint.connect().await
-            && let Ok(r) = HealthClient::new(channel)
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-            && r.into_inner().status() == ServingStatus::Serving
-        {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("the router at {addr} did not report SERVING within 60 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    pd_proto::health::wait_serving(addr, Duration::from_secs(60), Duration::from_millis(100))
+        .await
+        .context("the router")
 }
 
 /// SIGTERM every part (router first, so no new work reaches the nodes), then wait; SIGKILL

@@ -265,28 +265,10 @@ impl Drop for Process {
 
 /// Waits (up to a minute) until the router at `addr` reports SERVING on grpc.health.v1.
 pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        if let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .connect()
-            .await
-            && let Ok(r) = HealthClient::new(channel)
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-            && r.into_inner().status() == ServingStatus::Serving
-        {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("the router at {addr} did not report SERVING within 60 s");
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    use std::time::Duration;
+    pd_proto::health::wait_serving(addr, Duration::from_secs(60), Duration::from_millis(50))
+        .await
+        .context("the router")
 }
 
 // ---- metrics ------------------------------------------------------------------------------
