@@ -8,6 +8,13 @@ use anyhow::Context as _;
 use clap::Parser;
 use pd_router::{Router, RouterArgs};
 
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "router",
@@ -18,9 +25,16 @@ struct Cli {
     #[command(flatten)]
     router: RouterArgs,
 
-    /// Write logs (stderr) as JSON lines.
-    #[arg(long, env = "PD_LOG_JSON", help_heading = "Logging")]
-    log_json: bool,
+    /// How logs (stderr) are written: `text` or `json` (one object per line). The same flag
+    /// and variable as the nodes', so one `PD_LOG_FORMAT` configures a whole deployment.
+    #[arg(
+        long,
+        env = "PD_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text,
+        help_heading = "Logging"
+    )]
+    log_format: LogFormat,
 
     /// Parse and validate every flag and `PD_*` variable, print the effective configuration
     /// and exit (0, or non-zero with the problem) without serving.
@@ -46,10 +60,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    if cli.log_json {
-        logs.json().init();
-    } else {
-        logs.init();
+    match cli.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs.init(),
     }
 
     let config = cli.router.to_config()?;
