@@ -16,7 +16,8 @@
 //!
 //! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_LEN` f32 values per block
 //! (default 917504 = Qwen3-0.6B: 2 x 28 layers x 16 tokens x 8 KV heads x 128 dims, 3.67 MB),
-//! `PD_BENCH_ITERS` (default 5).
+//! `PD_BENCH_ITERS` (default 10: with 5, one disturbed run on a shared 2-core machine was
+//! enough to move the ratio by 0.3).
 //!
 //! The per-block checksums are computed once, when the lease is made (as the prefill engine
 //! does); that time is printed too, but it is not part of a transfer.
@@ -100,7 +101,7 @@ impl RawPeer {
 fn main() {
     let blocks = env("PD_BENCH_BLOCKS", 256);
     let block_len = env("PD_BENCH_BLOCK_LEN", 2 * 28 * 16 * 8 * 128);
-    let iters = env("PD_BENCH_ITERS", 5).max(1);
+    let iters = env("PD_BENCH_ITERS", 10).max(1);
     let bytes = (blocks * block_len * 4) as u64;
     println!(
         "{blocks} blocks x {:.2} MB = {:.1} MB per transfer, best of {iters}, raw socket and \

@@ -13,6 +13,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use rayon::prelude::*;
+
 use crate::kv::checksum::block_checksum;
 
 /// One lease's KV as it is exported.
@@ -25,10 +27,12 @@ pub struct LeasedKv {
 }
 
 impl LeasedKv {
-    /// `blocks` with their checksums.
+    /// `blocks` with their checksums, hashed on the rayon pool (this runs on the engine
+    /// thread when a prefill ends: a 4,096-token Qwen3-0.6B lease is 940 MB, ~60 ms for one
+    /// core at ~15 GB/s).
     pub fn new(blocks: Vec<Vec<f32>>) -> Self {
         let checksums = blocks
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(i, b)| block_checksum(i as u64, bytemuck::cast_slice(b)))
             .collect();
