@@ -14,7 +14,7 @@
 //! | [`LayoutFingerprint`] checked on both sides  | checked in the control plane before the read |
 //!
 //! The exporting side registers nothing per transfer: it answers reads of whatever its
-//! [`KvSource`] holds under a lease (the engine's `EngineHandle::read_lease`) and never
+//! [`KvSource`] holds under a lease (the engine's `EngineHandle::lease_blocks`) and never
 //! pushes. Releasing the lease after the pull stays with the control plane (gRPC). The importer
 //! asks for a contiguous run of a lease's blocks (the blocks it does not cache), all packed into
 //! one response: per-operation cost dominates below ~256 KiB, so a pull is one request and

@@ -355,37 +355,35 @@ type Batch = Result<SharedBlocks, (Status, String)>;
 /// Blocks `first .. first + count` of the lease, checked.
 fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> Batch {
     let (lease, block_len) = (req.lease_id, req.block_len);
-    {
-        let Some(shared) = ctx.source.read_blocks(lease, first, count) else {
-            return Err((
-                Status::UnknownLease,
-                format!(
-                    "no lease {lease} covering blocks {first}..{} here",
-                    first + count
-                ),
-            ));
-        };
-        let blocks = shared.blocks();
-        if blocks.len() != count {
-            return Err((
-                Status::Length,
-                format!(
-                    "lease {lease}: asked for {count} blocks, the source gave {}",
-                    blocks.len()
-                ),
-            ));
-        }
-        if let Some(b) = blocks.iter().find(|b| b.len() as u64 != block_len) {
-            return Err((
-                Status::Length,
-                format!(
-                    "lease {lease}: blocks hold {} values here, the request says {block_len}",
-                    b.len()
-                ),
-            ));
-        }
-        Ok(shared)
+    let Some(shared) = ctx.source.read_blocks(lease, first, count) else {
+        return Err((
+            Status::UnknownLease,
+            format!(
+                "no lease {lease} covering blocks {first}..{} here",
+                first + count
+            ),
+        ));
+    };
+    let blocks = shared.blocks();
+    if blocks.len() != count {
+        return Err((
+            Status::Length,
+            format!(
+                "lease {lease}: asked for {count} blocks, the source gave {}",
+                blocks.len()
+            ),
+        ));
     }
+    if let Some(b) = blocks.iter().find(|b| b.len() as u64 != block_len) {
+        return Err((
+            Status::Length,
+            format!(
+                "lease {lease}: blocks hold {} values here, the request says {block_len}",
+                b.len()
+            ),
+        ));
+    }
+    Ok(shared)
 }
 
 /// Answer one pull: a refusal, or the header and the whole payload.

@@ -142,12 +142,6 @@ impl EngineHandle {
         rx.recv().unwrap_or(0)
     }
 
-    /// Copies of blocks of a lease (`None`: no such lease, or out of range). Served from the
-    /// lease's copy without waiting for the engine thread ([`LeaseStore`]).
-    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
-        self.leases.read(lease_id, first, count)
-    }
-
     /// All of a lease's blocks, shared without a copy (`None`: no such lease). Served
     /// without waiting for the engine thread ([`LeaseStore`]).
     pub fn lease_blocks(&self, lease_id: u64) -> Option<Arc<LeasedKv>> {
