@@ -31,7 +31,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use pd_engine::generate::validate_prompt;
-use pd_engine::serve::{EngineRequest, EngineThread, ImportedKv, RequestEvent, RequestId, Role};
+use pd_engine::serve::{
+    EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, RequestId, Role,
+};
 use pd_node::requests::{engine_gone, engine_status, forward_events};
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, RequestGuard, Requests};
 use pd_proto::convert;
@@ -203,7 +205,9 @@ impl DecodeNodeService {
         Ok(())
     }
 
-    /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV.
+    /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV:
+    /// in place into blocks the engine reserves for them where its KV is in host memory and
+    /// its pool has room, else into buffers the engine copies in at admission.
     async fn pull(
         &self,
         req: &EngineRequest,
@@ -213,10 +217,15 @@ impl DecodeNodeService {
         let addr = resolve(&kv.addr).await?;
         let engine = self.requests.engine().clone();
         let (prompt, salt) = (req.prompt.clone(), req.cache_salt.clone());
-        let cached = tokio::task::spawn_blocking(move || engine.cached_prefix_blocks(prompt, salt))
-            .await
-            .map_err(|e| Status::internal(format!("prefix lookup task failed: {e}")))?;
         let total = req.prompt.len().div_ceil(self.facts.block_size());
+        let (cached, mut reservation) = tokio::task::spawn_blocking(move || {
+            match engine.reserve_import(prompt.clone(), salt.clone()) {
+                Some(r) => (r.first_block(), Some(r)),
+                None => (engine.cached_prefix_blocks(prompt, salt), None),
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(format!("prefix lookup task failed: {e}")))?;
         // The block holding the last prompt token is never cached here; keep at least it.
         let first_block = cached.min(total - 1);
         let count = total - first_block;
@@ -229,8 +238,20 @@ impl DecodeNodeService {
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());
-        match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
-            Ok((blocks, path)) => {
+        let pulled = match reservation.as_mut() {
+            Some(into) => self
+                .importer
+                .pull_into(addr, &kv.rdma, pull, into, deadline)
+                .await
+                .map(|path| (None, path)),
+            None => self
+                .importer
+                .pull(addr, &kv.rdma, pull, deadline)
+                .await
+                .map(|(blocks, path)| (Some(blocks), path)),
+        };
+        match pulled {
+            Ok((buffers, path)) => {
                 let s = &self.stats;
                 s.pulls_ok.fetch_add(1, Ordering::Relaxed);
                 s.blocks_pulled.fetch_add(count as u64, Ordering::Relaxed);
@@ -244,6 +265,7 @@ impl DecodeNodeService {
                     lease_id = kv.lease_id,
                     cached_blocks = first_block,
                     pulled_blocks = count,
+                    in_place = buffers.is_none(),
                     path = match path {
                         PathUsed::Rdma => "rdma",
                         PathUsed::Tcp => "tcp",
@@ -252,6 +274,11 @@ impl DecodeNodeService {
                     elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
                     "KV pulled"
                 );
+                let blocks = match (buffers, reservation) {
+                    (Some(b), _) => ImportedBlocks::Buffers(b),
+                    (None, Some(r)) => ImportedBlocks::Placed(r),
+                    (None, None) => unreachable!("a pull lands in buffers or in place"),
+                };
                 Ok(ImportedKv {
                     first_block,
                     blocks,

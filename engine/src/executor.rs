@@ -237,6 +237,11 @@ impl<B: Backend> Executor<B> {
     pub fn write_block(&mut self, block: u32, src: &[f32]) {
         self.backend.write_block(&mut self.kv, block, src);
     }
+
+    /// Where KV storage lies in host memory (`None` on a GPU): imports land there in place.
+    pub fn host_kv_memory(&self) -> Option<crate::kv::placement::HostKvMemory> {
+        self.backend.host_kv_memory(&self.kv)
+    }
 }
 
 /// What [`Executor::execute_sampling`] returns for one item.

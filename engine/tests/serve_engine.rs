@@ -4,17 +4,19 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pd_engine::ErrorKind;
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
+use pd_engine::kv::placement::{ReleaseFn, ReservationId};
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::{FinishReason, SamplingParams};
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineCounters, EngineRequest, EngineThread, Finished, RequestEvent,
-    RequestId, Role,
+    Engine, EngineConfig, EngineCounters, EngineRequest, EngineThread, Finished, ImportedBlocks,
+    RequestEvent, RequestId, Role,
 };
 use pd_engine::weights::Checkpoint;
 
@@ -418,9 +420,10 @@ fn driver_streams_events_and_aborts_when_the_receiver_is_dropped() {
 }
 
 /// Prefill on one engine, KV moved block by block, decode on another: the same greedy tokens
-/// as one mixed engine, and the decode node pulls only what it does not cache.
-#[test]
-fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
+/// as one mixed engine, and the decode node pulls only what it does not cache. With
+/// `placed`, the blocks land in place in blocks the decode engine reserved; otherwise in
+/// buffers it copies in at admission.
+fn prefill_then_decode(placed: bool) {
     let p = prompt(21, 23); // 5 full blocks + 3 tokens
     let mut mixed = engine(64, config());
     let want = run_one(&mut mixed, req("m", p.clone(), 8)).tokens;
@@ -439,15 +442,39 @@ fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
             ..config()
         },
     );
+    let released = Arc::new(Mutex::new(Vec::new()));
     let transfer =
         |id: &str, p: &[u32], prefill: &mut Engine<CpuBackend>, decode: &mut Engine<CpuBackend>| {
             let first = run_one(prefill, req(id, p.to_vec(), 8));
             let lease = first.finished.unwrap().lease.unwrap();
-            let have = decode.cached_prefix_blocks(p, None);
+            let (have, reservation) = if placed {
+                let r = decode
+                    .reserve_import(p, None, release_into(&released))
+                    .expect("host KV memory and room in the pool");
+                (r.first_block(), Some(r))
+            } else {
+                (decode.cached_prefix_blocks(p, None), None)
+            };
             let blocks = prefill
                 .read_lease(lease.lease_id, have, lease.blocks.len() - have)
                 .unwrap();
             assert!(prefill.release_lease(lease.lease_id));
+            let blocks = match reservation {
+                Some(mut r) => {
+                    assert_eq!(r.len(), blocks.len());
+                    for (i, block) in blocks.iter().enumerate() {
+                        let bytes: Vec<u8> = block.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let mut at = 0;
+                        for seg in r.block_mut(i) {
+                            seg.copy_from_slice(&bytes[at..at + seg.len()]);
+                            at += seg.len();
+                        }
+                        assert_eq!(at, bytes.len());
+                    }
+                    ImportedBlocks::Placed(r)
+                }
+                None => ImportedBlocks::Buffers(blocks),
+            };
             let mut r = req(id, p.to_vec(), 8);
             r.imported = Some(pd_engine::serve::ImportedKv {
                 first_block: have,
@@ -502,8 +529,82 @@ fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
     let mut bad = req("y", p.clone(), 4);
     bad.imported = Some(pd_engine::serve::ImportedKv {
         first_block: 0,
-        blocks: vec![vec![0.0; 3]; 6],
+        blocks: ImportedBlocks::Buffers(vec![vec![0.0; 3]; 6]),
         first_token: 1,
     });
     assert!(decode.submit(bad).unwrap_err().message.contains("layout"));
+    assert!(
+        released.lock().unwrap().is_empty(),
+        "admitted reservations give nothing back"
+    );
+    assert_eq!(decode.reservations_held(), 0);
+}
+
+#[test]
+fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
+    prefill_then_decode(false);
+}
+
+#[test]
+fn kv_pulled_in_place_equals_mixed_and_counts_the_transfer_as_external() {
+    prefill_then_decode(true);
+}
+
+/// A release function that records the ids it is called with.
+fn release_into(log: &Arc<Mutex<Vec<ReservationId>>>) -> ReleaseFn {
+    let log = log.clone();
+    Arc::new(move |id| log.lock().unwrap().push(id))
+}
+
+/// A reservation dropped unadmitted (a failed pull, a request that ended first) gives every
+/// block back, its cached prefix's references included; one left in a request that is
+/// aborted before admission does too.
+#[test]
+fn reservations_never_admitted_give_every_block_back() {
+    let p = prompt(5, 10); // 3 blocks of 4
+    let mut decode = engine(
+        16,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    );
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let r = decode.reserve_import(&p, None, release_into(&log)).unwrap();
+    assert_eq!((r.first_block(), r.len()), (0, 3));
+    assert!(
+        decode.counters().kv_cache_usage > 0.0,
+        "the blocks are held"
+    );
+    // The pool cannot reserve what it does not have: the caller falls back to buffers.
+    assert!(
+        decode
+            .reserve_import(&prompt(6, 16 * 14), None, release_into(&log))
+            .is_none()
+    );
+    assert_eq!(decode.reservations_held(), 1);
+    drop(r);
+    let id = log.lock().unwrap().pop().expect("released on drop");
+    assert!(decode.release_reservation(id));
+    assert!(!decode.release_reservation(id), "released once");
+    all_free(&decode);
+
+    // Reserved, then the request is aborted while it waits.
+    let r = decode.reserve_import(&p, None, release_into(&log)).unwrap();
+    let mut waiting = req("w", p.clone(), 4);
+    waiting.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Placed(r),
+        first_token: 1,
+    });
+    decode.submit(waiting).unwrap();
+    assert!(decode.abort(&"w".into()).is_some());
+    let id = log
+        .lock()
+        .unwrap()
+        .pop()
+        .expect("released when the request went");
+    assert!(decode.release_reservation(id));
+    all_free(&decode);
+    assert_eq!(decode.reservations_held(), 0);
 }

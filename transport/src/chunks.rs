@@ -1,7 +1,7 @@
 //! The payload stream both sides share: one checksummed DATA chunk per block. The exporter
 //! sends each block with the checksum computed when its lease was made (it hashes nothing
-//! while sending); the importer reads each block straight into its buffer, hashing it as it
-//! arrives, and compares.
+//! while sending); the importer reads each block straight into its buffer, or in place into
+//! the KV memory reserved for it, hashing it as it arrives, and compares.
 
 use pd_engine::kv::checksum::BlockHasher;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -80,7 +80,20 @@ impl BlockReader {
         r: &mut R,
         buf: &mut [u8],
     ) -> Result<(), TransportError> {
-        debug_assert_eq!(buf.len() as u64, self.block_bytes);
+        self.read_block_into(r, &mut [buf]).await
+    }
+
+    /// Read the next block into `segments`, which together are `block_bytes` long and take
+    /// its bytes in order (a block landing in place in KV memory), verified.
+    pub(crate) async fn read_block_into<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+        segments: &mut [&mut [u8]],
+    ) -> Result<(), TransportError> {
+        debug_assert_eq!(
+            segments.iter().map(|s| s.len() as u64).sum::<u64>(),
+            self.block_bytes
+        );
         if self.done >= self.id.count {
             return Err(TransportError::Length(format!(
                 "more than the {} blocks of the pull read",
@@ -90,9 +103,11 @@ impl BlockReader {
         self.next_chunk(r).await?;
         let index = self.id.first_block + self.done;
         let mut hasher = BlockHasher::new(index);
-        for piece in buf.chunks_mut(PIECE) {
-            self.read_exact(r, piece).await?;
-            hasher.update(piece);
+        for segment in segments.iter_mut() {
+            for piece in segment.chunks_mut(PIECE) {
+                self.read_exact(r, piece).await?;
+                hasher.update(piece);
+            }
         }
         let mut sum = [0u8; CHECKSUM_LEN];
         self.read_exact(r, &mut sum).await?;
@@ -236,6 +251,23 @@ mod tests {
         let (blocks, stream) = encode(5, 3).await;
         assert_eq!(stream.len(), 3 * (CHUNK_HEADER_LEN + LEN + CHECKSUM_LEN));
         assert_eq!(decode(&stream, 5, 3).await.unwrap(), blocks);
+    }
+
+    #[tokio::test]
+    async fn a_block_read_into_segments_lands_in_order_and_verifies() {
+        let (blocks, stream) = encode(2, 2).await;
+        let mut r = BlockReader::new(LEN as u64, id(2, 2));
+        let mut src = &stream[..];
+        for want in &blocks {
+            // Uneven segments, one of them longer than a read piece.
+            let mut a = vec![0u8; 100];
+            let mut b = vec![0u8; PIECE + 7];
+            let mut c = vec![0u8; LEN - 107 - PIECE];
+            r.read_block_into(&mut src, &mut [&mut a, &mut b, &mut c])
+                .await
+                .unwrap();
+            assert_eq!([a, b, c].concat(), *want);
+        }
     }
 
     #[tokio::test]

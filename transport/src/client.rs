@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::placement::KvReservation;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
@@ -49,7 +50,68 @@ pub async fn pull_blocks(
 ) -> Result<Vec<Vec<f32>>, TransportError> {
     let mut conn = connect(addr, deadline).await?;
     let mut started = false;
-    transfer(addr, &mut conn, &req, deadline, &mut started, None).await
+    let mut sink = Sink::Buffers {
+        pool: None,
+        blocks: Vec::new(),
+    };
+    transfer(addr, &mut conn, &req, deadline, &mut started, &mut sink).await?;
+    Ok(sink.into_blocks())
+}
+
+/// Where a pull's blocks go.
+enum Sink<'a> {
+    /// Into buffers (from `pool` when given), collected in `blocks`.
+    Buffers {
+        pool: Option<&'a BlockBuffers>,
+        blocks: Vec<Vec<f32>>,
+    },
+    /// In place, into the KV memory the engine reserved.
+    Placed(&'a mut KvReservation),
+}
+
+impl Sink<'_> {
+    fn into_blocks(self) -> Vec<Vec<f32>> {
+        match self {
+            Sink::Buffers { blocks, .. } => blocks,
+            Sink::Placed(_) => Vec::new(),
+        }
+    }
+
+    /// Read the pull's `count` blocks through `reader`. Buffers of a failed pull go back to
+    /// their pool.
+    async fn read_all<R: tokio::io::AsyncRead + Unpin>(
+        &mut self,
+        conn: &mut R,
+        reader: &mut BlockReader,
+        req: &PullRequest,
+    ) -> Result<(), TransportError> {
+        match self {
+            Sink::Buffers { pool, blocks } => {
+                let pool = pool.filter(|b| b.block_len() == req.block_len);
+                for _ in 0..req.count {
+                    let mut block =
+                        pool.map_or_else(|| vec![0f32; req.block_len], BlockBuffers::take);
+                    let read = reader
+                        .read_block(conn, bytemuck::cast_slice_mut(&mut block))
+                        .await;
+                    blocks.push(block);
+                    if let Err(e) = read {
+                        if let Some(b) = pool {
+                            b.give_all(std::mem::take(blocks));
+                        }
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            }
+            Sink::Placed(r) => {
+                for i in 0..req.count {
+                    reader.read_block_into(conn, &mut r.block_mut(i)).await?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Connections kept open between pulls, per exporter: a pull reuses an idle connection when
@@ -114,10 +176,40 @@ impl KvPuller {
         req: PullRequest,
         deadline: Instant,
     ) -> Result<Vec<Vec<f32>>, TransportError> {
+        let mut sink = Sink::Buffers {
+            pool: self.buffers.as_ref(),
+            blocks: Vec::new(),
+        };
+        self.pull_counted(addr, req, deadline, &mut sink).await?;
+        Ok(sink.into_blocks())
+    }
+
+    /// The same pull, landing in place in `into` (the blocks the decode engine reserved for
+    /// it: `req.count` blocks of `req.block_len` values, checked before anything is sent).
+    /// On failure `into` holds partial data and must not be admitted.
+    pub async fn pull_into(
+        &self,
+        addr: SocketAddr,
+        req: PullRequest,
+        into: &mut KvReservation,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        check_reservation(&req, into)?;
+        self.pull_counted(addr, req, deadline, &mut Sink::Placed(into))
+            .await
+    }
+
+    async fn pull_counted(
+        &self,
+        addr: SocketAddr,
+        req: PullRequest,
+        deadline: Instant,
+        sink: &mut Sink<'_>,
+    ) -> Result<(), TransportError> {
         let started = Instant::now();
-        let result = self.pull_pooled(addr, req, deadline).await;
+        let result = self.pull_pooled(addr, req, deadline, sink).await;
         match &result {
-            Ok(_) => self
+            Ok(()) => self
                 .stats
                 .record_ok(req.payload_bytes().unwrap_or(0), started.elapsed()),
             Err(e) => self.stats.record_failure(e.reason()),
@@ -130,14 +222,14 @@ impl KvPuller {
         addr: SocketAddr,
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<Vec<Vec<f32>>, TransportError> {
-        let buffers = self.buffers.as_ref();
+        sink: &mut Sink<'_>,
+    ) -> Result<(), TransportError> {
         if let Some(mut conn) = self.take_idle(addr) {
             let mut started = false;
-            match transfer(addr, &mut conn, &req, deadline, &mut started, buffers).await {
-                Ok(blocks) => {
+            match transfer(addr, &mut conn, &req, deadline, &mut started, sink).await {
+                Ok(()) => {
                     self.put_idle(addr, conn);
-                    return Ok(blocks);
+                    return Ok(());
                 }
                 // The exporter closed the idle connection: nothing was read, try a fresh one.
                 Err(TransportError::Io(e)) if !started => {
@@ -148,9 +240,9 @@ impl KvPuller {
         }
         let mut conn = connect(addr, deadline).await?;
         let mut started = false;
-        let blocks = transfer(addr, &mut conn, &req, deadline, &mut started, buffers).await?;
+        transfer(addr, &mut conn, &req, deadline, &mut started, sink).await?;
         self.put_idle(addr, conn);
-        Ok(blocks)
+        Ok(())
     }
 
     /// Idle connections currently held for `addr`.
@@ -208,8 +300,8 @@ async fn transfer(
     req: &PullRequest,
     deadline: Instant,
     started: &mut bool,
-    buffers: Option<&BlockBuffers>,
-) -> Result<Vec<Vec<f32>>, TransportError> {
+    sink: &mut Sink<'_>,
+) -> Result<(), TransportError> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(TransportError::Deadline {
@@ -218,7 +310,7 @@ async fn transfer(
         });
     }
     let timeout_ms = u32::try_from(left.as_millis().max(1)).unwrap_or(u32::MAX);
-    let exchanged = exchange(conn, req, timeout_ms, started, buffers);
+    let exchanged = exchange(conn, req, timeout_ms, started, sink);
     tokio::time::timeout_at(deadline.into(), exchanged)
         .await
         .unwrap_or(Err(TransportError::Deadline {
@@ -232,8 +324,8 @@ async fn exchange(
     req: &PullRequest,
     timeout_ms: u32,
     started: &mut bool,
-    buffers: Option<&BlockBuffers>,
-) -> Result<Vec<Vec<f32>>, TransportError> {
+    sink: &mut Sink<'_>,
+) -> Result<(), TransportError> {
     let total = req
         .payload_bytes()
         .filter(|&b| b <= MAX_PULL_BYTES)
@@ -317,22 +409,24 @@ async fn exchange(
     }
 
     let mut reader = BlockReader::new(block_bytes, id);
-    let buffers = buffers.filter(|b| b.block_len() == req.block_len);
-    let mut blocks = Vec::with_capacity(req.count);
-    for _ in 0..req.count {
-        let mut block = buffers.map_or_else(|| vec![0f32; req.block_len], BlockBuffers::take);
-        let read = reader
-            .read_block(conn, bytemuck::cast_slice_mut(&mut block))
-            .await;
-        blocks.push(block);
-        if let Err(e) = read {
-            if let Some(b) = buffers {
-                b.give_all(blocks);
-            }
-            return Err(e);
-        }
+    sink.read_all(conn, &mut reader, req).await
+}
+
+/// A reservation fits a pull: as many blocks, of as many bytes.
+pub(crate) fn check_reservation(
+    req: &PullRequest,
+    into: &KvReservation,
+) -> Result<(), TransportError> {
+    if into.len() != req.count || into.block_bytes() != req.block_len * 4 {
+        return Err(TransportError::Length(format!(
+            "the KV reserved for this pull holds {} blocks of {} bytes; the pull reads {} of {}",
+            into.len(),
+            into.block_bytes(),
+            req.count,
+            req.block_len * 4
+        )));
     }
-    Ok(blocks)
+    Ok(())
 }
 
 fn protocol(e: crate::wire::WireError) -> TransportError {

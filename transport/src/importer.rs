@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::client::{KvPuller, PullRequest};
+use pd_engine::kv::placement::KvReservation;
+
+use crate::client::{KvPuller, PullRequest, check_reservation};
 use crate::error::TransportError;
 use crate::rdma::select::{MIN_RDMA_TIME, Path, TcpBecause, choose_path, rdma_deadline};
 use crate::rdma::{BoxFuture, Fabric, RdmaError, RdmaOffer};
@@ -24,6 +26,30 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
         req: PullRequest,
         deadline: Instant,
     ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>>;
+
+    /// Read `req`'s blocks of `offer` in place into `into` (KV memory the engine reserved,
+    /// as many blocks as `req` reads), verified. This default reads into buffers and copies
+    /// them in; a reader that registered the node's KV memory reads straight into it.
+    fn read_into<'a>(
+        &'a self,
+        offer: &'a RdmaOffer,
+        req: PullRequest,
+        into: &'a mut KvReservation,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<(), RdmaError>> {
+        Box::pin(async move {
+            let blocks = self.read(offer, req, deadline).await?;
+            for (i, block) in blocks.iter().enumerate() {
+                let bytes: &[u8] = bytemuck::cast_slice(block);
+                let mut at = 0;
+                for segment in into.block_mut(i) {
+                    segment.copy_from_slice(&bytes[at..at + segment.len()]);
+                    at += segment.len();
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Which path a pull took.
@@ -85,15 +111,74 @@ impl KvImporter {
         req: PullRequest,
         deadline: Instant,
     ) -> Result<(Vec<Vec<f32>>, PathUsed), TransportError> {
-        let local = self.rdma.as_ref().map(|r| r.fabric());
         let now = Instant::now();
-        let path = if deadline.saturating_duration_since(now) < MIN_RDMA_TIME * 2 {
+        let Some((offer, reader)) = self.rdma_path(tcp_addr, rdma_offer, deadline) else {
+            let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
+            return Ok((blocks, PathUsed::Tcp));
+        };
+        match reader.read(&offer, req, rdma_deadline(now, deadline)).await {
+            Ok(blocks) => {
+                self.record_rdma_ok(&req, now);
+                Ok((blocks, PathUsed::Rdma))
+            }
+            Err(e) => {
+                self.record_failover(tcp_addr, &offer, &req, &e);
+                let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
+                Ok((blocks, PathUsed::TcpAfterRdmaFailure))
+            }
+        }
+    }
+
+    /// The same pull, landing in place in `into`: the blocks the decode engine reserved for
+    /// it ([`pd_engine::serve::EngineHandle::reserve_import`]), `req.count` blocks of
+    /// `req.block_len` values (checked before anything is sent). On failure `into` holds
+    /// partial data and must not be admitted (drop it: its blocks go back to the engine).
+    pub async fn pull_into(
+        &self,
+        tcp_addr: SocketAddr,
+        rdma_offer: &[u8],
+        req: PullRequest,
+        into: &mut KvReservation,
+        deadline: Instant,
+    ) -> Result<PathUsed, TransportError> {
+        check_reservation(&req, into)?;
+        let now = Instant::now();
+        let Some((offer, reader)) = self.rdma_path(tcp_addr, rdma_offer, deadline) else {
+            self.tcp.pull_into(tcp_addr, req, into, deadline).await?;
+            return Ok(PathUsed::Tcp);
+        };
+        match reader
+            .read_into(&offer, req, into, rdma_deadline(now, deadline))
+            .await
+        {
+            Ok(()) => {
+                self.record_rdma_ok(&req, now);
+                Ok(PathUsed::Rdma)
+            }
+            Err(e) => {
+                self.record_failover(tcp_addr, &offer, &req, &e);
+                self.tcp.pull_into(tcp_addr, req, into, deadline).await?;
+                Ok(PathUsed::TcpAfterRdmaFailure)
+            }
+        }
+    }
+
+    /// The RDMA offer and reader to use, or `None` for TCP (logged when the reason is worth
+    /// an operator's attention).
+    fn rdma_path(
+        &self,
+        tcp_addr: SocketAddr,
+        rdma_offer: &[u8],
+        deadline: Instant,
+    ) -> Option<(RdmaOffer, &Arc<dyn OneSidedReader>)> {
+        let local = self.rdma.as_ref().map(|r| r.fabric());
+        let path = if deadline.saturating_duration_since(Instant::now()) < MIN_RDMA_TIME * 2 {
             Path::Tcp(TcpBecause::NotOffered)
         } else {
             choose_path(local.as_ref(), rdma_offer)
         };
-        let (offer, reader) = match (path, &self.rdma) {
-            (Path::Rdma(offer), Some(reader)) => (offer, reader),
+        match (path, &self.rdma) {
+            (Path::Rdma(offer), Some(reader)) => Some((offer, reader)),
             (Path::Tcp(because), _) => {
                 match because {
                     TcpBecause::BadOffer(e) => {
@@ -104,30 +189,34 @@ impl KvImporter {
                     ),
                     TcpBecause::NoLocalRdma | TcpBecause::NotOffered => {}
                 }
-                let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
-                return Ok((blocks, PathUsed::Tcp));
+                None
             }
             (Path::Rdma(_), None) => unreachable!("choose_path needs a local fabric for RDMA"),
-        };
-        match reader.read(&offer, req, rdma_deadline(now, deadline)).await {
-            Ok(blocks) => {
-                let bytes = req.payload_bytes().unwrap_or(0);
-                self.stats().record_ok(bytes, now.elapsed());
-                Ok((blocks, PathUsed::Rdma))
-            }
-            Err(e) => {
-                self.stats().record_failover();
-                tracing::warn!(
-                    %tcp_addr,
-                    rdma_peer = %offer.connect_addr,
-                    lease_id = req.lease_id,
-                    reason = %e.reason(),
-                    error = %e,
-                    "RDMA read failed; retrying once over TCP"
-                );
-                let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
-                Ok((blocks, PathUsed::TcpAfterRdmaFailure))
-            }
         }
+    }
+
+    fn record_rdma_ok(&self, req: &PullRequest, started: Instant) {
+        let bytes = req.payload_bytes().unwrap_or(0);
+        self.stats().record_ok(bytes, started.elapsed());
+    }
+
+    /// A failed RDMA read counts as a failover (not as a failure: the request has not failed
+    /// yet); the TCP retry then counts as any TCP pull does.
+    fn record_failover(
+        &self,
+        tcp_addr: SocketAddr,
+        offer: &RdmaOffer,
+        req: &PullRequest,
+        e: &RdmaError,
+    ) {
+        self.stats().record_failover();
+        tracing::warn!(
+            %tcp_addr,
+            rdma_peer = %offer.connect_addr,
+            lease_id = req.lease_id,
+            reason = %e.reason(),
+            error = %e,
+            "RDMA read failed; retrying once over TCP"
+        );
     }
 }

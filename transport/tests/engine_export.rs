@@ -13,7 +13,8 @@ use pd_engine::kv::KvLayout;
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineRequest, EngineThread, ImportedKv, RequestEvent, RequestId, Role,
+    Engine, EngineConfig, EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestEvent,
+    RequestId, Role,
 };
 use pd_engine::weights::Checkpoint;
 use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest, TransportError};
@@ -143,7 +144,7 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
 
     let imported = ImportedKv {
         first_block: 0,
-        blocks,
+        blocks: ImportedBlocks::Buffers(blocks),
         first_token,
     };
     let mut got = vec![first_token];
@@ -159,4 +160,87 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
     );
     server.shutdown(Duration::from_secs(5)).await;
     assert_eq!(handle.counters().kv_cache_usage, 0.0);
+}
+
+/// As a decode node on host memory does: the decode engine reserves the blocks it lacks and
+/// the pull lands in them in place; the tokens equal one mixed engine's, and a pull whose
+/// reservation does not fit is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 41 + 5) % 390).collect();
+    let (mut mixed, layout) = engine(Role::Mixed);
+    let want = run(&mut mixed, request("m", prompt.clone(), None));
+
+    let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
+    let (prefill, _) = engine(Role::Prefill);
+    let prefill = EngineThread::spawn(prefill);
+    let handle = prefill.handle();
+    let (server, addr) =
+        KvExportServer::bind("127.0.0.1:0".parse().unwrap(), fp, Arc::new(handle.clone()))
+            .await
+            .unwrap();
+    let rx = handle.submit(request("p", prompt.clone(), None));
+    let (first_token, lease) = tokio::task::spawn_blocking(move || {
+        let mut first = None;
+        loop {
+            match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+                RequestEvent::Token(t) => first = Some(t.token_id),
+                RequestEvent::Finished(f) => break (first.unwrap(), f.lease.unwrap()),
+                RequestEvent::Failed(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await
+    .unwrap();
+
+    let (mut decode, _) = engine(Role::Decode);
+    let released = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = released.clone();
+    let mut into = decode
+        .reserve_import(
+            &prompt,
+            None,
+            Arc::new(move |id| log.lock().unwrap().push(id)),
+        )
+        .expect("host KV memory with room");
+    assert_eq!((into.first_block(), into.len()), (0, 6));
+    let puller = KvPuller::new();
+    let req = |count| PullRequest {
+        lease_id: lease.lease_id,
+        fingerprint: fp,
+        first_block: 0,
+        count,
+        block_len: layout.block_bytes() / 4,
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let err = puller
+        .pull_into(addr, req(5), &mut into, deadline)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransportError::Length(_)), "{err}");
+    assert_eq!(puller.stats().snapshot().transfers, 0, "nothing was sent");
+    assert_eq!(puller.idle_connections(addr), 0, "no connection was made");
+    puller
+        .pull_into(addr, req(6), &mut into, deadline)
+        .await
+        .unwrap();
+    assert!(handle.release_lease(lease.lease_id));
+
+    let imported = ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Placed(into),
+        first_token,
+    };
+    let mut got = vec![first_token];
+    got.extend(run(&mut decode, request("d", prompt, Some(imported))));
+    assert_eq!(
+        got, want,
+        "prefill -> TCP in place -> decode equals one mixed engine"
+    );
+    assert!(
+        released.lock().unwrap().is_empty(),
+        "admitted, nothing to give back"
+    );
+    assert_eq!(decode.reservations_held(), 0);
+    server.shutdown(Duration::from_secs(5)).await;
 }

@@ -183,6 +183,14 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The inverse of [`Backend::read_block`].
     fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[f32]);
+
+    /// Where KV storage lies in host memory, block by block in [`Backend::read_block`]'s
+    /// layout, so that imported KV can land in place; `None` (the default) when it is not
+    /// host memory (a GPU's), and imports are copied in with [`Backend::write_block`].
+    fn host_kv_memory(&self, kv: &Self::KvStorage) -> Option<crate::kv::placement::HostKvMemory> {
+        let _ = kv;
+        None
+    }
 }
 
 /// A row-major `f32` matrix in host memory (logits handed to the sampler).

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::block_buffers::BlockBuffers;
+use crate::kv::placement::{HostKvMemory, KvReservation, ReleaseFn, ReservationId};
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
@@ -36,6 +37,14 @@ enum Command {
     Abort(RequestId),
     ReleaseLease(u64, Sender<bool>),
     CachedPrefix(Vec<u32>, Option<String>, Sender<usize>),
+    /// The last field gives the reservation's blocks back if it is dropped unadmitted.
+    Reserve(
+        Vec<u32>,
+        Option<String>,
+        Sender<Option<KvReservation>>,
+        Sender<Command>,
+    ),
+    ReleaseReservation(ReservationId),
     Shutdown,
 }
 
@@ -47,6 +56,7 @@ pub struct EngineHandle {
     counters: Arc<Mutex<EngineCounters>>,
     leases: LeaseStore,
     import_buffers: BlockBuffers,
+    host_kv: Option<HostKvMemory>,
 }
 
 /// The engine thread; dropping it shuts the engine down and joins the thread.
@@ -73,6 +83,7 @@ impl EngineThread {
             counters: Arc::clone(&counters),
             leases: engine.lease_store(),
             import_buffers: engine.import_buffers(),
+            host_kv: engine.host_kv_memory(),
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
@@ -140,6 +151,24 @@ impl EngineHandle {
             return 0;
         }
         rx.recv().unwrap_or(0)
+    }
+
+    /// Reserve the blocks of `tokens`' KV this node does not cache, for a pull that lands in
+    /// place ([`KvReservation`]); `None` if KV storage is not host memory, the pool has no
+    /// room now, or the engine is gone: pull into [`Self::import_buffers`] then.
+    pub fn reserve_import(&self, tokens: Vec<u32>, salt: Option<String>) -> Option<KvReservation> {
+        let (tx, rx) = mpsc::channel();
+        self.host_kv.as_ref()?;
+        self.tx
+            .send(Command::Reserve(tokens, salt, tx, self.tx.clone()))
+            .ok()?;
+        rx.recv().ok().flatten()
+    }
+
+    /// Where KV storage lies in host memory (`None` on a GPU): an RDMA reader registers it
+    /// once so that reads land in reserved blocks.
+    pub fn host_kv_memory(&self) -> Option<&HostKvMemory> {
+        self.host_kv.as_ref()
     }
 
     /// All of a lease's blocks, shared without a copy (`None`: no such lease). Served
@@ -234,6 +263,22 @@ fn run<B: Backend>(
                 }
                 Command::CachedPrefix(tokens, salt, reply) => {
                     let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
+                }
+                Command::Reserve(tokens, salt, reply, back) => {
+                    let release: ReleaseFn = Arc::new(move |id| {
+                        let _ = back.send(Command::ReleaseReservation(id));
+                    });
+                    let reservation = engine.reserve_import(&tokens, salt.as_deref(), release);
+                    publish(&engine);
+                    if let Err(mpsc::SendError(Some(r))) = reply.send(reservation) {
+                        // The caller went away: the reservation's drop gives the blocks back.
+                        drop(r);
+                    }
+                }
+                Command::ReleaseReservation(id) => {
+                    if engine.release_reservation(id) {
+                        publish(&engine);
+                    }
                 }
                 Command::Shutdown => shutdown = true,
             }

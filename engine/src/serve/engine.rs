@@ -23,6 +23,7 @@ use crate::generate::validate_prompt;
 use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
 use crate::kv::hash::{BlockHash, BlockHasher};
 use crate::kv::host_tier::HostTier;
+use crate::kv::placement::{HostKvMemory, ReservationId};
 use crate::kv::pool::BlockPool;
 use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
@@ -33,9 +34,11 @@ use crate::sampling::{
 
 mod import;
 mod leases;
+mod reserve;
 mod seq;
 
 use leases::Lease;
+use reserve::Reserved;
 use seq::Seq;
 
 use super::config::{EngineConfig, Role};
@@ -70,6 +73,11 @@ pub struct Engine<B: Backend> {
     lease_store: LeaseStore,
     /// Host buffers of imported blocks, given back once copied into KV storage.
     import_buffers: BlockBuffers,
+    /// Where KV storage lies in host memory (`None` on a GPU): imports can land in place.
+    host_kv: Option<HostKvMemory>,
+    /// Blocks set aside for imports being pulled in place.
+    reservations: HashMap<ReservationId, Reserved>,
+    next_reservation: u64,
     next_lease: u64,
     counters: EngineCounters,
     expired_leases: u64,
@@ -103,6 +111,7 @@ impl<B: Backend> Engine<B> {
         let block_len = executor.block_len();
         let pool = BlockPool::new(executor.num_blocks());
         let host = HostTier::new(config.host_cache_blocks, block_len);
+        let host_kv = executor.host_kv_memory();
         Ok(Self {
             config,
             executor,
@@ -114,6 +123,9 @@ impl<B: Backend> Engine<B> {
             leases: HashMap::new(),
             lease_store: LeaseStore::default(),
             import_buffers: BlockBuffers::new(block_len, DEFAULT_SPARE_BYTES),
+            host_kv,
+            reservations: HashMap::new(),
+            next_reservation: 1,
             next_lease: 1,
             counters: EngineCounters::default(),
             expired_leases: 0,

@@ -14,6 +14,6 @@ pub use driver::{EngineHandle, EngineThread, FinishedObserver};
 pub use engine::{Engine, StepStats};
 pub use lease_store::{LeaseStore, LeasedKv};
 pub use request::{
-    EngineRequest, Finished, ImportedKv, KvLease, RequestError, RequestEvent, RequestId,
-    RequestTimings, Usage,
+    EngineRequest, Finished, ImportedBlocks, ImportedKv, KvLease, RequestError, RequestEvent,
+    RequestId, RequestTimings, Usage,
 };

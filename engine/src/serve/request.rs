@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
+use crate::kv::placement::KvReservation;
 use crate::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams};
 
 /// A request's id, unique among the engine's open requests (the router's request id).
@@ -25,7 +26,7 @@ impl From<&str> for RequestId {
 
 /// A request as the engine takes it: token ids only (the router owns text, stop strings
 /// included); stop token ids, EOS and max_tokens are applied here.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct EngineRequest {
     pub id: RequestId,
     pub prompt: Vec<u32>,
@@ -37,19 +38,45 @@ pub struct EngineRequest {
     pub imported: Option<ImportedKv>,
 }
 
-/// KV of a prompt computed by another node (a prefill node), already pulled into host
-/// memory, plus the first token it sampled. The pull happens outside the engine (no network
-/// I/O on the engine thread): the puller first asks which leading blocks this node already
-/// caches ([`crate::serve::EngineHandle::cached_prefix_blocks`]) and pulls only the rest.
-#[derive(Debug, Clone, PartialEq)]
+/// KV of a prompt computed by another node (a prefill node), already pulled, plus the first
+/// token it sampled. The pull happens outside the engine (no network I/O on the engine
+/// thread): the puller first asks which leading blocks this node already caches and pulls
+/// only the rest, either in place into blocks the engine reserved
+/// ([`crate::serve::EngineHandle::reserve_import`]) or into buffers
+/// ([`crate::serve::EngineHandle::cached_prefix_blocks`]).
+#[derive(Debug)]
 pub struct ImportedKv {
-    /// Logical index of the first block in `blocks`: the blocks before it were cached here.
+    /// Logical index of the first pulled block: the blocks before it were cached here.
     pub first_block: usize,
-    /// Consecutive logical blocks up to the end of the prompt, each in
-    /// [`crate::backend::Backend::read_block`]'s layout.
-    pub blocks: Vec<Vec<f32>>,
+    /// Consecutive logical blocks up to the end of the prompt.
+    pub blocks: ImportedBlocks,
     /// The token the prefill node sampled after the prompt.
     pub first_token: u32,
+}
+
+/// Where imported blocks are.
+#[derive(Debug)]
+pub enum ImportedBlocks {
+    /// In buffers, each in [`crate::backend::Backend::read_block`]'s layout; copied into KV
+    /// storage at admission (a GPU node, or a host node whose pool had no room to reserve).
+    Buffers(Vec<Vec<f32>>),
+    /// Already in this engine's KV storage, in the reserved blocks (held until admission,
+    /// given back if the request ends before).
+    Placed(KvReservation),
+}
+
+impl ImportedBlocks {
+    /// Blocks pulled.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Buffers(b) => b.len(),
+            Self::Placed(r) => r.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Token counts of a finished (or aborted) request, as the client sees them.

@@ -55,9 +55,9 @@ pub(super) fn paged_attention(
             for t in 0..=pos {
                 let slot = table[t / bs] as usize * bs + t % bs;
                 let at = slot * width + kv_head * hd;
-                let k = &store.k[at..at + hd];
+                let k = store.k.range(at..at + hd);
                 let score = dot(qv, k) * meta.scale;
-                let v = &store.v[at..at + hd];
+                let v = store.v.range(at..at + hd);
                 if score > max {
                     let correction = (max - score).exp();
                     sum *= correction;
@@ -99,6 +99,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::KvArena;
     use super::*;
     use crate::backend::SeqAttention;
     use crate::kv::KvLayout;
@@ -176,11 +177,11 @@ mod tests {
             table.reverse();
             table.rotate_left((seed % nblocks as u64) as usize);
             let width = kv_heads * hd;
-            let mut store = CpuKvStorage { layout: layout.clone(), num_blocks: nblocks, layers: vec![super::super::CpuLayerKv { k: vec![f32::NAN; nblocks * block_size * width], v: vec![f32::NAN; nblocks * block_size * width] }] };
+            let mut store = CpuKvStorage { layout: layout.clone(), num_blocks: nblocks, layers: vec![super::super::CpuLayerKv { k: KvArena::filled(nblocks * block_size * width, f32::NAN).unwrap(), v: KvArena::filled(nblocks * block_size * width, f32::NAN).unwrap() }] };
             for t in 0..ctx {
                 let slot = table[t / block_size] as usize * block_size + t % block_size;
-                store.layers[0].k[slot * width..(slot + 1) * width].copy_from_slice(&k[t * width..(t + 1) * width]);
-                store.layers[0].v[slot * width..(slot + 1) * width].copy_from_slice(&v[t * width..(t + 1) * width]);
+                store.layers[0].k.range_mut(slot * width..(slot + 1) * width).copy_from_slice(&k[t * width..(t + 1) * width]);
+                store.layers[0].v.range_mut(slot * width..(slot + 1) * width).copy_from_slice(&v[t * width..(t + 1) * width]);
             }
             let meta = AttentionMeta {
                 seqs: vec![SeqAttention { q_start: 0, q_len, context_len: ctx, block_table: table }],

@@ -4,6 +4,7 @@
 
 mod attention;
 pub mod convert;
+pub mod kv_arena;
 pub mod linear;
 mod matrix;
 
@@ -12,10 +13,12 @@ use rayon::prelude::*;
 use crate::backend::{AttentionMeta, Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
+use crate::kv::placement::{HostKvMemory, HostSegment};
 use crate::sampling::device::sample_row;
 use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
 
+pub use kv_arena::KvArena;
 pub use matrix::WeightMatrix;
 
 /// Element-wise work below this many elements runs on the calling thread: forking costs more.
@@ -87,8 +90,8 @@ impl CpuWeight {
 /// K and V of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]` each.
 #[derive(Debug)]
 pub struct CpuLayerKv {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvArena,
+    pub v: KvArena,
 }
 
 /// Paged KV storage for all layers.
@@ -126,16 +129,14 @@ impl Backend for CpuBackend {
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
         let mut layers = Vec::with_capacity(layout.num_layers);
         for _ in 0..layout.num_layers {
-            let mut k = Vec::new();
-            let mut v = Vec::new();
-            if k.try_reserve_exact(len).is_err() || v.try_reserve_exact(len).is_err() {
+            let k = KvArena::filled(len, 0.0);
+            let v = KvArena::filled(len, 0.0);
+            let (Some(k), Some(v)) = (k, v) else {
                 return Err(EngineError::OutOfBlocks(format!(
                     "cannot allocate {num_blocks} KV blocks ({} MiB) in host memory",
                     (num_blocks * layout.block_bytes()) >> 20
                 )));
-            }
-            k.resize(len, 0.0);
-            v.resize(len, 0.0);
+            };
             layers.push(CpuLayerKv { k, v });
         }
         Ok(CpuKvStorage {
@@ -229,8 +230,8 @@ impl Backend for CpuBackend {
         let store = &mut kv.layers[layer];
         for (r, &slot) in slots.iter().enumerate() {
             let at = slot as usize * width;
-            store.k[at..at + width].copy_from_slice(k.row(r));
-            store.v[at..at + width].copy_from_slice(v.row(r));
+            store.k.range_mut(at..at + width).copy_from_slice(k.row(r));
+            store.v.range_mut(at..at + width).copy_from_slice(v.row(r));
         }
     }
 
@@ -297,8 +298,8 @@ impl Backend for CpuBackend {
         assert_eq!(dst.len(), 2 * n * kv.layers.len(), "block buffer length");
         let at = block as usize * n;
         for (layer, out) in kv.layers.iter().zip(dst.chunks_exact_mut(2 * n)) {
-            out[..n].copy_from_slice(&layer.k[at..at + n]);
-            out[n..].copy_from_slice(&layer.v[at..at + n]);
+            out[..n].copy_from_slice(layer.k.range(at..at + n));
+            out[n..].copy_from_slice(layer.v.range(at..at + n));
         }
     }
 
@@ -307,8 +308,28 @@ impl Backend for CpuBackend {
         assert_eq!(src.len(), 2 * n * kv.layers.len(), "block buffer length");
         let at = block as usize * n;
         for (layer, data) in kv.layers.iter_mut().zip(src.chunks_exact(2 * n)) {
-            layer.k[at..at + n].copy_from_slice(&data[..n]);
-            layer.v[at..at + n].copy_from_slice(&data[n..]);
+            layer.k.range_mut(at..at + n).copy_from_slice(&data[..n]);
+            layer.v.range_mut(at..at + n).copy_from_slice(&data[n..]);
         }
+    }
+
+    fn host_kv_memory(&self, kv: &CpuKvStorage) -> Option<HostKvMemory> {
+        let stride = kv.layout.block_size * kv.layout.token_width() * 4;
+        let mut regions = Vec::with_capacity(2 * kv.layers.len());
+        let mut keep = Vec::with_capacity(2 * kv.layers.len());
+        for layer in &kv.layers {
+            for arena in [&layer.k, &layer.v] {
+                // SAFETY: the arena's whole allocation, kept alive by `keep`; the engine
+                // touches it only through block ranges (`KvArena::range`/`range_mut`).
+                regions.push(unsafe { HostSegment::new(arena.base().cast(), arena.len() * 4) });
+                keep.push(arena.keep_alive());
+            }
+        }
+        Some(HostKvMemory::new(
+            regions,
+            stride,
+            kv.num_blocks,
+            std::sync::Arc::new(keep),
+        ))
     }
 }

@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
 use crate::serve::counters::PrefixOutcome;
-use crate::serve::request::{EngineRequest, ImportedKv, RequestError, RequestId};
+use crate::serve::request::{EngineRequest, ImportedBlocks, ImportedKv, RequestError, RequestId};
 
 use super::Engine;
 
@@ -33,13 +33,28 @@ impl<B: Backend> Engine<B> {
                 imp.first_block + imp.blocks.len()
             )));
         }
-        let len = self.executor.block_len();
-        if let Some(b) = imp.blocks.iter().position(|b| b.len() != len) {
-            return Err(invalid(format!(
-                "imported KV block {} has {} values; this node's layout needs {len}",
-                imp.first_block + b,
-                imp.blocks[b].len()
-            )));
+        match &imp.blocks {
+            ImportedBlocks::Buffers(blocks) => {
+                let len = self.executor.block_len();
+                if let Some(b) = blocks.iter().position(|b| b.len() != len) {
+                    return Err(invalid(format!(
+                        "imported KV block {} has {} values; this node's layout needs {len}",
+                        imp.first_block + b,
+                        blocks[b].len()
+                    )));
+                }
+            }
+            ImportedBlocks::Placed(r) => {
+                if r.first_block() != imp.first_block || !self.reservations.contains_key(&r.id()) {
+                    return Err(invalid(format!(
+                        "imported KV placed in reservation {:?} (from block {}), which this \
+                         engine does not hold for blocks {}..",
+                        r.id(),
+                        r.first_block(),
+                        imp.first_block
+                    )));
+                }
+            }
         }
         let vocab = self.executor.model().config().vocab_size;
         if imp.first_token as usize >= vocab {
@@ -76,51 +91,21 @@ impl<B: Backend> Engine<B> {
         let bs = self.block_size();
         let seq = &self.seqs[id];
         let imp = seq.imported.as_ref()?;
-        let lookup = self.config.enable_prefix_caching;
         let prompt_len = seq.prompt_len;
-        let total = prompt_len.div_ceil(bs);
         let full = prompt_len / bs;
-        let hashes: Vec<BlockHash> = if lookup {
+        let hashes: Vec<BlockHash> = if self.config.enable_prefix_caching {
             seq.hasher.hashes()[..full].to_vec()
         } else {
             Vec::new()
         };
-        let local = self.pool.cached_prefix(&hashes);
-        if local < imp.first_block {
-            // Blocks the puller saw cached were evicted since: the imported KV no longer
-            // joins up, so the prompt is computed here instead (and nothing counts as
-            // external).
-            self.seqs.get_mut(id).expect("exists").imported = None;
-            return None;
-        }
-        let mut blocks = self
-            .pool
-            .acquire_cached(&hashes[..local])
-            .expect("pool invariant: cached_prefix blocks can be acquired");
-        let fresh = match self.allocate(total - local) {
-            Some(fresh) => fresh,
-            None => {
-                self.free_blocks(&blocks);
-                return Some(None);
-            }
+        let (blocks, local) = match &imp.blocks {
+            ImportedBlocks::Placed(_) => self.take_placed(id, &hashes)?,
+            ImportedBlocks::Buffers(_) => match self.place_buffers(id, &hashes) {
+                Ok(Some(held)) => held,
+                Ok(None) => return None,
+                Err(()) => return Some(None),
+            },
         };
-        let imp = self
-            .seqs
-            .get_mut(id)
-            .expect("exists")
-            .imported
-            .take()
-            .expect("checked");
-        for (j, &block) in fresh.iter().enumerate() {
-            let logical = local + j;
-            self.executor
-                .write_block(block, &imp.blocks[logical - imp.first_block]);
-            if logical < hashes.len() {
-                self.register(block, hashes[logical]);
-            }
-        }
-        self.import_buffers.give_all(imp.blocks);
-        blocks.extend(fresh);
         let seq = self.seqs.get_mut(id).expect("exists");
         seq.blocks = blocks;
         seq.computed = prompt_len;
@@ -135,6 +120,7 @@ impl<B: Backend> Engine<B> {
             self.free_blocks(&blocks);
             return Some(None);
         }
+        let lookup = self.config.enable_prefix_caching;
         let seq = self.seqs.get_mut(id).expect("exists");
         seq.admitted = true;
         seq.first_scheduled = Some(now);
@@ -142,5 +128,76 @@ impl<B: Backend> Engine<B> {
             lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
         self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
         Some(Some(n))
+    }
+
+    /// The blocks of KV pulled in place: the reservation's cached prefix and the blocks the
+    /// pull filled, now the sequence's (the fresh ones join the prefix cache). Returns them
+    /// in logical order with the number of cached ones. `None`: the reservation is gone
+    /// (cannot happen while the request holds it), and the prompt is computed here.
+    fn take_placed(&mut self, id: &RequestId, hashes: &[BlockHash]) -> Option<(Vec<u32>, usize)> {
+        let seq = self.seqs.get_mut(id).expect("exists");
+        let Some(ImportedKv {
+            blocks: ImportedBlocks::Placed(r),
+            ..
+        }) = seq.imported.take()
+        else {
+            unreachable!("called for placed imports only");
+        };
+        let reserved = self.reservations.remove(&r.admit())?;
+        let local = reserved.cached.len();
+        for (j, &block) in reserved.fresh.iter().enumerate() {
+            if let Some(&hash) = hashes.get(local + j) {
+                self.register(block, hash);
+            }
+        }
+        Some(([reserved.cached, reserved.fresh].concat(), local))
+    }
+
+    /// Imported KV in buffers: reuse the local prefix and copy the buffers into fresh blocks
+    /// after it. `Ok(None)`: the prefix the puller saw cached was evicted since, so the
+    /// imported KV no longer joins up and the prompt is computed here instead (nothing counts
+    /// as external). `Err`: the pool has no room now (the buffers are kept for the next try).
+    fn place_buffers(
+        &mut self,
+        id: &RequestId,
+        hashes: &[BlockHash],
+    ) -> Result<Option<(Vec<u32>, usize)>, ()> {
+        let seq = &self.seqs[id];
+        let total = seq.prompt_len.div_ceil(self.block_size());
+        let first_block = seq.imported.as_ref().expect("checked").first_block;
+        let local = self.pool.cached_prefix(hashes);
+        if local < first_block {
+            self.seqs.get_mut(id).expect("exists").imported = None;
+            return Ok(None);
+        }
+        let mut blocks = self
+            .pool
+            .acquire_cached(&hashes[..local])
+            .expect("pool invariant: cached_prefix blocks can be acquired");
+        let Some(fresh) = self.allocate(total - local) else {
+            self.free_blocks(&blocks);
+            return Err(());
+        };
+        let imp = self
+            .seqs
+            .get_mut(id)
+            .expect("exists")
+            .imported
+            .take()
+            .expect("checked");
+        let ImportedBlocks::Buffers(buffers) = imp.blocks else {
+            unreachable!("called for imports in buffers only");
+        };
+        for (j, &block) in fresh.iter().enumerate() {
+            let logical = local + j;
+            self.executor
+                .write_block(block, &buffers[logical - imp.first_block]);
+            if let Some(&hash) = hashes.get(logical) {
+                self.register(block, hash);
+            }
+        }
+        self.import_buffers.give_all(buffers);
+        blocks.extend(fresh);
+        Ok(Some((blocks, local)))
     }
 }

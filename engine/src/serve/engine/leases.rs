@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::kv::block_buffers::BlockBuffers;
+use crate::kv::placement::HostKvMemory;
 use crate::serve::lease_store::LeaseStore;
 use crate::serve::request::KvLease;
 
@@ -55,6 +56,11 @@ impl<B: Backend> Engine<B> {
     /// back after copying their blocks into KV storage.
     pub fn import_buffers(&self) -> BlockBuffers {
         self.import_buffers.clone()
+    }
+
+    /// Where KV storage lies in host memory (`None` on a GPU): imports can land in place.
+    pub fn host_kv_memory(&self) -> Option<HostKvMemory> {
+        self.host_kv.clone()
     }
 
     /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).

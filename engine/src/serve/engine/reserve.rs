@@ -1,0 +1,78 @@
+//! Reservations for imports that land in place (decode role, host KV memory): the blocks a
+//! pull will fill are taken from the pool before the pull starts, together with a reference
+//! on each block of this node's cached prefix, so that admission finds everything where the
+//! puller left it. A reservation ends by admission (the sequence takes its blocks) or by
+//! release (the pull failed, the request ended first): never both, never neither.
+
+use crate::backend::Backend;
+use crate::kv::hash::block_hashes;
+use crate::kv::placement::{KvReservation, ReleaseFn, ReservationId};
+
+use super::Engine;
+
+/// What a reservation holds in the pool.
+#[derive(Debug)]
+pub(super) struct Reserved {
+    /// The cached prefix's blocks, one reference each.
+    pub(super) cached: Vec<u32>,
+    /// Fresh blocks the pull fills, in logical order after the prefix.
+    pub(super) fresh: Vec<u32>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Reserve the blocks of `tokens`' KV that this node does not cache (with `salt`), to
+    /// be pulled in place; `release` is called with the id if the reservation is dropped
+    /// unadmitted. `None`: KV storage is not host memory, or the pool has no room now (the
+    /// caller pulls into buffers instead).
+    pub fn reserve_import(
+        &mut self,
+        tokens: &[u32],
+        salt: Option<&str>,
+        release: ReleaseFn,
+    ) -> Option<KvReservation> {
+        let memory = self.host_kv.clone()?;
+        if tokens.is_empty() {
+            return None;
+        }
+        let bs = self.block_size();
+        let total = tokens.len().div_ceil(bs);
+        let hashes = if self.config.enable_prefix_caching {
+            block_hashes(tokens, bs, salt)
+        } else {
+            Vec::new()
+        };
+        // Never the block holding the last token (a prefill node computes it).
+        let usable = ((tokens.len() - 1) / bs).min(hashes.len());
+        let local = self.pool.cached_prefix(&hashes[..usable]);
+        let cached = self
+            .pool
+            .acquire_cached(&hashes[..local])
+            .expect("pool invariant: cached_prefix blocks can be acquired");
+        let Some(fresh) = self.allocate(total - local) else {
+            self.free_blocks(&cached);
+            return None;
+        };
+        let id = ReservationId(self.next_reservation);
+        self.next_reservation += 1;
+        let reservation = KvReservation::new(id, local, &fresh, memory, release);
+        self.reservations.insert(id, Reserved { cached, fresh });
+        Some(reservation)
+    }
+
+    /// Give back a reservation's blocks; false if it is not held (admitted or released).
+    pub fn release_reservation(&mut self, id: ReservationId) -> bool {
+        match self.reservations.remove(&id) {
+            Some(r) => {
+                self.free_blocks(&[r.cached, r.fresh].concat());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reservations held (a node with none outstanding after its requests ended leaks
+    /// nothing).
+    pub fn reservations_held(&self) -> usize {
+        self.reservations.len()
+    }
+}
