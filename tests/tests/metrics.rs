@@ -236,6 +236,12 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     // KV moved from the prefill node to the decode node, and both sides say so.
     assert!(r.sum("pd_router_kv_transfer_bytes_total", &[("role", "decode")]) > 0.0);
     assert!(r.sum("pd_router_kv_transfer_seconds_count", &[("role", "decode")]) > 0.0);
+    // Host-memory KV: every import landed in place in blocks the decode engine reserved.
+    let decode = exposition(&cluster.node_metrics("decode")[0])
+        .await
+        .unwrap();
+    let landed = |l: &str| decode.sum("pd_node_kv_imports_total", &[("landing", l)]);
+    assert_eq!((landed("in_place"), landed("buffers")), (11.0, 0.0));
     // Hit rates of every node and pair lie in [0, 1].
     for cache in ["local", "external"] {
         for role in ["prefill", "decode"] {

@@ -7,10 +7,14 @@
 //!
 //! The raw socket and the transport run alternately, so that load from elsewhere on a shared
 //! machine falls on both alike; the best run of each is reported. Rows:
-//! - "pooled (decode node)": as a decode node pulls: a pooled connection, blocks received
-//!   into the engine's recycled buffers ([`BlockBuffers`]), which it gives back after copying
-//!   them into KV storage. Compared with the raw socket, which also reuses its connection
-//!   and buffers.
+//! - "pooled into buffers": as a decode node with GPU KV (or no room to reserve) pulls: a
+//!   pooled connection, blocks received into the engine's recycled buffers
+//!   ([`BlockBuffers`]), which it gives back after copying them into KV storage. Compared
+//!   with the raw socket, which also reuses its connection and buffers.
+//! - "in place (decode node)": as a decode node with host-memory KV pulls: a pooled
+//!   connection, each block read straight into its reserved place in KV memory laid out as
+//!   the CPU backend's (`PD_BENCH_REGIONS` regions, default 56 = 28 layers x K and V, so a
+//!   block lands in 56 separate 64 KiB pieces); nothing is copied afterwards.
 //! - "new conn + buffers": a fresh connection and freshly allocated blocks per pull (what a
 //!   node's first pull from a peer costs).
 //!
@@ -28,6 +32,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::checksum::block_checksum;
+use pd_engine::kv::placement::{HostKvMemory, HostSegment, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::{
     KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
@@ -98,10 +104,39 @@ impl RawPeer {
     }
 }
 
+/// Host KV memory of `blocks` blocks of `block_bytes` in `regions` regions, laid out as the
+/// CPU backend's, and a reservation of every block of it in order.
+fn reservation(blocks: usize, block_bytes: usize, regions: usize) -> KvReservation {
+    assert_eq!(
+        block_bytes % regions,
+        0,
+        "PD_BENCH_REGIONS must divide the block"
+    );
+    let stride = block_bytes / regions;
+    let mut backing = vec![0u8; blocks * block_bytes];
+    let base = backing.as_mut_ptr();
+    let segments = (0..regions)
+        .map(|r| {
+            // SAFETY: region `r` of `backing`, which the memory's keep-alive owns; only the
+            // reservation writes it.
+            unsafe {
+                HostSegment::new(
+                    std::ptr::NonNull::new(base.add(r * stride * blocks)).expect("non-null"),
+                    stride * blocks,
+                )
+            }
+        })
+        .collect();
+    let memory = HostKvMemory::new(segments, stride, blocks, Arc::new(backing));
+    let ids: Vec<u32> = (0..blocks as u32).collect();
+    KvReservation::new(ReservationId(1), 0, &ids, memory, Arc::new(|_| {}))
+}
+
 fn main() {
     let blocks = env("PD_BENCH_BLOCKS", 256);
     let block_len = env("PD_BENCH_BLOCK_LEN", 2 * 28 * 16 * 8 * 128);
     let iters = env("PD_BENCH_ITERS", 10).max(1);
+    let regions = env("PD_BENCH_REGIONS", 56).max(1);
     let bytes = (blocks * block_len * 4) as u64;
     println!(
         "{blocks} blocks x {:.2} MB = {:.1} MB per transfer, best of {iters}, raw socket and \
@@ -168,9 +203,23 @@ fn main() {
         .block_on(puller.pull(addr, req, deadline()))
         .expect("warm-up pull");
     buffers.give_all(warm);
+    let mut into = reservation(blocks, block_len * 4, regions);
+    rt.block_on(puller.pull_into(addr, req, &mut into, deadline()))
+        .expect("warm-up pull in place");
+    let check_placed = |r: &KvReservation| {
+        for (i, b) in source.blocks.iter().enumerate() {
+            let want = block_checksum(i as u64, bytemuck::cast_slice(b));
+            assert_eq!(r.block_checksum(i, i as u64), want, "block {i} differs");
+        }
+    };
 
-    let (mut memcpy, mut raw, mut fresh, mut pooled) =
-        (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
+    let (mut memcpy, mut raw, mut fresh, mut pooled, mut placed) = (
+        Duration::MAX,
+        Duration::MAX,
+        Duration::MAX,
+        Duration::MAX,
+        Duration::MAX,
+    );
     for _ in 0..iters {
         let t = Instant::now();
         for (d, s) in dst.iter_mut().zip(&source.blocks) {
@@ -189,6 +238,13 @@ fn main() {
         pooled = pooled.min(t.elapsed());
         check(&got);
         buffers.give_all(got);
+
+        raw = raw.min(raw_peer.read(&mut dst));
+        let t = Instant::now();
+        rt.block_on(puller.pull_into(addr, req, &mut into, deadline()))
+            .expect("pull in place");
+        placed = placed.min(t.elapsed());
+        check_placed(&into);
 
         let t = Instant::now();
         let got = rt
@@ -209,12 +265,14 @@ fn main() {
     };
     row("memcpy (baseline)", memcpy);
     row("raw TCP socket (baseline)", raw);
-    row("pd-transport, pooled (decode node)", pooled);
+    row("pd-transport, pooled into buffers", pooled);
+    row("pd-transport, in place (decode node)", placed);
     row("pd-transport, new conn + buffers", fresh);
     row("(checksums at lease time, once)", checksum_time);
     println!(
-        "pd-transport pooled / raw socket: {:.2}   new conn / raw socket: {:.2}   pooled / \
-         memcpy: {:.2}",
+        "pd-transport in place / raw socket: {:.2}   into buffers / raw socket: {:.2}   new \
+         conn / raw socket: {:.2}   buffers / memcpy: {:.2}",
+        raw.as_secs_f64() / placed.as_secs_f64(),
         raw.as_secs_f64() / pooled.as_secs_f64(),
         raw.as_secs_f64() / fresh.as_secs_f64(),
         memcpy.as_secs_f64() / pooled.as_secs_f64()

@@ -161,8 +161,11 @@ impl std::fmt::Debug for KvReservation {
 }
 
 impl KvReservation {
-    /// Made by the engine for physical blocks `physical` (exclusively its to give).
-    pub(crate) fn new(
+    /// Made by the engine ([`crate::serve::EngineHandle::reserve_import`]) for physical
+    /// blocks `physical`, exclusively its to give; `release` is called with `id` if the
+    /// reservation is dropped unadmitted. Public for transport benchmarks and tests, which
+    /// reserve plain host memory the same way.
+    pub fn new(
         id: ReservationId,
         first_block: usize,
         physical: &[u32],

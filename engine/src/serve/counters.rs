@@ -59,6 +59,10 @@ pub struct EngineCounters {
     pub preemptions: u64,
     /// Prefill leases released by their deadline rather than by a caller.
     pub kv_leases_expired: u64,
+    /// Requests admitted with imported KV that landed in place in reserved blocks.
+    pub kv_imports_in_place: u64,
+    /// Requests admitted with imported KV in buffers, copied into KV storage at admission.
+    pub kv_imports_buffered: u64,
     /// Gauges (current values, not totals).
     pub num_running: u64,
     pub num_waiting: u64,

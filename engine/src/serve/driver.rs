@@ -33,7 +33,7 @@ const IDLE_TICK: Duration = Duration::from_millis(50);
 pub type FinishedObserver = Box<dyn Fn(&Finished) + Send>;
 
 enum Command {
-    Submit(EngineRequest, Sender<RequestEvent>),
+    Submit(Box<EngineRequest>, Sender<RequestEvent>),
     Abort(RequestId),
     ReleaseLease(u64, Sender<bool>),
     CachedPrefix(Vec<u32>, Option<String>, Sender<usize>),
@@ -120,7 +120,8 @@ impl EngineHandle {
     /// Submit a request; its events (exactly one terminal) arrive on the returned channel.
     pub fn submit(&self, req: EngineRequest) -> Receiver<RequestEvent> {
         let (tx, rx) = mpsc::channel();
-        if let Err(mpsc::SendError(Command::Submit(_, tx))) = self.tx.send(Command::Submit(req, tx))
+        if let Err(mpsc::SendError(Command::Submit(_, tx))) =
+            self.tx.send(Command::Submit(Box::new(req), tx))
         {
             let _ = tx.send(RequestEvent::Failed(unavailable()));
         }
@@ -238,7 +239,7 @@ fn run<B: Backend>(
             match cmd {
                 Command::Submit(req, tx) => {
                     let id = req.id.clone();
-                    match engine.submit(req) {
+                    match engine.submit(*req) {
                         Ok(()) => {
                             streams.insert(id, tx);
                         }

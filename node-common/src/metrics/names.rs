@@ -36,6 +36,7 @@ pub mod label {
     pub const FINISHED_REASON: &str = "finished_reason";
     pub const SOURCE: &str = "source";
     pub const REASON: &str = "reason";
+    pub const LANDING: &str = "landing";
     /// The histogram bucket bound.
     pub const LE: &str = "le";
 }
@@ -87,12 +88,13 @@ pub enum Family {
     KvTransferSeconds,
     KvTransferFailures,
     KvTransferFailovers,
+    KvImports,
     KvLeasesExpired,
     Epoch,
 }
 
 impl Family {
-    pub const ALL: [Family; 24] = [
+    pub const ALL: [Family; 25] = [
         Self::NumRequestsRunning,
         Self::NumRequestsWaiting,
         Self::KvCacheUsagePerc,
@@ -115,6 +117,7 @@ impl Family {
         Self::KvTransferSeconds,
         Self::KvTransferFailures,
         Self::KvTransferFailovers,
+        Self::KvImports,
         Self::KvLeasesExpired,
         Self::Epoch,
     ];
@@ -145,6 +148,7 @@ impl Family {
             Self::KvTransferSeconds => "pd_node_kv_transfer_seconds",
             Self::KvTransferFailures => "pd_node_kv_transfer_failures_total",
             Self::KvTransferFailovers => "pd_node_kv_transfer_failovers_total",
+            Self::KvImports => "pd_node_kv_imports_total",
             Self::KvLeasesExpired => "pd_node_kv_leases_expired_total",
             Self::Epoch => "pd_node_epoch",
         }
@@ -185,6 +189,10 @@ impl Family {
             Self::KvTransferFailures => "Failed KV transfers by reason.",
             Self::KvTransferFailovers => {
                 "KV transfers whose RDMA read failed and that were retried over TCP."
+            }
+            Self::KvImports => {
+                "Requests admitted with imported KV, by where it landed: in place in reserved \
+                 blocks, or in buffers copied in at admission."
             }
             Self::KvLeasesExpired => {
                 "Prefill KV leases released by their deadline instead of by the router."

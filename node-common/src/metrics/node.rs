@@ -161,6 +161,16 @@ fn values(
             .map(|(reason, n)| (vec![(label::REASON, reason.as_str())], *n as f64))
             .collect(),
         Family::KvTransferFailovers => one(snap.transfers.failovers),
+        Family::KvImports => vec![
+            (
+                vec![(label::LANDING, "in_place")],
+                c.kv_imports_in_place as f64,
+            ),
+            (
+                vec![(label::LANDING, "buffers")],
+                c.kv_imports_buffered as f64,
+            ),
+        ],
         Family::KvLeasesExpired => one(c.kv_leases_expired),
         Family::Epoch => one(epoch.get()),
         Family::TimeToFirstToken

@@ -99,9 +99,16 @@ impl<B: Backend> Engine<B> {
             Vec::new()
         };
         let (blocks, local) = match &imp.blocks {
-            ImportedBlocks::Placed(_) => self.take_placed(id, &hashes)?,
+            ImportedBlocks::Placed(_) => {
+                let held = self.take_placed(id, &hashes)?;
+                self.counters.kv_imports_in_place += 1;
+                held
+            }
             ImportedBlocks::Buffers(_) => match self.place_buffers(id, &hashes) {
-                Ok(Some(held)) => held,
+                Ok(Some(held)) => {
+                    self.counters.kv_imports_buffered += 1;
+                    held
+                }
                 Ok(None) => return None,
                 Err(()) => return Some(None),
             },
