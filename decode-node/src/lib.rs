@@ -509,8 +509,13 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
     // Pulled blocks arrive in the engine's recycled buffers: it gives each back once the
     // block is in KV storage, so steady pulls do not fault in fresh pages.
-    let importer = pd_node::kv_transport::importer(rdma.as_ref(), facts.fingerprint, &args.node)?
-        .with_buffers(engine.handle().import_buffers().clone());
+    let importer = pd_node::kv_transport::importer(
+        rdma.as_ref(),
+        engine.handle().host_kv_memory().cloned(),
+        facts.fingerprint,
+        &args.node,
+    )?
+    .with_buffers(engine.handle().import_buffers().clone());
     let metrics = Arc::new(NodeMetrics::new(
         Role::Decode,
         &facts.served_name,

@@ -588,6 +588,17 @@ fn reservations_never_admitted_give_every_block_back() {
     assert!(decode.release_reservation(id));
     assert!(!decode.release_reservation(id), "released once");
     all_free(&decode);
+    // Headroom: never the pool's last free block (running sequences grow into it).
+    assert!(
+        decode
+            .reserve_import(&prompt(7, 64), None, release_into(&log))
+            .is_none()
+    );
+    let all_but_one = decode.reserve_import(&prompt(7, 60), None, release_into(&log));
+    assert_eq!(all_but_one.map(|r| r.len()), Some(15));
+    let id = log.lock().unwrap().pop().expect("released on drop");
+    assert!(decode.release_reservation(id));
+    all_free(&decode);
 
     // Reserved, then the request is aborted while it waits.
     let r = decode.reserve_import(&p, None, release_into(&log)).unwrap();

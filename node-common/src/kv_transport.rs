@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use pd_engine::kv::placement::HostKvMemory;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use pd_transport::rdma::{
@@ -29,9 +30,12 @@ pub fn open_rdma(args: &NodeArgs) -> Result<Option<RdmaDevice>, RdmaStartError> 
     Ok(device)
 }
 
-/// The decode node's importer: RDMA reads through `device` when there is one.
+/// The decode node's importer: RDMA reads through `device` when there is one, landing in
+/// place in `host_kv` (the engine's KV memory, registered once here; `None` on a GPU, whose
+/// reads land in registered buffers and are copied in).
 pub fn importer(
     device: Option<&RdmaDevice>,
+    host_kv: Option<HostKvMemory>,
     fingerprint: LayoutFingerprint,
     args: &NodeArgs,
 ) -> anyhow::Result<KvImporter> {
@@ -43,7 +47,8 @@ pub fn importer(
         Arc::new(GrpcConnector),
         fingerprint,
         &args.rdma.config(),
-    )?;
+    )?
+    .with_host_kv(host_kv);
     Ok(KvImporter::with_rdma(Arc::new(reader)))
 }
 
@@ -132,7 +137,7 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        let importer = importer(None, LayoutFingerprint(1), &args(&[])).unwrap();
+        let importer = importer(None, None, LayoutFingerprint(1), &args(&[])).unwrap();
         assert!(importer.rdma_fabric().is_none());
     }
 

@@ -75,6 +75,10 @@ impl RdmaReader {
     ) -> Result<Self, RdmaError> {
         match device.0 {}
     }
+
+    pub fn with_host_kv(self, _memory: Option<pd_engine::kv::placement::HostKvMemory>) -> Self {
+        match self.0 {}
+    }
 }
 
 impl crate::importer::OneSidedReader for RdmaReader {

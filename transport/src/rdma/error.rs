@@ -2,6 +2,7 @@
 
 use super::endpoint::EndpointError;
 use super::plan::PlanError;
+use super::scatter::ScatterError;
 use super::window::CompletionError;
 use crate::stats::FailureReason;
 
@@ -30,6 +31,9 @@ pub enum RdmaError {
     /// The blocks asked for are not in the offer.
     #[error(transparent)]
     Plan(#[from] PlanError),
+    /// The READs do not fit the KV memory reserved for them.
+    #[error(transparent)]
+    Scatter(#[from] ScatterError),
     /// A READ completed with an error status (the queue pair is then unusable).
     #[error("RDMA READ {op} of the transfer completed with status {status}")]
     Completion {
@@ -45,6 +49,10 @@ pub enum RdmaError {
     /// The deadline passed with READs outstanding.
     #[error("RDMA transfer missed its deadline ({done} of {total} READs completed)")]
     Deadline { done: usize, total: usize },
+    /// The pull was abandoned (its caller went away) with READs outstanding; the queue pair
+    /// was destroyed so none of them can still land.
+    #[error("RDMA transfer abandoned by its caller ({done} of {total} READs completed)")]
+    Abandoned { done: usize, total: usize },
     /// A block read does not hash to the checksum the exporter published.
     #[error("RDMA block {block} does not match the exporter's checksum")]
     Checksum { block: u64 },
@@ -68,8 +76,8 @@ impl RdmaError {
             } => FailureReason::LeaseGone,
             Self::Completion { .. } => FailureReason::Connection,
             Self::Endpoint(_) | Self::Bookkeeping(_) => FailureReason::Protocol,
-            Self::Plan(_) | Self::BlockSize { .. } => FailureReason::Length,
-            Self::Deadline { .. } => FailureReason::Timeout,
+            Self::Plan(_) | Self::Scatter(_) | Self::BlockSize { .. } => FailureReason::Length,
+            Self::Deadline { .. } | Self::Abandoned { .. } => FailureReason::Timeout,
             Self::Checksum { .. } => FailureReason::Checksum,
         }
     }

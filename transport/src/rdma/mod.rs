@@ -42,12 +42,16 @@
 //! - **Read** ([`RdmaReader`], decode node): the blocks it lacks are planned into READs
 //!   ([`plan_reads`]: coalesced, at most 4 MiB each), posted with at most 16 in flight
 //!   ([`ReadWindow`]), completions polled on a blocking thread until done or the deadline;
-//!   then every block is checked against the offer's checksum. The READs land in a
-//!   registered host buffer whose blocks then go to the engine like TCP's (the engine's
-//!   reserved blocks are not registered memory; see docs/transport.md).
-//! - **Teardown**: on a failure or a missed deadline the queue pair is destroyed before the
-//!   landing buffer is freed (no DMA can then touch it); regions are deregistered before
-//!   their buffers are freed; dropping the device closes everything in dependency order.
+//!   then every block is checked against the offer's checksum. Where the engine's KV lives
+//!   in host memory (the CPU backend), the reader registers that memory once and the READs
+//!   land in place in the blocks the engine reserved for the pull: [`scatter`] maps each
+//!   READ onto the blocks' per-layer segments (splitting READs at the device's
+//!   scatter/gather limit). Otherwise (GPU KV, no reservation, a failed registration) they
+//!   land in a registered host buffer whose blocks are then copied into the engine's.
+//! - **Teardown**: on a failure, a missed deadline or an abandoned pull the queue pair is
+//!   destroyed before the memory READs land in is freed or given back (no DMA can then
+//!   touch it); regions are deregistered before their memory is freed; dropping the device
+//!   closes everything in dependency order.
 //!
 //! # Selection and failover
 //!
@@ -58,6 +62,7 @@ mod descriptor;
 mod endpoint;
 mod error;
 mod plan;
+pub mod scatter;
 pub mod select;
 mod window;
 

@@ -48,7 +48,15 @@ impl<B: Backend> Engine<B> {
             .pool
             .acquire_cached(&hashes[..local])
             .expect("pool invariant: cached_prefix blocks can be acquired");
-        let Some(fresh) = self.allocate(total - local) else {
+        // A reservation holds its blocks for the whole pull. Taking the last free ones would
+        // make running sequences preempt (and recompute) to grow, so leave headroom: a block
+        // for each running sequence and 1 % of the pool. Without it the pull lands in
+        // buffers and admission waits for room, as it always did.
+        let headroom = self.running.len() + self.num_blocks().div_ceil(100);
+        let fresh = (self.pool.num_free() >= total - local + headroom)
+            .then(|| self.allocate(total - local))
+            .flatten();
+        let Some(fresh) = fresh else {
             self.free_blocks(&cached);
             return None;
         };

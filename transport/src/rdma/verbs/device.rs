@@ -29,6 +29,9 @@ pub(super) struct Inner {
     /// Outstanding RDMA READs per queue pair, as initiator and as target: 16, or less where
     /// the device allows less.
     pub(super) rd_atomic: u8,
+    /// Scatter/gather entries one RDMA READ may carry (and a reader's queue pair is made
+    /// for): the device's `max_sge_rd`, within its `max_sge`.
+    pub(super) read_sge: u32,
     /// Dropped before the context (field order).
     pub(super) pd: Arc<ProtectionDomain>,
     pub(super) ctx: Arc<DeviceContext>,
@@ -118,6 +121,12 @@ impl RdmaDevice {
         .min()
         .unwrap_or(1)
         .clamp(1, 16) as u8;
+        // A READ's local scatter list is bounded by `max_sge_rd`, and a queue pair's send
+        // entries by `max_sge`; a device reporting 0 still takes one entry.
+        let read_sge = dev_attr
+            .max_sge_rd()
+            .min(dev_attr.max_sge())
+            .clamp(1, i32::MAX) as u32;
         let candidates: Vec<u8> = match config.port {
             Some(p) if p == 0 || p > ports => {
                 return Err(device_err(format!("has ports 1..={ports}, not {p}")));
@@ -179,6 +188,7 @@ impl RdmaDevice {
                 fabric,
                 mtu: path_mtu(attr.active_mtu()),
                 rd_atomic,
+                read_sge,
                 pd,
                 ctx,
             }),
@@ -209,6 +219,11 @@ impl RdmaDevice {
                 device: format!("port {port}"),
                 message: "no GID configured (give the interface an IP address)".into(),
             })
+    }
+
+    /// Scatter/gather entries one RDMA READ may carry on this device.
+    pub(super) fn read_sge(&self) -> u32 {
+        self.inner.read_sge
     }
 
     pub fn fabric(&self) -> crate::rdma::Fabric {

@@ -141,8 +141,8 @@ impl RdmaExporter {
     /// answer with its endpoint (encoded).
     pub fn accept(&self, endpoint: &[u8]) -> Result<Vec<u8>, RdmaError> {
         let remote = QpEndpoint::decode(endpoint)?;
-        // The target side posts nothing: a small send queue suffices.
-        let mut conn = Connection::create(&self.device, 16, true)?;
+        // The target side posts nothing: a small send queue of single entries suffices.
+        let mut conn = Connection::create(&self.device, 16, 1, true)?;
         conn.connect(&self.device, &remote)?;
         let answer = conn.local.encode();
         tracing::info!(

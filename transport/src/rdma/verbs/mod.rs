@@ -4,9 +4,11 @@
 
 mod device;
 mod export;
+mod host_kv;
 mod landing;
 mod qp;
 mod read;
+mod transfer;
 
 pub use device::RdmaDevice;
 pub use export::RdmaExporter;

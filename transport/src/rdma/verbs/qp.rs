@@ -47,11 +47,13 @@ fn initial_psn() -> u32 {
 }
 
 impl Connection {
-    /// A queue pair in INIT, with room for `depth` send work requests; `remote_read`: peers
-    /// may READ this node's registered regions through it.
+    /// A queue pair in INIT, with room for `depth` send work requests of up to `send_sge`
+    /// scatter/gather entries each; `remote_read`: peers may READ this node's registered
+    /// regions through it.
     pub(super) fn create(
         dev: &RdmaDevice,
         depth: u32,
+        send_sge: u32,
         remote_read: bool,
     ) -> Result<Self, RdmaError> {
         let d = &dev.inner;
@@ -68,7 +70,7 @@ impl Connection {
                 .setup_recv_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
                 .setup_max_send_wr(depth.max(1))
                 .setup_max_recv_wr(1)
-                .setup_max_send_sge(1)
+                .setup_max_send_sge(send_sge.max(1))
                 .setup_max_recv_sge(1)
                 .build()
                 .map_err(|e| verbs_error("ibv_create_qp", e))?;

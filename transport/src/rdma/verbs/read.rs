@@ -1,25 +1,29 @@
-//! The decode node's side: connect to a prefill node once, then READ offered blocks into a
-//! registered landing buffer (kept for later transfers: [`super::landing`]), with a bounded
-//! window of READs in flight.
+//! The decode node's side: connect to a prefill node once, then READ offered blocks, with a
+//! bounded window of READs in flight ([`super::transfer`]), either in place into the KV
+//! blocks the engine reserved (the node's host KV memory, registered once:
+//! [`super::host_kv`]) or into a registered landing buffer kept for later transfers
+//! ([`super::landing`]) whose blocks are then copied out.
+//!
+//! This owns the reader's connections, the choice between the two landings and the
+//! checksum verification; not the posting loop, the registrations or the plans.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use sideway::ibverbs::completion::{PollCompletionQueueError, WorkCompletionStatus};
-use sideway::ibverbs::queue_pair::{
-    PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
-};
+use pd_engine::kv::placement::{HostKvMemory, KvReservation};
 
 use super::device::RdmaDevice;
+use super::host_kv::HostKvRegistration;
 use super::landing::{Landing, LandingPool};
 use super::qp::Connection;
-use super::verbs_error;
+use super::transfer::{StopSignal, stop_pair, transfer};
 use crate::importer::OneSidedReader;
+use crate::rdma::scatter::{ScatterRead, Sge, scatter_reads};
 use crate::rdma::{
     BoxFuture, Fabric, QpEndpoint, RdmaConfig, RdmaConnector, RdmaError, RdmaOffer, ReadOp,
-    ReadWindow, block_checksum, plan_reads,
+    block_checksum, plan_reads,
 };
 use crate::{LayoutFingerprint, PullRequest};
 
@@ -36,17 +40,22 @@ pub struct RdmaReader {
     peers: Mutex<HashMap<String, PeerSlot>>,
     next_tag: AtomicU32,
     landings: Arc<LandingPool>,
+    /// The node's KV memory, registered: reads into reservations of it land in place.
+    host_kv: Option<HostKvRegistration>,
 }
 
 impl std::fmt::Debug for RdmaReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaReader")
             .field("device", &self.device)
+            .field("in_place", &self.host_kv.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl RdmaReader {
+    /// A reader whose READs land in registered landing buffers (see
+    /// [`RdmaReader::with_host_kv`] for in place).
     pub fn new(
         device: &RdmaDevice,
         connector: Arc<dyn RdmaConnector>,
@@ -62,7 +71,39 @@ impl RdmaReader {
             peers: Mutex::default(),
             next_tag: AtomicU32::new(1),
             landings: Arc::new(LandingPool::new(device)),
+            host_kv: None,
         })
+    }
+
+    /// Register the node's host KV memory (the engine's; `None` where KV lives on a GPU) so
+    /// that reads into reservations of it land in place, and log once which way reads land.
+    /// A registration that fails is logged and leaves the landing buffers. Blocking: the
+    /// registration pins every page of the KV memory.
+    pub fn with_host_kv(mut self, memory: Option<HostKvMemory>) -> Self {
+        let Some(memory) = memory else {
+            tracing::info!(
+                "RDMA reads land through registered landing buffers, then are copied into KV \
+                 memory (KV memory is not host memory; GPUDirect RDMA registration is not \
+                 implemented)"
+            );
+            return self;
+        };
+        match HostKvRegistration::register(&self.device, memory) {
+            Ok(registration) => {
+                tracing::info!(
+                    "RDMA reads land in place in KV memory: {} regions, {} MiB registered",
+                    registration.regions(),
+                    registration.bytes() >> 20
+                );
+                self.host_kv = Some(registration);
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot register KV memory for RDMA; reads land through registered landing \
+                 buffers, then are copied into KV memory"
+            ),
+        }
+        self
     }
 
     fn slot(&self, addr: &str) -> PeerSlot {
@@ -73,7 +114,7 @@ impl RdmaReader {
     /// A connected queue pair to the exporter at `addr` (the endpoint exchange over gRPC).
     async fn connect(&self, addr: &str, deadline: Instant) -> Result<Connection, RdmaError> {
         let depth = u32::try_from(self.max_in_flight).unwrap_or(u32::MAX);
-        let mut conn = Connection::create(&self.device, depth, false)?;
+        let mut conn = Connection::create(&self.device, depth, self.device.read_sge(), false)?;
         let exchange =
             self.connector
                 .connect(addr.to_string(), self.fingerprint, conn.local.encode());
@@ -95,12 +136,9 @@ impl RdmaReader {
         Ok(conn)
     }
 
-    async fn read_blocks(
-        &self,
-        offer: &RdmaOffer,
-        req: PullRequest,
-        deadline: Instant,
-    ) -> Result<Vec<Vec<f32>>, RdmaError> {
+    /// The READs of `req`'s blocks of `offer`, planned (checked against this node's block
+    /// size and the offer's blocks).
+    fn plan(&self, offer: &RdmaOffer, req: &PullRequest) -> Result<Vec<ReadOp>, RdmaError> {
         let block_bytes = req.block_len as u64 * 4;
         if offer.block_bytes != block_bytes {
             return Err(RdmaError::BlockSize {
@@ -108,12 +146,22 @@ impl RdmaReader {
                 ours: block_bytes,
             });
         }
-        let ops = plan_reads(
+        Ok(plan_reads(
             offer,
             req.first_block as u64,
             req.count as u64,
             self.max_op_bytes,
-        )?;
+        )?)
+    }
+
+    /// Landing-buffer path: READ into a registered buffer, copy the blocks out, verify them.
+    async fn read_blocks(
+        &self,
+        offer: &RdmaOffer,
+        req: PullRequest,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<f32>>, RdmaError> {
+        let ops = self.plan(offer, &req)?;
         let slot = self.slot(&offer.connect_addr);
         // One transfer at a time per queue pair: its window bounds the READs in flight.
         let mut guard = slot.lock().await;
@@ -130,15 +178,21 @@ impl RdmaReader {
                 Ok(l) => l,
                 Err(e) => return (Some(conn), Err(e)),
             };
-            let (conn, landing, result) =
-                transfer(conn, landing, &ops, tag, max_in_flight, deadline);
-            let landed = result.map(|()| {
-                let blocks = copy_out(&landing, len, req.block_len);
-                (landing, blocks)
-            });
+            let reads = into_landing(&ops, &landing);
+            // The closure owns the landing buffer: nobody else can be written into, so the
+            // transfer is never asked to stop early.
+            let (conn, result) = transfer(
+                conn,
+                &reads,
+                tag,
+                max_in_flight,
+                deadline,
+                &StopSignal::never(),
+            );
             // No READ targets the buffer any more (done, or the queue pair is destroyed).
-            match landed {
-                Ok((landing, blocks)) => {
+            match result {
+                Ok(()) => {
+                    let blocks = copy_out(&landing, len, req.block_len);
                     landings.give(landing);
                     (conn, Ok(blocks))
                 }
@@ -146,10 +200,7 @@ impl RdmaReader {
             }
         })
         .await
-        .map_err(|e| RdmaError::Verbs {
-            op: "the completion thread",
-            message: e.to_string(),
-        })?;
+        .map_err(completion_thread)?;
         // A queue pair that saw an error is in the error state: drop it, reconnect next time.
         *guard = conn;
         drop(guard);
@@ -163,6 +214,76 @@ impl RdmaReader {
         }
         Ok(blocks)
     }
+
+    /// In-place path: READ straight into `into`'s blocks (memory `registration` covers),
+    /// then verify each block where it landed.
+    async fn read_in_place(
+        &self,
+        registration: &HostKvRegistration,
+        offer: &RdmaOffer,
+        req: PullRequest,
+        into: &mut KvReservation,
+        deadline: Instant,
+    ) -> Result<(), RdmaError> {
+        let ops = self.plan(offer, &req)?;
+        let spans = registration.spans(into)?;
+        let reads = scatter_reads(&ops, &spans, self.device.read_sge() as usize)?;
+        let slot = self.slot(&offer.connect_addr);
+        // One transfer at a time per queue pair: its window bounds the READs in flight.
+        let mut guard = slot.lock().await;
+        let conn = match guard.take() {
+            Some(c) => c,
+            None => self.connect(&offer.connect_addr, deadline).await?,
+        };
+        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        let max_in_flight = self.max_in_flight;
+        // The READs land in memory this future only borrows (`into`): if the future is
+        // dropped mid-transfer, `_stop` makes the transfer destroy its queue pair and waits
+        // for that before the borrow (and so the reservation) can end.
+        let (_stop, signal) = stop_pair();
+        let (conn, result) = tokio::task::spawn_blocking(move || {
+            // `signal` is dropped when this closure returns: after the queue pair is
+            // destroyed (a failure) or every READ completed.
+            transfer(conn, &reads, tag, max_in_flight, deadline, &signal)
+        })
+        .await
+        .map_err(completion_thread)?;
+        // A queue pair that saw an error is in the error state: drop it, reconnect next time.
+        *guard = conn;
+        drop(guard);
+        result?;
+        for i in 0..into.len() {
+            let index = (req.first_block + i) as u64;
+            let sum = into.block_checksum(i, index);
+            if offer.checksums.get(index as usize) != Some(&sum) {
+                return Err(RdmaError::Checksum { block: index });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn completion_thread(e: tokio::task::JoinError) -> RdmaError {
+    RdmaError::Verbs {
+        op: "the completion thread",
+        message: e.to_string(),
+    }
+}
+
+/// `ops` landing at their offsets of `landing` (registered, large enough for every op): one
+/// entry each.
+fn into_landing(ops: &[ReadOp], landing: &Landing) -> Vec<ScatterRead> {
+    ops.iter()
+        .map(|op| ScatterRead {
+            remote_addr: op.remote_addr,
+            rkey: op.rkey,
+            sges: vec![Sge {
+                addr: landing.base() + op.local_offset,
+                length: op.len,
+                lkey: landing.lkey(),
+            }],
+        })
+        .collect()
 }
 
 /// The landed values as blocks of `block_len`.
@@ -172,90 +293,6 @@ fn copy_out(landing: &Landing, len: usize, block_len: usize) -> Vec<Vec<f32>> {
         .chunks_exact(block_len.max(1))
         .map(<[f32]>::to_vec)
         .collect()
-}
-
-/// Run `ops` on `conn` into `landing` (registered, large enough for every op). Returns the
-/// connection if it is still usable (on an error it is destroyed first, so no READ can write
-/// into `landing` afterwards), the landing buffer, and the outcome. Blocking: polls the
-/// completion queue until every READ completed or `deadline` passed.
-fn transfer(
-    mut conn: Connection,
-    landing: Landing,
-    ops: &[ReadOp],
-    tag: u32,
-    max_in_flight: usize,
-    deadline: Instant,
-) -> (Option<Connection>, Landing, Result<(), RdmaError>) {
-    let (lkey, base) = (landing.lkey(), landing.base());
-    let mut window = ReadWindow::new(tag, ops.len(), max_in_flight);
-    let mut idle_polls = 0u32;
-    let outcome = loop {
-        if window.is_done() {
-            break Ok(());
-        }
-        let batch = window.next_batch();
-        if !batch.is_empty() {
-            let mut post = conn.qp.start_post_send();
-            for i in batch.clone() {
-                let op = ops[i];
-                let wr = post
-                    .construct_wr(window.wr_id(i), WorkRequestFlags::Signaled)
-                    .setup_read(op.rkey, op.remote_addr);
-                // SAFETY: the SGE lies inside `landing` (the plan fits the transfer, which
-                // fits the buffer), registered until the READ completed or the queue pair is
-                // destroyed.
-                unsafe { wr.setup_sge(lkey, base + op.local_offset, op.len) };
-            }
-            if let Err(e) = post.post() {
-                break Err(verbs_error("ibv_post_send", e));
-            }
-            window.posted(batch);
-        }
-        match conn.cq.start_poll() {
-            Ok(poller) => {
-                idle_polls = 0;
-                let mut failed = None;
-                for wc in poller {
-                    if wc.status() != WorkCompletionStatus::Success as u32 {
-                        let status = WorkCompletionStatus::from(wc.status());
-                        failed.get_or_insert(RdmaError::Completion {
-                            op: wc.wr_id() as u32,
-                            remote_access: status == WorkCompletionStatus::RemoteAccessError,
-                            status: format!("{status:?}"),
-                        });
-                    } else if let Err(e) = window.complete(wc.wr_id()) {
-                        failed.get_or_insert(e.into());
-                    }
-                }
-                if let Some(e) = failed {
-                    break Err(e);
-                }
-            }
-            Err(PollCompletionQueueError::CompletionQueueEmpty) => {
-                if Instant::now() >= deadline {
-                    break Err(RdmaError::Deadline {
-                        done: window.completed(),
-                        total: ops.len(),
-                    });
-                }
-                // Spin briefly (a READ of a few MiB completes in well under a millisecond),
-                // then yield the core.
-                idle_polls += 1;
-                if idle_polls > 256 {
-                    std::thread::sleep(Duration::from_micros(20));
-                }
-            }
-            Err(e) => break Err(verbs_error("ibv_poll_cq", e)),
-        }
-    };
-    match outcome {
-        Ok(()) => (Some(conn), landing, Ok(())),
-        Err(e) => {
-            // Destroy the queue pair first: after that no READ can write into `landing`.
-            drop(conn);
-            (None, landing, Err(e))
-        }
-    }
 }
 
 impl OneSidedReader for RdmaReader {
@@ -270,5 +307,40 @@ impl OneSidedReader for RdmaReader {
         deadline: Instant,
     ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>> {
         Box::pin(self.read_blocks(offer, req, deadline))
+    }
+
+    /// In place when `into` is memory this reader registered; otherwise (no registration,
+    /// or another engine's memory) through a landing buffer and a copy.
+    fn read_into<'a>(
+        &'a self,
+        offer: &'a RdmaOffer,
+        req: PullRequest,
+        into: &'a mut KvReservation,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<(), RdmaError>> {
+        Box::pin(async move {
+            match &self.host_kv {
+                Some(reg) if reg.covers(into.memory()) => {
+                    self.read_in_place(reg, offer, req, into, deadline).await
+                }
+                _ => {
+                    let blocks = self.read_blocks(offer, req, deadline).await?;
+                    copy_into(&blocks, into);
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+/// Verified blocks copied into the reservation's segments, in transfer-layout order.
+fn copy_into(blocks: &[Vec<f32>], into: &mut KvReservation) {
+    for (i, block) in blocks.iter().enumerate() {
+        let bytes: &[u8] = bytemuck::cast_slice(block);
+        let mut at = 0;
+        for segment in into.block_mut(i) {
+            segment.copy_from_slice(&bytes[at..at + segment.len()]);
+            at += segment.len();
+        }
     }
 }
