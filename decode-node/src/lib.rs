@@ -152,6 +152,7 @@ impl DecodeNodeService {
                 params,
                 cache_salt: req.cache_salt,
                 imported: None,
+                lease_kv: false,
             },
             first_token: req.first_token,
             kv: req.kv,

@@ -154,6 +154,7 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
             token_ids: tokens.to_vec(),
             sampling: greedy(),
             cache_salt: None,
+            skip_kv_lease: false,
         })
         .await
         .expect("prefill")
@@ -282,6 +283,7 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
                     },
                     cache_salt: None,
                     imported: None,
+                    lease_kv: false,
                 })
                 .unwrap();
             let mut tokens = Vec::new();

@@ -166,6 +166,7 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::P
             token_ids: tokens.to_vec(),
             sampling: sampling(logprobs.then_some(1)),
             cache_salt: None,
+            skip_kv_lease: false,
         })
         .await
         .expect("prefill")

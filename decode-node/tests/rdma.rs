@@ -81,6 +81,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, bool) {
             token_ids: tokens.to_vec(),
             sampling: greedy,
             cache_salt: None,
+            skip_kv_lease: false,
         })
         .await
         .unwrap()

@@ -51,6 +51,7 @@ fn main() {
                 },
                 cache_salt: None,
                 imported: None,
+                lease_kv: false,
             })
             .expect("submit");
     }

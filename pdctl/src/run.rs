@@ -180,6 +180,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             params: job.params.clone(),
             cache_salt: job.cache_salt.clone(),
             imported: None,
+            lease_kv: false,
         })
     };
     let stdout = std::io::stdout();

@@ -6,8 +6,9 @@
 //!   person can act on), run with `max_tokens = 1` on an engine of role `Prefill` (which stops
 //!   after the first token and keeps the prompt's blocks under a lease), and answered with the
 //!   first token, usage (this node's prefix-cache hits) and a `KvHandle` naming the export
-//!   server, the layout fingerprint and the lease. A call the client cancels aborts the engine
-//!   request.
+//!   server, the layout fingerprint and the lease. A request with `skip_kv_lease` (it ends
+//!   with its first token) gets no lease and no `KvHandle`: nothing is held, copied or hashed
+//!   for a pull that never comes. A call the client cancels aborts the engine request.
 //! - `ReleaseKv`: frees a lease (the router calls it once the decode node pulled, or gave
 //!   up); a lease nobody releases expires after `--kv-lease-timeout`.
 //! - `RdmaConnect`: a decode node connects an RDMA queue pair to this node's (endpoint
@@ -137,11 +138,12 @@ impl Drop for LeaseGuard {
 
 /// How a prefill ended.
 enum Outcome {
-    /// The first token, the engine's result, and the lease (guarded until handed out).
+    /// The first token, the engine's result, and the lease (guarded until handed out;
+    /// `None` when the request asked for none).
     Prefilled {
         first_token: SampledToken,
         finished: Box<Finished>,
-        lease: LeaseGuard,
+        lease: Option<LeaseGuard>,
     },
     Aborted,
     Failed(RequestError),
@@ -149,8 +151,9 @@ enum Outcome {
     EngineGone,
 }
 
-/// Wait (blocking) for the prefill's first token and terminal event.
-fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>) -> Outcome {
+/// Wait (blocking) for the prefill's first token and terminal event; `lease_kv`: whether the
+/// request asked for a lease.
+fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>, lease_kv: bool) -> Outcome {
     let mut first_token = None;
     loop {
         match rx.recv() {
@@ -163,11 +166,13 @@ fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>) -> Outcome {
                     lease: Some(l),
                 });
                 return match (first_token, lease) {
-                    (Some(first_token), Some(lease)) => Outcome::Prefilled {
-                        first_token,
-                        finished,
-                        lease,
-                    },
+                    (Some(first_token), lease) if lease.is_some() == lease_kv => {
+                        Outcome::Prefilled {
+                            first_token,
+                            finished,
+                            lease,
+                        }
+                    }
                     _ => Outcome::Aborted,
                 };
             }
@@ -226,6 +231,36 @@ impl PrefillNodeService {
         self.requests.engine()
     }
 
+    /// Hand a prefill's lease out: tracked for the drain, offered for RDMA reads where this
+    /// node runs RDMA, described in the handle a decode node pulls with.
+    async fn hand_out(
+        &self,
+        lease: LeaseGuard,
+        submitted: SystemTime,
+        finished: &Finished,
+    ) -> pb::KvHandle {
+        let lease = lease.keep();
+        let deadline = submitted + finished.timings.end_to_end + self.lease_timeout;
+        let lease_end = Instant::now() + self.lease_timeout;
+        self.leases.insert(lease.lease_id, lease_end);
+        let rdma = self
+            .offer_rdma(lease.lease_id, lease.blocks.len(), lease_end)
+            .await;
+        let f = &self.facts;
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        pb::KvHandle {
+            addr: self.kv_addr.to_string(),
+            layout_fingerprint: f.fingerprint.to_string(),
+            block_size: n(f.block_size()),
+            num_tokens: n(lease.num_tokens),
+            lease_id: lease.lease_id,
+            lease_deadline_unix_ms: unix_ms(deadline),
+            block_len: f.block_len as u64,
+            num_blocks: n(lease.blocks.len()),
+            rdma,
+        }
+    }
+
     /// A wire request into an engine request, or INVALID_ARGUMENT.
     fn validate(&self, req: pb::PrefillRequest) -> Result<EngineRequest, Status> {
         if req.request_id.is_empty() {
@@ -249,6 +284,7 @@ impl PrefillNodeService {
             params,
             cache_salt: req.cache_salt,
             imported: None,
+            lease_kv: !req.skip_kv_lease,
         })
     }
 }
@@ -267,6 +303,7 @@ impl PrefillService for PrefillNodeService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let req = self.validate(request.into_inner())?;
         let id = req.id.clone();
+        let lease_kv = req.lease_kv;
         // Dropped before the end (the client cancelled the call): aborts the engine request.
         let guard = self.requests.begin(&id)?;
         // Taken before the engine sees the request, so the deadline reported is never later
@@ -274,7 +311,7 @@ impl PrefillService for PrefillNodeService {
         let submitted = SystemTime::now();
         let rx = guard.submit(req);
         let engine = self.engine().clone();
-        let outcome = tokio::task::spawn_blocking(move || collect(engine, rx))
+        let outcome = tokio::task::spawn_blocking(move || collect(engine, rx, lease_kv))
             .await
             .map_err(|e| Status::internal(format!("prefill task failed: {e}")))?;
         guard.finished();
@@ -290,18 +327,13 @@ impl PrefillService for PrefillNodeService {
             Outcome::Failed(e) => return Err(engine_status(&e)),
             Outcome::EngineGone => return Err(engine_gone()),
         };
-        let lease = lease.keep();
-        let deadline = submitted + finished.timings.end_to_end + self.lease_timeout;
-        let lease_end = Instant::now() + self.lease_timeout;
-        self.leases.insert(lease.lease_id, lease_end);
-        let rdma = self
-            .offer_rdma(lease.lease_id, lease.blocks.len(), lease_end)
-            .await;
-        let f = &self.facts;
-        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let kv = match lease {
+            Some(lease) => Some(self.hand_out(lease, submitted, &finished).await),
+            None => None,
+        };
         tracing::debug!(
             request_id = %id,
-            lease_id = lease.lease_id,
+            lease_id = kv.as_ref().map(|kv| kv.lease_id),
             prompt_tokens = finished.usage.prompt_tokens,
             cached_tokens = finished.usage.cached_tokens(),
             "prefilled"
@@ -309,17 +341,7 @@ impl PrefillService for PrefillNodeService {
         Ok(Response::new(pb::PrefillResponse {
             first_token: Some(convert::logprob(&first_token)),
             usage: Some(convert::usage(&finished.usage)),
-            kv: Some(pb::KvHandle {
-                addr: self.kv_addr.to_string(),
-                layout_fingerprint: f.fingerprint.to_string(),
-                block_size: n(f.block_size()),
-                num_tokens: n(lease.num_tokens),
-                lease_id: lease.lease_id,
-                lease_deadline_unix_ms: unix_ms(deadline),
-                block_len: f.block_len as u64,
-                num_blocks: n(lease.blocks.len()),
-                rdma,
-            }),
+            kv,
             prompt_logprobs: finished
                 .prompt_logprobs
                 .iter()

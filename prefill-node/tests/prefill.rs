@@ -127,6 +127,7 @@ fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillRequest {
         token_ids,
         sampling: greedy(),
         cache_salt: None,
+        skip_kv_lease: false,
     }
 }
 
@@ -197,7 +198,7 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
 
     // The same prompt again: its full blocks come from this node's prefix cache.
     let r2 = client
-        .prefill(prefill_request("b", tokens))
+        .prefill(prefill_request("b", tokens.clone()))
         .await
         .expect("prefill")
         .into_inner();
@@ -225,6 +226,25 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
         })
         .await
         .unwrap();
+
+    // A request that ends with its first token asks for no lease: no handle, nothing held
+    // once it answered, and the same first token and cache hits as with a lease.
+    let mut no_lease = prefill_request("d", tokens);
+    no_lease.skip_kv_lease = true;
+    let r4 = client
+        .prefill(no_lease)
+        .await
+        .expect("prefill")
+        .into_inner();
+    assert!(r4.kv.is_none(), "no KV handle without a lease");
+    assert_eq!(r4.first_token.unwrap().token_id, first.token_id);
+    assert_eq!(r4.usage.unwrap().local_cached_tokens, 32);
+    let info = node.info().await;
+    assert_eq!(
+        (info.free_blocks, info.num_running),
+        (info.num_blocks, 0),
+        "nothing held once the answer came: {info:?}"
+    );
 
     node.assert_all_blocks_free().await;
     node.stop().await;

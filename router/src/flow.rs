@@ -7,7 +7,9 @@
 //!   prefill node: no token has reached the client yet.
 //! - The **first token** goes through the request's [`TextStream`] (incremental
 //!   detokenization, stop strings) and to the client at once, with the prompt logprobs. If it
-//!   already ends the request, the KV lease is released and no decode node is involved.
+//!   already ends the request, the KV lease is released and no decode node is involved; a
+//!   request with `max_tokens` 1 asks the prefill node for no lease at all
+//!   (`PrefillRequest.skip_kv_lease`).
 //! - **Decode** on the least loaded decode node of the prompt KV's layout, with the KV handle
 //!   and the request's whole `max_tokens` (the decode node counts the first token itself).
 //!   The lease is released on the stream's first message, or when the request ends. A decode
@@ -109,7 +111,8 @@ impl Watch {
 struct Prefilled {
     node: Arc<Node>,
     first: pb::Logprob,
-    kv: pb::KvHandle,
+    /// `None` when the request ends with its first token (no lease was asked for).
+    kv: Option<pb::KvHandle>,
     /// The prefill node's view: what its prefix cache saved.
     usage: pb::Usage,
     prompt_logprobs: Vec<pb::Logprob>,
@@ -199,7 +202,9 @@ impl Job {
             prompt_logprobs,
         } = self.prefill().await?;
         self.compute_usage = usage;
-        self.held.lease = Some((node, kv.lease_id));
+        if let Some(kv) = &kv {
+            self.held.lease = Some((node, kv.lease_id));
+        }
 
         let mut chunk = self.chunk();
         chunk.prompt_logprobs = prompt_logprobs;
@@ -211,12 +216,26 @@ impl Job {
         )? {
             return Ok(self.finish(chunk, reason));
         }
+        let Some(kv) = kv else {
+            // Not reached: a request without a lease has max_tokens 1, so the first token
+            // ended it above.
+            return Err(End::Failed(Status::internal(
+                "the request did not end with its first token, and no KV was leased to decode \
+                 the rest",
+            )));
+        };
         self.send(chunk).await?;
         let handoff = Handoff {
             kv: &kv,
             first_token: first.token_id,
         };
         self.decode(text, Some(handoff)).await
+    }
+
+    /// Whether the prefill node's first token ends the request whatever it is
+    /// (`max_tokens` 1), so that no decode node is involved and no KV is leased.
+    fn ends_with_first_token(&self) -> bool {
+        self.req.params.max_tokens == 1
     }
 
     /// An empty chunk of this request.
@@ -322,6 +341,8 @@ impl Job {
                 token_ids: self.req.prompt.clone(),
                 sampling: Some(wire_sampling(&self.req.params)),
                 cache_salt: self.req.cache_salt.clone(),
+                // The first token ends the request: no decode node will pull its KV.
+                skip_kv_lease: self.ends_with_first_token(),
             });
             request.set_timeout(self.propagated_timeout());
             self.held.prefilling = Some((node.clone(), node_request_id));
@@ -339,8 +360,11 @@ impl Job {
                     self.held.prefilling = None;
                     let response = response.into_inner();
                     (self.shared.metrics).observe_report(&node, response.counters.as_ref());
+                    // A node that leased anyway (one older than `skip_kv_lease`) is fine: the
+                    // lease is released when the request ends, as it always was.
+                    let skipped = self.ends_with_first_token();
                     match (response.first_token, response.kv) {
-                        (Some(first), Some(kv)) => {
+                        (Some(first), kv) if kv.is_some() || skipped => {
                             return Ok(Prefilled {
                                 node,
                                 first,

@@ -1,8 +1,8 @@
 //! Router overhead: the latency a client sees for a 1-token request through the router
 //! (validation, routing, Prefill, the chunk streamed back) versus the same Prefill sent straight
-//! to the prefill node, in shuffled rounds, on one `pdctl up` cluster of `synthetic:tiny`. The direct
-//! request's lease is released after its timing ends (the router, too, releases it after the
-//! client's stream has ended). Prints p50 / p99 of each and the difference.
+//! to the prefill node, in shuffled rounds, on one `pdctl up` cluster of `synthetic:tiny`. Both
+//! ask the prefill node for no KV lease (`skip_kv_lease`: the router does so for every
+//! `max_tokens` 1 request). Prints p50 / p99 of each and the difference.
 //!
 //! `BASELINE_ROUTER=/path/to/another/router` also times that router binary, started on the
 //! same nodes, in the same rounds: before/after figures of a router change from one run.
@@ -32,7 +32,7 @@ async fn through(router: &mut GenerationClient<Channel>, prompt: &[u32]) -> Dura
     t.elapsed()
 }
 
-/// One Prefill straight to the node; its lease is released after the timing ends.
+/// One Prefill straight to the node, as the router sends it for a 1-token request.
 async fn direct(
     prefill: &mut pb::prefill_service_client::PrefillServiceClient<Channel>,
     prompt: &[u32],
@@ -48,16 +48,13 @@ async fn direct(
                 ..Default::default()
             }),
             cache_salt: None,
+            skip_kv_lease: true,
         })
         .await
         .expect("prefill")
         .into_inner();
     let d = t.elapsed();
-    let lease = resp.kv.expect("kv handle").lease_id;
-    prefill
-        .release_kv(pb::ReleaseKvRequest { lease_id: lease })
-        .await
-        .expect("release");
+    assert!(resp.kv.is_none(), "no lease was asked for");
     d
 }
 

@@ -101,6 +101,24 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     assert_eq!(usage.local_cached_tokens, whole_blocks);
     assert_eq!(usage.cached_tokens, whole_blocks);
     all_blocks_free(&cluster).await;
+
+    // One token: the prefill node's answer ends the request. It leases nothing (every block
+    // is free the moment the stream ends, no release to wait for) and no decode node runs.
+    let decode = &cluster.nodes("decode")[0];
+    let decode_before = node_info(decode, "decode").await.counters.unwrap();
+    for ids in prompts() {
+        let (got, last) = collect(&mut c, greedy(ids.clone(), 1)).await.unwrap();
+        assert_eq!(got, reference(cache.path(), &ids, 1));
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+        let prefill = node_info(&cluster.nodes("prefill")[0], "prefill").await;
+        assert_eq!(
+            prefill.free_blocks, prefill.num_blocks,
+            "no lease: {prefill:?}"
+        );
+    }
+    let decode_after = node_info(decode, "decode").await.counters.unwrap();
+    assert_eq!(decode_after.prompt_tokens, decode_before.prompt_tokens);
+    assert_eq!(decode_after.kv_transfers, decode_before.kv_transfers);
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }
 

@@ -276,6 +276,7 @@ async fn prefill_node_killed_is_retried_on_the_other_and_used_again_after_restar
                     ..Default::default()
                 }),
                 cache_salt: None,
+                skip_kv_lease: false,
             })
             .await
             .unwrap()

@@ -56,6 +56,7 @@ fn request(id: &str, prompt: Vec<u32>, imported: Option<ImportedKv>) -> EngineRe
         },
         cache_salt: None,
         imported,
+        lease_kv: true,
     }
 }
 

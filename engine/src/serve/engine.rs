@@ -600,7 +600,10 @@ impl<B: Backend> Engine<B> {
     fn finish(&mut self, id: &RequestId, reason: FinishReason, now: Instant) -> RequestEvent {
         let mut seq = self.seqs.remove(id).expect("finishing an open request");
         let blocks = std::mem::take(&mut seq.blocks);
-        let lease = if self.config.role == Role::Prefill && reason != FinishReason::Abort {
+        let lease = if self.config.role == Role::Prefill
+            && reason != FinishReason::Abort
+            && seq.req.lease_kv
+        {
             Some(self.lease_prompt_blocks(&seq, &blocks, now))
         } else {
             self.free_blocks(&blocks);

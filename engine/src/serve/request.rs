@@ -36,6 +36,10 @@ pub struct EngineRequest {
     pub cache_salt: Option<String>,
     /// Decode role: the prompt's KV computed elsewhere, and the first token sampled there.
     pub imported: Option<ImportedKv>,
+    /// Prefill role: keep the prompt's KV under a lease for a decode node when the request
+    /// ends (false: nobody will pull it; its blocks are freed, their full ones staying in the
+    /// prefix cache). Ignored by the other roles.
+    pub lease_kv: bool,
 }
 
 /// KV of a prompt computed by another node (a prefill node), already pulled, plus the first
