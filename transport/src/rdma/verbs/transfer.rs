@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::{PollCompletionQueueError, WorkCompletionStatus};
 use sideway::ibverbs::queue_pair::{
     PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
@@ -22,18 +23,15 @@ use super::verbs_error;
 use crate::rdma::scatter::{ScatterRead, Sge};
 use crate::rdma::{RdmaError, ReadWindow};
 
-/// `sges` as the entry type sideway's `setup_sge_list` takes: rdma-core's `ibv_sge`, which
-/// sideway does not re-export (naming it would mean depending on `rdma-mummy-sys` directly),
-/// so the type is inferred at the call.
-fn verbs_sges<T>(sges: &[Sge]) -> &[T] {
-    const {
-        assert!(size_of::<T>() == size_of::<Sge>() && align_of::<T>() == align_of::<Sge>());
-    }
-    // SAFETY: `T` is `ibv_sge`, `#[repr(C)] { addr: u64, length: u32, lkey: u32 }` (its
-    // binding's layout test pins offsets 0, 8, 12), and `Sge` is `#[repr(C)]` with the same
-    // fields in the same order; sizes and alignments are checked above. The slice borrows
-    // `sges`, so it lives as long as they do.
-    unsafe { std::slice::from_raw_parts(sges.as_ptr().cast::<T>(), sges.len()) }
+/// `sges` as rdma-core's scatter-list entries, which sideway's `setup_sge_list` takes.
+fn verbs_sges(sges: &[Sge]) -> Vec<ibv_sge> {
+    sges.iter()
+        .map(|s| ibv_sge {
+            addr: s.addr,
+            length: s.length,
+            lkey: s.lkey,
+        })
+        .collect()
 }
 
 /// Held by a caller whose READs land in memory it only borrows: dropping it (the caller's
@@ -120,7 +118,7 @@ pub(super) fn transfer(
                 // SAFETY: every entry lies in registered local memory that stays registered
                 // and allocated until the READ completed or the queue pair is destroyed (the
                 // caller's contract); sideway copies the list before this call returns.
-                unsafe { wr.setup_sge_list(verbs_sges(&read.sges)) };
+                unsafe { wr.setup_sge_list(&verbs_sges(&read.sges)) };
             }
             if let Err(e) = post.post() {
                 break Err(verbs_error("ibv_post_send", e));
