@@ -72,10 +72,8 @@ pub struct LocalSpan {
     pub lkey: u32,
 }
 
-/// One scatter/gather entry. Laid out as rdma-core's `struct ibv_sge` (`addr`, `length`,
-/// `lkey`; 16 bytes, offsets 0, 8, 12), so the verbs layer hands a list to the device as it
-/// is.
-#[repr(C)]
+/// One scatter/gather entry: `length` bytes at `addr` of the registered region `lkey`
+/// (the verbs layer turns a list of them into rdma-core's `ibv_sge`s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sge {
     pub addr: u64,
