@@ -508,8 +508,10 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         pd_node::server::bind(&args.node.host, args.node.port, "gRPC server").await?;
     let (metrics_listener, metrics_addr) =
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
-    // Pulled blocks arrive in the engine's recycled buffers: it gives each back once the
-    // block is in KV storage, so steady pulls do not fault in fresh pages.
+    // Pulls land in place in blocks the engine reserves where its KV is host memory (and
+    // RDMA reads too, once the reader registered that memory). Otherwise blocks arrive in
+    // the engine's recycled buffers: it gives each back once the block is in KV storage, so
+    // steady pulls do not fault in fresh pages.
     let importer = pd_node::kv_transport::importer(
         rdma.as_ref(),
         engine.handle().host_kv_memory().cloned(),

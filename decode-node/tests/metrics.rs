@@ -306,7 +306,7 @@ fn assert_labels(m: &Exposition, role: &str) {
             extra.len() <= 1
                 && extra
                     .iter()
-                    .all(|l| ["finished_reason", "source", "reason", "le"].contains(l)),
+                    .all(|l| ["finished_reason", "source", "reason", "landing", "le"].contains(l)),
             "{s:?}"
         );
     }
@@ -345,6 +345,7 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
         ("pd_node_kv_transfer_seconds", "histogram"),
         ("pd_node_kv_transfer_failures_total", "counter"),
         ("pd_node_kv_leases_expired_total", "counter"),
+        ("pd_node_kv_imports_total", "counter"),
         ("pd_node_epoch", "gauge"),
     ] {
         assert_eq!(m.families[name].kind, kind, "{name}");
@@ -492,6 +493,15 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
     assert_eq!(
         m.value("pd_node_kv_transfer_bytes_total", &[]),
         (4 * per_block) as f64
+    );
+    // Host-memory KV: both imports landed in place in reserved blocks.
+    assert_eq!(
+        m.value("pd_node_kv_imports_total", &[("landing", "in_place")]),
+        2.0
+    );
+    assert_eq!(
+        m.value("pd_node_kv_imports_total", &[("landing", "buffers")]),
+        0.0
     );
 
     // A lease released before the decode node pulls: a failure on both nodes, by reason.
