@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::checksum::block_checksum;
-use pd_engine::kv::placement::{HostKvMemory, HostSegment, KvReservation, ReservationId};
+use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::{
     KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
@@ -104,30 +104,10 @@ impl RawPeer {
     }
 }
 
-/// Host KV memory of `blocks` blocks of `block_bytes` in `regions` regions, laid out as the
-/// CPU backend's, and a reservation of every block of it in order.
+/// Every block of host KV memory laid out as the CPU backend's, reserved in order.
 fn reservation(blocks: usize, block_bytes: usize, regions: usize) -> KvReservation {
-    assert_eq!(
-        block_bytes % regions,
-        0,
-        "PD_BENCH_REGIONS must divide the block"
-    );
-    let stride = block_bytes / regions;
-    let mut backing = vec![0u8; blocks * block_bytes];
-    let base = backing.as_mut_ptr();
-    let segments = (0..regions)
-        .map(|r| {
-            // SAFETY: region `r` of `backing`, which the memory's keep-alive owns; only the
-            // reservation writes it.
-            unsafe {
-                HostSegment::new(
-                    std::ptr::NonNull::new(base.add(r * stride * blocks)).expect("non-null"),
-                    stride * blocks,
-                )
-            }
-        })
-        .collect();
-    let memory = HostKvMemory::new(segments, stride, blocks, Arc::new(backing));
+    let memory = HostKvMemory::allocate(blocks, block_bytes, regions)
+        .expect("PD_BENCH_REGIONS must divide the block");
     let ids: Vec<u32> = (0..blocks as u32).collect();
     KvReservation::new(ReservationId(1), 0, &ids, memory, Arc::new(|_| {}))
 }

@@ -5,6 +5,7 @@
 //! rdma_bench serve [--listen 0.0.0.0:18600] [--advertise HOST:18600] [--mib 1024]
 //!                  [--block-kib 3584] [--device D] [--port P] [--gid-index G]
 //! rdma_bench read --peer HOST:18600 [--sizes 65536,1048576,4194304] [--iters 20]
+//!                 [--landing in-place|buffers] [--regions 56]
 //!                 [--device D] [--port P] [--gid-index G]
 //! ```
 //!
@@ -12,13 +13,18 @@
 //! tiny TCP control protocol (the offer, and the queue-pair exchange that the nodes do over
 //! gRPC). `read` reads the whole lease `--iters` times with READs of each size and prints
 //! one JSON line per size: `{"size": S, "bytes": B, "seconds": T, "gbit_per_s": X}`.
-//! The time covers what a decode node's pull costs: landing-buffer registration, the READs,
-//! the per-block checksums and the copy into per-block buffers.
+//! The time covers what a decode node's pull costs. `--landing in-place` (the default: a
+//! decode node with host-memory KV, the CPU backend): READs scatter each block straight into
+//! reserved KV memory laid out as the CPU backend's (`--regions`, default 56 = 28 layers x K
+//! and V), registered once before the timing, plus the per-block checksums.
+//! `--landing buffers` (a decode node with GPU KV): landing-buffer registration, the READs,
+//! the checksums and the copy into per-block buffers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
     BoxFuture, RdmaConfig, RdmaConnector, RdmaDevice, RdmaExporter, RdmaOffer, RdmaReader,
@@ -151,6 +157,12 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
         .map(str::parse)
         .collect::<std::result::Result<_, _>>()?;
     let iters: u32 = f.get("iters").map_or(Ok(20), |i| i.parse())?;
+    let in_place = match f.get("landing").map_or("in-place", String::as_str) {
+        "in-place" => true,
+        "buffers" => false,
+        other => return Err(format!("--landing {other:?}: in-place or buffers").into()),
+    };
+    let regions: usize = f.get("regions").map_or(Ok(56), |r| r.parse())?;
     let mut s = TcpStream::connect(&peer).await?;
     s.write_u8(b'O').await?;
     let offer = RdmaOffer::decode(&recv_frame(&mut s).await?)?;
@@ -169,24 +181,57 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
             ..config(&f)?
         };
         let reader = RdmaReader::new(&device, Arc::new(TcpConnector), FP, &config)?;
+        let deadline = || Instant::now() + Duration::from_secs(60);
+        if in_place {
+            let memory =
+                HostKvMemory::allocate(req.count, req.block_len * 4, regions).ok_or_else(|| {
+                    format!(
+                        "--regions {regions} does not divide a block of {} bytes",
+                        req.block_len * 4
+                    )
+                })?;
+            let reader = reader.with_host_kv(Some(memory.clone()));
+            if !reader.lands_in_place() {
+                return Err("registering the KV memory failed (raise `ulimit -l`?); \
+                            --landing buffers measures the other path"
+                    .into());
+            }
+            let ids: Vec<u32> = (0..req.count as u32).collect();
+            let mut into = KvReservation::new(ReservationId(1), 0, &ids, memory, Arc::new(|_| {}));
+            // One warm-up read: connection set-up is not part of the figure.
+            reader.read_into(&offer, req, &mut into, deadline()).await?;
+            let started = Instant::now();
+            for _ in 0..iters {
+                reader.read_into(&offer, req, &mut into, deadline()).await?;
+            }
+            report(
+                size,
+                bytes * u64::from(iters),
+                started.elapsed().as_secs_f64(),
+            );
+            continue;
+        }
         // One warm-up read: connection set-up is not part of the figure.
-        reader
-            .read(&offer, req, Instant::now() + Duration::from_secs(60))
-            .await?;
+        reader.read(&offer, req, deadline()).await?;
         let started = Instant::now();
         for _ in 0..iters {
-            reader
-                .read(&offer, req, Instant::now() + Duration::from_secs(60))
-                .await?;
+            reader.read(&offer, req, deadline()).await?;
         }
-        let seconds = started.elapsed().as_secs_f64();
-        let total = bytes * u64::from(iters);
-        println!(
-            "{{\"size\": {size}, \"bytes\": {total}, \"seconds\": {seconds:.6}, \"gbit_per_s\": {:.3}}}",
-            total as f64 * 8.0 / seconds / 1e9
+        report(
+            size,
+            bytes * u64::from(iters),
+            started.elapsed().as_secs_f64(),
         );
     }
     Ok(())
+}
+
+/// One JSON line per operation size.
+fn report(size: u32, total: u64, seconds: f64) {
+    println!(
+        "{{\"size\": {size}, \"bytes\": {total}, \"seconds\": {seconds:.6}, \"gbit_per_s\": {:.3}}}",
+        total as f64 * 8.0 / seconds / 1e9
+    );
 }
 
 #[tokio::main]

@@ -108,6 +108,33 @@ impl HostKvMemory {
         }
     }
 
+    /// `num_blocks` blocks of `block_bytes` in host memory this value owns, in `regions`
+    /// regions laid out as the CPU backend's KV (which describes its own memory through
+    /// [`crate::backend::Backend::host_kv_memory`]): for transport benchmarks and tests that
+    /// land blocks in place without an engine. `None` if `regions` does not divide the block.
+    pub fn allocate(num_blocks: usize, block_bytes: usize, regions: usize) -> Option<Self> {
+        if regions == 0 || !block_bytes.is_multiple_of(regions) {
+            return None;
+        }
+        let stride = block_bytes / regions;
+        let mut backing = vec![0u8; num_blocks * block_bytes].into_boxed_slice();
+        let base = backing.as_mut_ptr();
+        let segments = (0..regions)
+            .map(|r| {
+                // SAFETY: region `r` of `backing`, which the keep-alive below owns; nothing
+                // else references it (the box is only kept, never read).
+                unsafe {
+                    HostSegment::new(
+                        NonNull::new(base.add(r * stride * num_blocks))
+                            .unwrap_or(NonNull::dangling()),
+                        stride * num_blocks,
+                    )
+                }
+            })
+            .collect();
+        Some(Self::new(segments, stride, num_blocks, Arc::new(backing)))
+    }
+
     /// The regions, for registering them with a NIC once.
     pub fn regions(&self) -> &[HostSegment] {
         &self.regions

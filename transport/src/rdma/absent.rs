@@ -79,6 +79,10 @@ impl RdmaReader {
     pub fn with_host_kv(self, _memory: Option<pd_engine::kv::placement::HostKvMemory>) -> Self {
         match self.0 {}
     }
+
+    pub fn lands_in_place(&self) -> bool {
+        match self.0 {}
+    }
 }
 
 impl crate::importer::OneSidedReader for RdmaReader {

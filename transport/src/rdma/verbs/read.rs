@@ -79,6 +79,12 @@ impl RdmaReader {
     /// that reads into reservations of it land in place, and log once which way reads land.
     /// A registration that fails is logged and leaves the landing buffers. Blocking: the
     /// registration pins every page of the KV memory.
+    /// Whether reads into reservations of the node's KV memory land in place (its
+    /// registration succeeded).
+    pub fn lands_in_place(&self) -> bool {
+        self.host_kv.is_some()
+    }
+
     pub fn with_host_kv(mut self, memory: Option<HostKvMemory>) -> Self {
         let Some(memory) = memory else {
             tracing::info!(
