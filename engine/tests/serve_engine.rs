@@ -620,3 +620,46 @@ fn reservations_never_admitted_give_every_block_back() {
     all_free(&decode);
     assert_eq!(decode.reservations_held(), 0);
 }
+
+/// Through the engine thread: a reservation handed out and dropped without a request gives
+/// its blocks back; one carried by a request that the engine refuses does too.
+#[test]
+fn driver_reservations_come_back_when_dropped_or_refused() {
+    let thread = EngineThread::spawn(engine(
+        32,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    ));
+    let h = thread.handle();
+    assert!(h.host_kv_memory().is_some(), "CPU KV is host memory");
+    let usage_back_to_zero = |what: &str| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while h.counters().kv_cache_usage > 0.0 {
+            assert!(std::time::Instant::now() < deadline, "{what}: blocks kept");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let r = h
+        .reserve_import(prompt(3, 10), None)
+        .expect("room to reserve");
+    assert_eq!(r.len(), 3);
+    assert!(h.counters().kv_cache_usage > 0.0, "held while reserved");
+    drop(r);
+    usage_back_to_zero("dropped reservation");
+
+    // The first token ends the request (max_tokens 1): refused, and the reservation with it.
+    let r = h
+        .reserve_import(prompt(3, 10), None)
+        .expect("room to reserve");
+    let mut done = req("d", prompt(3, 10), 1);
+    done.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Placed(r),
+        first_token: 7,
+    });
+    let refused = h.submit(done).recv().unwrap();
+    assert!(matches!(refused, RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument));
+    usage_back_to_zero("refused request");
+}
