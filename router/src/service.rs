@@ -13,6 +13,9 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::flow;
+
+/// One message of a `Generate` stream.
+type ChunkResult = Result<pb::GenerateResponse, Status>;
 use crate::policy::{Candidate, LeastLoaded, RouteInput, RoutingPolicy};
 use crate::registry::{Node, Registry};
 use crate::validation::{ModelMeta, ValidRequest, ValidationError, Validator};
@@ -203,7 +206,8 @@ impl GenerationService {
 
 #[tonic::async_trait]
 impl pb::generation_server::Generation for GenerationService {
-    type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+    type GenerateStream =
+        tokio_stream::adapters::Chain<tokio_stream::Once<ChunkResult>, ReceiverStream<ChunkResult>>;
 
     async fn generate(
         &self,
@@ -247,7 +251,21 @@ impl pb::generation_server::Generation for GenerationService {
             tx,
             budget.map(|b| arrival + b),
         ));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        // The response goes out with its first message: headers alone would be one more
+        // write, and one more wake-up of the client, while the prefill node computes (on
+        // shared cores that slows the prefill itself), and for a 1-token request the headers,
+        // the chunk and the trailers then leave in one write. A client that goes away
+        // meanwhile drops this future and `rx` with it, which cancels the request.
+        let mut rx = rx;
+        let first = rx.recv().await.unwrap_or_else(|| {
+            Err(Status::internal(
+                "the request ended without a response (router bug)",
+            ))
+        });
+        Ok(Response::new(tokio_stream::StreamExt::chain(
+            tokio_stream::once(first),
+            ReceiverStream::new(rx),
+        )))
     }
 
     async fn abort(

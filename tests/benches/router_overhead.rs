@@ -9,14 +9,55 @@
 //! Several binaries may be given, separated by commas (`BASELINE_ROUTER=/tmp/a,/tmp/b`).
 //! `N` sets the number of timed requests of each kind (default 300).
 //!
+//! A bare gRPC forwarder (`router_overhead/forwarder.rs`: this executable re-run as its own
+//! process) is timed in the same rounds: the floor of any router hop on this machine, so that
+//! the router's own cost is its added latency minus the forwarder's.
+//!
 //! `cargo build --release --workspace --bins && cargo bench -p pd-tests --bench router_overhead`
 
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pd_proto::pb;
 use pd_proto::pb::generation_client::GenerationClient;
 use pd_tests::{Cluster, Process, client, collect, greedy, wait_serving};
 use tonic::transport::Channel;
+
+#[path = "router_overhead/forwarder.rs"]
+mod forwarder;
+
+/// The forwarder process, killed when dropped.
+struct ForwarderProcess(Child);
+
+impl ForwarderProcess {
+    /// Start this executable as the forwarder to `prefill_addr`; its address.
+    fn start(prefill_addr: &str) -> (Self, String) {
+        let mut child = Command::new(std::env::current_exe().expect("own executable"))
+            .env(forwarder::FORWARD_TO, prefill_addr)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the forwarder");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("the forwarder's address");
+        let addr = line
+            .trim()
+            .strip_prefix("LISTEN ")
+            .unwrap_or_else(|| panic!("forwarder said {line:?}"))
+            .to_string();
+        (Self(child), addr)
+    }
+}
+
+impl Drop for ForwarderProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 fn percentile(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
@@ -78,8 +119,19 @@ impl XorShift {
     }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+fn main() {
+    if let Ok(prefill) = std::env::var(forwarder::FORWARD_TO) {
+        forwarder::run(&prefill);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(bench());
+}
+
+async fn bench() {
     let n: usize = std::env::var("N")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -118,15 +170,17 @@ async fn main() {
         let c = client(&process.addr()).await;
         baselines.push((process, c, Vec::new()));
     }
+    let (_forwarder, forwarder_addr) = ForwarderProcess::start(&prefill_addr);
+    let mut forwarder = client(&forwarder_addr).await;
     let mut prefill =
         pb::prefill_service_client::PrefillServiceClient::connect(format!("http://{prefill_addr}"))
             .await
             .expect("prefill node");
     let prompt: Vec<u32> = (1..9).collect();
-    // Target 0 is the node itself, 1 the cluster's router, 2.. the baseline routers. Each
-    // round times every target once, in a fresh random order: what a request follows (e.g. a
-    // router still releasing the previous request's lease) then weighs on all targets alike.
-    let targets = 2 + baselines.len();
+    // Target 0 is the node itself, 1 the cluster's router, 2 the bare forwarder, 3.. the
+    // baseline routers. Each round times every target once, in a fresh random order: what a
+    // request follows then weighs on all targets alike.
+    let targets = 3 + baselines.len();
     let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
     let mut order: Vec<usize> = (0..targets).collect();
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
@@ -136,7 +190,8 @@ async fn main() {
             let t = match target {
                 0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
                 1 => through(&mut router, &prompt).await,
-                b => through(&mut baselines[b - 2].1, &prompt).await,
+                2 => through(&mut forwarder, &prompt).await,
+                b => through(&mut baselines[b - 3].1, &prompt).await,
             };
             if i >= 20 {
                 times[target].push(t);
@@ -144,8 +199,9 @@ async fn main() {
         }
     }
     let mut via_router = std::mem::take(&mut times[1]);
+    let mut via_forwarder = std::mem::take(&mut times[2]);
     let mut direct = std::mem::take(&mut times[0]);
-    for ((_, _, v), t) in baselines.iter_mut().zip(times.into_iter().skip(2)) {
+    for ((_, _, v), t) in baselines.iter_mut().zip(times.into_iter().skip(3)) {
         *v = t;
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
@@ -167,6 +223,11 @@ async fn main() {
         );
     };
     report("through the router", &mut via_router);
+    report("through a bare forwarder", &mut via_forwarder);
+    println!(
+        "  the router's own cost (router - forwarder) p50 {:6.0} us",
+        us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
+    );
     for (bin, (_, _, times)) in baseline_bins.iter().zip(&mut baselines) {
         report(&format!("through {bin}"), times);
     }
