@@ -16,7 +16,9 @@
 //!   the CPU backend's (`PD_BENCH_REGIONS` regions, default 56 = 28 layers x K and V, so a
 //!   block lands in 56 separate 64 KiB pieces); nothing is copied afterwards.
 //! - "new conn + buffers": a fresh connection and freshly allocated blocks per pull (what a
-//!   node's first pull from a peer costs).
+//!   GPU node's first pull from a peer costs).
+//! - "new conn, in place": a fresh connection per pull into the (already touched) reserved KV
+//!   memory: what a CPU node's first pull from a peer costs, TCP's window growth alone.
 //!
 //! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_LEN` f32 values per block
 //! (default 917504 = Qwen3-0.6B: 2 x 28 layers x 16 tokens x 8 KV heads x 128 dims, 3.67 MB),
@@ -195,7 +197,8 @@ fn main() {
 
     // Each transport row gets its own raw-socket samples, taken just before it, so that
     // both sides of each ratio are the best of the same number of runs.
-    let (mut memcpy, mut raw, mut raw2, mut fresh, mut pooled, mut placed) = (
+    let (mut memcpy, mut raw, mut raw2, mut fresh, mut pooled, mut placed, mut fresh_placed) = (
+        Duration::MAX,
         Duration::MAX,
         Duration::MAX,
         Duration::MAX,
@@ -230,6 +233,12 @@ fn main() {
         check_placed(&into);
 
         let t = Instant::now();
+        rt.block_on(KvPuller::new().pull_into(addr, req, &mut into, deadline()))
+            .expect("pull in place over a new connection");
+        fresh_placed = fresh_placed.min(t.elapsed());
+        check_placed(&into);
+
+        let t = Instant::now();
         let got = rt
             .block_on(pull_blocks(addr, req, deadline()))
             .expect("pull");
@@ -251,13 +260,15 @@ fn main() {
     row("pd-transport, pooled into buffers", pooled);
     row("pd-transport, in place (decode node)", placed);
     row("pd-transport, new conn + buffers", fresh);
+    row("pd-transport, new conn, in place", fresh_placed);
     row("(checksums at lease time, once)", checksum_time);
     println!(
         "pd-transport in place / raw socket: {:.2}   into buffers / raw socket: {:.2}   new \
-         conn / raw socket: {:.2}   buffers / memcpy: {:.2}",
+         conn / raw socket: {:.2} (in place {:.2})   buffers / memcpy: {:.2}",
         raw2.as_secs_f64() / placed.as_secs_f64(),
         raw.as_secs_f64() / pooled.as_secs_f64(),
         raw.as_secs_f64() / fresh.as_secs_f64(),
+        raw2.as_secs_f64() / fresh_placed.as_secs_f64(),
         memcpy.as_secs_f64() / pooled.as_secs_f64()
     );
 }
