@@ -236,12 +236,16 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     // KV moved from the prefill node to the decode node, and both sides say so.
     assert!(r.sum("pd_router_kv_transfer_bytes_total", &[("role", "decode")]) > 0.0);
     assert!(r.sum("pd_router_kv_transfer_seconds_count", &[("role", "decode")]) > 0.0);
-    // Host-memory KV: every import landed in place in blocks the decode engine reserved.
+    // Host-memory KV: every import landed in place in blocks the decode engine reserved:
+    // the 11 requests that ran to their length, and the aborted one if its prefill ended
+    // before the abort arrived (a race this test does not control).
     let decode = exposition(&cluster.node_metrics("decode")[0])
         .await
         .unwrap();
     let landed = |l: &str| decode.sum("pd_node_kv_imports_total", &[("landing", l)]);
-    assert_eq!((landed("in_place"), landed("buffers")), (11.0, 0.0));
+    assert_eq!(landed("buffers"), 0.0);
+    let in_place = landed("in_place");
+    assert!(in_place == 11.0 || in_place == 12.0, "{in_place}");
     // Hit rates of every node and pair lie in [0, 1].
     for cache in ["local", "external"] {
         for role in ["prefill", "decode"] {
