@@ -382,6 +382,32 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
     e.expire_leases(std::time::Instant::now());
     assert_eq!(e.expired_leases(), 1);
     all_free(&e);
+
+    // Host-memory KV: the lease pins its blocks in place. One released while a transfer
+    // still reads it keeps its blocks until the reader lets go, and the reader sees the
+    // lease's KV unchanged meanwhile.
+    let out = run_one(&mut e, req("c", prompt(8, 10), 100));
+    let lease = out.finished.unwrap().lease.unwrap();
+    let reader = e
+        .lease_store()
+        .get(lease.lease_id)
+        .expect("lent to the exporter");
+    let before: Vec<Vec<f32>> = (0..3).map(|i| reader.block_values(i)).collect();
+    assert!(e.release_lease(lease.lease_id));
+    assert!(
+        e.lease_store().get(lease.lease_id).is_none(),
+        "a new reader finds nothing"
+    );
+    // Another request runs meanwhile (its own lease expires at once).
+    run_one(&mut e, req("d", prompt(9, 40), 100));
+    std::thread::sleep(Duration::from_millis(5));
+    e.expire_leases(std::time::Instant::now());
+    assert_eq!(e.num_free_blocks(), 61, "the 3 blocks stay held while read");
+    let after: Vec<Vec<f32>> = (0..3).map(|i| reader.block_values(i)).collect();
+    assert_eq!(before, after);
+    drop(reader);
+    e.expire_leases(std::time::Instant::now());
+    all_free(&e);
 }
 
 #[test]

@@ -207,7 +207,7 @@ impl PrefillNodeService {
         let published = tokio::task::spawn_blocking(move || {
             let lease = engine.lease_blocks(lease_id);
             let blocks = lease
-                .filter(|kv| kv.blocks.len() == num_blocks)
+                .filter(|kv| kv.num_blocks() == num_blocks)
                 .ok_or_else(|| {
                     RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
                 })?;

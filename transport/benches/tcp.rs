@@ -26,7 +26,9 @@
 //! enough to move the ratio by 0.3).
 //!
 //! The per-block checksums are computed once, when the lease is made (as the prefill engine
-//! does); that time is printed too, but it is not part of a transfer.
+//! does); that time is printed too, but it is not part of a transfer, and so is the copy into
+//! fresh buffers that a lease of GPU KV makes first (a lease of host-memory KV pins its
+//! blocks in place instead).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -72,14 +74,14 @@ struct RawPeer {
 }
 
 impl RawPeer {
-    fn start(source: Arc<LeasedKv>) -> Self {
+    fn start(source: Arc<Vec<Vec<f32>>>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let writer = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().expect("accept");
             let mut go = [0u8; 1];
             while s.read_exact(&mut go).is_ok() {
-                for b in &source.blocks {
+                for b in source.iter() {
                     s.write_all(bytemuck::cast_slice(b)).expect("write");
                 }
             }
@@ -142,14 +144,20 @@ fn main() {
         .collect();
     // The per-block checksums are computed here, as the prefill engine computes them when
     // it makes a lease (not during a transfer).
+    // A GPU node's lease first copies the blocks out of KV storage into fresh buffers (a
+    // host-memory node's pins them in place instead): that copy, timed.
+    let copy_started = Instant::now();
+    let copies = blocks_data.clone();
+    let copy_time = copy_started.elapsed();
     let lease_started = Instant::now();
-    let source = Arc::new(LeasedKv::new(blocks_data));
+    let source = Arc::new(LeasedKv::new(copies));
     let checksum_time = lease_started.elapsed();
+    let blocks_data = Arc::new(blocks_data);
     let mut dst: Vec<Vec<f32>> = vec![vec![0.0f32; block_len]; blocks];
     let check = |got: &[Vec<f32>]| {
         assert_eq!(got.len(), blocks);
         assert!(
-            got.iter().zip(&source.blocks).all(|(g, s)| g == s),
+            got.iter().zip(blocks_data.iter()).all(|(g, s)| g == s),
             "data differs"
         );
     };
@@ -178,7 +186,7 @@ fn main() {
 
     let buffers = BlockBuffers::new(block_len, bytes as usize);
     let puller = KvPuller::with_buffers(buffers.clone());
-    let mut raw_peer = RawPeer::start(Arc::clone(&source));
+    let mut raw_peer = RawPeer::start(Arc::clone(&blocks_data));
     // Warm-up: connections open, buffers faulted in.
     raw_peer.read(&mut dst);
     let warm = rt
@@ -189,7 +197,7 @@ fn main() {
     rt.block_on(puller.pull_into(addr, req, &mut into, deadline()))
         .expect("warm-up pull in place");
     let check_placed = |r: &KvReservation| {
-        for (i, b) in source.blocks.iter().enumerate() {
+        for (i, b) in blocks_data.iter().enumerate() {
             let want = block_checksum(i as u64, bytemuck::cast_slice(b));
             assert_eq!(r.block_checksum(i, i as u64), want, "block {i} differs");
         }
@@ -208,7 +216,7 @@ fn main() {
     );
     for _ in 0..iters {
         let t = Instant::now();
-        for (d, s) in dst.iter_mut().zip(&source.blocks) {
+        for (d, s) in dst.iter_mut().zip(blocks_data.iter()) {
             d.copy_from_slice(s);
         }
         std::hint::black_box(&dst);
@@ -262,6 +270,7 @@ fn main() {
     row("pd-transport, new conn + buffers", fresh);
     row("pd-transport, new conn, in place", fresh_placed);
     row("(checksums at lease time, once)", checksum_time);
+    row("(lease copy into fresh buffers)", copy_time);
     println!(
         "pd-transport in place / raw socket: {:.2}   into buffers / raw socket: {:.2}   new \
          conn / raw socket: {:.2} (in place {:.2})   buffers / memcpy: {:.2}",

@@ -15,19 +15,23 @@ use crate::wire::{
 /// large enough that a socket call per piece costs nothing.
 const PIECE: usize = 256 << 10;
 
-/// Write one block as a DATA chunk: header, bytes, the block's checksum.
+/// Write one block as a DATA chunk: header, the block's bytes (given in one piece or
+/// several, in order: a block pinned in KV memory lies in one piece per layer's K and V),
+/// the block's checksum.
 pub(crate) async fn write_block<W: AsyncWrite + Unpin>(
     w: &mut W,
-    bytes: &[u8],
+    pieces: &[&[u8]],
     checksum: u64,
 ) -> std::io::Result<()> {
     let header = ChunkHeader {
         kind: ChunkKind::Data,
         status: Status::Ok,
-        len: bytes.len() as u64,
+        len: pieces.iter().map(|p| p.len() as u64).sum(),
     };
     w.write_all(&header.encode()).await?;
-    w.write_all(bytes).await?;
+    for piece in pieces {
+        w.write_all(piece).await?;
+    }
     w.write_all(&checksum.to_le_bytes()).await
 }
 
@@ -229,7 +233,7 @@ mod tests {
         let mut out = Vec::new();
         for (i, b) in blocks.iter().enumerate() {
             let sum = block_checksum(first + i as u64, b);
-            write_block(&mut out, b, sum).await.unwrap();
+            write_block(&mut out, &[b], sum).await.unwrap();
         }
         (blocks, out)
     }

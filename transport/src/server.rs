@@ -52,18 +52,34 @@ impl SharedBlocks {
     /// Blocks `first .. first + count` of `lease`; `None` if the lease is shorter.
     pub fn new(lease: Arc<LeasedKv>, first: usize, count: usize) -> Option<Self> {
         let end = first.checked_add(count)?;
-        (end <= lease.blocks.len() && end <= lease.checksums.len()).then_some(Self {
+        (end <= lease.num_blocks() && end <= lease.checksums.len()).then_some(Self {
             lease,
             first,
             count,
         })
     }
 
-    pub fn blocks(&self) -> &[Vec<f32>] {
-        &self.lease.blocks[self.first..self.first + self.count]
+    /// Blocks in the run.
+    pub fn len(&self) -> usize {
+        self.count
     }
 
-    /// `checksums()[i]` belongs to `blocks()[i]`.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Bytes of each block.
+    pub fn block_bytes(&self) -> usize {
+        self.lease.block_bytes()
+    }
+
+    /// Block `i` of the run, in transfer layout, as one or more pieces in order.
+    pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
+        assert!(i < self.count, "block {i} of a run of {}", self.count);
+        self.lease.block_pieces(self.first + i)
+    }
+
+    /// `checksums()[i]` belongs to block `i` of the run.
     pub fn checksums(&self) -> &[u64] {
         &self.lease.checksums[self.first..self.first + self.count]
     }
@@ -364,22 +380,21 @@ fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> 
             ),
         ));
     };
-    let blocks = shared.blocks();
-    if blocks.len() != count {
+    if shared.len() != count {
         return Err((
             Status::Length,
             format!(
                 "lease {lease}: asked for {count} blocks, the source gave {}",
-                blocks.len()
+                shared.len()
             ),
         ));
     }
-    if let Some(b) = blocks.iter().find(|b| b.len() as u64 != block_len) {
+    if shared.block_bytes() as u64 != block_len * 4 {
         return Err((
             Status::Length,
             format!(
                 "lease {lease}: blocks hold {} values here, the request says {block_len}",
-                b.len()
+                shared.block_bytes() / 4
             ),
         ));
     }
@@ -452,8 +467,8 @@ async fn serve_pull(
     response.message.clear();
     s.write_all(&response.encode()).await?;
     loop {
-        for (block, &sum) in current.blocks().iter().zip(current.checksums()) {
-            write_block(s, bytemuck::cast_slice(block), sum).await?;
+        for (i, &sum) in current.checksums().iter().enumerate() {
+            write_block(s, &current.block_pieces(i), sum).await?;
         }
         drop(current);
         if next >= end {

@@ -145,6 +145,21 @@ impl HostKvMemory {
         self.stride * self.regions.len()
     }
 
+    /// Block `block`'s bytes, segment by segment in transfer-layout order.
+    ///
+    /// # Safety
+    /// Nobody may write the block while the returned slices live. The engine writes no block
+    /// a lease holds, and frees a lease's blocks only once every reader of the lease has
+    /// dropped it ([`crate::serve::LeasedKv`]).
+    pub(crate) unsafe fn block_slices(&self, block: u32) -> Vec<&[u8]> {
+        self.block_segments(block)
+            .into_iter()
+            // SAFETY: inside this memory (checked by `block_segments`), kept allocated by
+            // `_keep_alive` as long as `self`; unwritten per the caller's contract.
+            .map(|s| unsafe { std::slice::from_raw_parts(s.ptr.as_ptr(), s.len) })
+            .collect()
+    }
+
     /// Block `block`'s segments, in transfer-layout order.
     fn block_segments(&self, block: u32) -> Vec<HostSegment> {
         let b = block as usize;

@@ -69,6 +69,8 @@ pub struct Engine<B: Backend> {
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     leases: HashMap<u64, Lease>,
+    /// Released leases whose blocks a transfer may still be reading in place.
+    released_leases: Vec<Lease>,
     /// Copies of the leased blocks, for the export side (read without this thread).
     lease_store: LeaseStore,
     /// Host buffers of imported blocks, given back once copied into KV storage.
@@ -121,6 +123,7 @@ impl<B: Backend> Engine<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             leases: HashMap::new(),
+            released_leases: Vec::new(),
             lease_store: LeaseStore::default(),
             import_buffers: BlockBuffers::new(block_len, DEFAULT_SPARE_BYTES),
             host_kv,

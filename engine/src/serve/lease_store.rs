@@ -1,42 +1,118 @@
-//! Copies of leased KV, readable without the engine thread.
+//! Leased KV, readable without the engine thread.
 //!
-//! A prefill lease's blocks are copied out of KV storage when the lease is made (on the
-//! engine thread, where the storage lives) and served from here to decode nodes by the
-//! export side of the transport. Reading through the engine thread instead would wait for
-//! the step in progress — seconds for a long prefill chunk — and the pull would miss its
-//! deadline. The copy lives exactly as long as the lease: removed at release or expiry, so
-//! a late reader finds nothing, as with the lease itself. It does not replace the lease's
-//! hold on the engine's blocks (the prefix cache keeps those). Each block's transfer
-//! checksum ([`crate::kv::checksum`]) is computed here, once, when the lease is made: the
-//! exporter sends it, and no transport hashes on the sending side.
+//! A prefill lease's blocks are served from here to decode nodes by the export side of the
+//! transport; reading through the engine thread instead would wait for the step in
+//! progress (seconds for a long prefill chunk) and the pull would miss its deadline. Where
+//! KV storage is host memory (the CPU backend) the lease **pins** its blocks where they lie:
+//! nothing is copied, the engine writes no leased block, and it frees a released lease's
+//! blocks only once every reader has dropped the lease (a transfer in progress finishes its
+//! batch). Elsewhere (a GPU) the blocks are **copied** out of KV storage when the lease is
+//! made. An entry lives exactly as long as the lease: removed at release or expiry, so a late
+//! reader finds nothing. Each block's transfer checksum ([`crate::kv::checksum`]) is computed
+//! here, once, when the lease is made: the exporter sends it, and no transport hashes on the
+//! sending side.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::kv::checksum::block_checksum;
+use crate::kv::checksum::{BlockHasher, block_checksum};
+use crate::kv::placement::HostKvMemory;
+
+/// Where a lease's blocks are.
+#[derive(Debug)]
+enum LeaseData {
+    /// Copies, each block in `Backend::read_block`'s layout.
+    Copied(Vec<Vec<f32>>),
+    /// The blocks where they lie in host KV memory, in lease order.
+    Pinned {
+        memory: HostKvMemory,
+        blocks: Vec<u32>,
+    },
+}
 
 /// One lease's KV as it is exported.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct LeasedKv {
-    /// Each block in `Backend::read_block`'s layout.
-    pub blocks: Vec<Vec<f32>>,
-    /// `checksums[i]` = [`block_checksum`]`(i, blocks[i])`.
+    data: LeaseData,
+    /// `checksums[i]` = [`block_checksum`]`(i, block i's bytes)`.
     pub checksums: Vec<u64>,
 }
 
 impl LeasedKv {
-    /// `blocks` with their checksums, hashed on the rayon pool (this runs on the engine
-    /// thread when a prefill ends: a 4,096-token Qwen3-0.6B lease is 940 MB, ~60 ms for one
-    /// core at ~15 GB/s).
+    /// Copied `blocks` with their checksums, hashed on the rayon pool (this runs on the
+    /// engine thread when a prefill ends: a 4,096-token Qwen3-0.6B lease is 940 MB, ~60 ms
+    /// for one core at ~15 GB/s).
     pub fn new(blocks: Vec<Vec<f32>>) -> Self {
         let checksums = blocks
             .par_iter()
             .enumerate()
             .map(|(i, b)| block_checksum(i as u64, bytemuck::cast_slice(b)))
             .collect();
-        Self { blocks, checksums }
+        Self {
+            data: LeaseData::Copied(blocks),
+            checksums,
+        }
+    }
+
+    /// Physical `blocks` of `memory` pinned where they lie, with their checksums (hashed on
+    /// the rayon pool). The engine must not write them, nor free them while this value is
+    /// shared (see the module documentation).
+    pub(crate) fn pinned(memory: HostKvMemory, blocks: Vec<u32>) -> Self {
+        let checksums = blocks
+            .par_iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let mut h = BlockHasher::new(i as u64);
+                // SAFETY: a leased block, unwritten while the lease exists (module docs).
+                for piece in unsafe { memory.block_slices(b) } {
+                    h.update(piece);
+                }
+                h.digest()
+            })
+            .collect();
+        Self {
+            data: LeaseData::Pinned { memory, blocks },
+            checksums,
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        match &self.data {
+            LeaseData::Copied(b) => b.len(),
+            LeaseData::Pinned { blocks, .. } => blocks.len(),
+        }
+    }
+
+    /// Bytes of each block (0 for an empty lease).
+    pub fn block_bytes(&self) -> usize {
+        match &self.data {
+            LeaseData::Copied(b) => b.first().map_or(0, |b| b.len() * 4),
+            LeaseData::Pinned { memory, .. } => memory.block_bytes(),
+        }
+    }
+
+    /// Block `i`'s bytes in transfer layout, in one piece (a copy) or several (pinned: one
+    /// per layer's K and V), in order.
+    pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
+        match &self.data {
+            LeaseData::Copied(b) => vec![bytemuck::cast_slice(&b[i])],
+            // SAFETY: a leased block, unwritten while this value lives (module docs).
+            LeaseData::Pinned { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },
+        }
+    }
+
+    /// Block `i`'s values, copied.
+    pub fn block_values(&self, i: usize) -> Vec<f32> {
+        let mut out = vec![0f32; self.block_bytes() / 4];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        let mut at = 0;
+        for piece in self.block_pieces(i) {
+            bytes[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+        out
     }
 }
 
@@ -47,12 +123,14 @@ pub struct LeaseStore {
 }
 
 impl LeaseStore {
-    /// Keep `blocks` under `lease_id`, checksummed (outside the lock).
-    pub fn insert(&self, lease_id: u64, blocks: Vec<Vec<f32>>) {
-        let kv = Arc::new(LeasedKv::new(blocks));
+    /// Keep `kv` under `lease_id`; the returned handle lets the engine see when no reader
+    /// holds the lease any more ([`Arc::strong_count`]).
+    pub fn insert(&self, lease_id: u64, kv: LeasedKv) -> Arc<LeasedKv> {
+        let kv = Arc::new(kv);
         if let Ok(mut leases) = self.leases.lock() {
-            leases.insert(lease_id, kv);
+            leases.insert(lease_id, Arc::clone(&kv));
         }
+        kv
     }
 
     pub fn remove(&self, lease_id: u64) {
@@ -72,7 +150,8 @@ impl LeaseStore {
     pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
         // Clone the Arc under the lock, copy the blocks outside it.
         let kv = self.leases.lock().ok()?.get(&lease_id).cloned()?;
-        Some(kv.blocks.get(first..first.checked_add(count)?)?.to_vec())
+        let end = first.checked_add(count).filter(|&e| e <= kv.num_blocks())?;
+        Some((first..end).map(|i| kv.block_values(i)).collect())
     }
 
     pub fn len(&self) -> usize {
@@ -91,13 +170,13 @@ mod tests {
     #[test]
     fn reads_ranges_until_removed() {
         let store = LeaseStore::default();
-        store.insert(7, vec![vec![1.0], vec![2.0], vec![3.0]]);
+        store.insert(7, LeasedKv::new(vec![vec![1.0], vec![2.0], vec![3.0]]));
         assert_eq!(store.read(7, 1, 2), Some(vec![vec![2.0], vec![3.0]]));
         assert_eq!(store.read(7, 2, 2), None, "past the end");
         assert_eq!(store.read(7, usize::MAX, 2), None, "overflow");
         assert_eq!(store.read(8, 0, 1), None, "unknown lease");
         let shared = store.get(7).expect("leased");
-        assert_eq!(shared.blocks.len(), 3);
+        assert_eq!(shared.num_blocks(), 3);
         let want: Vec<u64> = (0..3u64)
             .map(|i| block_checksum(i, bytemuck::cast_slice(&[(i + 1) as f32])))
             .collect();
@@ -106,7 +185,7 @@ mod tests {
         assert_eq!(store.read(7, 0, 1), None, "released");
         assert!(store.get(7).is_none(), "released");
         assert_eq!(
-            shared.blocks[2],
+            shared.block_values(2),
             vec![3.0],
             "a reader's shared copy outlives the release"
         );

@@ -1,14 +1,16 @@
 //! Prefill leases: the prompt's KV blocks kept for a decode node after a prefill request
-//! ends, copied into the [`LeaseStore`] for the exporter, released by the decode node or
-//! expired after `lease_timeout`; and the buffers imported KV arrives in (the other end of
-//! a transfer).
+//! ends, lent to the exporter through the [`LeaseStore`] (pinned in place on host memory,
+//! copied from a GPU), released by the decode node or expired after `lease_timeout` (a
+//! released lease's blocks return to the pool once no transfer reads them); and the buffers
+//! imported KV arrives in (the other end of a transfer).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::kv::block_buffers::BlockBuffers;
 use crate::kv::placement::HostKvMemory;
-use crate::serve::lease_store::LeaseStore;
+use crate::serve::lease_store::{LeaseStore, LeasedKv};
 use crate::serve::request::KvLease;
 
 use super::Engine;
@@ -17,6 +19,8 @@ use super::seq::Seq;
 pub(super) struct Lease {
     pub(super) blocks: Vec<u32>,
     pub(super) deadline: Instant,
+    /// What the exporter reads; the blocks are freed once nobody else holds it.
+    pub(super) kv: Arc<LeasedKv>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -25,15 +29,33 @@ impl<B: Backend> Engine<B> {
         self.lease_store.remove(lease_id);
         match self.leases.remove(&lease_id) {
             Some(lease) => {
-                self.free_blocks(&lease.blocks);
+                // A transfer may still be reading the blocks in place: they go back to the
+                // pool once it dropped the lease (`reap_released_leases`).
+                self.released_leases.push(lease);
+                self.reap_released_leases();
                 true
             }
             None => false,
         }
     }
 
-    /// Release every lease past its deadline.
+    /// Free the blocks of released leases that no reader holds any more.
+    pub(super) fn reap_released_leases(&mut self) {
+        let mut i = 0;
+        while i < self.released_leases.len() {
+            if Arc::strong_count(&self.released_leases[i].kv) == 1 {
+                let lease = self.released_leases.swap_remove(i);
+                self.free_blocks(&lease.blocks);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Release every lease past its deadline (and free released leases' blocks that no
+    /// reader holds any more).
     pub fn expire_leases(&mut self, now: Instant) {
+        self.reap_released_leases();
         let expired: Vec<u64> = self
             .leases
             .iter()
@@ -63,7 +85,7 @@ impl<B: Backend> Engine<B> {
         self.host_kv.clone()
     }
 
-    /// The copies of leased blocks, shared with whoever exports them (see [`LeaseStore`]).
+    /// Leased blocks, shared with whoever exports them (see [`LeaseStore`]).
     pub fn lease_store(&self) -> LeaseStore {
         self.lease_store.clone()
     }
@@ -72,8 +94,8 @@ impl<B: Backend> Engine<B> {
         self.leases.len()
     }
 
-    /// Keep a finished prefill request's prompt blocks under a new lease (copied into the
-    /// lease store for the exporter) and free the rest of `blocks`.
+    /// Keep a finished prefill request's prompt blocks under a new lease (lent to the
+    /// exporter through the lease store) and free the rest of `blocks`.
     pub(super) fn lease_prompt_blocks(
         &mut self,
         seq: &Seq,
@@ -86,20 +108,26 @@ impl<B: Backend> Engine<B> {
         let prompt_blocks = seq.prompt_len.div_ceil(self.block_size());
         let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
         self.free_blocks(rest);
-        let copies = keep
-            .iter()
-            .map(|&b| {
-                let mut data = vec![0.0; self.executor.block_len()];
-                self.executor.read_block(b, &mut data);
-                data
-            })
-            .collect();
-        self.lease_store.insert(lease_id, copies);
+        let kv = match self.host_kv.clone() {
+            // Host memory: the lease pins the blocks where they lie, nothing is copied.
+            Some(memory) => LeasedKv::pinned(memory, keep.to_vec()),
+            None => LeasedKv::new(
+                keep.iter()
+                    .map(|&b| {
+                        let mut data = vec![0.0; self.executor.block_len()];
+                        self.executor.read_block(b, &mut data);
+                        data
+                    })
+                    .collect(),
+            ),
+        };
+        let kv = self.lease_store.insert(lease_id, kv);
         self.leases.insert(
             lease_id,
             Lease {
                 blocks: keep.to_vec(),
                 deadline: now + self.config.lease_timeout,
+                kv,
             },
         );
         let full = seq.prompt_len / self.block_size();

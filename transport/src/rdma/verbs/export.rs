@@ -75,16 +75,26 @@ impl RdmaExporter {
         kv: &LeasedKv,
         deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
-        let blocks = &kv.blocks;
         self.retire_expired(Instant::now());
-        let block_len = blocks.first().map_or(0, Vec::len);
-        if block_len == 0 || blocks.iter().any(|b| b.len() != block_len) {
+        let block_bytes = kv.block_bytes();
+        if block_bytes == 0 || !block_bytes.is_multiple_of(4) {
             return Err(RdmaError::BlockSize {
                 theirs: 0,
-                ours: block_len as u64 * 4,
+                ours: block_bytes as u64,
             });
         }
-        let mut buf: Box<[f32]> = blocks.concat().into_boxed_slice();
+        // The staging copy: the lease's blocks back to back (from wherever they lie).
+        let mut buf: Box<[f32]> = vec![0f32; kv.num_blocks() * block_bytes / 4].into_boxed_slice();
+        for (i, block) in bytemuck::cast_slice_mut::<f32, u8>(&mut buf)
+            .chunks_exact_mut(block_bytes)
+            .enumerate()
+        {
+            let mut at = 0;
+            for piece in kv.block_pieces(i) {
+                block[at..at + piece.len()].copy_from_slice(piece);
+                at += piece.len();
+            }
+        }
         let bytes: &[u8] = bytemuck::cast_slice(&buf);
         let checksums = kv.checksums.clone();
         let len = bytes.len();
@@ -100,7 +110,7 @@ impl RdmaExporter {
         let offer = RdmaOffer {
             fabric: self.device.fabric(),
             connect_addr: self.connect_addr.clone(),
-            block_bytes: block_len as u64 * 4,
+            block_bytes: block_bytes as u64,
             regions: vec![RemoteRegion {
                 addr: buf.as_ptr() as u64,
                 len: len as u64,
