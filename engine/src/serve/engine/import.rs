@@ -13,6 +13,17 @@ use crate::serve::request::{EngineRequest, ImportedBlocks, ImportedKv, RequestEr
 
 use super::Engine;
 
+/// How imported KV in buffers was placed.
+enum Placement {
+    /// The sequence's blocks in logical order, and how many of them were cached here.
+    Held(Vec<u32>, usize),
+    /// The prefix the puller saw cached was evicted since: the imported KV no longer joins
+    /// up, so the prompt is computed here instead (nothing counts as external).
+    Recompute,
+    /// The pool has no room now; the buffers are kept for the next try.
+    NoRoom,
+}
+
 impl<B: Backend> Engine<B> {
     /// Imported KV must cover the prompt to its end in whole blocks of this node's layout.
     pub(super) fn check_imported(
@@ -105,12 +116,12 @@ impl<B: Backend> Engine<B> {
                 held
             }
             ImportedBlocks::Buffers(_) => match self.place_buffers(id, &hashes) {
-                Ok(Some(held)) => {
+                Placement::Held(blocks, local) => {
                     self.counters.kv_imports_buffered += 1;
-                    held
+                    (blocks, local)
                 }
-                Ok(None) => return None,
-                Err(()) => return Some(None),
+                Placement::Recompute => return None,
+                Placement::NoRoom => return Some(None),
             },
         };
         let seq = self.seqs.get_mut(id).expect("exists");
@@ -161,21 +172,15 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Imported KV in buffers: reuse the local prefix and copy the buffers into fresh blocks
-    /// after it. `Ok(None)`: the prefix the puller saw cached was evicted since, so the
-    /// imported KV no longer joins up and the prompt is computed here instead (nothing counts
-    /// as external). `Err`: the pool has no room now (the buffers are kept for the next try).
-    fn place_buffers(
-        &mut self,
-        id: &RequestId,
-        hashes: &[BlockHash],
-    ) -> Result<Option<(Vec<u32>, usize)>, ()> {
+    /// after it.
+    fn place_buffers(&mut self, id: &RequestId, hashes: &[BlockHash]) -> Placement {
         let seq = &self.seqs[id];
         let total = seq.prompt_len.div_ceil(self.block_size());
         let first_block = seq.imported.as_ref().expect("checked").first_block;
         let local = self.pool.cached_prefix(hashes);
         if local < first_block {
             self.seqs.get_mut(id).expect("exists").imported = None;
-            return Ok(None);
+            return Placement::Recompute;
         }
         let mut blocks = self
             .pool
@@ -183,7 +188,7 @@ impl<B: Backend> Engine<B> {
             .expect("pool invariant: cached_prefix blocks can be acquired");
         let Some(fresh) = self.allocate(total - local) else {
             self.free_blocks(&blocks);
-            return Err(());
+            return Placement::NoRoom;
         };
         let imp = self
             .seqs
@@ -205,6 +210,6 @@ impl<B: Backend> Engine<B> {
         }
         self.import_buffers.give_all(buffers);
         blocks.extend(fresh);
-        Ok(Some((blocks, local)))
+        Placement::Held(blocks, local)
     }
 }
