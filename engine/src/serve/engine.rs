@@ -32,6 +32,7 @@ use crate::sampling::{
     DeviceSampling, FinishReason, SampledToken, Sampler, StopChecker, prompt_logprobs,
 };
 
+mod blocks;
 mod import;
 mod leases;
 mod reserve;
@@ -474,61 +475,6 @@ impl<B: Backend> Engine<B> {
         }
         self.last_step.postprocess = now.elapsed();
         events
-    }
-
-    /// Make `id`'s blocks cover `tokens` tokens. False (nothing allocated) if the pool is
-    /// short.
-    fn grow(&mut self, id: &RequestId, tokens: usize) -> bool {
-        let bs = self.block_size();
-        let have = self.seqs[id].blocks.len();
-        let need = tokens.div_ceil(bs).saturating_sub(have);
-        if need == 0 {
-            return true;
-        }
-        match self.allocate(need) {
-            Some(blocks) => {
-                self.seqs.get_mut(id).expect("exists").blocks.extend(blocks);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Allocate blocks, spilling evicted cached blocks to the host tier first.
-    fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
-        let alloc = self.pool.allocate(n).ok()?;
-        for (block, hash) in alloc.evicted {
-            if self.config.host_cache_blocks > 0 {
-                self.executor.read_block(block, &mut self.block_buf);
-                self.host.offer(hash, &self.block_buf);
-            }
-        }
-        Some(alloc.blocks)
-    }
-
-    /// Free a sequence's blocks, given in logical order (the pool releases them tail first).
-    fn free_blocks(&mut self, blocks: &[u32]) {
-        self.pool
-            .free(blocks)
-            .expect("pool invariant: the engine frees only blocks it holds");
-    }
-
-    fn register(&mut self, block: u32, hash: BlockHash) {
-        self.pool
-            .register(block, hash)
-            .expect("pool invariant: the engine registers only blocks it holds");
-    }
-
-    /// Put a running sequence back in front of the queue, its blocks freed (their content
-    /// stays in the prefix cache where registered).
-    fn preempt(&mut self, id: &RequestId) {
-        let seq = self.seqs.get_mut(id).expect("exists");
-        let blocks = std::mem::take(&mut seq.blocks);
-        seq.computed = 0;
-        seq.registered = 0;
-        self.free_blocks(&blocks);
-        self.counters.preemptions += 1;
-        self.waiting.push_front(id.clone());
     }
 
     /// Admit a waiting sequence: prefix lookup (counted the first time only), reuse of cached
