@@ -40,12 +40,7 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
         Box::pin(async move {
             let blocks = self.read(offer, req, deadline).await?;
             for (i, block) in blocks.iter().enumerate() {
-                let bytes: &[u8] = bytemuck::cast_slice(block);
-                let mut at = 0;
-                for segment in into.block_mut(i) {
-                    segment.copy_from_slice(&bytes[at..at + segment.len()]);
-                    at += segment.len();
-                }
+                into.write_block(i, bytemuck::cast_slice(block));
             }
             Ok(())
         })

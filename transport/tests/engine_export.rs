@@ -13,8 +13,8 @@ use pd_engine::kv::KvLayout;
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestEvent,
-    RequestId, Role,
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, ImportedBlocks, ImportedKv,
+    KvLease, RequestEvent, RequestId, Role,
 };
 use pd_engine::weights::Checkpoint;
 use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest, TransportError};
@@ -76,13 +76,18 @@ fn run(engine: &mut Engine<CpuBackend>, r: EngineRequest) -> Vec<u32> {
     tokens
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine() {
-    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 11) % 390).collect();
-    let (mut mixed, layout) = engine(Role::Mixed);
-    let want = run(&mut mixed, request("m", prompt.clone(), None));
+/// A prefill engine thread behind a real export server, and the lease of one prefill of
+/// `prompt` on it.
+struct Leased {
+    _prefill: EngineThread,
+    handle: EngineHandle,
+    server: KvExportServer,
+    addr: std::net::SocketAddr,
+    first_token: u32,
+    lease: KvLease,
+}
 
-    let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
+async fn leased(prompt: &[u32], fp: LayoutFingerprint) -> Leased {
     let (prefill, _) = engine(Role::Prefill);
     let prefill = EngineThread::spawn(prefill);
     let handle = prefill.handle();
@@ -90,8 +95,7 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
         KvExportServer::bind("127.0.0.1:0".parse().unwrap(), fp, Arc::new(handle.clone()))
             .await
             .unwrap();
-
-    let rx = handle.submit(request("p", prompt.clone(), None));
+    let rx = handle.submit(request("p", prompt.to_vec(), None));
     let (first_token, lease) = tokio::task::spawn_blocking(move || {
         let mut first = None;
         loop {
@@ -104,6 +108,31 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
     })
     .await
     .unwrap();
+    Leased {
+        _prefill: prefill,
+        handle,
+        server,
+        addr,
+        first_token,
+        lease,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine() {
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 11) % 390).collect();
+    let (mut mixed, layout) = engine(Role::Mixed);
+    let want = run(&mut mixed, request("m", prompt.clone(), None));
+
+    let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
+    let Leased {
+        _prefill,
+        handle,
+        server,
+        addr,
+        first_token,
+        lease,
+    } = leased(&prompt, fp).await;
 
     // As a decode node does: blocks arrive in the decode engine's recycled buffers.
     let (mut decode, _) = engine(Role::Decode);
@@ -173,26 +202,14 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
     let want = run(&mut mixed, request("m", prompt.clone(), None));
 
     let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
-    let (prefill, _) = engine(Role::Prefill);
-    let prefill = EngineThread::spawn(prefill);
-    let handle = prefill.handle();
-    let (server, addr) =
-        KvExportServer::bind("127.0.0.1:0".parse().unwrap(), fp, Arc::new(handle.clone()))
-            .await
-            .unwrap();
-    let rx = handle.submit(request("p", prompt.clone(), None));
-    let (first_token, lease) = tokio::task::spawn_blocking(move || {
-        let mut first = None;
-        loop {
-            match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-                RequestEvent::Token(t) => first = Some(t.token_id),
-                RequestEvent::Finished(f) => break (first.unwrap(), f.lease.unwrap()),
-                RequestEvent::Failed(e) => panic!("{e}"),
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let Leased {
+        _prefill,
+        handle,
+        server,
+        addr,
+        first_token,
+        lease,
+    } = leased(&prompt, fp).await;
 
     let (mut decode, _) = engine(Role::Decode);
     let released = Arc::new(std::sync::Mutex::new(Vec::new()));

@@ -270,6 +270,17 @@ impl KvReservation {
             .collect()
     }
 
+    /// Copy pulled block `i`, given whole in transfer layout (`block_bytes` long), into its
+    /// segments: a block that arrived in a buffer after all.
+    pub fn write_block(&mut self, i: usize, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_bytes(), "block length");
+        let mut at = 0;
+        for segment in self.block_mut(i) {
+            segment.copy_from_slice(&bytes[at..at + segment.len()]);
+            at += segment.len();
+        }
+    }
+
     /// The transfer checksum of pulled block `i` as it is now, for the prompt block index
     /// `lease_index` ([`super::checksum::block_checksum`] over the segments in order).
     pub fn block_checksum(&self, i: usize, lease_index: u64) -> u64 {

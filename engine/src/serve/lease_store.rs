@@ -103,15 +103,20 @@ impl LeasedKv {
         }
     }
 
+    /// Copy block `i` in transfer layout into `dst` (`block_bytes` long).
+    pub fn copy_block(&self, i: usize, dst: &mut [u8]) {
+        assert_eq!(dst.len(), self.block_bytes(), "block length");
+        let mut at = 0;
+        for piece in self.block_pieces(i) {
+            dst[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+    }
+
     /// Block `i`'s values, copied.
     pub fn block_values(&self, i: usize) -> Vec<f32> {
         let mut out = vec![0f32; self.block_bytes() / 4];
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-        let mut at = 0;
-        for piece in self.block_pieces(i) {
-            bytes[at..at + piece.len()].copy_from_slice(piece);
-            at += piece.len();
-        }
+        self.copy_block(i, bytemuck::cast_slice_mut(&mut out));
         out
     }
 }

@@ -89,11 +89,7 @@ impl RdmaExporter {
             .chunks_exact_mut(block_bytes)
             .enumerate()
         {
-            let mut at = 0;
-            for piece in kv.block_pieces(i) {
-                block[at..at + piece.len()].copy_from_slice(piece);
-                at += piece.len();
-            }
+            kv.copy_block(i, block);
         }
         let bytes: &[u8] = bytemuck::cast_slice(&buf);
         let checksums = kv.checksums.clone();

@@ -331,22 +331,12 @@ impl OneSidedReader for RdmaReader {
                 }
                 _ => {
                     let blocks = self.read_blocks(offer, req, deadline).await?;
-                    copy_into(&blocks, into);
+                    for (i, block) in blocks.iter().enumerate() {
+                        into.write_block(i, bytemuck::cast_slice(block));
+                    }
                     Ok(())
                 }
             }
         })
-    }
-}
-
-/// Verified blocks copied into the reservation's segments, in transfer-layout order.
-fn copy_into(blocks: &[Vec<f32>], into: &mut KvReservation) {
-    for (i, block) in blocks.iter().enumerate() {
-        let bytes: &[u8] = bytemuck::cast_slice(block);
-        let mut at = 0;
-        for segment in into.block_mut(i) {
-            segment.copy_from_slice(&bytes[at..at + segment.len()]);
-            at += segment.len();
-        }
     }
 }
