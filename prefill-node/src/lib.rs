@@ -492,7 +492,11 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         .map_or(grpc, |ip| SocketAddr::new(ip, grpc.port()));
     let rdma = match &rdma_device {
         Some(device) => {
-            let exporter = Arc::new(RdmaExporter::new(device, connect_addr.to_string())?);
+            // Leases are offered where the engine keeps them when its KV is host memory
+            // (registered once here); otherwise each lease is staged in registered memory.
+            let exporter = RdmaExporter::new(device, connect_addr.to_string())?
+                .with_host_kv(handle.host_kv_memory().cloned());
+            let exporter = Arc::new(exporter);
             spawn_rdma_sweeper(Arc::downgrade(&exporter));
             Some(exporter)
         }
@@ -536,8 +540,9 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
     })
 }
 
-/// Deregister expired leases' RDMA regions every second, so that an idle node does not keep
-/// them pinned; ends once the exporter is gone.
+/// Retire expired leases' RDMA offers every second, so that an idle node does not keep
+/// their memory (a staged copy, or the lease's KV blocks) held; ends once the exporter is
+/// gone.
 fn spawn_rdma_sweeper(exporter: std::sync::Weak<RdmaExporter>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! rdma_bench serve [--listen 0.0.0.0:18600] [--advertise HOST:18600] [--mib 1024]
-//!                  [--block-kib 3584] [--device D] [--port P] [--gid-index G]
+//!                  [--block-kib 3584] [--export in-place|staged] [--regions 56]
+//!                  [--device D] [--port P] [--gid-index G]
 //! rdma_bench read --peer HOST:18600 [--sizes 65536,1048576,4194304] [--iters 20]
 //!                 [--landing in-place|buffers] [--regions 56]
 //!                 [--device D] [--port P] [--gid-index G]
@@ -11,7 +12,10 @@
 //!
 //! `serve` registers one lease of `--mib` MiB in blocks of `--block-kib` KiB and answers a
 //! tiny TCP control protocol (the offer, and the queue-pair exchange that the nodes do over
-//! gRPC). `read` reads the whole lease `--iters` times with READs of each size and prints
+//! gRPC). `--export in-place` (the default: a prefill node with host-memory KV) pins the
+//! lease in KV memory laid out as the CPU backend's (`--regions` per block), registered
+//! once, and offers it where it lies (a strided offer: the reader's READs follow the
+//! regions); `--export staged` (a prefill node with GPU KV) offers a packed copy. `read` reads the whole lease `--iters` times with READs of each size and prints
 //! one JSON line per size: `{"size": S, "bytes": B, "seconds": T, "gbit_per_s": X}`.
 //! The time covers what a decode node's pull costs. `--landing in-place` (the default: a
 //! decode node with host-memory KV, the CPU backend): READs scatter each block straight into
@@ -85,14 +89,40 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
         .unwrap_or_else(|| listen.clone());
     let mib: usize = f.get("mib").map_or(Ok(1024), |m| m.parse())?;
     let block_kib: usize = f.get("block-kib").map_or(Ok(3584), |b| b.parse())?;
+    let in_place = match f.get("export").map_or("in-place", String::as_str) {
+        "in-place" => true,
+        "staged" => false,
+        other => return Err(format!("--export {other:?}: in-place or staged").into()),
+    };
+    let regions: usize = f.get("regions").map_or(Ok(56), |r| r.parse())?;
     let device = RdmaDevice::open(&config(&f)?)?;
-    let exporter = Arc::new(RdmaExporter::new(&device, advertise)?);
     let block_len = block_kib * 256;
     let count = (mib * 1024 / block_kib).max(1);
-    let blocks: Vec<Vec<f32>> = (0..count)
-        .map(|b| (0..block_len).map(|i| (b * 7 + i) as f32).collect())
-        .collect();
-    let kv = LeasedKv::new(blocks);
+    let exporter = RdmaExporter::new(&device, advertise)?;
+    let (exporter, kv) = if in_place {
+        let memory = HostKvMemory::allocate(count, block_len * 4, regions).ok_or_else(|| {
+            format!(
+                "--regions {regions} does not divide a block of {} bytes",
+                block_len * 4
+            )
+        })?;
+        let exporter = exporter.with_host_kv(Some(memory.clone()));
+        if !exporter.in_place() {
+            return Err("registering the KV memory failed (raise `ulimit -l`?); \
+                        --export staged measures the other path"
+                .into());
+        }
+        // SAFETY: nothing else references the freshly allocated memory; it stays unwritten.
+        let kv = unsafe { LeasedKv::pinned(memory, (0..count as u32).collect()) };
+        (exporter, kv)
+    } else {
+        let blocks: Vec<Vec<f32>> = (0..count)
+            .map(|b| (0..block_len).map(|i| (b * 7 + i) as f32).collect())
+            .collect();
+        (exporter, LeasedKv::new(blocks))
+    };
+    let exporter = Arc::new(exporter);
+    let kv = Arc::new(kv);
     let offer = exporter.publish(LEASE, &kv, Instant::now() + Duration::from_secs(86_400))?;
     drop(kv);
     let listener = TcpListener::bind(&listen).await?;

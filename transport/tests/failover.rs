@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
-    BoxFuture, Fabric, LinkLayer, RdmaError, RdmaOffer, RemoteRegion, block_checksum, plan_reads,
+    BoxFuture, Fabric, LinkLayer, OfferLayout, RdmaError, RdmaOffer, RemoteRegion, block_checksum,
+    plan_reads,
 };
 use pd_transport::{
     FailureReason, KvExportServer, KvImporter, KvSource, LayoutFingerprint, OneSidedReader,
@@ -65,6 +66,7 @@ fn offer_for(blocks: &[Vec<f32>]) -> (RdmaOffer, Vec<u8>) {
             len: bytes.len() as u64,
             rkey: 77,
         }],
+        layout: OfferLayout::Packed,
         checksums: bytes
             .chunks(block_bytes as usize)
             .enumerate()

@@ -140,6 +140,11 @@ impl HostKvMemory {
         &self.regions
     }
 
+    /// Bytes of one block in each region (one piece of the transfer layout).
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
     /// Bytes of one block across all regions (the transfer layout's block length).
     pub fn block_bytes(&self) -> usize {
         self.stride * self.regions.len()

@@ -57,9 +57,12 @@ impl LeasedKv {
     }
 
     /// Physical `blocks` of `memory` pinned where they lie, with their checksums (hashed on
-    /// the rayon pool). The engine must not write them, nor free them while this value is
-    /// shared (see the module documentation).
-    pub(crate) fn pinned(memory: HostKvMemory, blocks: Vec<u32>) -> Self {
+    /// the rayon pool).
+    ///
+    /// # Safety
+    /// Nobody may write the blocks while this value lives, nor free them while it is shared:
+    /// readers (the exporters) read them without a lock (see the module documentation).
+    pub unsafe fn pinned(memory: HostKvMemory, blocks: Vec<u32>) -> Self {
         let checksums = blocks
             .par_iter()
             .enumerate()
@@ -75,6 +78,15 @@ impl LeasedKv {
         Self {
             data: LeaseData::Pinned { memory, blocks },
             checksums,
+        }
+    }
+
+    /// The host KV memory the blocks are pinned in and where each lies in it (lease order),
+    /// or `None` for copied blocks: for transports that read them where they lie.
+    pub fn pinned_blocks(&self) -> Option<(&HostKvMemory, &[u32])> {
+        match &self.data {
+            LeaseData::Copied(_) => None,
+            LeaseData::Pinned { memory, blocks } => Some((memory, blocks)),
         }
     }
 

@@ -36,10 +36,18 @@ impl RdmaExporter {
         match device.0 {}
     }
 
+    pub fn with_host_kv(self, _memory: Option<pd_engine::kv::placement::HostKvMemory>) -> Self {
+        match self.0 {}
+    }
+
+    pub fn in_place(&self) -> bool {
+        match self.0 {}
+    }
+
     pub fn publish(
         &self,
         _lease_id: u64,
-        _kv: &pd_engine::serve::LeasedKv,
+        _kv: &Arc<pd_engine::serve::LeasedKv>,
         _deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
         match self.0 {}

@@ -1,17 +1,24 @@
 //! [`RdmaOffer`]: what a prefill node's `KvHandle.rdma` says about a lease's blocks, and its
 //! binary encoding.
 //!
-//! The blocks of a lease lie back to back in one or more registered regions (the CPU backend
-//! uses one region per lease); block `i` is bytes `i * block_bytes .. (i + 1) * block_bytes`
-//! of the regions' concatenation. A per-block xxh3-64 checksum lets the reader verify that
-//! the bytes it read are the bytes the prefill node published (RDMA's link-level CRC covers
-//! the wire, not a region freed and reused under a late reader).
+//! The blocks lie in registered regions in one of two layouts ([`OfferLayout`]):
+//! - **packed** (a staged copy, version 1): back to back in one or more regions; block `i`
+//!   is bytes `i * block_bytes .. (i + 1) * block_bytes` of the regions' concatenation;
+//! - **strided** (in place in the prefill node's KV memory, version 2): the regions are the
+//!   KV memory's segments in transfer-layout order (layer 0's K, layer 0's V, layer 1's K,
+//!   …), each registered once, and piece `j` of block `i` is the `stride` bytes at
+//!   `blocks[i] * stride` of region `j` (`blocks[i]` is where the prefill node keeps the
+//!   lease's block `i`).
 //!
-//! Encoding (version 1, integers little-endian):
+//! A per-block xxh3-64 checksum lets the reader verify that the bytes it read are the bytes
+//! the prefill node published (RDMA's link-level CRC covers the wire, not a staging region
+//! freed and reused, nor a KV block given to another request, under a late reader).
+//!
+//! Encoding (integers little-endian):
 //!
 //! ```text
 //! "PDRX"                 4 bytes, magic
-//! version: u16           1
+//! version: u16           1 (packed) or 2 (strided)
 //! link_layer: u8         as in the endpoint encoding
 //! reserved: u8           0
 //! lid: u16, reserved u16
@@ -23,7 +30,15 @@
 //!                        prefill node's gRPC server, where RdmaConnect is called)
 //! num_regions x (addr: u64, len: u64, rkey: u32, reserved: u32)
 //! num_blocks x checksum: u64   xxh3-64 of block i's bytes with seed BLOCK_SEED + i
+//! version 2 only:
+//! stride: u64
+//! num_blocks x block: u32      where block i lies in the regions
 //! ```
+//!
+//! A version-1 reader refuses a version-2 offer (and the pull then moves over TCP), so a
+//! prefill node keeps writing version 1 for packed offers.
+
+use pd_engine::serve::LeasedKv;
 
 use super::endpoint::{EndpointError, Fabric, LinkLayer};
 
@@ -47,6 +62,15 @@ pub struct RemoteRegion {
     pub rkey: u32,
 }
 
+/// How an offer's blocks lie in its regions (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OfferLayout {
+    /// Back to back in the regions' concatenation.
+    Packed,
+    /// Piece `j` of block `i` is `stride` bytes at `blocks[i] * stride` of region `j`.
+    Strided { stride: u64, blocks: Vec<u32> },
+}
+
 /// A lease's blocks as registered RDMA memory on the prefill node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaOffer {
@@ -56,29 +80,67 @@ pub struct RdmaOffer {
     pub connect_addr: String,
     pub block_bytes: u64,
     pub regions: Vec<RemoteRegion>,
+    pub layout: OfferLayout,
     /// One per block.
     pub checksums: Vec<u64>,
 }
 
 const MAGIC: [u8; 4] = *b"PDRX";
-const VERSION: u16 = 1;
+/// Packed offers.
+const VERSION_PACKED: u16 = 1;
+/// Strided offers.
+const VERSION_STRIDED: u16 = 2;
 const HEAD_LEN: usize = 4 + 2 + 1 + 1 + 4 + 16 + 8 + 4 + 4 + 4 + 4;
 const REGION_LEN: usize = 24;
 
 impl RdmaOffer {
+    /// The strided offer of `kv`'s blocks where they lie: `regions` are the exporter's
+    /// registrations of the host KV memory the lease is pinned in, one per memory region in
+    /// order. `None` if the lease is not pinned, or `regions` do not match its memory.
+    pub fn in_place(
+        fabric: Fabric,
+        connect_addr: String,
+        regions: &[RemoteRegion],
+        kv: &LeasedKv,
+    ) -> Option<Self> {
+        let (memory, blocks) = kv.pinned_blocks()?;
+        let matches = memory.regions().len() == regions.len()
+            && memory
+                .regions()
+                .iter()
+                .zip(regions)
+                .all(|(m, r)| m.addr() == r.addr && m.len() as u64 == r.len);
+        matches.then(|| Self {
+            fabric,
+            connect_addr,
+            block_bytes: memory.block_bytes() as u64,
+            regions: regions.to_vec(),
+            layout: OfferLayout::Strided {
+                stride: memory.stride() as u64,
+                blocks: blocks.to_vec(),
+            },
+            checksums: kv.checksums.clone(),
+        })
+    }
+
     pub fn num_blocks(&self) -> u64 {
         self.checksums.len() as u64
     }
 
     pub fn encode(&self) -> Vec<u8> {
+        let (version, tail) = match &self.layout {
+            OfferLayout::Packed => (VERSION_PACKED, 0),
+            OfferLayout::Strided { blocks, .. } => (VERSION_STRIDED, 8 + blocks.len() * 4),
+        };
         let mut b = Vec::with_capacity(
             HEAD_LEN
                 + self.connect_addr.len()
                 + self.regions.len() * REGION_LEN
-                + self.checksums.len() * 8,
+                + self.checksums.len() * 8
+                + tail,
         );
         b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&version.to_le_bytes());
         b.push(match self.fabric.link_layer {
             LinkLayer::InfiniBand => 1,
             LinkLayer::Ethernet => 2,
@@ -102,6 +164,12 @@ impl RdmaOffer {
         for c in &self.checksums {
             b.extend_from_slice(&c.to_le_bytes());
         }
+        if let OfferLayout::Strided { stride, blocks } = &self.layout {
+            b.extend_from_slice(&stride.to_le_bytes());
+            for block in blocks {
+                b.extend_from_slice(&block.to_le_bytes());
+            }
+        }
         b
     }
 
@@ -112,7 +180,7 @@ impl RdmaOffer {
             return Err(EndpointError::BadMagic);
         }
         let version = r.u16()?;
-        if version != VERSION {
+        if version != VERSION_PACKED && version != VERSION_STRIDED {
             return Err(EndpointError::Version(version));
         }
         let link_layer = match r.u8()? {
@@ -138,8 +206,16 @@ impl RdmaOffer {
                  the limits ({MAX_OFFER_BLOCKS}, {MAX_OFFER_REGIONS}, {MAX_CONNECT_ADDR})"
             )));
         }
-        let expected =
-            HEAD_LEN + addr_len + num_regions as usize * REGION_LEN + num_blocks as usize * 8;
+        let tail = if version == VERSION_STRIDED {
+            8 + num_blocks as usize * 4
+        } else {
+            0
+        };
+        let expected = HEAD_LEN
+            + addr_len
+            + num_regions as usize * REGION_LEN
+            + num_blocks as usize * 8
+            + tail;
         if b.len() != expected {
             return Err(EndpointError::Length {
                 got: b.len(),
@@ -157,6 +233,15 @@ impl RdmaOffer {
         let checksums = (0..num_blocks)
             .map(|_| r.u64())
             .collect::<Result<Vec<_>, _>>()?;
+        let layout = if version == VERSION_STRIDED {
+            let stride = r.u64()?;
+            let blocks = (0..num_blocks)
+                .map(|_| r.u32())
+                .collect::<Result<Vec<_>, _>>()?;
+            OfferLayout::Strided { stride, blocks }
+        } else {
+            OfferLayout::Packed
+        };
         let offer = Self {
             fabric: Fabric {
                 link_layer,
@@ -166,14 +251,16 @@ impl RdmaOffer {
             connect_addr,
             block_bytes,
             regions,
+            layout,
             checksums,
         };
         offer.validate()?;
         Ok(offer)
     }
 
-    /// The regions hold exactly the blocks, no region wraps the address space, the fabric is
-    /// addressable and the connect address is `host:port`.
+    /// The regions hold exactly the blocks (packed) or every piece of every block (strided),
+    /// no region wraps the address space, the fabric is addressable and the connect address
+    /// is `host:port`.
     pub fn validate(&self) -> Result<(), EndpointError> {
         self.fabric.validate()?;
         if self.block_bytes == 0 {
@@ -201,6 +288,13 @@ impl RdmaOffer {
                 .checked_add(r.len)
                 .ok_or_else(|| EndpointError::Invalid("regions longer than 2^64 bytes".into()))?;
         }
+        match &self.layout {
+            OfferLayout::Packed => self.validate_packed(total),
+            OfferLayout::Strided { stride, blocks } => self.validate_strided(*stride, blocks),
+        }
+    }
+
+    fn validate_packed(&self, total: u64) -> Result<(), EndpointError> {
         let blocks_bytes = self.num_blocks().checked_mul(self.block_bytes);
         if blocks_bytes != Some(total) {
             return Err(EndpointError::Invalid(format!(
@@ -208,6 +302,39 @@ impl RdmaOffer {
                 self.num_blocks(),
                 self.block_bytes,
                 blocks_bytes.map_or("more than 2^64".to_string(), |b| b.to_string())
+            )));
+        }
+        Ok(())
+    }
+
+    fn validate_strided(&self, stride: u64, blocks: &[u32]) -> Result<(), EndpointError> {
+        let pieces = self.regions.len() as u64;
+        if stride == 0 || stride.checked_mul(pieces) != Some(self.block_bytes) {
+            return Err(EndpointError::Invalid(format!(
+                "{pieces} regions of {stride}-byte pieces do not make {}-byte blocks",
+                self.block_bytes
+            )));
+        }
+        if blocks.len() != self.checksums.len() {
+            return Err(EndpointError::Invalid(format!(
+                "{} block places for {} blocks",
+                blocks.len(),
+                self.checksums.len()
+            )));
+        }
+        // Every region must hold the piece of the furthest block.
+        let Some(&furthest) = blocks.iter().max() else {
+            return Ok(());
+        };
+        let needed = (u64::from(furthest) + 1).checked_mul(stride);
+        if let Some(r) = self
+            .regions
+            .iter()
+            .find(|r| needed.is_none_or(|n| r.len < n))
+        {
+            return Err(EndpointError::Invalid(format!(
+                "block place {furthest} lies past the {}-byte region at {:#x}",
+                r.len, r.addr
             )));
         }
         Ok(())
@@ -275,8 +402,33 @@ pub(crate) mod tests {
             connect_addr: "prefill-0.pd:50051".into(),
             block_bytes,
             regions,
+            layout: OfferLayout::Packed,
             checksums: (0..n).map(|i| i * 31 + 7).collect(),
         }
+    }
+
+    /// A strided offer: `pieces` regions of `region_blocks` places of `stride` bytes, the
+    /// lease's blocks at `places`.
+    pub(crate) fn strided(
+        stride: u64,
+        pieces: usize,
+        region_blocks: u64,
+        places: &[u32],
+    ) -> RdmaOffer {
+        let mut o = offer(stride * pieces as u64, &[]);
+        o.regions = (0..pieces)
+            .map(|j| RemoteRegion {
+                addr: 0x1000_0000 * (j as u64 + 1),
+                len: region_blocks * stride,
+                rkey: 200 + j as u32,
+            })
+            .collect();
+        o.checksums = (0..places.len() as u64).map(|i| i * 17 + 3).collect();
+        o.layout = OfferLayout::Strided {
+            stride,
+            blocks: places.to_vec(),
+        };
+        o
     }
 
     #[test]
@@ -315,6 +467,57 @@ pub(crate) mod tests {
         assert!(RdmaOffer::decode(&[]).is_err());
     }
 
+    #[test]
+    fn a_strided_offer_round_trips_as_version_2() {
+        let o = strided(64, 3, 10, &[4, 5, 9, 0]);
+        let b = o.encode();
+        assert_eq!(&b[4..6], &[2, 0]);
+        assert_eq!(
+            b.len(),
+            HEAD_LEN + o.connect_addr.len() + 3 * REGION_LEN + 4 * 8 + 8 + 4 * 4
+        );
+        assert_eq!(RdmaOffer::decode(&b), Ok(o));
+        // Dropping the version-2 tail is a length error, not a packed offer.
+        let mut v1 = b[..b.len() - 8 - 16].to_vec();
+        assert!(RdmaOffer::decode(&v1).is_err());
+        v1[4] = 1;
+        assert!(
+            RdmaOffer::decode(&v1).is_err(),
+            "3 regions of 640 bytes are not 4 blocks"
+        );
+    }
+
+    #[test]
+    fn inconsistent_strided_offers_are_refused() {
+        let refused = |o: RdmaOffer, what: &str| {
+            let e = RdmaOffer::decode(&o.encode()).unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        };
+        // A place past the regions' end.
+        refused(
+            strided(64, 3, 10, &[10]),
+            "block place 10 lies past the 640-byte region",
+        );
+        let mut o = strided(64, 3, 10, &[1]);
+        o.regions[2].len = 64;
+        refused(o, "block place 1 lies past the 64-byte region");
+        // Pieces that do not make the block.
+        let mut o = strided(64, 3, 10, &[1]);
+        o.block_bytes = 200;
+        refused(o, "3 regions of 64-byte pieces do not make 200-byte blocks");
+        let mut o = strided(64, 3, 10, &[1]);
+        o.layout = OfferLayout::Strided {
+            stride: 0,
+            blocks: vec![1],
+        };
+        o.block_bytes = 0;
+        refused(o, "block size of 0 bytes");
+        // A version other than 1 or 2.
+        let mut b = strided(64, 3, 10, &[1]).encode();
+        b[4] = 3;
+        assert_eq!(RdmaOffer::decode(&b), Err(EndpointError::Version(3)));
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
@@ -327,6 +530,16 @@ pub(crate) mod tests {
             regions in proptest::collection::vec(1u64..50, 1..6),
         ) {
             let o = offer(block_bytes, &regions);
+            prop_assert_eq!(RdmaOffer::decode(&o.encode()), Ok(o));
+        }
+
+        #[test]
+        fn any_consistent_strided_offer_round_trips(
+            stride in 1u64..1 << 16,
+            pieces in 1usize..60,
+            places in proptest::collection::vec(0u32..1000, 0..40),
+        ) {
+            let o = strided(stride, pieces, 1000, &places);
             prop_assert_eq!(RdmaOffer::decode(&o.encode()), Ok(o));
         }
     }

@@ -23,16 +23,17 @@
 //! - **Device** ([`RdmaDevice`]): `--rdma-device` (or the first device with an active port),
 //!   `--rdma-port` (or the first active port), `--rdma-gid-index` (or: 0 on InfiniBand, the
 //!   first RoCE v2 IPv4 GID on Ethernet, else the first non-zero GID); one protection domain.
-//! - **Export** ([`RdmaExporter`], prefill node): when a prefill leaves a lease, its blocks
-//!   are copied, packed back to back, into a buffer registered for remote read (one memory
-//!   region per lease, so deregistering it at release or expiry revokes its rkey: a late
-//!   reader gets a remote access error, never another lease's bytes). The `KvHandle` carries
-//!   the [`RdmaOffer`]: the port's fabric, the RdmaConnect address, the region (address,
-//!   length, rkey) and a checksum per block. The CPU backend's KV lives in the engine's
-//!   layer-major host arrays behind the engine thread, so the export is a staging copy;
-//!   for the CUDA backend the same staging goes through pinned host memory (the engine does
-//!   not expose device memory for GPUDirect registration yet; the exporter logs which mode
-//!   it uses).
+//! - **Export** ([`RdmaExporter`], prefill node): where the engine's KV is host memory (the
+//!   CPU backend), the exporter registers that memory once, at start, for remote read, and
+//!   offers each lease **in place**: the [`RdmaOffer`] names the KV memory's regions (one per
+//!   layer's K and V) and where each leased block lies in them (a strided offer); nothing is
+//!   copied, and the exporter holds the lease, so its blocks stay unwritten and allocated,
+//!   until release or expiry. Otherwise (GPU KV: GPUDirect registration is not implemented;
+//!   a failed registration) each lease is **staged**: its blocks copied back to back into a
+//!   buffer registered for that lease alone (a packed offer), deregistered at release or
+//!   expiry. Either way the `KvHandle` carries the offer: the port's fabric, the RdmaConnect
+//!   address, the regions (address, length, rkey), the layout and a checksum per block. The
+//!   exporter logs which mode it uses.
 //! - **Connect**: per pair of nodes, the decode node creates an RC queue pair and calls the
 //!   prefill node's `PrefillService.RdmaConnect` with its [`QpEndpoint`] (LID/GID, QPN, PSN,
 //!   port, MTU); the prefill node creates its queue pair (remote read allowed), moves it to
@@ -40,7 +41,8 @@
 //!   moves its queue pair to RTR/RTS. The connection is kept for later transfers and dropped
 //!   after any error.
 //! - **Read** ([`RdmaReader`], decode node): the blocks it lacks are planned into READs
-//!   ([`plan_reads`]: coalesced, at most 4 MiB each), posted with at most 16 in flight
+//!   ([`plan_reads`]: at most 4 MiB each; a packed offer's bytes coalesced, a strided
+//!   offer's pieces joined where the prefill node keeps blocks side by side), posted with at most 16 in flight
 //!   ([`ReadWindow`]), completions polled on a blocking thread until done or the deadline;
 //!   then every block is checked against the offer's checksum. Where the engine's KV lives
 //!   in host memory (the CPU backend), the reader registers that memory once and the READs
@@ -79,7 +81,7 @@ use verbs as imp;
 use std::future::Future;
 use std::pin::Pin;
 
-pub use descriptor::{BLOCK_SEED, RdmaOffer, RemoteRegion, block_checksum};
+pub use descriptor::{BLOCK_SEED, OfferLayout, RdmaOffer, RemoteRegion, block_checksum};
 pub use endpoint::{EndpointError, Fabric, LinkLayer, PathMtu, QpEndpoint};
 pub use error::{RdmaError, RdmaStartError};
 pub use imp::{RdmaDevice, RdmaExporter, RdmaReader};

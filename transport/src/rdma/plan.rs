@@ -1,13 +1,22 @@
 //! Turning "blocks `first .. first + count` of an offer" into RDMA READ work requests.
 //!
-//! The byte range of the blocks is cut where a region ends and wherever an operation would
-//! pass `max_op_bytes`; pieces of regions that are contiguous in the exporter's address
-//! space under the same rkey are coalesced first, so a lease registered as one region (the
-//! CPU backend) is read in `ceil(bytes / max_op_bytes)` operations, each landing right after
-//! the previous one in the reader's buffer. Per-operation cost dominates below ~256 KiB, so
-//! the default operation is 4 MiB (docs/transport.md, throughput model).
+//! Each [`ReadOp`] is a contiguous remote range and a contiguous range of the transfer's
+//! stream (`count × block_bytes` bytes, block after block in transfer layout).
+//! - **Packed** offers: the byte range of the blocks is cut where a region ends and wherever
+//!   an operation would pass `max_op_bytes`; pieces of regions that are contiguous in the
+//!   exporter's address space under the same rkey are coalesced first, so a lease staged in
+//!   one region is read in `ceil(bytes / max_op_bytes)` operations, each landing right after
+//!   the previous one in the reader's buffer.
+//! - **Strided** offers (the prefill node's KV memory, in place): one operation per block
+//!   piece (cut at `max_op_bytes`), ordered region by region and, within a region, block by
+//!   block. Pieces of blocks the prefill node keeps side by side are then remote-contiguous
+//!   and consecutive, so [`super::scatter_reads`] joins them into one READ with one
+//!   scatter entry per piece.
+//!
+//! Per-operation cost dominates below ~256 KiB, so the default operation is 4 MiB
+//! (docs/transport.md, throughput model).
 
-use super::descriptor::{RdmaOffer, RemoteRegion};
+use super::descriptor::{OfferLayout, RdmaOffer, RemoteRegion};
 
 /// Default largest RDMA READ: well past where per-operation cost stops mattering, well below
 /// the 2 GiB a work request can carry.
@@ -49,7 +58,8 @@ fn coalesce(regions: &[RemoteRegion]) -> Vec<RemoteRegion> {
 }
 
 /// The READs that bring blocks `first .. first + count` of `offer` into a buffer of
-/// `count * block_bytes` bytes, in order, none longer than `max_op_bytes`.
+/// `count * block_bytes` bytes (the stream), none longer than `max_op_bytes`. Packed offers
+/// fill the stream front to back; strided offers piece by piece (see the module docs).
 pub fn plan_reads(
     offer: &RdmaOffer,
     first: u64,
@@ -66,6 +76,15 @@ pub fn plan_reads(
         });
     };
     let max = u64::from(max_op_bytes.max(1));
+    if let OfferLayout::Strided { stride, blocks } = &offer.layout {
+        // Validated offers have a place per block; an unvalidated one is refused, not indexed.
+        let places = blocks.get(first as usize..end as usize).ok_or(PlanError {
+            first,
+            end,
+            held: blocks.len() as u64,
+        })?;
+        return Ok(plan_strided(offer, *stride, places, max));
+    }
     // In bytes of the regions' concatenation (validated: it is num_blocks * block_bytes).
     let (mut want, want_end) = (first * offer.block_bytes, end * offer.block_bytes);
     let mut ops = Vec::new();
@@ -87,9 +106,33 @@ pub fn plan_reads(
     Ok(ops)
 }
 
+/// The READs of the blocks at `places` of a strided offer (validated: every piece lies in
+/// its region), region by region.
+fn plan_strided(offer: &RdmaOffer, stride: u64, places: &[u32], max: u64) -> Vec<ReadOp> {
+    let mut ops = Vec::with_capacity(offer.regions.len() * places.len());
+    for (j, r) in offer.regions.iter().enumerate() {
+        for (i, &place) in places.iter().enumerate() {
+            let remote = r.addr + u64::from(place) * stride;
+            let local = i as u64 * offer.block_bytes + j as u64 * stride;
+            let mut done = 0;
+            while done < stride {
+                let len = (stride - done).min(max);
+                ops.push(ReadOp {
+                    remote_addr: remote + done,
+                    rkey: r.rkey,
+                    local_offset: local + done,
+                    len: len as u32,
+                });
+                done += len;
+            }
+        }
+    }
+    ops
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::descriptor::tests::offer;
+    use super::super::descriptor::tests::{offer, strided};
     use super::*;
     use proptest::prelude::*;
 
@@ -128,7 +171,78 @@ mod tests {
         assert_eq!(plan_reads(&o, 3, 0, 1024), Ok(vec![]));
     }
 
+    #[test]
+    fn a_strided_offer_is_read_piece_by_piece_region_by_region() {
+        // Blocks kept at places 4, 5 and 9 by the exporter; three 64-byte pieces per block.
+        let o = strided(64, 3, 10, &[4, 5, 9]);
+        let ops = plan_reads(&o, 1, 2, 4096).unwrap();
+        let got: Vec<(u64, u32, u64)> = ops
+            .iter()
+            .map(|op| (op.remote_addr, op.rkey, op.local_offset))
+            .collect();
+        let at = |j: u64, place: u64| 0x1000_0000 * (j + 1) + place * 64;
+        assert_eq!(
+            got,
+            [
+                (at(0, 5), 200, 0),
+                (at(0, 9), 200, 192),
+                (at(1, 5), 201, 64),
+                (at(1, 9), 201, 256),
+                (at(2, 5), 202, 128),
+                (at(2, 9), 202, 320),
+            ]
+        );
+        assert!(ops.iter().all(|op| op.len == 64));
+        // A piece longer than an operation is cut.
+        let ops = plan_reads(&o, 0, 1, 40).unwrap();
+        let lens: Vec<u32> = ops.iter().map(|op| op.len).collect();
+        assert_eq!(lens, [40, 24, 40, 24, 40, 24]);
+        assert_eq!(ops[1].remote_addr, at(0, 4) + 40);
+        assert_eq!(ops[1].local_offset, 40);
+        assert!(plan_reads(&o, 2, 2, 40).is_err());
+    }
+
     proptest! {
+        /// A strided plan, executed against the exporter's KV memory, yields exactly the
+        /// requested blocks in transfer layout, each byte once.
+        #[test]
+        fn a_strided_plan_reads_exactly_the_requested_blocks(
+            stride in 1u64..200,
+            pieces in 1usize..6,
+            places in proptest::collection::vec(0u32..12, 1..8),
+            max_op in 1u32..500,
+            first_frac in 0.0f64..1.0,
+        ) {
+            let o = strided(stride, pieces, 12, &places);
+            let n = places.len() as u64;
+            let first = ((n as f64) * first_frac) as u64;
+            let count = n - first;
+            // Byte k of region j's memory.
+            let f = |j: u64, k: u64| ((j * 7919 + k).wrapping_mul(2_654_435_761) >> 7) as u8;
+            let ops = plan_reads(&o, first, count, max_op).unwrap();
+            let bb = o.block_bytes;
+            let mut local = vec![None; (count * bb) as usize];
+            for op in &ops {
+                prop_assert!(op.len >= 1 && op.len <= max_op);
+                let j = (op.rkey - 200) as u64;
+                let base = o.regions[j as usize].addr;
+                for i in 0..u64::from(op.len) {
+                    let slot = &mut local[(op.local_offset + i) as usize];
+                    prop_assert!(slot.is_none(), "a byte written twice");
+                    *slot = Some(f(j, op.remote_addr + i - base));
+                }
+            }
+            let want: Vec<Option<u8>> = (first..first + count)
+                .flat_map(|i| {
+                    let place = u64::from(places[i as usize]);
+                    (0..pieces as u64).flat_map(move |j| {
+                        (0..stride).map(move |b| Some(f(j, place * stride + b)))
+                    })
+                })
+                .collect();
+            prop_assert_eq!(local, want);
+        }
+
         /// Executing the plan against the exporter's memory yields exactly the requested
         /// blocks' bytes, with no operation over the limit.
         #[test]

@@ -109,17 +109,24 @@ pub enum ScatterError {
     OutOfRange { offset: u64, len: u64, total: u64 },
 }
 
-/// The READs of `ops` (offsets into the stream that `spans` make up, in order) as scatter
-/// lists of at most `max_sge` entries each (at least 1). A READ whose range needs more
-/// entries is split into several READs of consecutive remote bytes; pieces that continue
-/// each other in one registered region share an entry. The result keeps `ops`' order, and
-/// each op's pieces in stream order.
+/// The READs of `ops` (offsets into the stream that `spans` make up) as scatter lists of at
+/// most `max_sge` entries each (at least 1).
+/// - Consecutive ops whose remote bytes continue each other (same rkey) are joined into one
+///   READ while it stays within `max_read_bytes`: a strided plan's pieces of blocks that
+///   lie side by side on the exporter become one READ.
+/// - A READ whose range needs more entries is split into several READs of consecutive
+///   remote bytes.
+/// - Pieces that continue each other in one registered local region share an entry.
+///
+/// The result keeps `ops`' order, and each op's pieces in stream order.
 pub fn scatter_reads(
     ops: &[ReadOp],
     spans: &[LocalSpan],
     max_sge: usize,
+    max_read_bytes: u32,
 ) -> Result<Vec<ScatterRead>, ScatterError> {
     let max_sge = max_sge.max(1);
+    let max_read = u64::from(max_read_bytes);
     // Where each (non-empty) span starts in the stream.
     let spans: Vec<&LocalSpan> = spans.iter().filter(|s| s.len > 0).collect();
     let mut starts = Vec::with_capacity(spans.len());
@@ -129,6 +136,8 @@ pub fn scatter_reads(
         total += s.len;
     }
     let mut reads = Vec::with_capacity(ops.len());
+    // The READ being built, and its length so far.
+    let mut read: Option<(ScatterRead, u64)> = None;
     for op in ops {
         let len = u64::from(op.len);
         let out_of_range = ScatterError::OutOfRange {
@@ -146,14 +155,26 @@ pub fn scatter_reads(
         if len == 0 {
             continue;
         }
+        let joins = read.as_ref().is_some_and(|(r, n)| {
+            r.rkey == op.rkey
+                && r.remote_addr.checked_add(*n) == Some(op.remote_addr)
+                && n + len <= max_read
+        });
+        if !joins {
+            reads.extend(read.take().map(|(r, _)| r));
+            read = Some((
+                ScatterRead {
+                    remote_addr: op.remote_addr,
+                    rkey: op.rkey,
+                    sges: Vec::new(),
+                },
+                0,
+            ));
+        }
+        let (current, current_len) = read.as_mut().expect("set above");
         // The span holding the op's first byte: the last one starting at or before it.
         let mut k = starts.partition_point(|&s| s <= op.local_offset) - 1;
         let (mut at, mut done) = (op.local_offset, 0u64);
-        let mut read = ScatterRead {
-            remote_addr: op.remote_addr,
-            rkey: op.rkey,
-            sges: Vec::new(),
-        };
         while done < len {
             let span = spans[k];
             let inner = at - starts[k];
@@ -164,29 +185,32 @@ pub fn scatter_reads(
                 length: n as u32,
                 lkey: span.lkey,
             };
-            let continues = read.sges.last().is_some_and(|last| {
-                last.lkey == piece.lkey && last.addr + u64::from(last.length) == piece.addr
+            let continues = current.sges.last().is_some_and(|last| {
+                last.lkey == piece.lkey
+                    && last.addr + u64::from(last.length) == piece.addr
+                    && u64::from(last.length) + n <= u64::from(u32::MAX)
             });
             if continues {
-                // Within one op, so the sum stays within the op's u32 length.
-                read.sges.last_mut().expect("checked above").length += piece.length;
+                current.sges.last_mut().expect("checked above").length += piece.length;
             } else {
-                if read.sges.len() == max_sge {
+                if current.sges.len() == max_sge {
                     let next = ScatterRead {
                         remote_addr: op.remote_addr + done,
                         rkey: op.rkey,
                         sges: Vec::new(),
                     };
-                    reads.push(std::mem::replace(&mut read, next));
+                    reads.push(std::mem::replace(current, next));
+                    *current_len = 0;
                 }
-                read.sges.push(piece);
+                current.sges.push(piece);
             }
+            *current_len += n;
             done += n;
             at += n;
             k += 1;
         }
-        reads.push(read);
     }
+    reads.extend(read.map(|(r, _)| r));
     Ok(reads)
 }
 
@@ -197,6 +221,8 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    const MAX: u32 = 4 << 20;
 
     fn op(remote_addr: u64, local_offset: u64, len: u32) -> ReadOp {
         ReadOp {
@@ -232,7 +258,7 @@ mod tests {
     fn a_read_crossing_segments_and_blocks_scatters_onto_each_piece_in_order() {
         // Stream bytes 2..15: the end of block 0's first segment, its other two, and block 1's
         // first two segments up to their fifth byte.
-        let reads = scatter_reads(&[op(0x9000, 2, 13)], &two_blocks(), 16).unwrap();
+        let reads = scatter_reads(&[op(0x9000, 2, 13)], &two_blocks(), 16, MAX).unwrap();
         assert_eq!(reads.len(), 1);
         assert_eq!(reads[0].remote_addr, 0x9000);
         assert_eq!(
@@ -250,7 +276,7 @@ mod tests {
 
     #[test]
     fn a_read_needing_more_entries_than_the_device_takes_is_split_at_entry_bounds() {
-        let reads = scatter_reads(&[op(0x9000, 0, 20)], &two_blocks(), 4).unwrap();
+        let reads = scatter_reads(&[op(0x9000, 0, 20)], &two_blocks(), 4, MAX).unwrap();
         let lens: Vec<(u64, usize, u64)> = reads
             .iter()
             .map(|r| (r.remote_addr, r.sges.len(), r.len()))
@@ -258,17 +284,17 @@ mod tests {
         // 6 segments: 4 entries (3+5+2+3 bytes), then 2 (5+2): remote bytes continue.
         assert_eq!(lens, [(0x9000, 4, 13), (0x9000 + 13, 2, 7)]);
         assert!(reads.iter().all(|r| r.rkey == 9));
-        let one = scatter_reads(&[op(0x9000, 0, 20)], &two_blocks(), 0).unwrap();
+        let one = scatter_reads(&[op(0x9000, 0, 20)], &two_blocks(), 0, MAX).unwrap();
         assert_eq!(one.len(), 6, "a cap of 0 is taken as 1");
     }
 
     #[test]
     fn pieces_that_continue_each_other_in_one_region_share_an_entry() {
         let spans = [span(0x100, 4, 1), span(0x104, 4, 1), span(0x108, 4, 2)];
-        let reads = scatter_reads(&[op(0, 0, 12)], &spans, 8).unwrap();
+        let reads = scatter_reads(&[op(0, 0, 12)], &spans, 8, MAX).unwrap();
         assert_eq!(reads[0].sges, vec![sge(0x100, 8, 1), sge(0x108, 4, 2)]);
         // Merging happens before the cap is checked: one entry still fits two spans.
-        let reads = scatter_reads(&[op(0, 0, 8)], &spans, 1).unwrap();
+        let reads = scatter_reads(&[op(0, 0, 8)], &spans, 1, MAX).unwrap();
         assert_eq!(
             reads,
             vec![ScatterRead {
@@ -280,19 +306,58 @@ mod tests {
     }
 
     #[test]
+    fn ops_whose_remote_bytes_continue_each_other_join_one_read_up_to_the_limit() {
+        // Two blocks kept side by side on the exporter: piece 0 of each (3 bytes) is
+        // remote-contiguous, landing at stream offsets 0 and 10 (segments of blocks 4 and 1).
+        let ops = [op(0x9000, 0, 3), op(0x9003, 10, 3), op(0x8000, 3, 5)];
+        let reads = scatter_reads(&ops, &two_blocks(), 16, MAX).unwrap();
+        assert_eq!(
+            reads,
+            vec![
+                ScatterRead {
+                    remote_addr: 0x9000,
+                    rkey: 9,
+                    sges: vec![sge(0x1000 + 32, 3, 100), sge(0x1000 + 8, 3, 100)],
+                },
+                ScatterRead {
+                    remote_addr: 0x8000,
+                    rkey: 9,
+                    sges: vec![sge(0x2000 + 32, 5, 101)],
+                },
+            ]
+        );
+        // Not past the READ limit, nor across rkeys.
+        assert_eq!(scatter_reads(&ops, &two_blocks(), 16, 5).unwrap().len(), 3);
+        let mut other_key = ops;
+        other_key[1].rkey = 10;
+        assert_eq!(
+            scatter_reads(&other_key, &two_blocks(), 16, MAX)
+                .unwrap()
+                .len(),
+            3
+        );
+        // The entry cap still splits a joined READ.
+        let reads = scatter_reads(&ops[..2], &two_blocks(), 1, MAX).unwrap();
+        assert_eq!(
+            reads.iter().map(|r| r.remote_addr).collect::<Vec<_>>(),
+            [0x9000, 0x9003]
+        );
+    }
+
+    #[test]
     fn a_read_past_the_reservation_is_refused_and_an_empty_one_skipped() {
         let spans = two_blocks();
         assert_eq!(
-            scatter_reads(&[op(0, 15, 6)], &spans, 4),
+            scatter_reads(&[op(0, 15, 6)], &spans, 4, MAX),
             Err(ScatterError::OutOfRange {
                 offset: 15,
                 len: 6,
                 total: 20
             })
         );
-        assert!(scatter_reads(&[op(0, u64::MAX, 1)], &spans, 4).is_err());
-        assert_eq!(scatter_reads(&[op(0, 20, 0)], &spans, 4), Ok(vec![]));
-        assert!(scatter_reads(&[op(0, 0, 1)], &[], 4).is_err());
+        assert!(scatter_reads(&[op(0, u64::MAX, 1)], &spans, 4, MAX).is_err());
+        assert_eq!(scatter_reads(&[op(0, 20, 0)], &spans, 4, MAX), Ok(vec![]));
+        assert!(scatter_reads(&[op(0, 0, 1)], &[], 4, MAX).is_err());
     }
 
     #[test]
@@ -331,6 +396,8 @@ mod tests {
             op_lens in proptest::collection::vec(1u32..90, 1..12),
             max_sge in 1usize..6,
             gaps in proptest::collection::vec(0u64..3, 30),
+            remote_next in proptest::collection::vec(any::<bool>(), 12),
+            max_read in 90u32..300,
         ) {
             // Spans scattered over two regions, some adjacent (gap 0: they may merge).
             let mut spans = Vec::new();
@@ -342,18 +409,23 @@ mod tests {
                 next[r] += len;
             }
             let total: u64 = span_lens.iter().sum();
-            // Consecutive ops covering a prefix of the stream, at scattered remote addresses.
-            let mut ops = Vec::new();
+            // Consecutive ops covering a prefix of the stream, at scattered remote addresses
+            // or continuing the previous op's (those may join one READ).
+            let mut ops: Vec<ReadOp> = Vec::new();
             let mut offset = 0u64;
             for (i, &len) in op_lens.iter().enumerate() {
                 let len = u64::from(len).min(total - offset);
                 if len == 0 {
                     break;
                 }
-                ops.push(op(0x7_000_000 * (i as u64 + 1), offset, len as u32));
+                let remote = match ops.last() {
+                    Some(last) if remote_next[i] => last.remote_addr + u64::from(last.len),
+                    _ => 0x7_000_000 * (i as u64 + 1),
+                };
+                ops.push(op(remote, offset, len as u32));
                 offset += len;
             }
-            let reads = scatter_reads(&ops, &spans, max_sge).unwrap();
+            let reads = scatter_reads(&ops, &spans, max_sge, max_read).unwrap();
             // Local address -> stream offset, to check each landing place.
             let mut stream_of = HashMap::new();
             let mut k = 0u64;
@@ -374,6 +446,7 @@ mod tests {
             let mut last_remote = 0u64;
             for r in &reads {
                 prop_assert!(!r.sges.is_empty() && r.sges.len() <= max_sge);
+                prop_assert!(r.len() <= u64::from(max_read));
                 prop_assert!(r.remote_addr >= last_remote, "order kept");
                 last_remote = r.remote_addr;
                 let mut remote = r.remote_addr;

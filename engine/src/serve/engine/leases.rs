@@ -110,7 +110,9 @@ impl<B: Backend> Engine<B> {
         self.free_blocks(rest);
         let kv = match self.host_kv.clone() {
             // Host memory: the lease pins the blocks where they lie, nothing is copied.
-            Some(memory) => LeasedKv::pinned(memory, keep.to_vec()),
+            // SAFETY: the engine writes no block a lease holds, and frees them only once the
+            // lease is released and no reader shares it (`reap_released_leases`).
+            Some(memory) => unsafe { LeasedKv::pinned(memory, keep.to_vec()) },
             None => LeasedKv::new(
                 keep.iter()
                     .map(|&b| {

@@ -1,28 +1,51 @@
 //! The prefill node's side: lease blocks in registered memory, and queue pairs that let
 //! decode nodes READ them.
+//!
+//! - **In place** where the engine's KV is host memory (the CPU backend) and its
+//!   registration succeeded: the KV memory is registered once, at start, and a lease pinned
+//!   in it is offered where it lies (a strided offer); publishing copies nothing and the
+//!   exporter keeps the lease (so its blocks) until release or expiry. The rkeys then cover
+//!   all of the node's KV memory, not one lease: a late reader that reads a block after its
+//!   release may see another request's KV, which the per-block checksums catch.
+//! - **Staged** otherwise (GPU KV, a failed registration): the lease's blocks are copied
+//!   back to back into a buffer registered for that lease alone (a packed offer);
+//!   deregistering it at release or expiry revokes its rkey.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use pd_engine::kv::placement::HostKvMemory;
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::device::RdmaDevice;
+use super::host_kv::{HostKvRegistration, KvAccess};
 use super::qp::Connection;
 use pd_engine::serve::LeasedKv;
 
-use crate::rdma::{QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
+use crate::rdma::{OfferLayout, QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
 
 /// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
 /// restarted connects again and its old queue pair is useless).
 const MAX_PEERS: usize = 256;
 
-/// One lease's blocks, packed, registered for remote read.
+/// What keeps a published lease's bytes readable.
+enum Held {
+    /// A staged copy, registered for this lease alone.
+    Staged {
+        /// Dropped (deregistered: the rkey is revoked) before the buffer is freed.
+        _mr: Arc<MemoryRegion>,
+        _buf: Box<[f32]>,
+    },
+    /// The lease itself: its blocks stay where they are, unwritten and not freed, while held
+    /// here (in the KV memory registered once).
+    InPlace { _lease: Arc<LeasedKv> },
+}
+
+/// One published lease.
 struct Published {
-    /// Dropped (deregistered: the rkey is revoked) before the buffer is freed.
-    _mr: Arc<MemoryRegion>,
-    _buf: Box<[f32]>,
+    _held: Held,
     deadline: Instant,
 }
 
@@ -30,6 +53,9 @@ struct Published {
 pub struct RdmaExporter {
     device: RdmaDevice,
     connect_addr: String,
+    /// The engine's KV memory, registered for remote read: leases pinned in it are offered
+    /// in place.
+    host_kv: Option<HostKvRegistration>,
     leases: Mutex<HashMap<u64, Published>>,
     /// Dropped before the device (field order is irrelevant: each holds the device's Arcs).
     peers: Mutex<VecDeque<Connection>>,
@@ -40,6 +66,7 @@ impl std::fmt::Debug for RdmaExporter {
         f.debug_struct("RdmaExporter")
             .field("device", &self.device)
             .field("connect_addr", &self.connect_addr)
+            .field("in_place", &self.in_place())
             .field("published", &self.published())
             .finish_non_exhaustive()
     }
@@ -52,30 +79,102 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl RdmaExporter {
     /// An exporter on `device` whose offers name `connect_addr` (this node's gRPC
     /// `host:port`) for `RdmaConnect`.
+    /// An exporter that stages every lease (see [`RdmaExporter::with_host_kv`] for in
+    /// place).
     pub fn new(device: &RdmaDevice, connect_addr: String) -> Result<Self, RdmaError> {
-        tracing::info!(
-            device = %device.describe(),
-            %connect_addr,
-            "RDMA export: lease blocks are staged in registered host memory (GPUDirect RDMA \
-             is not used: the engine does not expose its KV storage for registration)"
-        );
         Ok(Self {
             device: device.clone(),
             connect_addr,
+            host_kv: None,
             leases: Mutex::default(),
             peers: Mutex::default(),
         })
     }
 
-    /// Register lease `lease_id`'s blocks until `deadline` or [`RdmaExporter::retire`]; the
-    /// encoded [`RdmaOffer`] for the `KvHandle`, with the checksums the lease store computed.
+    /// Register the node's host KV memory (the engine's; `None` where KV lives on a GPU) for
+    /// remote read, so that leases pinned in it are offered in place, and log once which way
+    /// leases are exported. A registration that fails is logged and leaves staging. Blocking:
+    /// the registration pins every page of the KV memory.
+    pub fn with_host_kv(mut self, memory: Option<HostKvMemory>) -> Self {
+        let device = self.device.describe();
+        let Some(memory) = memory else {
+            tracing::info!(
+                %device,
+                "RDMA export: lease blocks are staged in registered host memory (KV memory is \
+                 not host memory; GPUDirect RDMA registration is not implemented)"
+            );
+            return self;
+        };
+        match HostKvRegistration::register(&self.device, memory, KvAccess::RemoteRead) {
+            Ok(registration) => {
+                tracing::info!(
+                    %device,
+                    "RDMA export in place: decode nodes READ leased blocks where the engine \
+                     keeps them ({} regions, {} MiB registered for remote read)",
+                    registration.regions(),
+                    registration.bytes() >> 20
+                );
+                self.host_kv = Some(registration);
+            }
+            Err(e) => tracing::warn!(
+                %device,
+                error = %e,
+                "cannot register KV memory for RDMA; lease blocks are staged in registered \
+                 host memory"
+            ),
+        }
+        self
+    }
+
+    /// Whether leases pinned in the node's KV memory are offered in place.
+    pub fn in_place(&self) -> bool {
+        self.host_kv.is_some()
+    }
+
+    /// Register lease `lease_id`'s blocks until `deadline` or [`RdmaExporter::retire`] (in
+    /// place, or a staged copy); the encoded [`RdmaOffer`] for the `KvHandle`, with the
+    /// checksums the lease store computed.
     pub fn publish(
+        &self,
+        lease_id: u64,
+        kv: &Arc<LeasedKv>,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, RdmaError> {
+        self.retire_expired(Instant::now());
+        if let Some(offer) = self.offer_in_place(kv) {
+            lock(&self.leases).insert(
+                lease_id,
+                Published {
+                    _held: Held::InPlace {
+                        _lease: Arc::clone(kv),
+                    },
+                    deadline,
+                },
+            );
+            return Ok(offer.encode());
+        }
+        self.publish_staged(lease_id, kv, deadline)
+    }
+
+    /// A strided offer of `kv`'s blocks where they lie, if they lie in the registered KV
+    /// memory.
+    fn offer_in_place(&self, kv: &LeasedKv) -> Option<RdmaOffer> {
+        let registration = self.host_kv.as_ref()?;
+        RdmaOffer::in_place(
+            self.device.fabric(),
+            self.connect_addr.clone(),
+            registration.remote_regions(),
+            kv,
+        )
+    }
+
+    /// Copy `kv`'s blocks back to back into a buffer registered for this lease.
+    fn publish_staged(
         &self,
         lease_id: u64,
         kv: &LeasedKv,
         deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
-        self.retire_expired(Instant::now());
         let block_bytes = kv.block_bytes();
         if block_bytes == 0 || !block_bytes.is_multiple_of(4) {
             return Err(RdmaError::BlockSize {
@@ -95,7 +194,7 @@ impl RdmaExporter {
         let checksums = kv.checksums.clone();
         let len = bytes.len();
         // SAFETY: the boxed slice's heap memory does not move and is freed only after the
-        // region (field order of `Published`).
+        // region (field order of `Held::Staged`).
         let mr = unsafe {
             self.device.register(
                 buf.as_mut_ptr().cast::<u8>(),
@@ -112,25 +211,27 @@ impl RdmaExporter {
                 len: len as u64,
                 rkey: mr.rkey(),
             }],
+            layout: OfferLayout::Packed,
             checksums,
         };
         lock(&self.leases).insert(
             lease_id,
             Published {
-                _mr: mr,
-                _buf: buf,
+                _held: Held::Staged { _mr: mr, _buf: buf },
                 deadline,
             },
         );
         Ok(offer.encode())
     }
 
-    /// Deregister a lease's blocks (released). Whether it was registered.
+    /// Stop offering a lease's blocks (released): a staged copy is deregistered, a lease
+    /// offered in place is let go (its blocks return to the engine once no other reader
+    /// holds it). Whether it was published.
     pub fn retire(&self, lease_id: u64) -> bool {
         lock(&self.leases).remove(&lease_id).is_some()
     }
 
-    /// Deregister every lease past its deadline; how many.
+    /// [`RdmaExporter::retire`] every lease past its deadline; how many.
     pub fn retire_expired(&self, now: Instant) -> usize {
         let mut leases = lock(&self.leases);
         let before = leases.len();

@@ -15,12 +15,12 @@ use std::time::Instant;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation};
 
 use super::device::RdmaDevice;
-use super::host_kv::HostKvRegistration;
+use super::host_kv::{HostKvRegistration, KvAccess};
 use super::landing::{Landing, LandingPool};
 use super::qp::Connection;
 use super::transfer::{StopSignal, stop_pair, transfer};
 use crate::importer::OneSidedReader;
-use crate::rdma::scatter::{ScatterRead, Sge, scatter_reads};
+use crate::rdma::scatter::{LocalSpan, ScatterError, ScatterRead, scatter_reads};
 use crate::rdma::{
     BoxFuture, Fabric, QpEndpoint, RdmaConfig, RdmaConnector, RdmaError, RdmaOffer, ReadOp,
     block_checksum, plan_reads,
@@ -94,7 +94,7 @@ impl RdmaReader {
             );
             return self;
         };
-        match HostKvRegistration::register(&self.device, memory) {
+        match HostKvRegistration::register(&self.device, memory, KvAccess::LandReads) {
             Ok(registration) => {
                 tracing::info!(
                     "RDMA reads land in place in KV memory: {} regions, {} MiB registered",
@@ -177,14 +177,24 @@ impl RdmaReader {
         };
         let landings = Arc::clone(&self.landings);
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        let max_in_flight = self.max_in_flight;
+        let (max_in_flight, max_sge, max_op) = (
+            self.max_in_flight,
+            self.device.read_sge() as usize,
+            self.max_op_bytes,
+        );
         let len = req.count * req.block_len;
         let (conn, landed) = tokio::task::spawn_blocking(move || {
             let landing = match landings.take(len) {
                 Ok(l) => l,
                 Err(e) => return (Some(conn), Err(e)),
             };
-            let reads = into_landing(&ops, &landing);
+            let reads = match into_landing(&ops, &landing, len, max_sge, max_op) {
+                Ok(r) => r,
+                Err(e) => {
+                    landings.give(landing);
+                    return (Some(conn), Err(e.into()));
+                }
+            };
             // The closure owns the landing buffer: nobody else can be written into, so the
             // transfer is never asked to stop early.
             let (conn, result) = transfer(
@@ -233,7 +243,12 @@ impl RdmaReader {
     ) -> Result<(), RdmaError> {
         let ops = self.plan(offer, &req)?;
         let spans = registration.spans(into)?;
-        let reads = scatter_reads(&ops, &spans, self.device.read_sge() as usize)?;
+        let reads = scatter_reads(
+            &ops,
+            &spans,
+            self.device.read_sge() as usize,
+            self.max_op_bytes,
+        )?;
         let slot = self.slot(&offer.connect_addr);
         // One transfer at a time per queue pair: its window bounds the READs in flight.
         let mut guard = slot.lock().await;
@@ -276,20 +291,22 @@ fn completion_thread(e: tokio::task::JoinError) -> RdmaError {
     }
 }
 
-/// `ops` landing at their offsets of `landing` (registered, large enough for every op): one
-/// entry each.
-fn into_landing(ops: &[ReadOp], landing: &Landing) -> Vec<ScatterRead> {
-    ops.iter()
-        .map(|op| ScatterRead {
-            remote_addr: op.remote_addr,
-            rkey: op.rkey,
-            sges: vec![Sge {
-                addr: landing.base() + op.local_offset,
-                length: op.len,
-                lkey: landing.lkey(),
-            }],
-        })
-        .collect()
+/// `ops` landing at their offsets of the first `values` values of `landing` (registered):
+/// a packed plan's ops one entry each, a strided plan's pieces joined where they continue
+/// each other on the exporter.
+fn into_landing(
+    ops: &[ReadOp],
+    landing: &Landing,
+    values: usize,
+    max_sge: usize,
+    max_op: u32,
+) -> Result<Vec<ScatterRead>, ScatterError> {
+    let span = LocalSpan {
+        addr: landing.base(),
+        len: (values.min(landing.capacity()) * 4) as u64,
+        lkey: landing.lkey(),
+    };
+    scatter_reads(ops, &[span], max_sge, max_op)
 }
 
 /// The landed values as blocks of `block_len`.
