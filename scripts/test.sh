@@ -19,8 +19,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport)"
-if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs)( |$)'; then
-    echo "pd-engine must not depend on tonic, cudarc or ibverbs" >&2
+if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs|sideway|rdma-mummy-sys)( |$)'; then
+    echo "pd-engine must not depend on tonic, cudarc or an RDMA crate (ibverbs, sideway)" >&2
     exit 1
 fi
 if cargo tree -p pd-router -e normal --prefix none | grep -E '^(pd-kernels|pd-transport)( |$)'; then
