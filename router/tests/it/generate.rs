@@ -344,6 +344,38 @@ async fn abort_while_prefilling_aborts_the_prefill_node() {
 }
 
 #[tokio::test]
+async fn a_client_that_goes_away_while_prefilling_aborts_the_prefill_node() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    *p.state.prefill_delay.lock().unwrap() = Duration::from_secs(30);
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let mut req = text_request("slow");
+    req.request_id = Some("impatient".into());
+    let mut c = client.clone();
+    // The response comes with the first message, so the call is still waiting for it.
+    let call = tokio::spawn(async move { c.generate(req).await.map(|_| ()) });
+    eventually("the prefill started", || p.state.prefill_count() == 1).await;
+    call.abort();
+    let prefill_id = p.state.prefills.lock().unwrap()[0].request_id.clone();
+    eventually("the prefill node is aborted", || {
+        p.state.aborted() == [prefill_id.clone()]
+    })
+    .await;
+    assert_eq!(d.state.decode_count(), 0);
+    let mut gone = false;
+    for _ in 0..100 {
+        let r = client.abort(abort_request("impatient")).await.unwrap();
+        if !r.into_inner().aborted {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "the request is no longer in flight");
+}
+
+#[tokio::test]
 async fn deadlines_end_requests_and_abort_the_nodes() {
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
