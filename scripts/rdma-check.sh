@@ -9,6 +9,11 @@
 #                                           the project's RDMA transfer benchmark with the same
 #                                           operation sizes; prints our share of ib_read_bw
 #
+# On a host with an RDMA device (real, or Soft-RoCE: `rdma link add rxe0 type rxe netdev
+# eth0`), PD_TEST_RDMA_DEVICE=rxe0 makes the first form also run the tests over RDMA: a
+# prefill/decode pair (decode-node/tests/rdma.rs) and the keystone through `pdctl up
+# --kv-transport rdma` (tests/tests/rdma.rs).
+#
 # Environment: RDMA_DEVICE (e.g. mlx5_0), RDMA_GID_INDEX (RoCE), SIZES (operation sizes in
 # bytes, default "65536 1048576 4194304"), ITERS (default 20 benchmark reads of the lease),
 # BENCH_PORT (default 18600). The builds use their own target directory (target/rdma-check)
@@ -38,6 +43,19 @@ install_deps() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
 }
 
+# The tests gated on PD_TEST_RDMA_DEVICE: a prefill/decode pair, then the keystone through
+# `pdctl up --kv-transport rdma` with 1 + 1 and 2 + 2 nodes.
+device_tests() {
+    echo "== over RDMA on $PD_TEST_RDMA_DEVICE: a prefill/decode pair"
+    cargo test --locked --target-dir "$TARGET" -p decode-node --features rdma --test rdma
+    echo "== over RDMA on $PD_TEST_RDMA_DEVICE: the keystone through pdctl up"
+    # The keystone starts the binaries next to its own test executable: all of them, the
+    # node binaries built with the feature (last, so that they are the ones left there).
+    cargo build --locked --target-dir "$TARGET" --workspace --bins
+    cargo build --locked --target-dir "$TARGET" -p prefill-node -p decode-node --features rdma
+    cargo test --locked --target-dir "$TARGET" -p pd-tests --test rdma
+}
+
 build_check() {
     install_deps
     echo "== unit tests and proptests with the rdma feature"
@@ -55,6 +73,11 @@ build_check() {
     echo "ok: the rdma binaries do not link libibverbs"
     if compgen -G "/sys/class/infiniband/*" >/dev/null; then
         echo "== this host has an RDMA device: the no-device checks do not apply"
+        if [ -n "${PD_TEST_RDMA_DEVICE:-}" ]; then
+            device_tests
+        else
+            echo "   (set PD_TEST_RDMA_DEVICE to one of: $(ls /sys/class/infiniband | tr '\n' ' ')to run the tests over RDMA)"
+        fi
         return
     fi
     echo "== --kv-transport rdma on a host without a device: one line, non-zero exit"
