@@ -1,5 +1,5 @@
 //! Every client-controlled value of a request is checked here, once, at the edge: a
-//! [`GenerateRequest`] becomes a [`ValidRequest`] (token ids, resolved sampling parameters,
+//! [`pd_proto::pb::GenerateRequest`] becomes a [`ValidRequest`] (token ids, resolved sampling parameters,
 //! a request id) or a [`ValidationError`] that the client gets as INVALID_ARGUMENT with a
 //! message a person can act on. Nothing downstream re-checks or re-derives these values.
 //!

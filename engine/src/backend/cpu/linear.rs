@@ -37,7 +37,7 @@ const TASKS_PER_THREAD: usize = 4;
 /// Bytes of converted f32 weight per GEMM tile (kept well inside a 2 MiB L2).
 const TILE_BYTES: usize = 1024 * 1024;
 
-/// out[r][o] = sum_i x[r][i] * w[o][i]  — x is [rows, w.cols] row-major f32, out is [rows, w.rows].
+/// `out[r][o] = sum_i x[r][i] * w[o][i]`: x is `[rows, w.cols]` row-major f32, out is `[rows, w.rows]`.
 pub fn linear(x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
     linear_with(Isa::detect(), x, rows, w, out);
 }
