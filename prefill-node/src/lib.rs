@@ -215,7 +215,10 @@ impl PrefillNodeService {
         })
         .await;
         match published {
-            Ok(Ok(offer)) => offer,
+            Ok(Ok((offer, mode))) => {
+                self.metrics.transfers().record_rdma_offer(mode);
+                offer
+            }
             Ok(Err(e)) => {
                 tracing::warn!(lease_id, error = %e, "RDMA registration failed; this lease moves over TCP");
                 Vec::new()

@@ -246,6 +246,19 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     assert_eq!(landed("buffers"), 0.0);
     let in_place = landed("in_place");
     assert!(in_place == 11.0 || in_place == 12.0, "{in_place}");
+    // No RDMA device here: the prefill node offered no lease for RDMA reads, and says so
+    // under both layouts (the series exist before any offer, for dashboards and alerts).
+    let prefill = exposition(&cluster.node_metrics("prefill")[0])
+        .await
+        .unwrap();
+    assert_eq!(
+        prefill.label_values("pd_node_kv_rdma_offers_total", "layout"),
+        ["in_place", "staged"]
+    );
+    for layout in ["in_place", "staged"] {
+        let offers = prefill.sum("pd_node_kv_rdma_offers_total", &[("layout", layout)]);
+        assert_eq!(offers, 0.0, "{layout}");
+    }
     // Hit rates of every node and pair lie in [0, 1].
     for cache in ["local", "external"] {
         for role in ["prefill", "decode"] {

@@ -9,7 +9,8 @@
 //! greedy output through router → prefill → decode equals `pdctl run` token for token; every
 //! block moved over RDMA (the decode nodes received KV, no read failed over to TCP, and the
 //! prefill nodes' TCP export servers served nothing: RDMA reads are one-sided and invisible
-//! to them); afterwards every block on every node is free.
+//! to them); the prefill nodes offered every lease in place (registered KV memory, no
+//! staging copy); afterwards every block on every node is free.
 
 use std::time::Duration;
 
@@ -58,14 +59,14 @@ fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> Vec<u32> 
         .collect()
 }
 
-/// Sum of `name` over the `/metrics` of every node of `role`.
-async fn nodes_sum(cluster: &Cluster, role: &str, name: &str) -> f64 {
+/// Sum of `name` (with `labels`) over the `/metrics` of every node of `role`.
+async fn nodes_sum(cluster: &Cluster, role: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     let mut total = 0.0;
     for addr in cluster.node_metrics(role) {
         total += exposition(&addr)
             .await
             .expect("node /metrics")
-            .sum(name, &[]);
+            .sum(name, labels);
     }
     total
 }
@@ -133,9 +134,25 @@ async fn keystone_over_rdma_equals_one_mixed_engine() {
             );
             assert_eq!(last.finish_reason(), pb::FinishReason::Length);
         }
-        let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total").await;
-        let failovers = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_failovers_total").await;
-        let over_tcp = nodes_sum(&cluster, "prefill", "pd_node_kv_transfer_bytes_total").await;
+        let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total", &[]).await;
+        let failovers = nodes_sum(
+            &cluster,
+            "decode",
+            "pd_node_kv_transfer_failovers_total",
+            &[],
+        )
+        .await;
+        let over_tcp = nodes_sum(&cluster, "prefill", "pd_node_kv_transfer_bytes_total", &[]).await;
+        // CPU nodes register their KV memory and offer leases where they lie (that needs
+        // memlock room for all of it: raise `ulimit -l` if they staged).
+        let offers = "pd_node_kv_rdma_offers_total";
+        let in_place = nodes_sum(&cluster, "prefill", offers, &[("layout", "in_place")]).await;
+        let staged = nodes_sum(&cluster, "prefill", offers, &[("layout", "staged")]).await;
+        assert!(
+            in_place > 0.0,
+            "{prefill}+{decode}: leases offered in place"
+        );
+        assert_eq!(staged, 0.0, "{prefill}+{decode}: nothing staged");
         assert!(
             received > 0.0,
             "{prefill}+{decode}: the decode nodes received KV"

@@ -123,7 +123,9 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
     };
     let exporter = Arc::new(exporter);
     let kv = Arc::new(kv);
-    let offer = exporter.publish(LEASE, &kv, Instant::now() + Duration::from_secs(86_400))?;
+    let (offer, mode) =
+        exporter.publish(LEASE, &kv, Instant::now() + Duration::from_secs(86_400))?;
+    eprintln!("lease exported {}", mode.as_str());
     drop(kv);
     let listener = TcpListener::bind(&listen).await?;
     eprintln!(

@@ -8,6 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::rdma::ExportMode;
 use crate::wire::Status;
 
 /// Why a transfer failed: the `reason` label of the failure counters. Low cardinality and
@@ -93,6 +94,8 @@ pub struct TransferStats {
     buckets: [AtomicU64; TRANSFER_SECONDS_BUCKETS.len() + 1],
     failures: [AtomicU64; FailureReason::ALL.len()],
     failovers: AtomicU64,
+    /// Leases offered for RDMA reads, in [`ExportMode::ALL`] order.
+    rdma_offers: [AtomicU64; ExportMode::ALL.len()],
 }
 
 /// A snapshot of [`TransferStats`].
@@ -112,6 +115,8 @@ pub struct TransferCounts {
     /// Transfers whose RDMA read failed and that were retried over TCP (the retry's outcome
     /// is counted as any transfer's).
     pub failovers: u64,
+    /// Prefill nodes: leases offered for RDMA reads, per [`ExportMode`].
+    pub rdma_offers: Vec<(ExportMode, u64)>,
 }
 
 impl TransferStats {
@@ -145,6 +150,15 @@ impl TransferStats {
         self.failovers.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A lease was offered for RDMA reads, exported `mode`.
+    pub fn record_rdma_offer(&self, mode: ExportMode) {
+        let i = ExportMode::ALL
+            .iter()
+            .position(|&m| m == mode)
+            .expect("ALL lists every mode");
+        self.rdma_offers[i].fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> TransferCounts {
         let transfers = self.transfers.load(Ordering::Acquire);
         TransferCounts {
@@ -162,6 +176,11 @@ impl TransferStats {
                 .map(|(&r, c)| (r, c.load(Ordering::Relaxed)))
                 .collect(),
             failovers: self.failovers.load(Ordering::Relaxed),
+            rdma_offers: ExportMode::ALL
+                .iter()
+                .zip(&self.rdma_offers)
+                .map(|(&m, c)| (m, c.load(Ordering::Relaxed)))
+                .collect(),
         }
     }
 }

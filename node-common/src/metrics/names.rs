@@ -37,6 +37,7 @@ pub mod label {
     pub const SOURCE: &str = "source";
     pub const REASON: &str = "reason";
     pub const LANDING: &str = "landing";
+    pub const LAYOUT: &str = "layout";
     /// The histogram bucket bound.
     pub const LE: &str = "le";
 }
@@ -88,13 +89,14 @@ pub enum Family {
     KvTransferSeconds,
     KvTransferFailures,
     KvTransferFailovers,
+    KvRdmaOffers,
     KvImports,
     KvLeasesExpired,
     Epoch,
 }
 
 impl Family {
-    pub const ALL: [Family; 25] = [
+    pub const ALL: [Family; 26] = [
         Self::NumRequestsRunning,
         Self::NumRequestsWaiting,
         Self::KvCacheUsagePerc,
@@ -117,6 +119,7 @@ impl Family {
         Self::KvTransferSeconds,
         Self::KvTransferFailures,
         Self::KvTransferFailovers,
+        Self::KvRdmaOffers,
         Self::KvImports,
         Self::KvLeasesExpired,
         Self::Epoch,
@@ -148,6 +151,7 @@ impl Family {
             Self::KvTransferSeconds => "pd_node_kv_transfer_seconds",
             Self::KvTransferFailures => "pd_node_kv_transfer_failures_total",
             Self::KvTransferFailovers => "pd_node_kv_transfer_failovers_total",
+            Self::KvRdmaOffers => "pd_node_kv_rdma_offers_total",
             Self::KvImports => "pd_node_kv_imports_total",
             Self::KvLeasesExpired => "pd_node_kv_leases_expired_total",
             Self::Epoch => "pd_node_epoch",
@@ -189,6 +193,10 @@ impl Family {
             Self::KvTransferFailures => "Failed KV transfers by reason.",
             Self::KvTransferFailovers => {
                 "KV transfers whose RDMA read failed and that were retried over TCP."
+            }
+            Self::KvRdmaOffers => {
+                "Leases offered for RDMA reads, by layout: in place in registered KV memory, or \
+                 staged in a registered copy."
             }
             Self::KvImports => {
                 "Requests admitted with imported KV, by where it landed: in place in reserved \

@@ -53,6 +53,11 @@ impl NodeMetrics {
         }
     }
 
+    /// The transfer counters this node exposes (the RDMA exporter counts its offers there).
+    pub fn transfers(&self) -> &Arc<TransferStats> {
+        &self.transfers
+    }
+
     pub fn epoch(&self) -> Epoch {
         self.epoch
     }
@@ -161,6 +166,12 @@ fn values(
             .map(|(reason, n)| (vec![(label::REASON, reason.as_str())], *n as f64))
             .collect(),
         Family::KvTransferFailovers => one(snap.transfers.failovers),
+        Family::KvRdmaOffers => snap
+            .transfers
+            .rdma_offers
+            .iter()
+            .map(|(mode, n)| (vec![(label::LAYOUT, mode.as_str())], *n as f64))
+            .collect(),
         Family::KvImports => vec![
             (
                 vec![(label::LANDING, "in_place")],

@@ -49,7 +49,7 @@ impl RdmaExporter {
         _lease_id: u64,
         _kv: &Arc<pd_engine::serve::LeasedKv>,
         _deadline: Instant,
-    ) -> Result<Vec<u8>, RdmaError> {
+    ) -> Result<(Vec<u8>, super::ExportMode), RdmaError> {
         match self.0 {}
     }
 

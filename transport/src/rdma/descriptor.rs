@@ -71,6 +71,37 @@ pub enum OfferLayout {
     Strided { stride: u64, blocks: Vec<u32> },
 }
 
+impl OfferLayout {
+    /// How the prefill node exported the lease this layout describes.
+    pub fn export_mode(&self) -> ExportMode {
+        match self {
+            Self::Packed => ExportMode::Staged,
+            Self::Strided { .. } => ExportMode::InPlace,
+        }
+    }
+}
+
+/// How a prefill node exports a lease for RDMA reads (`pd_node_kv_rdma_offers_total`'s
+/// `layout` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExportMode {
+    /// Where the engine keeps the blocks, in KV memory registered once (a strided offer).
+    InPlace,
+    /// A copy registered for the lease alone (a packed offer).
+    Staged,
+}
+
+impl ExportMode {
+    pub const ALL: [Self; 2] = [Self::InPlace, Self::Staged];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InPlace => "in_place",
+            Self::Staged => "staged",
+        }
+    }
+}
+
 /// A lease's blocks as registered RDMA memory on the prefill node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaOffer {

@@ -81,7 +81,9 @@ use verbs as imp;
 use std::future::Future;
 use std::pin::Pin;
 
-pub use descriptor::{BLOCK_SEED, OfferLayout, RdmaOffer, RemoteRegion, block_checksum};
+pub use descriptor::{
+    BLOCK_SEED, ExportMode, OfferLayout, RdmaOffer, RemoteRegion, block_checksum,
+};
 pub use endpoint::{EndpointError, Fabric, LinkLayer, PathMtu, QpEndpoint};
 pub use error::{RdmaError, RdmaStartError};
 pub use imp::{RdmaDevice, RdmaExporter, RdmaReader};

@@ -24,7 +24,7 @@ use super::host_kv::{HostKvRegistration, KvAccess};
 use super::qp::Connection;
 use pd_engine::serve::LeasedKv;
 
-use crate::rdma::{OfferLayout, QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
+use crate::rdma::{ExportMode, OfferLayout, QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
 
 /// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
 /// restarted connects again and its old queue pair is useless).
@@ -133,13 +133,13 @@ impl RdmaExporter {
 
     /// Register lease `lease_id`'s blocks until `deadline` or [`RdmaExporter::retire`] (in
     /// place, or a staged copy); the encoded [`RdmaOffer`] for the `KvHandle`, with the
-    /// checksums the lease store computed.
+    /// checksums the lease store computed, and which way it was exported.
     pub fn publish(
         &self,
         lease_id: u64,
         kv: &Arc<LeasedKv>,
         deadline: Instant,
-    ) -> Result<Vec<u8>, RdmaError> {
+    ) -> Result<(Vec<u8>, ExportMode), RdmaError> {
         self.retire_expired(Instant::now());
         if let Some(offer) = self.offer_in_place(kv) {
             lock(&self.leases).insert(
@@ -151,9 +151,10 @@ impl RdmaExporter {
                     deadline,
                 },
             );
-            return Ok(offer.encode());
+            return Ok((offer.encode(), ExportMode::InPlace));
         }
-        self.publish_staged(lease_id, kv, deadline)
+        let offer = self.publish_staged(lease_id, kv, deadline)?;
+        Ok((offer, ExportMode::Staged))
     }
 
     /// A strided offer of `kv`'s blocks where they lie, if they lie in the registered KV
