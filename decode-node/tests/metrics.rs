@@ -304,9 +304,15 @@ fn assert_labels(m: &Exposition, role: &str) {
         let extra = &names[if s.name.starts_with("vllm:") { 3 } else { 2 }..];
         assert!(
             extra.len() <= 1
-                && extra
-                    .iter()
-                    .all(|l| ["finished_reason", "source", "reason", "landing", "le"].contains(l)),
+                && extra.iter().all(|l| [
+                    "finished_reason",
+                    "source",
+                    "reason",
+                    "landing",
+                    "layout",
+                    "le"
+                ]
+                .contains(l)),
             "{s:?}"
         );
     }
@@ -346,6 +352,7 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
         ("pd_node_kv_transfer_failures_total", "counter"),
         ("pd_node_kv_leases_expired_total", "counter"),
         ("pd_node_kv_imports_total", "counter"),
+        ("pd_node_kv_rdma_offers_total", "counter"),
         ("pd_node_epoch", "gauge"),
     ] {
         assert_eq!(m.families[name].kind, kind, "{name}");
