@@ -38,10 +38,7 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
         deadline: Instant,
     ) -> BoxFuture<'a, Result<(), RdmaError>> {
         Box::pin(async move {
-            let blocks = self.read(offer, req, deadline).await?;
-            for (i, block) in blocks.iter().enumerate() {
-                into.write_block(i, bytemuck::cast_slice(block));
-            }
+            into.write_blocks(&self.read(offer, req, deadline).await?);
             Ok(())
         })
     }

@@ -286,6 +286,14 @@ impl KvReservation {
         }
     }
 
+    /// Copy pulled blocks given whole, as values in transfer layout (block `i` of `blocks`
+    /// into pulled block `i`): blocks that arrived in buffers after all.
+    pub fn write_blocks(&mut self, blocks: &[Vec<f32>]) {
+        for (i, block) in blocks.iter().enumerate() {
+            self.write_block(i, bytemuck::cast_slice(block));
+        }
+    }
+
     /// The transfer checksum of pulled block `i` as it is now, for the prompt block index
     /// `lease_index` ([`super::checksum::block_checksum`] over the segments in order).
     pub fn block_checksum(&self, i: usize, lease_index: u64) -> u64 {

@@ -78,9 +78,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl RdmaExporter {
     /// An exporter on `device` whose offers name `connect_addr` (this node's gRPC
-    /// `host:port`) for `RdmaConnect`.
-    /// An exporter that stages every lease (see [`RdmaExporter::with_host_kv`] for in
-    /// place).
+    /// `host:port`) for `RdmaConnect`; it stages every lease until
+    /// [`RdmaExporter::with_host_kv`] registers the node's KV memory.
     pub fn new(device: &RdmaDevice, connect_addr: String) -> Result<Self, RdmaError> {
         Ok(Self {
             device: device.clone(),

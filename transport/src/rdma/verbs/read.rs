@@ -347,10 +347,7 @@ impl OneSidedReader for RdmaReader {
                     self.read_in_place(reg, offer, req, into, deadline).await
                 }
                 _ => {
-                    let blocks = self.read_blocks(offer, req, deadline).await?;
-                    for (i, block) in blocks.iter().enumerate() {
-                        into.write_block(i, bytemuck::cast_slice(block));
-                    }
+                    into.write_blocks(&self.read_blocks(offer, req, deadline).await?);
                     Ok(())
                 }
             }
