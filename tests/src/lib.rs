@@ -131,6 +131,62 @@ pub fn json_of(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
+/// `pdctl run --json` of one mixed engine in one process on `synthetic:tiny`: greedy,
+/// `max_tokens` tokens of `ids`, EOS ignored (the reference the cluster must equal).
+pub fn reference_run(cache: &Path, ids: &[u32], max_tokens: u32) -> Value {
+    let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    json_of(&pdctl(
+        cache,
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--token-ids",
+            &ids,
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--ignore-eos",
+            "--json",
+        ],
+    ))
+}
+
+/// The token ids of a `pdctl run/generate --json` object.
+pub fn token_ids(v: &Value) -> Vec<u32> {
+    v["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|t| t.as_u64().expect("a token id") as u32)
+        .collect()
+}
+
+/// [`reference_run`]'s tokens.
+pub fn reference_tokens(cache: &Path, ids: &[u32], max_tokens: u32) -> Vec<u32> {
+    token_ids(&reference_run(cache, ids, max_tokens))
+}
+
+/// Waits (10 s at most) until every node of `cluster` has all its KV blocks free and runs
+/// nothing (leases are released asynchronously, right after a decode stream starts).
+pub async fn all_blocks_free(cluster: &Cluster) {
+    for role in ["prefill", "decode"] {
+        for addr in cluster.nodes(role) {
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let info = node_info(&addr, role).await;
+                if info.free_blocks == info.num_blocks && info.num_running == 0 {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{role} {addr} keeps blocks: {info:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 pub async fn client(addr: &str) -> GenerationClient<tonic::transport::Channel> {
     GenerationClient::connect(format!("http://{addr}"))
         .await

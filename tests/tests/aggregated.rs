@@ -2,12 +2,10 @@
 //! node, which computes the prompt itself. Greedy output equals one mixed engine (`pdctl
 //! run`), and the client's cached tokens are that node's own prefix-cache hits.
 
-use std::path::Path;
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Cluster, client, collect, greedy, json_of, node_info, pdctl};
-use serde_json::Value;
+use pd_tests::{Cluster, client, collect, greedy, node_info, reference_run, token_ids};
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
 fn prompts() -> Vec<Vec<u32>> {
@@ -17,37 +15,6 @@ fn prompts() -> Vec<Vec<u32>> {
                 .map(|t| (t * 7919 + i * 104_729 + 13) % 150_000)
                 .collect()
         })
-        .collect()
-}
-
-fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// `pdctl run --json` of one mixed engine in one process.
-fn reference(cache: &Path, ids: &[u32], max_tokens: u32) -> Value {
-    json_of(&pdctl(
-        cache,
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--token-ids",
-            &ids_arg(ids),
-            "--max-tokens",
-            &max_tokens.to_string(),
-            "--ignore-eos",
-            "--json",
-        ],
-    ))
-}
-
-fn token_ids(v: &Value) -> Vec<u32> {
-    v["token_ids"]
-        .as_array()
-        .expect("token_ids")
-        .iter()
-        .map(|t| t.as_u64().expect("a token id") as u32)
         .collect()
 }
 
@@ -71,7 +38,7 @@ async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_ca
     assert!(cluster.nodes("prefill").is_empty());
     let mut c = client(&cluster.router()).await;
     for ids in prompts() {
-        let want = token_ids(&reference(cache.path(), &ids, 10));
+        let want = token_ids(&reference_run(cache.path(), &ids, 10));
         let (got, last) = collect(&mut c, greedy(ids.clone(), 10)).await.unwrap();
         assert_eq!(got, want, "prompt of {} tokens", ids.len());
         assert_eq!(last.finish_reason(), pb::FinishReason::Length);
@@ -90,7 +57,7 @@ async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_ca
 
     // A stop string ends the text before the node ends the request: the router aborts it
     // there and still reports the node's cache hits.
-    let run = reference(cache.path(), &long, 10);
+    let run = reference_run(cache.path(), &long, 10);
     let text: Vec<char> = run["text"].as_str().unwrap().chars().collect();
     assert!(text.len() >= 4, "enough text to cut: {text:?}");
     let stop: String = text[text.len() / 2..text.len() / 2 + 2].iter().collect();

@@ -1,9 +1,7 @@
 //! The keystone and the cluster's behaviour, through real processes started by `pdctl up`.
 
-use std::time::Duration;
-
 use pd_proto::pb;
-use pd_tests::{Cluster, client, collect, greedy, json_of, node_info, pdctl};
+use pd_tests::{Cluster, all_blocks_free, client, collect, greedy, node_info, reference_tokens};
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
 fn prompts() -> Vec<Vec<u32>> {
@@ -14,54 +12,6 @@ fn prompts() -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
-}
-
-fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// Greedy tokens of one mixed engine in one process (`pdctl run`).
-fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> Vec<u32> {
-    let out = json_of(&pdctl(
-        cache,
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--token-ids",
-            &ids_arg(ids),
-            "--max-tokens",
-            &max_tokens.to_string(),
-            "--ignore-eos",
-            "--json",
-        ],
-    ));
-    out["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
-
-async fn all_blocks_free(cluster: &Cluster) {
-    for role in ["prefill", "decode"] {
-        for addr in cluster.nodes(role) {
-            // Leases are released asynchronously right after the decode stream starts.
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let info = node_info(&addr, role).await;
-                if info.free_blocks == info.num_blocks && info.num_running == 0 {
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "{role} {addr} keeps blocks: {info:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,7 +33,7 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     .unwrap();
     let mut c = client(&cluster.router()).await;
     for ids in prompts() {
-        let want = reference(cache.path(), &ids, 12);
+        let want = reference_tokens(cache.path(), &ids, 12);
         let (got, last) = collect(&mut c, greedy(ids.clone(), 12)).await.unwrap();
         assert_eq!(got, want, "prompt of {} tokens", ids.len());
         assert_eq!(last.finish_reason(), pb::FinishReason::Length);
@@ -95,7 +45,7 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     // the client's cached tokens are exactly that saving.
     let long = prompts().pop().unwrap();
     let (again, last) = collect(&mut c, greedy(long.clone(), 12)).await.unwrap();
-    assert_eq!(again, reference(cache.path(), &long, 12));
+    assert_eq!(again, reference_tokens(cache.path(), &long, 12));
     let usage = last.usage.unwrap();
     let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
     assert_eq!(usage.local_cached_tokens, whole_blocks);
@@ -108,7 +58,7 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     let decode_before = node_info(decode, "decode").await.counters.unwrap();
     for ids in prompts() {
         let (got, last) = collect(&mut c, greedy(ids.clone(), 1)).await.unwrap();
-        assert_eq!(got, reference(cache.path(), &ids, 1));
+        assert_eq!(got, reference_tokens(cache.path(), &ids, 1));
         assert_eq!(last.finish_reason(), pb::FinishReason::Length);
         let prefill = node_info(&cluster.nodes("prefill")[0], "prefill").await;
         assert_eq!(
@@ -130,7 +80,7 @@ async fn two_by_two_serves_64_concurrent_streams_and_frees_everything() {
     let ids = prompts();
     let mut want = Vec::new();
     for p in &ids {
-        want.push(reference(cache.path(), p, 6));
+        want.push(reference_tokens(cache.path(), p, 6));
     }
     let mut tasks = Vec::new();
     for i in 0..64usize {

@@ -12,10 +12,8 @@
 //! to them); the prefill nodes offered every lease in place (registered KV memory, no
 //! staging copy); afterwards every block on every node is free.
 
-use std::time::Duration;
-
 use pd_proto::pb;
-use pd_tests::{Cluster, client, collect, exposition, greedy, json_of, node_info, pdctl};
+use pd_tests::{Cluster, all_blocks_free, client, collect, exposition, greedy, reference_tokens};
 
 fn device() -> Option<String> {
     std::env::var("PD_TEST_RDMA_DEVICE")
@@ -34,31 +32,6 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Greedy tokens of one mixed engine in one process (`pdctl run`).
-fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> Vec<u32> {
-    let ids_arg = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-    let out = json_of(&pdctl(
-        cache,
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--token-ids",
-            &ids_arg,
-            "--max-tokens",
-            &max_tokens.to_string(),
-            "--ignore-eos",
-            "--json",
-        ],
-    ));
-    out["token_ids"]
-        .as_array()
-        .expect("token_ids")
-        .iter()
-        .map(|v| v.as_u64().expect("a token id") as u32)
-        .collect()
-}
-
 /// Sum of `name` (with `labels`) over the `/metrics` of every node of `role`.
 async fn nodes_sum(cluster: &Cluster, role: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     let mut total = 0.0;
@@ -69,25 +42,6 @@ async fn nodes_sum(cluster: &Cluster, role: &str, name: &str, labels: &[(&str, &
             .sum(name, labels);
     }
     total
-}
-
-async fn all_blocks_free(cluster: &Cluster) {
-    for role in ["prefill", "decode"] {
-        for addr in cluster.nodes(role) {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let info = node_info(&addr, role).await;
-                if info.free_blocks == info.num_blocks && info.num_running == 0 {
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "{role} {addr} keeps blocks: {info:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +76,7 @@ async fn keystone_over_rdma_equals_one_mixed_engine() {
         });
         let mut c = client(&cluster.router()).await;
         for ids in prompts() {
-            let want = reference(cache.path(), &ids, 12);
+            let want = reference_tokens(cache.path(), &ids, 12);
             let (got, last) = collect(&mut c, greedy(ids.clone(), 12))
                 .await
                 .expect("a stream");
