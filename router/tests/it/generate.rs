@@ -4,8 +4,10 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use pd_proto::pb;
+use pd_proto::pb::generation_client::GenerationClient;
 use pd_router::PolicyKind;
 use tonic::Code;
+use tonic::transport::Channel;
 
 use crate::fake::*;
 
@@ -15,6 +17,19 @@ fn abort_request(id: &str) -> pb::AbortRequest {
     pb::AbortRequest {
         request_id: id.into(),
     }
+}
+
+/// The request `id` leaves the router's in-flight table within a second (`Abort` no longer
+/// finds it).
+async fn assert_leaves_flight(client: &mut GenerationClient<Channel>, id: &str) {
+    for _ in 0..100 {
+        let r = client.abort(abort_request(id)).await.unwrap();
+        if !r.into_inner().aborted {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("request {id} is still in flight");
 }
 
 #[tokio::test]
@@ -248,17 +263,7 @@ async fn a_client_that_goes_away_aborts_downstream() {
     })
     .await;
     assert_eq!(p.state.released().len(), 1);
-    // The request is no longer in flight.
-    let mut gone = false;
-    for _ in 0..100 {
-        let r = client.abort(abort_request("going-away")).await.unwrap();
-        if !r.into_inner().aborted {
-            gone = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(gone);
+    assert_leaves_flight(&mut client, "going-away").await;
 }
 
 #[tokio::test]
@@ -363,16 +368,7 @@ async fn a_client_that_goes_away_while_prefilling_aborts_the_prefill_node() {
     })
     .await;
     assert_eq!(d.state.decode_count(), 0);
-    let mut gone = false;
-    for _ in 0..100 {
-        let r = client.abort(abort_request("impatient")).await.unwrap();
-        if !r.into_inner().aborted {
-            gone = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(gone, "the request is no longer in flight");
+    assert_leaves_flight(&mut client, "impatient").await;
 }
 
 #[tokio::test]
