@@ -62,6 +62,14 @@ fn config(f: &HashMap<String, String>) -> Result<RdmaConfig> {
     })
 }
 
+/// `blocks` blocks of `block_bytes` in host memory laid out as the CPU backend's KV, in
+/// `regions` regions per block (`--regions`).
+fn kv_memory(blocks: usize, block_bytes: usize, regions: usize) -> Result<HostKvMemory> {
+    HostKvMemory::allocate(blocks, block_bytes, regions).ok_or_else(|| {
+        format!("--regions {regions} does not divide a block of {block_bytes} bytes").into()
+    })
+}
+
 async fn send_frame(s: &mut TcpStream, bytes: &[u8]) -> Result<()> {
     s.write_u32_le(u32::try_from(bytes.len())?).await?;
     s.write_all(bytes).await?;
@@ -100,12 +108,7 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
     let count = (mib * 1024 / block_kib).max(1);
     let exporter = RdmaExporter::new(&device, advertise)?;
     let (exporter, kv) = if in_place {
-        let memory = HostKvMemory::allocate(count, block_len * 4, regions).ok_or_else(|| {
-            format!(
-                "--regions {regions} does not divide a block of {} bytes",
-                block_len * 4
-            )
-        })?;
+        let memory = kv_memory(count, block_len * 4, regions)?;
         let exporter = exporter.with_host_kv(Some(memory.clone()));
         if !exporter.in_place() {
             return Err("registering the KV memory failed (raise `ulimit -l`?); \
@@ -215,13 +218,7 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
         let reader = RdmaReader::new(&device, Arc::new(TcpConnector), FP, &config)?;
         let deadline = || Instant::now() + Duration::from_secs(60);
         if in_place {
-            let memory =
-                HostKvMemory::allocate(req.count, req.block_len * 4, regions).ok_or_else(|| {
-                    format!(
-                        "--regions {regions} does not divide a block of {} bytes",
-                        req.block_len * 4
-                    )
-                })?;
+            let memory = kv_memory(req.count, req.block_len * 4, regions)?;
             let reader = reader.with_host_kv(Some(memory.clone()));
             if !reader.lands_in_place() {
                 return Err("registering the KV memory failed (raise `ulimit -l`?); \
