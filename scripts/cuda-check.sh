@@ -6,7 +6,14 @@
 #    GPU conformance suite skips itself without PD_GPU_TESTS=1);
 # 3. compile EVERY kernel source with NVRTC, with the exact options the backend uses at
 #    start-up, for sm_80 and sm_90 (examples/nvrtc_check.rs), and assemble each PTX with
-#    ptxas, failing on any error and printing registers / spills per kernel.
+#    ptxas, failing on any error and printing registers / spills per kernel;
+# 4. run the CUDA backend itself on pd-cuda-emu (kernels/emu/: the kernel sources compiled as
+#    C++ for the CPU behind a stand-in libcuda / libcublas, with the real NVRTC): the GPU
+#    conformance suite against the CPU backend, once more with the threads of each block
+#    scheduled in reverse (a missing __syncthreads changes the result), and the GPU
+#    benchmark at smoke sizes, so that scripts/gpu-check.sh has run end to end before a GPU
+#    host runs it; then the cluster keystone with both nodes on `--device cuda`
+#    (tests/tests/cuda.rs).
 # NVRTC and ptxas come from PyPI (CUDA 13.0, the version of the GPU test host's driver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,4 +69,33 @@ for ptx in "$ptx_dir"/*.ptx; do
         echo "  note: $(basename "$ptx") spills registers (see above)"
     fi
 done
-exit "$status"
+[ "$status" -eq 0 ] || exit "$status"
+
+echo "== pd-cuda-emu: the CUDA backend with its kernels run on the CPU (no GPU; docs/cuda.md)"
+emu_dir="$PWD/target/cuda-emu"
+kernels/emu/build.sh "$emu_dir"
+conformance="$(cargo test --locked -p pd-kernels --features cuda --test gpu_conformance \
+    --no-run --message-format=json 2>/dev/null \
+    | sed -n 's/.*"executable":"\([^"]*gpu_conformance[^"]*\)".*/\1/p' | tail -1)"
+test -n "$conformance" || { echo "no gpu_conformance test binary" >&2; exit 1; }
+cargo build --locked -p pd-kernels --features cuda --example gpu_bench
+emu() {
+    PD_GPU_TESTS=1 LD_LIBRARY_PATH="$emu_dir:$cuda_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"
+}
+echo "-- conformance, CUDA (emulated) vs CPU"
+emu "$conformance" --test-threads=1
+echo "-- conformance on the tiny model, each block's threads scheduled in reverse"
+emu env PD_CUDA_EMU_SCHEDULE=reverse "$conformance" --test-threads=1 tiny
+echo "-- gpu_bench at smoke sizes (the figures mean nothing here: it runs the code path)"
+bench_out="$(mktemp -d)"
+emu env PD_GPU_BENCH_SMOKE=1 target/debug/examples/gpu_bench "$bench_out" synthetic:tiny
+test -s "$bench_out/gpu_bench.json" || { echo "gpu_bench wrote no gpu_bench.json" >&2; exit 1; }
+rm -rf "$bench_out"
+echo "-- the keystone on CUDA nodes (router -> prefill -> decode, --device cuda, CUDA graphs on)"
+keystone="$(cargo test --locked --workspace --no-run --message-format=json 2>/dev/null \
+    | sed -n 's/.*"executable":"\([^"]*\/cuda-[0-9a-f]*\)".*/\1/p' | tail -1)"
+test -n "$keystone" || { echo "no pd-tests cuda test binary" >&2; exit 1; }
+# Building the workspace's tests rebuilt the node binaries without the feature: again with it.
+cargo build --locked -p prefill-node -p decode-node -p pdctl --features cuda
+# 2 GiB of emulated device memory per node process: the KV cache is sized from it.
+emu env PD_TEST_CUDA=1 PD_CUDA_EMU_MEMORY_MIB=2048 "$keystone"

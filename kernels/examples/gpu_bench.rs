@@ -8,6 +8,10 @@
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
 //! launches, then replaying CUDA graphs (`--cuda-graphs on`); the "graphs" column is the
 //! second's tokens/s, or why it fell back to eager launches.
+//!
+//! `PD_GPU_BENCH_SMOKE=1` shrinks every size (a 4 MiB copy, a 128³ GEMM, 48 tokens of
+//! context, 3 steps, prefills of 64 and 200 tokens): CI runs it on pd-cuda-emu (kernels/emu/)
+//! so that the whole program has run before a GPU host runs it. Its figures mean nothing.
 
 use std::time::Instant;
 
@@ -21,8 +25,39 @@ use pd_kernels::cuda::gemm::{self, GemmType};
 use serde_json::{Value, json};
 
 const BLOCK: usize = 16;
-const DECODE_CONTEXT: usize = 512;
-const DECODE_STEPS: usize = 32;
+
+/// What the benchmark measures: the real sizes, or tiny ones that only run the code path.
+struct Sizes {
+    copy_elems: usize,
+    gemm: usize,
+    reps: usize,
+    decode_context: usize,
+    decode_steps: usize,
+    prefill: [usize; 2],
+}
+
+impl Sizes {
+    fn from_env() -> Self {
+        if std::env::var("PD_GPU_BENCH_SMOKE").is_ok_and(|v| v == "1") {
+            return Self {
+                copy_elems: 1 << 20,
+                gemm: 128,
+                reps: 2,
+                decode_context: 48,
+                decode_steps: 3,
+                prefill: [64, 200],
+            };
+        }
+        Self {
+            copy_elems: 1 << 29, // f32 values: 2 GiB
+            gemm: 8192,
+            reps: 10,
+            decode_context: 512,
+            decode_steps: 32,
+            prefill: [2048, 8192],
+        }
+    }
+}
 
 fn timed_ms(backend: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -39,21 +74,21 @@ fn timed_ms(backend: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Bytes read plus written per second by a 2 GiB device-to-device copy (median of 10).
-fn copy_bandwidth(backend: &CudaBackend) -> f64 {
+fn copy_bandwidth(backend: &CudaBackend, sizes: &Sizes) -> f64 {
     let dev = backend.device();
-    let n = 1usize << 29; // f32 values: 2 GiB
+    let n = sizes.copy_elems;
     let src: CudaSlice<f32> = dev.stream.alloc_zeros(n).expect("alloc");
     let mut dst: CudaSlice<f32> = dev.stream.alloc_zeros(n).expect("alloc");
-    let ms = timed_ms(backend, 10, || {
+    let ms = timed_ms(backend, sizes.reps, || {
         dev.stream.memcpy_dtod(&src, &mut dst).expect("copy");
     });
     2.0 * (n * 4) as f64 / (ms / 1e3)
 }
 
 /// FLOP/s of an 8192³ bf16 GEMM with f32 accumulation on random data (median of 10).
-fn gemm_rate(backend: &CudaBackend) -> f64 {
+fn gemm_rate(backend: &CudaBackend, sizes: &Sizes) -> f64 {
     let dev = backend.device();
-    let m = 8192usize;
+    let m = sizes.gemm;
     // Random bf16 patterns in [-1, 1): exponent bits fixed, mantissa and sign varied.
     let host: Vec<u16> = (0..m * m)
         .map(|i| {
@@ -64,7 +99,7 @@ fn gemm_rate(backend: &CudaBackend) -> f64 {
     let a = dev.stream.clone_htod(&host).expect("upload");
     let b = dev.stream.clone_htod(&host).expect("upload");
     let mut c: CudaSlice<f32> = dev.stream.alloc_zeros(m * m).expect("alloc");
-    let ms = timed_ms(backend, 10, || {
+    let ms = timed_ms(backend, sizes.reps, || {
         gemm::linear(dev, GemmType::BF16, &a, m, &b, m, m, &mut c);
     });
     2.0 * (m * m * m) as f64 / (ms / 1e3)
@@ -76,7 +111,8 @@ fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
-fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
+fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value {
+    let (decode_context, decode_steps) = (sizes.decode_context, sizes.decode_steps);
     let dir = ModelSource::parse(model)
         .expect("model name")
         .resolve(&|_, _| {})
@@ -91,8 +127,8 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
     let vocab = files.config.vocab_size as u32;
     let max_batch = 64;
     // Eager steps, then as many with graphs (plus their warm-up / capture step).
-    let decode_len = DECODE_CONTEXT + 2 * DECODE_STEPS + 2;
-    let per_seq = decode_len.max(8192).div_ceil(BLOCK);
+    let decode_len = decode_context + 2 * decode_steps + 2;
+    let per_seq = decode_len.max(sizes.prefill[1]).div_ceil(BLOCK);
     let blocks = max_batch * decode_len.div_ceil(BLOCK) + per_seq;
     let max_model_len = files.config.max_position_embeddings;
     let mut exec = Executor::new(backend, weights, BLOCK, blocks).expect("executor");
@@ -104,7 +140,7 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
             .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
             .collect();
         let prompts: Vec<Vec<u32>> = (0..batch)
-            .map(|s| prompt(s, DECODE_CONTEXT, vocab))
+            .map(|s| prompt(s, decode_context, vocab))
             .collect();
         for (p, t) in prompts.iter().zip(&tables) {
             exec.execute(&[ExecItem {
@@ -116,7 +152,7 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
         }
         let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31 + 7) % vocab]).collect();
         let plans = vec![Some(DeviceSampling::Greedy); batch];
-        // Seconds per step of `DECODE_STEPS` steps from position `first`, after one warm-up
+        // Seconds per step of `decode_steps` steps from position `first`, after one warm-up
         // step (which captures the graph when graphs are on).
         let timed_steps = |exec: &mut Executor<CudaBackend>, first: usize| {
             let mut step = |i: usize| {
@@ -134,19 +170,19 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
             };
             step(0);
             let t = Instant::now();
-            for i in 1..=DECODE_STEPS {
+            for i in 1..=decode_steps {
                 step(i);
             }
-            t.elapsed().as_secs_f64() / DECODE_STEPS as f64
+            t.elapsed().as_secs_f64() / decode_steps as f64
         };
         exec.set_decode_graphs(None);
-        let secs = timed_steps(&mut exec, DECODE_CONTEXT);
+        let secs = timed_steps(&mut exec, decode_context);
         exec.set_decode_graphs(Some(DecodeGraphs::new(max_batch, max_model_len, BLOCK)));
-        let graph_secs = timed_steps(&mut exec, DECODE_CONTEXT + DECODE_STEPS + 1);
+        let graph_secs = timed_steps(&mut exec, decode_context + decode_steps + 1);
         let graphs_ok = exec.backend().decode_graphs_captured() > 0;
         exec.set_decode_graphs(None);
         // Bytes of one step: every weight once plus each sequence's KV (f32 K and V).
-        let kv_bytes = (batch * (DECODE_CONTEXT + DECODE_STEPS / 2)) as f64
+        let kv_bytes = (batch * (decode_context + decode_steps / 2)) as f64
             * (2 * files.config.num_hidden_layers
                 * files.config.num_key_value_heads
                 * files.config.head_dim
@@ -162,7 +198,7 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64) -> Value {
     }
 
     let mut prefill = Vec::new();
-    for len in [2048usize, 8192] {
+    for len in sizes.prefill {
         let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
         let p = prompt(999, len, vocab);
         let mut run = || {
@@ -197,8 +233,9 @@ fn main() {
     }
     let backend = CudaBackend::open(0, 0.9).unwrap_or_else(|e| panic!("{e}"));
     let gpu = backend.device().name.clone();
-    let bandwidth = copy_bandwidth(&backend);
-    let flops = gemm_rate(&backend);
+    let sizes = Sizes::from_env();
+    let bandwidth = copy_bandwidth(&backend, &sizes);
+    let flops = gemm_rate(&backend, &sizes);
     eprintln!(
         "copy {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
         bandwidth / 1e9,
@@ -209,7 +246,7 @@ fn main() {
         .iter()
         .map(|m| {
             eprintln!("benchmarking {m}");
-            bench_model(m, bandwidth, flops)
+            bench_model(m, bandwidth, flops, &sizes)
         })
         .collect();
     let report = json!({

@@ -28,16 +28,25 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 
+// PD_CUDA_EMU: the CPU emulation used by CI (kernels/emu/), which has no PTX.
 __device__ __forceinline__ float f16_to_f32(unsigned short v) {
+#ifdef PD_CUDA_EMU
+    return emu::f16_to_f32(v);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
     return f;
+#endif
 }
 
 __device__ __forceinline__ unsigned short f32_to_f16(float f) {
+#ifdef PD_CUDA_EMU
+    return emu::f32_to_f16(f);
+#else
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#endif
 }
 
 // Element `i` of a weight stored as `dtype`.

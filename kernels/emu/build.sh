@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build pd-cuda-emu (kernels/emu/): the CUDA kernel sources of kernels/src/cuda/ compiled as
+# C++ for the CPU, with a stand-in CUDA driver and cuBLAS, into OUT_DIR/libpdcudaemu.so, linked
+# as OUT_DIR/libcuda.so and OUT_DIR/libcublas.so. With OUT_DIR first on LD_LIBRARY_PATH (and a
+# real libnvrtc after it), cudarc finds these and pd-kernels' CUDA backend runs on the CPU.
+# A test tool only (scripts/cuda-emu-check.sh); no product binary loads it.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:?usage: kernels/emu/build.sh OUT_DIR}"
+mkdir -p "$out/src"
+cxx="${CXX:-g++}"
+
+# One translation unit per kernel source (each starts with common.cuh, as under NVRTC),
+# registering every `extern "C" __global__` function with its __launch_bounds__.
+python3 - "$here" "$out/src" <<'PY'
+import pathlib, re, sys
+here, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+cuda = here.parent / "src" / "cuda"
+kernel = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\(([^)]*)\)\s*)?(\w+)\s*\(')
+for cu in sorted(cuda.glob("*.cu")):
+    found = kernel.findall(cu.read_text())
+    if not found:
+        sys.exit(f"{cu}: no kernels found")
+    lines = [
+        "#define PD_CUDA_EMU 1",
+        f'#include "{here}/runtime.h"',
+        f'#line 1 "common.cuh"',
+        f'#include "{cuda}/common.cuh"',
+        f'#line 1 "{cu.name}"',
+        f'#include "{cu}"',
+    ]
+    lines += [f"EMU_KERNEL({name}, ({bounds or 0}))" for bounds, name in found]
+    (out / f"{cu.stem}.cpp").write_text("\n".join(lines) + "\n")
+PY
+
+flags=(-O2 -g1 -std=c++20 -fPIC -fvisibility=hidden -ffp-contract=off -pthread
+       -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -I"$here")
+objs=()
+for src in "$here/runtime.cpp" "$here/driver.cpp" "$here/cublas.cpp" "$out"/src/*.cpp; do
+    obj="$out/src/$(basename "${src%.cpp}").o"
+    "$cxx" "${flags[@]}" -c "$src" -o "$obj"
+    objs+=("$obj")
+done
+"$cxx" -shared -pthread -o "$out/libpdcudaemu.so" "${objs[@]}"
+ln -sf libpdcudaemu.so "$out/libcuda.so"
+ln -sf libpdcudaemu.so "$out/libcublas.so"
+echo "pd-cuda-emu: $out/libcuda.so, $out/libcublas.so"

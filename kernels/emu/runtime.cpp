@@ -1,0 +1,328 @@
+// pd-cuda-emu: thread blocks as cooperatively scheduled fibers (see emu.h), the kernel
+// registry and the f16 conversions the kernels use.
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "runtime.h"
+
+thread_local float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+
+namespace emu {
+
+thread_local Thread* t_thread = nullptr;
+thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
+
+// --- context switch (x86-64 System V): save the callee-saved registers on the current
+// stack, store its pointer, load the other stack and restore its registers.
+extern "C" void pd_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl pd_emu_switch
+    .hidden pd_emu_switch
+    .type pd_emu_switch, @function
+pd_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size pd_emu_switch, .-pd_emu_switch
+)");
+
+namespace {
+
+enum class Wait { Ready, Block, Warp, Done };
+enum class WarpOp { Shuffle, Ballot };
+
+constexpr size_t kStack = 64 * 1024;
+
+struct Fiber {
+    Thread thread;
+    void* sp = nullptr;
+    Wait wait = Wait::Ready;
+    // The barrier the fiber waits at.
+    int pred = 0;
+    WarpOp op = WarpOp::Shuffle;
+    unsigned mask = 0;
+    uint64_t value = 0;
+    Shuffle kind = Shuffle::Index;
+    int arg = 0;
+    // What the barrier gave back.
+    uint64_t result = 0;
+};
+
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    std::vector<std::unique_ptr<char[]>> stacks;
+    void* sp = nullptr;
+    Fiber* current = nullptr;
+    const std::function<void()>* body = nullptr;
+    const char* kernel = "";
+    bool reverse = false;
+};
+
+thread_local Scheduler t_sched;
+
+const char* wait_name(Wait w) {
+    switch (w) {
+        case Wait::Ready: return "running";
+        case Wait::Block: return "__syncthreads";
+        case Wait::Warp: return "warp op";
+        case Wait::Done: return "exited";
+    }
+    return "?";
+}
+
+void fiber_main() {
+    Fiber* f = t_sched.current;
+    (*t_sched.body)();
+    f->wait = Wait::Done;
+    pd_emu_switch(&f->sp, t_sched.sp);
+    __builtin_trap();  // a finished fiber is never resumed
+}
+
+Fiber& current() {
+    if (t_sched.current == nullptr) fatal("a device function ran outside a kernel launch");
+    return *t_sched.current;
+}
+
+void yield() {
+    Fiber& f = current();
+    pd_emu_switch(&f.sp, t_sched.sp);
+}
+
+[[noreturn]] void block_fatal(const std::string& what) {
+    Scheduler& s = t_sched;
+    std::string states;
+    for (size_t i = 0; i < s.fibers.size(); ++i) {
+        if (i == 0 || s.fibers[i].wait != s.fibers[i - 1].wait) {
+            states += "\n  thread " + std::to_string(i) + "..: " + wait_name(s.fibers[i].wait);
+        }
+    }
+    fatal(std::string("kernel ") + s.kernel + ", block (" + std::to_string(t_block_idx.x) +
+          "," + std::to_string(t_block_idx.y) + "," + std::to_string(t_block_idx.z) +
+          "): " + what + states);
+}
+
+// Release the lanes of `warp` waiting at a warp op if every lane of their mask is there.
+bool release_warp(size_t first, size_t lanes) {
+    Scheduler& s = t_sched;
+    Fiber* lead = nullptr;
+    for (size_t l = 0; l < lanes; ++l) {
+        if (s.fibers[first + l].wait == Wait::Warp) {
+            lead = &s.fibers[first + l];
+            break;
+        }
+    }
+    if (lead == nullptr) return false;
+    const unsigned mask = lead->mask;
+    for (size_t l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1u)) continue;
+        if (l >= lanes) {
+            block_fatal("a warp op's mask names lane " + std::to_string(l) +
+                        ", which this block does not have");
+        }
+        const Fiber& f = s.fibers[first + l];
+        if (f.wait == Wait::Done) {
+            block_fatal("lane " + std::to_string(l) + " of warp " + std::to_string(first / 32) +
+                        " exited before a warp op whose mask names it");
+        }
+        if (f.wait != Wait::Warp) return false;  // still to arrive (or at __syncthreads)
+        if (f.mask != mask || f.op != lead->op) {
+            block_fatal("lanes of warp " + std::to_string(first / 32) +
+                        " are at different warp ops (masks or kinds differ)");
+        }
+    }
+    unsigned ballot = 0;
+    for (size_t l = 0; l < lanes; ++l) {
+        const Fiber& f = s.fibers[first + l];
+        if ((mask >> l & 1u) && f.pred) ballot |= 1u << l;
+    }
+    for (size_t l = 0; l < lanes; ++l) {
+        if (!(mask >> l & 1u)) continue;
+        Fiber& f = s.fibers[first + l];
+        if (f.op == WarpOp::Ballot) {
+            f.result = ballot;
+        } else {
+            size_t src = f.kind == Shuffle::Xor ? (l ^ (unsigned)f.arg) : ((unsigned)f.arg % 32);
+            // Out of the warp (xor only): the lane keeps its own value, as on the device.
+            if (src >= 32 || !(mask >> src & 1u)) src = l;
+            f.result = s.fibers[first + src].value;
+        }
+        f.wait = Wait::Ready;
+    }
+    return true;
+}
+
+void run_block(size_t threads) {
+    Scheduler& s = t_sched;
+    if (s.fibers.size() < threads) s.fibers.resize(threads);
+    while (s.stacks.size() < threads) s.stacks.emplace_back(new char[kStack]);
+    for (size_t i = 0; i < threads; ++i) {
+        Fiber& f = s.fibers[i];
+        f = Fiber{};
+        f.thread.linear = (unsigned)i;
+        f.thread.idx.x = (unsigned)(i % t_block_dim.x);
+        f.thread.idx.y = (unsigned)(i / t_block_dim.x % t_block_dim.y);
+        f.thread.idx.z = (unsigned)(i / (t_block_dim.x * t_block_dim.y));
+        // A fresh stack whose first `ret` (in pd_emu_switch) enters fiber_main, with the
+        // alignment a called function expects (rsp + 8 a multiple of 16).
+        auto top = reinterpret_cast<uintptr_t>(s.stacks[i].get() + kStack) & ~uintptr_t{15};
+        auto* sp = reinterpret_cast<uintptr_t*>(top);
+        *--sp = 0;
+        *--sp = reinterpret_cast<uintptr_t>(&fiber_main);
+        for (int r = 0; r < 6; ++r) *--sp = 0;
+        f.sp = sp;
+    }
+    s.fibers.resize(threads);
+    for (;;) {
+        for (size_t k = 0; k < threads; ++k) {
+            Fiber& f = s.fibers[s.reverse ? threads - 1 - k : k];
+            if (f.wait != Wait::Ready) continue;
+            s.current = &f;
+            t_thread = &f.thread;
+            pd_emu_switch(&s.sp, f.sp);
+        }
+        s.current = nullptr;
+        t_thread = nullptr;
+        size_t done = 0, at_block = 0;
+        int count = 0;
+        for (const Fiber& f : s.fibers) {
+            done += f.wait == Wait::Done;
+            at_block += f.wait == Wait::Block;
+            count += f.wait == Wait::Block && f.pred;
+        }
+        if (done == threads) return;
+        bool released = false;
+        for (size_t w = 0; w < threads; w += 32) {
+            released |= release_warp(w, std::min<size_t>(32, threads - w));
+        }
+        if (released) continue;
+        if (at_block + done == threads) {
+            if (done > 0) {
+                block_fatal("__syncthreads reached while " + std::to_string(done) +
+                            " threads of the block had exited");
+            }
+            for (Fiber& f : s.fibers) {
+                f.result = (uint64_t)count;
+                f.wait = Wait::Ready;
+            }
+            continue;
+        }
+        block_fatal("no barrier can be released (divergent __syncthreads or warp op)");
+    }
+}
+
+std::map<std::string, Kernel*>& registry() {
+    static std::map<std::string, Kernel*> kernels;
+    return kernels;
+}
+
+}  // namespace
+
+void syncthreads() { syncthreads_count(0); }
+
+int syncthreads_count(int pred) {
+    Fiber& f = current();
+    f.wait = Wait::Block;
+    f.pred = pred != 0;
+    yield();
+    return (int)f.result;
+}
+
+uint64_t warp_shuffle(unsigned mask, uint64_t value, Shuffle kind, int arg) {
+    Fiber& f = current();
+    f.wait = Wait::Warp;
+    f.op = WarpOp::Shuffle;
+    f.mask = mask;
+    f.value = value;
+    f.kind = kind;
+    f.arg = arg;
+    yield();
+    return f.result;
+}
+
+unsigned warp_ballot(unsigned mask, int pred) {
+    Fiber& f = current();
+    f.wait = Wait::Warp;
+    f.op = WarpOp::Ballot;
+    f.mask = mask;
+    f.pred = pred != 0;
+    yield();
+    return (unsigned)f.result;
+}
+
+float f16_to_f32(unsigned short h) {
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+unsigned short f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;  // round to nearest even, as cvt.rn.f16.f32
+    unsigned short h;
+    std::memcpy(&h, &v, 2);
+    return h;
+}
+
+void register_kernel(Kernel* k) { registry()[k->name] = k; }
+
+const Kernel* find_kernel(const std::string& name) {
+    auto it = registry().find(name);
+    return it == registry().end() ? nullptr : it->second;
+}
+
+void run_grid(const char* kernel, const LaunchShape& shape, const std::function<void()>& body) {
+    Scheduler& s = t_sched;
+    static const bool reverse = [] {
+        const char* v = std::getenv("PD_CUDA_EMU_SCHEDULE");
+        return v != nullptr && std::string(v) == "reverse";
+    }();
+    s.reverse = reverse;
+    s.kernel = kernel;
+    s.body = &body;
+    t_grid_dim = shape.grid;
+    t_block_dim = shape.block;
+    const size_t threads = (size_t)shape.block.x * shape.block.y * shape.block.z;
+    for (unsigned z = 0; z < shape.grid.z; ++z) {
+        for (unsigned y = 0; y < shape.grid.y; ++y) {
+            for (unsigned x = 0; x < shape.grid.x; ++x) {
+                t_block_idx = dim3{x, y, z};
+                // Shared memory starts as NaN, as garbage would: a read before a write shows;
+                // a write past the launch's dynamic size shows in the bytes after it.
+                std::memset(smem, 0xff, sizeof(smem));
+                run_block(threads);
+                const auto* bytes = reinterpret_cast<const unsigned char*>(smem);
+                for (size_t i = shape.shared_bytes; i < sizeof(smem); ++i) {
+                    if (bytes[i] != 0xff) {
+                        fatal(std::string("kernel ") + kernel + " wrote dynamic shared memory byte " +
+                              std::to_string(i) + ", past the " +
+                              std::to_string(shape.shared_bytes) + " bytes its launch asked for");
+                    }
+                }
+            }
+        }
+    }
+    s.body = nullptr;
+}
+
+void fatal(const std::string& message) {
+    std::fprintf(stderr, "pd-cuda-emu: %s\n", message.c_str());
+    std::fflush(stderr);
+    std::abort();
+}
+
+}  // namespace emu

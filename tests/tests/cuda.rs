@@ -1,0 +1,150 @@
+//! The keystone on CUDA nodes: router → prefill → decode with both nodes running the model on
+//! `--device cuda` (GPU KV, blocks packed and unpacked on the device for the transfer, decode
+//! through CUDA graphs). Gated: set `PD_TEST_CUDA=1` and build the node binaries and pdctl with
+//! `--features cuda`. It runs on a GPU host, and in CI on pd-cuda-emu (kernels/emu/, the kernels
+//! compiled for the CPU behind a stand-in libcuda; scripts/cuda-check.sh sets it up). Without
+//! the variable the test returns at once.
+//!
+//! Checked, with chunked prefill on: greedy output equals `pdctl run` on the CPU token for
+//! token, up to the first position where the CPU's top-2 margin is too thin for two backends to
+//! agree on (f32 sums in another order: the synthetic model's logits are nearly flat); the
+//! decode node received the KV over the transfer; a repeated prompt reuses the prefill node's
+//! cached GPU blocks; afterwards every block on both nodes is free.
+
+use pd_proto::pb;
+use pd_tests::{Cluster, all_blocks_free, client, collect, exposition, greedy, json_of, pdctl};
+
+/// Below this top-2 logprob margin (nats) the CPU's choice is a tie for practical purposes.
+const CLEAR_MARGIN: f64 = 1e-3;
+
+fn enabled() -> bool {
+    std::env::var("PD_TEST_CUDA").is_ok_and(|v| v == "1")
+}
+
+/// Prompts of several lengths, most spanning several 16-token blocks.
+fn prompts() -> Vec<Vec<u32>> {
+    (0..5u32)
+        .map(|i| {
+            (0..(18 + i * 23))
+                .map(|t| (t * 7919 + i * 104_729 + 11) % 150_000)
+                .collect()
+        })
+        .collect()
+}
+
+/// `pdctl run` on the CPU: the greedy tokens and, per token, its top-2 logprob margin.
+fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> (Vec<u32>, Vec<f64>) {
+    let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let v = json_of(&pdctl(
+        cache,
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--device",
+            "cpu",
+            "--token-ids",
+            &ids,
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--ignore-eos",
+            "--logprobs",
+            "2",
+            "--json",
+        ],
+    ));
+    let mut tokens = Vec::new();
+    let mut margins = Vec::new();
+    for lp in v["logprobs"].as_array().expect("logprobs") {
+        tokens.push(lp["token_id"].as_u64().expect("token id") as u32);
+        let top = lp["top"].as_array().expect("top-2");
+        let first = top[0]["logprob"].as_f64().expect("logprob");
+        let second = top[1]["logprob"].as_f64().expect("logprob");
+        margins.push(first - second);
+    }
+    (tokens, margins)
+}
+
+/// `got` equals `want` until the first position where they may differ: a thin margin there.
+fn assert_same_where_clear(got: &[u32], want: &[u32], margins: &[f64], what: &str) -> usize {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g != w {
+            assert!(
+                margins[i] < CLEAR_MARGIN,
+                "{what}: token {i} is {g} on CUDA but {w} on the CPU, whose top-2 margin \
+                 {:.2e} is clear",
+                margins[i]
+            );
+            return i;
+        }
+    }
+    got.len()
+}
+
+async fn nodes_sum(cluster: &Cluster, role: &str, name: &str) -> f64 {
+    let mut total = 0.0;
+    for addr in cluster.node_metrics(role) {
+        total += exposition(&addr)
+            .await
+            .expect("node /metrics")
+            .sum(name, &[]);
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
+    if !enabled() {
+        eprintln!("PD_TEST_CUDA not set: skipped (needs CUDA nodes: a GPU, or pd-cuda-emu)");
+        return;
+    }
+    let cache = tempfile::tempdir().expect("tempdir");
+    let cluster = Cluster::up(
+        cache.path(),
+        &[
+            "--",
+            "--device",
+            "cuda",
+            "--cuda-graphs",
+            "on",
+            "--max-num-batched-tokens",
+            "7",
+        ],
+    )
+    .unwrap_or_else(|e| {
+        panic!(
+            "pdctl up -- --device cuda: {e:#} (are the node binaries built with --features cuda?)"
+        )
+    });
+    let mut c = client(&cluster.router()).await;
+    let mut compared = 0;
+    for ids in prompts() {
+        let (want, margins) = reference(cache.path(), &ids, 12);
+        let (got, last) = collect(&mut c, greedy(ids.clone(), 12))
+            .await
+            .expect("a stream");
+        let what = format!("prompt of {} tokens", ids.len());
+        compared += assert_same_where_clear(&got, &want, &margins, &what);
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+    }
+    assert!(
+        compared >= 30,
+        "only {compared} of 60 tokens could be compared: margins too thin to say anything"
+    );
+    let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total").await;
+    assert!(received > 0.0, "the decode node received KV");
+
+    // The longest prompt again: its whole blocks are in the prefill node's GPU cache.
+    let long = prompts().pop().expect("a prompt");
+    let (again, last) = collect(&mut c, greedy(long.clone(), 12))
+        .await
+        .expect("a stream");
+    let (want, margins) = reference(cache.path(), &long, 12);
+    assert_same_where_clear(&again, &want, &margins, "repeated prompt");
+    let usage = last.usage.expect("usage");
+    let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
+    assert_eq!(usage.local_cached_tokens, whole_blocks);
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
