@@ -18,22 +18,26 @@ here, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 cuda = here.parent / "src" / "cuda"
 kernel = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\(([^)]*)\)\s*)?(\w+)\s*\(')
 for cu in sorted(cuda.glob("*.cu")):
-    found = kernel.findall(cu.read_text())
+    text = cu.read_text()
+    found = kernel.findall(text)
     if not found:
         sys.exit(f"{cu}: no kernels found")
+    # `extern __shared__` (dynamic shared memory) names the emulator's one `smem` array;
+    # other `__shared__` arrays become statics (emu.h).
+    text = text.replace("extern __shared__", "extern")
     lines = [
         "#define PD_CUDA_EMU 1",
         f'#include "{here}/runtime.h"',
         f'#line 1 "common.cuh"',
         f'#include "{cuda}/common.cuh"',
         f'#line 1 "{cu.name}"',
-        f'#include "{cu}"',
+        text,
     ]
     lines += [f"EMU_KERNEL({name}, ({bounds or 0}))" for bounds, name in found]
     (out / f"{cu.stem}.cpp").write_text("\n".join(lines) + "\n")
 PY
 
-flags=(-O2 -g1 -std=c++20 -fPIC -fvisibility=hidden -ffp-contract=off -pthread
+flags=(-O3 -g1 -std=c++20 -fPIC -fvisibility=hidden -ffp-contract=off -pthread
        -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -I"$here")
 objs=()
 for src in "$here/runtime.cpp" "$here/driver.cpp" "$here/cublas.cpp" "$out"/src/*.cpp; do
@@ -41,7 +45,7 @@ for src in "$here/runtime.cpp" "$here/driver.cpp" "$here/cublas.cpp" "$out"/src/
     "$cxx" "${flags[@]}" -c "$src" -o "$obj"
     objs+=("$obj")
 done
-"$cxx" -shared -pthread -o "$out/libpdcudaemu.so" "${objs[@]}"
+"$cxx" -shared -pthread -Wl,--no-undefined -o "$out/libpdcudaemu.so" "${objs[@]}"
 ln -sf libpdcudaemu.so "$out/libcuda.so"
 ln -sf libpdcudaemu.so "$out/libcublas.so"
 echo "pd-cuda-emu: $out/libcuda.so, $out/libcublas.so"

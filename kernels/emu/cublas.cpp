@@ -4,6 +4,7 @@
 // device memory.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -35,11 +36,22 @@ cublasStatus_t fail(cublasStatus_t code, const std::string& why) {
 
 size_t type_size(int t) { return t == CUDA_R_32F ? 4 : 2; }
 
-float load(const void* base, int type, size_t i) {
-    if (type == CUDA_R_32F) return static_cast<const float*>(base)[i];
-    unsigned short v = static_cast<const unsigned short*>(base)[i];
-    if (type == CUDA_R_16F) return emu::f16_to_f32(v);
-    return __uint_as_float((unsigned)v << 16);
+
+// `n` elements of a 16/32-bit type from `base`, `stride` elements apart, as f32.
+void load_run(const void* base, int type, size_t first, size_t stride, size_t n, float* out) {
+    if (type == CUDA_R_32F) {
+        const float* p = static_cast<const float*>(base) + first;
+        for (size_t i = 0; i < n; ++i) out[i] = p[i * stride];
+    } else if (type == CUDA_R_16BF) {
+        const unsigned short* p = static_cast<const unsigned short*>(base) + first;
+        for (size_t i = 0; i < n; ++i) {
+            const unsigned bits = (unsigned)p[i * stride] << 16;
+            std::memcpy(&out[i], &bits, 4);
+        }
+    } else {
+        const unsigned short* p = static_cast<const unsigned short*>(base) + first;
+        for (size_t i = 0; i < n; ++i) out[i] = emu::f16_to_f32(p[i * stride]);
+    }
 }
 
 // Element (row, col) of op(M) for column-major M with leading dimension ld.
@@ -124,15 +136,14 @@ API cublasStatus_t cublasGemmEx(void* handle, int transa, int transb, int m, int
     const int status = emu::submit(h->stream, [=] {
         // op(B) column j and op(A) row i as contiguous f32 vectors, then dot products.
         std::vector<float> bt((size_t)n * k);
+        // Column j of op(B) starts at at(transb, 0, j) and steps by at(transb, 1, 0).
         for (size_t j = 0; j < (size_t)n; ++j) {
-            for (size_t l = 0; l < (size_t)k; ++l) {
-                bt[j * k + l] = load(B, btype, at(transb, l, j, ldb));
-            }
+            load_run(B, btype, at(transb, 0, j, ldb), at(transb, 1, 0, ldb), k, &bt[j * k]);
         }
         auto rows = [&](size_t i0, size_t i1) {
             std::vector<float> a(k);
             for (size_t i = i0; i < i1; ++i) {
-                for (size_t l = 0; l < (size_t)k; ++l) a[l] = load(A, atype, at(transa, i, l, lda));
+                load_run(A, atype, at(transa, i, 0, lda), at(transa, 0, 1, lda), k, a.data());
                 for (size_t j = 0; j < (size_t)n; ++j) {
                     float* c = static_cast<float*>(C) + i + j * (size_t)ldc;
                     const float v = al * dot(a.data(), &bt[j * k], k);

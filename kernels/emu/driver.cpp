@@ -133,8 +133,10 @@ bool in_device_memory(uint64_t ptr, size_t bytes) {
 
 void check_guards(const char* after) {
     std::lock_guard<std::recursive_mutex> g(g_lock);
+    static const std::vector<unsigned char> pattern(kGuard, kGuardByte);
     for (const auto& [base, a] : allocations()) {
         const auto* tail = reinterpret_cast<const unsigned char*>(base + a.size);
+        if (std::memcmp(tail, pattern.data(), kGuard) == 0) continue;
         for (size_t i = 0; i < kGuard; ++i) {
             if (tail[i] != kGuardByte) {
                 fatal(std::string("after ") + after + ": byte " + std::to_string(i) +

@@ -3,10 +3,12 @@
 // Not a product path: the nodes never load this; scripts/cuda-emu-check.sh builds it into a
 // stand-in libcuda.so / libcublas.so for the conformance suite (docs/cuda.md).
 //
-// A thread block runs on one OS thread as cooperatively scheduled fibers, one per CUDA thread.
-// A fiber runs until a barrier (__syncthreads, a warp shuffle / ballot) and yields; the
-// scheduler releases a barrier once every live thread it covers has reached it, and stops the
-// process with a report when none can be released (a divergent barrier).
+// One thread block runs at a time in the process (kernel execution holds one lock), each CUDA
+// thread as a cooperatively scheduled fiber. A fiber runs until a barrier (__syncthreads, a
+// warp shuffle / ballot) and yields; the scheduler releases a barrier once every live thread
+// it covers has reached it, and stops the process with a report when none can be released (a
+// divergent barrier). Hence plain globals below, not thread_local: TLS in a dlopen'ed library
+// costs a call per access.
 #pragma once
 
 #include <algorithm>
@@ -25,9 +27,9 @@ struct Thread {
     unsigned linear = 0;
 };
 
-// The running fiber's thread index; the block's indices (one block at a time per OS thread).
-extern thread_local Thread* t_thread;
-extern thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
+// The running fiber's thread index; the running block's indices.
+extern Thread* t_thread;
+extern dim3 t_block_idx, t_block_dim, t_grid_dim;
 
 void syncthreads();
 int syncthreads_count(int pred);
@@ -64,14 +66,14 @@ uint64_t as_bits(T v) {
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// Static shared arrays: one copy per OS thread, which runs one block at a time.
-#define __shared__ thread_local
+// Static shared arrays: one copy, as one block runs at a time.
+#define __shared__ static
 #define __restrict__
 
 // Dynamic shared memory (`extern __shared__ float smem[];`), 48 KiB: the most a launch gets
 // without opting in, which these kernels do not.
 #define EMU_DYNAMIC_SHARED_BYTES (48 * 1024)
-extern thread_local float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+extern float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
 
 inline void __syncthreads() { emu::syncthreads(); }
 inline int __syncthreads_count(int pred) { return emu::syncthreads_count(pred); }
@@ -99,8 +101,8 @@ inline double __dmul_rn(double a, double b) { return a * b; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
-// Fibers of a block interleave only at barriers, but blocks may run on several OS threads:
-// global-memory atomics must be real atomics.
+// Fibers interleave only at barriers, so these need not be atomic; they are anyway, to stay
+// correct if blocks ever run on several OS threads.
 template <typename T>
 inline T atomicAdd(T* at, T v) {
     return __atomic_fetch_add(at, v, __ATOMIC_RELAXED);

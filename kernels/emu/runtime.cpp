@@ -1,5 +1,6 @@
 // pd-cuda-emu: thread blocks as cooperatively scheduled fibers (see emu.h), the kernel
 // registry and the f16 conversions the kernels use.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -8,12 +9,12 @@
 
 #include "runtime.h"
 
-thread_local float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
 
 namespace emu {
 
-thread_local Thread* t_thread = nullptr;
-thread_local dim3 t_block_idx, t_block_dim, t_grid_dim;
+Thread* t_thread = nullptr;
+dim3 t_block_idx, t_block_dim, t_grid_dim;
 
 // --- context switch (x86-64 System V): save the callee-saved registers on the current
 // stack, store its pointer, load the other stack and restore its registers.
@@ -72,9 +73,14 @@ struct Scheduler {
     const std::function<void()>* body = nullptr;
     const char* kernel = "";
     bool reverse = false;
+    std::vector<unsigned> ready;         // fibers to run next round, in order
+    std::vector<unsigned> warp_waiting;  // per warp: lanes waiting at a warp op
+    size_t done = 0, at_block = 0;
 };
 
-thread_local Scheduler t_sched;
+Scheduler g_sched;
+// Kernel execution is one block at a time in the whole process (see emu.h).
+std::mutex g_kernel_lock;
 
 const char* wait_name(Wait w) {
     switch (w) {
@@ -87,25 +93,25 @@ const char* wait_name(Wait w) {
 }
 
 void fiber_main() {
-    Fiber* f = t_sched.current;
-    (*t_sched.body)();
+    Fiber* f = g_sched.current;
+    (*g_sched.body)();
     f->wait = Wait::Done;
-    pd_emu_switch(&f->sp, t_sched.sp);
+    pd_emu_switch(&f->sp, g_sched.sp);
     __builtin_trap();  // a finished fiber is never resumed
 }
 
 Fiber& current() {
-    if (t_sched.current == nullptr) fatal("a device function ran outside a kernel launch");
-    return *t_sched.current;
+    if (g_sched.current == nullptr) fatal("a device function ran outside a kernel launch");
+    return *g_sched.current;
 }
 
 void yield() {
     Fiber& f = current();
-    pd_emu_switch(&f.sp, t_sched.sp);
+    pd_emu_switch(&f.sp, g_sched.sp);
 }
 
 [[noreturn]] void block_fatal(const std::string& what) {
-    Scheduler& s = t_sched;
+    Scheduler& s = g_sched;
     std::string states;
     for (size_t i = 0; i < s.fibers.size(); ++i) {
         if (i == 0 || s.fibers[i].wait != s.fibers[i - 1].wait) {
@@ -117,9 +123,10 @@ void yield() {
           "): " + what + states);
 }
 
-// Release the lanes of `warp` waiting at a warp op if every lane of their mask is there.
+// Release the lanes of the warp starting at fiber `first` that wait at a warp op, if every
+// lane of their mask is there; false if some are still to arrive.
 bool release_warp(size_t first, size_t lanes) {
-    Scheduler& s = t_sched;
+    Scheduler& s = g_sched;
     Fiber* lead = nullptr;
     for (size_t l = 0; l < lanes; ++l) {
         if (s.fibers[first + l].wait == Wait::Warp) {
@@ -140,7 +147,7 @@ bool release_warp(size_t first, size_t lanes) {
             block_fatal("lane " + std::to_string(l) + " of warp " + std::to_string(first / 32) +
                         " exited before a warp op whose mask names it");
         }
-        if (f.wait != Wait::Warp) return false;  // still to arrive (or at __syncthreads)
+        if (f.wait != Wait::Warp) return false;  // at __syncthreads: a deadlock, found later
         if (f.mask != mask || f.op != lead->op) {
             block_fatal("lanes of warp " + std::to_string(first / 32) +
                         " are at different warp ops (masks or kinds differ)");
@@ -163,12 +170,14 @@ bool release_warp(size_t first, size_t lanes) {
             f.result = s.fibers[first + src].value;
         }
         f.wait = Wait::Ready;
+        s.ready.push_back((unsigned)(first + l));
+        --s.warp_waiting[first / 32];
     }
     return true;
 }
 
 void run_block(size_t threads) {
-    Scheduler& s = t_sched;
+    Scheduler& s = g_sched;
     if (s.fibers.size() < threads) s.fibers.resize(threads);
     while (s.stacks.size() < threads) s.stacks.emplace_back(new char[kStack]);
     for (size_t i = 0; i < threads; ++i) {
@@ -188,38 +197,56 @@ void run_block(size_t threads) {
         f.sp = sp;
     }
     s.fibers.resize(threads);
-    for (;;) {
+    const size_t warps = (threads + 31) / 32;
+    s.warp_waiting.assign(warps, 0);
+    s.done = 0;
+    s.at_block = 0;
+    auto all_ready = [&] {
+        s.ready.clear();
         for (size_t k = 0; k < threads; ++k) {
-            Fiber& f = s.fibers[s.reverse ? threads - 1 - k : k];
-            if (f.wait != Wait::Ready) continue;
+            s.ready.push_back((unsigned)(s.reverse ? threads - 1 - k : k));
+        }
+    };
+    all_ready();
+    for (;;) {
+        for (unsigned i : s.ready) {
+            Fiber& f = s.fibers[i];
             s.current = &f;
             t_thread = &f.thread;
             pd_emu_switch(&s.sp, f.sp);
+            switch (f.wait) {
+                case Wait::Done: ++s.done; break;
+                case Wait::Block: ++s.at_block; break;
+                case Wait::Warp: ++s.warp_waiting[i / 32]; break;
+                case Wait::Ready: fatal("a fiber yielded without waiting");
+            }
         }
         s.current = nullptr;
         t_thread = nullptr;
-        size_t done = 0, at_block = 0;
-        int count = 0;
-        for (const Fiber& f : s.fibers) {
-            done += f.wait == Wait::Done;
-            at_block += f.wait == Wait::Block;
-            count += f.wait == Wait::Block && f.pred;
+        s.ready.clear();
+        if (s.done == threads) return;
+        for (size_t w = 0; w < warps; ++w) {
+            if (s.warp_waiting[w] > 0) {
+                release_warp(w * 32, std::min<size_t>(32, threads - w * 32));
+            }
         }
-        if (done == threads) return;
-        bool released = false;
-        for (size_t w = 0; w < threads; w += 32) {
-            released |= release_warp(w, std::min<size_t>(32, threads - w));
+        if (!s.ready.empty()) {
+            if (s.reverse) std::reverse(s.ready.begin(), s.ready.end());
+            continue;
         }
-        if (released) continue;
-        if (at_block + done == threads) {
-            if (done > 0) {
-                block_fatal("__syncthreads reached while " + std::to_string(done) +
+        if (s.at_block + s.done == threads) {
+            if (s.done > 0) {
+                block_fatal("__syncthreads reached while " + std::to_string(s.done) +
                             " threads of the block had exited");
             }
+            int count = 0;
+            for (const Fiber& f : s.fibers) count += f.pred;
             for (Fiber& f : s.fibers) {
                 f.result = (uint64_t)count;
                 f.wait = Wait::Ready;
             }
+            s.at_block = 0;
+            all_ready();
             continue;
         }
         block_fatal("no barrier can be released (divergent __syncthreads or warp op)");
@@ -286,7 +313,8 @@ const Kernel* find_kernel(const std::string& name) {
 }
 
 void run_grid(const char* kernel, const LaunchShape& shape, const std::function<void()>& body) {
-    Scheduler& s = t_sched;
+    std::lock_guard<std::mutex> lock(g_kernel_lock);
+    Scheduler& s = g_sched;
     static const bool reverse = [] {
         const char* v = std::getenv("PD_CUDA_EMU_SCHEDULE");
         return v != nullptr && std::string(v) == "reverse";
@@ -297,20 +325,22 @@ void run_grid(const char* kernel, const LaunchShape& shape, const std::function<
     t_grid_dim = shape.grid;
     t_block_dim = shape.block;
     const size_t threads = (size_t)shape.block.x * shape.block.y * shape.block.z;
+    // Dynamic shared memory starts as NaN, as garbage would: a read before a write shows; a
+    // write up to 4 KiB past the launch's size shows in the bytes after it.
+    const size_t watched = std::min<size_t>(shape.shared_bytes + 4096, sizeof(smem));
+    auto* bytes = reinterpret_cast<unsigned char*>(smem);
     for (unsigned z = 0; z < shape.grid.z; ++z) {
         for (unsigned y = 0; y < shape.grid.y; ++y) {
             for (unsigned x = 0; x < shape.grid.x; ++x) {
                 t_block_idx = dim3{x, y, z};
-                // Shared memory starts as NaN, as garbage would: a read before a write shows;
-                // a write past the launch's dynamic size shows in the bytes after it.
-                std::memset(smem, 0xff, sizeof(smem));
+                std::memset(bytes, 0xff, watched);
                 run_block(threads);
-                const auto* bytes = reinterpret_cast<const unsigned char*>(smem);
-                for (size_t i = shape.shared_bytes; i < sizeof(smem); ++i) {
+                for (size_t i = shape.shared_bytes; i < watched; ++i) {
                     if (bytes[i] != 0xff) {
-                        fatal(std::string("kernel ") + kernel + " wrote dynamic shared memory byte " +
-                              std::to_string(i) + ", past the " +
-                              std::to_string(shape.shared_bytes) + " bytes its launch asked for");
+                        fatal(std::string("kernel ") + kernel +
+                              " wrote dynamic shared memory byte " + std::to_string(i) +
+                              ", past the " + std::to_string(shape.shared_bytes) +
+                              " bytes its launch asked for");
                     }
                 }
             }
