@@ -12,8 +12,8 @@
 #    conformance suite against the CPU backend, once more with the threads of each block
 #    scheduled in reverse (a missing __syncthreads changes the result), and the GPU
 #    benchmark at smoke sizes, so that scripts/gpu-check.sh has run end to end before a GPU
-#    host runs it; then the cluster keystone with both nodes on `--device cuda`
-#    (tests/tests/cuda.rs).
+#    host runs it; the start-up refusals (old device, missing device, too little memory);
+#    then the cluster keystone with both nodes on `--device cuda` (tests/tests/cuda.rs).
 # NVRTC and ptxas come from PyPI (CUDA 13.0, the version of the GPU test host's driver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,11 @@ done
 
 echo "== pd-cuda-emu: the CUDA backend with its kernels run on the CPU (no GPU; docs/cuda.md)"
 emu_dir="$PWD/target/cuda-emu"
+if ! command -v "${CXX:-g++}" >/dev/null; then
+    as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++
+fi
 kernels/emu/build.sh "$emu_dir"
 conformance="$(cargo test --locked -p pd-kernels --features cuda --test gpu_conformance \
     --no-run --message-format=json 2>/dev/null \
@@ -91,6 +96,26 @@ bench_out="$(mktemp -d)"
 emu env PD_GPU_BENCH_SMOKE=1 target/debug/examples/gpu_bench "$bench_out" synthetic:tiny
 test -s "$bench_out/gpu_bench.json" || { echo "gpu_bench wrote no gpu_bench.json" >&2; exit 1; }
 rm -rf "$bench_out"
+echo "-- refusals at start, each one sentence (pdctl run and prefill-node on --device cuda)"
+refused() { # refused "what it must say" COMMAND...: COMMAND fails and says it
+    local want="$1" out
+    shift
+    if out="$("$@" 2>&1)"; then
+        echo "started, but should have refused: $*" >&2
+        exit 1
+    fi
+    grep -qF -- "$want" <<<"$out" || { echo "$*: expected \"$want\" in:" >&2; echo "$out" >&2; exit 1; }
+    echo "  $(grep -F -- "$want" <<<"$out" | head -1)"
+}
+cargo build --locked -p prefill-node -p pdctl --features cuda
+refused "compute capability 7.5, but the CUDA backend needs 8.0" \
+    emu env PD_CUDA_EMU_CC=7.5 target/debug/pdctl run --device cuda --prompt hi --model synthetic:tiny
+refused "compute capability 7.0, but the CUDA backend needs 8.0" \
+    emu env PD_CUDA_EMU_CC=7.0 target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
+refused "this machine has 1 CUDA device(s)" \
+    emu target/debug/pdctl run --device cuda:1 --prompt hi --model synthetic:tiny
+refused "raise --gpu-memory-utilization or use a smaller model" \
+    emu env PD_CUDA_EMU_MEMORY_MIB=1024 target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
 echo "-- the keystone on CUDA nodes (router -> prefill -> decode, --device cuda, CUDA graphs on)"
 keystone="$(cargo test --locked --workspace --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*\/cuda-[0-9a-f]*\)".*/\1/p' | tail -1)"

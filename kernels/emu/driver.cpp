@@ -1,6 +1,7 @@
 // pd-cuda-emu: a stand-in for the CUDA driver API (libcuda.so), as much of it as cudarc and
 // pd-kernels call. One emulated device, "compute capability 9.0 with 132 multiprocessors"
-// (an H100/H200's figures, so launch planning takes the same decisions as there). Device
+// (an H100/H200's figures, so launch planning takes the same decisions as there;
+// PD_CUDA_EMU_CC changes the first). Device
 // memory is host memory; every operation runs synchronously on the calling thread, or is
 // recorded while its stream captures a graph. Launches are validated as the driver does
 // (block and grid limits, shared memory, __launch_bounds__), and more strictly: every pointer
@@ -78,6 +79,19 @@ size_t total_memory() {
         return (mib == 0 ? 4096 : mib) << 20;
     }();
     return total;
+}
+
+// 9.0 unless PD_CUDA_EMU_CC says otherwise (e.g. "7.5", to see an old device refused).
+std::pair<int, int> compute_capability() {
+    static const std::pair<int, int> cc = [] {
+        const char* v = std::getenv("PD_CUDA_EMU_CC");
+        int major = 9, minor = 0;
+        if (v != nullptr && std::sscanf(v, "%d.%d", &major, &minor) != 2) {
+            fatal(std::string("PD_CUDA_EMU_CC=") + v + ": expected MAJOR.MINOR");
+        }
+        return std::make_pair(major, minor);
+    }();
+    return cc;
 }
 
 CUresult fail(CUresult code, const std::string& why) {
@@ -195,8 +209,8 @@ API CUresult cuDeviceGetAttribute(int* v, int attribute, int) {
         case 8: *v = 49152; break;           // max shared memory per block
         case 10: *v = 32; break;             // warp size
         case 16: *v = 132; break;            // multiprocessors
-        case 75: *v = 9; break;              // compute capability
-        case 76: *v = 0; break;
+        case 75: *v = compute_capability().first; break;
+        case 76: *v = compute_capability().second; break;
         case 115: *v = 1; break;             // memory pools
         default:
             std::fprintf(stderr, "pd-cuda-emu: device attribute %d read as 0\n", attribute);
