@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build pd-cuda-emu (kernels/emu/): the CUDA kernel sources of kernels/src/cuda/ compiled as
 # C++ for the CPU, with a stand-in CUDA driver and cuBLAS, into OUT_DIR/libpdcudaemu.so, linked
-# as OUT_DIR/libcuda.so and OUT_DIR/libcublas.so. With OUT_DIR first on LD_LIBRARY_PATH (and a
-# real libnvrtc after it), cudarc finds these and pd-kernels' CUDA backend runs on the CPU.
-# A test tool only (scripts/cuda-emu-check.sh); no product binary loads it.
+# as OUT_DIR/libcuda.so and OUT_DIR/libcublas.so, and its self-test OUT_DIR/selftest. With
+# OUT_DIR first on LD_LIBRARY_PATH (and a real libnvrtc after it), cudarc finds these and
+# pd-kernels' CUDA backend runs on the CPU. A test tool only (scripts/cuda-check.sh); no
+# product binary loads it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:?usage: kernels/emu/build.sh OUT_DIR}"
@@ -46,6 +47,9 @@ for src in "$here/runtime.cpp" "$here/driver.cpp" "$here/cublas.cpp" "$out"/src/
     objs+=("$obj")
 done
 "$cxx" -shared -pthread -Wl,--no-undefined -o "$out/libpdcudaemu.so" "${objs[@]}"
+# The emulator's own test (selftest.cpp), linked with the same objects.
+"$cxx" "${flags[@]}" -c "$here/selftest.cpp" -o "$out/src/selftest.o"
+"$cxx" -pthread -o "$out/selftest" "$out/src/selftest.o" "${objs[@]}"
 ln -sf libpdcudaemu.so "$out/libcuda.so"
 ln -sf libpdcudaemu.so "$out/libcublas.so"
 echo "pd-cuda-emu: $out/libcuda.so, $out/libcublas.so"
