@@ -9,10 +9,15 @@
 //! token, up to the first position where the CPU's top-2 margin is too thin for two backends to
 //! agree on (f32 sums in another order: the synthetic model's logits are nearly flat); the
 //! decode node received the KV over the transfer; a repeated prompt reuses the prefill node's
-//! cached GPU blocks; afterwards every block on both nodes is free.
+//! cached GPU blocks; afterwards every block on both nodes is free. And a CPU node and a CUDA
+//! node hand KV to each other both ways (the block layout is the same f32 layout on both
+//! devices, so one cluster may mix them).
 
 use pd_proto::pb;
-use pd_tests::{Cluster, all_blocks_free, client, collect, exposition, greedy, json_of, pdctl};
+use pd_tests::{
+    Cluster, Process, all_blocks_free, client, collect, exposition, greedy, json_of, node_info,
+    pdctl, wait_serving,
+};
 
 /// Below this top-2 logprob margin (nats) the CPU's choice is a tie for practical purposes.
 const CLEAR_MARGIN: f64 = 1e-3;
@@ -147,4 +152,67 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
     assert_eq!(usage.local_cached_tokens, whole_blocks);
     all_blocks_free(&cluster).await;
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
+
+/// A node of `role` on `device`, with the flags of the keystone above.
+fn node(role: &str, device: &str, cache: &std::path::Path) -> Process {
+    Process::start(
+        &format!("{role}-node"),
+        cache,
+        &[
+            "--model",
+            "synthetic:tiny",
+            "--port",
+            "0",
+            "--device",
+            device,
+            "--max-num-batched-tokens",
+            "7",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{role} node on {device}: {e:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
+    if !enabled() {
+        eprintln!("PD_TEST_CUDA not set: skipped (needs CUDA nodes: a GPU, or pd-cuda-emu)");
+        return;
+    }
+    let cache = tempfile::tempdir().expect("tempdir");
+    for (prefill_device, decode_device) in [("cpu", "cuda"), ("cuda", "cpu")] {
+        let what = format!("prefill on {prefill_device}, decode on {decode_device}");
+        let prefill = node("prefill", prefill_device, cache.path());
+        let decode = node("decode", decode_device, cache.path());
+        let router = Process::start(
+            "router",
+            cache.path(),
+            &[
+                "--model",
+                "synthetic:tiny",
+                "--prefill",
+                &prefill.addr(),
+                "--decode",
+                &decode.addr(),
+            ],
+        )
+        .expect("router");
+        wait_serving(&router.addr()).await.expect("router serving");
+        let mut c = client(&router.addr()).await;
+        let mut compared = 0;
+        for ids in prompts().into_iter().skip(2) {
+            let (want, margins) = reference(cache.path(), &ids, 12);
+            let (got, _) = collect(&mut c, greedy(ids.clone(), 12))
+                .await
+                .expect("a stream");
+            let prompt = format!("{what}: prompt of {} tokens", ids.len());
+            compared += assert_same_where_clear(&got, &want, &margins, &prompt);
+        }
+        assert!(compared >= 18, "{what}: only {compared} of 36 tokens compared");
+        let counters = node_info(&decode.addr(), "decode")
+            .await
+            .counters
+            .expect("counters");
+        assert_eq!(counters.kv_transfers, 3, "{what}: one KV transfer per request");
+    }
 }
