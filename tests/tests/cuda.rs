@@ -208,11 +208,17 @@ async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
             let prompt = format!("{what}: prompt of {} tokens", ids.len());
             compared += assert_same_where_clear(&got, &want, &margins, &prompt);
         }
-        assert!(compared >= 18, "{what}: only {compared} of 36 tokens compared");
+        assert!(
+            compared >= 18,
+            "{what}: only {compared} of 36 tokens compared"
+        );
         let counters = node_info(&decode.addr(), "decode")
             .await
             .counters
             .expect("counters");
-        assert_eq!(counters.kv_transfers, 3, "{what}: one KV transfer per request");
+        assert_eq!(
+            counters.kv_transfers, 3,
+            "{what}: one KV transfer per request"
+        );
     }
 }
