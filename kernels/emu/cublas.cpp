@@ -133,6 +133,7 @@ API cublasStatus_t cublasGemmEx(void* handle, int transa, int transb, int m, int
     }
     const float al = *static_cast<const float*>(alpha);
     const float be = *static_cast<const float*>(beta);
+    if (!emu::capturing(h->stream)) emu::count(emu::Stat::GemmIssued);
     const int status = emu::submit(h->stream, [=] {
         // op(B) column j and op(A) row i as contiguous f32 vectors, then dot products.
         std::vector<float> bt((size_t)n * k);

@@ -7,6 +7,7 @@
 // (block and grid limits, shared memory, __launch_bounds__), and more strictly: every pointer
 // argument must lie in live device memory, and guard bytes after each allocation are checked
 // after every operation.
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -107,6 +108,7 @@ std::string hex(uint64_t v) {
 
 CUresult allocate(CUdeviceptr* out, size_t bytes, bool graph_owned) {
     std::lock_guard<std::recursive_mutex> g(g_lock);
+    count(Stat::Alloc);
     if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (bytes == 0) return fail(CUDA_ERROR_INVALID_VALUE, "cuMemAlloc of 0 bytes");
     if (g_used + bytes > total_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -160,6 +162,38 @@ void check_guards(const char* after) {
         }
     }
 }
+
+namespace {
+
+std::atomic<uint64_t> g_stats[(size_t)Stat::Count_];
+
+// Writes the counters at exit when PD_CUDA_EMU_STATS names a file.
+struct StatsAtExit {
+    ~StatsAtExit() {
+        const char* path = std::getenv("PD_CUDA_EMU_STATS");
+        if (path == nullptr || *path == 0) return;
+        static const char* names[] = {"launches_issued", "gemms_issued", "graph_launches",
+                                      "kernels_run",     "htod_bytes",   "dtoh_bytes",
+                                      "dtod_bytes",      "htod_copies",  "dtoh_copies",
+                                      "syncs",           "allocs"};
+        static_assert(sizeof(names) / sizeof(names[0]) == (size_t)Stat::Count_);
+        FILE* f = std::fopen(path, "w");
+        if (f == nullptr) return;
+        std::fprintf(f, "{");
+        for (size_t i = 0; i < (size_t)Stat::Count_; ++i) {
+            std::fprintf(f, "%s\"%s\": %llu", i ? ", " : "", names[i],
+                         (unsigned long long)g_stats[i].load());
+        }
+        std::fprintf(f, "}\n");
+        std::fclose(f);
+    }
+} g_stats_at_exit;
+
+}  // namespace
+
+void count(Stat what, uint64_t n) { g_stats[(size_t)what] += n; }
+
+bool capturing(void* stream) { return stream_of(stream)->capture != nullptr; }
 
 int submit(void* stream, const std::function<void()>& op) {
     Stream* s = stream_of(stream);
@@ -318,6 +352,15 @@ static CUresult copy(const char* what, void* stream, void* dst, const void* src,
         return fail(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
                     std::string(what) + " of pageable host memory while capturing");
     }
+    if (!src_device) {
+        count(Stat::CopiesHtoD);
+        count(Stat::CopyHtoD, n);
+    } else if (!dst_device) {
+        count(Stat::CopiesDtoH);
+        count(Stat::CopyDtoH, n);
+    } else {
+        count(Stat::CopyDtoD, n);
+    }
     return submit(stream, [=] { std::memmove(dst, src, n); });
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
@@ -368,6 +411,7 @@ API CUresult cuStreamDestroy_v2(void* s) {
     return CUDA_SUCCESS;
 }
 API CUresult cuStreamSynchronize(void* s) {
+    count(Stat::Sync);
     if (stream_of(s)->capture != nullptr) {
         return fail(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize while capturing");
     }
@@ -403,6 +447,7 @@ API CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long
 }
 API CUresult cuGraphLaunch(void* exec, void* stream) {
     auto* e = static_cast<GraphExec*>(exec);
+    count(Stat::GraphLaunch);
     return submit(stream, [e] {
         for (const auto& node : e->nodes) node();
     });
@@ -522,7 +567,9 @@ API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
         values->emplace_back(v, v + k->param_sizes[i]);
     }
     const LaunchShape shape{dim3{gx, gy, gz}, dim3{bx, by, bz}, shared};
+    if (stream_of(stream)->capture == nullptr) count(Stat::LaunchIssued);
     return submit(stream, [k, values, shape, name] {
+        count(Stat::KernelRun);
         std::vector<void*> ptrs;
         for (size_t i = 0; i < values->size(); ++i) {
             void* v = (*values)[i].data();

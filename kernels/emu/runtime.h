@@ -71,6 +71,26 @@ void check_guards(const char* after);
 // Run `op` on `stream` (a CUstream; null is the legacy default stream): at once, or recorded
 // into the graph being captured on it. Returns a CUresult.
 int submit(void* stream, const std::function<void()>& op);
+// Whether `stream` is capturing a graph.
+bool capturing(void* stream);
+
+// What the host asked of the device, for PD_CUDA_EMU_STATS=FILE (written at exit): on a GPU
+// each host-issued launch and copy costs CPU time and latency, which graphs avoid.
+enum class Stat {
+    LaunchIssued,    // cuLaunchKernel outside a capture
+    GemmIssued,      // cublasGemmEx outside a capture
+    GraphLaunch,     // cuGraphLaunch
+    KernelRun,       // kernels executed, graph replays included
+    CopyHtoD,        // bytes
+    CopyDtoH,        // bytes
+    CopyDtoD,        // bytes
+    CopiesHtoD,      // calls
+    CopiesDtoH,      // calls
+    Sync,            // cuStreamSynchronize
+    Alloc,           // cuMemAlloc / cuMemAllocAsync
+    Count_,
+};
+void count(Stat what, uint64_t n = 1);
 
 // Fail loudly: the emulator reports a defect in the code under test and stops the process.
 [[noreturn]] void fatal(const std::string& message);
