@@ -114,6 +114,17 @@ pub trait Backend: Send + Sync + 'static {
     /// `x · Wᵀ`: `[rows, in] × [out, in]ᵀ → [rows, out]`.
     fn linear(&self, x: &Self::Tensor, weight: &Self::Weight) -> Self::Tensor;
 
+    /// `x · Wᵢᵀ` for each of projections that share their input (q, k, v; gate, up), in
+    /// order. One `linear` each by default; a backend that prepares the input for every
+    /// product (the CUDA backend's 16-bit copy for the tensor cores) does it once.
+    fn linear_shared<const N: usize>(
+        &self,
+        x: &Self::Tensor,
+        weights: [&Self::Weight; N],
+    ) -> [Self::Tensor; N] {
+        weights.map(|w| self.linear(x, w))
+    }
+
     /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at
     /// `positions[i]`, `inv_freq[j] = theta^(-2j/head_dim)`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, theta: f64);

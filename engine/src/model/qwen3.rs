@@ -155,9 +155,8 @@ impl<B: Backend> Qwen3<B> {
         let mut x = backend.embedding(&self.embed, tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             let h = backend.rms_norm(&x, &layer.input_norm, c.hidden_size, eps);
-            let mut q = backend.linear(&h, &layer.q_proj);
-            let mut k = backend.linear(&h, &layer.k_proj);
-            let v = backend.linear(&h, &layer.v_proj);
+            let [mut q, mut k, v] =
+                backend.linear_shared(&h, [&layer.q_proj, &layer.k_proj, &layer.v_proj]);
             q = backend.rms_norm(&q, &layer.q_norm, c.head_dim, eps);
             k = backend.rms_norm(&k, &layer.k_norm, c.head_dim, eps);
             backend.rope(&mut q, &positions, c.head_dim, c.rope_theta);
@@ -168,8 +167,7 @@ impl<B: Backend> Qwen3<B> {
             backend.add_assign(&mut x, &o);
 
             let h = backend.rms_norm(&x, &layer.post_norm, c.hidden_size, eps);
-            let gate = backend.linear(&h, &layer.gate_proj);
-            let up = backend.linear(&h, &layer.up_proj);
+            let [gate, up] = backend.linear_shared(&h, [&layer.gate_proj, &layer.up_proj]);
             let act = backend.silu_mul(&gate, &up);
             let down = backend.linear(&act, &layer.down_proj);
             backend.add_assign(&mut x, &down);

@@ -242,6 +242,52 @@ impl CudaBackend {
     }
 
     /// A 16-bit copy of `x` for a GEMM with 16-bit weights.
+    /// `x · Wᵀ`, with `x16` the 16-bit copy of `x` when the caller already made it.
+    fn linear_with(
+        &self,
+        x: &CudaTensor,
+        x16: Option<&CudaSlice<u16>>,
+        weight: &CudaWeight,
+    ) -> CudaTensor {
+        let (dtype, n, k, w) = weight_matrix(weight);
+        assert_eq!(x.cols, k, "linear: input width");
+        let mut out = self.tensor(x.rows, n);
+        if x.rows == 0 || n == 0 {
+            return out;
+        }
+        match dtype {
+            DType::F32 => {
+                // SAFETY: an f32 matrix's bytes are n*k f32 values (its shape was checked
+                // against the byte length when the checkpoint was opened).
+                let w32 = unsafe { w.transmute::<f32>(n * k) }.expect("f32 weight length");
+                gemm::linear(
+                    &self.dev,
+                    GemmType::F32,
+                    &x.data,
+                    x.rows,
+                    &w32,
+                    n,
+                    k,
+                    &mut out.data,
+                )
+            }
+            DType::BF16 | DType::F16 => {
+                let ty = if dtype == DType::BF16 {
+                    GemmType::BF16
+                } else {
+                    GemmType::F16
+                };
+                match x16 {
+                    Some(x16) => gemm::linear(&self.dev, ty, x16, x.rows, w, n, k, &mut out.data),
+                    None => {
+                        let x16 = self.cast(x, dtype);
+                        gemm::linear(&self.dev, ty, &x16, x.rows, w, n, k, &mut out.data)
+                    }
+                }
+            }
+        }
+        out
+    }
     fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {
         let out = self.alloc::<u16>(x.len());
         let n = x.len() as u64;
@@ -425,39 +471,21 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
-        let (dtype, n, k, w) = weight_matrix(weight);
-        assert_eq!(x.cols, k, "linear: input width");
-        let mut out = self.tensor(x.rows, n);
-        if x.rows == 0 || n == 0 {
-            return out;
-        }
-        match dtype {
-            DType::F32 => {
-                // SAFETY: an f32 matrix's bytes are n*k f32 values (its shape was checked
-                // against the byte length when the checkpoint was opened).
-                let w32 = unsafe { w.transmute::<f32>(n * k) }.expect("f32 weight length");
-                gemm::linear(
-                    &self.dev,
-                    GemmType::F32,
-                    &x.data,
-                    x.rows,
-                    &w32,
-                    n,
-                    k,
-                    &mut out.data,
-                )
-            }
-            DType::BF16 | DType::F16 => {
-                let ty = if dtype == DType::BF16 {
-                    GemmType::BF16
-                } else {
-                    GemmType::F16
-                };
-                let x16 = self.cast(x, dtype);
-                gemm::linear(&self.dev, ty, &x16, x.rows, w, n, k, &mut out.data)
-            }
-        }
-        out
+        self.linear_with(x, None, weight)
+    }
+
+    fn linear_shared<const N: usize>(
+        &self,
+        x: &CudaTensor,
+        weights: [&CudaWeight; N],
+    ) -> [CudaTensor; N] {
+        // One 16-bit copy of `x` for all the products when they all take that dtype.
+        let dtype = weight_matrix(weights[0]).0;
+        let shared = dtype != DType::F32
+            && !x.is_empty()
+            && weights.iter().all(|w| weight_matrix(w).0 == dtype);
+        let x16 = shared.then(|| self.cast(x, dtype));
+        weights.map(|w| self.linear_with(x, x16.as_ref(), w))
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {
