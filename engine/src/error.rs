@@ -51,6 +51,10 @@ pub enum EngineError {
     InvalidRequest(String),
     #[error("out of KV cache blocks: {0}")]
     OutOfBlocks(String),
+    /// The device cannot hold what the node needs besides KV (weights, activations): the
+    /// message names the memory figures and the flag to change.
+    #[error("{0}")]
+    DeviceMemory(String),
 }
 
 impl EngineError {
@@ -63,7 +67,9 @@ impl EngineError {
             | EngineError::UnknownSynthetic { .. } => ErrorKind::FailedPrecondition,
             EngineError::Tokenizer(_) => ErrorKind::FailedPrecondition,
             EngineError::Sampling(_) | EngineError::InvalidRequest(_) => ErrorKind::InvalidArgument,
-            EngineError::OutOfBlocks(_) => ErrorKind::ResourceExhausted,
+            EngineError::OutOfBlocks(_) | EngineError::DeviceMemory(_) => {
+                ErrorKind::ResourceExhausted
+            }
         }
     }
 

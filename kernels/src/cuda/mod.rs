@@ -419,7 +419,7 @@ impl Backend for CudaBackend {
     fn kv_memory_budget(&self, activation_bytes: usize) -> Result<Option<usize>, EngineError> {
         self.kv_budget_bytes(activation_bytes)
             .map(Some)
-            .map_err(|e| EngineError::OutOfBlocks(e.to_string()))
+            .map_err(|e| EngineError::DeviceMemory(e.to_string()))
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
