@@ -129,6 +129,28 @@ pub trait Backend: Send + Sync + 'static {
     /// `positions[i]`, `inv_freq[j] = theta^(-2j/head_dim)`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, theta: f64);
 
+    /// Qwen3's attention-input step: per-head RMSNorm of `q` and `k` (weights `[head_dim]`),
+    /// then RoPE on both at `positions`. By default those four ops; a backend may fuse them
+    /// (the CUDA backend runs one kernel instead of four launches).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: &Self::Tensor,
+        q_norm: &Self::Weight,
+        k: &Self::Tensor,
+        k_norm: &Self::Weight,
+        positions: &[u32],
+        head_dim: usize,
+        eps: f32,
+        theta: f64,
+    ) -> (Self::Tensor, Self::Tensor) {
+        let mut q = self.rms_norm(q, q_norm, head_dim, eps);
+        let mut k = self.rms_norm(k, k_norm, head_dim, eps);
+        self.rope(&mut q, positions, head_dim, theta);
+        self.rope(&mut k, positions, head_dim, theta);
+        (q, k)
+    }
+
     /// Write this step's keys and values (`[rows, kv_heads * head_dim]`) into `slots`.
     fn write_kv(
         &self,

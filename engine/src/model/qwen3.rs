@@ -155,12 +155,18 @@ impl<B: Backend> Qwen3<B> {
         let mut x = backend.embedding(&self.embed, tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             let h = backend.rms_norm(&x, &layer.input_norm, c.hidden_size, eps);
-            let [mut q, mut k, v] =
+            let [q, k, v] =
                 backend.linear_shared(&h, [&layer.q_proj, &layer.k_proj, &layer.v_proj]);
-            q = backend.rms_norm(&q, &layer.q_norm, c.head_dim, eps);
-            k = backend.rms_norm(&k, &layer.k_norm, c.head_dim, eps);
-            backend.rope(&mut q, &positions, c.head_dim, c.rope_theta);
-            backend.rope(&mut k, &positions, c.head_dim, c.rope_theta);
+            let (q, k) = backend.qk_norm_rope(
+                &q,
+                &layer.q_norm,
+                &k,
+                &layer.k_norm,
+                &positions,
+                c.head_dim,
+                eps,
+                c.rope_theta,
+            );
             backend.write_kv(kv, i, &k, &v, &slots);
             let attn = backend.paged_attention(&q, kv, i, meta);
             let o = backend.linear(&attn, &layer.o_proj);

@@ -56,6 +56,47 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int row
     h[j + half] = hi * c + lo * s;
 }
 
+// Qwen3's q/k step fused: per-head RMSNorm (weights wq / wk of head_dim) then rotate-half RoPE,
+// from q [rows, q_heads * head_dim] and k [rows, k_heads * head_dim] into q_out / k_out. One
+// block per (row, head) of q then k; thread j owns the pair (j, j + head_dim / 2). The same
+// arithmetic as rms_norm followed by rope, without the round trip through memory.
+extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const float* wq,
+                                        const float* wk, float* q_out, float* k_out,
+                                        const unsigned int* positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, float eps, float theta) {
+    __shared__ float scratch[WARP];
+    const int heads = q_heads + k_heads;
+    const int r = blockIdx.x / heads;
+    const int h = blockIdx.x % heads;
+    if (r >= rows) return;  // uniform across the block
+    const bool is_q = h < q_heads;
+    const int head = is_q ? h : h - q_heads;
+    const unsigned long long at =
+        (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim + head * head_dim;
+    const float* x = (is_q ? q : k) + at;
+    float* o = (is_q ? q_out : k_out) + at;
+    const float* w = is_q ? wq : wk;
+    const int half = head_dim / 2;
+    const int j = threadIdx.x;
+    float lo = 0.0f;
+    float hi = 0.0f;
+    if (j < half) {
+        lo = x[j];
+        hi = x[j + half];
+    }
+    const float ss = block_sum(lo * lo + hi * hi, scratch);
+    if (j >= half) return;
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    lo = lo * inv * w[j];
+    hi = hi * inv * w[j + half];
+    const float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)head_dim);
+    const float a = (float)positions[r] * inv_freq;
+    float s, c;
+    sincosf(a, &s, &c);
+    o[j] = lo * c - hi * s;
+    o[j + half] = hi * c + lo * s;
+}
+
 // out = silu(gate) * up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out,
                                     unsigned long long n) {

@@ -513,6 +513,71 @@ impl Backend for CudaBackend {
         self.launch("rope", b, Self::elements(x.len() / 2));
     }
 
+    fn qk_norm_rope(
+        &self,
+        q: &CudaTensor,
+        q_norm: &CudaWeight,
+        k: &CudaTensor,
+        k_norm: &CudaWeight,
+        positions: &[u32],
+        head_dim: usize,
+        eps: f32,
+        theta: f64,
+    ) -> (CudaTensor, CudaTensor) {
+        assert_eq!(positions.len(), q.rows);
+        assert_eq!(q.rows, k.rows, "q and k have the same rows");
+        assert!(
+            q.cols.is_multiple_of(head_dim) && k.cols.is_multiple_of(head_dim),
+            "q/k widths are whole heads"
+        );
+        let (q_out, k_out) = (self.tensor(q.rows, q.cols), self.tensor(k.rows, k.cols));
+        if q.rows == 0 {
+            return (q_out, k_out);
+        }
+        let pos = match self.capture_inputs() {
+            Some(staged) => staged.positions,
+            None => {
+                let mut uploads = self.uploads.lock().expect("uploads lock");
+                self.ptr(cached(&mut uploads.positions, positions, |h| {
+                    self.upload(h)
+                }))
+            }
+        };
+        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
+        let (rows, qh, kh, hd, th) = (
+            q.rows as i32,
+            q_heads as i32,
+            k_heads as i32,
+            head_dim as i32,
+            theta as f32,
+        );
+        // One thread per rotated pair, in whole warps (block_sum needs them).
+        let threads = (head_dim / 2).div_ceil(32).max(1) as u32 * 32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.qk_norm_rope);
+        b.arg(&q.data)
+            .arg(&k.data)
+            .arg(weight_vector(q_norm))
+            .arg(weight_vector(k_norm))
+            .arg(&q_out.data)
+            .arg(&k_out.data)
+            .arg(&pos)
+            .arg(&rows)
+            .arg(&qh)
+            .arg(&kh)
+            .arg(&hd)
+            .arg(&eps)
+            .arg(&th);
+        self.launch(
+            "qk_norm_rope",
+            b,
+            Self::per_row(q.rows * (q_heads + k_heads), threads),
+        );
+        (q_out, k_out)
+    }
+
     fn write_kv(
         &self,
         kv: &mut CudaKvStorage,

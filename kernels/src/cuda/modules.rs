@@ -27,6 +27,7 @@ pub const SOURCES: [KernelSource; 4] = [
             "embedding",
             "rms_norm",
             "rope",
+            "qk_norm_rope",
             "silu_mul",
             "add_assign",
             "select_rows",
