@@ -125,6 +125,33 @@ pub trait Backend: Send + Sync + 'static {
         weights.map(|w| self.linear(x, w))
     }
 
+    /// `linear_shared(rms_norm(x))` where the normalised `x` feeds nothing else (Qwen3's
+    /// layer norms before q/k/v and before gate/up). By default those two ops; a backend may
+    /// write the normalised rows straight in its GEMM input format.
+    fn norm_linear_shared<const N: usize>(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Weight,
+        group: usize,
+        eps: f32,
+        weights: [&Self::Weight; N],
+    ) -> [Self::Tensor; N] {
+        let h = self.rms_norm(x, norm, group, eps);
+        self.linear_shared(&h, weights)
+    }
+
+    /// `linear(silu_mul(gate, up), weight)`: the MLP's down projection. By default those two
+    /// ops; a backend may write the activation straight in its GEMM input format.
+    fn silu_mul_linear(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        weight: &Self::Weight,
+    ) -> Self::Tensor {
+        let act = self.silu_mul(gate, up);
+        self.linear(&act, weight)
+    }
+
     /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at
     /// `positions[i]`, `inv_freq[j] = theta^(-2j/head_dim)`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, theta: f64);

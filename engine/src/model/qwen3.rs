@@ -154,9 +154,13 @@ impl<B: Backend> Qwen3<B> {
         let eps = c.rms_norm_eps;
         let mut x = backend.embedding(&self.embed, tokens);
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = backend.rms_norm(&x, &layer.input_norm, c.hidden_size, eps);
-            let [q, k, v] =
-                backend.linear_shared(&h, [&layer.q_proj, &layer.k_proj, &layer.v_proj]);
+            let [q, k, v] = backend.norm_linear_shared(
+                &x,
+                &layer.input_norm,
+                c.hidden_size,
+                eps,
+                [&layer.q_proj, &layer.k_proj, &layer.v_proj],
+            );
             let (q, k) = backend.qk_norm_rope(
                 &q,
                 &layer.q_norm,
@@ -172,10 +176,14 @@ impl<B: Backend> Qwen3<B> {
             let o = backend.linear(&attn, &layer.o_proj);
             backend.add_assign(&mut x, &o);
 
-            let h = backend.rms_norm(&x, &layer.post_norm, c.hidden_size, eps);
-            let [gate, up] = backend.linear_shared(&h, [&layer.gate_proj, &layer.up_proj]);
-            let act = backend.silu_mul(&gate, &up);
-            let down = backend.linear(&act, &layer.down_proj);
+            let [gate, up] = backend.norm_linear_shared(
+                &x,
+                &layer.post_norm,
+                c.hidden_size,
+                eps,
+                [&layer.gate_proj, &layer.up_proj],
+            );
+            let down = backend.silu_mul_linear(&gate, &up, &layer.down_proj);
             backend.add_assign(&mut x, &down);
         }
         let x = backend.select_rows(&x, logit_rows);

@@ -97,6 +97,40 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     o[j + half] = hi * c + lo * s;
 }
 
+// A GEMM input element in the weight's 16-bit type, rounded as cast_bf16 / cast_f16 round.
+__device__ __forceinline__ unsigned short to_16(float v, int dtype) {
+    return dtype == DTYPE_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
+
+// rms_norm written straight as the 16-bit input of the GEMMs that are its only reader: the
+// same f32 value, rounded as the cast would round it, without the f32 round trip.
+extern "C" __global__ void rms_norm_16(const float* x, const float* w, unsigned short* out,
+                                       int groups, int group, float eps, int dtype) {
+    __shared__ float scratch[WARP];
+    const int g = blockIdx.x;
+    if (g >= groups) return;
+    const float* xs = x + (unsigned long long)g * group;
+    unsigned short* os = out + (unsigned long long)g * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        ss += xs[i] * xs[i];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        os[i] = to_16(xs[i] * inv * w[i], dtype);
+    }
+}
+
+// silu_mul written straight as the 16-bit input of the down projection.
+extern "C" __global__ void silu_mul_16(const float* gate, const float* up, unsigned short* out,
+                                       unsigned long long n, int dtype) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate[i];
+    out[i] = to_16(g / (1.0f + expf(-g)) * up[i], dtype);
+}
+
 // out = silu(gate) * up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out,
                                     unsigned long long n) {

@@ -26,6 +26,7 @@ use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
 pub use device::Device;
+use tensor::dtype_code;
 pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
 
 use crate::CudaError;
@@ -303,6 +304,13 @@ impl CudaBackend {
     }
 }
 
+/// The 16-bit dtype every one of `weights` is stored in, if they share one: then one 16-bit
+/// copy of their input serves all their GEMMs.
+fn shared_16bit(weights: &[&CudaWeight]) -> Option<DType> {
+    let dtype = weight_matrix(weights.first()?).0;
+    (dtype != DType::F32 && weights.iter().all(|w| weight_matrix(w).0 == dtype)).then_some(dtype)
+}
+
 fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &CudaSlice<u8>) {
     match w {
         CudaWeight::Matrix {
@@ -437,7 +445,7 @@ impl Backend for CudaBackend {
                 self.ptr(&ids_dev)
             }
         };
-        let (code, rows, cols_i) = (tensor::dtype_code(dtype), ids.len() as i32, cols as i32);
+        let (code, rows, cols_i) = (dtype_code(dtype), ids.len() as i32, cols as i32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.embedding);
         b.arg(data)
             .arg(&code)
@@ -480,12 +488,66 @@ impl Backend for CudaBackend {
         weights: [&CudaWeight; N],
     ) -> [CudaTensor; N] {
         // One 16-bit copy of `x` for all the products when they all take that dtype.
-        let dtype = weight_matrix(weights[0]).0;
-        let shared = dtype != DType::F32
-            && !x.is_empty()
-            && weights.iter().all(|w| weight_matrix(w).0 == dtype);
-        let x16 = shared.then(|| self.cast(x, dtype));
+        let x16 = shared_16bit(&weights)
+            .filter(|_| !x.is_empty())
+            .map(|dtype| self.cast(x, dtype));
         weights.map(|w| self.linear_with(x, x16.as_ref(), w))
+    }
+
+    fn norm_linear_shared<const N: usize>(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaWeight,
+        group: usize,
+        eps: f32,
+        weights: [&CudaWeight; N],
+    ) -> [CudaTensor; N] {
+        let Some(dtype) = shared_16bit(&weights).filter(|_| !x.is_empty()) else {
+            let h = self.rms_norm(x, norm, group, eps);
+            return self.linear_shared(&h, weights);
+        };
+        // The normalised rows go straight into the GEMMs' 16-bit input; `x` has their shape.
+        assert_eq!(x.cols % group, 0, "rms_norm: width is whole groups");
+        let x16 = self.alloc::<u16>(x.len());
+        let groups = x.len() / group;
+        let (groups_i, group_i, code) = (groups as i32, group as i32, dtype_code(dtype));
+        let threads = if group <= 128 { 64 } else { THREADS };
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.rms_norm_16);
+        b.arg(&x.data)
+            .arg(weight_vector(norm))
+            .arg(&x16)
+            .arg(&groups_i)
+            .arg(&group_i)
+            .arg(&eps)
+            .arg(&code);
+        self.launch("rms_norm_16", b, Self::per_row(groups, threads));
+        weights.map(|w| self.linear_with(x, Some(&x16), w))
+    }
+
+    fn silu_mul_linear(
+        &self,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        weight: &CudaWeight,
+    ) -> CudaTensor {
+        let Some(dtype) = shared_16bit(&[weight]).filter(|_| !gate.is_empty()) else {
+            let act = self.silu_mul(gate, up);
+            return self.linear(&act, weight);
+        };
+        assert_eq!(gate.len(), up.len());
+        // The activation goes straight into the GEMM's 16-bit input; `gate` has its shape.
+        let x16 = self.alloc::<u16>(gate.len());
+        let (n, code) = (gate.len() as u64, dtype_code(dtype));
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.silu_mul_16);
+        b.arg(&gate.data).arg(&up.data).arg(&x16).arg(&n).arg(&code);
+        self.launch("silu_mul_16", b, Self::elements(gate.len()));
+        self.linear_with(gate, Some(&x16), weight)
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {

@@ -29,6 +29,8 @@ pub const SOURCES: [KernelSource; 4] = [
             "rope",
             "qk_norm_rope",
             "silu_mul",
+            "rms_norm_16",
+            "silu_mul_16",
             "add_assign",
             "select_rows",
             "cast_bf16",
