@@ -124,8 +124,8 @@ void yield() {
 }
 
 // Release the lanes of the warp starting at fiber `first` that wait at a warp op, if every
-// lane of their mask is there; false if some are still to arrive.
-bool release_warp(size_t first, size_t lanes) {
+// lane of their mask is there (else they wait for the rest).
+void release_warp(size_t first, size_t lanes) {
     Scheduler& s = g_sched;
     Fiber* lead = nullptr;
     for (size_t l = 0; l < lanes; ++l) {
@@ -134,7 +134,7 @@ bool release_warp(size_t first, size_t lanes) {
             break;
         }
     }
-    if (lead == nullptr) return false;
+    if (lead == nullptr) return;
     const unsigned mask = lead->mask;
     for (size_t l = 0; l < 32; ++l) {
         if (!(mask >> l & 1u)) continue;
@@ -147,7 +147,7 @@ bool release_warp(size_t first, size_t lanes) {
             block_fatal("lane " + std::to_string(l) + " of warp " + std::to_string(first / 32) +
                         " exited before a warp op whose mask names it");
         }
-        if (f.wait != Wait::Warp) return false;  // at __syncthreads: a deadlock, found later
+        if (f.wait != Wait::Warp) return;  // at __syncthreads: a deadlock, found later
         if (f.mask != mask || f.op != lead->op) {
             block_fatal("lanes of warp " + std::to_string(first / 32) +
                         " are at different warp ops (masks or kinds differ)");
@@ -173,7 +173,6 @@ bool release_warp(size_t first, size_t lanes) {
         s.ready.push_back((unsigned)(first + l));
         --s.warp_waiting[first / 32];
     }
-    return true;
 }
 
 void run_block(size_t threads) {

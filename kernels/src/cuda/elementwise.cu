@@ -13,6 +13,16 @@ extern "C" __global__ void embedding(const void* table, int dtype, const unsigne
     }
 }
 
+// 1 / sqrt(mean(xs^2) + eps) over `group` values, for every thread of the block.
+__device__ __forceinline__ float rms_inv(const float* xs, int group, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        ss += xs[i] * xs[i];
+    }
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)group + eps);
+}
+
 // RMSNorm over each group of `group` consecutive features (one block per group):
 // out = x * rsqrt(mean(x^2) + eps) * w. Same order of operations as the CPU backend.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int groups,
@@ -22,12 +32,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     if (g >= groups) return;
     const float* xs = x + (unsigned long long)g * group;
     float* os = out + (unsigned long long)g * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        ss += xs[i] * xs[i];
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    const float inv = rms_inv(xs, group, eps, scratch);
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
         os[i] = xs[i] * inv * w[i];
     }
@@ -97,6 +102,8 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     o[j + half] = hi * c + lo * s;
 }
 
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // A GEMM input element in the weight's 16-bit type, rounded as cast_bf16 / cast_f16 round.
 __device__ __forceinline__ unsigned short to_16(float v, int dtype) {
     return dtype == DTYPE_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
@@ -111,12 +118,7 @@ extern "C" __global__ void rms_norm_16(const float* x, const float* w, unsigned 
     if (g >= groups) return;
     const float* xs = x + (unsigned long long)g * group;
     unsigned short* os = out + (unsigned long long)g * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        ss += xs[i] * xs[i];
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    const float inv = rms_inv(xs, group, eps, scratch);
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
         os[i] = to_16(xs[i] * inv * w[i], dtype);
     }
@@ -127,8 +129,7 @@ extern "C" __global__ void silu_mul_16(const float* gate, const float* up, unsig
                                        unsigned long long n, int dtype) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float g = gate[i];
-    out[i] = to_16(g / (1.0f + expf(-g)) * up[i], dtype);
+    out[i] = to_16(silu_times(gate[i], up[i]), dtype);
 }
 
 // out = silu(gate) * up
@@ -136,8 +137,7 @@ extern "C" __global__ void silu_mul(const float* gate, const float* up, float* o
                                     unsigned long long n) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    out[i] = silu_times(gate[i], up[i]);
 }
 
 // x += y

@@ -278,17 +278,33 @@ impl CudaBackend {
                 } else {
                     GemmType::F16
                 };
-                match x16 {
-                    Some(x16) => gemm::linear(&self.dev, ty, x16, x.rows, w, n, k, &mut out.data),
+                let cast;
+                let x16 = match x16 {
+                    Some(x16) => x16,
                     None => {
-                        let x16 = self.cast(x, dtype);
-                        gemm::linear(&self.dev, ty, &x16, x.rows, w, n, k, &mut out.data)
+                        cast = self.cast(x, dtype);
+                        &cast
                     }
-                }
+                };
+                gemm::linear(&self.dev, ty, x16, x.rows, w, n, k, &mut out.data)
             }
         }
         out
     }
+    /// The device address of `positions`: the staged copy while a graph captures, else an
+    /// upload shared by every op of the step that takes the same positions.
+    fn positions_ptr(&self, positions: &[u32]) -> u64 {
+        match self.capture_inputs() {
+            Some(staged) => staged.positions,
+            None => {
+                let mut uploads = self.uploads.lock().expect("uploads lock");
+                self.ptr(cached(&mut uploads.positions, positions, |h| {
+                    self.upload(h)
+                }))
+            }
+        }
+    }
+
     fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {
         let out = self.alloc::<u16>(x.len());
         let n = x.len() as u64;
@@ -302,6 +318,11 @@ impl CudaBackend {
         self.launch("cast", b, Self::elements(x.len()));
         out
     }
+}
+
+/// Threads of an RMSNorm block: two warps for a head (q/k norms), more for a hidden row.
+fn norm_threads(group: usize) -> u32 {
+    if group <= 128 { 64 } else { THREADS }
 }
 
 /// The 16-bit dtype every one of `weights` is stored in, if they share one: then one 16-bit
@@ -466,7 +487,7 @@ impl Backend for CudaBackend {
             return out;
         }
         let (groups_i, group_i) = (groups as i32, group as i32);
-        let threads = if group <= 128 { 64 } else { THREADS };
+        let threads = norm_threads(group);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rms_norm);
         b.arg(&x.data)
             .arg(w)
@@ -511,7 +532,7 @@ impl Backend for CudaBackend {
         let x16 = self.alloc::<u16>(x.len());
         let groups = x.len() / group;
         let (groups_i, group_i, code) = (groups as i32, group as i32, dtype_code(dtype));
-        let threads = if group <= 128 { 64 } else { THREADS };
+        let threads = norm_threads(group);
         let mut b = self
             .dev
             .stream
@@ -555,15 +576,7 @@ impl Backend for CudaBackend {
         if x.is_empty() {
             return;
         }
-        let pos = match self.capture_inputs() {
-            Some(staged) => staged.positions,
-            None => {
-                let mut uploads = self.uploads.lock().expect("uploads lock");
-                self.ptr(cached(&mut uploads.positions, positions, |h| {
-                    self.upload(h)
-                }))
-            }
-        };
+        let pos = self.positions_ptr(positions);
         let (rows, cols, hd, th) = (x.rows as i32, x.cols as i32, head_dim as i32, theta as f32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rope);
         b.arg(&x.data)
@@ -596,15 +609,7 @@ impl Backend for CudaBackend {
         if q.rows == 0 {
             return (q_out, k_out);
         }
-        let pos = match self.capture_inputs() {
-            Some(staged) => staged.positions,
-            None => {
-                let mut uploads = self.uploads.lock().expect("uploads lock");
-                self.ptr(cached(&mut uploads.positions, positions, |h| {
-                    self.upload(h)
-                }))
-            }
-        };
+        let pos = self.positions_ptr(positions);
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
         let (rows, qh, kh, hd, th) = (
             q.rows as i32,
