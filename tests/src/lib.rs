@@ -111,6 +111,30 @@ impl Drop for Cluster {
     }
 }
 
+/// `count` prompts of spread token ids, the `i`-th `first_len + i * step` tokens long (most
+/// spanning several 16-token blocks); `salt` varies the ids between test files.
+pub fn spread_prompts(count: u32, first_len: u32, step: u32, salt: u32) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|i| {
+            (0..(first_len + i * step))
+                .map(|t| (t * 7919 + i * 104_729 + salt) % 150_000)
+                .collect()
+        })
+        .collect()
+}
+
+/// Sum of `name` (with `labels`) over the `/metrics` of every node of `role`.
+pub async fn nodes_sum(cluster: &Cluster, role: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut total = 0.0;
+    for addr in cluster.node_metrics(role) {
+        total += exposition(&addr)
+            .await
+            .expect("node /metrics")
+            .sum(name, labels);
+    }
+    total
+}
+
 /// Run `pdctl` with `args` (synthetic models under `cache`).
 pub fn pdctl(cache: &Path, args: &[&str]) -> Output {
     Command::new(bin_dir().join("pdctl"))

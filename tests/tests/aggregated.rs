@@ -5,17 +5,13 @@
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Cluster, client, collect, greedy, node_info, reference_run, token_ids};
+use pd_tests::{
+    Cluster, client, collect, greedy, node_info, reference_run, spread_prompts, token_ids,
+};
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
 fn prompts() -> Vec<Vec<u32>> {
-    (0..5u32)
-        .map(|i| {
-            (0..(3 + i * 17))
-                .map(|t| (t * 7919 + i * 104_729 + 13) % 150_000)
-                .collect()
-        })
-        .collect()
+    spread_prompts(5, 3, 17, 13)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,17 +1,13 @@
 //! The keystone and the cluster's behaviour, through real processes started by `pdctl up`.
 
 use pd_proto::pb;
-use pd_tests::{Cluster, all_blocks_free, client, collect, greedy, node_info, reference_tokens};
+use pd_tests::{
+    Cluster, all_blocks_free, client, collect, greedy, node_info, reference_tokens, spread_prompts,
+};
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
 fn prompts() -> Vec<Vec<u32>> {
-    (0..6u32)
-        .map(|i| {
-            (0..(3 + i * 13))
-                .map(|t| (t * 7919 + i * 104_729 + 11) % 150_000)
-                .collect()
-        })
-        .collect()
+    spread_prompts(6, 3, 13, 11)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

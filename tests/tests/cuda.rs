@@ -15,26 +15,25 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, Process, all_blocks_free, client, collect, exposition, greedy, json_of, node_info,
-    pdctl, wait_serving,
+    Cluster, Process, all_blocks_free, client, collect, greedy, json_of, node_info, nodes_sum,
+    pdctl, spread_prompts, wait_serving,
 };
+use tonic::transport::Channel;
 
 /// Below this top-2 logprob margin (nats) the CPU's choice is a tie for practical purposes.
 const CLEAR_MARGIN: f64 = 1e-3;
 
 fn enabled() -> bool {
-    std::env::var("PD_TEST_CUDA").is_ok_and(|v| v == "1")
+    let on = std::env::var("PD_TEST_CUDA").is_ok_and(|v| v == "1");
+    if !on {
+        eprintln!("PD_TEST_CUDA not set: skipped (needs CUDA nodes: a GPU, or pd-cuda-emu)");
+    }
+    on
 }
 
 /// Prompts of several lengths, most spanning several 16-token blocks.
 fn prompts() -> Vec<Vec<u32>> {
-    (0..5u32)
-        .map(|i| {
-            (0..(18 + i * 23))
-                .map(|t| (t * 7919 + i * 104_729 + 11) % 150_000)
-                .collect()
-        })
-        .collect()
+    spread_prompts(5, 18, 23, 11)
 }
 
 /// `pdctl run` on the CPU: the greedy tokens and, per token, its top-2 logprob margin.
@@ -87,21 +86,28 @@ fn assert_same_where_clear(got: &[u32], want: &[u32], margins: &[f64], what: &st
     got.len()
 }
 
-async fn nodes_sum(cluster: &Cluster, role: &str, name: &str) -> f64 {
-    let mut total = 0.0;
-    for addr in cluster.node_metrics(role) {
-        total += exposition(&addr)
-            .await
-            .expect("node /metrics")
-            .sum(name, &[]);
+/// Greedy requests for `prompts` through the router at `c`, each compared with the CPU
+/// engine (`assert_same_where_clear`) and ending at its length; the tokens compared.
+async fn greedy_matches_cpu(
+    c: &mut pb::generation_client::GenerationClient<Channel>,
+    cache: &std::path::Path,
+    prompts: Vec<Vec<u32>>,
+    what: &str,
+) -> usize {
+    let mut compared = 0;
+    for ids in prompts {
+        let (want, margins) = reference(cache, &ids, 12);
+        let (got, last) = collect(c, greedy(ids.clone(), 12)).await.expect("a stream");
+        let prompt = format!("{what}prompt of {} tokens", ids.len());
+        compared += assert_same_where_clear(&got, &want, &margins, &prompt);
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
     }
-    total
+    compared
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
     if !enabled() {
-        eprintln!("PD_TEST_CUDA not set: skipped (needs CUDA nodes: a GPU, or pd-cuda-emu)");
         return;
     }
     let cache = tempfile::tempdir().expect("tempdir");
@@ -123,21 +129,12 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
         )
     });
     let mut c = client(&cluster.router()).await;
-    let mut compared = 0;
-    for ids in prompts() {
-        let (want, margins) = reference(cache.path(), &ids, 12);
-        let (got, last) = collect(&mut c, greedy(ids.clone(), 12))
-            .await
-            .expect("a stream");
-        let what = format!("prompt of {} tokens", ids.len());
-        compared += assert_same_where_clear(&got, &want, &margins, &what);
-        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
-    }
+    let compared = greedy_matches_cpu(&mut c, cache.path(), prompts(), "").await;
     assert!(
         compared >= 30,
         "only {compared} of 60 tokens could be compared: margins too thin to say anything"
     );
-    let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total").await;
+    let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total", &[]).await;
     assert!(received > 0.0, "the decode node received KV");
 
     // The longest prompt again: its whole blocks are in the prefill node's GPU cache.
@@ -176,7 +173,6 @@ fn node(role: &str, device: &str, cache: &std::path::Path) -> Process {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
     if !enabled() {
-        eprintln!("PD_TEST_CUDA not set: skipped (needs CUDA nodes: a GPU, or pd-cuda-emu)");
         return;
     }
     let cache = tempfile::tempdir().expect("tempdir");
@@ -199,15 +195,8 @@ async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
         .expect("router");
         wait_serving(&router.addr()).await.expect("router serving");
         let mut c = client(&router.addr()).await;
-        let mut compared = 0;
-        for ids in prompts().into_iter().skip(2) {
-            let (want, margins) = reference(cache.path(), &ids, 12);
-            let (got, _) = collect(&mut c, greedy(ids.clone(), 12))
-                .await
-                .expect("a stream");
-            let prompt = format!("{what}: prompt of {} tokens", ids.len());
-            compared += assert_same_where_clear(&got, &want, &margins, &prompt);
-        }
+        let later: Vec<_> = prompts().into_iter().skip(2).collect();
+        let compared = greedy_matches_cpu(&mut c, cache.path(), later, &format!("{what}: ")).await;
         assert!(
             compared >= 18,
             "{what}: only {compared} of 36 tokens compared"

@@ -13,7 +13,9 @@
 //! staging copy); afterwards every block on every node is free.
 
 use pd_proto::pb;
-use pd_tests::{Cluster, all_blocks_free, client, collect, exposition, greedy, reference_tokens};
+use pd_tests::{
+    Cluster, all_blocks_free, client, collect, greedy, nodes_sum, reference_tokens, spread_prompts,
+};
 
 fn device() -> Option<String> {
     std::env::var("PD_TEST_RDMA_DEVICE")
@@ -23,25 +25,7 @@ fn device() -> Option<String> {
 
 /// Prompts of several lengths, most spanning several 16-token blocks.
 fn prompts() -> Vec<Vec<u32>> {
-    (0..6u32)
-        .map(|i| {
-            (0..(20 + i * 29))
-                .map(|t| (t * 7919 + i * 104_729 + 11) % 150_000)
-                .collect()
-        })
-        .collect()
-}
-
-/// Sum of `name` (with `labels`) over the `/metrics` of every node of `role`.
-async fn nodes_sum(cluster: &Cluster, role: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let mut total = 0.0;
-    for addr in cluster.node_metrics(role) {
-        total += exposition(&addr)
-            .await
-            .expect("node /metrics")
-            .sum(name, labels);
-    }
-    total
+    spread_prompts(6, 20, 29, 11)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
