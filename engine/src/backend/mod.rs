@@ -140,16 +140,19 @@ pub trait Backend: Send + Sync + 'static {
         self.linear_shared(&h, weights)
     }
 
-    /// `linear(silu_mul(gate, up), weight)`: the MLP's down projection. By default those two
-    /// ops; a backend may write the activation straight in its GEMM input format.
-    fn silu_mul_linear(
+    /// `x += silu_mul(gate, up) · Wᵀ`: the MLP's down projection added to the residual
+    /// stream. By default three ops; a backend may write the activation straight in its GEMM
+    /// input format and let the GEMM add its product to `x` (the CUDA backend: two launches).
+    fn silu_mul_linear_add(
         &self,
+        x: &mut Self::Tensor,
         gate: &Self::Tensor,
         up: &Self::Tensor,
         weight: &Self::Weight,
-    ) -> Self::Tensor {
+    ) {
         let act = self.silu_mul(gate, up);
-        self.linear(&act, weight)
+        let y = self.linear(&act, weight);
+        self.add_assign(x, &y);
     }
 
     /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at
@@ -197,6 +200,24 @@ pub trait Backend: Send + Sync + 'static {
         layer: usize,
         meta: &AttentionMeta,
     ) -> Self::Tensor;
+
+    /// `x += paged_attention(q) · o_projᵀ`: attention and its output projection added to the
+    /// residual stream. By default three ops; a backend may write the attention output
+    /// straight in its GEMM input format and let the GEMM add its product to `x` (the CUDA
+    /// backend: two launches, three with split-K).
+    fn attention_linear_add(
+        &self,
+        x: &mut Self::Tensor,
+        q: &Self::Tensor,
+        kv: &Self::KvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        o_proj: &Self::Weight,
+    ) {
+        let attn = self.paged_attention(q, kv, layer, meta);
+        let o = self.linear(&attn, o_proj);
+        self.add_assign(x, &o);
+    }
 
     /// `silu(gate) * up`, element-wise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;

@@ -172,9 +172,7 @@ impl<B: Backend> Qwen3<B> {
                 c.rope_theta,
             );
             backend.write_kv(kv, i, &k, &v, &slots);
-            let attn = backend.paged_attention(&q, kv, i, meta);
-            let o = backend.linear(&attn, &layer.o_proj);
-            backend.add_assign(&mut x, &o);
+            backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
             let [gate, up] = backend.norm_linear_shared(
                 &x,
@@ -183,8 +181,7 @@ impl<B: Backend> Qwen3<B> {
                 eps,
                 [&layer.gate_proj, &layer.up_proj],
             );
-            let down = backend.silu_mul_linear(&gate, &up, &layer.down_proj);
-            backend.add_assign(&mut x, &down);
+            backend.silu_mul_linear_add(&mut x, &gate, &up, &layer.down_proj);
         }
         let x = backend.select_rows(&x, logit_rows);
         let x = backend.rms_norm(&x, &self.norm, c.hidden_size, eps);

@@ -20,12 +20,23 @@
 #define MAX_HEAD_DIM 128
 #define DIMS_PER_LANE (MAX_HEAD_DIM / WARP)
 
+// One output element: f32 in `out`, or, when `out16` is given, the o_proj GEMM's 16-bit input
+// (rounded as cast_bf16 / cast_f16 would round the f32 value).
+__device__ __forceinline__ void store_out(float* out, unsigned short* out16, int out_dtype,
+                                          unsigned long long at, float v) {
+    if (out16 != nullptr) {
+        out16[at] = to_16(v, out_dtype);
+    } else {
+        out[at] = v;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP)
 paged_attention(const float* q, const float* kcache, const float* vcache,
                 const unsigned int* block_tables, const int* items, const int* seqs,
-                float* out, float* part_acc, float* part_ml, int num_heads, int num_kv_heads,
-                int head_dim, int block_size, int rows_per_item, int keys_per_split,
-                float scale) {
+                float* out, unsigned short* out16, int out_dtype, float* part_acc,
+                float* part_ml, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                int rows_per_item, int keys_per_split, float scale) {
     extern __shared__ float smem[];
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -148,11 +159,12 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
         const int h = kvh * group + p % group;
         if (splits == 1) {
             const float inv = 1.0f / l[pp];
-            float* o = out + (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim;
+            const unsigned long long o =
+                (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim;
             #pragma unroll
             for (int i = 0; i < DIMS_PER_LANE; ++i) {
                 const int d = lane + i * WARP;
-                if (d < head_dim) o[d] = acc[pp][i] * inv;
+                if (d < head_dim) store_out(out, out16, out_dtype, o + d, acc[pp][i] * inv);
             }
         } else {
             const unsigned long long at = part_base * MAX_PAIRS + p;
@@ -174,7 +186,7 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
 // rather than multiplied by zero, since their accumulators were never written.
 extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
                                              const int* items, const int* seqs, float* out,
-                                             int num_heads, int num_kv_heads, int head_dim,
+                                             unsigned short* out16, int out_dtype, int num_heads, int num_kv_heads, int head_dim,
                                              int rows_per_item, int splits) {
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -208,6 +220,7 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
         }
         const int r = p / group;
         const int h = kvh * group + p % group;
-        out[(unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d] = num / den;
+        store_out(out, out16, out_dtype,
+                  (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d, num / den);
     }
 }

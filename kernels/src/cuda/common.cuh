@@ -49,6 +49,11 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
 #endif
 }
 
+// A GEMM input element in the weight's 16-bit type, rounded as cast_bf16 / cast_f16 round.
+__device__ __forceinline__ unsigned short to_16(float v, int dtype) {
+    return dtype == DTYPE_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
+
 // Element `i` of a weight stored as `dtype`.
 __device__ __forceinline__ float load_weight(const void* w, int dtype, unsigned long long i) {
     if (dtype == DTYPE_BF16) {

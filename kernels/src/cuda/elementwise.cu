@@ -104,11 +104,6 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// A GEMM input element in the weight's 16-bit type, rounded as cast_bf16 / cast_f16 round.
-__device__ __forceinline__ unsigned short to_16(float v, int dtype) {
-    return dtype == DTYPE_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
-}
-
 // rms_norm written straight as the 16-bit input of the GEMMs that are its only reader: the
 // same f32 value, rounded as the cast would round it, without the f32 round trip.
 extern "C" __global__ void rms_norm_16(const float* x, const float* w, unsigned short* out,

@@ -32,7 +32,9 @@ impl GemmType {
     }
 }
 
-/// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out` f32.
+/// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out` f32; with
+/// `accumulate`, `out += x · wᵀ` (cuBLAS's beta = 1: the product is added to `out` in the
+/// GEMM's f32 epilogue, so a residual add needs no launch of its own).
 #[allow(clippy::too_many_arguments)]
 pub fn linear<X, W>(
     dev: &Device,
@@ -43,9 +45,10 @@ pub fn linear<X, W>(
     n: usize,
     k: usize,
     out: &mut CudaSlice<f32>,
+    accumulate: bool,
 ) {
     let alpha = 1.0f32;
-    let beta = 0.0f32;
+    let beta = if accumulate { 1.0f32 } else { 0.0f32 };
     let stream = &dev.stream;
     let (xp, _x) = x.device_ptr(stream);
     let (wp, _w) = w.device_ptr(stream);

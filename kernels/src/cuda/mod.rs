@@ -71,6 +71,49 @@ struct DevicePlan {
     block_tables: CudaSlice<u32>,
 }
 
+/// A GEMM's left operand `[rows, cols]`: f32 rows (cast to the weight's 16-bit type if it
+/// has one), or rows an earlier kernel already wrote in that 16-bit type.
+#[derive(Clone, Copy)]
+enum Operand<'a> {
+    F32(&'a CudaTensor),
+    Bits16 {
+        data: &'a CudaSlice<u16>,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl Operand<'_> {
+    /// The 16-bit rows in `data`, shaped as `like`.
+    fn bits16<'a>(data: &'a CudaSlice<u16>, like: &CudaTensor) -> Operand<'a> {
+        Operand::Bits16 {
+            data,
+            rows: like.rows,
+            cols: like.cols,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        match self {
+            Operand::F32(x) => x.rows,
+            Operand::Bits16 { rows, .. } => *rows,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        match self {
+            Operand::F32(x) => x.cols,
+            Operand::Bits16 { cols, .. } => *cols,
+        }
+    }
+}
+
+/// Where attention writes its output: f32 rows, or the o_proj GEMM's 16-bit input.
+enum AttentionOut<'a> {
+    F32(&'a CudaTensor),
+    Bits16(&'a CudaSlice<u16>, DType),
+}
+
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
@@ -242,22 +285,31 @@ impl CudaBackend {
         }
     }
 
-    /// A 16-bit copy of `x` for a GEMM with 16-bit weights.
-    /// `x · Wᵀ`, with `x16` the 16-bit copy of `x` when the caller already made it.
-    fn linear_with(
+    /// `x · Wᵀ` into a new tensor (see [`Self::linear_into`]).
+    fn linear_with(&self, x: Operand<'_>, weight: &CudaWeight) -> CudaTensor {
+        let (_, n, _, _) = weight_matrix(weight);
+        let mut out = self.tensor(x.rows(), n);
+        self.linear_into(x, weight, &mut out, false);
+        out
+    }
+
+    /// `out = x · Wᵀ`, or `out += x · Wᵀ` with `accumulate` (the residual adds).
+    fn linear_into(
         &self,
-        x: &CudaTensor,
-        x16: Option<&CudaSlice<u16>>,
+        x: Operand<'_>,
         weight: &CudaWeight,
-    ) -> CudaTensor {
+        out: &mut CudaTensor,
+        accumulate: bool,
+    ) {
         let (dtype, n, k, w) = weight_matrix(weight);
-        assert_eq!(x.cols, k, "linear: input width");
-        let mut out = self.tensor(x.rows, n);
-        if x.rows == 0 || n == 0 {
-            return out;
+        let rows = x.rows();
+        assert_eq!(x.cols(), k, "linear: input width");
+        assert_eq!((out.rows, out.cols), (rows, n), "linear: output shape");
+        if rows == 0 || n == 0 {
+            return;
         }
-        match dtype {
-            DType::F32 => {
+        match (dtype, x) {
+            (DType::F32, Operand::F32(x)) => {
                 // SAFETY: an f32 matrix's bytes are n*k f32 values (its shape was checked
                 // against the byte length when the checkpoint was opened).
                 let w32 = unsafe { w.transmute::<f32>(n * k) }.expect("f32 weight length");
@@ -265,32 +317,130 @@ impl CudaBackend {
                     &self.dev,
                     GemmType::F32,
                     &x.data,
-                    x.rows,
+                    rows,
                     &w32,
                     n,
                     k,
                     &mut out.data,
+                    accumulate,
                 )
             }
-            DType::BF16 | DType::F16 => {
+            (DType::F32, Operand::Bits16 { .. }) => {
+                unreachable!("a 16-bit GEMM input is only made for 16-bit weights")
+            }
+            (DType::BF16 | DType::F16, x) => {
                 let ty = if dtype == DType::BF16 {
                     GemmType::BF16
                 } else {
                     GemmType::F16
                 };
                 let cast;
-                let x16 = match x16 {
-                    Some(x16) => x16,
-                    None => {
+                let x16 = match x {
+                    Operand::Bits16 { data, .. } => data,
+                    Operand::F32(x) => {
                         cast = self.cast(x, dtype);
                         &cast
                     }
                 };
-                gemm::linear(&self.dev, ty, x16, x.rows, w, n, k, &mut out.data)
+                gemm::linear(&self.dev, ty, x16, rows, w, n, k, &mut out.data, accumulate)
             }
         }
-        out
     }
+
+    /// [`Backend::paged_attention`] of `q` into `out` (shaped as `q`).
+    fn attend(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        out: AttentionOut<'_>,
+    ) {
+        if q.rows == 0 {
+            return;
+        }
+        // The kernels write `out16` in `out_code`'s type when it is not null, else `out`.
+        let (out, out16, out_code) = match out {
+            AttentionOut::F32(t) => (self.ptr(&t.data), 0u64, 0),
+            AttentionOut::Bits16(d, dtype) => (0u64, self.ptr(d), dtype_code(dtype)),
+        };
+        plan::check_group(meta.num_heads, meta.num_kv_heads)
+            .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
+        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
+            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
+            None => self.attention_plan(meta),
+        };
+        let items = p.items;
+        let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
+        let (part_acc, part_ml) = if p.splits > 1 {
+            (
+                self.alloc::<f32>(part_len * meta.head_dim),
+                self.alloc::<f32>(2 * part_len),
+            )
+        } else {
+            (self.alloc::<f32>(1), self.alloc::<f32>(1))
+        };
+        let heads = meta.num_heads as i32;
+        let kv_heads = meta.num_kv_heads as i32;
+        let hd = meta.head_dim as i32;
+        let bs = kv.layout.block_size as i32;
+        let rows_per_item = p.rows_per_item as i32;
+        let keys_per_split = p.keys_per_split as i32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.paged_attention);
+        b.arg(&q.data)
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&tables_ptr)
+            .arg(&items_ptr)
+            .arg(&seqs_ptr)
+            .arg(&out)
+            .arg(&out16)
+            .arg(&out_code)
+            .arg(&part_acc)
+            .arg(&part_ml)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&hd)
+            .arg(&bs)
+            .arg(&rows_per_item)
+            .arg(&keys_per_split)
+            .arg(&meta.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
+            block_dim: (plan::THREADS, 1, 1),
+            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
+        };
+        self.launch("paged_attention", b, cfg);
+        if p.splits > 1 {
+            let splits = p.splits as i32;
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.attention_combine);
+            b.arg(&part_acc)
+                .arg(&part_ml)
+                .arg(&items_ptr)
+                .arg(&seqs_ptr)
+                .arg(&out)
+                .arg(&out16)
+                .arg(&out_code)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&rows_per_item)
+                .arg(&splits);
+            let cfg = LaunchConfig {
+                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
+                block_dim: (plan::THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("attention_combine", b, cfg);
+        }
+    }
+
     /// The device address of `positions`: the staged copy while a graph captures, else an
     /// upload shared by every op of the step that takes the same positions.
     fn positions_ptr(&self, positions: &[u32]) -> u64 {
@@ -500,7 +650,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
-        self.linear_with(x, None, weight)
+        self.linear_with(Operand::F32(x), weight)
     }
 
     fn linear_shared<const N: usize>(
@@ -512,7 +662,11 @@ impl Backend for CudaBackend {
         let x16 = shared_16bit(&weights)
             .filter(|_| !x.is_empty())
             .map(|dtype| self.cast(x, dtype));
-        weights.map(|w| self.linear_with(x, x16.as_ref(), w))
+        let operand = match &x16 {
+            Some(x16) => Operand::bits16(x16, x),
+            None => Operand::F32(x),
+        };
+        weights.map(|w| self.linear_with(operand, w))
     }
 
     fn norm_linear_shared<const N: usize>(
@@ -545,18 +699,19 @@ impl Backend for CudaBackend {
             .arg(&eps)
             .arg(&code);
         self.launch("rms_norm_16", b, Self::per_row(groups, threads));
-        weights.map(|w| self.linear_with(x, Some(&x16), w))
+        weights.map(|w| self.linear_with(Operand::bits16(&x16, x), w))
     }
 
-    fn silu_mul_linear(
+    fn silu_mul_linear_add(
         &self,
+        x: &mut CudaTensor,
         gate: &CudaTensor,
         up: &CudaTensor,
         weight: &CudaWeight,
-    ) -> CudaTensor {
+    ) {
         let Some(dtype) = shared_16bit(&[weight]).filter(|_| !gate.is_empty()) else {
             let act = self.silu_mul(gate, up);
-            return self.linear(&act, weight);
+            return self.linear_into(Operand::F32(&act), weight, x, true);
         };
         assert_eq!(gate.len(), up.len());
         // The activation goes straight into the GEMM's 16-bit input; `gate` has its shape.
@@ -568,7 +723,7 @@ impl Backend for CudaBackend {
             .launch_builder(&self.dev.kernels.silu_mul_16);
         b.arg(&gate.data).arg(&up.data).arg(&x16).arg(&n).arg(&code);
         self.launch("silu_mul_16", b, Self::elements(gate.len()));
-        self.linear_with(gate, Some(&x16), weight)
+        self.linear_into(Operand::bits16(&x16, gate), weight, x, true);
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {
@@ -687,81 +842,27 @@ impl Backend for CudaBackend {
         meta: &AttentionMeta,
     ) -> CudaTensor {
         let out = self.tensor(q.rows, q.cols);
-        if q.rows == 0 {
-            return out;
-        }
-        plan::check_group(meta.num_heads, meta.num_kv_heads)
-            .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
-        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
-            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
-            None => self.attention_plan(meta),
-        };
-        let items = p.items;
-        let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
-        let (part_acc, part_ml) = if p.splits > 1 {
-            (
-                self.alloc::<f32>(part_len * meta.head_dim),
-                self.alloc::<f32>(2 * part_len),
-            )
-        } else {
-            (self.alloc::<f32>(1), self.alloc::<f32>(1))
-        };
-        let heads = meta.num_heads as i32;
-        let kv_heads = meta.num_kv_heads as i32;
-        let hd = meta.head_dim as i32;
-        let bs = kv.layout.block_size as i32;
-        let rows_per_item = p.rows_per_item as i32;
-        let keys_per_split = p.keys_per_split as i32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.paged_attention);
-        b.arg(&q.data)
-            .arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(&tables_ptr)
-            .arg(&items_ptr)
-            .arg(&seqs_ptr)
-            .arg(&out.data)
-            .arg(&part_acc)
-            .arg(&part_ml)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&hd)
-            .arg(&bs)
-            .arg(&rows_per_item)
-            .arg(&keys_per_split)
-            .arg(&meta.scale);
-        let cfg = LaunchConfig {
-            grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
-            block_dim: (plan::THREADS, 1, 1),
-            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
-        };
-        self.launch("paged_attention", b, cfg);
-        if p.splits > 1 {
-            let splits = p.splits as i32;
-            let mut b = self
-                .dev
-                .stream
-                .launch_builder(&self.dev.kernels.attention_combine);
-            b.arg(&part_acc)
-                .arg(&part_ml)
-                .arg(&items_ptr)
-                .arg(&seqs_ptr)
-                .arg(&out.data)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&hd)
-                .arg(&rows_per_item)
-                .arg(&splits);
-            let cfg = LaunchConfig {
-                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
-                block_dim: (plan::THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("attention_combine", b, cfg);
-        }
+        self.attend(q, kv, layer, meta, AttentionOut::F32(&out));
         out
+    }
+
+    fn attention_linear_add(
+        &self,
+        x: &mut CudaTensor,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        o_proj: &CudaWeight,
+    ) {
+        let Some(dtype) = shared_16bit(&[o_proj]).filter(|_| !q.is_empty()) else {
+            let attn = self.paged_attention(q, kv, layer, meta);
+            return self.linear_into(Operand::F32(&attn), o_proj, x, true);
+        };
+        // The attention output goes straight into the GEMM's 16-bit input; `q` has its shape.
+        let out16 = self.alloc::<u16>(q.len());
+        self.attend(q, kv, layer, meta, AttentionOut::Bits16(&out16, dtype));
+        self.linear_into(Operand::bits16(&out16, q), o_proj, x, true);
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
