@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 use pd_engine::backend::graph::DecodeGraphs;
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::model::{ModelFiles, ModelSource};
@@ -98,9 +98,15 @@ fn gemm_rate(backend: &CudaBackend, sizes: &Sizes) -> f64 {
         .collect();
     let a = dev.stream.clone_htod(&host).expect("upload");
     let b = dev.stream.clone_htod(&host).expect("upload");
-    let mut c: CudaSlice<f32> = dev.stream.alloc_zeros(m * m).expect("alloc");
+    let c: CudaSlice<f32> = dev.stream.alloc_zeros(m * m).expect("alloc");
+    // Addresses of buffers that outlive every GEMM below.
+    let (ap, bp, cp) = (
+        a.device_ptr(&dev.stream).0,
+        b.device_ptr(&dev.stream).0,
+        c.device_ptr(&dev.stream).0,
+    );
     let ms = timed_ms(backend, sizes.reps, || {
-        gemm::linear(dev, GemmType::BF16, &a, m, &b, m, m, &mut c, false);
+        gemm::linear(dev, GemmType::BF16, ap, m, bp, m, m, cp, false);
     });
     2.0 * (m * m * m) as f64 / (ms / 1e3)
 }

@@ -82,6 +82,23 @@ pub trait Backend: Send + Sync + 'static {
     /// 2-D ones are `[out_features, in_features]` matrices (or the embedding table).
     fn load_weight(&self, name: &str, view: TensorView) -> Result<Self::Weight, EngineError>;
 
+    /// Make the matrices of projections that share their input (q, k, v; gate, up) usable,
+    /// in order. One [`Backend::load_weight`] each by default; a backend may lay them out
+    /// side by side so that [`Backend::linear_shared`] multiplies them as one matrix (the
+    /// CUDA backend: one GEMM for q/k/v and one for gate/up).
+    fn load_stacked<const N: usize>(
+        &self,
+        parts: [(&str, TensorView); N],
+    ) -> Result<[Self::Weight; N], EngineError> {
+        let mut weights = Vec::with_capacity(N);
+        for (name, view) in parts {
+            weights.push(self.load_weight(name, view)?);
+        }
+        Ok(weights
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one weight per part")))
+    }
+
     /// Allocate KV storage for `num_blocks` blocks of `layout`.
     fn alloc_kv(
         &self,

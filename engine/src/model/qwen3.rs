@@ -6,7 +6,7 @@
 use crate::backend::{AttentionMeta, Backend, HostMatrix};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
-use crate::weights::Checkpoint;
+use crate::weights::{Checkpoint, TensorView};
 
 struct Layer<B: Backend> {
     input_norm: B::Weight,
@@ -40,6 +40,51 @@ impl<B: Backend> std::fmt::Debug for Qwen3<B> {
     }
 }
 
+/// Reads tensors by name and shape from a checkpoint onto a backend, reporting progress.
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    ckpt: &'a Checkpoint,
+    done: usize,
+    total: usize,
+    progress: &'a mut dyn FnMut(usize, usize),
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn view(&mut self, name: &str, shape: &[usize]) -> Result<TensorView, EngineError> {
+        let view = self.ckpt.tensor(name, shape)?;
+        self.done += view.bytes().len();
+        Ok(view)
+    }
+
+    fn report(&mut self) {
+        (self.progress)(self.done.min(self.total), self.total);
+    }
+
+    fn one(&mut self, name: &str, shape: &[usize]) -> Result<B::Weight, EngineError> {
+        let view = self.view(name, shape)?;
+        let w = self.backend.load_weight(name, view)?;
+        self.report();
+        Ok(w)
+    }
+
+    /// Projections that share their input ([`Backend::load_stacked`]).
+    fn stacked<const N: usize>(
+        &mut self,
+        parts: [(&str, &[usize]); N],
+    ) -> Result<[B::Weight; N], EngineError> {
+        let mut views = Vec::with_capacity(N);
+        for (name, shape) in parts {
+            views.push((name, self.view(name, shape)?));
+        }
+        let views: [(&str, TensorView); N] = views
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one view per part"));
+        let w = self.backend.load_stacked(views)?;
+        self.report();
+        Ok(w)
+    }
+}
+
 impl<B: Backend> Qwen3<B> {
     /// Load every tensor, checking names and shapes against `config`. `progress(done, total)`
     /// is called after each tensor (bytes).
@@ -53,47 +98,54 @@ impl<B: Backend> Qwen3<B> {
         let h = c.hidden_size;
         let q = c.num_attention_heads * c.head_dim;
         let kv = c.num_key_value_heads * c.head_dim;
-        let total = ckpt.total_bytes();
-        let mut done = 0usize;
-        let mut get = |name: &str, shape: &[usize]| -> Result<B::Weight, EngineError> {
-            let view = ckpt.tensor(name, shape)?;
-            done += view.bytes().len();
-            let w = backend.load_weight(name, view)?;
-            progress(done.min(total), total);
-            Ok(w)
+        let mut loader = Loader {
+            backend,
+            ckpt,
+            done: 0,
+            total: ckpt.total_bytes(),
+            progress,
         };
-        let embed = get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed = loader.one("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            layers.push(Layer {
-                input_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                q_proj: get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
-                k_proj: get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
-                v_proj: get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
-                o_proj: get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
-                q_norm: get(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
-                k_norm: get(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
-                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_proj: get(
+            let [q_proj, k_proj, v_proj] = loader.stacked([
+                (&format!("{p}.self_attn.q_proj.weight"), &[q, h]),
+                (&format!("{p}.self_attn.k_proj.weight"), &[kv, h]),
+                (&format!("{p}.self_attn.v_proj.weight"), &[kv, h]),
+            ])?;
+            let [gate_proj, up_proj] = loader.stacked([
+                (
                     &format!("{p}.mlp.gate_proj.weight"),
                     &[c.intermediate_size, h],
-                )?,
-                up_proj: get(
+                ),
+                (
                     &format!("{p}.mlp.up_proj.weight"),
                     &[c.intermediate_size, h],
-                )?,
-                down_proj: get(
+                ),
+            ])?;
+            layers.push(Layer {
+                input_norm: loader.one(&format!("{p}.input_layernorm.weight"), &[h])?,
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj: loader.one(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
+                q_norm: loader.one(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
+                k_norm: loader.one(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
+                post_norm: loader.one(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_proj,
+                up_proj,
+                down_proj: loader.one(
                     &format!("{p}.mlp.down_proj.weight"),
                     &[h, c.intermediate_size],
                 )?,
             });
         }
-        let norm = get("model.norm.weight", &[h])?;
+        let norm = loader.one("model.norm.weight", &[h])?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(get("lm_head.weight", &[c.vocab_size, h])?)
+            Some(loader.one("lm_head.weight", &[c.vocab_size, h])?)
         };
         Ok(Self {
             config: config.clone(),

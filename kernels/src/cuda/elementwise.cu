@@ -65,8 +65,9 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int row
 // from q [rows, q_heads * head_dim] and k [rows, k_heads * head_dim] into q_out / k_out. One
 // block per (row, head) of q then k; thread j owns the pair (j, j + head_dim / 2). The same
 // arithmetic as rms_norm followed by rope, without the round trip through memory.
-extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const float* wq,
-                                        const float* wk, float* q_out, float* k_out,
+extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_stride,
+                                        int k_stride, const float* wq, const float* wk,
+                                        float* q_out, float* k_out,
                                         const unsigned int* positions, int rows, int q_heads,
                                         int k_heads, int head_dim, float eps, float theta) {
     __shared__ float scratch[WARP];
@@ -76,10 +77,11 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     if (r >= rows) return;  // uniform across the block
     const bool is_q = h < q_heads;
     const int head = is_q ? h : h - q_heads;
-    const unsigned long long at =
-        (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim + head * head_dim;
-    const float* x = (is_q ? q : k) + at;
-    float* o = (is_q ? q_out : k_out) + at;
+    // Inputs may be views of a wider stacked q/k/v product (row stride); outputs are dense.
+    const float* x = (is_q ? q : k) + (unsigned long long)r * (is_q ? q_stride : k_stride) +
+                     head * head_dim;
+    float* o = (is_q ? q_out : k_out) +
+               (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim + head * head_dim;
     const float* w = is_q ? wq : wk;
     const int half = head_dim / 2;
     const int j = threadIdx.x;
@@ -121,18 +123,25 @@ extern "C" __global__ void rms_norm_16(const float* x, const float* w, unsigned 
 
 // silu_mul written straight as the 16-bit input of the down projection.
 extern "C" __global__ void silu_mul_16(const float* gate, const float* up, unsigned short* out,
-                                       unsigned long long n, int dtype) {
+                                       unsigned long long n, int cols, int gate_stride,
+                                       int up_stride, int dtype) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    out[i] = to_16(silu_times(gate[i], up[i]), dtype);
+    const unsigned long long r = i / cols;
+    const unsigned long long c = i % cols;
+    out[i] = to_16(silu_times(gate[r * gate_stride + c], up[r * up_stride + c]), dtype);
 }
 
-// out = silu(gate) * up
+// out = silu(gate) * up; gate and up rows are `gate_stride` / `up_stride` apart (the two halves
+// of one stacked gate/up product, or `cols` when dense). The same for silu_mul_16 above.
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out,
-                                    unsigned long long n) {
+                                    unsigned long long n, int cols, int gate_stride,
+                                    int up_stride) {
     const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    out[i] = silu_times(gate[i], up[i]);
+    const unsigned long long r = i / cols;
+    const unsigned long long c = i % cols;
+    out[i] = silu_times(gate[r * gate_stride + c], up[r * up_stride + c]);
 }
 
 // x += y

@@ -10,7 +10,6 @@ use std::ffi::c_void;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::device::Device;
 
@@ -35,27 +34,26 @@ impl GemmType {
 /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out` f32; with
 /// `accumulate`, `out += x · wᵀ` (cuBLAS's beta = 1: the product is added to `out` in the
 /// GEMM's f32 epilogue, so a residual add needs no launch of its own).
+///
+/// `x`, `w` and `out` are device addresses (of a buffer or a range of one) that the caller
+/// keeps alive until the GEMM has run (frees are stream-ordered after it).
 #[allow(clippy::too_many_arguments)]
-pub fn linear<X, W>(
+pub fn linear(
     dev: &Device,
     ty: GemmType,
-    x: &impl DevicePtr<X>,
+    x: u64,
     rows: usize,
-    w: &impl DevicePtr<W>,
+    w: u64,
     n: usize,
     k: usize,
-    out: &mut CudaSlice<f32>,
+    out: u64,
     accumulate: bool,
 ) {
     let alpha = 1.0f32;
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
-    let stream = &dev.stream;
-    let (xp, _x) = x.device_ptr(stream);
-    let (wp, _w) = w.device_ptr(stream);
-    let (op, _o) = out.device_ptr(stream);
     let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits in i32");
-    // SAFETY: the pointers are live device buffers of at least n*k, rows*k and rows*n
-    // elements of the stated types (checked by the caller); alpha/beta are host f32 as the
+    // SAFETY: the addresses start live device memory of at least n*k, rows*k and rows*n
+    // elements of the stated types (the caller's contract); alpha/beta are host f32 as the
     // handle's default pointer mode and the f32 compute type expect.
     let result = unsafe {
         gemm_ex(
@@ -66,14 +64,14 @@ pub fn linear<X, W>(
             dim(rows),
             dim(k),
             (&alpha as *const f32).cast::<c_void>(),
-            wp as *const c_void,
+            w as *const c_void,
             ty.cuda(),
             dim(k),
-            xp as *const c_void,
+            x as *const c_void,
             ty.cuda(),
             dim(k),
             (&beta as *const f32).cast::<c_void>(),
-            op as *mut c_void,
+            out as *mut c_void,
             cudaDataType::CUDA_R_32F,
             dim(n),
             cublasComputeType_t::CUBLAS_COMPUTE_32F,

@@ -291,12 +291,12 @@ impl CudaBackend {
         graph
             .launch()
             .map_err(|e| format!("launching the graph of bucket {}: {e}", step.bucket))?;
-        let mut out = self.tensor(step.bucket, step.logits_cols);
+        let mut out = self.alloc::<f32>(step.bucket * step.logits_cols);
         self.dev
             .stream
-            .memcpy_dtod(&bucket.output, &mut out.data)
+            .memcpy_dtod(&bucket.output, &mut out)
             .map_err(|e| format!("copying the graph's logits: {e}"))?;
-        Ok(Some(out))
+        Ok(Some(CudaTensor::new(step.bucket, step.logits_cols, out)))
     }
 
     /// Record `forward` into the bucket's graph (its inputs are already staged), then replay
@@ -341,7 +341,7 @@ impl CudaBackend {
                     let bucket = graphs.buckets.get_mut(&step.bucket).expect("created");
                     let n = step.bucket * step.logits_cols;
                     stream
-                        .memcpy_dtod(&logits.data.slice(..n), &mut bucket.output)
+                        .memcpy_dtod(&logits.dense().slice(..n), &mut bucket.output)
                         .map_err(|e| format!("copying logits inside the capture: {e}"))
                 }))
                 .unwrap_or_else(|_| {

@@ -3,16 +3,19 @@
 // `block * block_size + offset`, so slot s starts at element s * width.
 
 // kcache[slots[r], :] = k[r, :] and the same for v. One block per row. Slot 0xffffffff marks
-// a padding row of a captured decode graph: it has no KV.
+// a padding row of a captured decode graph: it has no KV. k and v rows are `k_stride` and
+// `v_stride` apart (views of a wider stacked q/k/v product, or `width` when dense).
 extern "C" __global__ void write_kv(float* kcache, float* vcache, const float* k, const float* v,
-                                    const unsigned int* slots, int rows, int width) {
+                                    int k_stride, int v_stride, const unsigned int* slots,
+                                    int rows, int width) {
     const int r = blockIdx.x;
     if (r >= rows || slots[r] == 0xffffffffu) return;
     const unsigned long long dst = (unsigned long long)slots[r] * width;
-    const unsigned long long src = (unsigned long long)r * width;
+    const float* kr = k + (unsigned long long)r * k_stride;
+    const float* vr = v + (unsigned long long)r * v_stride;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        kcache[dst + c] = k[src + c];
-        vcache[dst + c] = v[src + c];
+        kcache[dst + c] = kr[c];
+        vcache[dst + c] = vr[c];
     }
 }
 

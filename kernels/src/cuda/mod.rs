@@ -14,8 +14,8 @@ pub mod plan;
 mod sample;
 mod tensor;
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
@@ -106,6 +106,16 @@ impl Operand<'_> {
             Operand::Bits16 { cols, .. } => *cols,
         }
     }
+}
+
+/// Kernel arguments of `silu_mul` / `silu_mul_16` (see [`CudaBackend::silu_mul_args`]).
+struct SiluMulArgs {
+    gate: u64,
+    up: u64,
+    n: u64,
+    cols: i32,
+    gate_stride: i32,
+    up_stride: i32,
 }
 
 /// Where attention writes its output: f32 rows, or the o_proj GEMM's 16-bit input.
@@ -205,11 +215,12 @@ impl CudaBackend {
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
-        CudaTensor {
-            rows,
-            cols,
-            data: self.alloc(rows * cols),
-        }
+        CudaTensor::new(rows, cols, self.alloc(rows * cols))
+    }
+
+    /// The device address of row 0 of `t` (a buffer of its own, or a view).
+    fn rows_ptr(&self, t: &CudaTensor) -> u64 {
+        self.ptr(t.buffer()) + (t.offset() * std::mem::size_of::<f32>()) as u64
     }
 
     fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
@@ -287,44 +298,57 @@ impl CudaBackend {
 
     /// `x · Wᵀ` into a new tensor (see [`Self::linear_into`]).
     fn linear_with(&self, x: Operand<'_>, weight: &CudaWeight) -> CudaTensor {
-        let (_, n, _, _) = weight_matrix(weight);
-        let mut out = self.tensor(x.rows(), n);
-        self.linear_into(x, weight, &mut out, false);
+        let matrix = self.matrix(weight);
+        let out = self.tensor(x.rows(), matrix.1);
+        self.linear_into(x, matrix, &out, false);
         out
     }
 
-    /// `out = x · Wᵀ`, or `out += x · Wᵀ` with `accumulate` (the residual adds).
+    /// `weights` as one matrix `(dtype, total rows, cols, address)` when they lie side by
+    /// side, in order, in one buffer (as [`Backend::load_stacked`] uploads them), so one GEMM
+    /// computes all their products.
+    fn stacked(&self, weights: &[&CudaWeight]) -> Option<(DType, usize, usize, u64)> {
+        let (dtype, _, cols, data, offset) = weight_matrix(weights.first()?);
+        let mut next = offset;
+        let mut rows = 0;
+        for w in weights {
+            let (d, r, c, buf, off) = weight_matrix(w);
+            if d != dtype || c != cols || !Arc::ptr_eq(buf, data) || off != next {
+                return None;
+            }
+            next = off + r * c * d.size_in_bytes();
+            rows += r;
+        }
+        Some((dtype, rows, cols, self.ptr(data) + offset as u64))
+    }
+
+    /// `(dtype, rows, cols, address)` of a matrix weight.
+    fn matrix(&self, w: &CudaWeight) -> (DType, usize, usize, u64) {
+        let (dtype, rows, cols, data, offset) = weight_matrix(w);
+        (dtype, rows, cols, self.ptr(data) + offset as u64)
+    }
+
+    /// `out = x · Wᵀ`, or `out += x · Wᵀ` with `accumulate` (the residual adds). `weight`
+    /// is a matrix, or several stacked in one buffer ([`Self::stacked`]): `(dtype, rows,
+    /// cols, address)`.
     fn linear_into(
         &self,
         x: Operand<'_>,
-        weight: &CudaWeight,
-        out: &mut CudaTensor,
+        (dtype, n, k, w): (DType, usize, usize, u64),
+        out: &CudaTensor,
         accumulate: bool,
     ) {
-        let (dtype, n, k, w) = weight_matrix(weight);
         let rows = x.rows();
         assert_eq!(x.cols(), k, "linear: input width");
         assert_eq!((out.rows, out.cols), (rows, n), "linear: output shape");
+        let out_ptr = self.ptr(out.dense());
         if rows == 0 || n == 0 {
             return;
         }
-        match (dtype, x) {
-            (DType::F32, Operand::F32(x)) => {
-                // SAFETY: an f32 matrix's bytes are n*k f32 values (its shape was checked
-                // against the byte length when the checkpoint was opened).
-                let w32 = unsafe { w.transmute::<f32>(n * k) }.expect("f32 weight length");
-                gemm::linear(
-                    &self.dev,
-                    GemmType::F32,
-                    &x.data,
-                    rows,
-                    &w32,
-                    n,
-                    k,
-                    &mut out.data,
-                    accumulate,
-                )
-            }
+        // A cast made here lives until the end of the call, after the GEMM is queued.
+        let cast;
+        let (ty, x_ptr) = match (dtype, x) {
+            (DType::F32, Operand::F32(x)) => (GemmType::F32, self.ptr(x.dense())),
             (DType::F32, Operand::Bits16 { .. }) => {
                 unreachable!("a 16-bit GEMM input is only made for 16-bit weights")
             }
@@ -334,7 +358,6 @@ impl CudaBackend {
                 } else {
                     GemmType::F16
                 };
-                let cast;
                 let x16 = match x {
                     Operand::Bits16 { data, .. } => data,
                     Operand::F32(x) => {
@@ -342,8 +365,27 @@ impl CudaBackend {
                         &cast
                     }
                 };
-                gemm::linear(&self.dev, ty, x16, rows, w, n, k, &mut out.data, accumulate)
+                (ty, self.ptr(x16))
             }
+        };
+        gemm::linear(&self.dev, ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+    }
+
+    /// The products `x · Wᵢᵀ` of projections that share their input: one GEMM when the
+    /// weights lie side by side in one buffer ([`Self::stacked`]), its columns then split
+    /// into views, else one GEMM each.
+    fn linear_stacked<const N: usize>(
+        &self,
+        x: Operand<'_>,
+        weights: [&CudaWeight; N],
+    ) -> [CudaTensor; N] {
+        match self.stacked(&weights) {
+            Some(matrix) => {
+                let out = self.tensor(x.rows(), matrix.1);
+                self.linear_into(x, matrix, &out, false);
+                out.split_cols(weights.map(|w| weight_matrix(w).1))
+            }
+            None => weights.map(|w| self.linear_with(x, w)),
         }
     }
 
@@ -361,7 +403,7 @@ impl CudaBackend {
         }
         // The kernels write `out16` in `out_code`'s type when it is not null, else `out`.
         let (out, out16, out_code) = match out {
-            AttentionOut::F32(t) => (self.ptr(&t.data), 0u64, 0),
+            AttentionOut::F32(t) => (self.ptr(t.dense()), 0u64, 0),
             AttentionOut::Bits16(d, dtype) => (0u64, self.ptr(d), dtype_code(dtype)),
         };
         plan::check_group(meta.num_heads, meta.num_kv_heads)
@@ -390,7 +432,7 @@ impl CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.paged_attention);
-        b.arg(&q.data)
+        b.arg(q.dense())
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
             .arg(&tables_ptr)
@@ -441,6 +483,24 @@ impl CudaBackend {
         }
     }
 
+    /// The inputs of `silu_mul` / `silu_mul_16`: `gate` and `up` of one shape, each dense or a
+    /// view (the two halves of one stacked gate/up product).
+    fn silu_mul_args(&self, gate: &CudaTensor, up: &CudaTensor) -> SiluMulArgs {
+        assert_eq!(
+            (gate.rows, gate.cols),
+            (up.rows, up.cols),
+            "silu_mul: shapes"
+        );
+        SiluMulArgs {
+            gate: self.rows_ptr(gate),
+            up: self.rows_ptr(up),
+            n: gate.len() as u64,
+            cols: gate.cols as i32,
+            gate_stride: gate.stride() as i32,
+            up_stride: up.stride() as i32,
+        }
+    }
+
     /// The device address of `positions`: the staged copy while a graph captures, else an
     /// upload shared by every op of the step that takes the same positions.
     fn positions_ptr(&self, positions: &[u32]) -> u64 {
@@ -464,7 +524,7 @@ impl CudaBackend {
             DType::F32 => unreachable!("f32 weights multiply f32 activations"),
         };
         let mut b = self.dev.stream.launch_builder(f);
-        b.arg(&x.data).arg(&out).arg(&n);
+        b.arg(x.dense()).arg(&out).arg(&n);
         self.launch("cast", b, Self::elements(x.len()));
         out
     }
@@ -482,14 +542,16 @@ fn shared_16bit(weights: &[&CudaWeight]) -> Option<DType> {
     (dtype != DType::F32 && weights.iter().all(|w| weight_matrix(w).0 == dtype)).then_some(dtype)
 }
 
-fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &CudaSlice<u8>) {
+/// `(dtype, rows, cols, buffer, byte offset of row 0 in it)` of a matrix weight.
+fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &Arc<CudaSlice<u8>>, usize) {
     match w {
         CudaWeight::Matrix {
             dtype,
             rows,
             cols,
             data,
-        } => (*dtype, *rows, *cols, data),
+            offset,
+        } => (*dtype, *rows, *cols, data, *offset),
         CudaWeight::Vector(_) => panic!("a vector weight used as a matrix"),
     }
 }
@@ -538,7 +600,8 @@ impl Backend for CudaBackend {
                     dtype: view.dtype,
                     rows: view.shape[0],
                     cols: view.shape[1],
-                    data,
+                    data: Arc::new(data),
+                    offset: 0,
                 }
             }
             n => {
@@ -551,6 +614,60 @@ impl Backend for CudaBackend {
         self.weight_bytes
             .fetch_add(view.bytes().len(), Ordering::Relaxed);
         Ok(weight)
+    }
+
+    fn load_stacked<const N: usize>(
+        &self,
+        parts: [(&str, TensorView); N],
+    ) -> Result<[CudaWeight; N], EngineError> {
+        let Some((_, first)) = parts.first() else {
+            return Ok(parts.map(|_| unreachable!("no parts")));
+        };
+        let (dtype, cols) = (first.dtype, first.shape.get(1).copied());
+        if !parts
+            .iter()
+            .all(|(_, v)| v.shape.len() == 2 && v.dtype == dtype && v.shape.get(1) == cols.as_ref())
+        {
+            let mut weights = Vec::with_capacity(N);
+            for (name, view) in parts {
+                weights.push(self.load_weight(name, view)?);
+            }
+            return Ok(weights
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one weight per part")));
+        }
+        // One buffer, the parts side by side in order: one GEMM multiplies them all.
+        let total: usize = parts.iter().map(|(_, v)| v.bytes().len()).sum();
+        // SAFETY: every byte is written by the uploads below before any kernel reads it.
+        let mut data = unsafe { self.dev.stream.alloc::<u8>(total.max(1)) }
+            .map_err(|e| engine_error(first, format!("cannot upload to {}: {e}", self.name())))?;
+        let mut offsets = [0usize; N];
+        let mut at = 0;
+        for (i, (_, view)) in parts.iter().enumerate() {
+            let len = view.bytes().len();
+            self.dev
+                .stream
+                .memcpy_htod(view.bytes(), &mut data.slice_mut(at..at + len))
+                .map_err(|e| {
+                    engine_error(view, format!("cannot upload to {}: {e}", self.name()))
+                })?;
+            offsets[i] = at;
+            at += len;
+        }
+        self.weight_bytes.fetch_add(total, Ordering::Relaxed);
+        let data = Arc::new(data);
+        let mut i = 0;
+        Ok(parts.map(|(_, view)| {
+            let offset = offsets[i];
+            i += 1;
+            CudaWeight::Matrix {
+                dtype,
+                rows: view.shape[0],
+                cols: view.shape[1],
+                data: data.clone(),
+                offset,
+            }
+        }))
     }
 
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CudaKvStorage, EngineError> {
@@ -602,7 +719,7 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
-        let (dtype, _, cols, data) = weight_matrix(table);
+        let (dtype, _, cols, table_ptr) = self.matrix(table);
         let out = self.tensor(ids.len(), cols);
         if ids.is_empty() {
             return out;
@@ -618,10 +735,10 @@ impl Backend for CudaBackend {
         };
         let (code, rows, cols_i) = (dtype_code(dtype), ids.len() as i32, cols as i32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.embedding);
-        b.arg(data)
+        b.arg(&table_ptr)
             .arg(&code)
             .arg(&ids_ptr)
-            .arg(&out.data)
+            .arg(out.dense())
             .arg(&rows)
             .arg(&cols_i);
         self.launch("embedding", b, Self::per_row(ids.len(), THREADS));
@@ -639,9 +756,9 @@ impl Backend for CudaBackend {
         let (groups_i, group_i) = (groups as i32, group as i32);
         let threads = norm_threads(group);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rms_norm);
-        b.arg(&x.data)
+        b.arg(x.dense())
             .arg(w)
-            .arg(&out.data)
+            .arg(out.dense())
             .arg(&groups_i)
             .arg(&group_i)
             .arg(&eps);
@@ -666,7 +783,7 @@ impl Backend for CudaBackend {
             Some(x16) => Operand::bits16(x16, x),
             None => Operand::F32(x),
         };
-        weights.map(|w| self.linear_with(operand, w))
+        self.linear_stacked(operand, weights)
     }
 
     fn norm_linear_shared<const N: usize>(
@@ -691,7 +808,7 @@ impl Backend for CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.rms_norm_16);
-        b.arg(&x.data)
+        b.arg(x.dense())
             .arg(weight_vector(norm))
             .arg(&x16)
             .arg(&groups_i)
@@ -699,7 +816,7 @@ impl Backend for CudaBackend {
             .arg(&eps)
             .arg(&code);
         self.launch("rms_norm_16", b, Self::per_row(groups, threads));
-        weights.map(|w| self.linear_with(Operand::bits16(&x16, x), w))
+        self.linear_stacked(Operand::bits16(&x16, x), weights)
     }
 
     fn silu_mul_linear_add(
@@ -711,19 +828,26 @@ impl Backend for CudaBackend {
     ) {
         let Some(dtype) = shared_16bit(&[weight]).filter(|_| !gate.is_empty()) else {
             let act = self.silu_mul(gate, up);
-            return self.linear_into(Operand::F32(&act), weight, x, true);
+            return self.linear_into(Operand::F32(&act), self.matrix(weight), x, true);
         };
-        assert_eq!(gate.len(), up.len());
         // The activation goes straight into the GEMM's 16-bit input; `gate` has its shape.
         let x16 = self.alloc::<u16>(gate.len());
-        let (n, code) = (gate.len() as u64, dtype_code(dtype));
         let mut b = self
             .dev
             .stream
             .launch_builder(&self.dev.kernels.silu_mul_16);
-        b.arg(&gate.data).arg(&up.data).arg(&x16).arg(&n).arg(&code);
+        let a = self.silu_mul_args(gate, up);
+        let code = dtype_code(dtype);
+        b.arg(&a.gate)
+            .arg(&a.up)
+            .arg(&x16)
+            .arg(&a.n)
+            .arg(&a.cols)
+            .arg(&a.gate_stride)
+            .arg(&a.up_stride)
+            .arg(&code);
         self.launch("silu_mul_16", b, Self::elements(gate.len()));
-        self.linear_into(Operand::bits16(&x16, gate), weight, x, true);
+        self.linear_into(Operand::bits16(&x16, gate), self.matrix(weight), x, true);
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {
@@ -734,7 +858,7 @@ impl Backend for CudaBackend {
         let pos = self.positions_ptr(positions);
         let (rows, cols, hd, th) = (x.rows as i32, x.cols as i32, head_dim as i32, theta as f32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rope);
-        b.arg(&x.data)
+        b.arg(x.dense())
             .arg(&pos)
             .arg(&rows)
             .arg(&cols)
@@ -779,12 +903,17 @@ impl Backend for CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.qk_norm_rope);
-        b.arg(&q.data)
-            .arg(&k.data)
+        // q and k may be views of one stacked q/k/v product; the outputs are dense.
+        let (q_in, k_in) = (self.rows_ptr(q), self.rows_ptr(k));
+        let (q_stride, k_stride) = (q.stride() as i32, k.stride() as i32);
+        b.arg(&q_in)
+            .arg(&k_in)
+            .arg(&q_stride)
+            .arg(&k_stride)
             .arg(weight_vector(q_norm))
             .arg(weight_vector(k_norm))
-            .arg(&q_out.data)
-            .arg(&k_out.data)
+            .arg(q_out.dense())
+            .arg(k_out.dense())
             .arg(&pos)
             .arg(&rows)
             .arg(&qh)
@@ -823,11 +952,16 @@ impl Backend for CudaBackend {
             }
         };
         let (rows, width_i) = (k.rows as i32, width as i32);
+        // v (and k) may be views of one stacked q/k/v product.
+        let (k_in, v_in) = (self.rows_ptr(k), self.rows_ptr(v));
+        let (k_stride, v_stride) = (k.stride() as i32, v.stride() as i32);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.write_kv);
         b.arg(&kv.k[layer])
             .arg(&kv.v[layer])
-            .arg(&k.data)
-            .arg(&v.data)
+            .arg(&k_in)
+            .arg(&v_in)
+            .arg(&k_stride)
+            .arg(&v_stride)
             .arg(&slots_dev)
             .arg(&rows)
             .arg(&width_i);
@@ -857,12 +991,12 @@ impl Backend for CudaBackend {
     ) {
         let Some(dtype) = shared_16bit(&[o_proj]).filter(|_| !q.is_empty()) else {
             let attn = self.paged_attention(q, kv, layer, meta);
-            return self.linear_into(Operand::F32(&attn), o_proj, x, true);
+            return self.linear_into(Operand::F32(&attn), self.matrix(o_proj), x, true);
         };
         // The attention output goes straight into the GEMM's 16-bit input; `q` has its shape.
         let out16 = self.alloc::<u16>(q.len());
         self.attend(q, kv, layer, meta, AttentionOut::Bits16(&out16, dtype));
-        self.linear_into(Operand::bits16(&out16, q), o_proj, x, true);
+        self.linear_into(Operand::bits16(&out16, q), self.matrix(o_proj), x, true);
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
@@ -871,9 +1005,15 @@ impl Backend for CudaBackend {
         if out.is_empty() {
             return out;
         }
-        let n = out.len() as u64;
+        let a = self.silu_mul_args(gate, up);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.silu_mul);
-        b.arg(&gate.data).arg(&up.data).arg(&out.data).arg(&n);
+        b.arg(&a.gate)
+            .arg(&a.up)
+            .arg(out.dense())
+            .arg(&a.n)
+            .arg(&a.cols)
+            .arg(&a.gate_stride)
+            .arg(&a.up_stride);
         self.launch("silu_mul", b, Self::elements(out.len()));
         out
     }
@@ -885,7 +1025,7 @@ impl Backend for CudaBackend {
         }
         let n = x.len() as u64;
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.add_assign);
-        b.arg(&x.data).arg(&y.data).arg(&n);
+        b.arg(x.dense()).arg(y.dense()).arg(&n);
         self.launch("add_assign", b, Self::elements(x.len()));
     }
 
@@ -912,21 +1052,40 @@ impl Backend for CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.select_rows);
-        b.arg(&x.data).arg(&idx).arg(&out.data).arg(&n).arg(&cols);
+        b.arg(x.dense())
+            .arg(&idx)
+            .arg(out.dense())
+            .arg(&n)
+            .arg(&cols);
         self.launch("select_rows", b, Self::per_row(rows.len(), THREADS));
         out
     }
 
     fn to_host(&self, x: &CudaTensor) -> HostMatrix {
-        let mut data = vec![0f32; x.len()];
-        if !data.is_empty() {
-            let src = x.data.slice(..x.len());
+        // A view (columns of a stacked product) is copied with the rows' gaps, which are
+        // dropped here: the host is the only reader.
+        let span = if x.is_empty() {
+            0
+        } else {
+            (x.rows - 1) * x.stride() + x.cols
+        };
+        let mut copied = vec![0f32; span];
+        if span > 0 {
+            let src = x.buffer().slice(x.offset()..x.offset() + span);
             self.dev
                 .stream
-                .memcpy_dtoh(&src, &mut data)
+                .memcpy_dtoh(&src, &mut copied)
                 .unwrap_or_else(|e| self.fail("copy to host", e));
         }
         self.synchronize();
+        let data = if span == x.len() {
+            copied
+        } else {
+            (0..x.rows)
+                .flat_map(|r| &copied[r * x.stride()..r * x.stride() + x.cols])
+                .copied()
+                .collect()
+        };
         HostMatrix {
             rows: x.rows,
             cols: x.cols,

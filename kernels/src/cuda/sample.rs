@@ -40,7 +40,7 @@ impl CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.sample_rows);
-        b.arg(&logits.data)
+        b.arg(logits.dense())
             .arg(&cols)
             .arg(&limit_i)
             .arg(&params)
