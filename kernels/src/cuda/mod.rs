@@ -5,17 +5,25 @@
 //! The `Backend` ops (other than loading and allocation) cannot return errors: a failed
 //! launch leaves the CUDA context unusable, so it panics with the op's name and the driver's
 //! message, which ends the engine thread (the node then reports itself unhealthy).
+//!
+//! Parts: `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
+//! `attention` (paged attention launches, planned by [`plan`]), `weights` (uploads), `graph`
+//! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `device`
+//! and [`modules`] (the device, its libraries and compiled kernels).
 
+mod attention;
 mod device;
 pub mod gemm;
 mod graph;
+mod linear;
 pub mod modules;
 pub mod plan;
 mod sample;
 mod tensor;
+mod weights;
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
@@ -23,16 +31,18 @@ use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
-use pd_engine::weights::{DType, TensorView};
+use pd_engine::weights::TensorView;
 
 pub use device::Device;
 use tensor::dtype_code;
 pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
 
 use crate::CudaError;
-use gemm::GemmType;
-use graph::{Graphs, Launch};
+use attention::AttentionOut;
+use graph::Graphs;
+use linear::{Operand, shared_16bit};
 use plan::AttentionPlan;
+use weights::weight_vector;
 
 /// Threads per block of the element-wise and row kernels.
 const THREADS: u32 = 256;
@@ -71,43 +81,6 @@ struct DevicePlan {
     block_tables: CudaSlice<u32>,
 }
 
-/// A GEMM's left operand `[rows, cols]`: f32 rows (cast to the weight's 16-bit type if it
-/// has one), or rows an earlier kernel already wrote in that 16-bit type.
-#[derive(Clone, Copy)]
-enum Operand<'a> {
-    F32(&'a CudaTensor),
-    Bits16 {
-        data: &'a CudaSlice<u16>,
-        rows: usize,
-        cols: usize,
-    },
-}
-
-impl Operand<'_> {
-    /// The 16-bit rows in `data`, shaped as `like`.
-    fn bits16<'a>(data: &'a CudaSlice<u16>, like: &CudaTensor) -> Operand<'a> {
-        Operand::Bits16 {
-            data,
-            rows: like.rows,
-            cols: like.cols,
-        }
-    }
-
-    fn rows(&self) -> usize {
-        match self {
-            Operand::F32(x) => x.rows,
-            Operand::Bits16 { rows, .. } => *rows,
-        }
-    }
-
-    fn cols(&self) -> usize {
-        match self {
-            Operand::F32(x) => x.cols,
-            Operand::Bits16 { cols, .. } => *cols,
-        }
-    }
-}
-
 /// Kernel arguments of `silu_mul` / `silu_mul_16` (see [`CudaBackend::silu_mul_args`]).
 struct SiluMulArgs {
     gate: u64,
@@ -116,12 +89,6 @@ struct SiluMulArgs {
     cols: i32,
     gate_stride: i32,
     up_stride: i32,
-}
-
-/// Where attention writes its output: f32 rows, or the o_proj GEMM's 16-bit input.
-enum AttentionOut<'a> {
-    F32(&'a CudaTensor),
-    Bits16(&'a CudaSlice<u16>, DType),
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -247,37 +214,6 @@ impl CudaBackend {
         slice.device_ptr(&self.dev.stream).0
     }
 
-    /// The attention launch shape and device metadata of `meta` (planned and uploaded when
-    /// it changed since the last call). The addresses stay valid until the next call with
-    /// another `meta` replaces the cached copy, i.e. past the launches of this op.
-    fn attention_plan(&self, meta: &AttentionMeta) -> (Launch, u64, u64, u64) {
-        let mut uploads = self.uploads.lock().expect("uploads lock");
-        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
-            let plan = plan::plan(meta, self.dev.num_sms as usize);
-            let device_plan = DevicePlan {
-                items: self.upload(&plan.items),
-                seqs: self.upload(&plan.seqs),
-                block_tables: self.upload(&plan.block_tables),
-                plan,
-            };
-            uploads.attention = Some((meta.clone(), device_plan));
-        }
-        let (_, dp) = uploads.attention.as_ref().expect("set above");
-        let p = &dp.plan;
-        let launch = Launch {
-            items: p.num_items(),
-            rows_per_item: p.rows_per_item,
-            splits: p.splits,
-            keys_per_split: p.keys_per_split,
-        };
-        (
-            launch,
-            self.ptr(&dp.items),
-            self.ptr(&dp.seqs),
-            self.ptr(&dp.block_tables),
-        )
-    }
-
     /// One thread per element.
     fn elements(n: usize) -> LaunchConfig {
         LaunchConfig {
@@ -293,193 +229,6 @@ impl CudaBackend {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
-        }
-    }
-
-    /// `x · Wᵀ` into a new tensor (see [`Self::linear_into`]).
-    fn linear_with(&self, x: Operand<'_>, weight: &CudaWeight) -> CudaTensor {
-        let matrix = self.matrix(weight);
-        let out = self.tensor(x.rows(), matrix.1);
-        self.linear_into(x, matrix, &out, false);
-        out
-    }
-
-    /// `weights` as one matrix `(dtype, total rows, cols, address)` when they lie side by
-    /// side, in order, in one buffer (as [`Backend::load_stacked`] uploads them), so one GEMM
-    /// computes all their products.
-    fn stacked(&self, weights: &[&CudaWeight]) -> Option<(DType, usize, usize, u64)> {
-        let (dtype, _, cols, data, offset) = weight_matrix(weights.first()?);
-        let mut next = offset;
-        let mut rows = 0;
-        for w in weights {
-            let (d, r, c, buf, off) = weight_matrix(w);
-            if d != dtype || c != cols || !Arc::ptr_eq(buf, data) || off != next {
-                return None;
-            }
-            next = off + r * c * d.size_in_bytes();
-            rows += r;
-        }
-        Some((dtype, rows, cols, self.ptr(data) + offset as u64))
-    }
-
-    /// `(dtype, rows, cols, address)` of a matrix weight.
-    fn matrix(&self, w: &CudaWeight) -> (DType, usize, usize, u64) {
-        let (dtype, rows, cols, data, offset) = weight_matrix(w);
-        (dtype, rows, cols, self.ptr(data) + offset as u64)
-    }
-
-    /// `out = x · Wᵀ`, or `out += x · Wᵀ` with `accumulate` (the residual adds). `weight`
-    /// is a matrix, or several stacked in one buffer ([`Self::stacked`]): `(dtype, rows,
-    /// cols, address)`.
-    fn linear_into(
-        &self,
-        x: Operand<'_>,
-        (dtype, n, k, w): (DType, usize, usize, u64),
-        out: &CudaTensor,
-        accumulate: bool,
-    ) {
-        let rows = x.rows();
-        assert_eq!(x.cols(), k, "linear: input width");
-        assert_eq!((out.rows, out.cols), (rows, n), "linear: output shape");
-        let out_ptr = self.ptr(out.dense());
-        if rows == 0 || n == 0 {
-            return;
-        }
-        // A cast made here lives until the end of the call, after the GEMM is queued.
-        let cast;
-        let (ty, x_ptr) = match (dtype, x) {
-            (DType::F32, Operand::F32(x)) => (GemmType::F32, self.ptr(x.dense())),
-            (DType::F32, Operand::Bits16 { .. }) => {
-                unreachable!("a 16-bit GEMM input is only made for 16-bit weights")
-            }
-            (DType::BF16 | DType::F16, x) => {
-                let ty = if dtype == DType::BF16 {
-                    GemmType::BF16
-                } else {
-                    GemmType::F16
-                };
-                let x16 = match x {
-                    Operand::Bits16 { data, .. } => data,
-                    Operand::F32(x) => {
-                        cast = self.cast(x, dtype);
-                        &cast
-                    }
-                };
-                (ty, self.ptr(x16))
-            }
-        };
-        gemm::linear(&self.dev, ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
-    }
-
-    /// The products `x · Wᵢᵀ` of projections that share their input: one GEMM when the
-    /// weights lie side by side in one buffer ([`Self::stacked`]), its columns then split
-    /// into views, else one GEMM each.
-    fn linear_stacked<const N: usize>(
-        &self,
-        x: Operand<'_>,
-        weights: [&CudaWeight; N],
-    ) -> [CudaTensor; N] {
-        match self.stacked(&weights) {
-            Some(matrix) => {
-                let out = self.tensor(x.rows(), matrix.1);
-                self.linear_into(x, matrix, &out, false);
-                out.split_cols(weights.map(|w| weight_matrix(w).1))
-            }
-            None => weights.map(|w| self.linear_with(x, w)),
-        }
-    }
-
-    /// [`Backend::paged_attention`] of `q` into `out` (shaped as `q`).
-    fn attend(
-        &self,
-        q: &CudaTensor,
-        kv: &CudaKvStorage,
-        layer: usize,
-        meta: &AttentionMeta,
-        out: AttentionOut<'_>,
-    ) {
-        if q.rows == 0 {
-            return;
-        }
-        // The kernels write `out16` in `out_code`'s type when it is not null, else `out`.
-        let (out, out16, out_code) = match out {
-            AttentionOut::F32(t) => (self.ptr(t.dense()), 0u64, 0),
-            AttentionOut::Bits16(d, dtype) => (0u64, self.ptr(d), dtype_code(dtype)),
-        };
-        plan::check_group(meta.num_heads, meta.num_kv_heads)
-            .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
-        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
-            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
-            None => self.attention_plan(meta),
-        };
-        let items = p.items;
-        let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
-        let (part_acc, part_ml) = if p.splits > 1 {
-            (
-                self.alloc::<f32>(part_len * meta.head_dim),
-                self.alloc::<f32>(2 * part_len),
-            )
-        } else {
-            (self.alloc::<f32>(1), self.alloc::<f32>(1))
-        };
-        let heads = meta.num_heads as i32;
-        let kv_heads = meta.num_kv_heads as i32;
-        let hd = meta.head_dim as i32;
-        let bs = kv.layout.block_size as i32;
-        let rows_per_item = p.rows_per_item as i32;
-        let keys_per_split = p.keys_per_split as i32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.paged_attention);
-        b.arg(q.dense())
-            .arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(&tables_ptr)
-            .arg(&items_ptr)
-            .arg(&seqs_ptr)
-            .arg(&out)
-            .arg(&out16)
-            .arg(&out_code)
-            .arg(&part_acc)
-            .arg(&part_ml)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&hd)
-            .arg(&bs)
-            .arg(&rows_per_item)
-            .arg(&keys_per_split)
-            .arg(&meta.scale);
-        let cfg = LaunchConfig {
-            grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
-            block_dim: (plan::THREADS, 1, 1),
-            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
-        };
-        self.launch("paged_attention", b, cfg);
-        if p.splits > 1 {
-            let splits = p.splits as i32;
-            let mut b = self
-                .dev
-                .stream
-                .launch_builder(&self.dev.kernels.attention_combine);
-            b.arg(&part_acc)
-                .arg(&part_ml)
-                .arg(&items_ptr)
-                .arg(&seqs_ptr)
-                .arg(&out)
-                .arg(&out16)
-                .arg(&out_code)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&hd)
-                .arg(&rows_per_item)
-                .arg(&splits);
-            let cfg = LaunchConfig {
-                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
-                block_dim: (plan::THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("attention_combine", b, cfg);
         }
     }
 
@@ -514,61 +263,11 @@ impl CudaBackend {
             }
         }
     }
-
-    fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {
-        let out = self.alloc::<u16>(x.len());
-        let n = x.len() as u64;
-        let f = match dtype {
-            DType::BF16 => &self.dev.kernels.cast_bf16,
-            DType::F16 => &self.dev.kernels.cast_f16,
-            DType::F32 => unreachable!("f32 weights multiply f32 activations"),
-        };
-        let mut b = self.dev.stream.launch_builder(f);
-        b.arg(x.dense()).arg(&out).arg(&n);
-        self.launch("cast", b, Self::elements(x.len()));
-        out
-    }
 }
 
 /// Threads of an RMSNorm block: two warps for a head (q/k norms), more for a hidden row.
 fn norm_threads(group: usize) -> u32 {
     if group <= 128 { 64 } else { THREADS }
-}
-
-/// The 16-bit dtype every one of `weights` is stored in, if they share one: then one 16-bit
-/// copy of their input serves all their GEMMs.
-fn shared_16bit(weights: &[&CudaWeight]) -> Option<DType> {
-    let dtype = weight_matrix(weights.first()?).0;
-    (dtype != DType::F32 && weights.iter().all(|w| weight_matrix(w).0 == dtype)).then_some(dtype)
-}
-
-/// `(dtype, rows, cols, buffer, byte offset of row 0 in it)` of a matrix weight.
-fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &Arc<CudaSlice<u8>>, usize) {
-    match w {
-        CudaWeight::Matrix {
-            dtype,
-            rows,
-            cols,
-            data,
-            offset,
-        } => (*dtype, *rows, *cols, data, *offset),
-        CudaWeight::Vector(_) => panic!("a vector weight used as a matrix"),
-    }
-}
-
-fn weight_vector(w: &CudaWeight) -> &CudaSlice<f32> {
-    match w {
-        CudaWeight::Vector(v) => v,
-        CudaWeight::Matrix { .. } => panic!("a matrix weight used as a vector"),
-    }
-}
-
-fn engine_error(view: &TensorView, e: impl std::fmt::Display) -> EngineError {
-    EngineError::Tensor {
-        path: view.path().to_path_buf(),
-        tensor: view.name.clone(),
-        message: e.to_string(),
-    }
 }
 
 impl Backend for CudaBackend {
@@ -581,93 +280,14 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, _name: &str, view: TensorView) -> Result<CudaWeight, EngineError> {
-        let upload_error = |e: cudarc::driver::DriverError| {
-            engine_error(&view, format!("cannot upload to {}: {e}", self.name()))
-        };
-        let weight = match view.shape.len() {
-            1 => {
-                let v = view.to_f32_vec();
-                let data = self.dev.stream.clone_htod(&v).map_err(upload_error)?;
-                CudaWeight::Vector(data)
-            }
-            2 => {
-                let data = self
-                    .dev
-                    .stream
-                    .clone_htod(view.bytes())
-                    .map_err(upload_error)?;
-                CudaWeight::Matrix {
-                    dtype: view.dtype,
-                    rows: view.shape[0],
-                    cols: view.shape[1],
-                    data: Arc::new(data),
-                    offset: 0,
-                }
-            }
-            n => {
-                return Err(engine_error(
-                    &view,
-                    format!("has {n} dimensions; the CUDA backend takes vectors and matrices"),
-                ));
-            }
-        };
-        self.weight_bytes
-            .fetch_add(view.bytes().len(), Ordering::Relaxed);
-        Ok(weight)
+        self.upload_weight(view)
     }
 
     fn load_stacked<const N: usize>(
         &self,
         parts: [(&str, TensorView); N],
     ) -> Result<[CudaWeight; N], EngineError> {
-        let Some((_, first)) = parts.first() else {
-            return Ok(parts.map(|_| unreachable!("no parts")));
-        };
-        let (dtype, cols) = (first.dtype, first.shape.get(1).copied());
-        if !parts
-            .iter()
-            .all(|(_, v)| v.shape.len() == 2 && v.dtype == dtype && v.shape.get(1) == cols.as_ref())
-        {
-            let mut weights = Vec::with_capacity(N);
-            for (name, view) in parts {
-                weights.push(self.load_weight(name, view)?);
-            }
-            return Ok(weights
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("one weight per part")));
-        }
-        // One buffer, the parts side by side in order: one GEMM multiplies them all.
-        let total: usize = parts.iter().map(|(_, v)| v.bytes().len()).sum();
-        // SAFETY: every byte is written by the uploads below before any kernel reads it.
-        let mut data = unsafe { self.dev.stream.alloc::<u8>(total.max(1)) }
-            .map_err(|e| engine_error(first, format!("cannot upload to {}: {e}", self.name())))?;
-        let mut offsets = [0usize; N];
-        let mut at = 0;
-        for (i, (_, view)) in parts.iter().enumerate() {
-            let len = view.bytes().len();
-            self.dev
-                .stream
-                .memcpy_htod(view.bytes(), &mut data.slice_mut(at..at + len))
-                .map_err(|e| {
-                    engine_error(view, format!("cannot upload to {}: {e}", self.name()))
-                })?;
-            offsets[i] = at;
-            at += len;
-        }
-        self.weight_bytes.fetch_add(total, Ordering::Relaxed);
-        let data = Arc::new(data);
-        let mut i = 0;
-        Ok(parts.map(|(_, view)| {
-            let offset = offsets[i];
-            i += 1;
-            CudaWeight::Matrix {
-                dtype,
-                rows: view.shape[0],
-                cols: view.shape[1],
-                data: data.clone(),
-                offset,
-            }
-        }))
+        self.upload_stacked(parts)
     }
 
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CudaKvStorage, EngineError> {

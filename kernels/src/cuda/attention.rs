@@ -1,0 +1,146 @@
+//! Paged attention launches of the CUDA backend: the launch plan of a step's attention
+//! metadata (uploaded once per step), the `paged_attention` kernel and, for split-K, the
+//! `attention_combine` kernel, writing f32 rows or the o_proj GEMM's 16-bit input. The
+//! kernels are `attention.cu`; the plan is [`super::plan`].
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use pd_engine::backend::AttentionMeta;
+use pd_engine::weights::DType;
+
+use super::graph::Launch;
+use super::plan::{self, AttentionPlan};
+use super::tensor::dtype_code;
+use super::{CudaBackend, CudaKvStorage, CudaTensor, DevicePlan};
+
+/// Where attention writes its output: f32 rows, or the o_proj GEMM's 16-bit input.
+pub(super) enum AttentionOut<'a> {
+    F32(&'a CudaTensor),
+    Bits16(&'a CudaSlice<u16>, DType),
+}
+
+impl CudaBackend {
+    /// The attention launch shape and device metadata of `meta` (planned and uploaded when
+    /// it changed since the last call). The addresses stay valid until the next call with
+    /// another `meta` replaces the cached copy, i.e. past the launches of this op.
+    pub(super) fn attention_plan(&self, meta: &AttentionMeta) -> (Launch, u64, u64, u64) {
+        let mut uploads = self.uploads.lock().expect("uploads lock");
+        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
+            let plan = plan::plan(meta, self.dev.num_sms as usize);
+            let device_plan = DevicePlan {
+                items: self.upload(&plan.items),
+                seqs: self.upload(&plan.seqs),
+                block_tables: self.upload(&plan.block_tables),
+                plan,
+            };
+            uploads.attention = Some((meta.clone(), device_plan));
+        }
+        let (_, dp) = uploads.attention.as_ref().expect("set above");
+        let p = &dp.plan;
+        let launch = Launch {
+            items: p.num_items(),
+            rows_per_item: p.rows_per_item,
+            splits: p.splits,
+            keys_per_split: p.keys_per_split,
+        };
+        (
+            launch,
+            self.ptr(&dp.items),
+            self.ptr(&dp.seqs),
+            self.ptr(&dp.block_tables),
+        )
+    }
+
+    /// [`Backend::paged_attention`] of `q` into `out` (shaped as `q`).
+    pub(super) fn attend(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        out: AttentionOut<'_>,
+    ) {
+        if q.rows == 0 {
+            return;
+        }
+        // The kernels write `out16` in `out_code`'s type when it is not null, else `out`.
+        let (out, out16, out_code) = match out {
+            AttentionOut::F32(t) => (self.ptr(t.dense()), 0u64, 0),
+            AttentionOut::Bits16(d, dtype) => (0u64, self.ptr(d), dtype_code(dtype)),
+        };
+        plan::check_group(meta.num_heads, meta.num_kv_heads)
+            .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
+        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
+            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
+            None => self.attention_plan(meta),
+        };
+        let items = p.items;
+        let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
+        let (part_acc, part_ml) = if p.splits > 1 {
+            (
+                self.alloc::<f32>(part_len * meta.head_dim),
+                self.alloc::<f32>(2 * part_len),
+            )
+        } else {
+            (self.alloc::<f32>(1), self.alloc::<f32>(1))
+        };
+        let heads = meta.num_heads as i32;
+        let kv_heads = meta.num_kv_heads as i32;
+        let hd = meta.head_dim as i32;
+        let bs = kv.layout.block_size as i32;
+        let rows_per_item = p.rows_per_item as i32;
+        let keys_per_split = p.keys_per_split as i32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.paged_attention);
+        b.arg(q.dense())
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&tables_ptr)
+            .arg(&items_ptr)
+            .arg(&seqs_ptr)
+            .arg(&out)
+            .arg(&out16)
+            .arg(&out_code)
+            .arg(&part_acc)
+            .arg(&part_ml)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&hd)
+            .arg(&bs)
+            .arg(&rows_per_item)
+            .arg(&keys_per_split)
+            .arg(&meta.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
+            block_dim: (plan::THREADS, 1, 1),
+            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
+        };
+        self.launch("paged_attention", b, cfg);
+        if p.splits > 1 {
+            let splits = p.splits as i32;
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.attention_combine);
+            b.arg(&part_acc)
+                .arg(&part_ml)
+                .arg(&items_ptr)
+                .arg(&seqs_ptr)
+                .arg(&out)
+                .arg(&out16)
+                .arg(&out_code)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&rows_per_item)
+                .arg(&splits);
+            let cfg = LaunchConfig {
+                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
+                block_dim: (plan::THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("attention_combine", b, cfg);
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Weights on the device: uploading them (norm vectors widened to f32, matrices as stored,
+//! projections that share their input side by side in one buffer) and reading a weight back
+//! as a matrix or a vector. What a weight is: [`super::CudaWeight`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::CudaSlice;
+use pd_engine::backend::Backend as _;
+use pd_engine::error::EngineError;
+use pd_engine::weights::{DType, TensorView};
+
+use super::{CudaBackend, CudaWeight};
+
+/// `(dtype, rows, cols, buffer, byte offset of row 0 in it)` of a matrix weight.
+pub(super) fn weight_matrix(w: &CudaWeight) -> (DType, usize, usize, &Arc<CudaSlice<u8>>, usize) {
+    match w {
+        CudaWeight::Matrix {
+            dtype,
+            rows,
+            cols,
+            data,
+            offset,
+        } => (*dtype, *rows, *cols, data, *offset),
+        CudaWeight::Vector(_) => panic!("a vector weight used as a matrix"),
+    }
+}
+
+pub(super) fn weight_vector(w: &CudaWeight) -> &CudaSlice<f32> {
+    match w {
+        CudaWeight::Vector(v) => v,
+        CudaWeight::Matrix { .. } => panic!("a matrix weight used as a vector"),
+    }
+}
+
+pub(super) fn engine_error(view: &TensorView, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tensor {
+        path: view.path().to_path_buf(),
+        tensor: view.name.clone(),
+        message: e.to_string(),
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::load_weight`]: a vector widened to f32, a matrix uploaded as stored.
+    ///
+    /// [`Backend::load_weight`]: pd_engine::backend::Backend::load_weight
+    pub(super) fn upload_weight(&self, view: TensorView) -> Result<CudaWeight, EngineError> {
+        let upload_error = |e: cudarc::driver::DriverError| {
+            engine_error(&view, format!("cannot upload to {}: {e}", self.name()))
+        };
+        let weight = match view.shape.len() {
+            1 => {
+                let v = view.to_f32_vec();
+                let data = self.dev.stream.clone_htod(&v).map_err(upload_error)?;
+                CudaWeight::Vector(data)
+            }
+            2 => {
+                let data = self
+                    .dev
+                    .stream
+                    .clone_htod(view.bytes())
+                    .map_err(upload_error)?;
+                CudaWeight::Matrix {
+                    dtype: view.dtype,
+                    rows: view.shape[0],
+                    cols: view.shape[1],
+                    data: Arc::new(data),
+                    offset: 0,
+                }
+            }
+            n => {
+                return Err(engine_error(
+                    &view,
+                    format!("has {n} dimensions; the CUDA backend takes vectors and matrices"),
+                ));
+            }
+        };
+        self.weight_bytes
+            .fetch_add(view.bytes().len(), Ordering::Relaxed);
+        Ok(weight)
+    }
+
+    /// [`Backend::load_stacked`]: the parts side by side in one buffer when they are
+    /// matrices of one dtype and width, else one by one.
+    ///
+    /// [`Backend::load_stacked`]: pd_engine::backend::Backend::load_stacked
+    pub(super) fn upload_stacked<const N: usize>(
+        &self,
+        parts: [(&str, TensorView); N],
+    ) -> Result<[CudaWeight; N], EngineError> {
+        let Some((_, first)) = parts.first() else {
+            return Ok(parts.map(|_| unreachable!("no parts")));
+        };
+        let (dtype, cols) = (first.dtype, first.shape.get(1).copied());
+        if !parts
+            .iter()
+            .all(|(_, v)| v.shape.len() == 2 && v.dtype == dtype && v.shape.get(1) == cols.as_ref())
+        {
+            let mut weights = Vec::with_capacity(N);
+            for (_, view) in parts {
+                weights.push(self.upload_weight(view)?);
+            }
+            return Ok(weights
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one weight per part")));
+        }
+        // One buffer, the parts side by side in order: one GEMM multiplies them all.
+        let total: usize = parts.iter().map(|(_, v)| v.bytes().len()).sum();
+        // SAFETY: every byte is written by the uploads below before any kernel reads it.
+        let mut data = unsafe { self.dev.stream.alloc::<u8>(total.max(1)) }
+            .map_err(|e| engine_error(first, format!("cannot upload to {}: {e}", self.name())))?;
+        let mut offsets = [0usize; N];
+        let mut at = 0;
+        for (i, (_, view)) in parts.iter().enumerate() {
+            let len = view.bytes().len();
+            self.dev
+                .stream
+                .memcpy_htod(view.bytes(), &mut data.slice_mut(at..at + len))
+                .map_err(|e| {
+                    engine_error(view, format!("cannot upload to {}: {e}", self.name()))
+                })?;
+            offsets[i] = at;
+            at += len;
+        }
+        self.weight_bytes.fetch_add(total, Ordering::Relaxed);
+        let data = Arc::new(data);
+        let mut i = 0;
+        Ok(parts.map(|(_, view)| {
+            let offset = offsets[i];
+            i += 1;
+            CudaWeight::Matrix {
+                dtype,
+                rows: view.shape[0],
+                cols: view.shape[1],
+                data: data.clone(),
+                offset,
+            }
+        }))
+    }
+}
