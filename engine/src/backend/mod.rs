@@ -198,6 +198,31 @@ pub trait Backend: Send + Sync + 'static {
         (q, k)
     }
 
+    /// [`Backend::qk_norm_rope`], then [`Backend::write_kv`] of the rotated `k` and of `v`:
+    /// the whole step between the q/k/v projections and attention. Returns the rotated `q`.
+    /// By default those two ops; a backend may write the KV from the same kernel (the CUDA
+    /// backend: one launch instead of two).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_write_kv(
+        &self,
+        q: &Self::Tensor,
+        q_norm: &Self::Weight,
+        k: &Self::Tensor,
+        k_norm: &Self::Weight,
+        v: &Self::Tensor,
+        positions: &[u32],
+        head_dim: usize,
+        eps: f32,
+        theta: f64,
+        kv: &mut Self::KvStorage,
+        layer: usize,
+        slots: &[u32],
+    ) -> Self::Tensor {
+        let (q, k) = self.qk_norm_rope(q, q_norm, k, k_norm, positions, head_dim, eps, theta);
+        self.write_kv(kv, layer, &k, v, slots);
+        q
+    }
+
     /// Write this step's keys and values (`[rows, kv_heads * head_dim]`) into `slots`.
     fn write_kv(
         &self,

@@ -213,17 +213,20 @@ impl<B: Backend> Qwen3<B> {
                 eps,
                 [&layer.q_proj, &layer.k_proj, &layer.v_proj],
             );
-            let (q, k) = backend.qk_norm_rope(
+            let q = backend.qk_norm_rope_write_kv(
                 &q,
                 &layer.q_norm,
                 &k,
                 &layer.k_norm,
+                &v,
                 &positions,
                 c.head_dim,
                 eps,
                 c.rope_theta,
+                kv,
+                i,
+                &slots,
             );
-            backend.write_kv(kv, i, &k, &v, &slots);
             backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
             let [gate, up] = backend.norm_linear_shared(

@@ -65,23 +65,44 @@ extern "C" __global__ void rope(float* x, const unsigned int* positions, int row
 // from q [rows, q_heads * head_dim] and k [rows, k_heads * head_dim] into q_out / k_out. One
 // block per (row, head) of q then k; thread j owns the pair (j, j + head_dim / 2). The same
 // arithmetic as rms_norm followed by rope, without the round trip through memory.
+//
+// With `kcache` (not null) it is also the step's KV write, as write_kv does it: each rotated k
+// row goes to its slot in kcache (then k_out may be null), and k_heads more blocks per row copy
+// v into vcache. Slot 0xffffffff (a padding row of a decode graph) writes no KV.
 extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_stride,
                                         int k_stride, const float* wq, const float* wk,
                                         float* q_out, float* k_out,
                                         const unsigned int* positions, int rows, int q_heads,
-                                        int k_heads, int head_dim, float eps, float theta) {
+                                        int k_heads, int head_dim, float eps, float theta,
+                                        float* kcache, float* vcache, const float* v,
+                                        int v_stride, const unsigned int* slots) {
     __shared__ float scratch[WARP];
-    const int heads = q_heads + k_heads;
+    const int heads = q_heads + k_heads + (kcache != nullptr ? k_heads : 0);
     const int r = blockIdx.x / heads;
     const int h = blockIdx.x % heads;
     if (r >= rows) return;  // uniform across the block
+    const unsigned long long width = (unsigned long long)k_heads * head_dim;
+    const unsigned int slot = kcache != nullptr ? slots[r] : 0xffffffffu;
+    if (h >= q_heads + k_heads) {
+        // A v head: copied as it is (no barrier on this path; uniform across the block).
+        if (slot == 0xffffffffu) return;
+        const int head = h - q_heads - k_heads;
+        const float* src = v + (unsigned long long)r * v_stride + head * head_dim;
+        float* dst = vcache + slot * width + head * head_dim;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
     const bool is_q = h < q_heads;
     const int head = is_q ? h : h - q_heads;
     // Inputs may be views of a wider stacked q/k/v product (row stride); outputs are dense.
     const float* x = (is_q ? q : k) + (unsigned long long)r * (is_q ? q_stride : k_stride) +
                      head * head_dim;
-    float* o = (is_q ? q_out : k_out) +
-               (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim + head * head_dim;
+    float* out = is_q ? q_out : k_out;
+    float* o = out == nullptr ? nullptr
+                              : out + (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim +
+                                    head * head_dim;
+    float* cache = !is_q && slot != 0xffffffffu ? kcache + slot * width + head * head_dim
+                                                : nullptr;
     const float* w = is_q ? wq : wk;
     const int half = head_dim / 2;
     const int j = threadIdx.x;
@@ -100,8 +121,16 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
     const float a = (float)positions[r] * inv_freq;
     float s, c;
     sincosf(a, &s, &c);
-    o[j] = lo * c - hi * s;
-    o[j + half] = hi * c + lo * s;
+    const float first = lo * c - hi * s;
+    const float second = hi * c + lo * s;
+    if (o != nullptr) {
+        o[j] = first;
+        o[j + half] = second;
+    }
+    if (cache != nullptr) {
+        cache[j] = first;
+        cache[j + half] = second;
+    }
 }
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }

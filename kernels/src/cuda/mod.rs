@@ -18,6 +18,7 @@ mod graph;
 mod linear;
 pub mod modules;
 pub mod plan;
+mod qk;
 mod sample;
 mod tensor;
 mod weights;
@@ -42,6 +43,7 @@ use attention::AttentionOut;
 use graph::Graphs;
 use linear::{Operand, shared_16bit};
 use plan::AttentionPlan;
+use qk::{KOut, NormRope};
 use weights::weight_vector;
 
 /// Threads per block of the element-wise and row kernels.
@@ -498,55 +500,60 @@ impl Backend for CudaBackend {
         eps: f32,
         theta: f64,
     ) -> (CudaTensor, CudaTensor) {
-        assert_eq!(positions.len(), q.rows);
-        assert_eq!(q.rows, k.rows, "q and k have the same rows");
-        assert!(
-            q.cols.is_multiple_of(head_dim) && k.cols.is_multiple_of(head_dim),
-            "q/k widths are whole heads"
-        );
-        let (q_out, k_out) = (self.tensor(q.rows, q.cols), self.tensor(k.rows, k.cols));
-        if q.rows == 0 {
-            return (q_out, k_out);
-        }
-        let pos = self.positions_ptr(positions);
-        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
-        let (rows, qh, kh, hd, th) = (
-            q.rows as i32,
-            q_heads as i32,
-            k_heads as i32,
-            head_dim as i32,
-            theta as f32,
-        );
-        // One thread per rotated pair, in whole warps (block_sum needs them).
-        let threads = (head_dim / 2).div_ceil(32).max(1) as u32 * 32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.qk_norm_rope);
-        // q and k may be views of one stacked q/k/v product; the outputs are dense.
-        let (q_in, k_in) = (self.rows_ptr(q), self.rows_ptr(k));
-        let (q_stride, k_stride) = (q.stride() as i32, k.stride() as i32);
-        b.arg(&q_in)
-            .arg(&k_in)
-            .arg(&q_stride)
-            .arg(&k_stride)
-            .arg(weight_vector(q_norm))
-            .arg(weight_vector(k_norm))
-            .arg(q_out.dense())
-            .arg(k_out.dense())
-            .arg(&pos)
-            .arg(&rows)
-            .arg(&qh)
-            .arg(&kh)
-            .arg(&hd)
-            .arg(&eps)
-            .arg(&th);
-        self.launch(
-            "qk_norm_rope",
-            b,
-            Self::per_row(q.rows * (q_heads + k_heads), threads),
-        );
+        let k_out = self.tensor(k.rows, k.cols);
+        let norm = NormRope {
+            q_norm,
+            k_norm,
+            positions,
+            head_dim,
+            eps,
+            theta,
+        };
+        let q_out = self.norm_rope(q, k, &norm, KOut::Tensor(&k_out));
         (q_out, k_out)
+    }
+
+    fn qk_norm_rope_write_kv(
+        &self,
+        q: &CudaTensor,
+        q_norm: &CudaWeight,
+        k: &CudaTensor,
+        k_norm: &CudaWeight,
+        v: &CudaTensor,
+        positions: &[u32],
+        head_dim: usize,
+        eps: f32,
+        theta: f64,
+        kv: &mut CudaKvStorage,
+        layer: usize,
+        slots: &[u32],
+    ) -> CudaTensor {
+        let width = kv.layout.token_width();
+        assert_eq!(
+            (k.cols, v.cols),
+            (width, width),
+            "k and v are one KV token wide"
+        );
+        assert_eq!((slots.len(), v.rows), (k.rows, k.rows), "a slot per row");
+        let norm = NormRope {
+            q_norm,
+            k_norm,
+            positions,
+            head_dim,
+            eps,
+            theta,
+        };
+        self.norm_rope(
+            q,
+            k,
+            &norm,
+            KOut::Cache {
+                kv,
+                layer,
+                v,
+                slots,
+            },
+        )
     }
 
     fn write_kv(
@@ -564,13 +571,7 @@ impl Backend for CudaBackend {
         if slots.is_empty() {
             return;
         }
-        let slots_dev = match self.capture_inputs() {
-            Some(staged) => staged.slots,
-            None => {
-                let mut uploads = self.uploads.lock().expect("uploads lock");
-                self.ptr(cached(&mut uploads.slots, slots, |h| self.upload(h)))
-            }
-        };
+        let slots_dev = self.slots_ptr(slots);
         let (rows, width_i) = (k.rows as i32, width as i32);
         // v (and k) may be views of one stacked q/k/v product.
         let (k_in, v_in) = (self.rows_ptr(k), self.rows_ptr(v));

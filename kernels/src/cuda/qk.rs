@@ -1,0 +1,126 @@
+//! Qwen3's q/k step on the CUDA backend: the `qk_norm_rope` kernel's launch (per-head RMSNorm
+//! and RoPE of q and k), alone or with the layer's KV write fused in (the rotated k and v
+//! into their slots, as `write_kv` writes them). The kernel is in `elementwise.cu`.
+
+use cudarc::driver::PushKernelArg;
+
+use super::weights::weight_vector;
+use super::{CudaBackend, CudaKvStorage, CudaTensor, CudaWeight, cached};
+
+/// The per-head norms and RoPE of one layer's q/k step.
+pub(super) struct NormRope<'a> {
+    pub(super) q_norm: &'a CudaWeight,
+    pub(super) k_norm: &'a CudaWeight,
+    pub(super) positions: &'a [u32],
+    pub(super) head_dim: usize,
+    pub(super) eps: f32,
+    pub(super) theta: f64,
+}
+
+/// Where `qk_norm_rope` puts the rotated k: a tensor, or (with v) the layer's KV slots.
+pub(super) enum KOut<'a> {
+    Tensor(&'a CudaTensor),
+    Cache {
+        kv: &'a CudaKvStorage,
+        layer: usize,
+        v: &'a CudaTensor,
+        slots: &'a [u32],
+    },
+}
+
+impl CudaBackend {
+    /// The device address of `slots`: the staged copy while a graph captures, else an
+    /// upload shared by every op of the step that takes the same slots.
+    pub(super) fn slots_ptr(&self, slots: &[u32]) -> u64 {
+        match self.capture_inputs() {
+            Some(staged) => staged.slots,
+            None => {
+                let mut uploads = self.uploads.lock().expect("uploads lock");
+                self.ptr(cached(&mut uploads.slots, slots, |h| self.upload(h)))
+            }
+        }
+    }
+
+    /// The `qk_norm_rope` kernel: the rotated q as a new tensor, the rotated k into `k_out`.
+    pub(super) fn norm_rope(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        p: &NormRope<'_>,
+        k_out: KOut<'_>,
+    ) -> CudaTensor {
+        let head_dim = p.head_dim;
+        assert_eq!(p.positions.len(), q.rows);
+        assert_eq!(q.rows, k.rows, "q and k have the same rows");
+        assert!(
+            q.cols.is_multiple_of(head_dim) && k.cols.is_multiple_of(head_dim),
+            "q/k widths are whole heads"
+        );
+        let q_out = self.tensor(q.rows, q.cols);
+        if q.rows == 0 {
+            return q_out;
+        }
+        let pos = self.positions_ptr(p.positions);
+        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
+        let (rows, qh, kh, hd, th) = (
+            q.rows as i32,
+            q_heads as i32,
+            k_heads as i32,
+            head_dim as i32,
+            p.theta as f32,
+        );
+        // The KV write, when fused: k rows to the cache (no k tensor), v heads copied.
+        let (k_ptr, kcache, vcache, v_ptr, v_stride, slots_ptr, v_heads) = match k_out {
+            KOut::Tensor(t) => (self.ptr(t.dense()), 0u64, 0u64, 0u64, 0i32, 0u64, 0),
+            KOut::Cache {
+                kv,
+                layer,
+                v,
+                slots,
+            } => (
+                0,
+                self.ptr(&kv.k[layer]),
+                self.ptr(&kv.v[layer]),
+                self.rows_ptr(v),
+                v.stride() as i32,
+                self.slots_ptr(slots),
+                k_heads,
+            ),
+        };
+        // One thread per rotated pair, in whole warps (block_sum needs them).
+        let threads = (head_dim / 2).div_ceil(32).max(1) as u32 * 32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.qk_norm_rope);
+        // q and k may be views of one stacked q/k/v product; the outputs are dense.
+        let (q_in, k_in) = (self.rows_ptr(q), self.rows_ptr(k));
+        let (q_stride, k_stride) = (q.stride() as i32, k.stride() as i32);
+        b.arg(&q_in)
+            .arg(&k_in)
+            .arg(&q_stride)
+            .arg(&k_stride)
+            .arg(weight_vector(p.q_norm))
+            .arg(weight_vector(p.k_norm))
+            .arg(q_out.dense())
+            .arg(&k_ptr)
+            .arg(&pos)
+            .arg(&rows)
+            .arg(&qh)
+            .arg(&kh)
+            .arg(&hd)
+            .arg(&p.eps)
+            .arg(&th)
+            .arg(&kcache)
+            .arg(&vcache)
+            .arg(&v_ptr)
+            .arg(&v_stride)
+            .arg(&slots_ptr);
+        self.launch(
+            "qk_norm_rope",
+            b,
+            Self::per_row(q.rows * (q_heads + k_heads + v_heads), threads),
+        );
+        q_out
+    }
+}
