@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::backend::{Backend, HostMatrix};
+use pd_engine::backend::{Backend, HostMatrix, QkNormRope};
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::weights::Checkpoint;
@@ -274,18 +274,15 @@ fn stacked_projections_equal_one_by_one() {
         for (i, what) in ["q", "k", "v"].iter().enumerate() {
             assert_same(&format!("{model} {what}"), &gpu, &a[i], &b[i]);
         }
-        let qk = |t: &[CudaTensor; 3]| {
-            gpu.qk_norm_rope(
-                &t[0],
-                &q_norm,
-                &t[1],
-                &k_norm,
-                &positions,
-                c.head_dim,
-                eps,
-                c.rope_theta,
-            )
+        let norm_rope = QkNormRope {
+            q_norm: &q_norm,
+            k_norm: &k_norm,
+            positions: &positions,
+            head_dim: c.head_dim,
+            eps,
+            theta: c.rope_theta,
         };
+        let qk = |t: &[CudaTensor; 3]| gpu.qk_norm_rope(&t[0], &t[1], &norm_rope);
         let ((aq, ak), (bq, bk)) = (qk(&a), qk(&b));
         assert_same(&format!("{model} q after norm + RoPE"), &gpu, &aq, &bq);
         assert_same(&format!("{model} k after norm + RoPE"), &gpu, &ak, &bk);

@@ -64,6 +64,17 @@ impl AttentionMeta {
     }
 }
 
+/// One layer's per-head q/k RMSNorm and RoPE: what [`Backend::qk_norm_rope`] needs besides q
+/// and k (norm weights `[head_dim]`, each batch row's position, RoPE's base `theta`).
+pub struct QkNormRope<'a, W> {
+    pub q_norm: &'a W,
+    pub k_norm: &'a W,
+    pub positions: &'a [u32],
+    pub head_dim: usize,
+    pub eps: f32,
+    pub theta: f64,
+}
+
 /// The op-level backend contract. Implementations: [`cpu::CpuBackend`] here and the CUDA
 /// backend in `pd-kernels`. Ops take shapes from their inputs and panic only on internal
 /// shape bugs (the model guarantees shapes; clients never reach these calls directly).
@@ -179,22 +190,16 @@ pub trait Backend: Send + Sync + 'static {
     /// Qwen3's attention-input step: per-head RMSNorm of `q` and `k` (weights `[head_dim]`),
     /// then RoPE on both at `positions`. By default those four ops; a backend may fuse them
     /// (the CUDA backend runs one kernel instead of four launches).
-    #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope(
         &self,
         q: &Self::Tensor,
-        q_norm: &Self::Weight,
         k: &Self::Tensor,
-        k_norm: &Self::Weight,
-        positions: &[u32],
-        head_dim: usize,
-        eps: f32,
-        theta: f64,
+        p: &QkNormRope<'_, Self::Weight>,
     ) -> (Self::Tensor, Self::Tensor) {
-        let mut q = self.rms_norm(q, q_norm, head_dim, eps);
-        let mut k = self.rms_norm(k, k_norm, head_dim, eps);
-        self.rope(&mut q, positions, head_dim, theta);
-        self.rope(&mut k, positions, head_dim, theta);
+        let mut q = self.rms_norm(q, p.q_norm, p.head_dim, p.eps);
+        let mut k = self.rms_norm(k, p.k_norm, p.head_dim, p.eps);
+        self.rope(&mut q, p.positions, p.head_dim, p.theta);
+        self.rope(&mut k, p.positions, p.head_dim, p.theta);
         (q, k)
     }
 
@@ -206,19 +211,14 @@ pub trait Backend: Send + Sync + 'static {
     fn qk_norm_rope_write_kv(
         &self,
         q: &Self::Tensor,
-        q_norm: &Self::Weight,
         k: &Self::Tensor,
-        k_norm: &Self::Weight,
         v: &Self::Tensor,
-        positions: &[u32],
-        head_dim: usize,
-        eps: f32,
-        theta: f64,
+        p: &QkNormRope<'_, Self::Weight>,
         kv: &mut Self::KvStorage,
         layer: usize,
         slots: &[u32],
     ) -> Self::Tensor {
-        let (q, k) = self.qk_norm_rope(q, q_norm, k, k_norm, positions, head_dim, eps, theta);
+        let (q, k) = self.qk_norm_rope(q, k, p);
         self.write_kv(kv, layer, &k, v, slots);
         q
     }

@@ -3,7 +3,7 @@
 //! → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm and a tied or separate LM head.
 //! No backend-specific code lives here.
 
-use crate::backend::{AttentionMeta, Backend, HostMatrix};
+use crate::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::weights::{Checkpoint, TensorView};
@@ -213,20 +213,15 @@ impl<B: Backend> Qwen3<B> {
                 eps,
                 [&layer.q_proj, &layer.k_proj, &layer.v_proj],
             );
-            let q = backend.qk_norm_rope_write_kv(
-                &q,
-                &layer.q_norm,
-                &k,
-                &layer.k_norm,
-                &v,
-                &positions,
-                c.head_dim,
+            let norm_rope = QkNormRope {
+                q_norm: &layer.q_norm,
+                k_norm: &layer.k_norm,
+                positions: &positions,
+                head_dim: c.head_dim,
                 eps,
-                c.rope_theta,
-                kv,
-                i,
-                &slots,
-            );
+                theta: c.rope_theta,
+            };
+            let q = backend.qk_norm_rope_write_kv(&q, &k, &v, &norm_rope, kv, i, &slots);
             backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
             let [gate, up] = backend.norm_linear_shared(

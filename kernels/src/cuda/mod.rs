@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
-use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
+use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
@@ -43,7 +43,7 @@ use attention::AttentionOut;
 use graph::Graphs;
 use linear::{Operand, shared_16bit};
 use plan::AttentionPlan;
-use qk::{KOut, NormRope};
+use qk::KOut;
 use weights::weight_vector;
 
 /// Threads per block of the element-wise and row kernels.
@@ -492,38 +492,20 @@ impl Backend for CudaBackend {
     fn qk_norm_rope(
         &self,
         q: &CudaTensor,
-        q_norm: &CudaWeight,
         k: &CudaTensor,
-        k_norm: &CudaWeight,
-        positions: &[u32],
-        head_dim: usize,
-        eps: f32,
-        theta: f64,
+        p: &QkNormRope<'_, CudaWeight>,
     ) -> (CudaTensor, CudaTensor) {
         let k_out = self.tensor(k.rows, k.cols);
-        let norm = NormRope {
-            q_norm,
-            k_norm,
-            positions,
-            head_dim,
-            eps,
-            theta,
-        };
-        let q_out = self.norm_rope(q, k, &norm, KOut::Tensor(&k_out));
+        let q_out = self.norm_rope(q, k, p, KOut::Tensor(&k_out));
         (q_out, k_out)
     }
 
     fn qk_norm_rope_write_kv(
         &self,
         q: &CudaTensor,
-        q_norm: &CudaWeight,
         k: &CudaTensor,
-        k_norm: &CudaWeight,
         v: &CudaTensor,
-        positions: &[u32],
-        head_dim: usize,
-        eps: f32,
-        theta: f64,
+        p: &QkNormRope<'_, CudaWeight>,
         kv: &mut CudaKvStorage,
         layer: usize,
         slots: &[u32],
@@ -535,18 +517,10 @@ impl Backend for CudaBackend {
             "k and v are one KV token wide"
         );
         assert_eq!((slots.len(), v.rows), (k.rows, k.rows), "a slot per row");
-        let norm = NormRope {
-            q_norm,
-            k_norm,
-            positions,
-            head_dim,
-            eps,
-            theta,
-        };
         self.norm_rope(
             q,
             k,
-            &norm,
+            p,
             KOut::Cache {
                 kv,
                 layer,

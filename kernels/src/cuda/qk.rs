@@ -3,19 +3,10 @@
 //! into their slots, as `write_kv` writes them). The kernel is in `elementwise.cu`.
 
 use cudarc::driver::PushKernelArg;
+use pd_engine::backend::QkNormRope;
 
 use super::weights::weight_vector;
 use super::{CudaBackend, CudaKvStorage, CudaTensor, CudaWeight, cached};
-
-/// The per-head norms and RoPE of one layer's q/k step.
-pub(super) struct NormRope<'a> {
-    pub(super) q_norm: &'a CudaWeight,
-    pub(super) k_norm: &'a CudaWeight,
-    pub(super) positions: &'a [u32],
-    pub(super) head_dim: usize,
-    pub(super) eps: f32,
-    pub(super) theta: f64,
-}
 
 /// Where `qk_norm_rope` puts the rotated k: a tensor, or (with v) the layer's KV slots.
 pub(super) enum KOut<'a> {
@@ -46,7 +37,7 @@ impl CudaBackend {
         &self,
         q: &CudaTensor,
         k: &CudaTensor,
-        p: &NormRope<'_>,
+        p: &QkNormRope<'_, CudaWeight>,
         k_out: KOut<'_>,
     ) -> CudaTensor {
         let head_dim = p.head_dim;
