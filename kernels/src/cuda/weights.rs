@@ -42,13 +42,16 @@ pub(super) fn engine_error(view: &TensorView, e: impl std::fmt::Display) -> Engi
 }
 
 impl CudaBackend {
+    /// The error of a failed upload of `view`.
+    fn upload_failed(&self, view: &TensorView, e: cudarc::driver::DriverError) -> EngineError {
+        engine_error(view, format!("cannot upload to {}: {e}", self.name()))
+    }
+
     /// [`Backend::load_weight`]: a vector widened to f32, a matrix uploaded as stored.
     ///
     /// [`Backend::load_weight`]: pd_engine::backend::Backend::load_weight
     pub(super) fn upload_weight(&self, view: TensorView) -> Result<CudaWeight, EngineError> {
-        let upload_error = |e: cudarc::driver::DriverError| {
-            engine_error(&view, format!("cannot upload to {}: {e}", self.name()))
-        };
+        let upload_error = |e| self.upload_failed(&view, e);
         let weight = match view.shape.len() {
             1 => {
                 let v = view.to_f32_vec();
@@ -89,14 +92,11 @@ impl CudaBackend {
         &self,
         parts: [(&str, TensorView); N],
     ) -> Result<[CudaWeight; N], EngineError> {
-        let Some((_, first)) = parts.first() else {
-            return Ok(parts.map(|_| unreachable!("no parts")));
-        };
-        let (dtype, cols) = (first.dtype, first.shape.get(1).copied());
-        if !parts
-            .iter()
-            .all(|(_, v)| v.shape.len() == 2 && v.dtype == dtype && v.shape.get(1) == cols.as_ref())
-        {
+        let side_by_side = parts.iter().all(|(_, v)| {
+            let first = &parts[0].1;
+            v.shape.len() == 2 && v.dtype == first.dtype && v.shape.get(1) == first.shape.get(1)
+        });
+        if N == 0 || !side_by_side {
             let mut weights = Vec::with_capacity(N);
             for (_, view) in parts {
                 weights.push(self.upload_weight(view)?);
@@ -105,11 +105,12 @@ impl CudaBackend {
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("one weight per part")));
         }
+        let (first, dtype) = (&parts[0].1, parts[0].1.dtype);
         // One buffer, the parts side by side in order: one GEMM multiplies them all.
         let total: usize = parts.iter().map(|(_, v)| v.bytes().len()).sum();
         // SAFETY: every byte is written by the uploads below before any kernel reads it.
         let mut data = unsafe { self.dev.stream.alloc::<u8>(total.max(1)) }
-            .map_err(|e| engine_error(first, format!("cannot upload to {}: {e}", self.name())))?;
+            .map_err(|e| self.upload_failed(first, e))?;
         let mut offsets = [0usize; N];
         let mut at = 0;
         for (i, (_, view)) in parts.iter().enumerate() {
@@ -117,25 +118,18 @@ impl CudaBackend {
             self.dev
                 .stream
                 .memcpy_htod(view.bytes(), &mut data.slice_mut(at..at + len))
-                .map_err(|e| {
-                    engine_error(view, format!("cannot upload to {}: {e}", self.name()))
-                })?;
+                .map_err(|e| self.upload_failed(view, e))?;
             offsets[i] = at;
             at += len;
         }
         self.weight_bytes.fetch_add(total, Ordering::Relaxed);
         let data = Arc::new(data);
-        let mut i = 0;
-        Ok(parts.map(|(_, view)| {
-            let offset = offsets[i];
-            i += 1;
-            CudaWeight::Matrix {
-                dtype,
-                rows: view.shape[0],
-                cols: view.shape[1],
-                data: data.clone(),
-                offset,
-            }
+        Ok(std::array::from_fn(|i| CudaWeight::Matrix {
+            dtype,
+            rows: parts[i].1.shape[0],
+            cols: parts[i].1.shape[1],
+            data: data.clone(),
+            offset: offsets[i],
         }))
     }
 }
