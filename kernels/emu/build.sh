@@ -34,7 +34,8 @@ for cu in sorted(cuda.glob("*.cu")):
         f'#line 1 "{cu.name}"',
         text,
     ]
-    lines += [f"EMU_KERNEL({name}, ({bounds or 0}))" for bounds, name in found]
+    # __launch_bounds__(max threads[, min blocks]): the emulator checks the first.
+    lines += [f"EMU_KERNEL({name}, ({bounds.split(',')[0] or 0}))" for bounds, name in found]
     (out / f"{cu.stem}.cpp").write_text("\n".join(lines) + "\n")
 PY
 

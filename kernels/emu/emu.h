@@ -37,6 +37,9 @@ int syncthreads_count(int pred);
 enum class Shuffle { Index, Xor };
 uint64_t warp_shuffle(unsigned mask, uint64_t value, Shuffle kind, int arg);
 unsigned warp_ballot(unsigned mask, int pred);
+// PTX `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` with D = C: d += a · b over the
+// whole warp (every lane must call it), each lane passing its own fragment registers.
+void mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b);
 
 float f16_to_f32(unsigned short h);
 unsigned short f32_to_f16(float f);

@@ -46,7 +46,7 @@ pd_emu_switch:
 namespace {
 
 enum class Wait { Ready, Block, Warp, Done };
-enum class WarpOp { Shuffle, Ballot };
+enum class WarpOp { Shuffle, Ballot, Mma };
 
 constexpr size_t kStack = 64 * 1024;
 
@@ -64,6 +64,49 @@ struct Fiber {
     // What the barrier gave back.
     uint64_t result = 0;
 };
+
+// One lane's registers of an mma (on its fiber's stack, which stays put while it waits).
+struct MmaLane {
+    float* d;
+    const unsigned* a;
+    const unsigned* b;
+};
+
+float half_of(unsigned reg, int which) { return f16_to_f32((unsigned short)(reg >> (16 * which))); }
+
+// The fragment layouts of PTX's mma.m16n8k16 with .f16 A / B and .f32 C / D (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16 with floating point type"), lane = 4 * groupID +
+// threadID_in_group; register j of A and B holds elements 2j (low half) and 2j + 1:
+//   A a_i: row groupID for i in {0, 1, 4, 5}, else groupID + 8;
+//          col 2 * threadID_in_group + (i & 1), plus 8 for i >= 4;
+//   B b_i: row 2 * threadID_in_group + (i & 1), plus 8 for i >= 2; col groupID;
+//   C c_i: row groupID for i < 2, else groupID + 8; col 2 * threadID_in_group + (i & 1).
+void mma_warp(Fiber* lanes) {
+    float a[16][16], b[16][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        const auto* op = reinterpret_cast<const MmaLane*>(lanes[lane].value);
+        const int g = lane >> 2, t = lane & 3;
+        for (int i = 0; i < 8; ++i) {
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+            const int col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+            a[row][col] = half_of(op->a[i / 2], i & 1);
+        }
+        for (int i = 0; i < 4; ++i) {
+            b[2 * t + (i & 1) + (i >= 2 ? 8 : 0)][g] = half_of(op->b[i / 2], i & 1);
+        }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+        const auto* op = reinterpret_cast<const MmaLane*>(lanes[lane].value);
+        const int g = lane >> 2, t = lane & 3;
+        for (int i = 0; i < 4; ++i) {
+            const int row = i < 2 ? g : g + 8;
+            const int col = 2 * t + (i & 1);
+            float acc = op->d[i];
+            for (int k = 0; k < 16; ++k) acc += a[row][k] * b[k][col];
+            op->d[i] = acc;
+        }
+    }
+}
 
 struct Scheduler {
     std::vector<Fiber> fibers;
@@ -152,6 +195,10 @@ void release_warp(size_t first, size_t lanes) {
             block_fatal("lanes of warp " + std::to_string(first / 32) +
                         " are at different warp ops (masks or kinds differ)");
         }
+    }
+    if (lead->op == WarpOp::Mma) {
+        if (mask != 0xffffffffu || lanes != 32) block_fatal("an mma needs a full warp");
+        mma_warp(&s.fibers[first]);
     }
     unsigned ballot = 0;
     for (size_t l = 0; l < lanes; ++l) {
@@ -289,6 +336,16 @@ unsigned warp_ballot(unsigned mask, int pred) {
     f.pred = pred != 0;
     yield();
     return (unsigned)f.result;
+}
+
+void mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b) {
+    MmaLane lane{d, a, b};
+    Fiber& f = current();
+    f.wait = Wait::Warp;
+    f.op = WarpOp::Mma;
+    f.mask = 0xffffffffu;
+    f.value = reinterpret_cast<uint64_t>(&lane);
+    yield();
 }
 
 float f16_to_f32(unsigned short h) {

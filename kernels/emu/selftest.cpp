@@ -1,7 +1,8 @@
 // pd-cuda-emu's own test: the device semantics the kernels rely on, each checked against
 // what CUDA specifies (warp shuffles, ballot, __syncthreads_count, shared memory ordered by
-// barriers, thread and block indices, f16 rounding), in both schedule orders, and that a
-// divergent __syncthreads stops the process instead of passing. Built and run by
+// barriers, thread and block indices, f16 rounding, the tensor-core mma's fragment
+// layouts), in both schedule orders, and that a divergent __syncthreads stops the process
+// instead of passing. Built and run by
 // kernels/emu/build.sh's caller (scripts/cuda-check.sh).
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,7 +55,30 @@ extern "C" __global__ void divergent(unsigned* out) {
     out[threadIdx.x] = 1;
 }
 
+// Fragments filled per the PTX ISA's formulas for mma.m16n8k16 (.f16 A / B, .f32 C / D),
+// written out independently of the emulator's own tables: a lane's A element i, B element i
+// and C element i, for groupID g = lane >> 2 and threadID_in_group t = lane % 4.
+extern "C" __global__ void mma(const unsigned short* a_rows, const unsigned short* b_cols,
+                               float* d_rows) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane % 4;
+    unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    for (int i = 0; i < 8; ++i) {
+        const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+        const int col = t * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+        a[i / 2] |= (unsigned)a_rows[row * 16 + col] << (16 * (i % 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        const int row = t * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+        b[i / 2] |= (unsigned)b_cols[g * 16 + row] << (16 * (i % 2));
+    }
+    float d[4];
+    for (int i = 0; i < 4; ++i) d[i] = (float)(i < 2 ? g : g + 8);  // C: the row index
+    emu::mma_m16n8k16_f16(d, a, b);
+    for (int i = 0; i < 4; ++i) d_rows[(i < 2 ? g : g + 8) * 8 + t * 2 + (i & 1)] = d[i];
+}
+
 EMU_KERNEL(shuffles, 0)
+EMU_KERNEL(mma, 0)
 EMU_KERNEL(rotate, 0)
 EMU_KERNEL(indices, 0)
 EMU_KERNEL(divergent, 0)
@@ -93,6 +117,26 @@ static void run_all(const char* order) {
             // Three rounds: +1, then take the right neighbour's value.
             expect(rotated[b * 96 + t] == in[b * 96 + (t + 3) % 96] + 3,
                    "shared memory ordered by __syncthreads" + o);
+        }
+    }
+    // D = A B + C with small integers (exact in f16 and f32): A[r][k] = r - k,
+    // B[k][n] = k + 2n, C[r][n] = r.
+    std::vector<unsigned short> a(16 * 16), b(8 * 16);
+    for (int r = 0; r < 16; ++r) {
+        for (int k = 0; k < 16; ++k) a[r * 16 + k] = emu::f32_to_f16((float)(r - k));
+    }
+    for (int n = 0; n < 8; ++n) {
+        for (int k = 0; k < 16; ++k) b[n * 16 + k] = emu::f32_to_f16((float)(k + 2 * n));
+    }
+    std::vector<float> d(16 * 8, -1.0f);
+    launch("mma", {1, 1, 1}, {32, 1, 1}, (const unsigned short*)a.data(),
+           (const unsigned short*)b.data(), d.data());
+    for (int r = 0; r < 16; ++r) {
+        for (int n = 0; n < 8; ++n) {
+            float want = (float)r;
+            for (int k = 0; k < 16; ++k) want += (float)((r - k) * (k + 2 * n));
+            expect(d[r * 8 + n] == want, "mma.m16n8k16 D[" + std::to_string(r) + "][" +
+                                             std::to_string(n) + "] = (A B + C)" + o);
         }
     }
     std::vector<unsigned> idx(3 * 2 * 8 * 4);

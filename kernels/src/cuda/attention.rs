@@ -1,14 +1,15 @@
 //! Paged attention launches of the CUDA backend: the launch plan of a step's attention
-//! metadata (uploaded once per step), the `paged_attention` kernel and, for split-K, the
-//! `attention_combine` kernel, writing f32 rows or the o_proj GEMM's 16-bit input. The
-//! kernels are `attention.cu`; the plan is [`super::plan`].
+//! metadata (uploaded once per step), then either the f32 `paged_attention` kernel and, for
+//! split-K, the `attention_combine` kernel, writing f32 rows or the o_proj GEMM's 16-bit
+//! input (`attention.cu`), or, for the prefill of 16-bit models, the tensor-core
+//! `attention_mma` kernel (`attention_mma.cu`). The choice and the plan are [`super::plan`].
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use pd_engine::backend::AttentionMeta;
 use pd_engine::weights::DType;
 
 use super::graph::Launch;
-use super::plan::{self, AttentionPlan};
+use super::plan::{self, AttentionKernel, AttentionPlan};
 use super::tensor::dtype_code;
 use super::{CudaBackend, CudaKvStorage, CudaTensor, DevicePlan};
 
@@ -19,13 +20,19 @@ pub(super) enum AttentionOut<'a> {
 }
 
 impl CudaBackend {
-    /// The attention launch shape and device metadata of `meta` (planned and uploaded when
-    /// it changed since the last call). The addresses stay valid until the next call with
-    /// another `meta` replaces the cached copy, i.e. past the launches of this op.
-    pub(super) fn attention_plan(&self, meta: &AttentionMeta) -> (Launch, u64, u64, u64) {
+    /// The attention launch shape and device metadata of `meta` for `kernel` (planned and
+    /// uploaded when either changed since the last call). The addresses stay valid until
+    /// the next call with another `meta` replaces the cached copy, i.e. past the launches of
+    /// this op.
+    pub(super) fn attention_plan(
+        &self,
+        meta: &AttentionMeta,
+        kernel: AttentionKernel,
+    ) -> (Launch, u64, u64, u64) {
         let mut uploads = self.uploads.lock().expect("uploads lock");
-        if uploads.attention.as_ref().map(|(m, _)| m) != Some(meta) {
-            let plan = plan::plan(meta, self.dev.num_sms as usize);
+        let cached = uploads.attention.as_ref();
+        if cached.map(|(m, dp)| (m, dp.plan.kernel)) != Some((meta, kernel)) {
+            let plan = plan::plan(meta, kernel, self.dev.num_sms as usize);
             let device_plan = DevicePlan {
                 items: self.upload(&plan.items),
                 seqs: self.upload(&plan.seqs),
@@ -69,10 +76,28 @@ impl CudaBackend {
         };
         plan::check_group(meta.num_heads, meta.num_kv_heads)
             .unwrap_or_else(|e| panic!("{e} (Qwen3 models have groups of at most 8)"));
-        let (p, items_ptr, seqs_ptr, tables_ptr) = match self.capture_inputs() {
-            Some(staged) => (staged.launch, staged.items, staged.seqs, staged.tables),
-            None => self.attention_plan(meta),
+        // Graphs capture decode steps only, planned for CUDA cores (graph::launch_shape).
+        let (kernel, (p, items_ptr, seqs_ptr, tables_ptr)) = match self.capture_inputs() {
+            Some(staged) => (
+                AttentionKernel::CudaCores,
+                (staged.launch, staged.items, staged.seqs, staged.tables),
+            ),
+            None => {
+                let kernel = plan::choose(meta, out16 != 0);
+                (kernel, self.attention_plan(meta, kernel))
+            }
         };
+        if kernel == AttentionKernel::TensorCores {
+            return self.attend_mma(
+                q,
+                kv,
+                layer,
+                meta,
+                p,
+                [items_ptr, seqs_ptr, tables_ptr],
+                (out16, out_code),
+            );
+        }
         let items = p.items;
         let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
         let (part_acc, part_ml) = if p.splits > 1 {
@@ -114,7 +139,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
             block_dim: (plan::THREADS, 1, 1),
-            shared_mem_bytes: AttentionPlan::shared_bytes(meta.head_dim) as u32,
+            shared_mem_bytes: AttentionPlan::shared_bytes(kernel, meta.head_dim) as u32,
         };
         self.launch("paged_attention", b, cfg);
         if p.splits > 1 {
@@ -142,5 +167,51 @@ impl CudaBackend {
             };
             self.launch("attention_combine", b, cfg);
         }
+    }
+
+    /// The tensor-core launch of [`Self::attend`]: `attention_mma` into the 16-bit `out16`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_mma(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        p: Launch,
+        [items_ptr, seqs_ptr, tables_ptr]: [u64; 3],
+        (out16, out_code): (u64, i32),
+    ) {
+        let heads = meta.num_heads as i32;
+        let kv_heads = meta.num_kv_heads as i32;
+        let hd = meta.head_dim as i32;
+        let bs = kv.layout.block_size as i32;
+        let rows_per_item = p.rows_per_item as i32;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.attention_mma);
+        b.arg(q.dense())
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&tables_ptr)
+            .arg(&items_ptr)
+            .arg(&seqs_ptr)
+            .arg(&out16)
+            .arg(&out_code)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&hd)
+            .arg(&bs)
+            .arg(&rows_per_item)
+            .arg(&meta.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (p.items as u32, meta.num_kv_heads as u32, 1),
+            block_dim: (plan::THREADS, 1, 1),
+            shared_mem_bytes: AttentionPlan::shared_bytes(
+                AttentionKernel::TensorCores,
+                meta.head_dim,
+            ) as u32,
+        };
+        self.launch("attention_mma", b, cfg);
     }
 }

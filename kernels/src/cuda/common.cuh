@@ -95,3 +95,40 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : 0.0f;
     return warp_sum(v);
 }
+
+// Tensor cores: d += a · b for one warp, PTX mma.m16n8k16 with f16 A (16 x 16, row-major) and
+// B (16 x 8, column-major) and f32 C / D (16 x 8), each lane holding its fragment registers
+// in the layout the PTX ISA specifies (sm_80 and later). Every lane of the warp must call it.
+__device__ __forceinline__ void mma_16816_f16(float* d, const unsigned* a, const unsigned* b) {
+#ifdef PD_CUDA_EMU
+    emu::mma_m16n8k16_f16(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// An f16 mma operand: saturated to ±65504 rather than rounded to infinity (NaN stays NaN).
+__device__ __forceinline__ unsigned short f16_operand(float v) {
+    if (v == v) v = fminf(fmaxf(v, -65504.0f), 65504.0f);
+    return f32_to_f16(v);
+}
+
+// Two f16 operands in one register, `lo` in the low half (the lower column / row index).
+__device__ __forceinline__ unsigned pack_f16(float lo, float hi) {
+    return (unsigned)f16_operand(lo) | ((unsigned)f16_operand(hi) << 16);
+}
+
+// Two consecutive 16-bit values (4-byte aligned) as one register.
+__device__ __forceinline__ unsigned load_pair(const unsigned short* p) {
+#ifdef PD_CUDA_EMU
+    unsigned v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const unsigned*)p;
+#endif
+}

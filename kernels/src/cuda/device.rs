@@ -41,6 +41,7 @@ pub struct Kernels {
     pub unpack_block: CudaFunction,
     pub paged_attention: CudaFunction,
     pub attention_combine: CudaFunction,
+    pub attention_mma: CudaFunction,
     pub sample_rows: CudaFunction,
 }
 
@@ -198,6 +199,7 @@ impl Kernels {
             unpack_block: take("unpack_block")?,
             paged_attention: take("paged_attention")?,
             attention_combine: take("attention_combine")?,
+            attention_mma: take("attention_mma")?,
             sample_rows: take("sample_rows")?,
         })
     }

@@ -187,7 +187,7 @@ fn launch_shape(step: &DecodeGraphStep<'_>, num_sms: usize) -> Launch {
             .collect(),
         ..step.meta.clone()
     };
-    let p = plan::plan(&meta, num_sms);
+    let p = plan::plan(&meta, plan::AttentionKernel::CudaCores, num_sms);
     Launch {
         items: p.num_items(),
         rows_per_item: p.rows_per_item,

@@ -19,7 +19,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 4] = [
+pub const SOURCES: [KernelSource; 5] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -46,6 +46,11 @@ pub const SOURCES: [KernelSource; 4] = [
         name: "attention",
         code: include_str!("attention.cu"),
         kernels: &["paged_attention", "attention_combine"],
+    },
+    KernelSource {
+        name: "attention_mma",
+        code: include_str!("attention_mma.cu"),
+        kernels: &["attention_mma"],
     },
     KernelSource {
         name: "sample",

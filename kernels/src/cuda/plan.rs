@@ -1,11 +1,45 @@
-//! How a batch's attention is cut into thread blocks (host-side, no GPU needed): work items
-//! of up to `rows_per_item` query rows of one sequence, and key splits (split-K) when there
-//! are too few items to fill the device — the usual case for decode. The constants mirror
-//! `attention.cu`'s.
+//! How a batch's attention is cut into thread blocks (host-side, no GPU needed): which
+//! kernel runs it (f32 on CUDA cores, or f16 on tensor cores for the prefill of 16-bit
+//! models), work items of up to `rows_per_item` query rows of one sequence, and key splits
+//! (split-K) when there are too few items to fill the device — the usual case for decode.
+//! The constants mirror `attention.cu`'s and `attention_mma.cu`'s.
 
 use pd_engine::backend::AttentionMeta;
 
 use crate::CudaError;
+
+/// Which kernel computes a step's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// `paged_attention`: f32 arithmetic on CUDA cores, with key splits for long contexts.
+    /// Decode steps, and every step of an f32 model.
+    CudaCores,
+    /// `attention_mma`: f16 operands on tensor cores with f32 accumulation and softmax, no
+    /// key splits. Steps of a 16-bit model with a sequence of many new tokens (prefill).
+    TensorCores,
+}
+
+/// A step of a 16-bit model runs on tensor cores once one sequence has this many new
+/// tokens: below it most of each warp's 16 rows would be padding.
+pub const TENSOR_CORE_MIN_ROWS: usize = 16;
+/// (query row, head) pairs one `attention_mma` block computes (`MMA_PAIRS`).
+pub const MMA_PAIRS: usize = 64;
+/// Keys per `attention_mma` shared-memory tile (`MMA_TILE`), and the padding of its rows
+/// in 16-bit elements (`MMA_PAD`).
+pub const MMA_TILE: usize = 64;
+const MMA_PAD: usize = 8;
+
+/// The kernel for `meta`'s step; `sixteen_bit` when the model's o_proj input is 16-bit
+/// (the attention output is rounded to it anyway, so f16 operands lose nothing that
+/// matters; f32 models keep f32 attention).
+pub fn choose(meta: &AttentionMeta, sixteen_bit: bool) -> AttentionKernel {
+    let prefill = meta.seqs.iter().any(|s| s.q_len >= TENSOR_CORE_MIN_ROWS);
+    if sixteen_bit && prefill {
+        AttentionKernel::TensorCores
+    } else {
+        AttentionKernel::CudaCores
+    }
+}
 
 /// Keys per shared-memory tile (`TILE_KEYS`).
 pub const TILE_KEYS: usize = 32;
@@ -23,6 +57,7 @@ const MAX_SPLITS: usize = 32;
 /// The launch shape and the metadata arrays `paged_attention` reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {
+    pub kernel: AttentionKernel,
     /// Per item: sequence index, first query row within the sequence.
     pub items: Vec<i32>,
     /// Per sequence: q_start, q_len, context_len, offset of its block table.
@@ -39,9 +74,15 @@ impl AttentionPlan {
         self.items.len() / 2
     }
 
-    /// Dynamic shared memory of one block: the queries and one K and one V tile (padded rows).
-    pub fn shared_bytes(head_dim: usize) -> usize {
-        4 * (MAX_PAIRS * head_dim + 2 * TILE_KEYS * (head_dim + 1))
+    /// Dynamic shared memory of one block: for `paged_attention` the queries and one K and
+    /// one V tile in f32, for `attention_mma` one K and one V tile in f16 (padded rows).
+    pub fn shared_bytes(kernel: AttentionKernel, head_dim: usize) -> usize {
+        match kernel {
+            AttentionKernel::CudaCores => {
+                4 * (MAX_PAIRS * head_dim + 2 * TILE_KEYS * (head_dim + 1))
+            }
+            AttentionKernel::TensorCores => 2 * 2 * MMA_TILE * (head_dim + MMA_PAD),
+        }
     }
 }
 
@@ -68,10 +109,14 @@ pub fn check_group(num_heads: usize, num_kv_heads: usize) -> Result<(), CudaErro
     Ok(())
 }
 
-/// Plan `meta` for a device with `num_sms` multiprocessors.
-pub fn plan(meta: &AttentionMeta, num_sms: usize) -> AttentionPlan {
+/// Plan `meta` for `kernel` on a device with `num_sms` multiprocessors.
+pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> AttentionPlan {
     let group = meta.num_heads / meta.num_kv_heads;
-    let rows_per_item = (MAX_PAIRS / group).max(1);
+    let pairs = match kernel {
+        AttentionKernel::CudaCores => MAX_PAIRS,
+        AttentionKernel::TensorCores => MMA_PAIRS,
+    };
+    let rows_per_item = (pairs / group).max(1);
     let mut items = Vec::new();
     let mut seqs = Vec::with_capacity(meta.seqs.len() * 4);
     let mut block_tables = Vec::new();
@@ -84,7 +129,14 @@ pub fn plan(meta: &AttentionMeta, num_sms: usize) -> AttentionPlan {
             block_tables.len() as i32,
         ]);
         block_tables.extend_from_slice(&seq.block_table);
-        for r0 in (0..seq.q_len).step_by(rows_per_item) {
+        // Later rows see more keys: tensor-core items go latest first, so the longest
+        // blocks start first and the shortest fill the tail.
+        let starts = (0..seq.q_len).step_by(rows_per_item);
+        let starts: Vec<usize> = match kernel {
+            AttentionKernel::CudaCores => starts.collect(),
+            AttentionKernel::TensorCores => starts.rev().collect(),
+        };
+        for r0 in starts {
             items.extend([s as i32, r0 as i32]);
         }
         max_keys = max_keys.max(seq.context_len);
@@ -92,7 +144,11 @@ pub fn plan(meta: &AttentionMeta, num_sms: usize) -> AttentionPlan {
     let blocks = items.len() / 2 * meta.num_kv_heads;
     let target = 2 * num_sms;
     let mut splits = 1;
-    if blocks > 0 && blocks < target && max_keys > MIN_KEYS_PER_SPLIT {
+    if kernel == AttentionKernel::CudaCores
+        && blocks > 0
+        && blocks < target
+        && max_keys > MIN_KEYS_PER_SPLIT
+    {
         splits = target
             .div_ceil(blocks)
             .min(max_keys.div_ceil(MIN_KEYS_PER_SPLIT))
@@ -101,6 +157,7 @@ pub fn plan(meta: &AttentionMeta, num_sms: usize) -> AttentionPlan {
     let keys_per_split = max_keys.div_ceil(splits).div_ceil(TILE_KEYS).max(1) * TILE_KEYS;
     let splits = max_keys.div_ceil(keys_per_split).max(1);
     AttentionPlan {
+        kernel,
         items,
         seqs,
         block_tables,
@@ -137,7 +194,11 @@ mod tests {
 
     #[test]
     fn prefill_is_cut_into_items_of_whole_groups_without_splits() {
-        let p = plan(&meta(vec![seq(0, 2048, 2048)]), 132);
+        let p = plan(
+            &meta(vec![seq(0, 2048, 2048)]),
+            AttentionKernel::CudaCores,
+            132,
+        );
         assert_eq!(p.rows_per_item, 4, "16 pairs over groups of 4 heads");
         assert_eq!(p.num_items(), 512);
         assert_eq!(p.splits, 1, "4096 blocks fill the device");
@@ -146,7 +207,11 @@ mod tests {
 
     #[test]
     fn long_decode_is_split_and_splits_cover_every_key() {
-        let p = plan(&meta(vec![seq(0, 1, 8192)]), 132);
+        let p = plan(
+            &meta(vec![seq(0, 1, 8192)]),
+            AttentionKernel::CudaCores,
+            132,
+        );
         assert!(p.splits > 1);
         assert!(p.splits * p.keys_per_split >= 8192);
         assert!(
@@ -159,7 +224,7 @@ mod tests {
     #[test]
     fn short_decode_batches_are_not_split() {
         let seqs = (0..8).map(|i| seq(i, 1, 100)).collect();
-        let p = plan(&meta(seqs), 132);
+        let p = plan(&meta(seqs), AttentionKernel::CudaCores, 132);
         assert_eq!(p.splits, 1);
         assert_eq!(p.num_items(), 8);
         assert_eq!(
@@ -167,6 +232,42 @@ mod tests {
             [1, 1, 100, 7],
             "second sequence: row 1, table at 7"
         );
+    }
+
+    #[test]
+    fn prefill_of_sixteen_bit_models_runs_on_tensor_cores() {
+        use AttentionKernel::*;
+        let decode = meta((0..8).map(|i| seq(i, 1, 4000)).collect());
+        let short_chunk = meta(vec![seq(0, 15, 100), seq(15, 1, 50)]);
+        let prefill = meta(vec![seq(0, 1, 50), seq(1, 16, 16)]);
+        assert_eq!(choose(&decode, true), CudaCores);
+        assert_eq!(choose(&short_chunk, true), CudaCores);
+        assert_eq!(
+            choose(&prefill, true),
+            TensorCores,
+            "one prefill in a mixed batch"
+        );
+        assert_eq!(
+            choose(&prefill, false),
+            CudaCores,
+            "f32 models keep f32 attention"
+        );
+    }
+
+    #[test]
+    fn tensor_core_items_hold_64_pairs_latest_rows_first_without_splits() {
+        // One long prompt on a device far larger than its 8 items x 8 KV heads.
+        let p = plan(
+            &meta(vec![seq(0, 100, 8000)]),
+            AttentionKernel::TensorCores,
+            132,
+        );
+        assert_eq!(p.rows_per_item, 16, "64 pairs over groups of 4 heads");
+        assert_eq!(p.items, [0, 96, 0, 80, 0, 64, 0, 48, 0, 32, 0, 16, 0, 0]);
+        assert_eq!(p.splits, 1, "attention_mma has no key splits");
+        let bytes = AttentionPlan::shared_bytes(p.kernel, 128);
+        assert_eq!(bytes, 2 * 2 * 64 * 136);
+        assert!(bytes <= 48 * 1024, "no opt-in to more shared memory");
     }
 
     #[test]

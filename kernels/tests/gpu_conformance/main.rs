@@ -8,6 +8,8 @@
 //! larger than twice the row's largest absolute difference.
 #![cfg(feature = "cuda")]
 
+mod attention;
+
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::backend::{Backend, HostMatrix, QkNormRope};
 use pd_engine::executor::{ExecItem, Executor};
