@@ -1,8 +1,9 @@
 //! The GPU benchmark of scripts/gpu-check.sh: this card's two ceilings (a device-to-device
 //! copy and a large bf16 GEMM through cuBLAS), then per model decode tokens/s at batch 1, 8
 //! and 64 with the fraction of the measured bandwidth reached, and prefill of 2,048 and 8,192
-//! tokens with the fraction of the measured GEMM rate reached. Prints one table last and
-//! writes every figure to OUT_DIR/gpu_bench.json.
+//! tokens with the fraction of the measured GEMM rate reached, and one layer's prefill
+//! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores). Prints one
+//! table last and writes every figure to OUT_DIR/gpu_bench.json.
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
@@ -17,10 +18,15 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use pd_engine::backend::graph::DecodeGraphs;
+use pd_engine::backend::{AttentionMeta, Backend, SeqAttention};
+use pd_engine::config::ModelConfig;
 use pd_engine::executor::{ExecItem, Executor};
+use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::DeviceSampling;
+use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
+use pd_kernels::cuda::CudaTensor;
 use pd_kernels::cuda::gemm::{self, GemmType};
 use serde_json::{Value, json};
 
@@ -114,6 +120,67 @@ fn gemm_rate(backend: &CudaBackend, sizes: &Sizes) -> f64 {
 fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
     (0..len)
         .map(|i| ((i * 7919 + seed * 104_729 + 17) as u32) % vocab)
+        .collect()
+}
+
+/// One layer's causal prefill attention of `len` tokens at `config`'s head shape, on the f32
+/// kernel (f32 output) and on the tensor cores (bf16 output): ms per call (median) and the
+/// fraction of the GEMM rate `flops` its FLOPs reach (q·k and p·v over each row's prefix).
+fn bench_attention(
+    backend: &CudaBackend,
+    config: &ModelConfig,
+    len: usize,
+    flops: f64,
+    reps: usize,
+) -> Vec<Value> {
+    let layout = KvLayout {
+        num_layers: 1,
+        num_kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+        block_size: BLOCK,
+    };
+    let blocks = len.div_ceil(BLOCK);
+    let kv = backend.alloc_kv(&layout, blocks).expect("kv");
+    let width = config.num_attention_heads * config.head_dim;
+    let q = CudaTensor::new(
+        len,
+        width,
+        backend
+            .device()
+            .stream
+            .alloc_zeros(len * width)
+            .expect("alloc"),
+    );
+    let meta = AttentionMeta {
+        seqs: vec![SeqAttention {
+            q_start: 0,
+            q_len: len,
+            context_len: len,
+            block_table: (0..blocks as u32).collect(),
+        }],
+        num_heads: config.num_attention_heads,
+        num_kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+        scale: (config.head_dim as f32).powf(-0.5),
+    };
+    let work = 4.0 * width as f64 * (len * (len + 1) / 2) as f64;
+    let f32_ms = timed_ms(backend, reps, || {
+        backend.paged_attention(&q, &kv, 0, &meta);
+    });
+    let mma_ms = timed_ms(backend, reps, || {
+        backend.paged_attention_16bit(&q, &kv, 0, &meta, DType::BF16);
+    });
+    [("f32", f32_ms), ("mma", mma_ms)]
+        .into_iter()
+        .map(|(kernel, ms)| {
+            json!({
+                "tokens": len,
+                "kernel": kernel,
+                "ms": ms,
+                "flops": work / (ms / 1e3),
+                "gemm_fraction": work / (ms / 1e3) / flops,
+            })
+        })
         .collect()
 }
 
@@ -227,7 +294,12 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             "gemm_fraction": linear_flops_per_token * len as f64 / secs / flops,
         }));
     }
-    json!({ "model": model, "decode": decode, "prefill": prefill })
+    let attention: Vec<Value> = sizes
+        .prefill
+        .iter()
+        .flat_map(|&len| bench_attention(exec.backend(), &files.config, len, flops, sizes.reps))
+        .collect();
+    json!({ "model": model, "decode": decode, "prefill": prefill, "attention": attention })
 }
 
 fn main() {
@@ -299,9 +371,23 @@ fn main() {
                 "-"
             );
         }
+        for a in m["attention"].as_array().into_iter().flatten() {
+            println!(
+                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
+                name,
+                format!(
+                    "attn {} {}",
+                    a["tokens"],
+                    a["kernel"].as_str().unwrap_or("?")
+                ),
+                a["tokens"].as_f64().unwrap_or(0.0) / (a["ms"].as_f64().unwrap_or(1.0) / 1e3),
+                100.0 * a["gemm_fraction"].as_f64().unwrap_or(0.0),
+                "-"
+            );
+        }
     }
     println!(
-        "(decode: fraction of the copy bandwidth; prefill: fraction of the GEMM rate; full results in {})",
+        "(decode: fraction of the copy bandwidth; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
         path.display()
     );
 }

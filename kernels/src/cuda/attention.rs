@@ -57,6 +57,22 @@ impl CudaBackend {
         )
     }
 
+    /// Attention of `q` written as `dtype` (bf16 or f16) rows shaped as `q`: the o_proj
+    /// GEMM's input, in [`pd_engine::backend::Backend::attention_linear_add`]. Prefill-sized
+    /// steps run on the tensor cores ([`plan::choose`]); decode steps on the f32 kernel.
+    pub fn paged_attention_16bit(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKvStorage,
+        layer: usize,
+        meta: &AttentionMeta,
+        dtype: DType,
+    ) -> CudaSlice<u16> {
+        let out16 = self.alloc::<u16>(q.len());
+        self.attend(q, kv, layer, meta, AttentionOut::Bits16(&out16, dtype));
+        out16
+    }
+
     /// [`Backend::paged_attention`] of `q` into `out` (shaped as `q`).
     pub(super) fn attend(
         &self,

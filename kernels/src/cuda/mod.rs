@@ -589,8 +589,7 @@ impl Backend for CudaBackend {
             return self.linear_into(Operand::F32(&attn), self.matrix(o_proj), x, true);
         };
         // The attention output goes straight into the GEMM's 16-bit input; `q` has its shape.
-        let out16 = self.alloc::<u16>(q.len());
-        self.attend(q, kv, layer, meta, AttentionOut::Bits16(&out16, dtype));
+        let out16 = self.paged_attention_16bit(q, kv, layer, meta, dtype);
         self.linear_into(Operand::bits16(&out16, q), self.matrix(o_proj), x, true);
     }
 
