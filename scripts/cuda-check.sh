@@ -79,7 +79,7 @@ if ! command -v "${CXX:-g++}" >/dev/null; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++
 fi
 kernels/emu/build.sh "$emu_dir"
-echo "-- the emulator's own test (warp ops, barriers, indices, f16; a divergent barrier stops it)"
+echo "-- the emulator's own test (warp ops, barriers, indices, f16, mma; a divergent barrier stops it)"
 "$emu_dir/selftest"
 PD_CUDA_EMU_SCHEDULE=reverse "$emu_dir/selftest"
 conformance="$(cargo test --locked -p pd-kernels --features cuda --test gpu_conformance \

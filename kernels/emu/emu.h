@@ -79,6 +79,8 @@ uint64_t as_bits(T v) {
 extern float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
 
 inline void __syncthreads() { emu::syncthreads(); }
+// Blocks run one after another and memory is the host's: every write is already visible.
+inline void __threadfence() {}
 inline int __syncthreads_count(int pred) { return emu::syncthreads_count(pred); }
 
 template <typename T>

@@ -5,7 +5,8 @@
 // - grid.y: KV heads; the block computes every query head of that KV head's group (GQA), so
 //   a K/V tile loaded once serves group * rows (query row, head) pairs;
 // - grid.z: key splits (split-K). Long contexts with few work items (decode) are cut into
-//   `keys_per_split` ranges whose partial results attention_combine merges.
+//   `keys_per_split` ranges; the last split of an (item, KV head) to finish merges the
+//   partial results of all of them (merge_splits), so split-K costs no second launch.
 // Within a tile each lane owns one key for the q.k dot products, then owns head_dim / 32
 // output dimensions for the p.V accumulation. Arithmetic is f32 on CUDA cores.
 //
@@ -20,6 +21,17 @@
 #define MAX_HEAD_DIM 128
 #define DIMS_PER_LANE (MAX_HEAD_DIM / WARP)
 
+// A float another block of this launch wrote: read from L2, past this SM's L1 (not coherent).
+__device__ __forceinline__ float load_cg(const float* p) {
+#ifdef PD_CUDA_EMU
+    return *p;
+#else
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+#endif
+}
+
 // One output element: f32 in `out`, or, when `out16` is given, the o_proj GEMM's 16-bit input
 // (rounded as cast_bf16 / cast_f16 would round the f32 value).
 __device__ __forceinline__ void store_out(float* out, unsigned short* out16, int out_dtype,
@@ -31,11 +43,55 @@ __device__ __forceinline__ void store_out(float* out, unsigned short* out16, int
     }
 }
 
+// Split-K: count this split of (item, KV head) done; the last one to finish merges every
+// split, out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), and re-arms the counter for the
+// next launch (graph replays included). Empty splits (l = 0) are skipped rather than
+// multiplied by zero, since their accumulators were never written. Every thread of the
+// block calls it.
+__device__ __forceinline__ void merge_splits(const float* part_acc, const float* part_ml,
+                                             unsigned int* counter, unsigned long long base,
+                                             int splits, int pairs, int head_dim, int group,
+                                             int kvh, unsigned long long out_row, int q_width,
+                                             float* out, unsigned short* out16,
+                                             int out_dtype) {
+    __shared__ int last;
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < pairs * head_dim; i += blockDim.x) {
+        const int p = i / head_dim;
+        const int d = i % head_dim;
+        float mx = -INFINITY;
+        for (int s = 0; s < splits; ++s) {
+            const unsigned long long at = (base + s) * MAX_PAIRS + p;
+            if (load_cg(part_ml + 2 * at + 1) > 0.0f) mx = fmaxf(mx, load_cg(part_ml + 2 * at));
+        }
+        float num = 0.0f;
+        float den = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const unsigned long long at = (base + s) * MAX_PAIRS + p;
+            const float ls = load_cg(part_ml + 2 * at + 1);
+            if (ls > 0.0f) {
+                const float w = expf(load_cg(part_ml + 2 * at) - mx);
+                num += load_cg(part_acc + at * head_dim + d) * w;
+                den += ls * w;
+            }
+        }
+        const int r = p / group;
+        const int h = kvh * group + p % group;
+        store_out(out, out16, out_dtype, (out_row + r) * q_width + h * head_dim + d, num / den);
+    }
+    if (threadIdx.x == 0) *counter = 0u;
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP)
 paged_attention(const float* q, const float* kcache, const float* vcache,
                 const unsigned int* block_tables, const int* items, const int* seqs,
                 float* out, unsigned short* out16, int out_dtype, float* part_acc,
-                float* part_ml, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads, int head_dim, int block_size,
                 int rows_per_item, int keys_per_split, float scale) {
     extern __shared__ float smem[];
     const int item = blockIdx.x;
@@ -62,15 +118,19 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
     const int key_end_item = first_pos + rows_here;
     const int k_begin = split * keys_per_split;
     const int k_end = min(key_end_item, k_begin + keys_per_split);
-    const unsigned long long part_base =
-        ((unsigned long long)item * num_kv_heads + kvh) * splits + split;
+    const unsigned long long split_base = ((unsigned long long)item * num_kv_heads + kvh) * splits;
+    const unsigned long long part_base = split_base + split;
+    unsigned int* counter = split_counters + item * num_kv_heads + kvh;
+    const unsigned long long out_row = (unsigned long long)(q_start + r0);
 
     if (k_begin >= k_end) {
-        // Nothing for this split (only when splits > 1): mark it empty for the combine.
+        // Nothing for this split (only when splits > 1): mark it empty for the merge.
         for (int p = threadIdx.x; p < MAX_PAIRS; p += blockDim.x) {
             part_ml[2 * ((part_base * MAX_PAIRS) + p)] = -INFINITY;
             part_ml[2 * ((part_base * MAX_PAIRS) + p) + 1] = 0.0f;
         }
+        merge_splits(part_acc, part_ml, counter, split_base, splits, pairs, head_dim, group, kvh,
+                     out_row, q_width, out, out16, out_dtype);
         return;
     }
 
@@ -179,48 +239,8 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
             }
         }
     }
-}
-
-// Merge the key splits of paged_attention: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-// grid = (items, num_kv_heads); threads over (pair, dim). Empty splits (l = 0) are skipped
-// rather than multiplied by zero, since their accumulators were never written.
-extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
-                                             const int* items, const int* seqs, float* out,
-                                             unsigned short* out16, int out_dtype, int num_heads, int num_kv_heads, int head_dim,
-                                             int rows_per_item, int splits) {
-    const int item = blockIdx.x;
-    const int kvh = blockIdx.y;
-    const int group = num_heads / num_kv_heads;
-    const int seq = items[2 * item];
-    const int r0 = items[2 * item + 1];
-    const int q_start = seqs[4 * seq];
-    const int q_len = seqs[4 * seq + 1];
-    const int rows_here = min(rows_per_item, q_len - r0);
-    const int pairs = rows_here * group;
-    const int q_width = num_heads * head_dim;
-    const unsigned long long base = ((unsigned long long)item * num_kv_heads + kvh) * splits;
-    for (int i = threadIdx.x; i < pairs * head_dim; i += blockDim.x) {
-        const int p = i / head_dim;
-        const int d = i % head_dim;
-        float mx = -INFINITY;
-        for (int s = 0; s < splits; ++s) {
-            const unsigned long long at = (base + s) * MAX_PAIRS + p;
-            if (part_ml[2 * at + 1] > 0.0f) mx = fmaxf(mx, part_ml[2 * at]);
-        }
-        float num = 0.0f;
-        float den = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const unsigned long long at = (base + s) * MAX_PAIRS + p;
-            const float ls = part_ml[2 * at + 1];
-            if (ls > 0.0f) {
-                const float w = expf(part_ml[2 * at] - mx);
-                num += part_acc[at * head_dim + d] * w;
-                den += ls * w;
-            }
-        }
-        const int r = p / group;
-        const int h = kvh * group + p % group;
-        store_out(out, out16, out_dtype,
-                  (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d, num / den);
+    if (splits > 1) {
+        merge_splits(part_acc, part_ml, counter, split_base, splits, pairs, head_dim, group, kvh,
+                     out_row, q_width, out, out16, out_dtype);
     }
 }

@@ -1,7 +1,7 @@
 //! Paged attention launches of the CUDA backend: the launch plan of a step's attention
-//! metadata (uploaded once per step), then either the f32 `paged_attention` kernel and, for
-//! split-K, the `attention_combine` kernel, writing f32 rows or the o_proj GEMM's 16-bit
-//! input (`attention.cu`), or, for the prefill of 16-bit models, the tensor-core
+//! metadata (uploaded once per step), then either the f32 `paged_attention` kernel (split-K
+//! merged inside it), writing f32 rows or the o_proj GEMM's 16-bit input (`attention.cu`),
+//! or, for the prefill of 16-bit models, the tensor-core
 //! `attention_mma` kernel (`attention_mma.cu`). The choice and the plan are [`super::plan`].
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -115,6 +115,12 @@ impl CudaBackend {
             );
         }
         let items = p.items;
+        assert!(
+            p.splits == 1 || items * meta.num_kv_heads <= self.split_counters.len(),
+            "split-K for {items} items x {} KV heads, beyond the {} counters",
+            meta.num_kv_heads,
+            self.split_counters.len()
+        );
         let part_len = items * meta.num_kv_heads * p.splits * plan::MAX_PAIRS;
         let (part_acc, part_ml) = if p.splits > 1 {
             (
@@ -145,6 +151,7 @@ impl CudaBackend {
             .arg(&out_code)
             .arg(&part_acc)
             .arg(&part_ml)
+            .arg(&self.split_counters)
             .arg(&heads)
             .arg(&kv_heads)
             .arg(&hd)
@@ -158,31 +165,6 @@ impl CudaBackend {
             shared_mem_bytes: AttentionPlan::shared_bytes(kernel, meta.head_dim) as u32,
         };
         self.launch("paged_attention", b, cfg);
-        if p.splits > 1 {
-            let splits = p.splits as i32;
-            let mut b = self
-                .dev
-                .stream
-                .launch_builder(&self.dev.kernels.attention_combine);
-            b.arg(&part_acc)
-                .arg(&part_ml)
-                .arg(&items_ptr)
-                .arg(&seqs_ptr)
-                .arg(&out)
-                .arg(&out16)
-                .arg(&out_code)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&hd)
-                .arg(&rows_per_item)
-                .arg(&splits);
-            let cfg = LaunchConfig {
-                grid_dim: (items as u32, meta.num_kv_heads as u32, 1),
-                block_dim: (plan::THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("attention_combine", b, cfg);
-        }
     }
 
     /// The tensor-core launch of [`Self::attend`]: `attention_mma` into the 16-bit `out16`.

@@ -40,7 +40,6 @@ pub struct Kernels {
     pub pack_block: CudaFunction,
     pub unpack_block: CudaFunction,
     pub paged_attention: CudaFunction,
-    pub attention_combine: CudaFunction,
     pub attention_mma: CudaFunction,
     pub sample_rows: CudaFunction,
 }
@@ -198,7 +197,6 @@ impl Kernels {
             pack_block: take("pack_block")?,
             unpack_block: take("unpack_block")?,
             paged_attention: take("paged_attention")?,
-            attention_combine: take("attention_combine")?,
             attention_mma: take("attention_mma")?,
             sample_rows: take("sample_rows")?,
         })

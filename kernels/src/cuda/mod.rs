@@ -63,6 +63,9 @@ pub struct CudaBackend {
     weight_bytes: AtomicUsize,
     /// Step metadata uploaded once per step rather than once per layer.
     uploads: Mutex<Uploads>,
+    /// One arrival counter per (item, KV head) block of a split-K attention launch: the
+    /// last split to arrive merges them (`attention.cu`) and resets its counter to 0.
+    split_counters: CudaSlice<u32>,
     /// Decode graphs per batch-size bucket (`--cuda-graphs on`).
     graphs: Mutex<Graphs>,
 }
@@ -119,8 +122,17 @@ impl CudaBackend {
             multiprocessors = dev.num_sms,
             "CUDA device open, kernels compiled"
         );
+        let split_counters = dev
+            .stream
+            .alloc_zeros::<u32>(plan::max_split_blocks(dev.num_sms as usize))
+            .map_err(|e| CudaError::Driver {
+                ordinal,
+                what: "allocate the split-K counters",
+                message: e.to_string(),
+            })?;
         Ok(Self {
             dev,
+            split_counters,
             gpu_memory_utilization,
             weight_bytes: AtomicUsize::new(0),
             uploads: Mutex::new(Uploads::default()),

@@ -45,7 +45,7 @@ pub const SOURCES: [KernelSource; 5] = [
     KernelSource {
         name: "attention",
         code: include_str!("attention.cu"),
-        kernels: &["paged_attention", "attention_combine"],
+        kernels: &["paged_attention"],
     },
     KernelSource {
         name: "attention_mma",

@@ -109,6 +109,12 @@ pub fn check_group(num_heads: usize, num_kv_heads: usize) -> Result<(), CudaErro
     Ok(())
 }
 
+/// Key splits happen only below this many blocks (items x KV heads): 2 per multiprocessor.
+/// Also the number of split-K counters the backend keeps (one per such block).
+pub fn max_split_blocks(num_sms: usize) -> usize {
+    2 * num_sms.max(1)
+}
+
 /// Plan `meta` for `kernel` on a device with `num_sms` multiprocessors.
 pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> AttentionPlan {
     let group = meta.num_heads / meta.num_kv_heads;
@@ -142,7 +148,7 @@ pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> At
         max_keys = max_keys.max(seq.context_len);
     }
     let blocks = items.len() / 2 * meta.num_kv_heads;
-    let target = 2 * num_sms;
+    let target = max_split_blocks(num_sms);
     let mut splits = 1;
     if kernel == AttentionKernel::CudaCores
         && blocks > 0

@@ -164,7 +164,7 @@ fn tiny_prefill_and_decode_match_the_cpu() {
 #[test]
 fn tiny_long_context_uses_key_splits_and_matches_the_cpu() {
     // 600 keys over 2 KV heads: too few blocks to fill a GPU, so prefill and decode both run
-    // split-K with the combine kernel.
+    // split-K, merged by the last split to finish.
     if enabled("tiny_long_context_uses_key_splits_and_matches_the_cpu") {
         conformance("synthetic:tiny", 600, 8);
     }
