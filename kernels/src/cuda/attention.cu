@@ -157,23 +157,34 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
         for (int i = 0; i < DIMS_PER_LANE; ++i) acc[pp][i] = 0.0f;
     }
 
+    // Tile loads: each loading thread owns 4 dimensions of every `row_step`-th key of the
+    // tile (one 16-byte load of K and of V), the slot found with shifts (block sizes are
+    // powers of two).
+    const int quads = head_dim / 4;
+    const int row_step = blockDim.x / quads;
+    const bool loader = (int)threadIdx.x < row_step * quads;  // all unless head_dim is 96
+    const int d4 = 4 * (threadIdx.x % quads);
+    const int block_shift = __ffs(block_size) - 1;
+
     for (int t0 = k_begin; t0 < k_end; t0 += TILE_KEYS) {
         __syncthreads();  // q_s written / the previous tile fully consumed
-        for (int i = threadIdx.x; i < TILE_KEYS * head_dim; i += blockDim.x) {
-            const int j = i / head_dim;
-            const int d = i % head_dim;
+        for (int j = threadIdx.x / quads; loader && j < TILE_KEYS; j += row_step) {
             const int t = t0 + j;
-            float kv_k = 0.0f;
-            float kv_v = 0.0f;
+            float kv_k[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float kv_v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (t < k_end) {
                 const unsigned long long slot =
-                    (unsigned long long)table[t / block_size] * block_size + t % block_size;
-                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d;
-                kv_k = kcache[at];
-                kv_v = vcache[at];
+                    ((unsigned long long)table[t >> block_shift] << block_shift) +
+                    (t & (block_size - 1));
+                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
+                load4(kcache + at, kv_k);
+                load4(vcache + at, kv_v);
             }
-            k_s[j * stride + d] = kv_k;
-            v_s[j * stride + d] = kv_v;
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                k_s[j * stride + d4 + e] = kv_k[e];
+                v_s[j * stride + d4 + e] = kv_v[e];
+            }
         }
         __syncthreads();
 

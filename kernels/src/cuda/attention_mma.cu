@@ -91,23 +91,31 @@ attention_mma(const float* q, const float* kcache, const float* vcache,
     float m_lo = -INFINITY, m_hi = -INFINITY;
     float l_lo = 0.0f, l_hi = 0.0f;
 
+    // Tile loads: each loading thread owns 4 dimensions of every `row_step`-th key of the
+    // tile (one 16-byte load of K and of V, one 8-byte store of each), so the per-key slot
+    // arithmetic is done once per 4 values, with shifts (block sizes are powers of two).
+    const int quads = head_dim / 4;
+    const int row_step = blockDim.x / quads;
+    const bool loader = (int)threadIdx.x < row_step * quads;  // all of them unless head_dim is 96
+    const int d4 = 4 * (threadIdx.x % quads);
+    const int block_shift = __ffs(block_size) - 1;
+
     for (int t0 = 0; t0 < key_end; t0 += MMA_TILE) {
         __syncthreads();  // the previous tile fully consumed
-        for (int i = threadIdx.x; i < MMA_TILE * head_dim; i += blockDim.x) {
-            const int j = i / head_dim;
-            const int d = i % head_dim;
+        for (int j = threadIdx.x / quads; loader && j < MMA_TILE; j += row_step) {
             const int key = t0 + j;
-            float kk = 0.0f;
-            float vv = 0.0f;
+            float kk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float vv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (key < key_end) {
                 const unsigned long long slot =
-                    (unsigned long long)table[key / block_size] * block_size + key % block_size;
-                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d;
-                kk = kcache[at];
-                vv = vcache[at];
+                    ((unsigned long long)table[key >> block_shift] << block_shift) +
+                    (key & (block_size - 1));
+                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
+                load4(kcache + at, kk);
+                load4(vcache + at, vv);
             }
-            k_s[j * stride + d] = f16_operand(kk);
-            v_s[j * stride + d] = f16_operand(vv);
+            store_pairs(k_s + j * stride + d4, pack_f16(kk[0], kk[1]), pack_f16(kk[2], kk[3]));
+            store_pairs(v_s + j * stride + d4, pack_f16(vv[0], vv[1]), pack_f16(vv[2], vv[3]));
         }
         __syncthreads();
         if (!warp_busy || t0 > warp_last_pos) continue;  // warp-uniform: nothing visible

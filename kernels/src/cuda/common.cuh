@@ -132,3 +132,26 @@ __device__ __forceinline__ unsigned load_pair(const unsigned short* p) {
     return *(const unsigned*)p;
 #endif
 }
+
+// Four consecutive f32 (16-byte aligned) in one load.
+__device__ __forceinline__ void load4(const float* p, float* v) {
+#ifdef PD_CUDA_EMU
+    memcpy(v, p, 4 * sizeof(float));
+#else
+    const float4 f = *(const float4*)p;
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+#endif
+}
+
+// Two registers of packed 16-bit values (8-byte aligned) in one store.
+__device__ __forceinline__ void store_pairs(unsigned short* p, unsigned lo, unsigned hi) {
+#ifdef PD_CUDA_EMU
+    const unsigned v[2] = {lo, hi};
+    memcpy(p, v, sizeof v);
+#else
+    *(uint2*)p = make_uint2(lo, hi);
+#endif
+}

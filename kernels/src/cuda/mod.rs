@@ -307,6 +307,13 @@ impl Backend for CudaBackend {
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CudaKvStorage, EngineError> {
         plan::check_head_dim(layout.head_dim)
             .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        if !layout.block_size.is_power_of_two() {
+            // The attention kernels find a key's block with shifts.
+            return Err(EngineError::InvalidRequest(format!(
+                "KV block size {} is not a power of two",
+                layout.block_size
+            )));
+        }
         let len = num_blocks
             .checked_mul(layout.block_size * layout.token_width())
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
