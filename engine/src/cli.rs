@@ -17,6 +17,7 @@ use crate::executor::Executor;
 use crate::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use crate::model::{ModelFiles, Qwen3};
 use crate::serve::{Engine, EngineConfig, Role};
+use crate::weights::DType;
 
 /// Default KV budget on the CPU when `--num-gpu-blocks` is not given.
 pub const DEFAULT_KV_BYTES: usize = 2 << 30;
@@ -89,6 +90,68 @@ impl fmt::Display for CudaGraphs {
     }
 }
 
+/// How a device stores its KV cache (`--kv-cache-dtype`, vLLM's flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// The dtype of the model's weight matrices on a GPU (bf16 for Qwen3 checkpoints); f32
+    /// on the CPU.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl KvCacheDtype {
+    /// The storage type a CUDA device is asked for; `None` leaves it to the model (auto).
+    pub fn on_device(self) -> Option<DType> {
+        match self {
+            KvCacheDtype::Auto => None,
+            KvCacheDtype::F32 => Some(DType::F32),
+            KvCacheDtype::Bf16 => Some(DType::BF16),
+            KvCacheDtype::F16 => Some(DType::F16),
+        }
+    }
+
+    /// The CPU backend keeps KV in f32: anything else is refused at start.
+    pub fn check_cpu(self) -> Result<(), EngineError> {
+        match self {
+            KvCacheDtype::Auto | KvCacheDtype::F32 => Ok(()),
+            other => Err(EngineError::InvalidRequest(format!(
+                "--kv-cache-dtype {other} needs --device cuda: the CPU backend keeps its KV \
+                 cache in f32 (use auto or f32)"
+            ))),
+        }
+    }
+}
+
+impl FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(KvCacheDtype::Auto),
+            "f32" | "float32" => Ok(KvCacheDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvCacheDtype::Bf16),
+            "f16" | "float16" | "half" => Ok(KvCacheDtype::F16),
+            other => Err(format!(
+                "unknown value `{other}`: expected auto, f32, bf16 or f16"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::F32 => "f32",
+            KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::F16 => "f16",
+        })
+    }
+}
+
 /// A fraction in (0, 1].
 fn parse_fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
@@ -151,6 +214,11 @@ pub struct EngineArgs {
     /// eager launches. CUDA only (ignored on the CPU).
     #[arg(long, env = "PD_CUDA_GRAPHS", default_value_t = CudaGraphs::Off)]
     pub cuda_graphs: CudaGraphs,
+    /// How the KV cache is stored on the device: auto (the model's dtype: bf16 for Qwen3),
+    /// f32, bf16 or f16. 16-bit types halve KV memory and attention's KV reads. Blocks move
+    /// between nodes as f32 whatever the type. The CPU keeps f32 (auto or f32 only).
+    #[arg(long, env = "PD_KV_CACHE_DTYPE", default_value_t = KvCacheDtype::Auto)]
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl EngineArgs {
@@ -193,7 +261,7 @@ impl EngineArgs {
         match backend.kv_memory_budget(step_activation_bytes(config, tokens))? {
             None => Ok(self.num_blocks(layout, max_model_len)),
             Some(bytes) => {
-                let blocks = bytes / layout.block_bytes();
+                let blocks = bytes / backend.kv_block_bytes(layout);
                 let needed = layout.blocks_for(max_model_len);
                 if blocks < needed {
                     return Err(EngineError::OutOfBlocks(format!(
@@ -294,6 +362,25 @@ mod tests {
         assert_eq!(CudaGraphs::On.to_string(), "on");
         let err = "yes".parse::<CudaGraphs>().unwrap_err();
         assert!(err.contains("expected on or off"), "{err}");
+    }
+
+    #[test]
+    fn kv_cache_dtypes_parse_print_and_stay_f32_on_the_cpu() {
+        assert_eq!("auto".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Auto));
+        assert_eq!("bfloat16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Bf16));
+        assert_eq!("f16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::F16));
+        assert_eq!(KvCacheDtype::Bf16.to_string(), "bf16");
+        assert_eq!(KvCacheDtype::Auto.on_device(), None);
+        assert_eq!(KvCacheDtype::F16.on_device(), Some(DType::F16));
+        let err = "fp8".parse::<KvCacheDtype>().unwrap_err();
+        assert!(err.contains("expected auto, f32, bf16 or f16"), "{err}");
+        assert!(KvCacheDtype::Auto.check_cpu().is_ok());
+        assert!(KvCacheDtype::F32.check_cpu().is_ok());
+        let err = KvCacheDtype::Bf16.check_cpu().unwrap_err().to_string();
+        assert!(
+            err.contains("--kv-cache-dtype bf16 needs --device cuda"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -254,12 +254,13 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
         let graph_secs = timed_steps(&mut exec, decode_context + decode_steps + 1);
         let graphs_ok = exec.backend().decode_graphs_captured() > 0;
         exec.set_decode_graphs(None);
-        // Bytes of one step: every weight once plus each sequence's KV (f32 K and V).
+        // Bytes of one step: every weight once plus each sequence's K and V, as stored
+        // (`--kv-cache-dtype auto`: the model's dtype).
         let kv_bytes = (batch * (decode_context + decode_steps / 2)) as f64
             * (2 * files.config.num_hidden_layers
                 * files.config.num_key_value_heads
                 * files.config.head_dim
-                * 4) as f64;
+                * exec.backend().kv_dtype().size_in_bytes()) as f64;
         decode.push(json!({
             "batch": batch,
             "step_ms": secs * 1e3,

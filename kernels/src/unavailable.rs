@@ -25,6 +25,16 @@ impl CudaBackend {
         let _ = gpu_memory_utilization;
         Err(CudaError::NotCompiled { ordinal })
     }
+
+    /// Always [`CudaError::NotCompiled`], as [`CudaBackend::open`].
+    pub fn open_with(
+        ordinal: usize,
+        gpu_memory_utilization: f64,
+        kv_dtype: Option<pd_engine::weights::DType>,
+    ) -> Result<Self, CudaError> {
+        let _ = kv_dtype;
+        Self::open(ordinal, gpu_memory_utilization)
+    }
 }
 
 impl Backend for CudaBackend {

@@ -207,10 +207,16 @@ pub async fn start_engine(
         // The device is opened first: asking for one that cannot work fails before any
         // model is written or read.
         let (facts, thread) = match args.engine.device {
-            Device::Cpu => start_on(CpuBackend::new(), &args, role, lease_timeout, &histograms)?,
+            Device::Cpu => {
+                args.engine.kv_cache_dtype.check_cpu()?;
+                start_on(CpuBackend::new(), &args, role, lease_timeout, &histograms)?
+            }
             Device::Cuda { ordinal } => {
-                let backend =
-                    pd_kernels::CudaBackend::open(ordinal, args.engine.gpu_memory_utilization)?;
+                let backend = pd_kernels::CudaBackend::open_with(
+                    ordinal,
+                    args.engine.gpu_memory_utilization,
+                    args.engine.kv_cache_dtype.on_device(),
+                )?;
                 start_on(backend, &args, role, lease_timeout, &histograms)?
             }
         };

@@ -65,9 +65,16 @@ pub fn start_engine(
     lease_timeout: Duration,
 ) -> anyhow::Result<EngineThread> {
     match args.device {
-        Device::Cpu => start_on(CpuBackend::new(), files, args, role, seed, lease_timeout),
+        Device::Cpu => {
+            args.kv_cache_dtype.check_cpu()?;
+            start_on(CpuBackend::new(), files, args, role, seed, lease_timeout)
+        }
         Device::Cuda { ordinal } => {
-            let backend = pd_kernels::CudaBackend::open(ordinal, args.gpu_memory_utilization)?;
+            let backend = pd_kernels::CudaBackend::open_with(
+                ordinal,
+                args.gpu_memory_utilization,
+                args.kv_cache_dtype.on_device(),
+            )?;
             start_on(backend, files, args, role, seed, lease_timeout)
         }
     }

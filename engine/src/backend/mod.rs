@@ -117,6 +117,13 @@ pub trait Backend: Send + Sync + 'static {
         num_blocks: usize,
     ) -> Result<Self::KvStorage, EngineError>;
 
+    /// Bytes of this backend's own memory one KV block of `layout` takes (all layers, K and
+    /// V). By default f32 storage, [`KvLayout::block_bytes`]; a backend storing KV in a
+    /// 16-bit type takes half.
+    fn kv_block_bytes(&self, layout: &KvLayout) -> usize {
+        layout.block_bytes()
+    }
+
     /// Bytes of this backend's own memory the KV cache may take once the weights are
     /// resident and `activation_bytes` of working memory are set aside, or `None` for a
     /// backend without a fixed memory of its own (the CPU), where the engine's default KV

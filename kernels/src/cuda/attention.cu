@@ -88,7 +88,7 @@ __device__ __forceinline__ void merge_splits(const float* part_acc, const float*
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP)
-paged_attention(const float* q, const float* kcache, const float* vcache,
+paged_attention(const float* q, const void* kcache, const void* vcache, int kv_dtype,
                 const unsigned int* block_tables, const int* items, const int* seqs,
                 float* out, unsigned short* out16, int out_dtype, float* part_acc,
                 float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads, int head_dim, int block_size,
@@ -177,8 +177,8 @@ paged_attention(const float* q, const float* kcache, const float* vcache,
                     ((unsigned long long)table[t >> block_shift] << block_shift) +
                     (t & (block_size - 1));
                 const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
-                load4(kcache + at, kv_k);
-                load4(vcache + at, kv_v);
+                load_kv4(kcache, kv_dtype, at, kv_k);
+                load_kv4(vcache, kv_dtype, at, kv_v);
             }
             #pragma unroll
             for (int e = 0; e < 4; ++e) {

@@ -134,6 +134,7 @@ impl CudaBackend {
         let kv_heads = meta.num_kv_heads as i32;
         let hd = meta.head_dim as i32;
         let bs = kv.layout.block_size as i32;
+        let kv_code = dtype_code(kv.dtype);
         let rows_per_item = p.rows_per_item as i32;
         let keys_per_split = p.keys_per_split as i32;
         let mut b = self
@@ -143,6 +144,7 @@ impl CudaBackend {
         b.arg(q.dense())
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
+            .arg(&kv_code)
             .arg(&tables_ptr)
             .arg(&items_ptr)
             .arg(&seqs_ptr)
@@ -183,6 +185,7 @@ impl CudaBackend {
         let kv_heads = meta.num_kv_heads as i32;
         let hd = meta.head_dim as i32;
         let bs = kv.layout.block_size as i32;
+        let kv_code = dtype_code(kv.dtype);
         let rows_per_item = p.rows_per_item as i32;
         let mut b = self
             .dev
@@ -191,6 +194,7 @@ impl CudaBackend {
         b.arg(q.dense())
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
+            .arg(&kv_code)
             .arg(&tables_ptr)
             .arg(&items_ptr)
             .arg(&seqs_ptr)

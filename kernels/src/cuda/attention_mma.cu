@@ -23,7 +23,7 @@
 #define LOG2E 1.4426950408889634f
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * WARP, 1)
-attention_mma(const float* q, const float* kcache, const float* vcache,
+attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dtype,
               const unsigned int* block_tables, const int* items, const int* seqs,
               unsigned short* out16, int out_dtype, int num_heads, int num_kv_heads,
               int head_dim, int block_size, int rows_per_item, float scale) {
@@ -111,8 +111,8 @@ attention_mma(const float* q, const float* kcache, const float* vcache,
                     ((unsigned long long)table[key >> block_shift] << block_shift) +
                     (key & (block_size - 1));
                 const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
-                load4(kcache + at, kk);
-                load4(vcache + at, vv);
+                load_kv4(kcache, kv_dtype, at, kk);
+                load_kv4(vcache, kv_dtype, at, vv);
             }
             store_pairs(k_s + j * stride + d4, pack_f16(kk[0], kk[1]), pack_f16(kk[2], kk[3]));
             store_pairs(v_s + j * stride + d4, pack_f16(vv[0], vv[1]), pack_f16(vv[2], vv[3]));

@@ -155,3 +155,36 @@ __device__ __forceinline__ void store_pairs(unsigned short* p, unsigned lo, unsi
     *(uint2*)p = make_uint2(lo, hi);
 #endif
 }
+
+// KV cache elements stored as `dtype` (DTYPE_F32, DTYPE_BF16 or DTYPE_F16: the CUDA
+// backend's --kv-cache-dtype). Values are f32 everywhere else. f16 saturates at ±65504.
+__device__ __forceinline__ void store_kv(void* cache, int dtype, unsigned long long i, float v) {
+    if (dtype == DTYPE_F32) {
+        ((float*)cache)[i] = v;
+    } else {
+        ((unsigned short*)cache)[i] = dtype == DTYPE_BF16 ? f32_to_bf16(v) : f16_operand(v);
+    }
+}
+
+// Four consecutive KV elements from `i` (a multiple of 4) as f32, in one load.
+__device__ __forceinline__ void load_kv4(const void* cache, int dtype, unsigned long long i,
+                                         float* v) {
+    if (dtype == DTYPE_F32) {
+        load4((const float*)cache + i, v);
+        return;
+    }
+    const unsigned short* p = (const unsigned short*)cache + i;
+    unsigned h[2];
+#ifdef PD_CUDA_EMU
+    memcpy(h, p, sizeof h);
+#else
+    const uint2 u = *(const uint2*)p;
+    h[0] = u.x;
+    h[1] = u.y;
+#endif
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const unsigned short x = (unsigned short)(h[e / 2] >> (16 * (e % 2)));
+        v[e] = dtype == DTYPE_BF16 ? bf16_to_f32(x) : f16_to_f32(x);
+    }
+}

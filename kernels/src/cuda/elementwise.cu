@@ -74,8 +74,9 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
                                         float* q_out, float* k_out,
                                         const unsigned int* positions, int rows, int q_heads,
                                         int k_heads, int head_dim, float eps, float theta,
-                                        float* kcache, float* vcache, const float* v,
-                                        int v_stride, const unsigned int* slots) {
+                                        void* kcache, void* vcache, int kv_dtype,
+                                        const float* v, int v_stride,
+                                        const unsigned int* slots) {
     __shared__ float scratch[WARP];
     const int heads = q_heads + k_heads + (kcache != nullptr ? k_heads : 0);
     const int r = blockIdx.x / heads;
@@ -88,8 +89,10 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
         if (slot == 0xffffffffu) return;
         const int head = h - q_heads - k_heads;
         const float* src = v + (unsigned long long)r * v_stride + head * head_dim;
-        float* dst = vcache + slot * width + head * head_dim;
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = src[i];
+        const unsigned long long dst = slot * width + head * head_dim;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+            store_kv(vcache, kv_dtype, dst + i, src[i]);
+        }
         return;
     }
     const bool is_q = h < q_heads;
@@ -101,8 +104,8 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
     float* o = out == nullptr ? nullptr
                               : out + (unsigned long long)r * (is_q ? q_heads : k_heads) * head_dim +
                                     head * head_dim;
-    float* cache = !is_q && slot != 0xffffffffu ? kcache + slot * width + head * head_dim
-                                                : nullptr;
+    const bool to_cache = !is_q && slot != 0xffffffffu;
+    const unsigned long long at = to_cache ? slot * width + head * head_dim : 0;
     const float* w = is_q ? wq : wk;
     const int half = head_dim / 2;
     const int j = threadIdx.x;
@@ -127,9 +130,9 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
         o[j] = first;
         o[j + half] = second;
     }
-    if (cache != nullptr) {
-        cache[j] = first;
-        cache[j + half] = second;
+    if (to_cache) {
+        store_kv(kcache, kv_dtype, at + j, first);
+        store_kv(kcache, kv_dtype, at + j + half, second);
     }
 }
 

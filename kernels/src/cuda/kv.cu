@@ -1,21 +1,22 @@
 // Paged KV writes and block pack / unpack. The cache of one layer is
-// [num_blocks, block_size, num_kv_heads, head_dim] f32 for K and the same for V; a slot is
-// `block * block_size + offset`, so slot s starts at element s * width.
+// [num_blocks, block_size, num_kv_heads, head_dim] elements of `kv_dtype` (f32, bf16 or f16)
+// for K and the same for V; a slot is `block * block_size + offset`, so slot s starts at
+// element s * width. Blocks travel between nodes as f32 whatever the storage type.
 
 // kcache[slots[r], :] = k[r, :] and the same for v. One block per row. Slot 0xffffffff marks
 // a padding row of a captured decode graph: it has no KV. k and v rows are `k_stride` and
 // `v_stride` apart (views of a wider stacked q/k/v product, or `width` when dense).
-extern "C" __global__ void write_kv(float* kcache, float* vcache, const float* k, const float* v,
-                                    int k_stride, int v_stride, const unsigned int* slots,
-                                    int rows, int width) {
+extern "C" __global__ void write_kv(void* kcache, void* vcache, int kv_dtype, const float* k,
+                                    const float* v, int k_stride, int v_stride,
+                                    const unsigned int* slots, int rows, int width) {
     const int r = blockIdx.x;
     if (r >= rows || slots[r] == 0xffffffffu) return;
     const unsigned long long dst = (unsigned long long)slots[r] * width;
     const float* kr = k + (unsigned long long)r * k_stride;
     const float* vr = v + (unsigned long long)r * v_stride;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        kcache[dst + c] = kr[c];
-        vcache[dst + c] = vr[c];
+        store_kv(kcache, kv_dtype, dst + c, kr[c]);
+        store_kv(vcache, kv_dtype, dst + c, vr[c]);
     }
 }
 
@@ -23,25 +24,27 @@ extern "C" __global__ void write_kv(float* kcache, float* vcache, const float* k
 // [K block, V block] (the order of Backend::read_block), so one copy moves it to the host.
 // grid = (num_layers, 2): y = 0 for K, 1 for V. `bases` holds each layer's K and V pointers
 // as [k0, v0, k1, v1, ...]. `n` = block_size * width.
-extern "C" __global__ void pack_block(const unsigned long long* bases, unsigned int block,
-                                      float* staging, int n) {
+extern "C" __global__ void pack_block(const unsigned long long* bases, int kv_dtype,
+                                      unsigned int block, float* staging, int n) {
     const int layer = blockIdx.x;
     const int which = blockIdx.y;
-    const float* src = (const float*)bases[2 * layer + which] + (unsigned long long)block * n;
+    const void* src = (const void*)bases[2 * layer + which];
+    const unsigned long long at = (unsigned long long)block * n;
     float* dst = staging + ((unsigned long long)2 * layer + which) * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        dst[i] = src[i];
+        dst[i] = load_weight(src, kv_dtype, at + i);
     }
 }
 
 // The inverse of pack_block.
-extern "C" __global__ void unpack_block(const unsigned long long* bases, unsigned int block,
-                                        const float* staging, int n) {
+extern "C" __global__ void unpack_block(const unsigned long long* bases, int kv_dtype,
+                                        unsigned int block, const float* staging, int n) {
     const int layer = blockIdx.x;
     const int which = blockIdx.y;
-    float* dst = (float*)bases[2 * layer + which] + (unsigned long long)block * n;
+    void* dst = (void*)bases[2 * layer + which];
+    const unsigned long long at = (unsigned long long)block * n;
     const float* src = staging + ((unsigned long long)2 * layer + which) * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        dst[i] = src[i];
+        store_kv(dst, kv_dtype, at + i, src[i]);
     }
 }

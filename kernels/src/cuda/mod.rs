@@ -23,8 +23,8 @@ mod sample;
 mod tensor;
 mod weights;
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
@@ -32,7 +32,7 @@ use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
-use pd_engine::weights::TensorView;
+use pd_engine::weights::{DType, TensorView};
 
 pub use device::Device;
 use tensor::dtype_code;
@@ -59,6 +59,10 @@ pub fn driver_present() -> bool {
 pub struct CudaBackend {
     dev: Device,
     gpu_memory_utilization: f64,
+    /// How KV is stored on the device (`--kv-cache-dtype`); `None` is auto, the model's dtype.
+    kv_dtype: Option<DType>,
+    /// The dtype of the first matrix uploaded: the model's, for auto.
+    matrix_dtype: OnceLock<DType>,
     /// Bytes of weights uploaded so far (reported in logs and the memory error).
     weight_bytes: AtomicUsize,
     /// Step metadata uploaded once per step rather than once per layer.
@@ -134,10 +138,32 @@ impl CudaBackend {
             dev,
             split_counters,
             gpu_memory_utilization,
+            kv_dtype: None,
+            matrix_dtype: OnceLock::new(),
             weight_bytes: AtomicUsize::new(0),
             uploads: Mutex::new(Uploads::default()),
             graphs: Mutex::new(Graphs::default()),
         })
+    }
+
+    /// [`CudaBackend::open`], storing KV as `kv_dtype`: f32, or bf16 / f16 for half the
+    /// memory and traffic; `None` (what `open` does, vLLM's `auto`) stores the dtype of the
+    /// model's weight matrices (`--kv-cache-dtype`).
+    pub fn open_with(
+        ordinal: usize,
+        gpu_memory_utilization: f64,
+        kv_dtype: Option<DType>,
+    ) -> Result<Self, CudaError> {
+        let mut backend = Self::open(ordinal, gpu_memory_utilization)?;
+        backend.kv_dtype = kv_dtype;
+        Ok(backend)
+    }
+
+    /// How this backend stores KV: as set, else the model's matrices' dtype, else f32.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+            .or_else(|| self.matrix_dtype.get().copied())
+            .unwrap_or(DType::F32)
     }
 
     /// The device, for benchmarks and tests that time or synchronise it.
@@ -314,13 +340,14 @@ impl Backend for CudaBackend {
                 layout.block_size
             )));
         }
+        let dtype = self.kv_dtype();
         let len = num_blocks
-            .checked_mul(layout.block_size * layout.token_width())
+            .checked_mul(layout.block_size * layout.token_width() * dtype.size_in_bytes())
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
         let oom = |e: cudarc::driver::DriverError| {
             EngineError::OutOfBlocks(format!(
                 "cannot allocate {num_blocks} KV blocks ({} MiB) on {}: {e}",
-                (num_blocks * layout.block_bytes()) >> 20,
+                (num_blocks * self.kv_block_bytes(layout)) >> 20,
                 self.name()
             ))
         };
@@ -328,16 +355,8 @@ impl Backend for CudaBackend {
         let mut v = Vec::with_capacity(layout.num_layers);
         let mut bases = Vec::with_capacity(2 * layout.num_layers);
         for _ in 0..layout.num_layers {
-            let kl = self
-                .dev
-                .stream
-                .alloc_zeros::<f32>(len.max(1))
-                .map_err(oom)?;
-            let vl = self
-                .dev
-                .stream
-                .alloc_zeros::<f32>(len.max(1))
-                .map_err(oom)?;
+            let kl = self.dev.stream.alloc_zeros::<u8>(len.max(4)).map_err(oom)?;
+            let vl = self.dev.stream.alloc_zeros::<u8>(len.max(4)).map_err(oom)?;
             bases.push(kl.device_ptr(&self.dev.stream).0);
             bases.push(vl.device_ptr(&self.dev.stream).0);
             k.push(kl);
@@ -347,10 +366,15 @@ impl Backend for CudaBackend {
         Ok(CudaKvStorage {
             layout: layout.clone(),
             num_blocks,
+            dtype,
             k,
             v,
             bases,
         })
+    }
+
+    fn kv_block_bytes(&self, layout: &KvLayout) -> usize {
+        layout.block_bytes() / 4 * self.kv_dtype().size_in_bytes()
     }
 
     fn kv_memory_budget(&self, activation_bytes: usize) -> Result<Option<usize>, EngineError> {
@@ -569,9 +593,11 @@ impl Backend for CudaBackend {
         // v (and k) may be views of one stacked q/k/v product.
         let (k_in, v_in) = (self.rows_ptr(k), self.rows_ptr(v));
         let (k_stride, v_stride) = (k.stride() as i32, v.stride() as i32);
+        let code = dtype_code(kv.dtype);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.write_kv);
         b.arg(&kv.k[layer])
             .arg(&kv.v[layer])
+            .arg(&code)
             .arg(&k_in)
             .arg(&v_in)
             .arg(&k_stride)
@@ -729,8 +755,13 @@ impl Backend for CudaBackend {
         assert!((block as usize) < kv.num_blocks, "block id in range");
         let staging = self.alloc::<f32>(dst.len());
         let n_i = n as i32;
+        let code = dtype_code(kv.dtype);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.pack_block);
-        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&n_i);
+        b.arg(&kv.bases)
+            .arg(&code)
+            .arg(&block)
+            .arg(&staging)
+            .arg(&n_i);
         self.launch("pack_block", b, block_grid(kv.k.len()));
         self.dev
             .stream
@@ -749,7 +780,12 @@ impl Backend for CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.unpack_block);
-        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&n_i);
+        let code = dtype_code(kv.dtype);
+        b.arg(&kv.bases)
+            .arg(&code)
+            .arg(&block)
+            .arg(&staging)
+            .arg(&n_i);
         self.launch("unpack_block", b, block_grid(kv.k.len()));
         // The staging buffer is freed stream-ordered, after the kernel has read it.
     }

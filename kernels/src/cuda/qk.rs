@@ -5,6 +5,7 @@
 use cudarc::driver::PushKernelArg;
 use pd_engine::backend::QkNormRope;
 
+use super::tensor::dtype_code;
 use super::weights::weight_vector;
 use super::{CudaBackend, CudaKvStorage, CudaTensor, CudaWeight, cached};
 
@@ -61,8 +62,8 @@ impl CudaBackend {
             p.theta as f32,
         );
         // The KV write, when fused: k rows to the cache (no k tensor), v heads copied.
-        let (k_ptr, kcache, vcache, v_ptr, v_stride, slots_ptr, v_heads) = match k_out {
-            KOut::Tensor(t) => (self.ptr(t.dense()), 0u64, 0u64, 0u64, 0i32, 0u64, 0),
+        let (k_ptr, kcache, vcache, kv_code, v_ptr, v_stride, slots_ptr, v_heads) = match k_out {
+            KOut::Tensor(t) => (self.ptr(t.dense()), 0u64, 0u64, 0i32, 0u64, 0i32, 0u64, 0),
             KOut::Cache {
                 kv,
                 layer,
@@ -72,6 +73,7 @@ impl CudaBackend {
                 0,
                 self.ptr(&kv.k[layer]),
                 self.ptr(&kv.v[layer]),
+                dtype_code(kv.dtype),
                 self.rows_ptr(v),
                 v.stride() as i32,
                 self.slots_ptr(slots),
@@ -104,6 +106,7 @@ impl CudaBackend {
             .arg(&th)
             .arg(&kcache)
             .arg(&vcache)
+            .arg(&kv_code)
             .arg(&v_ptr)
             .arg(&v_stride)
             .arg(&slots_ptr);

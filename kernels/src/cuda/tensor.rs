@@ -121,19 +121,22 @@ pub fn dtype_code(dtype: DType) -> i32 {
 }
 
 /// Paged KV for all layers: per layer one K and one V buffer of
-/// `[num_blocks, block_size, num_kv_heads, head_dim]` f32 (the layout every backend shares,
-/// so blocks move between CPU and CUDA nodes unchanged).
+/// `[num_blocks, block_size, num_kv_heads, head_dim]` elements of `dtype` (the layout every
+/// backend shares; blocks move between nodes as f32 whatever the storage type, so CPU and
+/// CUDA nodes exchange them).
 pub struct CudaKvStorage {
     pub layout: KvLayout,
     pub num_blocks: usize,
-    pub k: Vec<CudaSlice<f32>>,
-    pub v: Vec<CudaSlice<f32>>,
+    /// `--kv-cache-dtype`: f32, or the 16-bit bf16 / f16 (half the memory and traffic).
+    pub dtype: DType,
+    pub k: Vec<CudaSlice<u8>>,
+    pub v: Vec<CudaSlice<u8>>,
     /// Device addresses `[k0, v0, k1, v1, ...]` for the block pack / unpack kernels.
     pub bases: CudaSlice<u64>,
 }
 
 impl CudaKvStorage {
-    /// f32 values of K (or V) in one block of one layer.
+    /// Elements of K (or V) in one block of one layer.
     pub fn block_len(&self) -> usize {
         self.layout.block_size * self.layout.token_width()
     }

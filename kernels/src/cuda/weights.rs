@@ -64,6 +64,8 @@ impl CudaBackend {
                     .stream
                     .clone_htod(view.bytes())
                     .map_err(upload_error)?;
+                // The model's dtype, for `--kv-cache-dtype auto` (the first matrix's).
+                let _ = self.matrix_dtype.set(view.dtype);
                 CudaWeight::Matrix {
                     dtype: view.dtype,
                     rows: view.shape[0],
@@ -123,6 +125,7 @@ impl CudaBackend {
             at += len;
         }
         self.weight_bytes.fetch_add(total, Ordering::Relaxed);
+        let _ = self.matrix_dtype.set(dtype);
         let data = Arc::new(data);
         Ok(std::array::from_fn(|i| CudaWeight::Matrix {
             dtype,

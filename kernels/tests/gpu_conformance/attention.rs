@@ -1,10 +1,12 @@
 //! Attention alone, CUDA against the CPU reference, over the head shapes and batch mixes the
 //! model-level tests do not reach: GQA groups of 1 to 8, head_dim 32 to 128, prompts that
 //! are not multiples of any tile, chunked prefill over cached context, and decode rows in
-//! the same batch. Both kernels: the f32 `paged_attention` (through `paged_attention`) and,
-//! for 16-bit models, the tensor-core `attention_mma` (through `attention_linear_add` with an
-//! identity o_proj, so the residual receives exactly the attention output in the model's
-//! 16-bit type).
+//! the same batch, and each KV storage type (f32, bf16, f16). Both kernels: the f32
+//! `paged_attention` (through `paged_attention`) and, for 16-bit models, the tensor-core
+//! `attention_mma` (through `attention_linear_add` with an identity o_proj, so the residual
+//! receives exactly the attention output in the model's 16-bit type). The CPU reference sees
+//! the keys and values as the device stores them (rounded once to the storage type), so the
+//! bounds measure the kernels, not the storage.
 
 use std::io::Write;
 
@@ -16,7 +18,7 @@ use pd_kernels::CudaBackend;
 use pd_kernels::cuda::plan::{self, AttentionKernel};
 use pd_kernels::cuda::{CudaTensor, CudaWeight};
 
-use super::{enabled, unit};
+use super::{enabled, round_to, unit};
 
 /// Largest relative error per row, ‖gpu − cpu‖ / ‖cpu‖.
 fn worst_row_error(cpu: &HostMatrix, gpu: &HostMatrix) -> f64 {
@@ -121,102 +123,123 @@ fn attention_kernels_match_the_cpu_over_head_shapes_and_batch_mixes() {
     if !enabled("attention_kernels_match_the_cpu_over_head_shapes_and_batch_mixes") {
         return;
     }
-    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
     let cpu = CpuBackend::new();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut state = 5u64;
-    for (case_no, case) in CASES.iter().enumerate() {
-        let layout = KvLayout {
-            num_layers: 1,
-            num_kv_heads: case.kv_heads,
-            head_dim: case.head_dim,
-            block_size: case.block_size,
-        };
-        // Each sequence's blocks, handed out in reverse so tables are not the identity.
-        let per_seq: Vec<usize> = case
-            .seqs
-            .iter()
-            .map(|&(_, ctx)| ctx.div_ceil(case.block_size))
-            .collect();
-        let blocks: usize = per_seq.iter().sum();
-        let mut free: Vec<u32> = (0..blocks as u32).collect();
-        let mut q_start = 0;
-        let seqs: Vec<SeqAttention> = case
-            .seqs
-            .iter()
-            .zip(&per_seq)
-            .map(|(&(q_len, context_len), &n)| {
-                let s = SeqAttention {
-                    q_start,
-                    q_len,
-                    context_len,
-                    block_table: (0..n).map(|_| free.pop().expect("block")).collect(),
-                };
-                q_start += q_len;
-                s
-            })
-            .collect();
-        let meta = AttentionMeta {
-            seqs,
-            num_heads: case.heads,
-            num_kv_heads: case.kv_heads,
-            head_dim: case.head_dim,
-            scale: (case.head_dim as f32).powf(-0.5),
-        };
-        assert_eq!(
-            plan::choose(&meta, true),
-            AttentionKernel::TensorCores,
-            "case {case_no} runs on tensor cores for 16-bit models"
-        );
-
-        let mut cpu_kv = cpu.alloc_kv(&layout, blocks).expect("cpu kv");
-        let mut gpu_kv = gpu.alloc_kv(&layout, blocks).expect("gpu kv");
-        let block_len = 2 * case.block_size * layout.token_width();
-        for b in 0..blocks as u32 {
-            // Keys and values of spread 2 (scores of a few units: a peaked softmax).
-            let data: Vec<f32> = (0..block_len)
-                .map(|_| (unit(&mut state) * 4.0 - 2.0) as f32)
-                .collect();
-            cpu.write_block(&mut cpu_kv, b, &data);
-            gpu.write_block(&mut gpu_kv, b, &data);
+    for kv_dtype in [DType::F32, DType::BF16, DType::F16] {
+        let gpu = CudaBackend::open_with(0, 0.5, Some(kv_dtype)).expect("cuda:0");
+        for (case_no, case) in CASES.iter().enumerate() {
+            check_case(&gpu, &cpu, dir.path(), kv_dtype, case_no, case);
         }
-        let (rows, width) = (q_start, case.heads * case.head_dim);
-        let q: Vec<f32> = (0..rows * width)
+    }
+}
+
+fn check_case(
+    gpu: &CudaBackend,
+    cpu: &CpuBackend,
+    dir: &std::path::Path,
+    kv_dtype: DType,
+    case_no: usize,
+    case: &Case,
+) {
+    let mut state = 5 + case_no as u64;
+    let layout = KvLayout {
+        num_layers: 1,
+        num_kv_heads: case.kv_heads,
+        head_dim: case.head_dim,
+        block_size: case.block_size,
+    };
+    // Each sequence's blocks, handed out in reverse so tables are not the identity.
+    let per_seq: Vec<usize> = case
+        .seqs
+        .iter()
+        .map(|&(_, ctx)| ctx.div_ceil(case.block_size))
+        .collect();
+    let blocks: usize = per_seq.iter().sum();
+    let mut free: Vec<u32> = (0..blocks as u32).collect();
+    let mut q_start = 0;
+    let seqs: Vec<SeqAttention> = case
+        .seqs
+        .iter()
+        .zip(&per_seq)
+        .map(|(&(q_len, context_len), &n)| {
+            let s = SeqAttention {
+                q_start,
+                q_len,
+                context_len,
+                block_table: (0..n).map(|_| free.pop().expect("block")).collect(),
+            };
+            q_start += q_len;
+            s
+        })
+        .collect();
+    let meta = AttentionMeta {
+        seqs,
+        num_heads: case.heads,
+        num_kv_heads: case.kv_heads,
+        head_dim: case.head_dim,
+        scale: (case.head_dim as f32).powf(-0.5),
+    };
+    assert_eq!(
+        plan::choose(&meta, true),
+        AttentionKernel::TensorCores,
+        "case {case_no} runs on tensor cores for 16-bit models"
+    );
+
+    let mut cpu_kv = cpu.alloc_kv(&layout, blocks).expect("cpu kv");
+    let mut gpu_kv = gpu.alloc_kv(&layout, blocks).expect("gpu kv");
+    let block_len = 2 * case.block_size * layout.token_width();
+    for b in 0..blocks as u32 {
+        // Keys and values of spread 2 (scores of a few units: a peaked softmax).
+        let data: Vec<f32> = (0..block_len)
             .map(|_| (unit(&mut state) * 4.0 - 2.0) as f32)
             .collect();
-        let gpu_q = || {
-            CudaTensor::new(
-                rows,
-                width,
-                gpu.device().stream.clone_htod(&q).expect("upload"),
-            )
-        };
-        let cpu_q = CpuTensor {
+        let stored: Vec<f32> = data.iter().map(|&x| round_to(kv_dtype, x)).collect();
+        cpu.write_block(&mut cpu_kv, b, &stored);
+        gpu.write_block(&mut gpu_kv, b, &data);
+    }
+    let (rows, width) = (q_start, case.heads * case.head_dim);
+    let q: Vec<f32> = (0..rows * width)
+        .map(|_| (unit(&mut state) * 4.0 - 2.0) as f32)
+        .collect();
+    let gpu_q = || {
+        CudaTensor::new(
             rows,
-            cols: width,
-            data: q.clone(),
-        };
-        let expected = cpu.to_host(&cpu.paged_attention(&cpu_q, &cpu_kv, 0, &meta));
+            width,
+            gpu.device().stream.clone_htod(&q).expect("upload"),
+        )
+    };
+    let cpu_q = CpuTensor {
+        rows,
+        cols: width,
+        data: q.clone(),
+    };
+    let expected = cpu.to_host(&cpu.paged_attention(&cpu_q, &cpu_kv, 0, &meta));
 
-        let f32_out = gpu.to_host(&gpu.paged_attention(&gpu_q(), &gpu_kv, 0, &meta));
-        let err = worst_row_error(&expected, &f32_out);
-        assert!(err <= 1e-5, "case {case_no}, f32 kernel: {err:.3e}");
+    let f32_out = gpu.to_host(&gpu.paged_attention(&gpu_q(), &gpu_kv, 0, &meta));
+    let err = worst_row_error(&expected, &f32_out);
+    assert!(
+        err <= 1e-5,
+        "case {case_no}, {kv_dtype:?} KV, f32 kernel: {err:.3e}"
+    );
 
-        for (dtype, tolerance) in [(DType::F16, 2e-3), (DType::BF16, 5e-3)] {
-            let o_proj = identity(&gpu, dtype, width, dir.path());
-            let zeros = vec![0f32; rows * width];
-            let mut x = CudaTensor::new(
-                rows,
-                width,
-                gpu.device().stream.clone_htod(&zeros).expect("upload"),
-            );
-            gpu.attention_linear_add(&mut x, &gpu_q(), &gpu_kv, 0, &meta, &o_proj);
-            let err = worst_row_error(&expected, &gpu.to_host(&x));
-            eprintln!("case {case_no}, tensor cores, {dtype:?} output: worst row error {err:.3e}");
-            assert!(
-                err <= tolerance,
-                "case {case_no}, tensor cores, {dtype:?} output: {err:.3e} > {tolerance}"
-            );
-        }
+    for (dtype, tolerance) in [(DType::F16, 2e-3), (DType::BF16, 5e-3)] {
+        let o_proj = identity(gpu, dtype, width, dir);
+        let zeros = vec![0f32; rows * width];
+        let mut x = CudaTensor::new(
+            rows,
+            width,
+            gpu.device().stream.clone_htod(&zeros).expect("upload"),
+        );
+        gpu.attention_linear_add(&mut x, &gpu_q(), &gpu_kv, 0, &meta, &o_proj);
+        let err = worst_row_error(&expected, &gpu.to_host(&x));
+        eprintln!(
+            "case {case_no}, {kv_dtype:?} KV, tensor cores, {dtype:?} output: worst row \
+             error {err:.3e}"
+        );
+        assert!(
+            err <= tolerance,
+            "case {case_no}, {kv_dtype:?} KV, tensor cores, {dtype:?} output: {err:.3e} > \
+             {tolerance}"
+        );
     }
 }
