@@ -8,11 +8,8 @@
 //   `keys_per_split` ranges; the last split of an (item, KV head) to finish merges the
 //   partial results of all of them (merge_splits), so split-K costs no second launch.
 // Within a tile each lane owns one key for the q.k dot products, then owns head_dim / 32
-// output dimensions for the p.V accumulation. Arithmetic is f32 on CUDA cores.
-//
-// Metadata (int32): items[2 * i] = sequence, items[2 * i + 1] = first query row of the item
-// within its sequence; seqs[4 * s ..] = q_start (batch row of the sequence's first new token),
-// q_len, context_len, offset of its block table in `block_tables`.
+// output dimensions for the p.V accumulation. Arithmetic is f32 on CUDA cores. The work
+// items' metadata: `attn_item` (common.cuh).
 
 #define TILE_KEYS 32
 #define ATTN_WARPS 4
@@ -102,17 +99,13 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
     const int warp = threadIdx.x / WARP;
     const int group = num_heads / num_kv_heads;
 
-    const int seq = items[2 * item];
-    const int r0 = items[2 * item + 1];
-    const int q_start = seqs[4 * seq];
-    const int q_len = seqs[4 * seq + 1];
-    const int ctx = seqs[4 * seq + 2];
-    const unsigned int* table = block_tables + seqs[4 * seq + 3];
-    const int rows_here = min(rows_per_item, q_len - r0);
+    const AttnItem it = attn_item(items, seqs, block_tables, item, rows_per_item);
+    const unsigned int* table = it.table;
+    const int rows_here = it.rows;
     const int pairs = rows_here * group;
     const int q_width = num_heads * head_dim;
     const int stride = head_dim + 1;  // padded: lanes reading different keys hit different banks
-    const int first_pos = ctx - q_len + r0;  // position of the item's first query row
+    const int first_pos = it.first_pos;
 
     // Keys this block may need: causal up to the item's last row, within this split.
     const int key_end_item = first_pos + rows_here;
@@ -121,7 +114,7 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
     const unsigned long long split_base = ((unsigned long long)item * num_kv_heads + kvh) * splits;
     const unsigned long long part_base = split_base + split;
     unsigned int* counter = split_counters + item * num_kv_heads + kvh;
-    const unsigned long long out_row = (unsigned long long)(q_start + r0);
+    const unsigned long long out_row = (unsigned long long)it.row;
 
     if (k_begin >= k_end) {
         // Nothing for this split (only when splits > 1): mark it empty for the merge.
@@ -143,7 +136,7 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
         const int d = i % head_dim;
         const int r = p / group;
         const int h = kvh * group + p % group;
-        q_s[i] = q[(unsigned long long)(q_start + r0 + r) * q_width + h * head_dim + d];
+        q_s[i] = q[(out_row + r) * q_width + h * head_dim + d];
     }
 
     float m[PAIRS_PER_WARP];
@@ -231,7 +224,7 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
         if (splits == 1) {
             const float inv = 1.0f / l[pp];
             const unsigned long long o =
-                (unsigned long long)(q_start + r0 + r) * q_width + h * head_dim;
+                (out_row + r) * q_width + h * head_dim;
             #pragma unroll
             for (int i = 0; i < DIMS_PER_LANE; ++i) {
                 const int d = lane + i * WARP;

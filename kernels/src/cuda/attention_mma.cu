@@ -40,16 +40,13 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
     const int t = lane & 3;
     const int group = num_heads / num_kv_heads;
 
-    const int seq = items[2 * item];
-    const int r0 = items[2 * item + 1];
-    const int q_start = seqs[4 * seq];
-    const int q_len = seqs[4 * seq + 1];
-    const int ctx = seqs[4 * seq + 2];
-    const unsigned int* table = block_tables + seqs[4 * seq + 3];
-    const int rows_here = min(rows_per_item, q_len - r0);
+    const AttnItem it = attn_item(items, seqs, block_tables, item, rows_per_item);
+    const unsigned int* table = it.table;
+    const int rows_here = it.rows;
     const int pairs = rows_here * group;
     const int q_width = num_heads * head_dim;
-    const int first_pos = ctx - q_len + r0;
+    const int first_pos = it.first_pos;
+    const unsigned long long row0 = (unsigned long long)it.row;
     const int key_end = first_pos + rows_here;  // keys any row of the item may see
     const int k_steps = head_dim / 16;          // of S = Q Kᵀ
     const int dim_tiles = head_dim / 8;         // of O += P V
@@ -66,9 +63,9 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
 
     // The warp's queries as A fragments: row p's head is kvh * group + p % group.
     unsigned qa[MMA_MAX_DIM / 16][4];
-    const float* q_lo = q + (unsigned long long)(q_start + r0 + p_lo / group) * q_width +
+    const float* q_lo = q + (row0 + p_lo / group) * q_width +
                         (kvh * group + p_lo % group) * head_dim;
-    const float* q_hi = q + (unsigned long long)(q_start + r0 + p_hi / group) * q_width +
+    const float* q_hi = q + (row0 + p_hi / group) * q_width +
                         (kvh * group + p_hi % group) * head_dim;
     #pragma unroll
     for (int ks = 0; ks < MMA_MAX_DIM / 16; ++ks) {
@@ -210,9 +207,9 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
     l_lo += __shfl_xor_sync(FULL_MASK, l_lo, 2);
     l_hi += __shfl_xor_sync(FULL_MASK, l_hi, 1);
     l_hi += __shfl_xor_sync(FULL_MASK, l_hi, 2);
-    const unsigned long long at_lo = (unsigned long long)(q_start + r0 + p_lo / group) * q_width +
+    const unsigned long long at_lo = (row0 + p_lo / group) * q_width +
                                      (kvh * group + p_lo % group) * head_dim;
-    const unsigned long long at_hi = (unsigned long long)(q_start + r0 + p_hi / group) * q_width +
+    const unsigned long long at_hi = (row0 + p_hi / group) * q_width +
                                      (kvh * group + p_hi % group) * head_dim;
     const float inv_lo = 1.0f / l_lo;
     const float inv_hi = 1.0f / l_hi;

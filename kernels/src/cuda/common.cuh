@@ -188,3 +188,28 @@ __device__ __forceinline__ void load_kv4(const void* cache, int dtype, unsigned 
         v[e] = dtype == DTYPE_BF16 ? bf16_to_f32(x) : f16_to_f32(x);
     }
 }
+
+// One attention work item, decoded from the launch metadata both attention kernels read
+// (int32): items[2 * i] = sequence, items[2 * i + 1] = first query row of the item within its
+// sequence; seqs[4 * s ..] = q_start (batch row of the sequence's first new token), q_len,
+// context_len, offset of its block table in `block_tables`.
+struct AttnItem {
+    int row;                    // batch row of the item's first query row
+    int rows;                   // its query rows, at most rows_per_item
+    int first_pos;              // position of its first row; its rows see keys < first_pos + rows
+    const unsigned int* table;  // its sequence's block table
+};
+
+__device__ __forceinline__ AttnItem attn_item(const int* items, const int* seqs,
+                                              const unsigned int* block_tables, int item,
+                                              int rows_per_item) {
+    const int seq = items[2 * item];
+    const int r0 = items[2 * item + 1];
+    const int q_len = seqs[4 * seq + 1];
+    AttnItem it;
+    it.row = seqs[4 * seq] + r0;
+    it.rows = min(rows_per_item, q_len - r0);
+    it.first_pos = seqs[4 * seq + 2] - q_len + r0;
+    it.table = block_tables + seqs[4 * seq + 3];
+    return it;
+}
