@@ -1,8 +1,8 @@
 //! Paged attention launches of the CUDA backend: the launch plan of a step's attention
 //! metadata (uploaded once per step), then either the f32 `paged_attention` kernel (split-K
 //! merged inside it), writing f32 rows or the o_proj GEMM's 16-bit input (`attention.cu`),
-//! or, for the prefill of 16-bit models, the tensor-core
-//! `attention_mma` kernel (`attention_mma.cu`). The choice and the plan are [`super::plan`].
+//! or, for the prefill of 16-bit models, the tensor-core `attention_mma` kernel
+//! (`attention_mma.cu`). The choice and the plan are [`super::plan`].
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use pd_engine::backend::AttentionMeta;
