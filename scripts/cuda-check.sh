@@ -120,6 +120,8 @@ refused "this machine has 1 CUDA device(s)" \
     emu target/debug/pdctl run --device cuda:1 --prompt hi --model synthetic:tiny
 refused "raise --gpu-memory-utilization or use a smaller model" \
     emu env PD_CUDA_EMU_MEMORY_MIB=1024 target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
+refused "PD_CUDA_ATTENTION=tensor: expected auto" \
+    emu env PD_CUDA_ATTENTION=tensor target/debug/pdctl run --device cuda --prompt hi --model synthetic:tiny
 refused "--kv-cache-dtype bf16 needs --device cuda" \
     target/debug/pdctl run --kv-cache-dtype bf16 --prompt hi --model synthetic:tiny
 refused "--kv-cache-dtype f16 needs --device cuda" \

@@ -61,4 +61,6 @@ pub enum CudaError {
     },
     #[error("the CUDA backend does not support {0}")]
     Unsupported(String),
+    #[error("PD_CUDA_ATTENTION={0}: expected auto (tensor cores for prefill) or f32")]
+    BadAttentionSetting(String),
 }

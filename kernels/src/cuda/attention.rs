@@ -99,7 +99,7 @@ impl CudaBackend {
                 (staged.launch, staged.items, staged.seqs, staged.tables),
             ),
             None => {
-                let kernel = plan::choose(meta, out16 != 0);
+                let kernel = plan::choose(meta, out16 != 0 && self.tensor_core_attention);
                 (kernel, self.attention_plan(meta, kernel))
             }
         };

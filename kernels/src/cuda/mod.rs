@@ -67,6 +67,10 @@ pub struct CudaBackend {
     weight_bytes: AtomicUsize,
     /// Step metadata uploaded once per step rather than once per layer.
     uploads: Mutex<Uploads>,
+    /// Whether prefill of 16-bit models may run attention on the tensor cores
+    /// (`PD_CUDA_ATTENTION=auto`, the default) or always runs the f32 kernel (`f32`): a
+    /// switch to tell a tensor-core defect from any other on a new GPU.
+    tensor_core_attention: bool,
     /// One arrival counter per (item, KV head) block of a split-K attention launch: the
     /// last split to arrive merges them (`attention.cu`) and resets its counter to 0.
     split_counters: CudaSlice<u32>,
@@ -118,6 +122,12 @@ impl CudaBackend {
         if !(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0) {
             return Err(CudaError::BadMemoryUtilization(gpu_memory_utilization));
         }
+        let tensor_core_attention = match std::env::var("PD_CUDA_ATTENTION") {
+            Err(_) => true,
+            Ok(v) if v == "auto" => true,
+            Ok(v) if v == "f32" => false,
+            Ok(v) => return Err(CudaError::BadAttentionSetting(v)),
+        };
         let dev = Device::open(ordinal)?;
         tracing::info!(
             device = %format!("cuda:{ordinal}"),
@@ -137,6 +147,7 @@ impl CudaBackend {
         Ok(Self {
             dev,
             split_counters,
+            tensor_core_attention,
             gpu_memory_utilization,
             kv_dtype: None,
             matrix_dtype: OnceLock::new(),
