@@ -7,10 +7,13 @@
 #                                       (a) the conformance suite CUDA vs CPU (tiny model,
 #                                       long-context split-K, a batch, the qwen3-0.6b shape,
 #                                       device sampling vs the CPU's tokens, decode through
-#                                       CUDA graphs vs eager decode),
+#                                       CUDA graphs vs eager decode, attention alone over head
+#                                       shapes and KV types), once more with
+#                                       PD_CUDA_ATTENTION=f32 if it failed,
 #                                       (b) the benchmark (copy and GEMM ceilings, decode at
 #                                       batch 1/8/64 eagerly and with CUDA graphs, prefill of
-#                                       2,048 and 8,192 tokens) on synthetic:qwen3-0.6b and
+#                                       2,048 and 8,192 tokens, one layer's prefill attention
+#                                       on each kernel) on synthetic:qwen3-0.6b and
 #                                       synthetic:qwen3-8b.
 #                                       Logs and gpu_bench.json go to OUT_DIR; the table is
 #                                       printed last.
@@ -53,6 +56,14 @@ run)
     set +e
     PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
     conformance=${PIPESTATUS[0]}
+    if [ "$conformance" -ne 0 ]; then
+        # Tell a tensor-core attention defect from any other: the same suite on the f32
+        # attention kernel only (docs/cuda.md, PD_CUDA_ATTENTION).
+        echo "== (a') conformance again with PD_CUDA_ATTENTION=f32"
+        PD_CUDA_ATTENTION=f32 PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+            2>&1 | tee "$out/conformance-f32-attention.log"
+        echo "conformance with f32 attention only: exit ${PIPESTATUS[0]}"
+    fi
     echo "== (b) benchmark"
     "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
     bench=${PIPESTATUS[0]}
