@@ -10,7 +10,8 @@
 # 4. run the CUDA backend itself on pd-cuda-emu (kernels/emu/: the kernel sources compiled as
 #    C++ for the CPU behind a stand-in libcuda / libcublas, with the real NVRTC): the GPU
 #    conformance suite against the CPU backend, once more with the threads of each block
-#    scheduled in reverse (a missing __syncthreads changes the result), and the GPU
+#    and the blocks scheduled in reverse (a missing __syncthreads changes the result; another
+#    split-K split does the merge), and the GPU
 #    benchmark at smoke sizes, so that scripts/gpu-check.sh has run end to end before a GPU
 #    host runs it; the start-up refusals (old device, missing device, too little memory,
 #    a 16-bit KV cache on the CPU);
@@ -93,7 +94,7 @@ emu() {
 }
 echo "-- conformance, CUDA (emulated) vs CPU"
 emu "$conformance" --test-threads=1
-echo "-- conformance on the tiny model, each block's threads scheduled in reverse"
+echo "-- conformance on the tiny model, each block's threads and the blocks scheduled in reverse"
 emu env PD_CUDA_EMU_SCHEDULE=reverse "$conformance" --test-threads=1 tiny
 echo "-- gpu_bench at smoke sizes (the figures mean nothing here: it runs the code path)"
 bench_out="$(mktemp -d)"

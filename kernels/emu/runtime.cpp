@@ -385,10 +385,14 @@ void run_grid(const char* kernel, const LaunchShape& shape, const std::function<
     // write up to 4 KiB past the launch's size shows in the bytes after it.
     const size_t watched = std::min<size_t>(shape.shared_bytes + 4096, sizeof(smem));
     auto* bytes = reinterpret_cast<unsigned char*>(smem);
-    for (unsigned z = 0; z < shape.grid.z; ++z) {
-        for (unsigned y = 0; y < shape.grid.y; ++y) {
-            for (unsigned x = 0; x < shape.grid.x; ++x) {
-                t_block_idx = dim3{x, y, z};
+    // In reverse order the blocks run last to first as well, so work that one block of a
+    // launch hands to another (the split-K merge: whichever split arrives last) is done by
+    // a different block than in the forward order.
+    auto at = [&](unsigned i, unsigned n) { return reverse ? n - 1 - i : i; };
+    for (unsigned zi = 0; zi < shape.grid.z; ++zi) {
+        for (unsigned yi = 0; yi < shape.grid.y; ++yi) {
+            for (unsigned xi = 0; xi < shape.grid.x; ++xi) {
+                t_block_idx = dim3{at(xi, shape.grid.x), at(yi, shape.grid.y), at(zi, shape.grid.z)};
                 std::memset(bytes, 0xff, watched);
                 run_block(threads);
                 for (size_t i = shape.shared_bytes; i < watched; ++i) {
