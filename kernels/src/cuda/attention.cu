@@ -150,33 +150,18 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
         for (int i = 0; i < DIMS_PER_LANE; ++i) acc[pp][i] = 0.0f;
     }
 
-    // Tile loads: each loading thread owns 4 dimensions of every `row_step`-th key of the
-    // tile (one 16-byte load of K and of V), the slot found with shifts (block sizes are
-    // powers of two).
-    const int quads = head_dim / 4;
-    const int row_step = blockDim.x / quads;
-    const bool loader = (int)threadIdx.x < row_step * quads;  // all unless head_dim is 96
-    const int d4 = 4 * (threadIdx.x % quads);
-    const int block_shift = __ffs(block_size) - 1;
+    const KvQuads lq = kv_quads(head_dim, block_size);  // tile loads, 4 dimensions a thread
 
     for (int t0 = k_begin; t0 < k_end; t0 += TILE_KEYS) {
         __syncthreads();  // q_s written / the previous tile fully consumed
-        for (int j = threadIdx.x / quads; loader && j < TILE_KEYS; j += row_step) {
-            const int t = t0 + j;
-            float kv_k[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float kv_v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (t < k_end) {
-                const unsigned long long slot =
-                    ((unsigned long long)table[t >> block_shift] << block_shift) +
-                    (t & (block_size - 1));
-                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
-                load_kv4(kcache, kv_dtype, at, kv_k);
-                load_kv4(vcache, kv_dtype, at, kv_v);
-            }
+        for (int j = threadIdx.x / (head_dim / 4); lq.loader && j < TILE_KEYS; j += lq.row_step) {
+            float kv_k[4], kv_v[4];
+            load_kv_quad(lq, kcache, vcache, kv_dtype, table, t0 + j, k_end, num_kv_heads, kvh,
+                         head_dim, kv_k, kv_v);
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                k_s[j * stride + d4 + e] = kv_k[e];
-                v_s[j * stride + d4 + e] = kv_v[e];
+                k_s[j * stride + lq.d4 + e] = kv_k[e];
+                v_s[j * stride + lq.d4 + e] = kv_v[e];
             }
         }
         __syncthreads();

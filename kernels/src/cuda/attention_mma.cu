@@ -88,31 +88,18 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
     float m_lo = -INFINITY, m_hi = -INFINITY;
     float l_lo = 0.0f, l_hi = 0.0f;
 
-    // Tile loads: each loading thread owns 4 dimensions of every `row_step`-th key of the
-    // tile (one 16-byte load of K and of V, one 8-byte store of each), so the per-key slot
-    // arithmetic is done once per 4 values, with shifts (block sizes are powers of two).
-    const int quads = head_dim / 4;
-    const int row_step = blockDim.x / quads;
-    const bool loader = (int)threadIdx.x < row_step * quads;  // all of them unless head_dim is 96
-    const int d4 = 4 * (threadIdx.x % quads);
-    const int block_shift = __ffs(block_size) - 1;
+    // Tile loads (kv_quads): one 8-byte store of 4 f16 values of K and of V per key.
+    const KvQuads lq = kv_quads(head_dim, block_size);
 
     for (int t0 = 0; t0 < key_end; t0 += MMA_TILE) {
         __syncthreads();  // the previous tile fully consumed
-        for (int j = threadIdx.x / quads; loader && j < MMA_TILE; j += row_step) {
-            const int key = t0 + j;
-            float kk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float vv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (key < key_end) {
-                const unsigned long long slot =
-                    ((unsigned long long)table[key >> block_shift] << block_shift) +
-                    (key & (block_size - 1));
-                const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + d4;
-                load_kv4(kcache, kv_dtype, at, kk);
-                load_kv4(vcache, kv_dtype, at, vv);
-            }
-            store_pairs(k_s + j * stride + d4, pack_f16(kk[0], kk[1]), pack_f16(kk[2], kk[3]));
-            store_pairs(v_s + j * stride + d4, pack_f16(vv[0], vv[1]), pack_f16(vv[2], vv[3]));
+        for (int j = threadIdx.x / (head_dim / 4); lq.loader && j < MMA_TILE; j += lq.row_step) {
+            float kk[4], vv[4];
+            load_kv_quad(lq, kcache, vcache, kv_dtype, table, t0 + j, key_end, num_kv_heads, kvh,
+                         head_dim, kk, vv);
+            const int at = j * stride + lq.d4;
+            store_pairs(k_s + at, pack_f16(kk[0], kk[1]), pack_f16(kk[2], kk[3]));
+            store_pairs(v_s + at, pack_f16(vv[0], vv[1]), pack_f16(vv[2], vv[3]));
         }
         __syncthreads();
         if (!warp_busy || t0 > warp_last_pos) continue;  // warp-uniform: nothing visible

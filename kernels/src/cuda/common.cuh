@@ -213,3 +213,44 @@ __device__ __forceinline__ AttnItem attn_item(const int* items, const int* seqs,
     it.table = block_tables + seqs[4 * seq + 3];
     return it;
 }
+
+// How a block loads K/V tiles: each loading thread owns 4 dimensions (`d4` ..) of every
+// `row_step`-th key of a tile, one 16-byte load of K and of V (8 bytes for 16-bit storage),
+// the key's slot found with shifts (KV block sizes are powers of two). All threads load
+// unless head_dim is 96 (then blockDim.x is no multiple of the quads per key).
+struct KvQuads {
+    int row_step;
+    int d4;
+    bool loader;
+    int block_shift;
+};
+
+__device__ __forceinline__ KvQuads kv_quads(int head_dim, int block_size) {
+    const int quads = head_dim / 4;
+    KvQuads q;
+    q.row_step = blockDim.x / quads;
+    q.d4 = 4 * (threadIdx.x % quads);
+    q.loader = (int)threadIdx.x < q.row_step * quads;
+    q.block_shift = __ffs(block_size) - 1;
+    return q;
+}
+
+// This thread's 4 dimensions of K and of V at position `key` of the sequence whose block
+// table is `table` (KV head `kvh`), as f32; zeros when `key` is not below `end`.
+__device__ __forceinline__ void load_kv_quad(const KvQuads& lq, const void* kcache,
+                                             const void* vcache, int kv_dtype,
+                                             const unsigned int* table, int key, int end,
+                                             int num_kv_heads, int kvh, int head_dim,
+                                             float* k, float* v) {
+    if (key >= end) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) k[e] = v[e] = 0.0f;
+        return;
+    }
+    const int mask = (1 << lq.block_shift) - 1;
+    const unsigned long long slot =
+        ((unsigned long long)table[key >> lq.block_shift] << lq.block_shift) + (key & mask);
+    const unsigned long long at = (slot * num_kv_heads + kvh) * head_dim + lq.d4;
+    load_kv4(kcache, kv_dtype, at, k);
+    load_kv4(vcache, kv_dtype, at, v);
+}
