@@ -29,17 +29,6 @@ __device__ __forceinline__ float load_cg(const float* p) {
 #endif
 }
 
-// One output element: f32 in `out`, or, when `out16` is given, the o_proj GEMM's 16-bit input
-// (rounded as cast_bf16 / cast_f16 would round the f32 value).
-__device__ __forceinline__ void store_out(float* out, unsigned short* out16, int out_dtype,
-                                          unsigned long long at, float v) {
-    if (out16 != nullptr) {
-        out16[at] = to_16(v, out_dtype);
-    } else {
-        out[at] = v;
-    }
-}
-
 // Split-K: count this split of (item, KV head) done; the last one to finish merges every
 // split, out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), and re-arms the counter for the
 // next launch (graph replays included). Empty splits (l = 0) are skipped rather than
@@ -88,8 +77,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP)
 paged_attention(const float* q, const void* kcache, const void* vcache, int kv_dtype,
                 const unsigned int* block_tables, const int* items, const int* seqs,
                 float* out, unsigned short* out16, int out_dtype, float* part_acc,
-                float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                int rows_per_item, int keys_per_split, float scale) {
+                float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads,
+                int head_dim, int block_size, int rows_per_item, int keys_per_split,
+                float scale) {
     extern __shared__ float smem[];
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;

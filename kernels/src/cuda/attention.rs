@@ -103,17 +103,6 @@ impl CudaBackend {
                 (kernel, self.attention_plan(meta, kernel))
             }
         };
-        if kernel == AttentionKernel::TensorCores {
-            return self.attend_mma(
-                q,
-                kv,
-                layer,
-                meta,
-                p,
-                [items_ptr, seqs_ptr, tables_ptr],
-                (out16, out_code),
-            );
-        }
         let items = p.items;
         assert!(
             p.splits == 1 || items * meta.num_kv_heads <= self.split_counters.len(),
@@ -137,10 +126,12 @@ impl CudaBackend {
         let kv_code = dtype_code(kv.dtype);
         let rows_per_item = p.rows_per_item as i32;
         let keys_per_split = p.keys_per_split as i32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.paged_attention);
+        // Both kernels take the same parameters (attention_mma ignores the split-K ones).
+        let (function, name) = match kernel {
+            AttentionKernel::CudaCores => (&self.dev.kernels.paged_attention, "paged_attention"),
+            AttentionKernel::TensorCores => (&self.dev.kernels.attention_mma, "attention_mma"),
+        };
+        let mut b = self.dev.stream.launch_builder(function);
         b.arg(q.dense())
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
@@ -166,54 +157,6 @@ impl CudaBackend {
             block_dim: (plan::THREADS, 1, 1),
             shared_mem_bytes: AttentionPlan::shared_bytes(kernel, meta.head_dim) as u32,
         };
-        self.launch("paged_attention", b, cfg);
-    }
-
-    /// The tensor-core launch of [`Self::attend`]: `attention_mma` into the 16-bit `out16`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_mma(
-        &self,
-        q: &CudaTensor,
-        kv: &CudaKvStorage,
-        layer: usize,
-        meta: &AttentionMeta,
-        p: Launch,
-        [items_ptr, seqs_ptr, tables_ptr]: [u64; 3],
-        (out16, out_code): (u64, i32),
-    ) {
-        let heads = meta.num_heads as i32;
-        let kv_heads = meta.num_kv_heads as i32;
-        let hd = meta.head_dim as i32;
-        let bs = kv.layout.block_size as i32;
-        let kv_code = dtype_code(kv.dtype);
-        let rows_per_item = p.rows_per_item as i32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.attention_mma);
-        b.arg(q.dense())
-            .arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(&kv_code)
-            .arg(&tables_ptr)
-            .arg(&items_ptr)
-            .arg(&seqs_ptr)
-            .arg(&out16)
-            .arg(&out_code)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&hd)
-            .arg(&bs)
-            .arg(&rows_per_item)
-            .arg(&meta.scale);
-        let cfg = LaunchConfig {
-            grid_dim: (p.items as u32, meta.num_kv_heads as u32, 1),
-            block_dim: (plan::THREADS, 1, 1),
-            shared_mem_bytes: AttentionPlan::shared_bytes(
-                AttentionKernel::TensorCores,
-                meta.head_dim,
-            ) as u32,
-        };
-        self.launch("attention_mma", b, cfg);
+        self.launch(name, b, cfg);
     }
 }

@@ -9,7 +9,9 @@
 //   (saturating) on the way in. Per tile a warp computes S = Q Kᵀ (f32 accumulators), masks
 //   it causally, updates the online softmax of its rows in f32, and adds P V with P rounded
 //   to f16 straight from the S accumulators (their layout is the A fragment's).
-// - The output goes to the o_proj GEMM's 16-bit input, normalised at the end.
+// - The output (f32 rows, or the o_proj GEMM's 16-bit input) is normalised at the end.
+// The parameters are paged_attention's, so one launch serves both kernels; the split-K ones
+// (part_acc, part_ml, split_counters, keys_per_split) are unused here.
 // f16 rather than bf16 operands: 3 more mantissa bits at the same speed; scores and the
 // softmax stay f32. The lane layouts are the PTX ISA's for mma.m16n8k16 (see common.cuh):
 // lane = 4 * g + t holds rows g and g + 8 and columns 2t, 2t + 1 (+ 8) of each fragment.
@@ -24,9 +26,10 @@
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * WARP, 1)
 attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dtype,
-              const unsigned int* block_tables, const int* items, const int* seqs,
-              unsigned short* out16, int out_dtype, int num_heads, int num_kv_heads,
-              int head_dim, int block_size, int rows_per_item, float scale) {
+              const unsigned int* block_tables, const int* items, const int* seqs, float* out,
+              unsigned short* out16, int out_dtype, float* part_acc, float* part_ml,
+              unsigned int* split_counters, int num_heads, int num_kv_heads, int head_dim,
+              int block_size, int rows_per_item, int keys_per_split, float scale) {
     extern __shared__ float smem[];
     const int stride = head_dim + MMA_PAD;
     unsigned short* k_s = (unsigned short*)smem;  // [MMA_TILE][stride], key-major
@@ -205,12 +208,12 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
         if (dt >= dim_tiles) break;
         const int d = dt * 8 + 2 * t;
         if (p_lo < pairs) {
-            out16[at_lo + d] = to_16(o[dt][0] * inv_lo, out_dtype);
-            out16[at_lo + d + 1] = to_16(o[dt][1] * inv_lo, out_dtype);
+            store_out(out, out16, out_dtype, at_lo + d, o[dt][0] * inv_lo);
+            store_out(out, out16, out_dtype, at_lo + d + 1, o[dt][1] * inv_lo);
         }
         if (p_hi < pairs) {
-            out16[at_hi + d] = to_16(o[dt][2] * inv_hi, out_dtype);
-            out16[at_hi + d + 1] = to_16(o[dt][3] * inv_hi, out_dtype);
+            store_out(out, out16, out_dtype, at_hi + d, o[dt][2] * inv_hi);
+            store_out(out, out16, out_dtype, at_hi + d + 1, o[dt][3] * inv_hi);
         }
     }
 }

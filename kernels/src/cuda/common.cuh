@@ -254,3 +254,14 @@ __device__ __forceinline__ void load_kv_quad(const KvQuads& lq, const void* kcac
     load_kv4(kcache, kv_dtype, at, k);
     load_kv4(vcache, kv_dtype, at, v);
 }
+
+// One attention output element: f32 in `out`, or, when `out16` is given, the o_proj GEMM's
+// 16-bit input (rounded as cast_bf16 / cast_f16 would round the f32 value).
+__device__ __forceinline__ void store_out(float* out, unsigned short* out16, int out_dtype,
+                                          unsigned long long at, float v) {
+    if (out16 != nullptr) {
+        out16[at] = to_16(v, out_dtype);
+    } else {
+        out[at] = v;
+    }
+}

@@ -32,7 +32,7 @@ extern "C" __global__ void pack_block(const unsigned long long* bases, int kv_dt
     const unsigned long long at = (unsigned long long)block * n;
     float* dst = staging + ((unsigned long long)2 * layer + which) * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        dst[i] = load_weight(src, kv_dtype, at + i);
+        dst[i] = load_weight(src, kv_dtype, at + i);  // decodes any stored dtype, KV too
     }
 }
 
