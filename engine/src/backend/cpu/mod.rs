@@ -2,7 +2,7 @@
 //! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`].
 //! It is the reference every other backend is compared against.
 
-mod attention;
+pub mod attention;
 pub mod convert;
 pub mod kv_arena;
 pub mod linear;

@@ -25,23 +25,38 @@ pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
     let mut m = 0;
     // SAFETY: rows m..m+R of `q` and of `s` are in bounds (asserted above, m + R <= queries).
     unsafe {
-        while m + ROW_BLOCK <= queries {
-            score_block::<ROW_BLOCK>(
-                q.as_ptr().add(m * hd),
-                hd,
-                keys,
-                s.as_mut_ptr().add(m * KEY_TILE),
-            );
-            m += ROW_BLOCK;
-        }
         while m < queries {
-            score_block::<1>(
-                q.as_ptr().add(m * hd),
-                hd,
-                keys,
-                s.as_mut_ptr().add(m * KEY_TILE),
-            );
-            m += 1;
+            // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
+            let r = match queries - m {
+                1 => {
+                    score_block::<1>(
+                        q.as_ptr().add(m * hd),
+                        hd,
+                        keys,
+                        s.as_mut_ptr().add(m * KEY_TILE),
+                    );
+                    1
+                }
+                2 | 3 => {
+                    score_block::<2>(
+                        q.as_ptr().add(m * hd),
+                        hd,
+                        keys,
+                        s.as_mut_ptr().add(m * KEY_TILE),
+                    );
+                    2
+                }
+                _ => {
+                    score_block::<ROW_BLOCK>(
+                        q.as_ptr().add(m * hd),
+                        hd,
+                        keys,
+                        s.as_mut_ptr().add(m * KEY_TILE),
+                    );
+                    ROW_BLOCK
+                }
+            };
+            m += r;
         }
     }
 }
@@ -211,23 +226,38 @@ pub(super) unsafe fn weighted_values(
     let mut m = 0;
     // SAFETY: rows m..m+R of `p` and `o` are in bounds (asserted above, m + R <= queries).
     unsafe {
-        while m + ROW_BLOCK <= queries {
-            value_block::<ROW_BLOCK>(
-                p.as_ptr().add(m * KEY_TILE),
-                values,
-                hd,
-                o.as_mut_ptr().add(m * hd),
-            );
-            m += ROW_BLOCK;
-        }
         while m < queries {
-            value_block::<1>(
-                p.as_ptr().add(m * KEY_TILE),
-                values,
-                hd,
-                o.as_mut_ptr().add(m * hd),
-            );
-            m += 1;
+            // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
+            let r = match queries - m {
+                1 => {
+                    value_block::<1>(
+                        p.as_ptr().add(m * KEY_TILE),
+                        values,
+                        hd,
+                        o.as_mut_ptr().add(m * hd),
+                    );
+                    1
+                }
+                2 | 3 => {
+                    value_block::<2>(
+                        p.as_ptr().add(m * KEY_TILE),
+                        values,
+                        hd,
+                        o.as_mut_ptr().add(m * hd),
+                    );
+                    2
+                }
+                _ => {
+                    value_block::<ROW_BLOCK>(
+                        p.as_ptr().add(m * KEY_TILE),
+                        values,
+                        hd,
+                        o.as_mut_ptr().add(m * hd),
+                    );
+                    ROW_BLOCK
+                }
+            };
+            m += r;
         }
     }
 }

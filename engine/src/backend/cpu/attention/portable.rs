@@ -18,13 +18,23 @@ fn fma(a: f32, b: f32, c: f32) -> f32 {
 /// over [`ROW_BLOCK`] query vectors × 2 keys.
 pub(super) fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &mut [f32]) {
     let mut m = 0;
-    while m + ROW_BLOCK <= queries {
-        score_block::<ROW_BLOCK>(q, hd, m, keys, s);
-        m += ROW_BLOCK;
-    }
     while m < queries {
-        score_block::<1>(q, hd, m, keys, s);
-        m += 1;
+        // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
+        let r = match queries - m {
+            1 => {
+                score_block::<1>(q, hd, m, keys, s);
+                1
+            }
+            2 | 3 => {
+                score_block::<2>(q, hd, m, keys, s);
+                2
+            }
+            _ => {
+                score_block::<ROW_BLOCK>(q, hd, m, keys, s);
+                ROW_BLOCK
+            }
+        };
+        m += r;
     }
 }
 
@@ -128,13 +138,23 @@ pub(super) fn weighted_values(
     o: &mut [f32],
 ) {
     let mut m = 0;
-    while m + ROW_BLOCK <= queries {
-        value_block::<ROW_BLOCK>(p, values, hd, m, o);
-        m += ROW_BLOCK;
-    }
     while m < queries {
-        value_block::<1>(p, values, hd, m, o);
-        m += 1;
+        // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
+        let r = match queries - m {
+            1 => {
+                value_block::<1>(p, values, hd, m, o);
+                1
+            }
+            2 | 3 => {
+                value_block::<2>(p, values, hd, m, o);
+                2
+            }
+            _ => {
+                value_block::<ROW_BLOCK>(p, values, hd, m, o);
+                ROW_BLOCK
+            }
+        };
+        m += r;
     }
 }
 

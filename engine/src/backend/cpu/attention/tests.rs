@@ -299,3 +299,33 @@ fn exp2_is_within_two_ulp_of_the_standard_library() {
         check("avx2", &got, &xs);
     }
 }
+
+/// Decode steps over long contexts are split into chunks of the context whose partial
+/// results are merged: one of four rows (as in speculative decoding) whose last chunk holds
+/// keys only the later rows see, and a single row over a thousand tokens.
+#[test]
+fn long_decodes_split_over_the_context_match_the_reference() {
+    let (heads, kv_heads, hd) = (16, 8, 128);
+    let width = kv_heads * hd;
+    let seqs: Vec<Seq> = [(386, 4), (1000, 1)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(ctx, q_len))| Seq {
+            ctx,
+            q_len,
+            k: values(ctx * width, 40 + i as u64),
+            v: values(ctx * width, 50 + i as u64),
+            q: values(q_len * heads * hd, 60 + i as u64)
+                .iter()
+                .map(|x| x * 4.0)
+                .collect(),
+        })
+        .collect();
+    let (_, _, meta) = batch(&seqs, heads, kv_heads, hd, 16);
+    let p = plan::plan(&meta, 16, 2);
+    assert_eq!(p.splits.len(), 2, "both sequences are split");
+    for isa in Isa::all_available() {
+        let err = batch_error(isa, &seqs, heads, kv_heads, hd, 16);
+        assert!(err <= 1e-5, "{isa:?}: error {err}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Throughput of the CPU backend's paged attention (`cargo bench -p pd-engine --bench
+//! attention`), one layer at a time with Qwen3's head shapes (head_dim 128, 8 KV heads;
+//! 16 query heads for 0.6B, 32 for 8B), KV blocks of 16 tokens scattered over the cache.
+//!
+//! Every timed pass is paired with a baseline run right after it and the median of the
+//! per-pair ratios is what to read (the machines are shared and noisy):
+//! - prefill (one causal prompt of 512 or 2,048 tokens): GFLOP/s (4 · head_dim FLOP per
+//!   query head and visible key) against an f32 FMA-peak loop;
+//! - decode (one new token per sequence over a long context): GB/s of K and V read, cycling
+//!   through enough layers (≥ 256 MiB) that they come from memory as in a forward pass,
+//!   against a plain read of as many bytes.
+//!
+//! Arguments not starting with `-` filter the cases by substring (e.g. `prefill`, `0.6b`).
+//! `PD_CPU_SIMD=scalar` measures the portable kernel instead of the best one the CPU has;
+//! `PD_BENCH_LAYERS=1` keeps a decode case's K/V in cache (compute alone, not memory).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+mod baseline;
+
+use baseline::{READ_STREAMS, fma_peak, median, read_bandwidth, read_pass};
+use pd_engine::backend::cpu::attention::paged_attention;
+use pd_engine::backend::cpu::{CpuKvStorage, CpuLayerKv, CpuTensor, KvArena};
+use pd_engine::backend::{AttentionMeta, SeqAttention};
+use pd_engine::kv::KvLayout;
+
+/// Decode layers are cycled through at least this many bytes of K and V.
+const COLD_BYTES: usize = 256 << 20;
+const BASELINE_BYTES: usize = 512 << 20;
+/// Each case runs at least this long (after one warm-up pass).
+const MIN_TIME: Duration = Duration::from_millis(700);
+const HEAD_DIM: usize = 128;
+const KV_HEADS: usize = 8;
+const BLOCK: usize = 16;
+
+/// (label, query heads) of the two Qwen3 shapes measured.
+const MODELS: [(&str, usize); 2] = [("0.6b", 16), ("8b", 32)];
+
+/// Values in [-1, 1) from a xorshift stream.
+fn fill(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// `layers` layers of KV for `seqs` sequences of `ctx` tokens each, every sequence's blocks
+/// taken backwards from the end of the pool so block ids and positions never line up.
+fn cache(layers: usize, seqs: usize, ctx: usize) -> (CpuKvStorage, Vec<Vec<u32>>) {
+    let blocks_per_seq = ctx.div_ceil(BLOCK);
+    let num_blocks = seqs * blocks_per_seq;
+    let layout = KvLayout {
+        num_layers: layers,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        block_size: BLOCK,
+    };
+    let len = num_blocks * BLOCK * layout.token_width();
+    let layers = (0..layers)
+        .map(|l| {
+            let (mut k, mut v) = (
+                KvArena::filled(len, 0.0).unwrap(),
+                KvArena::filled(len, 0.0).unwrap(),
+            );
+            let (kd, vd) = (fill(len, 3 + l as u64), fill(len, 5 + l as u64));
+            k.range_mut(0..len).copy_from_slice(&kd);
+            v.range_mut(0..len).copy_from_slice(&vd);
+            CpuLayerKv { k, v }
+        })
+        .collect();
+    let tables = (0..seqs)
+        .map(|s| {
+            (0..blocks_per_seq)
+                .map(|b| (num_blocks - 1 - (b * seqs + s)) as u32)
+                .collect()
+        })
+        .collect();
+    (
+        CpuKvStorage {
+            layout,
+            num_blocks,
+            layers,
+        },
+        tables,
+    )
+}
+
+/// Seconds per layer call (median and best of the passes) and the median ratio of the
+/// case's rate (`work` per second) to the baseline's, with the baseline's median.
+fn time_case(
+    kv: &CpuKvStorage,
+    q: &CpuTensor,
+    meta: &AttentionMeta,
+    work: f64,
+    baseline: &dyn Fn() -> f64,
+) -> (f64, f64, f64, f64) {
+    let layers = kv.layers.len();
+    let pass = || {
+        let t = Instant::now();
+        for l in 0..layers {
+            black_box(paged_attention(q, kv, l, meta));
+        }
+        t.elapsed().as_secs_f64() / layers as f64
+    };
+    pass();
+    let (mut times, mut bases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < MIN_TIME || times.len() < 5 {
+        let t = pass();
+        let base = baseline();
+        times.push(t);
+        bases.push(base);
+        ratios.push(work / t / 1e9 / base);
+    }
+    let best = times.iter().copied().fold(f64::MAX, f64::min);
+    (
+        median(&mut times),
+        best,
+        median(&mut bases),
+        median(&mut ratios),
+    )
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted =
+        |label: &str| filters.is_empty() || filters.iter().any(|f| label.contains(f.as_str()));
+    let threads = rayon::current_num_threads();
+    println!(
+        "attention bench: {threads} rayon threads, head_dim {HEAD_DIM}, {KV_HEADS} KV heads, blocks of {BLOCK}"
+    );
+
+    let peak = fma_peak(20_000_000, 3);
+    println!(
+        "\nprefill: GFLOP/s (median / best); f32 FMA peak measured right after each pass; median ratio (start: {peak:.0} GFLOP/s)"
+    );
+    for (model, heads) in MODELS {
+        for len in [512, 2048] {
+            let label = format!("prefill {model:<4} {len:>5} tokens");
+            if !wanted(&label) {
+                continue;
+            }
+            let (kv, tables) = cache(1, 1, len);
+            let meta = AttentionMeta {
+                seqs: vec![SeqAttention {
+                    q_start: 0,
+                    q_len: len,
+                    context_len: len,
+                    block_table: tables[0].clone(),
+                }],
+                num_heads: heads,
+                num_kv_heads: KV_HEADS,
+                head_dim: HEAD_DIM,
+                scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            };
+            let q = CpuTensor::from_vec(len, heads * HEAD_DIM, fill(len * heads * HEAD_DIM, 7));
+            let flop = 4.0 * (HEAD_DIM * heads) as f64 * (len * (len + 1) / 2) as f64;
+            let (med, best, base, ratio) =
+                time_case(&kv, &q, &meta, flop, &|| fma_peak(3_000_000, 1));
+            println!(
+                "{label} {:6.1} / {:6.1} GFLOP/s  peak {base:5.0}  {:5.1} %  ({:.2} ms/layer)",
+                flop / med / 1e9,
+                flop / best / 1e9,
+                100.0 * ratio,
+                med * 1e3
+            );
+        }
+    }
+
+    let buf: Vec<u64> = (0..BASELINE_BYTES / 8).map(|i| i as u64).collect();
+    let bw = read_bandwidth(&buf, READ_STREAMS);
+    println!(
+        "\ndecode: KV GB/s (median / best); plain read of as many bytes right after each pass; median ratio (start: {bw:.1} GB/s)"
+    );
+    for (model, heads) in MODELS {
+        for (batch, ctx) in [(1, 1024), (1, 4096), (16, 1024)] {
+            let label = format!("decode  {model:<4} batch {batch:>2} context {ctx:>5}");
+            if !wanted(&label) {
+                continue;
+            }
+            let bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 4;
+            let layers = std::env::var("PD_BENCH_LAYERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(COLD_BYTES.div_ceil(bytes).max(2));
+            let (kv, tables) = cache(layers, batch, ctx);
+            let meta = AttentionMeta {
+                seqs: (0..batch)
+                    .map(|s| SeqAttention {
+                        q_start: s,
+                        q_len: 1,
+                        context_len: ctx,
+                        block_table: tables[s].clone(),
+                    })
+                    .collect(),
+                num_heads: heads,
+                num_kv_heads: KV_HEADS,
+                head_dim: HEAD_DIM,
+                scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            };
+            let q = CpuTensor::from_vec(batch, heads * HEAD_DIM, fill(batch * heads * HEAD_DIM, 9));
+            let read = &buf[..(bytes * layers / 8).min(buf.len())];
+            let baseline = || (read.len() * 8) as f64 / read_pass(read, READ_STREAMS) / 1e9;
+            let (med, best, base, ratio) = time_case(&kv, &q, &meta, bytes as f64, &baseline);
+            println!(
+                "{label} {:6.1} / {:6.1} GB/s  read {base:5.1}  {:5.1} %  ({:.3} ms/layer)",
+                bytes as f64 / med / 1e9,
+                bytes as f64 / best / 1e9,
+                100.0 * ratio,
+                med * 1e3
+            );
+        }
+    }
+    println!(
+        "\nat the end: read bandwidth {:.1} GB/s (start {bw:.1}), FMA peak {:.0} GFLOP/s (start {peak:.0})",
+        read_bandwidth(&buf, READ_STREAMS),
+        fma_peak(20_000_000, 3)
+    );
+}
