@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 mod baseline;
 
-use baseline::{READ_STREAMS, fma_peak, median, read_bandwidth, read_pass};
+use baseline::{READ_STREAMS, Timing, case_filter, fma_peak, paired, read_bandwidth, read_pass};
 use pd_engine::backend::cpu::attention::paged_attention;
 use pd_engine::backend::cpu::{CpuKvStorage, CpuLayerKv, CpuTensor, KvArena};
 use pd_engine::backend::{AttentionMeta, SeqAttention};
@@ -91,15 +91,14 @@ fn cache(layers: usize, seqs: usize, ctx: usize) -> (CpuKvStorage, Vec<Vec<u32>>
     )
 }
 
-/// Seconds per layer call (median and best of the passes) and the median ratio of the
-/// case's rate (`work` per second) to the baseline's, with the baseline's median.
+/// One layer call per pass, cycling through the cache's layers; `work` per call.
 fn time_case(
     kv: &CpuKvStorage,
     q: &CpuTensor,
     meta: &AttentionMeta,
     work: f64,
-    baseline: &dyn Fn() -> f64,
-) -> (f64, f64, f64, f64) {
+    baseline: impl FnMut() -> f64,
+) -> Timing {
     let layers = kv.layers.len();
     let pass = || {
         let t = Instant::now();
@@ -108,32 +107,11 @@ fn time_case(
         }
         t.elapsed().as_secs_f64() / layers as f64
     };
-    pass();
-    let (mut times, mut bases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let start = Instant::now();
-    while start.elapsed() < MIN_TIME || times.len() < 5 {
-        let t = pass();
-        let base = baseline();
-        times.push(t);
-        bases.push(base);
-        ratios.push(work / t / 1e9 / base);
-    }
-    let best = times.iter().copied().fold(f64::MAX, f64::min);
-    (
-        median(&mut times),
-        best,
-        median(&mut bases),
-        median(&mut ratios),
-    )
+    paired(MIN_TIME, work, pass, baseline)
 }
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let wanted =
-        |label: &str| filters.is_empty() || filters.iter().any(|f| label.contains(f.as_str()));
+    let wanted = case_filter();
     let threads = rayon::current_num_threads();
     println!(
         "attention bench: {threads} rayon threads, head_dim {HEAD_DIM}, {KV_HEADS} KV heads, blocks of {BLOCK}"
@@ -164,8 +142,8 @@ fn main() {
             };
             let q = CpuTensor::from_vec(len, heads * HEAD_DIM, fill(len * heads * HEAD_DIM, 7));
             let flop = 4.0 * (HEAD_DIM * heads) as f64 * (len * (len + 1) / 2) as f64;
-            let (med, best, base, ratio) =
-                time_case(&kv, &q, &meta, flop, &|| fma_peak(3_000_000, 1));
+            let t = time_case(&kv, &q, &meta, flop, || fma_peak(3_000_000, 1));
+            let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
             println!(
                 "{label} {:6.1} / {:6.1} GFLOP/s  peak {base:5.0}  {:5.1} %  ({:.2} ms/layer)",
                 flop / med / 1e9,
@@ -210,7 +188,8 @@ fn main() {
             let q = CpuTensor::from_vec(batch, heads * HEAD_DIM, fill(batch * heads * HEAD_DIM, 9));
             let read = &buf[..(bytes * layers / 8).min(buf.len())];
             let baseline = || (read.len() * 8) as f64 / read_pass(read, READ_STREAMS) / 1e9;
-            let (med, best, base, ratio) = time_case(&kv, &q, &meta, bytes as f64, &baseline);
+            let t = time_case(&kv, &q, &meta, bytes as f64, baseline);
+            let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
             println!(
                 "{label} {:6.1} / {:6.1} GB/s  read {base:5.1}  {:5.1} %  ({:.3} ms/layer)",
                 bytes as f64 / med / 1e9,

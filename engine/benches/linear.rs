@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 mod baseline;
 
-use baseline::{READ_STREAMS, fma_peak, median, read_bandwidth, read_pass};
+use baseline::{READ_STREAMS, Timing, case_filter, fma_peak, paired, read_bandwidth, read_pass};
 use pd_engine::backend::cpu::WeightMatrix;
 use pd_engine::backend::cpu::linear::linear;
 use pd_engine::weights::DType;
@@ -70,22 +70,11 @@ fn random_matrix(dtype: DType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
 }
 
 /// What each timed pass is paired with: a plain-read pass over as many bytes (decode), or a
-/// short FMA-peak run (prefill). Pairing each pass with a baseline run right after it, and
-/// taking the median of the per-pair ratios, keeps the ratio meaningful on a shared machine
-/// whose load changes during the run.
+/// short FMA-peak run (prefill).
 #[derive(Clone, Copy)]
 enum Baseline<'a> {
     Read(&'a [u64]),
     Fma,
-}
-
-/// Timing of one case: seconds per call (median and best over passes through `mats`), the
-/// baseline's median (GB/s or GFLOP/s) and the median ratio of the case's rate to it.
-struct Timing {
-    median_s: f64,
-    best_s: f64,
-    baseline: f64,
-    ratio: f64,
 }
 
 fn time_calls(
@@ -101,47 +90,27 @@ fn time_calls(
     let mut out = vec![0.0f32; rows * n];
     let bytes = n * k * dtype.size_in_bytes();
     let flop = 2.0 * (rows * n * k) as f64;
-    let pass = |out: &mut [f32]| {
+    let pass = || {
         let t = Instant::now();
         for m in mats {
-            linear(&x, rows, WeightMatrix::new(dtype, n, k, m), out);
-            black_box(&mut *out);
+            linear(&x, rows, WeightMatrix::new(dtype, n, k, m), &mut out);
+            black_box(&mut out);
         }
         t.elapsed().as_secs_f64() / mats.len() as f64
     };
-    pass(&mut out);
-    let (mut times, mut bases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let start = Instant::now();
-    while start.elapsed() < MIN_TIME || times.len() < 5 {
-        let t = pass(&mut out);
-        times.push(t);
-        let (base, rate) = match baseline {
-            Baseline::Read(buf) => {
-                let b = &buf[..(bytes * mats.len() / 8).min(buf.len())];
-                let gbs = (b.len() * 8) as f64 / read_pass(b, READ_STREAMS) / 1e9;
-                (gbs, bytes as f64 / t / 1e9)
-            }
-            Baseline::Fma => (fma_peak(3_000_000, 1), flop / t / 1e9),
-        };
-        bases.push(base);
-        ratios.push(rate / base);
-    }
-    let best_s = times.iter().copied().fold(f64::MAX, f64::min);
-    Timing {
-        median_s: median(&mut times),
-        best_s,
-        baseline: median(&mut bases),
-        ratio: median(&mut ratios),
+    match baseline {
+        Baseline::Read(buf) => {
+            let b = &buf[..(bytes * mats.len() / 8).min(buf.len())];
+            paired(MIN_TIME, bytes as f64, pass, || {
+                (b.len() * 8) as f64 / read_pass(b, READ_STREAMS) / 1e9
+            })
+        }
+        Baseline::Fma => paired(MIN_TIME, flop, pass, || fma_peak(3_000_000, 1)),
     }
 }
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let wanted =
-        |label: &str| filters.is_empty() || filters.iter().any(|f| label.contains(f.as_str()));
+    let wanted = case_filter();
     let threads = rayon::current_num_threads();
     println!("linear bench: {threads} rayon threads");
 

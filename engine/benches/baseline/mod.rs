@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::hint::black_box;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
@@ -131,4 +131,53 @@ mod x86 {
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// Timing of one case: seconds per pass (median and best), the baseline's median (GB/s or
+/// GFLOP/s) and the median ratio of the case's rate to it.
+pub struct Timing {
+    pub median_s: f64,
+    pub best_s: f64,
+    pub baseline: f64,
+    pub ratio: f64,
+}
+
+/// Time `pass` (seconds per unit of `work`) for at least `min_time` and 5 passes after one
+/// warm-up, each followed by one run of `baseline` (its rate). Pairing each pass with a
+/// baseline run right after it, and taking the median of the per-pair ratios of `work` per
+/// second (in 1e9) to the baseline's rate, keeps the ratio meaningful on a shared machine
+/// whose load changes during the run.
+pub fn paired(
+    min_time: Duration,
+    work: f64,
+    mut pass: impl FnMut() -> f64,
+    mut baseline: impl FnMut() -> f64,
+) -> Timing {
+    pass();
+    let (mut times, mut bases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < min_time || times.len() < 5 {
+        let t = pass();
+        let base = baseline();
+        times.push(t);
+        bases.push(base);
+        ratios.push(work / t / 1e9 / base);
+    }
+    let best_s = times.iter().copied().fold(f64::MAX, f64::min);
+    Timing {
+        median_s: median(&mut times),
+        best_s,
+        baseline: median(&mut bases),
+        ratio: median(&mut ratios),
+    }
+}
+
+/// The command line's case filters: arguments not starting with `-` (cargo bench passes
+/// `--bench`); a case runs when there are none or its label contains one.
+pub fn case_filter() -> impl Fn(&str) -> bool {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    move |label| filters.is_empty() || filters.iter().any(|f| label.contains(f.as_str()))
 }
