@@ -124,6 +124,14 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CpuKvStorage, EngineError> {
+        // Checked here, at start-up, so a model beyond it fails with a sentence, not in a step.
+        if layout.head_dim == 0 || layout.head_dim > attention::MAX_HEAD_DIM {
+            return Err(EngineError::InvalidRequest(format!(
+                "head_dim {} is not supported by the CPU attention (it takes 1 to {})",
+                layout.head_dim,
+                attention::MAX_HEAD_DIM
+            )));
+        }
         let len = num_blocks
             .checked_mul(layout.block_size * layout.token_width())
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
@@ -331,5 +339,24 @@ impl Backend for CpuBackend {
             kv.num_blocks,
             std::sync::Arc::new(keep),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_for_a_head_dim_beyond_the_attention_kernel_is_refused_at_allocation() {
+        let layout = |head_dim| KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim,
+            block_size: 16,
+        };
+        let err = CpuBackend::new().alloc_kv(&layout(1024), 4).unwrap_err();
+        assert!(err.to_string().contains("head_dim 1024"), "{err}");
+        assert_eq!(err.kind(), crate::error::ErrorKind::InvalidArgument);
+        assert!(CpuBackend::new().alloc_kv(&layout(attention::MAX_HEAD_DIM), 4).is_ok());
     }
 }
