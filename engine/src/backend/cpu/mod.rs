@@ -357,6 +357,10 @@ mod tests {
         let err = CpuBackend::new().alloc_kv(&layout(1024), 4).unwrap_err();
         assert!(err.to_string().contains("head_dim 1024"), "{err}");
         assert_eq!(err.kind(), crate::error::ErrorKind::InvalidArgument);
-        assert!(CpuBackend::new().alloc_kv(&layout(attention::MAX_HEAD_DIM), 4).is_ok());
+        assert!(
+            CpuBackend::new()
+                .alloc_kv(&layout(attention::MAX_HEAD_DIM), 4)
+                .is_ok()
+        );
     }
 }

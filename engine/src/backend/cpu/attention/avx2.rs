@@ -15,6 +15,10 @@ use super::{KEY_TILE, LANES, ROW_BLOCK};
 /// `s[m][i] = q[m] · k_i` for query vectors `m < queries` (rows of `q`, `hd` each) and the
 /// tile's keys (`keys.len() <= KEY_TILE`, `hd` each); `s` is `[queries, KEY_TILE]`.
 ///
+/// Blocks of [`ROW_BLOCK`] vectors × 2 keys, then (a decode step's GQA group of 2, or the
+/// rest) 2 vectors × 4 keys and 1 × 8: always eight accumulators, so both FMA pipes have
+/// independent chains to work on.
+///
 /// # Safety
 /// The CPU must have AVX2 and FMA.
 #[inline]
@@ -26,84 +30,84 @@ pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
     // SAFETY: rows m..m+R of `q` and of `s` are in bounds (asserted above, m + R <= queries).
     unsafe {
         while m < queries {
-            // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
-            let r = match queries - m {
-                1 => {
-                    score_block::<1>(
-                        q.as_ptr().add(m * hd),
-                        hd,
-                        keys,
-                        s.as_mut_ptr().add(m * KEY_TILE),
-                    );
-                    1
-                }
-                2 | 3 => {
-                    score_block::<2>(
-                        q.as_ptr().add(m * hd),
-                        hd,
-                        keys,
-                        s.as_mut_ptr().add(m * KEY_TILE),
-                    );
-                    2
-                }
-                _ => {
-                    score_block::<ROW_BLOCK>(
-                        q.as_ptr().add(m * hd),
-                        hd,
-                        keys,
-                        s.as_mut_ptr().add(m * KEY_TILE),
-                    );
-                    ROW_BLOCK
-                }
+            let (q, s) = (q.as_ptr().add(m * hd), s.as_mut_ptr().add(m * KEY_TILE));
+            m += match queries - m {
+                1 => score_rows::<1, 8>(q, hd, keys, s),
+                2 | 3 => score_rows::<2, 4>(q, hd, keys, s),
+                _ => score_rows::<ROW_BLOCK, 2>(q, hd, keys, s),
             };
-            m += r;
         }
     }
 }
 
-/// [`scores`] for `R` query vectors at `q` (stride `hd`), writing rows at `s` (stride
-/// `KEY_TILE`).
+/// [`scores`] for `R` query vectors at `q` (stride `hd`) over all the tile's keys, `K` keys
+/// at a time and the rest one by one, writing rows at `s` (stride `KEY_TILE`). Returns `R`.
 ///
 /// # Safety
 /// AVX2 + FMA; `R * hd` f32 readable at `q`, `R * KEY_TILE` writable at `s`, every key `hd` long.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn score_block<const R: usize>(q: *const f32, hd: usize, keys: &[&[f32]], s: *mut f32) {
-    let full = hd / LANES * LANES;
+unsafe fn score_rows<const R: usize, const K: usize>(
+    q: *const f32,
+    hd: usize,
+    keys: &[&[f32]],
+    s: *mut f32,
+) -> usize {
     let mut i = 0;
-    while i < keys.len() {
-        let pair = keys.len() - i >= 2;
-        let k0 = keys[i].as_ptr();
-        let k1 = if pair { keys[i + 1].as_ptr() } else { k0 };
-        // SAFETY: d + LANES <= full <= hd for the vector loads of q's rows and both keys; the
-        // tail reads d < hd; writes go to s[r * KEY_TILE + i (+1)] with i + 1 < KEY_TILE.
-        unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
-            let mut d = 0;
-            while d < full {
-                let a = _mm256_loadu_ps(k0.add(d));
-                let b = _mm256_loadu_ps(k1.add(d));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_ps(q.add(r * hd + d));
-                    acc[0] = _mm256_fmadd_ps(x, a, acc[0]);
-                    acc[1] = _mm256_fmadd_ps(x, b, acc[1]);
+    // SAFETY: forwarded contract; keys i..i + K (or i) exist, their scores go to columns < KEY_TILE.
+    unsafe {
+        while i + K <= keys.len() {
+            score_block::<R, K>(q, hd, &keys[i..i + K], s.add(i));
+            i += K;
+        }
+        while i < keys.len() {
+            score_block::<R, 1>(q, hd, &keys[i..i + 1], s.add(i));
+            i += 1;
+        }
+    }
+    R
+}
+
+/// Scores of `R` query vectors at `q` (stride `hd`) against exactly `K` keys, written at `s`
+/// (row stride `KEY_TILE`, `K` columns).
+///
+/// # Safety
+/// AVX2 + FMA; `R * hd` f32 readable at `q`, `keys.len() == K` keys of `hd`, the `R × K`
+/// outputs writable.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn score_block<const R: usize, const K: usize>(
+    q: *const f32,
+    hd: usize,
+    keys: &[&[f32]],
+    s: *mut f32,
+) {
+    let full = hd / LANES * LANES;
+    let k: [*const f32; K] = std::array::from_fn(|j| keys[j].as_ptr());
+    // SAFETY: d + LANES <= full <= hd for the vector loads of q's rows and the keys; the tail
+    // reads d < hd; writes go to the R × K outputs (contract).
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); K]; R];
+        let mut d = 0;
+        while d < full {
+            let kv: [__m256; K] = std::array::from_fn(|j| _mm256_loadu_ps(k[j].add(d)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(q.add(r * hd + d));
+                for (a, kj) in acc.iter_mut().zip(&kv) {
+                    *a = _mm256_fmadd_ps(x, *kj, *a);
                 }
-                d += LANES;
             }
-            for (r, acc) in acc.iter().enumerate() {
-                let mut dot = [hsum(acc[0]), hsum(acc[1])];
+            d += LANES;
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, a) in acc.iter().enumerate() {
+                let mut dot = hsum(*a);
                 for d in full..hd {
-                    let x = *q.add(r * hd + d);
-                    dot[0] = x.mul_add(*k0.add(d), dot[0]);
-                    dot[1] = x.mul_add(*k1.add(d), dot[1]);
+                    dot = (*q.add(r * hd + d)).mul_add(*k[j].add(d), dot);
                 }
-                *s.add(r * KEY_TILE + i) = dot[0];
-                if pair {
-                    *s.add(r * KEY_TILE + i + 1) = dot[1];
-                }
+                *s.add(r * KEY_TILE + j) = dot;
             }
         }
-        i += if pair { 2 } else { 1 };
     }
 }
 
@@ -210,6 +214,9 @@ pub(super) fn exp2(x: __m256) -> __m256 {
 /// `o[m] += Σ_i p[m][i] · v_i` for query vectors `m < queries` (`o` is `[queries, hd]`, `p`
 /// is `[queries, KEY_TILE]`) over the tile's values (`values.len() <= KEY_TILE`, `hd` each).
 ///
+/// Blocks of [`ROW_BLOCK`] vectors × 16 dimensions, then 2 × 32 and 1 × 64: eight
+/// accumulators, as in [`scores`].
+///
 /// # Safety
 /// The CPU must have AVX2 and FMA.
 #[inline]
@@ -227,89 +234,41 @@ pub(super) unsafe fn weighted_values(
     // SAFETY: rows m..m+R of `p` and `o` are in bounds (asserted above, m + R <= queries).
     unsafe {
         while m < queries {
-            // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
-            let r = match queries - m {
-                1 => {
-                    value_block::<1>(
-                        p.as_ptr().add(m * KEY_TILE),
-                        values,
-                        hd,
-                        o.as_mut_ptr().add(m * hd),
-                    );
-                    1
-                }
-                2 | 3 => {
-                    value_block::<2>(
-                        p.as_ptr().add(m * KEY_TILE),
-                        values,
-                        hd,
-                        o.as_mut_ptr().add(m * hd),
-                    );
-                    2
-                }
-                _ => {
-                    value_block::<ROW_BLOCK>(
-                        p.as_ptr().add(m * KEY_TILE),
-                        values,
-                        hd,
-                        o.as_mut_ptr().add(m * hd),
-                    );
-                    ROW_BLOCK
-                }
+            let (p, o) = (p.as_ptr().add(m * KEY_TILE), o.as_mut_ptr().add(m * hd));
+            m += match queries - m {
+                1 => value_rows::<1, 8>(p, values, hd, o),
+                2 | 3 => value_rows::<2, 4>(p, values, hd, o),
+                _ => value_rows::<ROW_BLOCK, 2>(p, values, hd, o),
             };
-            m += r;
         }
     }
 }
 
-/// [`weighted_values`] for `R` query vectors: weights at `p` (stride `KEY_TILE`), outputs at
-/// `o` (stride `hd`).
+/// [`weighted_values`] for `R` query vectors (weights at `p`, stride `KEY_TILE`; outputs at
+/// `o`, stride `hd`): `C` lane groups of the head dimension at a time, then one, then the
+/// scalar rest. Returns `R`.
 ///
 /// # Safety
 /// AVX2 + FMA; `R * KEY_TILE` f32 readable at `p`, `R * hd` read-writable at `o`, every value
 /// `hd` long.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn value_block<const R: usize>(p: *const f32, values: &[&[f32]], hd: usize, o: *mut f32) {
+unsafe fn value_rows<const R: usize, const C: usize>(
+    p: *const f32,
+    values: &[&[f32]],
+    hd: usize,
+    o: *mut f32,
+) -> usize {
     let mut d = 0;
-    // SAFETY: vector accesses cover d..d + 16 <= hd (then d..d + 8 <= hd) of each output row
-    // and value; the scalar rest stays below hd; weights are read at i < values.len() <= KEY_TILE.
+    // SAFETY: each block covers columns d..d + C * LANES <= hd (then d + LANES <= hd); the
+    // scalar rest stays below hd; weights are read at i < values.len() <= KEY_TILE.
     unsafe {
-        while d + 2 * LANES <= hd {
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                acc[0] = _mm256_loadu_ps(o.add(r * hd + d));
-                acc[1] = _mm256_loadu_ps(o.add(r * hd + d + LANES));
-            }
-            for (i, v) in values.iter().enumerate() {
-                let a = _mm256_loadu_ps(v.as_ptr().add(d));
-                let b = _mm256_loadu_ps(v.as_ptr().add(d + LANES));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm256_broadcast_ss(&*p.add(r * KEY_TILE + i));
-                    acc[0] = _mm256_fmadd_ps(x, a, acc[0]);
-                    acc[1] = _mm256_fmadd_ps(x, b, acc[1]);
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.add(r * hd + d), acc[0]);
-                _mm256_storeu_ps(o.add(r * hd + d + LANES), acc[1]);
-            }
-            d += 2 * LANES;
+        while d + C * LANES <= hd {
+            value_block::<R, C>(p, values, hd, o, d);
+            d += C * LANES;
         }
-        if d + LANES <= hd {
-            let mut acc = [_mm256_setzero_ps(); R];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_loadu_ps(o.add(r * hd + d));
-            }
-            for (i, v) in values.iter().enumerate() {
-                let a = _mm256_loadu_ps(v.as_ptr().add(d));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*p.add(r * KEY_TILE + i)), a, *acc);
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.add(r * hd + d), *acc);
-            }
+        while d + LANES <= hd {
+            value_block::<R, 1>(p, values, hd, o, d);
             d += LANES;
         }
         for d in d..hd {
@@ -319,6 +278,47 @@ unsafe fn value_block<const R: usize>(p: *const f32, values: &[&[f32]], hd: usiz
                     acc = (*p.add(r * KEY_TILE + i)).mul_add(v[d], acc);
                 }
                 *o.add(r * hd + d) = acc;
+            }
+        }
+    }
+    R
+}
+
+/// Columns `d..d + C * LANES` of `R` output rows: `o[r] += Σ_i p[r][i] · v_i`.
+///
+/// # Safety
+/// AVX2 + FMA; `d + C * LANES <= hd`; `R * KEY_TILE` f32 readable at `p`, `R * hd`
+/// read-writable at `o`, every value `hd` long.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn value_block<const R: usize, const C: usize>(
+    p: *const f32,
+    values: &[&[f32]],
+    hd: usize,
+    o: *mut f32,
+    d: usize,
+) {
+    // SAFETY: the contract bounds every access.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(o.add(r * hd + d + c * LANES));
+            }
+        }
+        for (i, v) in values.iter().enumerate() {
+            let vv: [__m256; C] =
+                std::array::from_fn(|c| _mm256_loadu_ps(v.as_ptr().add(d + c * LANES)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*p.add(r * KEY_TILE + i));
+                for (a, vc) in acc.iter_mut().zip(&vv) {
+                    *a = _mm256_fmadd_ps(x, *vc, *a);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * hd + d + c * LANES), *a);
             }
         }
     }
