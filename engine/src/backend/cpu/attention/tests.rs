@@ -115,6 +115,31 @@ struct Seq {
     q: Vec<f32>,
 }
 
+/// Sequences of `(context, new rows)` with random K/V in [-1, 1) and queries scaled by
+/// `q_gain` (larger scores), each from its own seeds.
+fn random_seqs(
+    spec: &[(usize, usize)],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    q_gain: f32,
+) -> Vec<Seq> {
+    let width = kv_heads * hd;
+    spec.iter()
+        .enumerate()
+        .map(|(i, &(ctx, q_len))| Seq {
+            ctx,
+            q_len,
+            k: values(ctx * width, 10 + i as u64),
+            v: values(ctx * width, 20 + i as u64),
+            q: values(q_len * heads * hd, 30 + i as u64)
+                .iter()
+                .map(|x| x * q_gain)
+                .collect(),
+        })
+        .collect()
+}
+
 /// Write every sequence's K/V into one paged store, each over its own blocks taken from the
 /// end of the pool backwards (so block ids and positions never line up), the unused slots
 /// NaN so a read past a sequence's context shows up in the output.
@@ -205,18 +230,13 @@ fn batch_error(isa: Isa, seqs: &[Seq], heads: usize, kv_heads: usize, hd: usize,
 fn mixed_batches_with_qwen3_head_shapes_match_the_reference() {
     for (heads, kv_heads) in [(16, 8), (32, 8), (8, 8)] {
         let hd = 128;
-        let width = kv_heads * hd;
-        let seqs: Vec<Seq> = [(300, 1), (200, 37), (70, 70), (1, 1)]
-            .iter()
-            .enumerate()
-            .map(|(i, &(ctx, q_len))| Seq {
-                ctx,
-                q_len,
-                k: values(ctx * width, 10 + i as u64),
-                v: values(ctx * width, 20 + i as u64),
-                q: values(q_len * heads * hd, 30 + i as u64),
-            })
-            .collect();
+        let seqs = random_seqs(
+            &[(300, 1), (200, 37), (70, 70), (1, 1)],
+            heads,
+            kv_heads,
+            hd,
+            1.0,
+        );
         for isa in Isa::all_available() {
             for bs in [16, 32] {
                 let err = batch_error(isa, &seqs, heads, kv_heads, hd, bs);
@@ -306,21 +326,7 @@ fn exp2_is_within_two_ulp_of_the_standard_library() {
 #[test]
 fn long_decodes_split_over_the_context_match_the_reference() {
     let (heads, kv_heads, hd) = (16, 8, 128);
-    let width = kv_heads * hd;
-    let seqs: Vec<Seq> = [(386, 4), (1000, 1)]
-        .iter()
-        .enumerate()
-        .map(|(i, &(ctx, q_len))| Seq {
-            ctx,
-            q_len,
-            k: values(ctx * width, 40 + i as u64),
-            v: values(ctx * width, 50 + i as u64),
-            q: values(q_len * heads * hd, 60 + i as u64)
-                .iter()
-                .map(|x| x * 4.0)
-                .collect(),
-        })
-        .collect();
+    let seqs = random_seqs(&[(386, 4), (1000, 1)], heads, kv_heads, hd, 4.0);
     let (_, _, meta) = batch(&seqs, heads, kv_heads, hd, 16);
     let p = plan::plan(&meta, 16, 2);
     assert_eq!(p.splits.len(), 2, "both sequences are split");
