@@ -1,15 +1,15 @@
 //! Causal grouped-query attention over a paged KV cache on the CPU, flash-attention style.
 //!
-//! Work is cut into tasks ([`plan`]): for prompts, (sequence, KV head, tile of query rows);
+//! Work is cut into tasks (`plan.rs`): for prompts, (sequence, KV head, tile of query rows);
 //! for decode, (sequence, chunk of the context) over all KV heads, merged afterwards. A task
 //! takes every query head that shares a KV head for every row of its tile together
 //! (`rows × group` query vectors), so each K and V row read from the cache serves all of
-//! them instead of one ([`task`]). Keys are walked in tiles of [`KEY_TILE`] with an online softmax (running max and sum per
-//! query vector, exponentials in base 2 with the scale folded into Q); no score buffer the
-//! size of the context exists. Both products are register-blocked FMA loops, the
-//! exponentials a polynomial on whole vectors: in AVX2 + FMA intrinsics ([`avx2`]) or in
-//! portable code ([`portable`]), chosen at run time like the matrix kernels ([`Isa`]); the
-//! task body around them ([`task_body`]) is compiled once for each.
+//! them instead of one (`task.rs`). Keys are walked in tiles of 16 with an online softmax
+//! (running max and sum per query vector, exponentials in base 2 with the scale folded into
+//! Q); no score buffer the size of the context exists. Both products are register-blocked FMA
+//! loops, the exponentials a polynomial on whole vectors: in AVX2 + FMA intrinsics (`avx2.rs`)
+//! or in portable code (`portable.rs`), chosen at run time like the matrix kernels
+//! (`PD_CPU_SIMD`); the task body around them is compiled once for each.
 //!
 //! Keys and values of this step must already be written into the cache. What it does not
 //! own: the KV layout ([`crate::kv::KvLayout`]) and the cache's memory ([`super::KvArena`]).
