@@ -1,15 +1,16 @@
 //! The attention kernels in AVX2 + FMA intrinsics (8 f32 lanes): the products register-
-//! blocked as [`ROW_BLOCK`] query vectors × 2 keys (scores) and × 16 head dimensions
-//! (weighted values), eight accumulators each so both FMA pipes stay busy, and `exp2` as a
-//! polynomial on whole vectors. The compiler's own vectorisation of the portable kernels
+//! blocked with eight accumulators in every block ([`ROW_BLOCK`] query vectors × 2 keys or
+//! × 16 head dimensions, 2 × 4 or × 32, 1 × 8 or × 64) so both FMA pipes stay busy, and
+//! `exp2` as a polynomial on whole vectors. The compiler's own vectorisation of the portable kernels
 //! ([`super::portable`]) spilled and used 128-bit operations, hence these.
 //!
-//! Every function requires a CPU with AVX2 and FMA; the caller checks it once
-//! ([`super::Isa`]). Slice lengths are asserted on entry, so the pointer reads inside stay
-//! within them.
+//! Every function requires a CPU with AVX2, FMA and F16C, the matrix kernels' instruction set
+//! (`Isa::Avx2`, whose horizontal sum it shares); the caller checks it once. Slice lengths
+//! are asserted on entry, so the pointer reads inside stay within them.
 
 use std::arch::x86_64::*;
 
+use super::super::convert::avx2::hsum;
 use super::{KEY_TILE, LANES, ROW_BLOCK};
 
 /// `s[m][i] = q[m] · k_i` for query vectors `m < queries` (rows of `q`, `hd` each) and the
@@ -20,9 +21,9 @@ use super::{KEY_TILE, LANES, ROW_BLOCK};
 /// independent chains to work on.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
+/// The CPU must have AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &mut [f32]) {
     assert!(q.len() >= queries * hd && s.len() >= queries * KEY_TILE && keys.len() <= KEY_TILE);
     assert!(keys.iter().all(|k| k.len() == hd));
@@ -44,9 +45,9 @@ pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
 /// at a time and the rest one by one, writing rows at `s` (stride `KEY_TILE`). Returns `R`.
 ///
 /// # Safety
-/// AVX2 + FMA; `R * hd` f32 readable at `q`, `R * KEY_TILE` writable at `s`, every key `hd` long.
+/// AVX2 + FMA + F16C; `R * hd` f32 readable at `q`, `R * KEY_TILE` writable at `s`, every key `hd` long.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn score_rows<const R: usize, const K: usize>(
     q: *const f32,
     hd: usize,
@@ -72,10 +73,10 @@ unsafe fn score_rows<const R: usize, const K: usize>(
 /// (row stride `KEY_TILE`, `K` columns).
 ///
 /// # Safety
-/// AVX2 + FMA; `R * hd` f32 readable at `q`, `keys.len() == K` keys of `hd`, the `R × K`
+/// AVX2 + FMA + F16C; `R * hd` f32 readable at `q`, `keys.len() == K` keys of `hd`, the `R × K`
 /// outputs writable.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn score_block<const R: usize, const K: usize>(
     q: *const f32,
     hd: usize,
@@ -111,23 +112,14 @@ unsafe fn score_block<const R: usize, const K: usize>(
     }
 }
 
-/// Sum of the 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-}
-
 /// Fold one tile's scores of one query vector (`s`, `KEY_TILE` base-2 exponents) into its
 /// running softmax: `s` becomes the tile's weights (0 for keys at or past `visible`), `o`
 /// (`hd` accumulators) and `sum` are rescaled to the new max.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
+/// The CPU must have AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn softmax_step(
     s: &mut [f32],
     visible: usize,
@@ -185,7 +177,7 @@ pub(super) unsafe fn softmax_step(
 
 /// Largest of the 8 lanes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn hmax(v: __m256) -> f32 {
     let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -194,7 +186,7 @@ fn hmax(v: __m256) -> f32 {
 
 /// `2^x` per lane for `x <= 0`, as [`super::portable`]'s `exp2_lanes` (same polynomial).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn exp2(x: __m256) -> __m256 {
     const ROUND: f32 = 12_582_912.0;
     let x = _mm256_max_ps(x, _mm256_set1_ps(-126.0));
@@ -218,9 +210,9 @@ pub(super) fn exp2(x: __m256) -> __m256 {
 /// accumulators, as in [`scores`].
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
+/// The CPU must have AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn weighted_values(
     p: &[f32],
     values: &[&[f32]],
@@ -249,10 +241,10 @@ pub(super) unsafe fn weighted_values(
 /// scalar rest. Returns `R`.
 ///
 /// # Safety
-/// AVX2 + FMA; `R * KEY_TILE` f32 readable at `p`, `R * hd` read-writable at `o`, every value
+/// AVX2 + FMA + F16C; `R * KEY_TILE` f32 readable at `p`, `R * hd` read-writable at `o`, every value
 /// `hd` long.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn value_rows<const R: usize, const C: usize>(
     p: *const f32,
     values: &[&[f32]],
@@ -287,10 +279,10 @@ unsafe fn value_rows<const R: usize, const C: usize>(
 /// Columns `d..d + C * LANES` of `R` output rows: `o[r] += Σ_i p[r][i] · v_i`.
 ///
 /// # Safety
-/// AVX2 + FMA; `d + C * LANES <= hd`; `R * KEY_TILE` f32 readable at `p`, `R * hd`
+/// AVX2 + FMA + F16C; `d + C * LANES <= hd`; `R * KEY_TILE` f32 readable at `p`, `R * hd`
 /// read-writable at `o`, every value `hd` long.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn value_block<const R: usize, const C: usize>(
     p: *const f32,
     values: &[&[f32]],

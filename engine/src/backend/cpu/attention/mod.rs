@@ -139,7 +139,7 @@ fn scores<const AVX2: bool>(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: `AVX2` is true only in code compiled into `task_avx2`, which runs only on a
-        // CPU with AVX2 and FMA.
+        // CPU with AVX2, FMA and F16C.
         return unsafe { avx2::scores(q, hd, queries, keys, s) };
     }
     portable::scores(q, hd, queries, keys, s)

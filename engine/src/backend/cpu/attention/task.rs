@@ -55,7 +55,7 @@ pub(super) unsafe fn run_task(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2`/`Avx512` availability implies AVX2 + FMA (every AVX-512F CPU has
+        // SAFETY: `Avx2`/`Avx512` availability implies AVX2 + FMA + F16C (every AVX-512F CPU has
         // them; `Isa::available` checks them for `Avx2`); the output contract is forwarded.
         Isa::Avx2 | Isa::Avx512 => unsafe { task_avx2(sh, task, scratch, dst) },
         // SAFETY: forwarded output contract.
@@ -63,12 +63,12 @@ pub(super) unsafe fn run_task(
     }
 }
 
-/// The task body compiled for AVX2 + FMA.
+/// The task body compiled for AVX2 + FMA + F16C (the matrix kernels' set).
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; output contract as [`run_task`].
+/// The CPU must have AVX2, FMA and F16C; output contract as [`run_task`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn task_avx2(sh: &Shared<'_>, task: &Task, scratch: &mut Scratch, dst: Outputs) {
     // SAFETY: forwarded contract; the body is inlined here and compiled with these features.
     unsafe { task_body::<true>(sh, task, scratch, dst) }
