@@ -96,6 +96,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         let metrics_bound = metrics_listener
             .local_addr()
             .context("metrics listener address")?;
+        let shutdown = shutdown_signal().context("installing the SIGTERM / Ctrl-C handlers")?;
         let ready = serde_json::json!({
             "role": "router",
             "grpc": bound.to_string(),
@@ -106,41 +107,58 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         stdout.flush().context("writing the ready line")?;
         drop(stdout);
         router
-            .serve_with_metrics(listener, Some(metrics_listener), shutdown_signal())
+            .serve_with_metrics(listener, Some(metrics_listener), shutdown)
             .await
             .context("router failed")
     })
 }
 
-/// SIGTERM or Ctrl-C: drain and exit. A second signal exits at once.
-async fn shutdown_signal() {
-    wait_for_signal().await;
-    tokio::spawn(async {
-        wait_for_signal().await;
-        tracing::warn!("second signal: exiting without draining");
-        std::process::exit(130);
-    });
+/// SIGTERM or Ctrl-C: drain and exit; a second signal exits at once. The handlers are
+/// installed when this is called (inside the runtime, before the ready line), so a signal
+/// that arrives before the returned future is first polled is not lost: with the handler
+/// installed on first poll, a SIGTERM right after readiness killed the router undrained.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    let mut signals = Signals::install()?;
+    Ok(async move {
+        signals.next().await;
+        tokio::spawn(async move {
+            signals.next().await;
+            tracing::warn!("second signal: exiting without draining");
+            std::process::exit(130);
+        });
+    })
 }
 
-async fn wait_for_signal() {
+/// The signals that stop the router, watched from the moment they are installed.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {},
-                    _ = tokio::signal::ctrl_c() => {},
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the router");
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                term: signal(SignalKind::terminate())?,
+                int: signal(SignalKind::interrupt())?,
+            })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    {
+
+    /// The next SIGTERM or Ctrl-C.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {},
+            _ = self.int.recv() => {},
+        }
+        #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
     }
 }
