@@ -13,8 +13,7 @@
 #    and the blocks scheduled in reverse (a missing __syncthreads changes the result; another
 #    split-K split does the merge), and the GPU
 #    benchmark at smoke sizes, so that scripts/gpu-check.sh has run end to end before a GPU
-#    host runs it; the start-up refusals (old device, missing device, too little memory,
-#    a 16-bit KV cache on the CPU);
+#    host runs it; the start-up refusals (old device, missing device, too little memory);
 #    then the cluster keystone with both nodes on `--device cuda` (tests/tests/cuda.rs).
 # NVRTC and ptxas come from PyPI (CUDA 13.0, the version of the GPU test host's driver).
 set -euo pipefail
@@ -123,10 +122,6 @@ refused "raise --gpu-memory-utilization or use a smaller model" \
     emu env PD_CUDA_EMU_MEMORY_MIB=1024 target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
 refused "PD_CUDA_ATTENTION=tensor: expected auto" \
     emu env PD_CUDA_ATTENTION=tensor target/debug/pdctl run --device cuda --prompt hi --model synthetic:tiny
-refused "--kv-cache-dtype bf16 needs --device cuda" \
-    target/debug/pdctl run --kv-cache-dtype bf16 --prompt hi --model synthetic:tiny
-refused "--kv-cache-dtype f16 needs --device cuda" \
-    target/debug/prefill-node --kv-cache-dtype f16 --model synthetic:tiny --port 0
 echo "-- the keystone on CUDA nodes (router -> prefill -> decode, --device cuda, CUDA graphs on)"
 keystone="$(cargo test --locked --workspace --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*\/cuda-[0-9a-f]*\)".*/\1/p' | tail -1)"

@@ -521,7 +521,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     .with_buffers(engine.handle().import_buffers().clone());
     let metrics = Arc::new(NodeMetrics::new(
         Role::Decode,
-        &facts.served_name,
+        &facts,
         engine.handle(),
         Arc::clone(importer.stats()),
         started.histograms,

@@ -302,6 +302,21 @@ fn assert_labels(m: &Exposition, role: &str) {
         assert_eq!(s.label("model_name"), Some(MODEL));
         assert_eq!(s.label("role"), Some(role));
         let extra = &names[if s.name.starts_with("vllm:") { 3 } else { 2 }..];
+        if s.name == "vllm:cache_config_info" {
+            // vLLM's CacheConfig fields, one label each.
+            assert_eq!(
+                extra,
+                [
+                    "block_size",
+                    "cache_dtype",
+                    "enable_prefix_caching",
+                    "num_gpu_blocks",
+                    "num_cpu_blocks"
+                ],
+                "{s:?}"
+            );
+            continue;
+        }
         assert!(
             extra.len() <= 1
                 && extra.iter().all(|l| [
@@ -318,10 +333,11 @@ fn assert_labels(m: &Exposition, role: &str) {
     }
 }
 
-const VLLM_FAMILIES: [(&str, &str); 18] = [
+const VLLM_FAMILIES: [(&str, &str); 19] = [
     ("vllm:num_requests_running", "gauge"),
     ("vllm:num_requests_waiting", "gauge"),
     ("vllm:kv_cache_usage_perc", "gauge"),
+    ("vllm:cache_config_info", "gauge"),
     ("vllm:prefix_cache_queries_total", "counter"),
     ("vllm:prefix_cache_hits_total", "counter"),
     ("vllm:external_prefix_cache_queries_total", "counter"),
@@ -365,6 +381,14 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
         );
     }
     assert_labels(&m, "prefill");
+    // The KV cache's configuration, as vLLM exposes it: f32 (`auto` on the CPU), prefix
+    // caching on, no host tier.
+    let info = [
+        ("cache_dtype", "float32"),
+        ("enable_prefix_caching", "True"),
+        ("num_cpu_blocks", "0"),
+    ];
+    assert_eq!(m.value("vllm:cache_config_info", &info), 1.0);
     assert_eq!(prefix(&m), (0.0, 0.0, 0.0, 0.0));
     // vLLM's buckets, written as vLLM writes them.
     let ttft = [

@@ -10,7 +10,11 @@
 //!   through enough layers (≥ 256 MiB) that they come from memory as in a forward pass,
 //!   against a plain read of as many bytes.
 //!
-//! Arguments not starting with `-` filter the cases by substring (e.g. `prefill`, `0.6b`).
+//! Every case runs with the KV cache in f32, f16 and bf16 (`--kv-cache-dtype`): decode's
+//! bytes are the cache's own, so 16-bit reads half.
+//!
+//! Arguments not starting with `-` filter the cases by substring (e.g. `prefill`, `0.6b`,
+//! `f16`).
 //! `PD_CPU_SIMD=scalar` measures the portable kernel instead of the best one the CPU has;
 //! `PD_BENCH_LAYERS=1` keeps a decode case's K/V in cache (compute alone, not memory).
 
@@ -20,10 +24,12 @@ use std::time::{Duration, Instant};
 mod baseline;
 
 use baseline::{READ_STREAMS, Timing, case_filter, fma_peak, paired, read_bandwidth, read_pass};
+use half::{bf16, f16};
 use pd_engine::backend::cpu::attention::paged_attention;
-use pd_engine::backend::cpu::{CpuKvStorage, CpuLayerKv, CpuTensor, KvArena};
+use pd_engine::backend::cpu::{CpuKvLayers, CpuKvStorage, CpuLayerKv, CpuTensor, KvElem};
 use pd_engine::backend::{AttentionMeta, SeqAttention};
 use pd_engine::kv::KvLayout;
+use pd_engine::weights::DType;
 
 /// Decode layers are cycled through at least this many bytes of K and V.
 const COLD_BYTES: usize = 256 << 20;
@@ -50,9 +56,29 @@ fn fill(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// `layers` layers of KV for `seqs` sequences of `ctx` tokens each, every sequence's blocks
-/// taken backwards from the end of the pool so block ids and positions never line up.
-fn cache(layers: usize, seqs: usize, ctx: usize) -> (CpuKvStorage, Vec<Vec<u32>>) {
+/// KV cache types measured, with their labels.
+const DTYPES: [(&str, DType); 3] = [
+    ("f32", DType::F32),
+    ("f16", DType::F16),
+    ("bf16", DType::BF16),
+];
+
+/// `layers` layers of `len` random K and V values each, stored as `E`.
+fn random_layers<E: KvElem>(layers: usize, len: usize) -> Vec<CpuLayerKv<E>> {
+    (0..layers)
+        .map(|l| {
+            let mut x = CpuLayerKv::<E>::filled(len, 0.0).unwrap();
+            E::store_f32(&fill(len, 3 + l as u64), x.k.range_mut(0..len));
+            E::store_f32(&fill(len, 5 + l as u64), x.v.range_mut(0..len));
+            x
+        })
+        .collect()
+}
+
+/// `layers` layers of KV in `dtype` for `seqs` sequences of `ctx` tokens each, every
+/// sequence's blocks taken backwards from the end of the pool so block ids and positions
+/// never line up.
+fn cache(layers: usize, seqs: usize, ctx: usize, dtype: DType) -> (CpuKvStorage, Vec<Vec<u32>>) {
     let blocks_per_seq = ctx.div_ceil(BLOCK);
     let num_blocks = seqs * blocks_per_seq;
     let layout = KvLayout {
@@ -62,18 +88,11 @@ fn cache(layers: usize, seqs: usize, ctx: usize) -> (CpuKvStorage, Vec<Vec<u32>>
         block_size: BLOCK,
     };
     let len = num_blocks * BLOCK * layout.token_width();
-    let layers = (0..layers)
-        .map(|l| {
-            let (mut k, mut v) = (
-                KvArena::filled(len, 0.0).unwrap(),
-                KvArena::filled(len, 0.0).unwrap(),
-            );
-            let (kd, vd) = (fill(len, 3 + l as u64), fill(len, 5 + l as u64));
-            k.range_mut(0..len).copy_from_slice(&kd);
-            v.range_mut(0..len).copy_from_slice(&vd);
-            CpuLayerKv { k, v }
-        })
-        .collect();
+    let layers = match dtype {
+        DType::F32 => CpuKvLayers::F32(random_layers(layers, len)),
+        DType::F16 => CpuKvLayers::F16(random_layers::<f16>(layers, len)),
+        DType::BF16 => CpuKvLayers::Bf16(random_layers::<bf16>(layers, len)),
+    };
     let tables = (0..seqs)
         .map(|s| {
             (0..blocks_per_seq)
@@ -123,34 +142,36 @@ fn main() {
     );
     for (model, heads) in MODELS {
         for len in [512, 2048] {
-            let label = format!("prefill {model:<4} {len:>5} tokens");
-            if !wanted(&label) {
-                continue;
+            for (dname, dtype) in DTYPES {
+                let label = format!("prefill {model:<4} {len:>5} tokens {dname:<4}");
+                if !wanted(&label) {
+                    continue;
+                }
+                let (kv, tables) = cache(1, 1, len, dtype);
+                let meta = AttentionMeta {
+                    seqs: vec![SeqAttention {
+                        q_start: 0,
+                        q_len: len,
+                        context_len: len,
+                        block_table: tables[0].clone(),
+                    }],
+                    num_heads: heads,
+                    num_kv_heads: KV_HEADS,
+                    head_dim: HEAD_DIM,
+                    scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+                };
+                let q = CpuTensor::from_vec(len, heads * HEAD_DIM, fill(len * heads * HEAD_DIM, 7));
+                let flop = 4.0 * (HEAD_DIM * heads) as f64 * (len * (len + 1) / 2) as f64;
+                let t = time_case(&kv, &q, &meta, flop, || fma_peak(3_000_000, 1));
+                let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
+                println!(
+                    "{label} {:6.1} / {:6.1} GFLOP/s  peak {base:5.0}  {:5.1} %  ({:.2} ms/layer)",
+                    flop / med / 1e9,
+                    flop / best / 1e9,
+                    100.0 * ratio,
+                    med * 1e3
+                );
             }
-            let (kv, tables) = cache(1, 1, len);
-            let meta = AttentionMeta {
-                seqs: vec![SeqAttention {
-                    q_start: 0,
-                    q_len: len,
-                    context_len: len,
-                    block_table: tables[0].clone(),
-                }],
-                num_heads: heads,
-                num_kv_heads: KV_HEADS,
-                head_dim: HEAD_DIM,
-                scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-            };
-            let q = CpuTensor::from_vec(len, heads * HEAD_DIM, fill(len * heads * HEAD_DIM, 7));
-            let flop = 4.0 * (HEAD_DIM * heads) as f64 * (len * (len + 1) / 2) as f64;
-            let t = time_case(&kv, &q, &meta, flop, || fma_peak(3_000_000, 1));
-            let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
-            println!(
-                "{label} {:6.1} / {:6.1} GFLOP/s  peak {base:5.0}  {:5.1} %  ({:.2} ms/layer)",
-                flop / med / 1e9,
-                flop / best / 1e9,
-                100.0 * ratio,
-                med * 1e3
-            );
         }
     }
 
@@ -161,42 +182,46 @@ fn main() {
     );
     for (model, heads) in MODELS {
         for (batch, ctx) in [(1, 1024), (1, 4096), (16, 1024)] {
-            let label = format!("decode  {model:<4} batch {batch:>2} context {ctx:>5}");
-            if !wanted(&label) {
-                continue;
+            for (dname, dtype) in DTYPES {
+                let label =
+                    format!("decode  {model:<4} batch {batch:>2} context {ctx:>5} {dname:<4}");
+                if !wanted(&label) {
+                    continue;
+                }
+                let bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * dtype.size_in_bytes();
+                let layers = std::env::var("PD_BENCH_LAYERS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(COLD_BYTES.div_ceil(bytes).max(2));
+                let (kv, tables) = cache(layers, batch, ctx, dtype);
+                let meta = AttentionMeta {
+                    seqs: (0..batch)
+                        .map(|s| SeqAttention {
+                            q_start: s,
+                            q_len: 1,
+                            context_len: ctx,
+                            block_table: tables[s].clone(),
+                        })
+                        .collect(),
+                    num_heads: heads,
+                    num_kv_heads: KV_HEADS,
+                    head_dim: HEAD_DIM,
+                    scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+                };
+                let q =
+                    CpuTensor::from_vec(batch, heads * HEAD_DIM, fill(batch * heads * HEAD_DIM, 9));
+                let read = &buf[..(bytes * layers / 8).min(buf.len())];
+                let baseline = || (read.len() * 8) as f64 / read_pass(read, READ_STREAMS) / 1e9;
+                let t = time_case(&kv, &q, &meta, bytes as f64, baseline);
+                let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
+                println!(
+                    "{label} {:6.1} / {:6.1} GB/s  read {base:5.1}  {:5.1} %  ({:.3} ms/layer)",
+                    bytes as f64 / med / 1e9,
+                    bytes as f64 / best / 1e9,
+                    100.0 * ratio,
+                    med * 1e3
+                );
             }
-            let bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 4;
-            let layers = std::env::var("PD_BENCH_LAYERS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(COLD_BYTES.div_ceil(bytes).max(2));
-            let (kv, tables) = cache(layers, batch, ctx);
-            let meta = AttentionMeta {
-                seqs: (0..batch)
-                    .map(|s| SeqAttention {
-                        q_start: s,
-                        q_len: 1,
-                        context_len: ctx,
-                        block_table: tables[s].clone(),
-                    })
-                    .collect(),
-                num_heads: heads,
-                num_kv_heads: KV_HEADS,
-                head_dim: HEAD_DIM,
-                scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-            };
-            let q = CpuTensor::from_vec(batch, heads * HEAD_DIM, fill(batch * heads * HEAD_DIM, 9));
-            let read = &buf[..(bytes * layers / 8).min(buf.len())];
-            let baseline = || (read.len() * 8) as f64 / read_pass(read, READ_STREAMS) / 1e9;
-            let t = time_case(&kv, &q, &meta, bytes as f64, baseline);
-            let (med, best, base, ratio) = (t.median_s, t.best_s, t.baseline, t.ratio);
-            println!(
-                "{label} {:6.1} / {:6.1} GB/s  read {base:5.1}  {:5.1} %  ({:.3} ms/layer)",
-                bytes as f64 / med / 1e9,
-                bytes as f64 / best / 1e9,
-                100.0 * ratio,
-                med * 1e3
-            );
         }
     }
     println!(

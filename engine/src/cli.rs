@@ -113,14 +113,13 @@ impl KvCacheDtype {
         }
     }
 
-    /// The CPU backend keeps KV in f32: anything else is refused at start.
-    pub fn check_cpu(self) -> Result<(), EngineError> {
+    /// The storage type on the CPU: `auto` keeps f32 there (the reference backend's
+    /// precision); bf16 and f16 are taken as asked.
+    pub fn on_cpu(self) -> DType {
         match self {
-            KvCacheDtype::Auto | KvCacheDtype::F32 => Ok(()),
-            other => Err(EngineError::InvalidRequest(format!(
-                "--kv-cache-dtype {other} needs --device cuda: the CPU backend keeps its KV \
-                 cache in f32 (use auto or f32)"
-            ))),
+            KvCacheDtype::Auto | KvCacheDtype::F32 => DType::F32,
+            KvCacheDtype::Bf16 => DType::BF16,
+            KvCacheDtype::F16 => DType::F16,
         }
     }
 }
@@ -234,10 +233,16 @@ impl EngineArgs {
         Ok(len)
     }
 
-    /// `--num-gpu-blocks`, or 2 GiB worth of blocks, at most four full contexts.
+    /// The CPU backend these flags ask for (its KV cache type from `--kv-cache-dtype`).
+    pub fn cpu_backend(&self) -> CpuBackend {
+        CpuBackend::with_kv_dtype(self.kv_cache_dtype.on_cpu())
+    }
+
+    /// `--num-gpu-blocks`, or 2 GiB worth of the CPU backend's blocks (twice as many with a
+    /// 16-bit `--kv-cache-dtype`), at most four full contexts.
     pub fn num_blocks(&self, layout: &KvLayout, max_model_len: usize) -> usize {
         self.num_gpu_blocks.unwrap_or_else(|| {
-            (DEFAULT_KV_BYTES / layout.block_bytes())
+            (DEFAULT_KV_BYTES / self.cpu_backend().kv_block_bytes(layout))
                 .min(4 * layout.blocks_for(max_model_len))
                 .max(1)
         })
@@ -292,7 +297,7 @@ impl EngineArgs {
         let num_blocks = self.num_blocks(&layout, max_model_len);
         self.build_on(
             files,
-            CpuBackend::new(),
+            self.cpu_backend(),
             model,
             num_blocks,
             role,
@@ -365,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn kv_cache_dtypes_parse_print_and_stay_f32_on_the_cpu() {
+    fn kv_cache_dtypes_parse_print_and_map_to_storage_types() {
         assert_eq!("auto".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Auto));
         assert_eq!("bfloat16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Bf16));
         assert_eq!("f16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::F16));
@@ -374,13 +379,33 @@ mod tests {
         assert_eq!(KvCacheDtype::F16.on_device(), Some(DType::F16));
         let err = "fp8".parse::<KvCacheDtype>().unwrap_err();
         assert!(err.contains("expected auto, f32, bf16 or f16"), "{err}");
-        assert!(KvCacheDtype::Auto.check_cpu().is_ok());
-        assert!(KvCacheDtype::F32.check_cpu().is_ok());
-        let err = KvCacheDtype::Bf16.check_cpu().unwrap_err().to_string();
-        assert!(
-            err.contains("--kv-cache-dtype bf16 needs --device cuda"),
-            "{err}"
-        );
+        assert_eq!(KvCacheDtype::Auto.on_cpu(), DType::F32);
+        assert_eq!(KvCacheDtype::Bf16.on_cpu(), DType::BF16);
+        assert_eq!(KvCacheDtype::F16.on_cpu(), DType::F16);
+    }
+
+    #[test]
+    fn a_16_bit_kv_cache_on_the_cpu_holds_twice_the_blocks_by_default() {
+        let layout = KvLayout {
+            num_layers: 28,
+            num_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+        };
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let args = |dtype: &str| {
+            <Cli as clap::Parser>::try_parse_from(["test", "--kv-cache-dtype", dtype])
+                .expect("flags")
+                .engine
+        };
+        let f32_blocks = args("auto").num_blocks(&layout, 1 << 20);
+        assert_eq!(f32_blocks, DEFAULT_KV_BYTES / layout.block_bytes());
+        assert_eq!(args("f16").num_blocks(&layout, 1 << 20), 2 * f32_blocks);
+        assert_eq!(args("bf16").cpu_backend().kv_dtype(), DType::BF16);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use pd_engine::serve::{
     Engine, EngineConfig, EngineCounters, EngineRequest, EngineThread, Finished, ImportedBlocks,
     RequestEvent, RequestId, Role,
 };
-use pd_engine::weights::Checkpoint;
+use pd_engine::weights::{Checkpoint, DType};
 
 const BS: usize = 4;
 
@@ -36,11 +36,15 @@ fn config() -> EngineConfig {
 }
 
 fn engine(num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
+    engine_on(CpuBackend::new(), num_blocks, cfg)
+}
+
+fn engine_on(backend: CpuBackend, num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/tiny-gqa");
     let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &mc, &mut |_, _| {}).unwrap();
-    let exec = Executor::new(CpuBackend::new(), model, BS, num_blocks).unwrap();
+    let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
+    let exec = Executor::new(backend, model, BS, num_blocks).unwrap();
     Engine::new(exec, cfg, vec![399], 400).unwrap()
 }
 
@@ -219,12 +223,20 @@ fn cache_salt_isolates_tenants() {
     assert_eq!(unsalted.finished.unwrap().usage.cached_tokens(), 0);
 }
 
+/// With the KV cache in f32, f16 and bf16: the host tier keeps blocks as they travel (f32),
+/// which a 16-bit cache gets back exactly.
 #[test]
 fn evicted_blocks_come_back_from_the_host_tier_as_external_hits() {
+    for kv_dtype in [DType::F32, DType::F16, DType::BF16] {
+        evicted_blocks_come_back(kv_dtype);
+    }
+}
+
+fn evicted_blocks_come_back(kv_dtype: DType) {
     let mut cfg = config();
     cfg.host_cache_blocks = 64;
     // 12 blocks: a 20-token request with 4 new tokens needs 6; the second request evicts.
-    let mut e = engine(12, cfg);
+    let mut e = engine_on(CpuBackend::with_kv_dtype(kv_dtype), 12, cfg);
     let p = prompt(4, 20);
     let first = run_one(&mut e, req("a", p.clone(), 4));
     // Fill the pool with other content, evicting a's cached blocks into the host tier.
@@ -232,11 +244,11 @@ fn evicted_blocks_come_back_from_the_host_tier_as_external_hits() {
     let again = run_one(&mut e, req("b", p.clone(), 4));
     assert_eq!(
         first.tokens, again.tokens,
-        "restored KV gives the same tokens"
+        "{kv_dtype:?}: restored KV gives the same tokens"
     );
     let usage = again.finished.unwrap().usage;
     assert_eq!(usage.local_cached_tokens + usage.external_cached_tokens, 16);
-    assert!(usage.external_cached_tokens > 0, "{usage:?}");
+    assert!(usage.external_cached_tokens > 0, "{kv_dtype:?}: {usage:?}");
     let c = e.counters();
     assert_eq!(
         c.external_prefix_cache_hits as usize,

@@ -60,7 +60,10 @@ pub fn effective_config(
         let layout =
             KvLayout::new(&files.config, e.block_size).map_err(|e| format!("--block-size: {e}"))?;
         model["max_model_len"] = json!(max_model_len);
-        model["kv_block_bytes"] = json!(layout.block_bytes());
+        model["kv_block_bytes"] = json!(match e.device {
+            Device::Cpu => pd_engine::backend::Backend::kv_block_bytes(&e.cpu_backend(), &layout),
+            Device::Cuda { .. } => layout.block_bytes(),
+        });
         if matches!(e.device, Device::Cpu) {
             model["num_gpu_blocks"] = json!(e.num_blocks(&layout, max_model_len));
         }

@@ -14,6 +14,7 @@ use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
 use pd_engine::serve::{EngineThread, Role};
 use pd_engine::synthetic;
+use pd_engine::weights::DType;
 use pd_transport::LayoutFingerprint;
 
 use crate::args::NodeArgs;
@@ -115,16 +116,23 @@ pub struct ModelFacts {
     pub num_blocks: usize,
     /// f32 values per KV block (all layers, K and V).
     pub block_len: usize,
+    /// How the KV cache is stored (`--kv-cache-dtype`, `auto` resolved).
+    pub kv_dtype: DType,
+    /// Whether the prefix cache is on.
+    pub prefix_caching: bool,
+    /// Blocks of the prefix cache's host-memory tier (`--host-cache-blocks`).
+    pub host_cache_blocks: usize,
 }
 
 impl ModelFacts {
     /// The facts of `files` served as `served_name` with `num_blocks` KV blocks (from
-    /// [`pd_engine::cli::EngineArgs::num_blocks_on`]).
+    /// [`pd_engine::cli::EngineArgs::num_blocks_on`]) stored as `kv_dtype`.
     pub fn new(
         args: &NodeArgs,
         served_name: &str,
         files: &ModelFiles,
         num_blocks: usize,
+        kv_dtype: DType,
     ) -> anyhow::Result<Self> {
         let max_model_len = args.engine.max_model_len(&files.config)?;
         let layout = KvLayout::new(&files.config, args.engine.block_size)?;
@@ -136,6 +144,9 @@ impl ModelFacts {
             max_model_len,
             num_blocks,
             layout,
+            kv_dtype,
+            prefix_caching: !args.engine.no_enable_prefix_caching,
+            host_cache_blocks: args.engine.host_cache_blocks,
         })
     }
 
@@ -175,7 +186,7 @@ fn start_on<B: Backend>(
     let num_blocks = args
         .engine
         .num_blocks_on(&backend, &files.config, &layout, max_model_len)?;
-    let facts = ModelFacts::new(args, &served_name, &files, num_blocks)?;
+    let facts = ModelFacts::new(args, &served_name, &files, num_blocks, backend.kv_dtype())?;
     let engine = args
         .engine
         .build_on(
@@ -207,10 +218,13 @@ pub async fn start_engine(
         // The device is opened first: asking for one that cannot work fails before any
         // model is written or read.
         let (facts, thread) = match args.engine.device {
-            Device::Cpu => {
-                args.engine.kv_cache_dtype.check_cpu()?;
-                start_on(CpuBackend::new(), &args, role, lease_timeout, &histograms)?
-            }
+            Device::Cpu => start_on(
+                args.engine.cpu_backend(),
+                &args,
+                role,
+                lease_timeout,
+                &histograms,
+            )?,
             Device::Cuda { ordinal } => {
                 let backend = pd_kernels::CudaBackend::open_with(
                     ordinal,

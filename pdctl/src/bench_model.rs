@@ -5,9 +5,11 @@
 use std::time::Instant;
 
 use clap::Args;
+use pd_engine::backend::Backend;
 use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::cli::KvCacheDtype;
 use pd_engine::generate::{Runner, Sequence, StepItem};
-use pd_engine::kv::DEFAULT_BLOCK_SIZE;
+use pd_engine::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -28,6 +30,9 @@ pub struct BenchModelArgs {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 32)]
     decode_steps: usize,
+    /// How the KV cache is stored (`auto` is f32 on the CPU): 16-bit reads half the bytes.
+    #[arg(long, default_value_t = KvCacheDtype::Auto)]
+    kv_cache_dtype: KvCacheDtype,
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -68,15 +73,17 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let files = crate::load::open(&args.model)?;
     let model = crate::load::weights(&files)?;
     let weight_bytes = model.weight_bytes_per_step();
-    // K and V of one token, all layers, as the CPU backend stores them (f32): what a decode
-    // step reads per token of each sequence's context besides the weights.
-    let c = &files.config;
-    let kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4;
+    let kv_dtype = args.kv_cache_dtype.on_cpu();
+    let backend = CpuBackend::with_kv_dtype(kv_dtype);
+    // K and V of one token, all layers, as the CPU backend stores them: what a decode step
+    // reads per token of each sequence's context besides the weights.
+    let layout = KvLayout::new(&files.config, DEFAULT_BLOCK_SIZE)?;
+    let kv_bytes_per_token = backend.kv_block_bytes(&layout) / DEFAULT_BLOCK_SIZE;
     let vocab = files.config.vocab_size as u32;
     let max_batch = *args.batch.iter().max().expect("non-empty");
     let per_seq = args.prompt_len.max(args.decode_context + args.decode_steps);
     let blocks = max_batch * per_seq.div_ceil(DEFAULT_BLOCK_SIZE) + 1;
-    let mut runner = Runner::new(CpuBackend::new(), model, DEFAULT_BLOCK_SIZE, blocks)?;
+    let mut runner = Runner::new(backend, model, DEFAULT_BLOCK_SIZE, blocks)?;
     let threads = rayon::current_num_threads();
 
     let bandwidth_before = read_bandwidth(1 << 30, args.repeat);
@@ -151,6 +158,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         let out = json!({
             "model": args.model,
             "dtype": files.config.dtype.torch_name(),
+            "kv_cache_dtype": kv_dtype.torch_name(),
             "threads": threads,
             "read_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes_per_step": weight_bytes,
@@ -166,8 +174,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "model            {} ({}, {} threads)",
-        args.model, files.config.dtype, threads
+        "model            {} ({}, KV cache {}, {} threads)",
+        args.model, files.config.dtype, kv_dtype, threads
     );
     println!(
         "memory read      {:.1} GB/s (best of before/after, 1 GiB buffer)",

@@ -65,10 +65,7 @@ pub fn start_engine(
     lease_timeout: Duration,
 ) -> anyhow::Result<EngineThread> {
     match args.device {
-        Device::Cpu => {
-            args.kv_cache_dtype.check_cpu()?;
-            start_on(CpuBackend::new(), files, args, role, seed, lease_timeout)
-        }
+        Device::Cpu => start_on(args.cpu_backend(), files, args, role, seed, lease_timeout),
         Device::Cuda { ordinal } => {
             let backend = pd_kernels::CudaBackend::open_with(
                 ordinal,

@@ -483,7 +483,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         pd_node::server::bind(&args.node.host, args.node.metrics_port, "metrics server").await?;
     let metrics = Arc::new(NodeMetrics::new(
         Role::Prefill,
-        &facts.served_name,
+        &facts,
         handle.clone(),
         export.transfer_stats(),
         started.histograms,

@@ -158,21 +158,26 @@ pub fn json_of(out: &Output) -> Value {
 /// `pdctl run --json` of one mixed engine in one process on `synthetic:tiny`: greedy,
 /// `max_tokens` tokens of `ids`, EOS ignored (the reference the cluster must equal).
 pub fn reference_run(cache: &Path, ids: &[u32], max_tokens: u32) -> Value {
+    reference_run_with(cache, ids, max_tokens, &[])
+}
+
+/// [`reference_run`] with engine flags added (e.g. `--kv-cache-dtype f16`).
+pub fn reference_run_with(cache: &Path, ids: &[u32], max_tokens: u32, flags: &[&str]) -> Value {
     let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-    json_of(&pdctl(
-        cache,
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--token-ids",
-            &ids,
-            "--max-tokens",
-            &max_tokens.to_string(),
-            "--ignore-eos",
-            "--json",
-        ],
-    ))
+    let max_tokens = max_tokens.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        "synthetic:tiny",
+        "--token-ids",
+        &ids,
+        "--max-tokens",
+        &max_tokens,
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(flags);
+    json_of(&pdctl(cache, &args))
 }
 
 /// The token ids of a `pdctl run/generate --json` object.

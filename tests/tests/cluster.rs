@@ -2,7 +2,8 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, all_blocks_free, client, collect, greedy, node_info, reference_tokens, spread_prompts,
+    Cluster, all_blocks_free, client, collect, exposition, greedy, node_info, reference_run_with,
+    reference_tokens, spread_prompts, token_ids,
 };
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
@@ -65,6 +66,66 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     let decode_after = node_info(decode, "decode").await.counters.unwrap();
     assert_eq!(decode_after.prompt_tokens, decode_before.prompt_tokens);
     assert_eq!(decode_after.kv_transfers, decode_before.kv_transfers);
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
+
+/// Each sampled token's log-probability from a `pdctl run --json` object.
+fn logprobs_of(v: &serde_json::Value) -> Vec<f64> {
+    let lps = v["logprobs"].as_array().expect("logprobs");
+    lps.iter()
+        .map(|lp| lp["logprob"].as_f64().expect("logprob"))
+        .collect()
+}
+
+/// Both nodes keep their KV cache in f16: the blocks travel as f32 (exact from f16) and land
+/// through a conversion instead of in place, and the cluster still equals one engine with
+/// the same cache type: the same tokens, and log-probabilities that show the f16 rounding
+/// (they are not f32's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_with_a_16_bit_kv_cache_equals_one_engine_with_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let f16 = ["--kv-cache-dtype", "f16"];
+    let cluster = Cluster::up(cache.path(), &["--", f16[0], f16[1]]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    let (mut off_f16, mut off_f32) = (0.0f64, 0.0f64);
+    for ids in spread_prompts(3, 20, 23, 7) {
+        let want = reference_run_with(cache.path(), &ids, 10, &["--logprobs", "0", f16[0], f16[1]]);
+        let f32_run = reference_run_with(cache.path(), &ids, 10, &["--logprobs", "0"]);
+        let mut req = greedy(ids.clone(), 10);
+        req.sampling.as_mut().unwrap().logprobs = Some(0);
+        let mut stream = c.generate(req).await.unwrap().into_inner();
+        let (mut got, mut lps) = (Vec::new(), Vec::new());
+        while let Some(chunk) = stream.message().await.unwrap() {
+            got.extend_from_slice(&chunk.token_ids);
+            lps.extend(chunk.logprobs.iter().map(|l| f64::from(l.logprob)));
+        }
+        assert_eq!(got, token_ids(&want), "prompt of {} tokens", ids.len());
+        for (g, (w, w32)) in lps
+            .iter()
+            .zip(logprobs_of(&want).iter().zip(logprobs_of(&f32_run)))
+        {
+            off_f16 = off_f16.max((g - w).abs());
+            off_f32 = off_f32.max((g - w32).abs());
+        }
+    }
+    eprintln!("logprobs: {off_f16:e} from f16's, {off_f32:e} from f32's");
+    assert!(
+        off_f16 <= 1e-6,
+        "the cluster's f16 logprobs are {off_f16} off one engine's"
+    );
+    assert!(
+        off_f32 > 1e-5,
+        "no sign of f16 rounding: {off_f32} from f32's"
+    );
+    // Both nodes say how they store KV, as vLLM does.
+    for role in ["prefill", "decode"] {
+        let e = exposition(&cluster.node_metrics(role)[0]).await.unwrap();
+        let info = "vllm:cache_config_info";
+        assert_eq!(e.label_values(info, "cache_dtype"), ["float16"], "{role}");
+        assert_eq!(e.label_values(info, "block_size"), ["16"], "{role}");
+        assert_eq!(e.sum(info, &[("role", role)]), 1.0, "{role}");
+    }
+    all_blocks_free(&cluster).await;
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }
 

@@ -8,6 +8,7 @@
 //! Sampling decisions stay with [`crate::sampling`]; a backend only runs the part of it
 //! that [`crate::sampling::device`] specifies, next to the logits.
 
+pub mod conformance;
 pub mod cpu;
 pub mod graph;
 
@@ -117,11 +118,15 @@ pub trait Backend: Send + Sync + 'static {
         num_blocks: usize,
     ) -> Result<Self::KvStorage, EngineError>;
 
+    /// The type the KV cache is stored in (after `auto` is resolved). Default f32.
+    fn kv_dtype(&self) -> crate::weights::DType {
+        crate::weights::DType::F32
+    }
+
     /// Bytes of this backend's own memory one KV block of `layout` takes (all layers, K and
-    /// V). By default f32 storage, [`KvLayout::block_bytes`]; a backend storing KV in a
-    /// 16-bit type takes half.
+    /// V): [`KvLayout::block_bytes`] (f32) scaled to [`Backend::kv_dtype`].
     fn kv_block_bytes(&self, layout: &KvLayout) -> usize {
-        layout.block_bytes()
+        layout.block_bytes() / 4 * self.kv_dtype().size_in_bytes()
     }
 
     /// Bytes of this backend's own memory the KV cache may take once the weights are

@@ -9,8 +9,8 @@
 //! each with one prefix lookup (device, then host tier); (3) one forward pass; (4) sampling,
 //! block registration in the prefix cache, stop checks and events.
 //!
-//! Split by concern: [`seq`] (one open request), [`import`] (KV that arrives with a
-//! request), [`leases`] (prefill leases and the import buffers); the settings are
+//! Split by concern: `seq` (one open request), `import` (KV that arrives with a
+//! request), `leases` (prefill leases and the import buffers); the settings are
 //! [`super::config`].
 
 use std::collections::{HashMap, VecDeque};

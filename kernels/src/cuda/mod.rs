@@ -384,8 +384,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn kv_block_bytes(&self, layout: &KvLayout) -> usize {
-        layout.block_bytes() / 4 * self.kv_dtype().size_in_bytes()
+    fn kv_dtype(&self) -> DType {
+        CudaBackend::kv_dtype(self)
     }
 
     fn kv_memory_budget(&self, activation_bytes: usize) -> Result<Option<usize>, EngineError> {

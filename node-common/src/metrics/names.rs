@@ -38,6 +38,12 @@ pub mod label {
     pub const REASON: &str = "reason";
     pub const LANDING: &str = "landing";
     pub const LAYOUT: &str = "layout";
+    /// `vllm:cache_config_info`'s labels (vLLM's `CacheConfig` field names).
+    pub const BLOCK_SIZE: &str = "block_size";
+    pub const CACHE_DTYPE: &str = "cache_dtype";
+    pub const ENABLE_PREFIX_CACHING: &str = "enable_prefix_caching";
+    pub const NUM_GPU_BLOCKS: &str = "num_gpu_blocks";
+    pub const NUM_CPU_BLOCKS: &str = "num_cpu_blocks";
     /// The histogram bucket bound.
     pub const LE: &str = "le";
 }
@@ -70,6 +76,7 @@ pub enum Family {
     NumRequestsRunning,
     NumRequestsWaiting,
     KvCacheUsagePerc,
+    CacheConfigInfo,
     PrefixCacheQueries,
     PrefixCacheHits,
     ExternalPrefixCacheQueries,
@@ -96,10 +103,11 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 26] = [
+    pub const ALL: [Family; 27] = [
         Self::NumRequestsRunning,
         Self::NumRequestsWaiting,
         Self::KvCacheUsagePerc,
+        Self::CacheConfigInfo,
         Self::PrefixCacheQueries,
         Self::PrefixCacheHits,
         Self::ExternalPrefixCacheQueries,
@@ -132,6 +140,7 @@ impl Family {
             Self::NumRequestsRunning => "vllm:num_requests_running",
             Self::NumRequestsWaiting => "vllm:num_requests_waiting",
             Self::KvCacheUsagePerc => "vllm:kv_cache_usage_perc",
+            Self::CacheConfigInfo => "vllm:cache_config_info",
             Self::PrefixCacheQueries => "vllm:prefix_cache_queries_total",
             Self::PrefixCacheHits => "vllm:prefix_cache_hits_total",
             Self::ExternalPrefixCacheQueries => "vllm:external_prefix_cache_queries_total",
@@ -163,6 +172,7 @@ impl Family {
             Self::NumRequestsRunning => "Number of requests in model execution batches.",
             Self::NumRequestsWaiting => "Number of requests waiting to be processed.",
             Self::KvCacheUsagePerc => "KV-cache usage. 1 means 100 percent usage.",
+            Self::CacheConfigInfo => "Information of the LLMEngine CacheConfig",
             Self::PrefixCacheQueries => {
                 "Prefix cache queries, in terms of number of queried tokens."
             }
@@ -217,6 +227,7 @@ impl Family {
             Self::NumRequestsRunning
             | Self::NumRequestsWaiting
             | Self::KvCacheUsagePerc
+            | Self::CacheConfigInfo
             | Self::Epoch => MetricType::Gauge,
             Self::TimeToFirstToken
             | Self::InterTokenLatency

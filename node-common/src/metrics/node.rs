@@ -1,6 +1,7 @@
 //! [`NodeMetrics`]: everything a node's `/metrics` shows and its `CounterReport` carries,
 //! read from where it is counted: the engine's published counters and gauges, the
-//! transport's [`TransferStats`], and the request histograms fed by the engine thread.
+//! transport's [`TransferStats`], and the request histograms fed by the engine thread; and
+//! the KV cache's configuration, fixed at start (`vllm:cache_config_info`).
 
 use std::sync::Arc;
 
@@ -14,12 +15,15 @@ use super::names::{
     self, ENGINE_INDEX, FINISH_REASONS, Family, PromptSource, finished_reason, label,
 };
 use super::report::{Epoch, counter_report, requests_finished};
+use crate::model::ModelFacts;
 
 /// A node's metrics: cheap to read (each scrape or report takes fresh snapshots).
 #[derive(Debug)]
 pub struct NodeMetrics {
     role: Role,
     model_name: String,
+    /// `vllm:cache_config_info`'s own labels, as vLLM writes them.
+    cache_config: Vec<(&'static str, String)>,
     epoch: Epoch,
     engine: EngineHandle,
     transfers: Arc<TransferStats>,
@@ -38,14 +42,15 @@ impl NodeMetrics {
     /// ([`RequestHistograms::observer`]). A new random epoch is drawn here.
     pub fn new(
         role: Role,
-        model_name: &str,
+        facts: &ModelFacts,
         engine: EngineHandle,
         transfers: Arc<TransferStats>,
         requests: Arc<RequestHistograms>,
     ) -> Self {
         Self {
             role,
-            model_name: model_name.to_string(),
+            model_name: facts.served_name.clone(),
+            cache_config: cache_config(facts),
             epoch: Epoch::random(),
             engine,
             transfers,
@@ -91,6 +96,11 @@ impl NodeMetrics {
             if let Some(h) = self.histogram(family, &snap) {
                 e.histogram(family, base, &h);
             }
+            if family == Family::CacheConfigInfo {
+                let mut labels = base.to_vec();
+                labels.extend(self.cache_config.iter().map(|(k, v)| (*k, v.as_str())));
+                e.sample(family.name(), &labels, 1.0);
+            }
             for (extra, value) in values(family, &snap, self.epoch) {
                 let mut labels = base.to_vec();
                 labels.extend(extra);
@@ -120,8 +130,26 @@ impl NodeMetrics {
     }
 }
 
+/// `vllm:cache_config_info`'s labels: the block size, the KV cache's stored type (resolved,
+/// as torch names it: `float32`, `float16`, `bfloat16`), whether prefix caching is on
+/// (Python's `True` / `False`, as vLLM writes it), the KV blocks and the host tier's blocks.
+fn cache_config(facts: &ModelFacts) -> Vec<(&'static str, String)> {
+    let python_bool = |b: bool| if b { "True" } else { "False" };
+    vec![
+        (label::BLOCK_SIZE, facts.block_size().to_string()),
+        (label::CACHE_DTYPE, facts.kv_dtype.torch_name().to_string()),
+        (
+            label::ENABLE_PREFIX_CACHING,
+            python_bool(facts.prefix_caching).to_string(),
+        ),
+        (label::NUM_GPU_BLOCKS, facts.num_blocks.to_string()),
+        (label::NUM_CPU_BLOCKS, facts.host_cache_blocks.to_string()),
+    ]
+}
+
 /// The samples of a counter or gauge family: its own labels (after the base ones) and value.
-/// None for a histogram (see [`NodeMetrics::histogram`]).
+/// None for a histogram (see [`NodeMetrics::histogram`]) or the configuration's info gauge
+/// (see [`NodeMetrics::render`]).
 fn values(
     family: Family,
     snap: &Snapshot,
@@ -184,7 +212,8 @@ fn values(
         ],
         Family::KvLeasesExpired => one(c.kv_leases_expired),
         Family::Epoch => one(epoch.get()),
-        Family::TimeToFirstToken
+        Family::CacheConfigInfo
+        | Family::TimeToFirstToken
         | Family::InterTokenLatency
         | Family::E2eRequestLatency
         | Family::RequestQueueTime

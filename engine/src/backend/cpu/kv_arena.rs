@@ -7,22 +7,24 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use super::kv_elem::KvElem;
+
 /// The allocation itself, freed when the last [`KvArena`] or keep-alive clone goes.
 #[derive(Debug)]
-struct Allocation {
-    ptr: NonNull<f32>,
+struct Allocation<E: KvElem> {
+    ptr: NonNull<E>,
     len: usize,
 }
 
 // SAFETY: the allocation is plain memory; access to it is arbitrated by `KvArena`'s `&`/`&mut`
 // range methods on the engine's side and by `KvReservation` for reserved blocks.
-unsafe impl Send for Allocation {}
+unsafe impl<E: KvElem> Send for Allocation<E> {}
 // SAFETY: as above.
-unsafe impl Sync for Allocation {}
+unsafe impl<E: KvElem> Sync for Allocation<E> {}
 
-impl Drop for Allocation {
+impl<E: KvElem> Drop for Allocation<E> {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a `Box<[f32]>` of `len` elements in
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a `Box<[E]>` of `len` elements in
         // `KvArena::filled`, and this is the only place that frees it.
         drop(unsafe {
             Box::from_raw(std::ptr::slice_from_raw_parts_mut(
@@ -33,17 +35,18 @@ impl Drop for Allocation {
     }
 }
 
-/// `len` f32 values of KV memory.
+/// `len` values of KV memory, of the cache's element type (f32 unless `--kv-cache-dtype`
+/// says otherwise).
 #[derive(Debug)]
-pub struct KvArena(Arc<Allocation>);
+pub struct KvArena<E: KvElem = f32>(Arc<Allocation<E>>);
 
-impl KvArena {
+impl<E: KvElem> KvArena<E> {
     /// `len` values set to `value`; `None` if the memory cannot be had.
-    pub fn filled(len: usize, value: f32) -> Option<Self> {
+    pub fn filled(len: usize, value: E) -> Option<Self> {
         let mut v = Vec::new();
         v.try_reserve_exact(len).ok()?;
         v.resize(len, value);
-        let ptr = Box::into_raw(v.into_boxed_slice()) as *mut f32;
+        let ptr = Box::into_raw(v.into_boxed_slice()) as *mut E;
         let ptr = NonNull::new(ptr).expect("Box::into_raw is never null");
         Some(Self(Arc::new(Allocation { ptr, len })))
     }
@@ -58,7 +61,7 @@ impl KvArena {
 
     /// Values `r`.
     #[inline]
-    pub fn range(&self, r: Range<usize>) -> &[f32] {
+    pub fn range(&self, r: Range<usize>) -> &[E] {
         assert!(
             r.start <= r.end && r.end <= self.0.len,
             "KV range {r:?} of {}",
@@ -72,7 +75,7 @@ impl KvArena {
 
     /// Values `r`, to write.
     #[inline]
-    pub fn range_mut(&mut self, r: Range<usize>) -> &mut [f32] {
+    pub fn range_mut(&mut self, r: Range<usize>) -> &mut [E] {
         assert!(
             r.start <= r.end && r.end <= self.0.len,
             "KV range {r:?} of {}",
@@ -84,7 +87,7 @@ impl KvArena {
     }
 
     /// The first value's address, for describing the memory to a transport.
-    pub fn base(&self) -> NonNull<f32> {
+    pub fn base(&self) -> NonNull<E> {
         self.0.ptr
     }
 
@@ -100,7 +103,7 @@ mod tests {
 
     #[test]
     fn ranges_read_back_what_was_written_and_bounds_are_checked() {
-        let mut a = KvArena::filled(10, 1.5).unwrap();
+        let mut a = KvArena::filled(10, 1.5f32).unwrap();
         assert_eq!(a.range(0..10), &[1.5; 10]);
         a.range_mut(3..5).copy_from_slice(&[7.0, 8.0]);
         assert_eq!(a.range(2..6), &[1.5, 7.0, 8.0, 1.5]);
@@ -108,6 +111,8 @@ mod tests {
         let keep = a.keep_alive();
         drop(a);
         drop(keep);
-        assert!(KvArena::filled(0, 0.0).unwrap().is_empty());
+        assert!(KvArena::filled(0, 0.0f32).unwrap().is_empty());
+        let h = KvArena::filled(4, half::f16::from_f32(2.0)).unwrap();
+        assert_eq!(h.range(1..3), &[half::f16::from_f32(2.0); 2]);
     }
 }

@@ -1,13 +1,16 @@
 //! The CPU backend: f32 compute over weights kept in their stored dtype, multi-threaded with
-//! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`].
-//! It is the reference every other backend is compared against.
+//! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`];
+//! the KV cache is f32, or f16 / bf16 with `--kv-cache-dtype` ([`kv_elem`]). It is the
+//! reference every other backend is compared against.
 
 pub mod attention;
 pub mod convert;
 pub mod kv_arena;
+pub mod kv_elem;
 pub mod linear;
 mod matrix;
 
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::{AttentionMeta, Backend, HostMatrix};
@@ -16,21 +19,38 @@ use crate::kv::KvLayout;
 use crate::kv::placement::{HostKvMemory, HostSegment};
 use crate::sampling::device::sample_row;
 use crate::sampling::{DeviceSample, DeviceSampleRow};
-use crate::weights::TensorView;
+use crate::weights::{DType, TensorView};
 
 pub use kv_arena::KvArena;
+pub use kv_elem::KvElem;
 pub use matrix::WeightMatrix;
 
 /// Element-wise work below this many elements runs on the calling thread: forking costs more.
 const PAR_THRESHOLD: usize = 1 << 16;
 
 /// The CPU backend. Threads come from rayon's global pool (all cores by default).
-#[derive(Debug, Default, Clone)]
-pub struct CpuBackend;
+#[derive(Debug, Clone, Copy)]
+pub struct CpuBackend {
+    /// How the KV cache is stored.
+    kv_dtype: DType,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl CpuBackend {
+    /// A backend keeping its KV cache in f32.
     pub fn new() -> Self {
-        Self
+        Self::with_kv_dtype(DType::F32)
+    }
+
+    /// A backend keeping its KV cache in `kv_dtype`: 16-bit halves the cache's memory and
+    /// attention's reads of it, at the rounding of K and V to that type.
+    pub fn with_kv_dtype(kv_dtype: DType) -> Self {
+        Self { kv_dtype }
     }
 }
 
@@ -89,9 +109,54 @@ impl CpuWeight {
 
 /// K and V of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]` each.
 #[derive(Debug)]
-pub struct CpuLayerKv {
-    pub k: KvArena,
-    pub v: KvArena,
+pub struct CpuLayerKv<E: KvElem = f32> {
+    pub k: KvArena<E>,
+    pub v: KvArena<E>,
+}
+
+impl<E: KvElem> CpuLayerKv<E> {
+    /// `len` values each for K and V, set to `fill`; `None` if the memory cannot be had.
+    pub fn filled(len: usize, fill: f32) -> Option<Self> {
+        let fill = E::from_f32(fill);
+        Some(Self {
+            k: KvArena::filled(len, fill)?,
+            v: KvArena::filled(len, fill)?,
+        })
+    }
+}
+
+/// Every layer's K and V, in the cache's element type.
+#[derive(Debug)]
+pub enum CpuKvLayers {
+    F32(Vec<CpuLayerKv<f32>>),
+    F16(Vec<CpuLayerKv<f16>>),
+    Bf16(Vec<CpuLayerKv<bf16>>),
+}
+
+impl CpuKvLayers {
+    pub fn len(&self) -> usize {
+        match self {
+            CpuKvLayers::F32(l) => l.len(),
+            CpuKvLayers::F16(l) => l.len(),
+            CpuKvLayers::Bf16(l) => l.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `num_layers` layers of `len` values each for K and V, set to `fill`.
+    pub fn filled(dtype: DType, num_layers: usize, len: usize, fill: f32) -> Option<Self> {
+        fn layers<E: KvElem>(n: usize, len: usize, fill: f32) -> Option<Vec<CpuLayerKv<E>>> {
+            (0..n).map(|_| CpuLayerKv::filled(len, fill)).collect()
+        }
+        Some(match dtype {
+            DType::F32 => CpuKvLayers::F32(layers(num_layers, len, fill)?),
+            DType::F16 => CpuKvLayers::F16(layers(num_layers, len, fill)?),
+            DType::BF16 => CpuKvLayers::Bf16(layers(num_layers, len, fill)?),
+        })
+    }
 }
 
 /// Paged KV storage for all layers.
@@ -99,7 +164,43 @@ pub struct CpuLayerKv {
 pub struct CpuKvStorage {
     pub layout: KvLayout,
     pub num_blocks: usize,
-    pub layers: Vec<CpuLayerKv>,
+    pub layers: CpuKvLayers,
+}
+
+/// Writes rows of `k` / `v` into `slots` of one layer, rounded to the cache's type.
+fn write_rows<E: KvElem>(
+    store: &mut CpuLayerKv<E>,
+    width: usize,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    slots: &[u32],
+) {
+    for (r, &slot) in slots.iter().enumerate() {
+        let at = slot as usize * width;
+        E::store_f32(k.row(r), store.k.range_mut(at..at + width));
+        E::store_f32(v.row(r), store.v.range_mut(at..at + width));
+    }
+}
+
+/// [`Backend::read_block`] on layers of element type `E`: widened to f32.
+fn read_block_of<E: KvElem>(layers: &[CpuLayerKv<E>], n: usize, block: u32, dst: &mut [f32]) {
+    assert_eq!(dst.len(), 2 * n * layers.len(), "block buffer length");
+    let at = block as usize * n;
+    for (layer, out) in layers.iter().zip(dst.chunks_exact_mut(2 * n)) {
+        let (k, v) = out.split_at_mut(n);
+        E::load_f32(layer.k.range(at..at + n), k);
+        E::load_f32(layer.v.range(at..at + n), v);
+    }
+}
+
+/// [`Backend::write_block`] on layers of element type `E`: rounded from f32.
+fn write_block_of<E: KvElem>(layers: &mut [CpuLayerKv<E>], n: usize, block: u32, src: &[f32]) {
+    assert_eq!(src.len(), 2 * n * layers.len(), "block buffer length");
+    let at = block as usize * n;
+    for (layer, data) in layers.iter_mut().zip(src.chunks_exact(2 * n)) {
+        E::store_f32(&data[..n], layer.k.range_mut(at..at + n));
+        E::store_f32(&data[n..], layer.v.range_mut(at..at + n));
+    }
 }
 
 impl Backend for CpuBackend {
@@ -135,23 +236,22 @@ impl Backend for CpuBackend {
         let len = num_blocks
             .checked_mul(layout.block_size * layout.token_width())
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
-        let mut layers = Vec::with_capacity(layout.num_layers);
-        for _ in 0..layout.num_layers {
-            let k = KvArena::filled(len, 0.0);
-            let v = KvArena::filled(len, 0.0);
-            let (Some(k), Some(v)) = (k, v) else {
-                return Err(EngineError::OutOfBlocks(format!(
+        let layers =
+            CpuKvLayers::filled(self.kv_dtype, layout.num_layers, len, 0.0).ok_or_else(|| {
+                EngineError::OutOfBlocks(format!(
                     "cannot allocate {num_blocks} KV blocks ({} MiB) in host memory",
-                    (num_blocks * layout.block_bytes()) >> 20
-                )));
-            };
-            layers.push(CpuLayerKv { k, v });
-        }
+                    num_blocks.saturating_mul(self.kv_block_bytes(layout)) >> 20
+                ))
+            })?;
         Ok(CpuKvStorage {
             layout: layout.clone(),
             num_blocks,
             layers,
         })
+    }
+
+    fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
@@ -235,11 +335,10 @@ impl Backend for CpuBackend {
         assert_eq!(k.cols, width);
         assert_eq!(v.cols, width);
         assert_eq!(slots.len(), k.rows);
-        let store = &mut kv.layers[layer];
-        for (r, &slot) in slots.iter().enumerate() {
-            let at = slot as usize * width;
-            store.k.range_mut(at..at + width).copy_from_slice(k.row(r));
-            store.v.range_mut(at..at + width).copy_from_slice(v.row(r));
+        match &mut kv.layers {
+            CpuKvLayers::F32(l) => write_rows(&mut l[layer], width, k, v, slots),
+            CpuKvLayers::F16(l) => write_rows(&mut l[layer], width, k, v, slots),
+            CpuKvLayers::Bf16(l) => write_rows(&mut l[layer], width, k, v, slots),
         }
     }
 
@@ -303,29 +402,32 @@ impl Backend for CpuBackend {
 
     fn read_block(&self, kv: &CpuKvStorage, block: u32, dst: &mut [f32]) {
         let n = kv.layout.block_size * kv.layout.token_width();
-        assert_eq!(dst.len(), 2 * n * kv.layers.len(), "block buffer length");
-        let at = block as usize * n;
-        for (layer, out) in kv.layers.iter().zip(dst.chunks_exact_mut(2 * n)) {
-            out[..n].copy_from_slice(layer.k.range(at..at + n));
-            out[n..].copy_from_slice(layer.v.range(at..at + n));
+        match &kv.layers {
+            CpuKvLayers::F32(l) => read_block_of(l, n, block, dst),
+            CpuKvLayers::F16(l) => read_block_of(l, n, block, dst),
+            CpuKvLayers::Bf16(l) => read_block_of(l, n, block, dst),
         }
     }
 
     fn write_block(&self, kv: &mut CpuKvStorage, block: u32, src: &[f32]) {
         let n = kv.layout.block_size * kv.layout.token_width();
-        assert_eq!(src.len(), 2 * n * kv.layers.len(), "block buffer length");
-        let at = block as usize * n;
-        for (layer, data) in kv.layers.iter_mut().zip(src.chunks_exact(2 * n)) {
-            layer.k.range_mut(at..at + n).copy_from_slice(&data[..n]);
-            layer.v.range_mut(at..at + n).copy_from_slice(&data[n..]);
+        match &mut kv.layers {
+            CpuKvLayers::F32(l) => write_block_of(l, n, block, src),
+            CpuKvLayers::F16(l) => write_block_of(l, n, block, src),
+            CpuKvLayers::Bf16(l) => write_block_of(l, n, block, src),
         }
     }
 
+    /// Only an f32 cache: blocks travel as f32, so a 16-bit cache is copied in and out
+    /// through [`Backend::write_block`] / [`Backend::read_block`], converting, as a GPU's is.
     fn host_kv_memory(&self, kv: &CpuKvStorage) -> Option<HostKvMemory> {
+        let CpuKvLayers::F32(layers) = &kv.layers else {
+            return None;
+        };
         let stride = kv.layout.block_size * kv.layout.token_width() * 4;
-        let mut regions = Vec::with_capacity(2 * kv.layers.len());
-        let mut keep = Vec::with_capacity(2 * kv.layers.len());
-        for layer in &kv.layers {
+        let mut regions = Vec::with_capacity(2 * layers.len());
+        let mut keep = Vec::with_capacity(2 * layers.len());
+        for layer in layers {
             for arena in [&layer.k, &layer.v] {
                 // SAFETY: the arena's whole allocation, kept alive by `keep`; the engine
                 // touches it only through block ranges (`KvArena::range`/`range_mut`).

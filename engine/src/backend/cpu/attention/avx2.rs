@@ -4,6 +4,8 @@
 //! `exp2` as a polynomial on whole vectors. The compiler's own vectorisation of the portable kernels
 //! ([`super::portable`]) spilled and used 128-bit operations, hence these.
 //!
+//! Cached K and V are read in their stored type and widened in registers ([`load8`]).
+//!
 //! Every function requires a CPU with AVX2, FMA and F16C, the matrix kernels' instruction set
 //! (`Isa::Avx2`, whose horizontal sum it shares); the caller checks it once. Slice lengths
 //! are asserted on entry, so the pointer reads inside stay within them.
@@ -12,6 +14,29 @@ use std::arch::x86_64::*;
 
 use super::super::convert::avx2::hsum;
 use super::{KEY_TILE, LANES, ROW_BLOCK};
+use crate::backend::cpu::KvElem;
+use crate::weights::DType;
+
+/// Eight cached K or V values at `p`, widened to f32: a plain load for f32, F16C's convert
+/// for f16, a 16-bit shift for bf16 (its bits are an f32's upper half). The branch is on a
+/// constant of the type, so each instance compiles to one of the three.
+///
+/// # Safety
+/// AVX2 + F16C; eight values readable at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<E: KvElem>(p: *const E) -> __m256 {
+    // SAFETY: the contract: 8 elements of E (32 or 16 bytes) are readable at `p`.
+    unsafe {
+        match E::DTYPE {
+            DType::F32 => _mm256_loadu_ps(p.cast()),
+            DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            ))),
+        }
+    }
+}
 
 /// `s[m][i] = q[m] · k_i` for query vectors `m < queries` (rows of `q`, `hd` each) and the
 /// tile's keys (`keys.len() <= KEY_TILE`, `hd` each); `s` is `[queries, KEY_TILE]`.
@@ -24,7 +49,13 @@ use super::{KEY_TILE, LANES, ROW_BLOCK};
 /// The CPU must have AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &mut [f32]) {
+pub(super) unsafe fn scores<E: KvElem>(
+    q: &[f32],
+    hd: usize,
+    queries: usize,
+    keys: &[&[E]],
+    s: &mut [f32],
+) {
     assert!(q.len() >= queries * hd && s.len() >= queries * KEY_TILE && keys.len() <= KEY_TILE);
     assert!(keys.iter().all(|k| k.len() == hd));
     let mut m = 0;
@@ -33,9 +64,9 @@ pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
         while m < queries {
             let (q, s) = (q.as_ptr().add(m * hd), s.as_mut_ptr().add(m * KEY_TILE));
             m += match queries - m {
-                1 => score_rows::<1, 8>(q, hd, keys, s),
-                2 | 3 => score_rows::<2, 4>(q, hd, keys, s),
-                _ => score_rows::<ROW_BLOCK, 2>(q, hd, keys, s),
+                1 => score_rows::<1, 8, E>(q, hd, keys, s),
+                2 | 3 => score_rows::<2, 4, E>(q, hd, keys, s),
+                _ => score_rows::<ROW_BLOCK, 2, E>(q, hd, keys, s),
             };
         }
     }
@@ -48,21 +79,21 @@ pub(super) unsafe fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]
 /// AVX2 + FMA + F16C; `R * hd` f32 readable at `q`, `R * KEY_TILE` writable at `s`, every key `hd` long.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn score_rows<const R: usize, const K: usize>(
+unsafe fn score_rows<const R: usize, const K: usize, E: KvElem>(
     q: *const f32,
     hd: usize,
-    keys: &[&[f32]],
+    keys: &[&[E]],
     s: *mut f32,
 ) -> usize {
     let mut i = 0;
     // SAFETY: forwarded contract; keys i..i + K (or i) exist, their scores go to columns < KEY_TILE.
     unsafe {
         while i + K <= keys.len() {
-            score_block::<R, K>(q, hd, &keys[i..i + K], s.add(i));
+            score_block::<R, K, E>(q, hd, &keys[i..i + K], s.add(i));
             i += K;
         }
         while i < keys.len() {
-            score_block::<R, 1>(q, hd, &keys[i..i + 1], s.add(i));
+            score_block::<R, 1, E>(q, hd, &keys[i..i + 1], s.add(i));
             i += 1;
         }
     }
@@ -77,21 +108,21 @@ unsafe fn score_rows<const R: usize, const K: usize>(
 /// outputs writable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn score_block<const R: usize, const K: usize>(
+unsafe fn score_block<const R: usize, const K: usize, E: KvElem>(
     q: *const f32,
     hd: usize,
-    keys: &[&[f32]],
+    keys: &[&[E]],
     s: *mut f32,
 ) {
     let full = hd / LANES * LANES;
-    let k: [*const f32; K] = std::array::from_fn(|j| keys[j].as_ptr());
+    let k: [*const E; K] = std::array::from_fn(|j| keys[j].as_ptr());
     // SAFETY: d + LANES <= full <= hd for the vector loads of q's rows and the keys; the tail
     // reads d < hd; writes go to the R × K outputs (contract).
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); K]; R];
         let mut d = 0;
         while d < full {
-            let kv: [__m256; K] = std::array::from_fn(|j| _mm256_loadu_ps(k[j].add(d)));
+            let kv: [__m256; K] = std::array::from_fn(|j| load8(k[j].add(d)));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(q.add(r * hd + d));
                 for (a, kj) in acc.iter_mut().zip(&kv) {
@@ -104,7 +135,7 @@ unsafe fn score_block<const R: usize, const K: usize>(
             for (j, a) in acc.iter().enumerate() {
                 let mut dot = hsum(*a);
                 for d in full..hd {
-                    dot = (*q.add(r * hd + d)).mul_add(*k[j].add(d), dot);
+                    dot = (*q.add(r * hd + d)).mul_add((*k[j].add(d)).to_f32(), dot);
                 }
                 *s.add(r * KEY_TILE + j) = dot;
             }
@@ -213,9 +244,9 @@ pub(super) fn exp2(x: __m256) -> __m256 {
 /// The CPU must have AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn weighted_values(
+pub(super) unsafe fn weighted_values<E: KvElem>(
     p: &[f32],
-    values: &[&[f32]],
+    values: &[&[E]],
     hd: usize,
     queries: usize,
     o: &mut [f32],
@@ -228,9 +259,9 @@ pub(super) unsafe fn weighted_values(
         while m < queries {
             let (p, o) = (p.as_ptr().add(m * KEY_TILE), o.as_mut_ptr().add(m * hd));
             m += match queries - m {
-                1 => value_rows::<1, 8>(p, values, hd, o),
-                2 | 3 => value_rows::<2, 4>(p, values, hd, o),
-                _ => value_rows::<ROW_BLOCK, 2>(p, values, hd, o),
+                1 => value_rows::<1, 8, E>(p, values, hd, o),
+                2 | 3 => value_rows::<2, 4, E>(p, values, hd, o),
+                _ => value_rows::<ROW_BLOCK, 2, E>(p, values, hd, o),
             };
         }
     }
@@ -245,9 +276,9 @@ pub(super) unsafe fn weighted_values(
 /// `hd` long.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn value_rows<const R: usize, const C: usize>(
+unsafe fn value_rows<const R: usize, const C: usize, E: KvElem>(
     p: *const f32,
-    values: &[&[f32]],
+    values: &[&[E]],
     hd: usize,
     o: *mut f32,
 ) -> usize {
@@ -256,18 +287,18 @@ unsafe fn value_rows<const R: usize, const C: usize>(
     // scalar rest stays below hd; weights are read at i < values.len() <= KEY_TILE.
     unsafe {
         while d + C * LANES <= hd {
-            value_block::<R, C>(p, values, hd, o, d);
+            value_block::<R, C, E>(p, values, hd, o, d);
             d += C * LANES;
         }
         while d + LANES <= hd {
-            value_block::<R, 1>(p, values, hd, o, d);
+            value_block::<R, 1, E>(p, values, hd, o, d);
             d += LANES;
         }
         for d in d..hd {
             for r in 0..R {
                 let mut acc = *o.add(r * hd + d);
                 for (i, v) in values.iter().enumerate() {
-                    acc = (*p.add(r * KEY_TILE + i)).mul_add(v[d], acc);
+                    acc = (*p.add(r * KEY_TILE + i)).mul_add(v[d].to_f32(), acc);
                 }
                 *o.add(r * hd + d) = acc;
             }
@@ -283,9 +314,9 @@ unsafe fn value_rows<const R: usize, const C: usize>(
 /// read-writable at `o`, every value `hd` long.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn value_block<const R: usize, const C: usize>(
+unsafe fn value_block<const R: usize, const C: usize, E: KvElem>(
     p: *const f32,
-    values: &[&[f32]],
+    values: &[&[E]],
     hd: usize,
     o: *mut f32,
     d: usize,
@@ -299,8 +330,7 @@ unsafe fn value_block<const R: usize, const C: usize>(
             }
         }
         for (i, v) in values.iter().enumerate() {
-            let vv: [__m256; C] =
-                std::array::from_fn(|c| _mm256_loadu_ps(v.as_ptr().add(d + c * LANES)));
+            let vv: [__m256; C] = std::array::from_fn(|c| load8(v.as_ptr().add(d + c * LANES)));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = _mm256_broadcast_ss(&*p.add(r * KEY_TILE + i));
                 for (a, vc) in acc.iter_mut().zip(&vv) {

@@ -23,8 +23,9 @@ mod task;
 use rayon::prelude::*;
 
 use super::convert::Isa;
-use super::{CpuKvStorage, CpuTensor};
+use super::{CpuKvLayers, CpuKvStorage, CpuLayerKv, CpuTensor, KvElem};
 use crate::backend::AttentionMeta;
+use crate::kv::KvLayout;
 
 /// Largest head_dim the CPU kernel accepts (guards the per-task scratch size).
 pub const MAX_HEAD_DIM: usize = 512;
@@ -66,10 +67,11 @@ pub fn paged_attention(
 }
 
 /// Everything a task reads, shared by all tasks of one call.
-struct Shared<'a> {
+struct Shared<'a, E: KvElem> {
     q: &'a CpuTensor,
-    kv: &'a CpuKvStorage,
-    layer: usize,
+    layout: &'a KvLayout,
+    /// The layer's K and V.
+    store: &'a CpuLayerKv<E>,
     meta: &'a AttentionMeta,
     group: usize,
     /// `scale * log2(e)`: folded into Q so the scores are base-2 exponents.
@@ -98,6 +100,21 @@ fn paged_attention_with(
         assert!(seq.q_len <= seq.context_len && seq.q_start + seq.q_len <= q.rows);
         assert!(seq.block_table.len() * kv.layout.block_size >= seq.context_len);
     }
+    match &kv.layers {
+        CpuKvLayers::F32(l) => attend(isa, q, &kv.layout, &l[layer], meta),
+        CpuKvLayers::F16(l) => attend(isa, q, &kv.layout, &l[layer], meta),
+        CpuKvLayers::Bf16(l) => attend(isa, q, &kv.layout, &l[layer], meta),
+    }
+}
+
+/// [`paged_attention_with`] over one layer's K and V stored as `E` (arguments checked).
+fn attend<E: KvElem>(
+    isa: Isa,
+    q: &CpuTensor,
+    layout: &KvLayout,
+    store: &CpuLayerKv<E>,
+    meta: &AttentionMeta,
+) -> CpuTensor {
     let group = meta.num_heads / meta.num_kv_heads;
     let plan = plan::plan(
         meta,
@@ -107,8 +124,8 @@ fn paged_attention_with(
 
     let shared = Shared {
         q,
-        kv,
-        layer,
+        layout,
+        store,
         meta,
         group,
         q_scale: meta.scale * LOG2_E,
@@ -135,7 +152,13 @@ fn paged_attention_with(
 
 /// The tile's scores ([`portable::scores`]) on the kernels `AVX2` selects.
 #[inline(always)]
-fn scores<const AVX2: bool>(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &mut [f32]) {
+fn scores<const AVX2: bool, E: KvElem>(
+    q: &[f32],
+    hd: usize,
+    queries: usize,
+    keys: &[&[E]],
+    s: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: `AVX2` is true only in code compiled into `task_avx2`, which runs only on a
@@ -164,9 +187,9 @@ fn softmax_step<const AVX2: bool>(
 
 /// The tile's weighted values ([`portable::weighted_values`]) on the kernels `AVX2` selects.
 #[inline(always)]
-fn weighted_values<const AVX2: bool>(
+fn weighted_values<const AVX2: bool, E: KvElem>(
     p: &[f32],
-    values: &[&[f32]],
+    values: &[&[E]],
     hd: usize,
     queries: usize,
     o: &mut [f32],

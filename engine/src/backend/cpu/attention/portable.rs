@@ -3,6 +3,7 @@
 //! [`super::avx2`]; what they compute is documented on the functions of both.
 
 use super::{EXP2_POLY, KEY_TILE, LANES, Lanes, ROW_BLOCK};
+use crate::backend::cpu::KvElem;
 
 /// Whether `mul_add` may be used: only where it is a native instruction of the baseline
 /// target (on x86-64 without FMA it would be a library call per element).
@@ -16,21 +17,27 @@ fn fma(a: f32, b: f32, c: f32) -> f32 {
 
 /// `s[m][i] = q[m] · k_i` for every query vector m and key i of the tile, register-blocked
 /// over [`ROW_BLOCK`] query vectors × 2 keys.
-pub(super) fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &mut [f32]) {
+pub(super) fn scores<E: KvElem>(
+    q: &[f32],
+    hd: usize,
+    queries: usize,
+    keys: &[&[E]],
+    s: &mut [f32],
+) {
     let mut m = 0;
     while m < queries {
         // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
         let r = match queries - m {
             1 => {
-                score_block::<1>(q, hd, m, keys, s);
+                score_block::<1, E>(q, hd, m, keys, s);
                 1
             }
             2 | 3 => {
-                score_block::<2>(q, hd, m, keys, s);
+                score_block::<2, E>(q, hd, m, keys, s);
                 2
             }
             _ => {
-                score_block::<ROW_BLOCK>(q, hd, m, keys, s);
+                score_block::<ROW_BLOCK, E>(q, hd, m, keys, s);
                 ROW_BLOCK
             }
         };
@@ -40,7 +47,13 @@ pub(super) fn scores(q: &[f32], hd: usize, queries: usize, keys: &[&[f32]], s: &
 
 /// [`scores`] for query vectors `m0..m0 + R`.
 #[inline(always)]
-fn score_block<const R: usize>(q: &[f32], hd: usize, m0: usize, keys: &[&[f32]], s: &mut [f32]) {
+fn score_block<const R: usize, E: KvElem>(
+    q: &[f32],
+    hd: usize,
+    m0: usize,
+    keys: &[&[E]],
+    s: &mut [f32],
+) {
     let qs: [&[f32]; R] = std::array::from_fn(|r| &q[(m0 + r) * hd..][..hd]);
     let full = hd / LANES * LANES;
     let mut i = 0;
@@ -50,8 +63,8 @@ fn score_block<const R: usize>(q: &[f32], hd: usize, m0: usize, keys: &[&[f32]],
         let mut acc = [[[0.0f32; LANES]; 2]; R];
         let mut d = 0;
         while d < full {
-            let a: &Lanes = k0[d..d + LANES].try_into().unwrap();
-            let b: &Lanes = k1[d..d + LANES].try_into().unwrap();
+            let a: Lanes = std::array::from_fn(|l| k0[d + l].to_f32());
+            let b: Lanes = std::array::from_fn(|l| k1[d + l].to_f32());
             for r in 0..R {
                 let x: &Lanes = qs[r][d..d + LANES].try_into().unwrap();
                 for l in 0..LANES {
@@ -64,8 +77,8 @@ fn score_block<const R: usize>(q: &[f32], hd: usize, m0: usize, keys: &[&[f32]],
         for r in 0..R {
             let mut dot = [hsum(&acc[r][0]), hsum(&acc[r][1])];
             for d in full..hd {
-                dot[0] = fma(qs[r][d], k0[d], dot[0]);
-                dot[1] = fma(qs[r][d], k1[d], dot[1]);
+                dot[0] = fma(qs[r][d], k0[d].to_f32(), dot[0]);
+                dot[1] = fma(qs[r][d], k1[d].to_f32(), dot[1]);
             }
             s[(m0 + r) * KEY_TILE + i] = dot[0];
             if pair {
@@ -130,9 +143,9 @@ pub(super) fn softmax_step(
 
 /// `o[m] += Σ_i p[m][i] · v_i` over the tile, register-blocked over [`ROW_BLOCK`] query
 /// vectors × 2 lane groups of the head dimension.
-pub(super) fn weighted_values(
+pub(super) fn weighted_values<E: KvElem>(
     p: &[f32],
-    values: &[&[f32]],
+    values: &[&[E]],
     hd: usize,
     queries: usize,
     o: &mut [f32],
@@ -142,15 +155,15 @@ pub(super) fn weighted_values(
         // Blocks of 4, then one of 2 and one of 1 (a decode step has `group` vectors).
         let r = match queries - m {
             1 => {
-                value_block::<1>(p, values, hd, m, o);
+                value_block::<1, E>(p, values, hd, m, o);
                 1
             }
             2 | 3 => {
-                value_block::<2>(p, values, hd, m, o);
+                value_block::<2, E>(p, values, hd, m, o);
                 2
             }
             _ => {
-                value_block::<ROW_BLOCK>(p, values, hd, m, o);
+                value_block::<ROW_BLOCK, E>(p, values, hd, m, o);
                 ROW_BLOCK
             }
         };
@@ -160,7 +173,13 @@ pub(super) fn weighted_values(
 
 /// [`weighted_values`] for query vectors `m0..m0 + R`.
 #[inline(always)]
-fn value_block<const R: usize>(p: &[f32], values: &[&[f32]], hd: usize, m0: usize, o: &mut [f32]) {
+fn value_block<const R: usize, E: KvElem>(
+    p: &[f32],
+    values: &[&[E]],
+    hd: usize,
+    m0: usize,
+    o: &mut [f32],
+) {
     let w: [&[f32]; R] = std::array::from_fn(|r| &p[(m0 + r) * KEY_TILE..][..KEY_TILE]);
     let mut d = 0;
     while d + 2 * LANES <= hd {
@@ -171,8 +190,8 @@ fn value_block<const R: usize>(p: &[f32], values: &[&[f32]], hd: usize, m0: usiz
             }
         }
         for (i, v) in values.iter().enumerate() {
-            let a: &Lanes = v[d..d + LANES].try_into().unwrap();
-            let b: &Lanes = v[d + LANES..d + 2 * LANES].try_into().unwrap();
+            let a: Lanes = std::array::from_fn(|l| v[d + l].to_f32());
+            let b: Lanes = std::array::from_fn(|l| v[d + LANES + l].to_f32());
             for r in 0..R {
                 let x = w[r][i];
                 for l in 0..LANES {
@@ -193,7 +212,7 @@ fn value_block<const R: usize>(p: &[f32], values: &[&[f32]], hd: usize, m0: usiz
         for r in 0..R {
             let mut acc = o[(m0 + r) * hd + d];
             for (i, v) in values.iter().enumerate() {
-                acc = fma(w[r][i], v[d], acc);
+                acc = fma(w[r][i], v[d].to_f32(), acc);
             }
             o[(m0 + r) * hd + d] = acc;
         }

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 
 use super::plan::{Split, Task};
 use super::{KEY_TILE, Shared, scores, softmax_step, weighted_values};
+use crate::backend::cpu::KvElem;
 use crate::backend::cpu::convert::Isa;
 
 /// Per-thread buffers of a task, reused across tasks and calls.
@@ -46,9 +47,9 @@ unsafe impl Sync for Outputs {}
 /// `isa` must be available; `dst.out` must point to a `[q.rows, q.cols]` buffer and
 /// `dst.partials` to the plan's partial buffer, in which no other thread touches this task's
 /// slices.
-pub(super) unsafe fn run_task(
+pub(super) unsafe fn run_task<E: KvElem>(
     isa: Isa,
-    sh: &Shared<'_>,
+    sh: &Shared<'_, E>,
     task: &Task,
     scratch: &mut Scratch,
     dst: Outputs,
@@ -59,7 +60,7 @@ pub(super) unsafe fn run_task(
         // them; `Isa::available` checks them for `Avx2`); the output contract is forwarded.
         Isa::Avx2 | Isa::Avx512 => unsafe { task_avx2(sh, task, scratch, dst) },
         // SAFETY: forwarded output contract.
-        _ => unsafe { task_body::<false>(sh, task, scratch, dst) },
+        _ => unsafe { task_body::<false, E>(sh, task, scratch, dst) },
     }
 }
 
@@ -69,9 +70,14 @@ pub(super) unsafe fn run_task(
 /// The CPU must have AVX2, FMA and F16C; output contract as [`run_task`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2(sh: &Shared<'_>, task: &Task, scratch: &mut Scratch, dst: Outputs) {
+unsafe fn task_avx2<E: KvElem>(
+    sh: &Shared<'_, E>,
+    task: &Task,
+    scratch: &mut Scratch,
+    dst: Outputs,
+) {
     // SAFETY: forwarded contract; the body is inlined here and compiled with these features.
-    unsafe { task_body::<true>(sh, task, scratch, dst) }
+    unsafe { task_body::<true, E>(sh, task, scratch, dst) }
 }
 
 /// One task. `AVX2` selects the kernels (true only inside [`task_avx2`], which enables the
@@ -81,8 +87,8 @@ unsafe fn task_avx2(sh: &Shared<'_>, task: &Task, scratch: &mut Scratch, dst: Ou
 /// # Safety
 /// Output contract as [`run_task`].
 #[inline(always)]
-unsafe fn task_body<const AVX2: bool>(
-    sh: &Shared<'_>,
+unsafe fn task_body<const AVX2: bool, E: KvElem>(
+    sh: &Shared<'_, E>,
     task: &Task,
     scratch: &mut Scratch,
     dst: Outputs,
@@ -94,9 +100,8 @@ unsafe fn task_body<const AVX2: bool>(
     let per_head = task.rows * group;
     let queries = per_head * task.heads.len();
     let first_pos = seq.context_len - seq.q_len + task.row0;
-    let layout = &sh.kv.layout;
-    let (bs, width) = (layout.block_size, layout.token_width());
-    let store = &sh.kv.layers[sh.layer];
+    let (bs, width) = (sh.layout.block_size, sh.layout.token_width());
+    let store = sh.store;
 
     let Scratch { q, o, s, max, sum } = scratch;
     q.resize(queries * hd, 0.0);
@@ -120,8 +125,8 @@ unsafe fn task_body<const AVX2: bool>(
     }
 
     let mut token_at = [0usize; KEY_TILE];
-    let mut k_rows: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-    let mut v_rows: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+    let mut k_rows: [&[E]; KEY_TILE] = [&[]; KEY_TILE];
+    let mut v_rows: [&[E]; KEY_TILE] = [&[]; KEY_TILE];
     let mut key0 = task.keys.start;
     while key0 < task.keys.end {
         let n = KEY_TILE.min(task.keys.end - key0);
@@ -136,7 +141,7 @@ unsafe fn task_body<const AVX2: bool>(
                 v_rows[i] = store.v.range(at..at + hd);
             }
             let qh = &q[h * per_head * hd..][..per_head * hd];
-            scores::<AVX2>(qh, hd, per_head, &k_rows[..n], s);
+            scores::<AVX2, _>(qh, hd, per_head, &k_rows[..n], s);
             for m in 0..per_head {
                 // Each row sees the keys up to its own position.
                 let pos = first_pos + m / group;
@@ -151,7 +156,7 @@ unsafe fn task_body<const AVX2: bool>(
                 );
             }
             let oh = &mut o[h * per_head * hd..][..per_head * hd];
-            weighted_values::<AVX2>(s, &v_rows[..n], hd, per_head, oh);
+            weighted_values::<AVX2, _>(s, &v_rows[..n], hd, per_head, oh);
         }
         key0 += n;
     }
@@ -186,7 +191,12 @@ unsafe fn task_body<const AVX2: bool>(
 /// Combine a split sequence's partial results into its outputs: each part's sum and outputs
 /// are scaled by `2^(its max - the overall max)`, then the outputs divided by the total sum.
 /// A part none of whose keys a row sees has max -inf and contributes nothing.
-pub(super) fn merge(sh: &Shared<'_>, split: &Split, partials: &[f32], out: &mut [f32]) {
+pub(super) fn merge<E: KvElem>(
+    sh: &Shared<'_, E>,
+    split: &Split,
+    partials: &[f32],
+    out: &mut [f32],
+) {
     let meta = sh.meta;
     let (hd, group) = (meta.head_dim, sh.group);
     let seq = &meta.seqs[split.seq];

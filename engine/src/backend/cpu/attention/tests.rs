@@ -1,11 +1,43 @@
 //! The attention kernels against plain attention in f64 over contiguous K/V, on every
-//! instruction set this CPU has.
+//! instruction set this CPU has and every KV cache type (the reference then takes K and V
+//! as rounded to that type, so the bounds stay those of f32 arithmetic).
 
-use super::super::{CpuLayerKv, KvArena};
+use super::super::CpuBackend;
 use super::*;
-use crate::backend::SeqAttention;
+use crate::backend::{Backend, SeqAttention};
 use crate::kv::KvLayout;
+use crate::weights::DType;
+use half::{bf16, f16};
 use proptest::prelude::*;
+
+const KV_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// `x` as a KV cache of `dtype` stores it.
+fn rounded(dtype: DType, x: &[f32]) -> Vec<f32> {
+    match dtype {
+        DType::F32 => x.to_vec(),
+        DType::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        DType::BF16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+    }
+}
+
+/// A one-layer store of `num_blocks` blocks in `dtype`, every value NaN.
+fn nan_store(layout: KvLayout, num_blocks: usize, dtype: DType) -> CpuKvStorage {
+    let len = num_blocks * layout.block_size * layout.token_width();
+    CpuKvStorage {
+        layers: CpuKvLayers::filled(dtype, 1, len, f32::NAN).unwrap(),
+        layout,
+        num_blocks,
+    }
+}
+
+/// Token `t`'s K and V rows (`width` each, from `[ctx, width]` arrays) into `slot`, as the
+/// engine writes them (rounded to the store's type).
+fn put(store: &mut CpuKvStorage, slot: usize, t: usize, k: &[f32], v: &[f32]) {
+    let width = store.layout.token_width();
+    let row = |x: &[f32]| CpuTensor::from_vec(1, width, x[t * width..][..width].to_vec());
+    CpuBackend::new().write_kv(store, 0, &row(k), &row(v), &[slot as u32]);
+}
 
 /// Plain attention over contiguous K/V: the reference paged attention must equal.
 #[allow(clippy::too_many_arguments)]
@@ -61,6 +93,7 @@ proptest! {
         group in 1usize..4,
         hd in prop::sample::select(vec![2usize, 6, 8, 14, 16, 24, 40, 64, 128]),
         block_size in prop::sample::select(vec![1usize, 2, 4, 16]),
+        dtype in prop::sample::select(KV_DTYPES.to_vec()),
         seed in any::<u64>(),
     ) {
         let heads = kv_heads * group;
@@ -78,22 +111,21 @@ proptest! {
         table.reverse();
         table.rotate_left((seed % nblocks as u64) as usize);
         let width = kv_heads * hd;
-        let mut store = CpuKvStorage { layout: layout.clone(), num_blocks: nblocks, layers: vec![CpuLayerKv { k: KvArena::filled(nblocks * block_size * width, f32::NAN).unwrap(), v: KvArena::filled(nblocks * block_size * width, f32::NAN).unwrap() }] };
+        prop_assert_eq!(width, layout.token_width());
+        let mut store = nan_store(layout, nblocks, dtype);
         for t in 0..ctx {
-            let slot = table[t / block_size] as usize * block_size + t % block_size;
-            store.layers[0].k.range_mut(slot * width..(slot + 1) * width).copy_from_slice(&k[t * width..(t + 1) * width]);
-            store.layers[0].v.range_mut(slot * width..(slot + 1) * width).copy_from_slice(&v[t * width..(t + 1) * width]);
+            put(&mut store, table[t / block_size] as usize * block_size + t % block_size, t, &k, &v);
         }
         let meta = AttentionMeta {
             seqs: vec![SeqAttention { q_start: 0, q_len, context_len: ctx, block_table: table }],
             num_heads: heads, num_kv_heads: kv_heads, head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let want = contiguous(&q, &k, &v, ctx, q_len, heads, kv_heads, hd);
+        let want = contiguous(&q, &rounded(dtype, &k), &rounded(dtype, &v), ctx, q_len, heads, kv_heads, hd);
         for isa in Isa::all_available() {
             let got = paged_attention_with(isa, &CpuTensor::from_vec(q_len, heads * hd, q.clone()), &store, 0, &meta);
             for (g, w) in got.data.iter().zip(&want) {
-                prop_assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{isa:?}: {g} vs {w}");
+                prop_assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{isa:?} {dtype:?}: {g} vs {w}");
             }
         }
     }
@@ -140,17 +172,17 @@ fn random_seqs(
         .collect()
 }
 
-/// Write every sequence's K/V into one paged store, each over its own blocks taken from the
-/// end of the pool backwards (so block ids and positions never line up), the unused slots
-/// NaN so a read past a sequence's context shows up in the output.
+/// Write every sequence's K/V into one paged store of `dtype`, each over its own blocks taken
+/// from the end of the pool backwards (so block ids and positions never line up), the unused
+/// slots NaN so a read past a sequence's context shows up in the output.
 fn batch(
     seqs: &[Seq],
     heads: usize,
     kv_heads: usize,
     hd: usize,
     block_size: usize,
+    dtype: DType,
 ) -> (CpuTensor, CpuKvStorage, AttentionMeta) {
-    let width = kv_heads * hd;
     let nblocks: usize = seqs.iter().map(|s| s.ctx.div_ceil(block_size) + 1).sum();
     let layout = KvLayout {
         num_layers: 1,
@@ -158,15 +190,7 @@ fn batch(
         head_dim: hd,
         block_size,
     };
-    let len = nblocks * block_size * width;
-    let mut store = CpuKvStorage {
-        layout,
-        num_blocks: nblocks,
-        layers: vec![CpuLayerKv {
-            k: KvArena::filled(len, f32::NAN).unwrap(),
-            v: KvArena::filled(len, f32::NAN).unwrap(),
-        }],
-    };
+    let mut store = nan_store(layout, nblocks, dtype);
     let mut next_block = nblocks as u32;
     let mut q = Vec::new();
     let mut meta_seqs = Vec::new();
@@ -178,16 +202,8 @@ fn batch(
             })
             .collect();
         for t in 0..s.ctx {
-            let at = (table[t / block_size] as usize * block_size + t % block_size) * width;
-            let layer = &mut store.layers[0];
-            layer
-                .k
-                .range_mut(at..at + width)
-                .copy_from_slice(&s.k[t * width..][..width]);
-            layer
-                .v
-                .range_mut(at..at + width)
-                .copy_from_slice(&s.v[t * width..][..width]);
+            let slot = table[t / block_size] as usize * block_size + t % block_size;
+            put(&mut store, slot, t, &s.k, &s.v);
         }
         meta_seqs.push(SeqAttention {
             q_start: q.len() / (heads * hd),
@@ -208,19 +224,39 @@ fn batch(
     (CpuTensor::from_vec(rows, heads * hd, q), store, meta)
 }
 
-/// Largest `|got - want| / (1 + |want|)` of a batch against the reference, per sequence.
-fn batch_error(isa: Isa, seqs: &[Seq], heads: usize, kv_heads: usize, hd: usize, bs: usize) -> f32 {
-    let (q, store, meta) = batch(seqs, heads, kv_heads, hd, bs);
-    let got = paged_attention_with(isa, &q, &store, 0, &meta);
-    let mut worst = 0.0f32;
-    for (s, m) in seqs.iter().zip(&meta.seqs) {
-        let want = contiguous(&s.q, &s.k, &s.v, s.ctx, s.q_len, heads, kv_heads, hd);
-        let got = &got.data[m.q_start * heads * hd..][..want.len()];
-        for (g, w) in got.iter().zip(&want) {
-            worst = worst.max((g - w).abs() / (1.0 + w.abs()));
-        }
-    }
-    worst
+/// Largest `|got - want| / (1 + |want|)` of a batch in a KV cache of `dtype` against the
+/// reference (over K/V rounded as stored), per sequence, on every instruction set: `(isa,
+/// error)` pairs.
+fn batch_errors(
+    seqs: &[Seq],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    bs: usize,
+    dtype: DType,
+) -> Vec<(Isa, f32)> {
+    let (q, store, meta) = batch(seqs, heads, kv_heads, hd, bs, dtype);
+    let wants: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|s| {
+            let (k, v) = (rounded(dtype, &s.k), rounded(dtype, &s.v));
+            contiguous(&s.q, &k, &v, s.ctx, s.q_len, heads, kv_heads, hd)
+        })
+        .collect();
+    Isa::all_available()
+        .into_iter()
+        .map(|isa| {
+            let got = paged_attention_with(isa, &q, &store, 0, &meta);
+            let mut worst = 0.0f32;
+            for (want, m) in wants.iter().zip(&meta.seqs) {
+                let got = &got.data[m.q_start * heads * hd..][..want.len()];
+                for (g, w) in got.iter().zip(want) {
+                    worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+                }
+            }
+            (isa, worst)
+        })
+        .collect()
 }
 
 /// A batch as the engine builds one under chunked prefill: a decode row over a long context,
@@ -237,12 +273,16 @@ fn mixed_batches_with_qwen3_head_shapes_match_the_reference() {
             hd,
             1.0,
         );
-        for isa in Isa::all_available() {
-            for bs in [16, 32] {
-                let err = batch_error(isa, &seqs, heads, kv_heads, hd, bs);
+        for (bs, dtype) in [
+            (16, DType::F32),
+            (32, DType::F32),
+            (16, DType::F16),
+            (32, DType::BF16),
+        ] {
+            for (isa, err) in batch_errors(&seqs, heads, kv_heads, hd, bs, dtype) {
                 assert!(
                     err <= 1e-5,
-                    "{isa:?} heads {heads}/{kv_heads} block {bs}: error {err}"
+                    "{isa:?} {dtype:?} heads {heads}/{kv_heads} block {bs}: error {err}"
                 );
             }
         }
@@ -277,9 +317,10 @@ fn large_scores_and_a_moving_maximum_stay_exact() {
         v: values(ctx * width, 3),
         q,
     }];
-    for isa in Isa::all_available() {
-        let err = batch_error(isa, &seqs, heads, kv_heads, hd, 16);
-        assert!(err <= 1e-5, "{isa:?}: error {err}");
+    for dtype in KV_DTYPES {
+        for (isa, err) in batch_errors(&seqs, heads, kv_heads, hd, 16, dtype) {
+            assert!(err <= 1e-5, "{isa:?} {dtype:?}: error {err}");
+        }
     }
 }
 
@@ -327,11 +368,12 @@ fn exp2_is_within_two_ulp_of_the_standard_library() {
 fn long_decodes_split_over_the_context_match_the_reference() {
     let (heads, kv_heads, hd) = (16, 8, 128);
     let seqs = random_seqs(&[(386, 4), (1000, 1)], heads, kv_heads, hd, 4.0);
-    let (_, _, meta) = batch(&seqs, heads, kv_heads, hd, 16);
+    let (_, _, meta) = batch(&seqs, heads, kv_heads, hd, 16, DType::F32);
     let p = plan::plan(&meta, 16, 2);
     assert_eq!(p.splits.len(), 2, "both sequences are split");
-    for isa in Isa::all_available() {
-        let err = batch_error(isa, &seqs, heads, kv_heads, hd, 16);
-        assert!(err <= 1e-5, "{isa:?}: error {err}");
+    for dtype in KV_DTYPES {
+        for (isa, err) in batch_errors(&seqs, heads, kv_heads, hd, 16, dtype) {
+            assert!(err <= 1e-5, "{isa:?} {dtype:?}: error {err}");
+        }
     }
 }
