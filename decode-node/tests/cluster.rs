@@ -361,12 +361,17 @@ async fn a_repeated_prompt_hits_both_caches_and_pulls_only_the_missing_blocks() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layout_mismatch_is_refused_with_failed_precondition() {
-    let (p, d, d32) = tokio::join!(
+    let (p, d, d32, d16) = tokio::join!(
         prefill_node(&[]),
         decode_node(&[]),
-        decode_node(&["--block-size", "32"])
+        decode_node(&["--block-size", "32"]),
+        decode_node(&["--kv-cache-dtype", "f16"])
     );
     assert_ne!(p.ready.fingerprint, d32.ready.fingerprint);
+    // Blocks travel as stored: a cache of another type is another layout.
+    assert_ne!(p.ready.fingerprint, d16.ready.fingerprint);
+    assert_eq!(p.info().await.kv_cache_dtype, "float32");
+    assert_eq!(d16.info().await.kv_cache_dtype, "float16");
     let tokens = prompt(20, 30);
     let r = prefill(&p, "mismatch", &tokens).await;
 
@@ -382,6 +387,11 @@ async fn a_layout_mismatch_is_refused_with_failed_precondition() {
             decode_request("real", &tokens, &r, 4),
             p.ready.fingerprint.as_str(),
         ),
+        (
+            &d16,
+            decode_request("f16", &tokens, &r, 4),
+            p.ready.fingerprint.as_str(),
+        ),
     ] {
         let id = req.request_id.clone();
         let e = decode_all(node, req).await.expect_err(&id);
@@ -391,10 +401,18 @@ async fn a_layout_mismatch_is_refused_with_failed_precondition() {
             m.contains(theirs) && m.contains(&node.ready.fingerprint) && m.contains("block size"),
             "{id}: the message names both layouts: {m}"
         );
+        assert!(
+            m.contains("--kv-cache-dtype"),
+            "{id}: and what to align: {m}"
+        );
     }
-    assert_eq!(d.blocks_pulled() + d32.blocks_pulled(), 0, "no KV moved");
+    assert_eq!(
+        d.blocks_pulled() + d32.blocks_pulled() + d16.blocks_pulled(),
+        0,
+        "no KV moved"
+    );
     assert!(release(&p, r.kv.unwrap().lease_id).await);
-    tokio::join!(p.stop(), d.stop(), d32.stop());
+    tokio::join!(p.stop(), d.stop(), d32.stop(), d16.stop());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -86,6 +86,7 @@ fn cache(layers: usize, seqs: usize, ctx: usize, dtype: DType) -> (CpuKvStorage,
         num_kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
         block_size: BLOCK,
+        dtype,
     };
     let len = num_blocks * BLOCK * layout.token_width();
     let layers = match dtype {

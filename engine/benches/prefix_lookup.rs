@@ -187,13 +187,13 @@ fn main() {
         },
     );
 
-    let mut host = HostTier::new(PROMPT_BLOCKS, 4);
+    let mut host = HostTier::new(PROMPT_BLOCKS, 16);
     for &h in &hashes {
-        host.offer(h, &[1.0; 4]);
+        host.offer(h, &[1; 16]);
     }
-    let mut dst = [0f32; 4];
+    let mut dst = [0u8; 16];
     report(
-        "host tier lookup + fetch (4-f32 blocks)",
+        "host tier lookup + fetch (16-byte blocks)",
         PROMPT_BLOCKS,
         || {
             timed(|| {

@@ -238,11 +238,11 @@ impl EngineArgs {
         CpuBackend::with_kv_dtype(self.kv_cache_dtype.on_cpu())
     }
 
-    /// `--num-gpu-blocks`, or 2 GiB worth of the CPU backend's blocks (twice as many with a
-    /// 16-bit `--kv-cache-dtype`), at most four full contexts.
+    /// `--num-gpu-blocks`, or 2 GiB worth of blocks of `layout` (the CPU backend's: twice as
+    /// many with a 16-bit `--kv-cache-dtype`), at most four full contexts.
     pub fn num_blocks(&self, layout: &KvLayout, max_model_len: usize) -> usize {
         self.num_gpu_blocks.unwrap_or_else(|| {
-            (DEFAULT_KV_BYTES / self.cpu_backend().kv_block_bytes(layout))
+            (DEFAULT_KV_BYTES / layout.block_bytes())
                 .min(4 * layout.blocks_for(max_model_len))
                 .max(1)
         })
@@ -266,7 +266,7 @@ impl EngineArgs {
         match backend.kv_memory_budget(step_activation_bytes(config, tokens))? {
             None => Ok(self.num_blocks(layout, max_model_len)),
             Some(bytes) => {
-                let blocks = bytes / backend.kv_block_bytes(layout);
+                let blocks = bytes / layout.block_bytes();
                 let needed = layout.blocks_for(max_model_len);
                 if blocks < needed {
                     return Err(EngineError::OutOfBlocks(format!(
@@ -293,7 +293,7 @@ impl EngineArgs {
         lease_timeout: Duration,
     ) -> Result<Engine<CpuBackend>, EngineError> {
         let max_model_len = self.max_model_len(&files.config)?;
-        let layout = KvLayout::new(&files.config, self.block_size)?;
+        let layout = KvLayout::new(&files.config, self.block_size, self.kv_cache_dtype.on_cpu())?;
         let num_blocks = self.num_blocks(&layout, max_model_len);
         self.build_on(
             files,
@@ -386,11 +386,12 @@ mod tests {
 
     #[test]
     fn a_16_bit_kv_cache_on_the_cpu_holds_twice_the_blocks_by_default() {
-        let layout = KvLayout {
+        let layout = |dtype| KvLayout {
             num_layers: 28,
             num_kv_heads: 8,
             head_dim: 128,
             block_size: 16,
+            dtype,
         };
         #[derive(clap::Parser)]
         struct Cli {
@@ -402,9 +403,18 @@ mod tests {
                 .expect("flags")
                 .engine
         };
-        let f32_blocks = args("auto").num_blocks(&layout, 1 << 20);
-        assert_eq!(f32_blocks, DEFAULT_KV_BYTES / layout.block_bytes());
-        assert_eq!(args("f16").num_blocks(&layout, 1 << 20), 2 * f32_blocks);
+        // The layout of the backend the flags ask for, as the nodes build it.
+        let blocks = |dtype: &str| {
+            let a = args(dtype);
+            a.num_blocks(&layout(a.cpu_backend().kv_dtype()), 1 << 20)
+        };
+        let f32_blocks = blocks("auto");
+        assert_eq!(
+            f32_blocks,
+            DEFAULT_KV_BYTES / layout(DType::F32).block_bytes()
+        );
+        assert_eq!(blocks("f16"), 2 * f32_blocks);
+        assert_eq!(blocks("bf16"), 2 * f32_blocks);
         assert_eq!(args("bf16").cpu_backend().kv_dtype(), DType::BF16);
     }
 

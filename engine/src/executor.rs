@@ -51,7 +51,7 @@ impl<B: Backend> Executor<B> {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, EngineError> {
-        let layout = KvLayout::new(model.config(), block_size)?;
+        let layout = KvLayout::new(model.config(), block_size, backend.kv_dtype())?;
         let kv = backend.alloc_kv(&layout, num_blocks)?;
         Ok(Self {
             backend,
@@ -223,18 +223,18 @@ impl<B: Backend> Executor<B> {
         })
     }
 
-    /// f32 elements of one block across all layers, K and V ([`Self::read_block`]'s length).
-    pub fn block_len(&self) -> usize {
-        self.layout.block_bytes() / 4
+    /// Bytes of one block across all layers, K and V ([`Self::read_block`]'s length).
+    pub fn block_bytes(&self) -> usize {
+        self.layout.block_bytes()
     }
 
-    /// Copy one block's K and V of every layer out of KV storage into `dst`.
-    pub fn read_block(&self, block: u32, dst: &mut [f32]) {
+    /// Copy one block's K and V of every layer out of KV storage into `dst`, as stored.
+    pub fn read_block(&self, block: u32, dst: &mut [u8]) {
         self.backend.read_block(&self.kv, block, dst);
     }
 
-    /// Overwrite one block's K and V of every layer from `src`.
-    pub fn write_block(&mut self, block: u32, src: &[f32]) {
+    /// Overwrite one block's K and V of every layer from `src`, as stored.
+    pub fn write_block(&mut self, block: u32, src: &[u8]) {
         self.backend.write_block(&mut self.kv, block, src);
     }
 

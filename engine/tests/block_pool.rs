@@ -25,21 +25,18 @@ fn event(name: &'static str) {
 }
 
 const BS: usize = 4;
-/// f32 per block in the simulated device and host tier.
-const BLOCK_LEN: usize = 3;
+/// Bytes per block in the simulated device and host tier.
+const BLOCK_LEN: usize = 6;
 
-/// The content a block holding `h` must have.
-fn data_for(h: BlockHash) -> [f32; BLOCK_LEN] {
-    let x = h.0;
-    [
-        (x & 0xffff) as f32,
-        ((x >> 16) & 0xffff) as f32,
-        ((x >> 32) & 0xffff) as f32,
-    ]
+/// The content a block holding `h` must have: a zero byte, then five of the hash.
+fn data_for(h: BlockHash) -> [u8; BLOCK_LEN] {
+    let x = h.0.to_le_bytes();
+    [0, x[0], x[1], x[2], x[3], x[4]]
 }
 
-/// Written into a block when it is allocated: never equal to any `data_for`.
-const GARBAGE: [f32; BLOCK_LEN] = [-1.0; BLOCK_LEN];
+/// Written into a block when it is allocated: never equal to any `data_for` (its first byte
+/// is not zero).
+const GARBAGE: [u8; BLOCK_LEN] = [0xff; BLOCK_LEN];
 
 fn docs() -> Vec<Vec<u32>> {
     let a: Vec<u32> = (0..64).collect();
@@ -59,7 +56,7 @@ struct Req {
 struct Sim {
     pool: BlockPool,
     host: HostTier,
-    device: Vec<[f32; BLOCK_LEN]>,
+    device: Vec<[u8; BLOCK_LEN]>,
     /// Reference model of the reference counts: references held by live requests.
     held: Vec<u32>,
     reqs: Vec<Req>,
@@ -672,10 +669,10 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back() {
     let hashes = block_hashes(&tokens, 16, None);
     let mut pool = BlockPool::new(2);
     let mut host = HostTier::new(4, 2);
-    let mut device = [[0f32; 2]; 2];
+    let mut device = [[0u8; 2]; 2];
     let blocks = cached_blocks(&mut pool, &hashes);
     for (i, &b) in blocks.iter().enumerate() {
-        device[b as usize] = [i as f32, 10.0 + i as f32];
+        device[b as usize] = [i as u8, 10 + i as u8];
     }
     pool.free(&blocks).unwrap();
     let other = pool.allocate(2).unwrap();
@@ -684,11 +681,11 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back() {
     }
     assert_eq!(pool.cached_prefix(&hashes), 0);
     assert_eq!(host.lookup(&hashes), 2);
-    let mut dst = [0f32; 2];
+    let mut dst = [0u8; 2];
     host.fetch(hashes[1], &mut dst).unwrap();
-    assert_eq!(dst, [1.0, 11.0]);
+    assert_eq!(dst, [1, 11]);
     host.fetch(hashes[0], &mut dst).unwrap();
-    assert_eq!(dst, [0.0, 10.0]);
+    assert_eq!(dst, [0, 10]);
     assert_eq!(host.len(), 2, "fetched blocks stay in the host tier");
 }
 
@@ -696,15 +693,15 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back() {
 fn host_tier_evicts_least_recently_used() {
     let mut host = HostTier::new(2, 3);
     assert_eq!(host.kind(), TierKind::Host);
-    assert_eq!(host.block_len(), 3);
-    host.offer(h(1), &[1.0; 3]);
-    host.offer(h(2), &[2.0; 3]);
+    assert_eq!(host.block_bytes(), 3);
+    host.offer(h(1), &[1; 3]);
+    host.offer(h(2), &[2; 3]);
     assert_eq!(host.eviction_order(), [h(1), h(2)]);
-    let mut dst = [0f32; 3];
+    let mut dst = [0u8; 3];
     host.fetch(h(1), &mut dst).unwrap();
-    assert_eq!(dst, [1.0; 3]);
+    assert_eq!(dst, [1; 3]);
     assert_eq!(host.eviction_order(), [h(2), h(1)], "fetch touches");
-    host.offer(h(3), &[3.0; 3]);
+    host.offer(h(3), &[3; 3]);
     assert!(!host.contains(h(2)), "least recently used evicted");
     assert_eq!(host.len(), 2);
     assert_eq!(
@@ -715,22 +712,22 @@ fn host_tier_evicts_least_recently_used() {
         }
     );
     // Offering a held hash only refreshes it (content is immutable per hash).
-    host.offer(h(1), &[9.0; 3]);
+    host.offer(h(1), &[9; 3]);
     assert_eq!(host.eviction_order(), [h(3), h(1)]);
     host.fetch(h(1), &mut dst).unwrap();
-    assert_eq!(dst, [1.0; 3]);
+    assert_eq!(dst, [1; 3]);
     // Lookups count leading hashes and do not touch.
     assert_eq!(host.lookup(&[h(3), h(1), h(2), h(1)]), 2);
     assert_eq!(host.lookup(&[h(2), h(1)]), 0);
     assert_eq!(host.eviction_order(), [h(3), h(1)]);
-    host.offer(h(4), &[4.0; 3]);
+    host.offer(h(4), &[4; 3]);
     host.fetch(h(4), &mut dst).unwrap();
-    assert_eq!(dst, [4.0; 3]);
+    assert_eq!(dst, [4; 3]);
     host.fetch(h(1), &mut dst).unwrap();
-    assert_eq!(dst, [1.0; 3]);
+    assert_eq!(dst, [1; 3]);
     assert!(!host.contains(h(3)));
     assert_eq!(
-        host.fetch(h(1), &mut [0f32; 2]).unwrap_err(),
+        host.fetch(h(1), &mut [0u8; 2]).unwrap_err(),
         TierError::LengthMismatch {
             tier: TierKind::Host,
             expected: 3,
@@ -743,11 +740,11 @@ fn host_tier_evicts_least_recently_used() {
 fn host_tier_of_capacity_zero_is_disabled() {
     let mut host = HostTier::new(0, 8);
     assert!(!host.is_enabled());
-    host.offer(h(1), &[0.5; 8]);
+    host.offer(h(1), &[5; 8]);
     assert_eq!(host.lookup(&[h(1)]), 0);
     assert!(host.is_empty());
     assert!(matches!(
-        host.fetch(h(1), &mut [0f32; 8]),
+        host.fetch(h(1), &mut [0u8; 8]),
         Err(TierError::Miss { .. })
     ));
 }
@@ -757,7 +754,7 @@ fn tiers_are_usable_as_trait_objects() {
     fn assert_send<T: Send>(_: &T) {}
     let mut tiers: Vec<Box<dyn ExternalTier>> = vec![Box::new(HostTier::new(1, 1))];
     assert_send(&tiers);
-    tiers[0].offer(h(1), &[1.5]);
+    tiers[0].offer(h(1), &[15]);
     assert_eq!(tiers[0].lookup(&[h(1)]), 1);
     assert_eq!(tiers[0].kind().to_string(), "host");
 }

@@ -85,7 +85,7 @@ fn a_16_bit_kv_cache_follows_the_f32_one_within_bf16_tolerance() {
 }
 
 #[test]
-fn blocks_move_between_caches_of_different_types_as_f32() {
+fn blocks_travel_as_stored_at_half_the_bytes_in_16_bits() {
     let prompt: Vec<u32> = (0..2 * BS as u32).map(|i| (i * 31 + 5) % 390).collect();
     let table = [0, 1];
     let item = [ExecItem {
@@ -98,28 +98,38 @@ fn blocks_move_between_caches_of_different_types_as_f32() {
     let mut half = executor(DType::F16);
     wide.execute(&item);
     half.execute(&item);
-    let n = wide.block_len();
-    assert_eq!(half.block_len(), n, "the transfer format is the same");
-    let (mut w, mut h) = (vec![0f32; n], vec![0f32; n]);
+    let n = wide.block_bytes();
+    assert_eq!(
+        half.block_bytes(),
+        n / 2,
+        "a 16-bit block moves half the bytes"
+    );
+    assert_eq!(half.layout().dtype, DType::F16);
+    let (mut w, mut h) = (vec![0u8; n], vec![0u8; n / 2]);
     wide.read_block(1, &mut w);
     half.read_block(1, &mut h);
+    let w: Vec<f32> = bytemuck::pod_collect_to_vec(&w);
+    let h16: Vec<half::f16> = bytemuck::pod_collect_to_vec(&h);
     // Layer 0's K and V (the block's first part) are computed from the embeddings alone, so
     // the f16 cache holds f32's values rounded; later layers differ by more, since their
     // inputs went through attention over rounded values.
-    let layer0 = n / ModelConfig::from_file(&fixture().join("config.json"))
-        .unwrap()
-        .num_hidden_layers;
-    for (a, b) in w[..layer0].iter().zip(&h[..layer0]) {
-        assert_eq!(half::f16::from_f32(*a).to_f32(), *b);
+    let layer0 = w.len()
+        / ModelConfig::from_file(&fixture().join("config.json"))
+            .unwrap()
+            .num_hidden_layers;
+    for (a, b) in w[..layer0].iter().zip(&h16[..layer0]) {
+        assert_eq!(half::f16::from_f32(*a), *b);
     }
-    assert_ne!(w[layer0..], h[layer0..]);
-    // f16 → f32 is exact; f32 → f16 rounds, as writing K/V there does.
-    wide.write_block(2, &h);
-    let mut back = vec![0f32; n];
-    wide.read_block(2, &mut back);
-    assert_eq!(back, h);
-    half.write_block(3, &w);
+    let widened: Vec<f32> = h16.iter().map(|x| x.to_f32()).collect();
+    assert_ne!(w[layer0..], widened[layer0..]);
+    // A block written is read back byte for byte, wherever it goes.
+    half.write_block(3, &h);
+    let mut back = vec![0u8; n / 2];
     half.read_block(3, &mut back);
-    let rounded: Vec<f32> = w.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-    assert_eq!(back, rounded);
+    assert_eq!(back, h);
+    // A block of the wrong size is a caller's bug, refused loudly rather than half-written.
+    let wrong = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        half.write_block(3, &vec![0u8; n]);
+    }));
+    assert!(wrong.is_err(), "a block of the f32 size into an f16 cache");
 }

@@ -404,7 +404,7 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
         .lease_store()
         .get(lease.lease_id)
         .expect("lent to the exporter");
-    let before: Vec<Vec<f32>> = (0..3).map(|i| reader.block_values(i)).collect();
+    let before: Vec<Vec<u8>> = (0..3).map(|i| reader.block_data(i)).collect();
     assert!(e.release_lease(lease.lease_id));
     assert!(
         e.lease_store().get(lease.lease_id).is_none(),
@@ -415,7 +415,7 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
     std::thread::sleep(Duration::from_millis(5));
     e.expire_leases(std::time::Instant::now());
     assert_eq!(e.num_free_blocks(), 61, "the 3 blocks stay held while read");
-    let after: Vec<Vec<f32>> = (0..3).map(|i| reader.block_values(i)).collect();
+    let after: Vec<Vec<u8>> = (0..3).map(|i| reader.block_data(i)).collect();
     assert_eq!(before, after);
     drop(reader);
     e.expire_leases(std::time::Instant::now());
@@ -568,7 +568,7 @@ fn prefill_then_decode(placed: bool) {
     let mut bad = req("y", p.clone(), 4);
     bad.imported = Some(pd_engine::serve::ImportedKv {
         first_block: 0,
-        blocks: ImportedBlocks::Buffers(vec![vec![0.0; 3]; 6]),
+        blocks: ImportedBlocks::Buffers(vec![vec![0; 3]; 6]),
         first_token: 1,
     });
     assert!(decode.submit(bad).unwrap_err().message.contains("layout"));

@@ -138,6 +138,7 @@ fn bench_attention(
         num_kv_heads: config.num_key_value_heads,
         head_dim: config.head_dim,
         block_size: BLOCK,
+        dtype: backend.kv_dtype(),
     };
     let blocks = len.div_ceil(BLOCK);
     let kv = backend.alloc_kv(&layout, blocks).expect("kv");

@@ -84,10 +84,10 @@ impl Backend for CudaBackend {
     fn sample(&self, _: &Never, _: &[DeviceSampleRow], _: usize) -> Vec<DeviceSample> {
         match *self {}
     }
-    fn read_block(&self, _: &Never, _: u32, _: &mut [f32]) {
+    fn read_block(&self, _: &Never, _: u32, _: &mut [u8]) {
         match *self {}
     }
-    fn write_block(&self, _: &mut Never, _: u32, _: &[f32]) {
+    fn write_block(&self, _: &mut Never, _: u32, _: &[u8]) {
         match *self {}
     }
 }

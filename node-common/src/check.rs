@@ -57,13 +57,16 @@ pub fn effective_config(
         let max_model_len = e
             .max_model_len(&files.config)
             .map_err(|e| format!("--max-model-len: {e}"))?;
-        let layout =
-            KvLayout::new(&files.config, e.block_size).map_err(|e| format!("--block-size: {e}"))?;
+        // The cache's type as the node will resolve it: on a GPU `auto` is the weights' type.
+        let kv_dtype = match e.device {
+            Device::Cpu => e.kv_cache_dtype.on_cpu(),
+            Device::Cuda { .. } => e.kv_cache_dtype.on_device().unwrap_or(files.config.dtype),
+        };
+        let layout = KvLayout::new(&files.config, e.block_size, kv_dtype)
+            .map_err(|e| format!("--block-size: {e}"))?;
         model["max_model_len"] = json!(max_model_len);
-        model["kv_block_bytes"] = json!(match e.device {
-            Device::Cpu => pd_engine::backend::Backend::kv_block_bytes(&e.cpu_backend(), &layout),
-            Device::Cuda { .. } => layout.block_bytes(),
-        });
+        model["kv_cache_dtype"] = json!(kv_dtype.torch_name());
+        model["kv_block_bytes"] = json!(layout.block_bytes());
         if matches!(e.device, Device::Cpu) {
             model["num_gpu_blocks"] = json!(e.num_blocks(&layout, max_model_len));
         }

@@ -114,8 +114,8 @@ pub struct ModelFacts {
     pub vocab_size: usize,
     pub max_model_len: usize,
     pub num_blocks: usize,
-    /// f32 values per KV block (all layers, K and V).
-    pub block_len: usize,
+    /// Bytes per KV block (all layers, K and V, as stored: what one block moves).
+    pub block_bytes: usize,
     /// How the KV cache is stored (`--kv-cache-dtype`, `auto` resolved).
     pub kv_dtype: DType,
     /// Whether the prefix cache is on.
@@ -135,11 +135,11 @@ impl ModelFacts {
         kv_dtype: DType,
     ) -> anyhow::Result<Self> {
         let max_model_len = args.engine.max_model_len(&files.config)?;
-        let layout = KvLayout::new(&files.config, args.engine.block_size)?;
+        let layout = KvLayout::new(&files.config, args.engine.block_size, kv_dtype)?;
         Ok(Self {
             served_name: served_name.to_string(),
             fingerprint: fingerprint(&layout, served_name, files),
-            block_len: layout.block_bytes() / 4,
+            block_bytes: layout.block_bytes(),
             vocab_size: files.config.vocab_size,
             max_model_len,
             num_blocks,
@@ -182,7 +182,7 @@ fn start_on<B: Backend>(
     let (served_name, files) = open_model(&args.model, args.synthetic_cache_dir.as_deref())?;
     let weights = load_weights(&files, &backend, &args.model)?;
     let max_model_len = args.engine.max_model_len(&files.config)?;
-    let layout = KvLayout::new(&files.config, args.engine.block_size)?;
+    let layout = KvLayout::new(&files.config, args.engine.block_size, backend.kv_dtype())?;
     let num_blocks = args
         .engine
         .num_blocks_on(&backend, &files.config, &layout, max_model_len)?;

@@ -5,7 +5,6 @@
 use std::time::Instant;
 
 use clap::Args;
-use pd_engine::backend::Backend;
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::cli::KvCacheDtype;
 use pd_engine::generate::{Runner, Sequence, StepItem};
@@ -77,8 +76,8 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let backend = CpuBackend::with_kv_dtype(kv_dtype);
     // K and V of one token, all layers, as the CPU backend stores them: what a decode step
     // reads per token of each sequence's context besides the weights.
-    let layout = KvLayout::new(&files.config, DEFAULT_BLOCK_SIZE)?;
-    let kv_bytes_per_token = backend.kv_block_bytes(&layout) / DEFAULT_BLOCK_SIZE;
+    let layout = KvLayout::new(&files.config, DEFAULT_BLOCK_SIZE, kv_dtype)?;
+    let kv_bytes_per_token = layout.block_bytes() / DEFAULT_BLOCK_SIZE;
     let vocab = files.config.vocab_size as u32;
     let max_batch = *args.batch.iter().max().expect("non-empty");
     let per_seq = args.prompt_len.max(args.decode_context + args.decode_steps);

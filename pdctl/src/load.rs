@@ -87,7 +87,7 @@ fn start_on<B: Backend>(
 ) -> anyhow::Result<EngineThread> {
     let model = weights_on(files, &backend)?;
     let max_model_len = args.max_model_len(&files.config)?;
-    let layout = KvLayout::new(&files.config, args.block_size)?;
+    let layout = KvLayout::new(&files.config, args.block_size, backend.kv_dtype())?;
     let num_blocks = args.num_blocks_on(&backend, &files.config, &layout, max_model_len)?;
     let engine = args.build_on(files, backend, model, num_blocks, role, seed, lease_timeout)?;
     Ok(EngineThread::spawn(engine))

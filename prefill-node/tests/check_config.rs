@@ -51,6 +51,29 @@ fn flags_and_environment_make_the_effective_configuration() {
     assert_eq!(c["role_flags"]["kv_port"], 50052);
 }
 
+/// The KV cache's type as the node resolves it, and the block size that follows (a block
+/// moves between nodes as stored): f32 on the CPU by default, the weights' bf16 on a GPU.
+#[test]
+fn the_kv_cache_type_and_block_bytes_are_resolved_per_device() {
+    let qwen = [("PD_MODEL", "synthetic:qwen3-0.6b")];
+    // 28 layers x K and V x 16 tokens x 8 KV heads x 128 dims.
+    let values = 28 * 2 * 16 * 8 * 128;
+    for (flags, dtype, bytes) in [
+        (&[][..], "float32", 4 * values),
+        (&["--kv-cache-dtype=f16"][..], "float16", 2 * values),
+        (&["--device=cuda"][..], "bfloat16", 2 * values),
+        (
+            &["--device=cuda", "--kv-cache-dtype=f32"][..],
+            "float32",
+            4 * values,
+        ),
+    ] {
+        let c = json(&check(flags, &qwen));
+        assert_eq!(c["model"]["kv_cache_dtype"], dtype, "{flags:?}");
+        assert_eq!(c["model"]["kv_block_bytes"], bytes, "{flags:?}");
+    }
+}
+
 #[test]
 fn what_only_the_serving_host_has_is_a_note_not_a_failure() {
     let out = check(&["--model=/models/not-here", "--host=0.0.0.0"], &[]);

@@ -153,8 +153,8 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
     assert_eq!(kv.block_size, 16);
     assert_eq!(kv.num_tokens, 37);
     assert_eq!(kv.num_blocks, 3);
-    // synthetic:tiny: 3 layers, 2 KV heads of 32, K and V, 16 tokens per block.
-    assert_eq!(kv.block_len, 2 * 3 * 16 * 2 * 32);
+    // synthetic:tiny: 3 layers, 2 KV heads of 32, K and V, 16 tokens per block, f32.
+    assert_eq!(kv.block_bytes, 2 * 3 * 16 * 2 * 32 * 4);
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

@@ -31,8 +31,8 @@ pub enum RouterError {
     #[error("no healthy {role} node ({detail}); retry once the router's health reports SERVING")]
     NoHealthyNode { role: NodeRole, detail: String },
     #[error(
-        "no healthy prefill node shares a KV layout (fingerprint and block size) with a healthy \
-         decode node: {detail}"
+        "no healthy prefill node shares a KV layout (fingerprint, block size and KV cache type) \
+         with a healthy decode node: {detail}"
     )]
     IncompatibleLayouts { detail: String },
     #[error(transparent)]

@@ -166,6 +166,15 @@ impl Node {
         })
     }
 
+    /// The KV cache's element type from the last good `Info` (part of the fingerprint;
+    /// reported to explain a mismatch). Empty if not reported.
+    pub fn kv_cache_dtype(&self) -> String {
+        self.state()
+            .info
+            .as_ref()
+            .map_or_else(String::new, |i| i.kv_cache_dtype.clone())
+    }
+
     /// Running + waiting (from the last `Info`) + this router's in-flight requests.
     pub fn load(&self) -> u64 {
         let reported = self
@@ -640,11 +649,19 @@ fn describe<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>, excluded: &[usize]) 
     }
 }
 
-/// `prefill A has fingerprint X block size 16; decode B has ...`.
+/// `prefill A has fingerprint X block size 16 KV cache bfloat16; decode B has ...`.
 fn layouts<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>) -> String {
     nodes
         .map(|n| match n.layout() {
-            Some(l) => format!("{} {} has {l}", n.role, n.addr),
+            Some(l) => {
+                let dtype = n.kv_cache_dtype();
+                let dtype = if dtype.is_empty() {
+                    String::new()
+                } else {
+                    format!(" KV cache {dtype}")
+                };
+                format!("{} {} has {l}{dtype}", n.role, n.addr)
+            }
             None => format!("{} {} has not reported a layout", n.role, n.addr),
         })
         .collect::<Vec<_>>()

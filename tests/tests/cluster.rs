@@ -125,6 +125,20 @@ async fn a_cluster_with_a_16_bit_kv_cache_equals_one_engine_with_it() {
         assert_eq!(e.label_values(info, "block_size"), ["16"], "{role}");
         assert_eq!(e.sum(info, &[("role", role)]), 1.0, "{role}");
     }
+    // KV travels as stored: whole f16 blocks (synthetic:tiny: 3 layers x K and V x 16
+    // tokens x 2 KV heads x 32 dims x 2 bytes), landed in place on the CPU decode node.
+    let e = exposition(&cluster.node_metrics("decode")[0])
+        .await
+        .unwrap();
+    let moved = e.sum("pd_node_kv_transfer_bytes_total", &[]);
+    let f16_block = f64::from(3 * 2 * 16 * 2 * 32 * 2);
+    assert!(
+        moved > 0.0 && moved % f16_block == 0.0,
+        "{moved} bytes is not a whole number of f16 blocks"
+    );
+    let imports = "pd_node_kv_imports_total";
+    assert!(e.sum(imports, &[("landing", "in_place")]) > 0.0);
+    assert_eq!(e.sum(imports, &[("landing", "buffers")]), 0.0);
     all_blocks_free(&cluster).await;
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }

@@ -20,8 +20,9 @@
 //! - "new conn, in place": a fresh connection per pull into the (already touched) reserved KV
 //!   memory: what a CPU node's first pull from a peer costs, TCP's window growth alone.
 //!
-//! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_LEN` f32 values per block
-//! (default 917504 = Qwen3-0.6B: 2 x 28 layers x 16 tokens x 8 KV heads x 128 dims, 3.67 MB),
+//! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_BYTES` bytes per block
+//! (default 3670016 = Qwen3-0.6B with an f32 cache: 2 x 28 layers x 16 tokens x 8 KV heads
+//! x 128 dims x 4 bytes, 3.67 MB; half that is its block with a 16-bit cache),
 //! `PD_BENCH_ITERS` (default 10: with 5, one disturbed run on a shared 2-core machine was
 //! enough to move the ratio by 0.3).
 //!
@@ -74,7 +75,7 @@ struct RawPeer {
 }
 
 impl RawPeer {
-    fn start(source: Arc<Vec<Vec<f32>>>) -> Self {
+    fn start(source: Arc<Vec<Vec<u8>>>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let writer = std::thread::spawn(move || {
@@ -82,7 +83,7 @@ impl RawPeer {
             let mut go = [0u8; 1];
             while s.read_exact(&mut go).is_ok() {
                 for b in source.iter() {
-                    s.write_all(bytemuck::cast_slice(b)).expect("write");
+                    s.write_all(b).expect("write");
                 }
             }
         });
@@ -91,13 +92,11 @@ impl RawPeer {
         Self { stream, writer }
     }
 
-    fn read(&mut self, dst: &mut [Vec<f32>]) -> Duration {
+    fn read(&mut self, dst: &mut [Vec<u8>]) -> Duration {
         let t = Instant::now();
         self.stream.write_all(&[1]).expect("request");
         for d in dst.iter_mut() {
-            self.stream
-                .read_exact(bytemuck::cast_slice_mut(d))
-                .expect("read");
+            self.stream.read_exact(d).expect("read");
         }
         t.elapsed()
     }
@@ -118,26 +117,26 @@ fn reservation(blocks: usize, block_bytes: usize, regions: usize) -> KvReservati
 
 fn main() {
     let blocks = env("PD_BENCH_BLOCKS", 256);
-    let block_len = env("PD_BENCH_BLOCK_LEN", 2 * 28 * 16 * 8 * 128);
+    let block_bytes = env("PD_BENCH_BLOCK_BYTES", 2 * 28 * 16 * 8 * 128 * 4);
     let iters = env("PD_BENCH_ITERS", 10).max(1);
     let regions = env("PD_BENCH_REGIONS", 56).max(1);
-    let bytes = (blocks * block_len * 4) as u64;
+    let bytes = (blocks * block_bytes) as u64;
     println!(
         "{blocks} blocks x {:.2} MB = {:.1} MB per transfer, best of {iters}, raw socket and \
          transport alternating",
-        block_len as f64 * 4.0 / 1e6,
+        block_bytes as f64 / 1e6,
         bytes as f64 / 1e6
     );
 
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let blocks_data: Vec<Vec<f32>> = (0..blocks)
+    let blocks_data: Vec<Vec<u8>> = (0..blocks)
         .map(|_| {
-            (0..block_len)
+            (0..block_bytes)
                 .map(|_| {
                     state = state
                         .wrapping_mul(6_364_136_223_846_793_005)
                         .wrapping_add(1_442_695_040_888_963_407);
-                    (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                    (state >> 56) as u8
                 })
                 .collect()
         })
@@ -153,8 +152,8 @@ fn main() {
     let source = Arc::new(LeasedKv::new(copies));
     let checksum_time = lease_started.elapsed();
     let blocks_data = Arc::new(blocks_data);
-    let mut dst: Vec<Vec<f32>> = vec![vec![0.0f32; block_len]; blocks];
-    let check = |got: &[Vec<f32>]| {
+    let mut dst: Vec<Vec<u8>> = vec![vec![0u8; block_bytes]; blocks];
+    let check = |got: &[Vec<u8>]| {
         assert_eq!(got.len(), blocks);
         assert!(
             got.iter().zip(blocks_data.iter()).all(|(g, s)| g == s),
@@ -180,11 +179,11 @@ fn main() {
         fingerprint: fp,
         first_block: 0,
         count: blocks,
-        block_len,
+        block_bytes,
     };
     let deadline = || Instant::now() + Duration::from_secs(600);
 
-    let buffers = BlockBuffers::new(block_len, bytes as usize);
+    let buffers = BlockBuffers::new(block_bytes, bytes as usize);
     let puller = KvPuller::with_buffers(buffers.clone());
     let mut raw_peer = RawPeer::start(Arc::clone(&blocks_data));
     // Warm-up: connections open, buffers faulted in.
@@ -193,7 +192,7 @@ fn main() {
         .block_on(puller.pull(addr, req, deadline()))
         .expect("warm-up pull");
     buffers.give_all(warm);
-    let mut into = reservation(blocks, block_len * 4, regions);
+    let mut into = reservation(blocks, block_bytes, regions);
     rt.block_on(puller.pull_into(addr, req, &mut into, deadline()))
         .expect("warm-up pull in place");
     let check_placed = |r: &KvReservation| {

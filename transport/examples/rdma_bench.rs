@@ -104,11 +104,11 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
     };
     let regions: usize = f.get("regions").map_or(Ok(56), |r| r.parse())?;
     let device = RdmaDevice::open(&config(&f)?)?;
-    let block_len = block_kib * 256;
+    let block_bytes = block_kib * 1024;
     let count = (mib * 1024 / block_kib).max(1);
     let exporter = RdmaExporter::new(&device, advertise)?;
     let (exporter, kv) = if in_place {
-        let memory = kv_memory(count, block_len * 4, regions)?;
+        let memory = kv_memory(count, block_bytes, regions)?;
         let exporter = exporter.with_host_kv(Some(memory.clone()));
         if !exporter.in_place() {
             return Err("registering the KV memory failed (raise `ulimit -l`?); \
@@ -119,8 +119,8 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
         let kv = unsafe { LeasedKv::pinned(memory, (0..count as u32).collect()) };
         (exporter, kv)
     } else {
-        let blocks: Vec<Vec<f32>> = (0..count)
-            .map(|b| (0..block_len).map(|i| (b * 7 + i) as f32).collect())
+        let blocks: Vec<Vec<u8>> = (0..count)
+            .map(|b| (0..block_bytes).map(|i| (b * 7 + i) as u8).collect())
             .collect();
         (exporter, LeasedKv::new(blocks))
     };
@@ -207,7 +207,7 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
         fingerprint: FP,
         first_block: 0,
         count: offer.num_blocks() as usize,
-        block_len: (offer.block_bytes / 4) as usize,
+        block_bytes: offer.block_bytes as usize,
     };
     let bytes = offer.num_blocks() * offer.block_bytes;
     for size in sizes {
@@ -218,7 +218,7 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
         let reader = RdmaReader::new(&device, Arc::new(TcpConnector), FP, &config)?;
         let deadline = || Instant::now() + Duration::from_secs(60);
         if in_place {
-            let memory = kv_memory(req.count, req.block_len * 4, regions)?;
+            let memory = kv_memory(req.count, req.block_bytes, regions)?;
             let reader = reader.with_host_kv(Some(memory.clone()));
             if !reader.lands_in_place() {
                 return Err("registering the KV memory failed (raise `ulimit -l`?); \

@@ -21,23 +21,21 @@ use crate::wire::{
 };
 
 /// One read: blocks `first_block .. first_block + count` of lease `lease_id` on the exporter,
-/// each `block_len` f32 values, from an exporter whose layout fingerprint is `fingerprint`.
+/// each `block_bytes` bytes, from an exporter whose layout fingerprint is `fingerprint`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PullRequest {
     pub lease_id: u64,
     pub fingerprint: LayoutFingerprint,
     pub first_block: usize,
     pub count: usize,
-    /// f32 values per block (`KvLayout::block_bytes() / 4`).
-    pub block_len: usize,
+    /// Bytes per block ([`pd_engine::kv::KvLayout::block_bytes`]).
+    pub block_bytes: usize,
 }
 
 impl PullRequest {
     /// Payload bytes of this read (`None` on overflow).
     pub fn payload_bytes(&self) -> Option<u64> {
-        (self.count as u64)
-            .checked_mul(self.block_len as u64)?
-            .checked_mul(4)
+        (self.count as u64).checked_mul(self.block_bytes as u64)
     }
 }
 
@@ -47,7 +45,7 @@ pub async fn pull_blocks(
     addr: SocketAddr,
     req: PullRequest,
     deadline: Instant,
-) -> Result<Vec<Vec<f32>>, TransportError> {
+) -> Result<Vec<Vec<u8>>, TransportError> {
     let mut conn = connect(addr, deadline).await?;
     let mut started = false;
     let mut sink = Sink::Buffers {
@@ -63,14 +61,14 @@ enum Sink<'a> {
     /// Into buffers (from `pool` when given), collected in `blocks`.
     Buffers {
         pool: Option<&'a BlockBuffers>,
-        blocks: Vec<Vec<f32>>,
+        blocks: Vec<Vec<u8>>,
     },
     /// In place, into the KV memory the engine reserved.
     Placed(&'a mut KvReservation),
 }
 
 impl Sink<'_> {
-    fn into_blocks(self) -> Vec<Vec<f32>> {
+    fn into_blocks(self) -> Vec<Vec<u8>> {
         match self {
             Sink::Buffers { blocks, .. } => blocks,
             Sink::Placed(_) => Vec::new(),
@@ -87,13 +85,11 @@ impl Sink<'_> {
     ) -> Result<(), TransportError> {
         match self {
             Sink::Buffers { pool, blocks } => {
-                let pool = pool.filter(|b| b.block_len() == req.block_len);
+                let pool = pool.filter(|b| b.block_bytes() == req.block_bytes);
                 for _ in 0..req.count {
                     let mut block =
-                        pool.map_or_else(|| vec![0f32; req.block_len], BlockBuffers::take);
-                    let read = reader
-                        .read_block(conn, bytemuck::cast_slice_mut(&mut block))
-                        .await;
+                        pool.map_or_else(|| vec![0u8; req.block_bytes], BlockBuffers::take);
+                    let read = reader.read_block(conn, &mut block).await;
                     blocks.push(block);
                     if let Err(e) = read {
                         if let Some(b) = pool {
@@ -175,7 +171,7 @@ impl KvPuller {
         addr: SocketAddr,
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<Vec<Vec<f32>>, TransportError> {
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
         let mut sink = Sink::Buffers {
             pool: self.buffers.as_ref(),
             blocks: Vec::new(),
@@ -185,7 +181,7 @@ impl KvPuller {
     }
 
     /// The same pull, landing in place in `into` (the blocks the decode engine reserved for
-    /// it: `req.count` blocks of `req.block_len` values, checked before anything is sent).
+    /// it: `req.count` blocks of `req.block_bytes` bytes, checked before anything is sent).
     /// On failure `into` holds partial data and must not be admitted.
     pub async fn pull_into(
         &self,
@@ -331,8 +327,8 @@ async fn exchange(
         .filter(|&b| b <= MAX_PULL_BYTES)
         .ok_or_else(|| {
             TransportError::Length(format!(
-                "{} blocks of {} values exceed the {MAX_PULL_BYTES}-byte limit of one pull",
-                req.count, req.block_len
+                "{} blocks of {} bytes exceed the {MAX_PULL_BYTES}-byte limit of one pull",
+                req.count, req.block_bytes
             ))
         })?;
     let frame = PullRequestFrame {
@@ -340,7 +336,7 @@ async fn exchange(
         fingerprint: req.fingerprint,
         first_block: req.first_block as u64,
         count: req.count as u64,
-        block_len: req.block_len as u64,
+        block_bytes: req.block_bytes as u64,
         timeout_ms,
     };
     conn.write_all(&frame.encode()).await?;
@@ -394,13 +390,13 @@ async fn exchange(
             resp.lease_id, resp.first_block, id.lease_id, id.first_block
         )));
     }
-    if (resp.count, resp.block_len) != (id.count, req.block_len as u64) {
+    if (resp.count, resp.block_bytes) != (id.count, req.block_bytes as u64) {
         return Err(TransportError::Length(format!(
-            "the exporter announced {} blocks of {} values, we asked for {} of {}",
-            resp.count, resp.block_len, req.count, req.block_len
+            "the exporter announced {} blocks of {} bytes, we asked for {} of {}",
+            resp.count, resp.block_bytes, req.count, req.block_bytes
         )));
     }
-    let block_bytes = req.block_len as u64 * 4;
+    let block_bytes = req.block_bytes as u64;
     if total > 0 && u64::from(resp.chunk_bytes) != block_bytes {
         return Err(TransportError::Protocol(format!(
             "chunks of {} bytes announced; a chunk is one block of {block_bytes} bytes",
@@ -417,13 +413,13 @@ pub(crate) fn check_reservation(
     req: &PullRequest,
     into: &KvReservation,
 ) -> Result<(), TransportError> {
-    if into.len() != req.count || into.block_bytes() != req.block_len * 4 {
+    if into.len() != req.count || into.block_bytes() != req.block_bytes {
         return Err(TransportError::Length(format!(
             "the KV reserved for this pull holds {} blocks of {} bytes; the pull reads {} of {}",
             into.len(),
             into.block_bytes(),
             req.count,
-            req.block_len * 4
+            req.block_bytes
         )));
     }
     Ok(())

@@ -1,18 +1,21 @@
 //! The layout fingerprint two nodes compare before moving KV.
 //!
 //! KV computed by one node is usable on another only if both agree on the model, the weight
-//! dtype and the cache shape. The fingerprint condenses all of it into 64 bits that travel in
-//! the control plane (`KvHandle`) and in every transfer request; a mismatch is refused before
-//! any KV byte moves.
+//! dtype, the cache shape and the type the cache stores (blocks travel as stored). The
+//! fingerprint condenses all of it into 64 bits that travel in the control plane
+//! (`KvHandle`) and in every transfer request; a mismatch is refused before any KV byte
+//! moves.
 //!
-//! Encoding (version 1, every integer a little-endian `u64`):
+//! Encoding (version 2, every integer a little-endian `u64`):
 //!
 //! ```text
-//! "pd-kv-layout/v1\0"            16 bytes, the domain
+//! "pd-kv-layout/v2\0"            16 bytes, the domain
 //! num_layers | num_kv_heads | head_dim | block_size
-//! 4                              bytes per stored KV element (f32 storage)
+//! KV element type                1 = f32, 2 = f16, 3 = bf16
 //! len(model_identity)            then the identity's UTF-8 bytes
 //! ```
+//!
+//! Version 1 (KV always sent as f32) put the element's size, 4, where the type is now.
 //!
 //! hashed with `XXH3_64bits_withSeed(bytes, SEED)` (`twox_hash::XxHash3_64::oneshot_with_seed`;
 //! `xxhash.xxh3_64_intdigest(bytes, seed=SEED)` in Python) where `SEED` =
@@ -23,6 +26,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use pd_engine::kv::KvLayout;
+use pd_engine::weights::DType;
 use twox_hash::XxHash3_64;
 
 /// 64-bit identity of a KV layout plus the model that fills it. `Display` writes 16 lowercase
@@ -30,14 +34,20 @@ use twox_hash::XxHash3_64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LayoutFingerprint(pub u64);
 
-/// Bytes per stored KV element: the engine keeps KV in f32.
-const KV_ELEMENT_BYTES: u64 = 4;
+/// The encoding's code of a KV element type (never renumbered).
+fn element_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F32 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+    }
+}
 
 impl LayoutFingerprint {
     /// The fixed seed of the hash (`pd-kv-l1`).
     pub const SEED: u64 = 0x7064_2d6b_762d_6c31;
     /// The encoding's domain prefix; bumping its version changes every fingerprint.
-    pub const DOMAIN: &'static [u8; 16] = b"pd-kv-layout/v1\0";
+    pub const DOMAIN: &'static [u8; 16] = b"pd-kv-layout/v2\0";
 
     /// Fingerprint of `layout` filled by `model_identity`: a string naming the model and its
     /// weight dtype, built the same way on every node (for instance
@@ -50,7 +60,7 @@ impl LayoutFingerprint {
             layout.num_kv_heads as u64,
             layout.head_dim as u64,
             layout.block_size as u64,
-            KV_ELEMENT_BYTES,
+            element_code(layout.dtype),
             model_identity.len() as u64,
         ] {
             bytes.extend_from_slice(&v.to_le_bytes());
@@ -94,6 +104,7 @@ mod tests {
             num_kv_heads: 8,
             head_dim: 128,
             block_size: 16,
+            dtype: DType::BF16,
         }
     }
 
@@ -101,8 +112,8 @@ mod tests {
     fn fingerprint_is_pinned_across_versions_and_platforms() {
         // Recomputed from the documented encoding; changing it breaks mixed-version clusters.
         let fp = LayoutFingerprint::new(&qwen3_06b(), "Qwen/Qwen3-0.6B|bf16");
-        let mut bytes = b"pd-kv-layout/v1\0".to_vec();
-        for v in [28u64, 8, 128, 16, 4, 20] {
+        let mut bytes = b"pd-kv-layout/v2\0".to_vec();
+        for v in [28u64, 8, 128, 16, 3, 20] {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
         bytes.extend_from_slice(b"Qwen/Qwen3-0.6B|bf16");
@@ -113,7 +124,7 @@ mod tests {
         assert_eq!(fp.to_string(), PINNED_QWEN3_06B);
     }
 
-    const PINNED_QWEN3_06B: &str = "20c152652167d392";
+    const PINNED_QWEN3_06B: &str = "0af78b7a7aeca91e";
 
     #[test]
     fn every_field_and_the_model_identity_change_it() {
@@ -126,6 +137,8 @@ mod tests {
             |l: &mut KvLayout| l.num_kv_heads += 1,
             |l: &mut KvLayout| l.head_dim *= 2,
             |l: &mut KvLayout| l.block_size *= 2,
+            |l: &mut KvLayout| l.dtype = DType::F16,
+            |l: &mut KvLayout| l.dtype = DType::F32,
         ] {
             let mut l = base.clone();
             change(&mut l);

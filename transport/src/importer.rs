@@ -25,7 +25,7 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
         offer: &'a RdmaOffer,
         req: PullRequest,
         deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>>;
+    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>>;
 
     /// Read `req`'s blocks of `offer` in place into `into` (KV memory the engine reserved,
     /// as many blocks as `req` reads), verified. This default reads into buffers and copies
@@ -102,7 +102,7 @@ impl KvImporter {
         rdma_offer: &[u8],
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<(Vec<Vec<f32>>, PathUsed), TransportError> {
+    ) -> Result<(Vec<Vec<u8>>, PathUsed), TransportError> {
         let now = Instant::now();
         let Some((offer, reader)) = self.rdma_path(tcp_addr, rdma_offer, deadline) else {
             let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
@@ -123,7 +123,7 @@ impl KvImporter {
 
     /// The same pull, landing in place in `into`: the blocks the decode engine reserved for
     /// it ([`pd_engine::serve::EngineHandle::reserve_import`]), `req.count` blocks of
-    /// `req.block_len` values (checked before anything is sent). On failure `into` holds
+    /// `req.block_bytes` bytes (checked before anything is sent). On failure `into` holds
     /// partial data and must not be admitted (drop it: its blocks go back to the engine).
     pub async fn pull_into(
         &self,

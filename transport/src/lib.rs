@@ -39,9 +39,10 @@
 //! - Counters for the node's metrics ([`TransferStats`]: bytes, latency histogram, failures
 //!   by reason) are kept by the puller ([`KvPuller::stats`]) and the export server
 //!   ([`KvExportServer::transfer_stats`]).
-//! - Bytes go straight between the sockets and the `f32` buffers (`bytemuck` casts), no
-//!   per-value conversion. The wire carries f32 little-endian, so big-endian hosts are
-//!   refused at compile time.
+//! - Bytes go straight between the sockets and KV memory or block buffers, as the KV cache
+//!   stores them (f32, f16 or bf16: part of the layout fingerprint), with no per-value
+//!   conversion. The wire carries them little-endian, so big-endian hosts are refused at
+//!   compile time.
 //!
 //! The wire format is documented in [`wire`].
 //!
@@ -68,15 +69,13 @@
 //! // Decode node (lease id, first block and count from the KvHandle and the local cache):
 //! let puller = KvPuller::new();
 //! let req = PullRequest { lease_id: 7, fingerprint: fp, first_block: 0, count: 4,
-//!                         block_len: layout.block_bytes() / 4 };
+//!                         block_bytes: layout.block_bytes() };
 //! let blocks = puller.pull(addr, req, Instant::now() + Duration::from_secs(5)).await?;
 //! # drop(blocks); server.shutdown(Duration::from_secs(5)).await; Ok(()) }
 //! ```
 
 #[cfg(target_endian = "big")]
-compile_error!(
-    "pd-transport sends f32 KV as little-endian bytes; big-endian hosts are not supported"
-);
+compile_error!("pd-transport sends KV as little-endian bytes; big-endian hosts are not supported");
 
 mod chunks;
 mod client;

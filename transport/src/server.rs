@@ -316,7 +316,7 @@ async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Recei
                 lease_id: 0,
                 first_block: 0,
                 count: 0,
-                block_len: 0,
+                block_bytes: 0,
                 message: e.to_string(),
             };
             let _ = send(&mut s, &refusal).await;
@@ -370,7 +370,7 @@ type Batch = Result<SharedBlocks, (Status, String)>;
 
 /// Blocks `first .. first + count` of the lease, checked.
 fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> Batch {
-    let (lease, block_len) = (req.lease_id, req.block_len);
+    let (lease, block_bytes) = (req.lease_id, req.block_bytes);
     let Some(shared) = ctx.source.read_blocks(lease, first, count) else {
         return Err((
             Status::UnknownLease,
@@ -389,12 +389,12 @@ fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> 
             ),
         ));
     }
-    if shared.block_bytes() as u64 != block_len * 4 {
+    if shared.block_bytes() as u64 != block_bytes {
         return Err((
             Status::Length,
             format!(
-                "lease {lease}: blocks hold {} values here, the request says {block_len}",
-                shared.block_bytes() / 4
+                "lease {lease}: blocks hold {} bytes here, the request says {block_bytes}",
+                shared.block_bytes()
             ),
         ));
     }
@@ -408,7 +408,7 @@ async fn serve_pull(
     ctx: &Arc<Ctx>,
 ) -> io::Result<Next> {
     let started = Instant::now();
-    let block_bytes = req.block_len.saturating_mul(4);
+    let block_bytes = req.block_bytes;
     let mut response = PullResponseFrame {
         status: Status::Ok,
         chunk_bytes: u32::try_from(block_bytes).unwrap_or(u32::MAX),
@@ -416,7 +416,7 @@ async fn serve_pull(
         lease_id: req.lease_id,
         first_block: req.first_block,
         count: req.count,
-        block_len: req.block_len,
+        block_bytes: req.block_bytes,
         message: String::new(),
     };
     let refuse = |mut response: PullResponseFrame, status: Status, message: String| {
@@ -445,9 +445,9 @@ async fn serve_pull(
     let fits = block_bytes <= u64::from(MAX_CHUNK_BYTES);
     let (Some((first, count)), Some(total), true) = (range, total, fits) else {
         let message = format!(
-            "{} blocks of {} values from block {} is out of range (limit {MAX_PULL_BYTES} \
+            "{} blocks of {} bytes from block {} is out of range (limit {MAX_PULL_BYTES} \
              bytes, {MAX_CHUNK_BYTES} per block)",
-            req.count, req.block_len, req.first_block
+            req.count, req.block_bytes, req.first_block
         );
         send(s, &refuse(response, Status::BadRequest, message)).await?;
         return Ok(Next::Close);

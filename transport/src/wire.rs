@@ -1,22 +1,23 @@
-//! The TCP wire format, version 2. Every integer is little-endian; KV values travel as the
-//! raw little-endian bytes of their f32s.
+//! The TCP wire format, version 3. Every integer is little-endian; KV values travel as the
+//! raw little-endian bytes the KV cache stores (f32, f16 or bf16: the layout fingerprint
+//! says which, so both ends agree before a byte moves).
 //!
 //! ```text
-//! frame header (12 B)   magic "PDKV" | version u16 = 2 | kind u16 | body_len u32
+//! frame header (12 B)   magic "PDKV" | version u16 = 3 | kind u16 | body_len u32
 //!
 //! kind 1 PULL_REQUEST, importer -> exporter, body 48 B:
 //!   lease_id u64 | fingerprint u64 | first_block u64 | count u64
-//!   | block_len u64 (f32 values per block) | timeout_ms u32 | reserved u32 = 0
+//!   | block_bytes u64 (bytes per block) | timeout_ms u32 | reserved u32 = 0
 //!
 //! kind 2 PULL_RESPONSE, exporter -> importer, body 56 B + message:
 //!   status u16 | reserved u16 = 0 | chunk_bytes u32
 //!   | fingerprint u64 (the EXPORTER's) | lease_id u64 | first_block u64 | count u64
-//!   | block_len u64 | message_len u32 | reserved u32 = 0 | message (UTF-8, <= 4 KiB)
+//!   | block_bytes u64 | message_len u32 | reserved u32 = 0 | message (UTF-8, <= 4 KiB)
 //!
-//! status OK only: the payload follows, the count blocks in order (each block's f32s in
+//! status OK only: the payload follows, the count blocks in order (each block's bytes in
 //! order), one chunk per block, each with a 16 B chunk header:
 //!   kind u32 | status u32 | len u64
-//!   kind 1 DATA:  len = block_len * 4 = chunk_bytes bytes of the block, then its checksum
+//!   kind 1 DATA:  len = block_bytes = chunk_bytes bytes of the block, then its checksum
 //!                 (u64): xxh3-64 of those bytes with seed BLOCK_SEED + the block's index in
 //!                 the lease (wrapping; `pd_engine::kv::checksum`), so a block delivered
 //!                 in the wrong place fails too. The same checksum the RDMA offer carries;
@@ -25,7 +26,9 @@
 //!                 says why, len bytes of UTF-8 message follow, then the connection closes.
 //!
 //! Version 1 cut the payload into 4 MiB chunks checksummed as they were sent; version 2
-//! makes a chunk a block so that the sender sends checksums it already has.
+//! makes a chunk a block so that the sender sends checksums it already has; version 3
+//! sends KV as stored instead of widened to f32 (a 16-bit cache moves half the bytes), so
+//! blocks are sized in bytes.
 //! ```
 //!
 //! After the last DATA chunk the connection carries the next request (connection reuse). A
@@ -37,7 +40,7 @@
 use crate::fingerprint::LayoutFingerprint;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 pub const FRAME_HEADER_LEN: usize = 12;
 pub const PULL_REQUEST_BODY_LEN: usize = 48;
 pub const PULL_RESPONSE_BODY_LEN: usize = 56;
@@ -173,8 +176,8 @@ pub struct PullRequestFrame {
     pub fingerprint: LayoutFingerprint,
     pub first_block: u64,
     pub count: u64,
-    /// f32 values per block.
-    pub block_len: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
     /// Time the importer still waits; the exporter gives up after it.
     pub timeout_ms: u32,
 }
@@ -193,7 +196,7 @@ impl PullRequestFrame {
         w.u64(self.fingerprint.0);
         w.u64(self.first_block);
         w.u64(self.count);
-        w.u64(self.block_len);
+        w.u64(self.block_bytes);
         w.u32(self.timeout_ms);
         w.u32(0);
         b
@@ -206,14 +209,14 @@ impl PullRequestFrame {
             fingerprint: LayoutFingerprint(r.u64()),
             first_block: r.u64(),
             count: r.u64(),
-            block_len: r.u64(),
+            block_bytes: r.u64(),
             timeout_ms: r.u32(),
         }
     }
 
     /// Payload bytes this request asks for (`None` on overflow).
     pub fn payload_bytes(&self) -> Option<u64> {
-        self.count.checked_mul(self.block_len)?.checked_mul(4)
+        self.count.checked_mul(self.block_bytes)
     }
 }
 
@@ -227,7 +230,7 @@ pub struct PullResponseFrame {
     pub lease_id: u64,
     pub first_block: u64,
     pub count: u64,
-    pub block_len: u64,
+    pub block_bytes: u64,
     pub message: String,
 }
 
@@ -247,7 +250,7 @@ impl PullResponseFrame {
         w.u64(self.lease_id);
         w.u64(self.first_block);
         w.u64(self.count);
-        w.u64(self.block_len);
+        w.u64(self.block_bytes);
         w.u32(msg.len() as u32);
         w.u32(0);
         w.bytes(msg.as_bytes());
@@ -266,7 +269,7 @@ impl PullResponseFrame {
             lease_id: r.u64(),
             first_block: r.u64(),
             count: r.u64(),
-            block_len: r.u64(),
+            block_bytes: r.u64(),
             message: String::new(),
         };
         let msg_len = r.u32() as usize;
@@ -378,12 +381,12 @@ mod tests {
             fingerprint: LayoutFingerprint(0xdead_beef),
             first_block: 3,
             count: 5,
-            block_len: 917_504,
+            block_bytes: 917_504 * 4,
             timeout_ms: 1500,
         };
         let b = req.encode();
         assert_eq!(&b[..4], b"PDKV");
-        assert_eq!(&b[4..6], &[2, 0], "version 2, little-endian");
+        assert_eq!(&b[4..6], &[3, 0], "version 3, little-endian");
         assert_eq!(&b[6..8], &[1, 0], "kind PULL_REQUEST");
         assert_eq!(&b[8..12], &[48, 0, 0, 0]);
         assert_eq!(
@@ -415,7 +418,7 @@ mod tests {
             lease_id: 9,
             first_block: 1,
             count: 2,
-            block_len: 3,
+            block_bytes: 3,
             message: "différent".into(),
         };
         let b = resp.encode();
@@ -441,7 +444,7 @@ mod tests {
             lease_id: 0,
             first_block: 0,
             count: 0,
-            block_len: 0,
+            block_bytes: 0,
             message: long,
         };
         assert!(resp.encode().len() <= FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN + MAX_MESSAGE_LEN);
@@ -454,7 +457,7 @@ mod tests {
             fingerprint: LayoutFingerprint(1),
             first_block: 0,
             count: 1,
-            block_len: 1,
+            block_bytes: 1,
             timeout_ms: 1,
         }
         .encode();

@@ -16,7 +16,7 @@ use pd_engine::serve::{
     Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, ImportedBlocks, ImportedKv,
     KvLease, RequestEvent, RequestId, Role,
 };
-use pd_engine::weights::Checkpoint;
+use pd_engine::weights::{Checkpoint, DType};
 use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest, TransportError};
 
 const BS: usize = 4;
@@ -25,13 +25,16 @@ fn fixture() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures/golden/tiny-gqa")
 }
 
-fn engine(role: Role) -> (Engine<CpuBackend>, KvLayout) {
+/// An engine of `role` whose KV cache stores `kv`.
+fn engine(role: Role, kv: DType) -> (Engine<CpuBackend>, KvLayout) {
     let dir = fixture();
     let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &mc, &mut |_, _| {}).unwrap();
-    let exec = Executor::new(CpuBackend::new(), model, BS, 64).unwrap();
-    let layout = KvLayout::new(&mc, BS).unwrap();
+    let backend = CpuBackend::with_kv_dtype(kv);
+    let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
+    let exec = Executor::new(backend, model, BS, 64).unwrap();
+    let layout = KvLayout::new(&mc, BS, kv).unwrap();
+    assert_eq!(exec.layout(), &layout);
     let cfg = EngineConfig {
         role,
         enable_prefix_caching: true,
@@ -87,8 +90,8 @@ struct Leased {
     lease: KvLease,
 }
 
-async fn leased(prompt: &[u32], fp: LayoutFingerprint) -> Leased {
-    let (prefill, _) = engine(Role::Prefill);
+async fn leased(prompt: &[u32], fp: LayoutFingerprint, kv: DType) -> Leased {
+    let (prefill, _) = engine(Role::Prefill, kv);
     let prefill = EngineThread::spawn(prefill);
     let handle = prefill.handle();
     let (server, addr) =
@@ -121,7 +124,7 @@ async fn leased(prompt: &[u32], fp: LayoutFingerprint) -> Leased {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine() {
     let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 11) % 390).collect();
-    let (mut mixed, layout) = engine(Role::Mixed);
+    let (mut mixed, layout) = engine(Role::Mixed, DType::F32);
     let want = run(&mut mixed, request("m", prompt.clone(), None));
 
     let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
@@ -132,13 +135,13 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
         addr,
         first_token,
         lease,
-    } = leased(&prompt, fp).await;
+    } = leased(&prompt, fp, DType::F32).await;
 
     // As a decode node does: blocks arrive in the decode engine's recycled buffers.
-    let (mut decode, _) = engine(Role::Decode);
+    let (mut decode, _) = engine(Role::Decode, DType::F32);
     let buffers = decode.import_buffers();
     let puller = KvPuller::with_buffers(buffers.clone());
-    let block_len = layout.block_bytes() / 4;
+    let block_bytes = layout.block_bytes();
     let pull = |first_block, count, fingerprint| {
         puller.pull(
             addr,
@@ -147,7 +150,7 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
                 fingerprint,
                 first_block,
                 count,
-                block_len,
+                block_bytes,
             },
             Instant::now() + Duration::from_secs(30),
         )
@@ -193,12 +196,22 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
 }
 
 /// As a decode node on host memory does: the decode engine reserves the blocks it lacks and
-/// the pull lands in them in place; the tokens equal one mixed engine's, and a pull whose
-/// reservation does not fit is refused before anything is sent.
+/// the pull lands in them in place; the tokens equal one mixed engine's with the same KV
+/// cache type, and a pull whose reservation does not fit is refused before anything is sent.
+/// A 16-bit cache's blocks travel as stored: half the bytes of an f32 cache's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
+async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine_in_every_cache_type() {
+    let f32_bytes = pulled_in_place_decodes_like_one_mixed_engine(DType::F32).await;
+    for kv in [DType::F16, DType::BF16] {
+        let bytes = pulled_in_place_decodes_like_one_mixed_engine(kv).await;
+        assert_eq!(2 * bytes, f32_bytes, "{kv:?}");
+    }
+}
+
+/// One pull in place with a `kv` cache on both sides; the bytes it moved.
+async fn pulled_in_place_decodes_like_one_mixed_engine(kv: DType) -> u64 {
     let prompt: Vec<u32> = (0..23u32).map(|i| (i * 41 + 5) % 390).collect();
-    let (mut mixed, layout) = engine(Role::Mixed);
+    let (mut mixed, layout) = engine(Role::Mixed, kv);
     let want = run(&mut mixed, request("m", prompt.clone(), None));
 
     let fp = LayoutFingerprint::new(&layout, "tiny-gqa|f32");
@@ -209,9 +222,9 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
         addr,
         first_token,
         lease,
-    } = leased(&prompt, fp).await;
+    } = leased(&prompt, fp, kv).await;
 
-    let (mut decode, _) = engine(Role::Decode);
+    let (mut decode, _) = engine(Role::Decode, kv);
     let released = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = released.clone();
     let mut into = decode
@@ -228,7 +241,7 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
         fingerprint: fp,
         first_block: 0,
         count,
-        block_len: layout.block_bytes() / 4,
+        block_bytes: layout.block_bytes(),
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     let err = puller
@@ -242,6 +255,8 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
         .pull_into(addr, req(6), &mut into, deadline)
         .await
         .unwrap();
+    let moved = puller.stats().snapshot().bytes;
+    assert_eq!(moved, 6 * layout.block_bytes() as u64, "{kv:?}");
     assert!(handle.release_lease(lease.lease_id));
 
     let imported = ImportedKv {
@@ -253,7 +268,7 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
     got.extend(run(&mut decode, request("d", prompt, Some(imported))));
     assert_eq!(
         got, want,
-        "prefill -> TCP in place -> decode equals one mixed engine"
+        "prefill -> TCP in place -> decode equals one mixed engine ({kv:?} KV)"
     );
     assert!(
         released.lock().unwrap().is_empty(),
@@ -261,4 +276,5 @@ async fn kv_pulled_in_place_over_tcp_decodes_like_one_mixed_engine() {
     );
     assert_eq!(decode.reservations_held(), 0);
     server.shutdown(Duration::from_secs(5)).await;
+    moved
 }

@@ -21,7 +21,8 @@ use pd_transport::{
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x0123_4567_89ab_cdef);
 const LEASE: u64 = 9;
-const BLOCK_LEN: usize = 1024;
+/// Bytes per block.
+const BLOCK_BYTES: usize = 4096;
 
 struct Mem(Arc<LeasedKv>);
 
@@ -32,9 +33,13 @@ impl KvSource for Mem {
     }
 }
 
-fn blocks(n: usize) -> Vec<Vec<f32>> {
+fn blocks(n: usize) -> Vec<Vec<u8>> {
     (0..n)
-        .map(|b| (0..BLOCK_LEN).map(|i| (b * 10_000 + i) as f32).collect())
+        .map(|b| {
+            (0..BLOCK_BYTES / 4)
+                .flat_map(|i| ((b * 10_000 + i) as u32).to_le_bytes())
+                .collect()
+        })
         .collect()
 }
 
@@ -51,12 +56,9 @@ fn fabric(subnet: u8) -> Fabric {
 }
 
 /// The offer a prefill node would publish for `blocks`, registered at a made-up address.
-fn offer_for(blocks: &[Vec<f32>]) -> (RdmaOffer, Vec<u8>) {
-    let bytes: Vec<u8> = blocks
-        .iter()
-        .flat_map(|b| bytemuck::cast_slice::<f32, u8>(b).to_vec())
-        .collect();
-    let block_bytes = (BLOCK_LEN * 4) as u64;
+fn offer_for(blocks: &[Vec<u8>]) -> (RdmaOffer, Vec<u8>) {
+    let bytes: Vec<u8> = blocks.concat();
+    let block_bytes = BLOCK_BYTES as u64;
     let offer = RdmaOffer {
         fabric: fabric(1),
         connect_addr: "10.0.0.1:50051".into(),
@@ -91,7 +93,7 @@ impl OneSidedReader for Failing {
         _offer: &'a RdmaOffer,
         _req: PullRequest,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         Box::pin(async {
             Err(RdmaError::Completion {
@@ -119,10 +121,10 @@ impl OneSidedReader for InProcess {
         offer: &'a RdmaOffer,
         req: PullRequest,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
         Box::pin(async move {
             let ops = plan_reads(offer, req.first_block as u64, req.count as u64, 4096)?;
-            let mut landed = vec![0u8; req.count * req.block_len * 4];
+            let mut landed = vec![0u8; req.count * req.block_bytes];
             for op in ops {
                 let (base, bytes) = &self.memory[&op.rkey];
                 let at = (op.remote_addr - base) as usize;
@@ -130,21 +132,21 @@ impl OneSidedReader for InProcess {
                 landed[to..to + op.len as usize].copy_from_slice(&bytes[at..at + op.len as usize]);
             }
             landed
-                .chunks(req.block_len * 4)
+                .chunks(req.block_bytes)
                 .enumerate()
                 .map(|(i, b)| {
                     let index = (req.first_block + i) as u64;
                     if offer.checksums[index as usize] != block_checksum(index, b) {
                         return Err(RdmaError::Checksum { block: index });
                     }
-                    Ok(bytemuck::cast_slice::<u8, f32>(b).to_vec())
+                    Ok(b.to_vec())
                 })
                 .collect()
         })
     }
 }
 
-async fn server(n: usize) -> (KvExportServer, std::net::SocketAddr, Vec<Vec<f32>>) {
+async fn server(n: usize) -> (KvExportServer, std::net::SocketAddr, Vec<Vec<u8>>) {
     let data = blocks(n);
     let (server, addr) = KvExportServer::bind(
         "127.0.0.1:0".parse().unwrap(),
@@ -162,7 +164,7 @@ fn request(lease_id: u64, first: usize, count: usize) -> PullRequest {
         fingerprint: FP,
         first_block: first,
         count,
-        block_len: BLOCK_LEN,
+        block_bytes: BLOCK_BYTES,
     }
 }
 
@@ -185,7 +187,7 @@ async fn a_failed_rdma_read_is_retried_once_over_tcp_and_counted() {
     assert_eq!(reader.calls.load(Ordering::SeqCst), 1);
     let c = importer.stats().snapshot();
     assert_eq!((c.failovers, c.transfers), (1, 1));
-    assert_eq!(c.bytes, 4 * BLOCK_LEN as u64 * 4);
+    assert_eq!(c.bytes, 4 * BLOCK_BYTES as u64);
     assert_eq!(c.failures.iter().map(|(_, n)| n).sum::<u64>(), 0);
     server.shutdown(Duration::from_secs(1)).await;
 }
@@ -258,7 +260,7 @@ async fn an_rdma_read_is_counted_once_and_never_touches_tcp() {
     assert_eq!((path, got), (PathUsed::Rdma, data[1..4].to_vec()));
     let c = importer.stats().snapshot();
     assert_eq!((c.transfers, c.failovers), (1, 0));
-    assert_eq!(c.bytes, 3 * BLOCK_LEN as u64 * 4);
+    assert_eq!(c.bytes, 3 * BLOCK_BYTES as u64);
     assert_eq!(server.stats().connections, 0, "TCP not used");
     server.shutdown(Duration::from_secs(1)).await;
 }

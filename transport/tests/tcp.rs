@@ -31,11 +31,11 @@ struct MemSource {
 }
 
 impl MemSource {
-    fn new(blocks: Vec<Vec<f32>>) -> Arc<Self> {
+    fn new(blocks: Vec<Vec<u8>>) -> Arc<Self> {
         Self::failing_after(blocks, usize::MAX)
     }
 
-    fn failing_after(blocks: Vec<Vec<f32>>, fail_after: usize) -> Arc<Self> {
+    fn failing_after(blocks: Vec<Vec<u8>>, fail_after: usize) -> Arc<Self> {
         Arc::new(Self {
             lease: Arc::new(LeasedKv::new(blocks)),
             calls: AtomicUsize::new(0),
@@ -53,8 +53,9 @@ impl KvSource for MemSource {
     }
 }
 
-/// Random bit patterns (NaNs and infinities included: the transport moves bytes).
-fn random_blocks(n: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
+/// Random bytes, `len` per block (as f32 they hold NaNs and infinities too: the transport
+/// moves bytes).
+fn random_blocks(n: usize, len: usize, seed: u64) -> Vec<Vec<u8>> {
     let mut s = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
     let mut next = || {
         s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -64,15 +65,12 @@ fn random_blocks(n: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
         z ^ (z >> 31)
     };
     (0..n)
-        .map(|_| (0..len).map(|_| f32::from_bits(next() as u32)).collect())
+        .map(|_| (0..len).map(|_| next() as u8).collect())
         .collect()
 }
 
-fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            bytemuck::cast_slice::<f32, u32>(x) == bytemuck::cast_slice::<f32, u32>(y)
-        })
+fn same_bits(a: &[Vec<u8>], b: &[Vec<u8>]) -> bool {
+    a == b
 }
 
 /// Small batches so that a few MB cross many batch boundaries.
@@ -89,13 +87,13 @@ async fn serve(source: Arc<MemSource>, config: ExportConfig) -> (KvExportServer,
         .expect("bind an ephemeral port")
 }
 
-fn req(first_block: usize, count: usize, block_len: usize) -> PullRequest {
+fn req(first_block: usize, count: usize, block_bytes: usize) -> PullRequest {
     PullRequest {
         lease_id: LEASE,
         fingerprint: FP,
         first_block,
         count,
-        block_len,
+        block_bytes,
     }
 }
 
@@ -121,7 +119,7 @@ fn soon() -> Instant {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_blocks_of_random_data_round_trip_bit_exact() {
-    let len = 40_000; // 160 KB blocks, several per 3 MiB batch
+    let len = 160_000; // 160 KB blocks, several per 3 MiB batch
     let blocks = random_blocks(64, len, 1);
     let source = MemSource::new(blocks.clone());
     let (server, addr) = serve(Arc::clone(&source), small_config()).await;
@@ -142,13 +140,13 @@ async fn many_blocks_of_random_data_round_trip_bit_exact() {
         (stats.pulls_ok, stats.pulls_refused, stats.pulls_failed),
         (4, 0, 0)
     );
-    assert_eq!(stats.bytes_sent, (64 + 30 + 1) * len as u64 * 4);
+    assert_eq!(stats.bytes_sent, (64 + 30 + 1) * len as u64);
     server.shutdown(Duration::from_secs(5)).await;
 }
 
 #[tokio::test]
 async fn default_config_moves_qwen_sized_blocks() {
-    let len = 2 * 28 * 16 * 8 * 128 / 16; // a Qwen3-0.6B block cut 16x to keep tests quick
+    let len = 2 * 28 * 16 * 8 * 128 * 4 / 16; // a Qwen3-0.6B f32 block cut 16x, to be quick
     let blocks = random_blocks(40, len, 2);
     let (server, addr) = serve(MemSource::new(blocks.clone()), ExportConfig::default()).await;
     let got = pull_blocks(addr, req(0, 40, len), soon()).await.unwrap();
@@ -213,7 +211,7 @@ async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
         fingerprint: LayoutFingerprint(1),
         first_block: 0,
         count: 4,
-        block_len: 100,
+        block_bytes: 400,
         timeout_ms: 5000,
     };
     s.write_all(&frame.encode()).await.unwrap();
@@ -240,7 +238,7 @@ async fn a_wrong_block_length_is_a_length_error() {
 
 #[tokio::test]
 async fn a_lease_that_vanishes_mid_transfer_aborts_with_unknown_lease() {
-    let len = 100_000; // 400 KB blocks, 3 MiB batches: several source reads per pull
+    let len = 400_000; // 400 KB blocks, 3 MiB batches: several source reads per pull
     let source = MemSource::failing_after(random_blocks(32, len, 6), 2);
     let (server, addr) = serve(source, small_config()).await;
     let err = pull_blocks(addr, req(0, 32, len), soon())
@@ -382,10 +380,10 @@ const PAYLOAD_START: u64 = (FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN + 16) as u
 
 #[tokio::test]
 async fn a_corrupted_payload_fails_the_checksum() {
-    let blocks = random_blocks(8, 100_000, 8);
+    let blocks = random_blocks(8, 400_000, 8);
     let (_server, upstream) = serve(MemSource::new(blocks), small_config()).await;
     let proxy = faulty_proxy(upstream, Fault::Flip(PAYLOAD_START + 1_500_000)).await;
-    let err = pull_blocks(proxy, req(0, 8, 100_000), soon())
+    let err = pull_blocks(proxy, req(0, 8, 400_000), soon())
         .await
         .unwrap_err();
     // A chunk is a block (400,000 bytes) with 24 bytes of framing: payload byte 1.5 M is
@@ -426,11 +424,11 @@ async fn a_corrupted_header_is_caught_too() {
 
 #[tokio::test]
 async fn a_truncated_stream_is_a_length_error() {
-    let blocks = random_blocks(8, 100_000, 10);
+    let blocks = random_blocks(8, 400_000, 10);
     let (_server, upstream) = serve(MemSource::new(blocks), small_config()).await;
     for cut in [PAYLOAD_START + 2_000_000, PAYLOAD_START + 3] {
         let proxy = faulty_proxy(upstream, Fault::Cut(cut)).await;
-        let err = pull_blocks(proxy, req(0, 8, 100_000), soon())
+        let err = pull_blocks(proxy, req(0, 8, 400_000), soon())
             .await
             .unwrap_err();
         assert!(
@@ -441,7 +439,7 @@ async fn a_truncated_stream_is_a_length_error() {
     }
     // Cut inside the response header: an I/O error (nothing of the payload was announced).
     let proxy = faulty_proxy(upstream, Fault::Cut(5)).await;
-    let err = pull_blocks(proxy, req(0, 8, 100_000), soon())
+    let err = pull_blocks(proxy, req(0, 8, 400_000), soon())
         .await
         .unwrap_err();
     assert!(matches!(err, TransportError::Io(_)), "{err}");
@@ -470,7 +468,7 @@ async fn the_exporter_answers_an_unknown_version_with_its_own_and_closes() {
         fingerprint: FP,
         first_block: 0,
         count: 1,
-        block_len: 10,
+        block_bytes: 40,
         timeout_ms: 1000,
     }
     .encode();
@@ -488,7 +486,7 @@ async fn the_exporter_answers_an_unknown_version_with_its_own_and_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_concurrent_pulls_each_get_their_own_blocks() {
-    let len = 20_000;
+    let len = 80_000;
     let blocks = Arc::new(random_blocks(128, len, 12));
     let (server, addr) = serve(MemSource::new(blocks.to_vec()), small_config()).await;
     let puller = KvPuller::new();

@@ -111,7 +111,8 @@ pub trait Backend: Send + Sync + 'static {
             .unwrap_or_else(|_| unreachable!("one weight per part")))
     }
 
-    /// Allocate KV storage for `num_blocks` blocks of `layout`.
+    /// Allocate KV storage for `num_blocks` blocks of `layout`, whose dtype must be
+    /// [`Backend::kv_dtype`].
     fn alloc_kv(
         &self,
         layout: &KvLayout,
@@ -121,12 +122,6 @@ pub trait Backend: Send + Sync + 'static {
     /// The type the KV cache is stored in (after `auto` is resolved). Default f32.
     fn kv_dtype(&self) -> crate::weights::DType {
         crate::weights::DType::F32
-    }
-
-    /// Bytes of this backend's own memory one KV block of `layout` takes (all layers, K and
-    /// V): [`KvLayout::block_bytes`] (f32) scaled to [`Backend::kv_dtype`].
-    fn kv_block_bytes(&self, layout: &KvLayout) -> usize {
-        layout.block_bytes() / 4 * self.kv_dtype().size_in_bytes()
     }
 
     /// Bytes of this backend's own memory the KV cache may take once the weights are
@@ -312,12 +307,14 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
-    /// Copy block `block` of every layer out of KV storage, laid out layer by layer as
-    /// `[K block, V block]` (each `block_size × kv_heads × head_dim` f32) into `dst`.
-    fn read_block(&self, kv: &Self::KvStorage, block: u32, dst: &mut [f32]);
+    /// Copy block `block` of every layer out of KV storage into `dst`
+    /// ([`KvLayout::block_bytes`] long), laid out layer by layer as `[K block, V block]`
+    /// (each `block_size × kv_heads × head_dim` values), each value as stored
+    /// ([`KvLayout::dtype`], little-endian): the transfer layout.
+    fn read_block(&self, kv: &Self::KvStorage, block: u32, dst: &mut [u8]);
 
     /// The inverse of [`Backend::read_block`].
-    fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[f32]);
+    fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[u8]);
 
     /// Where KV storage lies in host memory, block by block in [`Backend::read_block`]'s
     /// layout, so that imported KV can land in place; `None` (the default) when it is not

@@ -15,40 +15,39 @@ use std::sync::{Arc, Mutex};
 /// of an 8B model.
 pub const DEFAULT_SPARE_BYTES: usize = 1 << 30;
 
-/// A bounded free-list of `block_len`-value buffers. Clones share the list.
+/// A bounded free-list of block buffers of `block_bytes` bytes. Clones share the list.
 #[derive(Debug, Clone)]
 pub struct BlockBuffers {
-    spare: Arc<Mutex<Vec<Vec<f32>>>>,
-    block_len: usize,
+    spare: Arc<Mutex<Vec<Vec<u8>>>>,
+    block_bytes: usize,
     max_spare: usize,
 }
 
 impl BlockBuffers {
-    /// Buffers of `block_len` f32 values, at most `max_spare_bytes` of them kept spare.
-    pub fn new(block_len: usize, max_spare_bytes: usize) -> Self {
-        let block_bytes = block_len.saturating_mul(4).max(1);
+    /// Buffers of `block_bytes` bytes, at most `max_spare_bytes` of them kept spare.
+    pub fn new(block_bytes: usize, max_spare_bytes: usize) -> Self {
         Self {
             spare: Arc::default(),
-            block_len,
-            max_spare: max_spare_bytes / block_bytes,
+            block_bytes,
+            max_spare: max_spare_bytes / block_bytes.max(1),
         }
     }
 
-    /// f32 values per buffer.
-    pub fn block_len(&self) -> usize {
-        self.block_len
+    /// Bytes per buffer.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
     }
 
-    /// A buffer of `block_len` values: a spare one (holding old contents: the caller
+    /// A buffer of `block_bytes` bytes: a spare one (holding old contents: the caller
     /// overwrites all of it) or a new zeroed one.
-    pub fn take(&self) -> Vec<f32> {
+    pub fn take(&self) -> Vec<u8> {
         let reused = self.spare.lock().ok().and_then(|mut s| s.pop());
-        reused.unwrap_or_else(|| vec![0.0; self.block_len])
+        reused.unwrap_or_else(|| vec![0; self.block_bytes])
     }
 
     /// Return buffers whose contents are no longer needed. Buffers of another length, and
     /// any past the bound, are freed.
-    pub fn give_all(&self, buffers: impl IntoIterator<Item = Vec<f32>>) {
+    pub fn give_all(&self, buffers: impl IntoIterator<Item = Vec<u8>>) {
         let Ok(mut spare) = self.spare.lock() else {
             return;
         };
@@ -56,7 +55,7 @@ impl BlockBuffers {
             if spare.len() >= self.max_spare {
                 break;
             }
-            if b.len() == self.block_len {
+            if b.len() == self.block_bytes {
                 spare.push(b);
             }
         }
@@ -74,14 +73,14 @@ mod tests {
 
     #[test]
     fn given_buffers_come_back_and_the_bound_holds() {
-        let pool = BlockBuffers::new(4, 2 * 16);
-        assert_eq!(pool.take(), vec![0.0; 4], "a new buffer is zeroed");
-        pool.give_all(vec![vec![1.0; 4], vec![2.0; 4], vec![3.0; 4]]);
-        assert_eq!(pool.spare(), 2, "at most 32 bytes = 2 buffers kept");
+        let pool = BlockBuffers::new(4, 2 * 4);
+        assert_eq!(pool.take(), vec![0; 4], "a new buffer is zeroed");
+        pool.give_all(vec![vec![1; 4], vec![2; 4], vec![3; 4]]);
+        assert_eq!(pool.spare(), 2, "at most 8 bytes = 2 buffers kept");
         let b = pool.take();
         assert_eq!(b.len(), 4);
-        assert_ne!(b, vec![0.0; 4], "a spare buffer is reused, not reallocated");
-        pool.give_all(vec![vec![0.0; 5]]);
+        assert_ne!(b, vec![0; 4], "a spare buffer is reused, not reallocated");
+        pool.give_all(vec![vec![0; 5]]);
         assert_eq!(pool.spare(), 1, "a buffer of another length is not kept");
         pool.take();
         pool.take();
@@ -91,7 +90,7 @@ mod tests {
     #[test]
     fn a_zero_bound_keeps_nothing() {
         let pool = BlockBuffers::new(4, 0);
-        pool.give_all(vec![vec![1.0; 4]]);
+        pool.give_all(vec![vec![1; 4]]);
         assert_eq!(pool.spare(), 0);
     }
 }

@@ -1,6 +1,6 @@
 //! The integrity checksum of one KV block as it travels between nodes: XXH3-64 of the
-//! block's bytes in the transfer layout ([`crate::backend::Backend::read_block`], f32
-//! little-endian), seeded with the block's index within its lease, so a block delivered in
+//! block's bytes in the transfer layout ([`crate::backend::Backend::read_block`], each
+//! value as the KV cache stores it, little-endian), seeded with the block's index within its lease, so a block delivered in
 //! the wrong place fails too.
 //!
 //! Computed once, when a prefill lease is made ([`crate::serve::LeaseStore`]); both

@@ -1,7 +1,7 @@
 //! The host tier of the prefix cache: an LRU pool of KV blocks in host memory that device
 //! blocks spill to when they are evicted (`--host-cache-blocks`).
 //!
-//! Memory is one preallocated arena of `capacity × block_len` f32 (no allocation per block);
+//! Memory is one preallocated arena of `capacity × block_bytes` bytes (no allocation per block);
 //! a map `hash → slot` finds a block, an intrusive LRU list over slots picks the victim when
 //! the arena is full. A fetched block stays (and becomes most recently used): the device copy
 //! made from it may be evicted again later. Capacity 0 disables the tier: lookups find
@@ -15,9 +15,9 @@ use super::pool::LruList;
 use super::tier::{ExternalTier, TierError, TierKind};
 
 pub struct HostTier {
-    block_len: usize,
-    /// `capacity × block_len` f32; slot `s` is `arena[s*block_len .. (s+1)*block_len]`.
-    arena: Vec<f32>,
+    block_bytes: usize,
+    /// `capacity × block_bytes` bytes; slot `s` is `arena[s*block_bytes .. (s+1)*block_bytes]`.
+    arena: Vec<u8>,
     slots: HashMap<BlockHash, u32>,
     /// The hash held by each occupied slot.
     slot_hash: Vec<BlockHash>,
@@ -28,17 +28,17 @@ pub struct HostTier {
 }
 
 impl HostTier {
-    /// A tier of `capacity` blocks of `block_len` f32 each, allocated now.
+    /// A tier of `capacity` blocks of `block_bytes` bytes each, allocated now.
     ///
     /// # Panics
-    /// If `capacity × block_len` overflows or `capacity >= u32::MAX`.
-    pub fn new(capacity: usize, block_len: usize) -> Self {
+    /// If `capacity × block_bytes` overflows or `capacity >= u32::MAX`.
+    pub fn new(capacity: usize, block_bytes: usize) -> Self {
         let len = capacity
-            .checked_mul(block_len)
+            .checked_mul(block_bytes)
             .expect("host cache size overflows");
         Self {
-            block_len,
-            arena: vec![0.0; len],
+            block_bytes,
+            arena: vec![0; len],
             slots: HashMap::with_capacity(capacity),
             slot_hash: vec![BlockHash(0); capacity],
             lru: LruList::new(capacity),
@@ -77,8 +77,8 @@ impl HostTier {
     }
 
     fn slot(&self, s: u32) -> std::ops::Range<usize> {
-        let start = s as usize * self.block_len;
-        start..start + self.block_len
+        let start = s as usize * self.block_bytes;
+        start..start + self.block_bytes
     }
 }
 
@@ -87,8 +87,8 @@ impl ExternalTier for HostTier {
         TierKind::Host
     }
 
-    fn block_len(&self) -> usize {
-        self.block_len
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
     }
 
     fn lookup(&self, hashes: &[BlockHash]) -> usize {
@@ -98,11 +98,11 @@ impl ExternalTier for HostTier {
             .count()
     }
 
-    fn fetch(&mut self, hash: BlockHash, dst: &mut [f32]) -> Result<(), TierError> {
-        if dst.len() != self.block_len {
+    fn fetch(&mut self, hash: BlockHash, dst: &mut [u8]) -> Result<(), TierError> {
+        if dst.len() != self.block_bytes {
             return Err(TierError::LengthMismatch {
                 tier: TierKind::Host,
-                expected: self.block_len,
+                expected: self.block_bytes,
                 got: dst.len(),
             });
         }
@@ -117,9 +117,13 @@ impl ExternalTier for HostTier {
         Ok(())
     }
 
-    fn offer(&mut self, hash: BlockHash, data: &[f32]) {
-        debug_assert_eq!(data.len(), self.block_len, "offered data is not one block");
-        if !self.is_enabled() || data.len() != self.block_len {
+    fn offer(&mut self, hash: BlockHash, data: &[u8]) {
+        debug_assert_eq!(
+            data.len(),
+            self.block_bytes,
+            "offered data is not one block"
+        );
+        if !self.is_enabled() || data.len() != self.block_bytes {
             return;
         }
         if let Some(&s) = self.slots.get(&hash) {
@@ -151,7 +155,7 @@ impl fmt::Debug for HostTier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostTier")
             .field("capacity", &self.capacity())
-            .field("block_len", &self.block_len)
+            .field("block_bytes", &self.block_bytes)
             .field("len", &self.len())
             .finish()
     }

@@ -286,11 +286,11 @@ impl KvReservation {
         }
     }
 
-    /// Copy pulled blocks given whole, as values in transfer layout (block `i` of `blocks`
-    /// into pulled block `i`): blocks that arrived in buffers after all.
-    pub fn write_blocks(&mut self, blocks: &[Vec<f32>]) {
+    /// Copy pulled blocks given whole in transfer layout (block `i` of `blocks` into pulled
+    /// block `i`): blocks that arrived in buffers after all.
+    pub fn write_blocks(&mut self, blocks: &[Vec<u8>]) {
         for (i, block) in blocks.iter().enumerate() {
-            self.write_block(i, bytemuck::cast_slice(block));
+            self.write_block(i, block);
         }
     }
 

@@ -3,8 +3,9 @@
 //! (blocks pulled from another node). Both sit behind [`ExternalTier`] so the scheduler treats
 //! them alike; restoring from either counts as an *external* hit (ARCHITECTURE.md §3).
 //!
-//! A block's data is the flat f32 content of one KV block (`block_len` elements, the same
-//! layout as the backend's KV storage for one block); the tier does not interpret it.
+//! A block's data is the content of one KV block in the transfer layout
+//! ([`crate::backend::Backend::read_block`]: `block_bytes` bytes, each value as the KV cache
+//! stores it); the tier does not interpret it.
 //! Content is addressed by [`BlockHash`], so it is immutable: a hash always names the same
 //! data, and offering a hash a tier already holds changes nothing but its recency.
 
@@ -41,7 +42,7 @@ pub enum TierError {
     #[error("{tier} tier: block {hash} is not there (evicted since the lookup?)")]
     Miss { tier: TierKind, hash: BlockHash },
     /// The destination is not exactly one block long: a bug in the caller.
-    #[error("{tier} tier: destination holds {got} f32 elements, a block is {expected}")]
+    #[error("{tier} tier: destination holds {got} bytes, a block is {expected}")]
     LengthMismatch {
         tier: TierKind,
         expected: usize,
@@ -58,24 +59,24 @@ pub trait ExternalTier: Send {
     /// Which tier this is (for metrics and logs).
     fn kind(&self) -> TierKind;
 
-    /// f32 elements in one block; `fetch` and `offer` take exactly this many.
-    fn block_len(&self) -> usize;
+    /// Bytes in one block; `fetch` and `offer` take exactly this many.
+    fn block_bytes(&self) -> usize;
 
     /// How many leading `hashes` the tier can provide now. No side effects (the LRU order is
     /// not touched). It is a hint: a `fetch` afterwards may still miss, since the tier may
     /// evict blocks in between (another offer, another node).
     fn lookup(&self, hashes: &[BlockHash]) -> usize;
 
-    /// Copy the block of `hash` into `dst` (`block_len()` elements). On success `dst` holds
+    /// Copy the block of `hash` into `dst` (`block_bytes()` bytes). On success `dst` holds
     /// exactly what was offered under `hash`; the block stays in the tier (and counts as
     /// recently used). On error `dst` may be partly written and must be recomputed:
     /// [`TierError::Miss`] if the block is gone, [`TierError::Unavailable`] if the tier
     /// failed, [`TierError::LengthMismatch`] if `dst` has the wrong length.
-    fn fetch(&mut self, hash: BlockHash, dst: &mut [f32]) -> Result<(), TierError>;
+    fn fetch(&mut self, hash: BlockHash, dst: &mut [u8]) -> Result<(), TierError>;
 
-    /// Give the tier a copy of the block of `hash` (`block_len()` elements), e.g. a device
+    /// Give the tier a copy of the block of `hash` (`block_bytes()` bytes), e.g. a device
     /// block about to be evicted. Best effort: the tier may store it (evicting others), keep
     /// an existing copy (marking it recently used), or drop it (disabled or full). Never
     /// fails; `data` of the wrong length is a caller bug and is ignored (debug builds panic).
-    fn offer(&mut self, hash: BlockHash, data: &[f32]);
+    fn offer(&mut self, hash: BlockHash, data: &[u8]);
 }

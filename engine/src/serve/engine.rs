@@ -87,7 +87,7 @@ pub struct Engine<B: Backend> {
     eos_token_ids: Vec<u32>,
     /// Sampled ids are kept below this (ids past the tokenizer's vocabulary have no text).
     vocab_limit: usize,
-    block_buf: Vec<f32>,
+    block_buf: Vec<u8>,
     last_step: StepStats,
 }
 
@@ -111,9 +111,9 @@ impl<B: Backend> Engine<B> {
         vocab_limit: usize,
     ) -> Result<Self, RequestError> {
         config.validate()?;
-        let block_len = executor.block_len();
+        let block_bytes = executor.block_bytes();
         let pool = BlockPool::new(executor.num_blocks());
-        let host = HostTier::new(config.host_cache_blocks, block_len);
+        let host = HostTier::new(config.host_cache_blocks, block_bytes);
         let host_kv = executor.host_kv_memory();
         Ok(Self {
             config,
@@ -126,7 +126,7 @@ impl<B: Backend> Engine<B> {
             leases: HashMap::new(),
             released_leases: Vec::new(),
             lease_store: LeaseStore::default(),
-            import_buffers: BlockBuffers::new(block_len, DEFAULT_SPARE_BYTES),
+            import_buffers: BlockBuffers::new(block_bytes, DEFAULT_SPARE_BYTES),
             host_kv,
             reservations: HashMap::new(),
             next_reservation: 1,
@@ -135,7 +135,7 @@ impl<B: Backend> Engine<B> {
             expired_leases: 0,
             eos_token_ids,
             vocab_limit,
-            block_buf: vec![0.0; block_len],
+            block_buf: vec![0; block_bytes],
             last_step: StepStats::default(),
         })
     }

@@ -24,7 +24,7 @@ use crate::kv::placement::HostKvMemory;
 #[derive(Debug)]
 enum LeaseData {
     /// Copies, each block in `Backend::read_block`'s layout.
-    Copied(Vec<Vec<f32>>),
+    Copied(Vec<Vec<u8>>),
     /// The blocks where they lie in host KV memory, in lease order.
     Pinned {
         memory: HostKvMemory,
@@ -44,11 +44,11 @@ impl LeasedKv {
     /// Copied `blocks` with their checksums, hashed on the rayon pool (this runs on the
     /// engine thread when a prefill ends: a 4,096-token Qwen3-0.6B lease is 940 MB, ~60 ms
     /// for one core at ~15 GB/s).
-    pub fn new(blocks: Vec<Vec<f32>>) -> Self {
+    pub fn new(blocks: Vec<Vec<u8>>) -> Self {
         let checksums = blocks
             .par_iter()
             .enumerate()
-            .map(|(i, b)| block_checksum(i as u64, bytemuck::cast_slice(b)))
+            .map(|(i, b)| block_checksum(i as u64, b))
             .collect();
         Self {
             data: LeaseData::Copied(blocks),
@@ -100,7 +100,7 @@ impl LeasedKv {
     /// Bytes of each block (0 for an empty lease).
     pub fn block_bytes(&self) -> usize {
         match &self.data {
-            LeaseData::Copied(b) => b.first().map_or(0, |b| b.len() * 4),
+            LeaseData::Copied(b) => b.first().map_or(0, Vec::len),
             LeaseData::Pinned { memory, .. } => memory.block_bytes(),
         }
     }
@@ -109,7 +109,7 @@ impl LeasedKv {
     /// per layer's K and V), in order.
     pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
         match &self.data {
-            LeaseData::Copied(b) => vec![bytemuck::cast_slice(&b[i])],
+            LeaseData::Copied(b) => vec![&b[i]],
             // SAFETY: a leased block, unwritten while this value lives (module docs).
             LeaseData::Pinned { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },
         }
@@ -125,10 +125,10 @@ impl LeasedKv {
         }
     }
 
-    /// Block `i`'s values, copied.
-    pub fn block_values(&self, i: usize) -> Vec<f32> {
-        let mut out = vec![0f32; self.block_bytes() / 4];
-        self.copy_block(i, bytemuck::cast_slice_mut(&mut out));
+    /// Block `i`'s bytes, copied.
+    pub fn block_data(&self, i: usize) -> Vec<u8> {
+        let mut out = vec![0; self.block_bytes()];
+        self.copy_block(i, &mut out);
         out
     }
 }
@@ -164,11 +164,11 @@ impl LeaseStore {
 
     /// Copies of blocks `first .. first + count` of a lease; `None` if the lease is gone or
     /// shorter.
-    pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+    pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<u8>>> {
         // Clone the Arc under the lock, copy the blocks outside it.
         let kv = self.leases.lock().ok()?.get(&lease_id).cloned()?;
         let end = first.checked_add(count).filter(|&e| e <= kv.num_blocks())?;
-        Some((first..end).map(|i| kv.block_values(i)).collect())
+        Some((first..end).map(|i| kv.block_data(i)).collect())
     }
 
     pub fn len(&self) -> usize {
@@ -187,23 +187,23 @@ mod tests {
     #[test]
     fn reads_ranges_until_removed() {
         let store = LeaseStore::default();
-        store.insert(7, LeasedKv::new(vec![vec![1.0], vec![2.0], vec![3.0]]));
-        assert_eq!(store.read(7, 1, 2), Some(vec![vec![2.0], vec![3.0]]));
+        store.insert(7, LeasedKv::new(vec![vec![1, 1], vec![2, 2], vec![3, 3]]));
+        assert_eq!(store.read(7, 1, 2), Some(vec![vec![2, 2], vec![3, 3]]));
         assert_eq!(store.read(7, 2, 2), None, "past the end");
         assert_eq!(store.read(7, usize::MAX, 2), None, "overflow");
         assert_eq!(store.read(8, 0, 1), None, "unknown lease");
         let shared = store.get(7).expect("leased");
         assert_eq!(shared.num_blocks(), 3);
         let want: Vec<u64> = (0..3u64)
-            .map(|i| block_checksum(i, bytemuck::cast_slice(&[(i + 1) as f32])))
+            .map(|i| block_checksum(i, &[(i + 1) as u8; 2]))
             .collect();
         assert_eq!(shared.checksums, want, "block i's checksum, seeded by i");
         store.remove(7);
         assert_eq!(store.read(7, 0, 1), None, "released");
         assert!(store.get(7).is_none(), "released");
         assert_eq!(
-            shared.block_values(2),
-            vec![3.0],
+            shared.block_data(2),
+            vec![3, 3],
             "a reader's shared copy outlives the release"
         );
         assert!(store.is_empty());

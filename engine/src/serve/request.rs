@@ -63,7 +63,7 @@ pub struct ImportedKv {
 pub enum ImportedBlocks {
     /// In buffers, each in [`crate::backend::Backend::read_block`]'s layout; copied into KV
     /// storage at admission (a GPU node, or a host node whose pool had no room to reserve).
-    Buffers(Vec<Vec<f32>>),
+    Buffers(Vec<Vec<u8>>),
     /// Already in this engine's KV storage, in the reserved blocks (held until admission,
     /// given back if the request ends before).
     Placed(KvReservation),

@@ -352,13 +352,21 @@ impl Backend for CudaBackend {
             )));
         }
         let dtype = self.kv_dtype();
+        if layout.dtype != dtype {
+            return Err(EngineError::InvalidRequest(format!(
+                "a KV layout of {} asked of {} storing KV as {}",
+                layout.dtype.torch_name(),
+                self.name(),
+                dtype.torch_name()
+            )));
+        }
         let len = num_blocks
             .checked_mul(layout.block_size * layout.token_width() * dtype.size_in_bytes())
             .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
         let oom = |e: cudarc::driver::DriverError| {
             EngineError::OutOfBlocks(format!(
                 "cannot allocate {num_blocks} KV blocks ({} MiB) on {}: {e}",
-                (num_blocks * self.kv_block_bytes(layout)) >> 20,
+                (num_blocks * layout.block_bytes()) >> 20,
                 self.name()
             ))
         };
@@ -760,19 +768,14 @@ impl Backend for CudaBackend {
         self.run_decode_graph(step, forward)
     }
 
-    fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [f32]) {
-        let n = kv.block_len();
-        assert_eq!(dst.len(), 2 * n * kv.k.len(), "block buffer length");
+    fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [u8]) {
+        let bytes = kv.block_bytes_per_part();
+        assert_eq!(dst.len(), 2 * bytes * kv.k.len(), "block buffer length");
         assert!((block as usize) < kv.num_blocks, "block id in range");
-        let staging = self.alloc::<f32>(dst.len());
-        let n_i = n as i32;
-        let code = dtype_code(kv.dtype);
+        let staging = self.alloc::<u8>(dst.len());
+        let halves = (bytes / 2) as i32;
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.pack_block);
-        b.arg(&kv.bases)
-            .arg(&code)
-            .arg(&block)
-            .arg(&staging)
-            .arg(&n_i);
+        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&halves);
         self.launch("pack_block", b, block_grid(kv.k.len()));
         self.dev
             .stream
@@ -781,22 +784,17 @@ impl Backend for CudaBackend {
         self.synchronize();
     }
 
-    fn write_block(&self, kv: &mut CudaKvStorage, block: u32, src: &[f32]) {
-        let n = kv.block_len();
-        assert_eq!(src.len(), 2 * n * kv.k.len(), "block buffer length");
+    fn write_block(&self, kv: &mut CudaKvStorage, block: u32, src: &[u8]) {
+        let bytes = kv.block_bytes_per_part();
+        assert_eq!(src.len(), 2 * bytes * kv.k.len(), "block buffer length");
         assert!((block as usize) < kv.num_blocks, "block id in range");
         let staging = self.upload(src);
-        let n_i = n as i32;
+        let halves = (bytes / 2) as i32;
         let mut b = self
             .dev
             .stream
             .launch_builder(&self.dev.kernels.unpack_block);
-        let code = dtype_code(kv.dtype);
-        b.arg(&kv.bases)
-            .arg(&code)
-            .arg(&block)
-            .arg(&staging)
-            .arg(&n_i);
+        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&halves);
         self.launch("unpack_block", b, block_grid(kv.k.len()));
         // The staging buffer is freed stream-ordered, after the kernel has read it.
     }

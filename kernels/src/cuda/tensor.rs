@@ -122,8 +122,8 @@ pub fn dtype_code(dtype: DType) -> i32 {
 
 /// Paged KV for all layers: per layer one K and one V buffer of
 /// `[num_blocks, block_size, num_kv_heads, head_dim]` elements of `dtype` (the layout every
-/// backend shares; blocks move between nodes as f32 whatever the storage type, so CPU and
-/// CUDA nodes exchange them).
+/// backend shares; blocks move between nodes as stored, so CPU and CUDA nodes with the same
+/// cache type exchange them).
 pub struct CudaKvStorage {
     pub layout: KvLayout,
     pub num_blocks: usize,
@@ -139,5 +139,10 @@ impl CudaKvStorage {
     /// Elements of K (or V) in one block of one layer.
     pub fn block_len(&self) -> usize {
         self.layout.block_size * self.layout.token_width()
+    }
+
+    /// Bytes of K (or V) in one block of one layer.
+    pub fn block_bytes_per_part(&self) -> usize {
+        self.block_len() * self.dtype.size_in_bytes()
     }
 }

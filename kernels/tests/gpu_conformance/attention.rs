@@ -18,7 +18,7 @@ use pd_kernels::CudaBackend;
 use pd_kernels::cuda::plan::{self, AttentionKernel};
 use pd_kernels::cuda::{CudaTensor, CudaWeight};
 
-use super::{enabled, round_to, unit};
+use super::{enabled, narrow, unit};
 
 /// Largest relative error per row, ‖gpu − cpu‖ / ‖cpu‖.
 fn worst_row_error(cpu: &HostMatrix, gpu: &HostMatrix) -> f64 {
@@ -123,9 +123,9 @@ fn attention_kernels_match_the_cpu_over_head_shapes_and_batch_mixes() {
     if !enabled("attention_kernels_match_the_cpu_over_head_shapes_and_batch_mixes") {
         return;
     }
-    let cpu = CpuBackend::new();
     let dir = tempfile::tempdir().expect("temp dir");
     for kv_dtype in [DType::F32, DType::BF16, DType::F16] {
+        let cpu = CpuBackend::with_kv_dtype(kv_dtype);
         let gpu = CudaBackend::open_with(0, 0.5, Some(kv_dtype)).expect("cuda:0");
         for (case_no, case) in CASES.iter().enumerate() {
             check_case(&gpu, &cpu, dir.path(), kv_dtype, case_no, case);
@@ -147,6 +147,7 @@ fn check_case(
         num_kv_heads: case.kv_heads,
         head_dim: case.head_dim,
         block_size: case.block_size,
+        dtype: kv_dtype,
     };
     // Each sequence's blocks, handed out in reverse so tables are not the identity.
     let per_seq: Vec<usize> = case
@@ -189,13 +190,13 @@ fn check_case(
     let mut gpu_kv = gpu.alloc_kv(&layout, blocks).expect("gpu kv");
     let block_len = 2 * case.block_size * layout.token_width();
     for b in 0..blocks as u32 {
-        // Keys and values of spread 2 (scores of a few units: a peaked softmax).
+        // Keys and values of spread 2 (scores of a few units: a peaked softmax), as stored.
         let data: Vec<f32> = (0..block_len)
             .map(|_| (unit(&mut state) * 4.0 - 2.0) as f32)
             .collect();
-        let stored: Vec<f32> = data.iter().map(|&x| round_to(kv_dtype, x)).collect();
+        let stored = narrow(kv_dtype, &data);
         cpu.write_block(&mut cpu_kv, b, &stored);
-        gpu.write_block(&mut gpu_kv, b, &data);
+        gpu.write_block(&mut gpu_kv, b, &stored);
     }
     let (rows, width) = (q_start, case.heads * case.head_dim);
     let q: Vec<f32> = (0..rows * width)

@@ -54,9 +54,12 @@ fn compare(what: &str, cpu: &HostMatrix, gpu: &HostMatrix) -> f64 {
 fn conformance(model: &str, prompt_len: usize, steps: usize) {
     let files = files(model);
     let blocks = (prompt_len + steps).div_ceil(BLOCK) + 2;
-    let mut cpu = executor(CpuBackend::new(), &files, blocks);
     let gpu_backend = CudaBackend::open(0, 0.5).expect("cuda:0 opens");
     let mut gpu = executor(gpu_backend, &files, blocks);
+    // The same KV cache type on both (auto on the GPU: the weights' type), so that blocks
+    // move between them as they do between nodes: as stored.
+    let kv_dtype = gpu.backend().kv_dtype();
+    let mut cpu = executor(CpuBackend::with_kv_dtype(kv_dtype), &files, blocks);
     let table: Vec<u32> = (0..blocks as u32 - 1).collect();
     let vocab = files.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..prompt_len)
@@ -91,26 +94,25 @@ fn conformance(model: &str, prompt_len: usize, steps: usize) {
     }
 
     // KV blocks: what the GPU computed matches the CPU's; a CPU block written into GPU
-    // storage reads back bit for bit (the transfer path between nodes of either kind).
-    let n = cpu.block_len();
-    let (mut cb, mut gb) = (vec![0f32; n], vec![0f32; n]);
+    // storage reads back byte for byte (the transfer path between nodes of either kind).
+    let n = cpu.block_bytes();
+    assert_eq!(gpu.block_bytes(), n, "the same transfer layout");
+    let (mut cb, mut gb) = (vec![0u8; n], vec![0u8; n]);
     cpu.read_block(0, &mut cb);
     gpu.read_block(0, &mut gb);
-    let diff: f64 = cb
+    let (c, g) = (widen(kv_dtype, &cb), widen(kv_dtype, &gb));
+    let diff: f64 = c
         .iter()
-        .zip(&gb)
+        .zip(&g)
         .map(|(a, b)| ((a - b) as f64).powi(2))
         .sum();
-    let norm: f64 = cb.iter().map(|a| (*a as f64).powi(2)).sum();
+    let norm: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
     assert!((diff / norm).sqrt() <= TOLERANCE, "KV block 0 differs");
-    // Exactly in f32; a 16-bit KV cache (auto: the model's dtype) rounds each value once.
     let spare = blocks as u32 - 1;
     gpu.write_block(spare, &cb);
     gpu.read_block(spare, &mut gb);
-    let kv_dtype = gpu.backend().kv_dtype();
-    let stored: Vec<f32> = cb.iter().map(|&x| round_to(kv_dtype, x)).collect();
-    assert_eq!(
-        stored, gb,
+    assert!(
+        cb == gb,
         "write_block then read_block round-trips ({kv_dtype:?} storage)"
     );
     eprintln!(
@@ -118,12 +120,33 @@ fn conformance(model: &str, prompt_len: usize, steps: usize) {
     );
 }
 
-/// `x` as stored in a KV cache of `dtype` (round to nearest even).
-pub(crate) fn round_to(dtype: DType, x: f32) -> f32 {
+/// A block's bytes in the transfer layout, as f32 values.
+fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     match dtype {
-        DType::F32 => x,
-        DType::BF16 => half::bf16::from_f32(x).to_f32(),
-        DType::F16 => half::f16::from_f32(x).to_f32(),
+        DType::F32 => bytemuck::pod_collect_to_vec(bytes),
+        DType::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        DType::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+    }
+}
+
+/// `values` as a KV cache of `dtype` stores them (rounded to nearest even), in bytes.
+pub(crate) fn narrow(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice(values).to_vec(),
+        DType::BF16 => {
+            let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        DType::F16 => {
+            let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
     }
 }
 

@@ -64,6 +64,8 @@ pub struct FakeState {
     pub role: pb::Role,
     pub fingerprint: Mutex<String>,
     pub block_size: AtomicU32,
+    /// `NodeInfo.kv_cache_dtype`.
+    pub kv_cache_dtype: Mutex<String>,
     /// Reported as `num_waiting`.
     pub load: AtomicU32,
     pub max_model_len: AtomicU32,
@@ -90,6 +92,7 @@ impl FakeState {
             role,
             fingerprint: Mutex::new(FINGERPRINT.into()),
             block_size: AtomicU32::new(16),
+            kv_cache_dtype: Mutex::new("float32".into()),
             load: AtomicU32::new(0),
             max_model_len: AtomicU32::new(4096),
             unhealthy: AtomicBool::new(false),
@@ -123,6 +126,7 @@ impl FakeState {
             max_model_len: self.max_model_len.load(Ordering::SeqCst),
             healthy: !self.unhealthy.load(Ordering::SeqCst),
             counters: None,
+            kv_cache_dtype: self.kv_cache_dtype.lock().unwrap().clone(),
         }
     }
 
@@ -202,7 +206,7 @@ impl PrefillService for Fake {
                 num_tokens: n,
                 lease_id,
                 lease_deadline_unix_ms: 0,
-                block_len: 1,
+                block_bytes: 4,
                 num_blocks: n.div_ceil(block_size.max(1)),
                 rdma: vec![],
             }),

@@ -91,7 +91,9 @@ async fn without_a_decode_node_the_router_is_not_serving() {
 async fn mismatched_layouts_are_refused_with_failed_precondition() {
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
+    // Another KV cache type is another fingerprint; the refusal says which types differ.
     *d.state.fingerprint.lock().unwrap() = "beefbeef".into();
+    *d.state.kv_cache_dtype.lock().unwrap() = "bfloat16".into();
     let router = RouterUnderTest::start_unchecked(config(&[&p], &[&d])).await;
     eventually("both nodes up", || {
         router.registry.nodes().iter().all(|n| n.is_up())
@@ -102,9 +104,17 @@ async fn mismatched_layouts_are_refused_with_failed_precondition() {
     let (_, error) = collect(&mut client, text_request("x")).await.unwrap();
     let status = error.unwrap();
     assert_eq!(status.code(), Code::FailedPrecondition);
-    for needle in [FINGERPRINT, "beefbeef", &p.address(), &d.address()] {
+    for needle in [
+        FINGERPRINT,
+        "beefbeef",
+        &p.address(),
+        &d.address(),
+        "KV cache float32",
+        "KV cache bfloat16",
+    ] {
         assert!(status.message().contains(needle), "{needle}: {status:?}");
     }
+    *d.state.kv_cache_dtype.lock().unwrap() = "float32".into();
 
     // Same fingerprint, other block size: still refused.
     *d.state.fingerprint.lock().unwrap() = FINGERPRINT.into();

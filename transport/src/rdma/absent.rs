@@ -103,7 +103,7 @@ impl crate::importer::OneSidedReader for RdmaReader {
         _offer: &'a RdmaOffer,
         _req: PullRequest,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
         match self.0 {}
     }
 }

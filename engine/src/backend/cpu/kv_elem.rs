@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use crate::weights::DType;
 
 /// One value of the KV cache as stored.
-pub trait KvElem: Copy + Send + Sync + std::fmt::Debug + 'static {
+pub trait KvElem: bytemuck::Pod + Send + Sync + std::fmt::Debug + 'static {
     /// The stored type (the SIMD kernels branch on it at compile time).
     const DTYPE: DType;
     /// Rounded to nearest, ties to even; NaN stays NaN.

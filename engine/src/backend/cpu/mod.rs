@@ -182,25 +182,45 @@ fn write_rows<E: KvElem>(
     }
 }
 
-/// [`Backend::read_block`] on layers of element type `E`: widened to f32.
-fn read_block_of<E: KvElem>(layers: &[CpuLayerKv<E>], n: usize, block: u32, dst: &mut [f32]) {
-    assert_eq!(dst.len(), 2 * n * layers.len(), "block buffer length");
+/// [`Backend::read_block`] on layers of element type `E`: the stored bytes, as they are.
+fn read_block_of<E: KvElem>(layers: &[CpuLayerKv<E>], n: usize, block: u32, dst: &mut [u8]) {
+    let bytes = n * size_of::<E>();
+    assert_eq!(dst.len(), 2 * bytes * layers.len(), "block buffer length");
     let at = block as usize * n;
-    for (layer, out) in layers.iter().zip(dst.chunks_exact_mut(2 * n)) {
-        let (k, v) = out.split_at_mut(n);
-        E::load_f32(layer.k.range(at..at + n), k);
-        E::load_f32(layer.v.range(at..at + n), v);
+    for (layer, out) in layers.iter().zip(dst.chunks_exact_mut(2 * bytes)) {
+        let (k, v) = out.split_at_mut(bytes);
+        k.copy_from_slice(bytemuck::cast_slice(layer.k.range(at..at + n)));
+        v.copy_from_slice(bytemuck::cast_slice(layer.v.range(at..at + n)));
     }
 }
 
-/// [`Backend::write_block`] on layers of element type `E`: rounded from f32.
-fn write_block_of<E: KvElem>(layers: &mut [CpuLayerKv<E>], n: usize, block: u32, src: &[f32]) {
-    assert_eq!(src.len(), 2 * n * layers.len(), "block buffer length");
+/// [`Backend::write_block`] on layers of element type `E`. `src` may have any alignment: it
+/// is copied into the (aligned) KV memory byte for byte.
+fn write_block_of<E: KvElem>(layers: &mut [CpuLayerKv<E>], n: usize, block: u32, src: &[u8]) {
+    let bytes = n * size_of::<E>();
+    assert_eq!(src.len(), 2 * bytes * layers.len(), "block buffer length");
     let at = block as usize * n;
-    for (layer, data) in layers.iter_mut().zip(src.chunks_exact(2 * n)) {
-        E::store_f32(&data[..n], layer.k.range_mut(at..at + n));
-        E::store_f32(&data[n..], layer.v.range_mut(at..at + n));
+    for (layer, data) in layers.iter_mut().zip(src.chunks_exact(2 * bytes)) {
+        bytemuck::cast_slice_mut(layer.k.range_mut(at..at + n)).copy_from_slice(&data[..bytes]);
+        bytemuck::cast_slice_mut(layer.v.range_mut(at..at + n)).copy_from_slice(&data[bytes..]);
     }
+}
+
+/// [`Backend::host_kv_memory`] of layers of element type `E`.
+fn host_memory_of<E: KvElem>(layers: &[CpuLayerKv<E>], kv: &CpuKvStorage) -> HostKvMemory {
+    let size = size_of::<E>();
+    let stride = kv.layout.block_size * kv.layout.token_width() * size;
+    let mut regions = Vec::with_capacity(2 * layers.len());
+    let mut keep = Vec::with_capacity(2 * layers.len());
+    for layer in layers {
+        for arena in [&layer.k, &layer.v] {
+            // SAFETY: the arena's whole allocation, kept alive by `keep`; the engine
+            // touches it only through block ranges (`KvArena::range`/`range_mut`).
+            regions.push(unsafe { HostSegment::new(arena.base().cast(), arena.len() * size) });
+            keep.push(arena.keep_alive());
+        }
+    }
+    HostKvMemory::new(regions, stride, kv.num_blocks, std::sync::Arc::new(keep))
 }
 
 impl Backend for CpuBackend {
@@ -225,6 +245,13 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CpuKvStorage, EngineError> {
+        if layout.dtype != self.kv_dtype {
+            return Err(EngineError::InvalidRequest(format!(
+                "a KV layout of {} asked of a CPU backend storing KV as {}",
+                layout.dtype.torch_name(),
+                self.kv_dtype.torch_name()
+            )));
+        }
         // Checked here, at start-up, so a model beyond it fails with a sentence, not in a step.
         if layout.head_dim == 0 || layout.head_dim > attention::MAX_HEAD_DIM {
             return Err(EngineError::InvalidRequest(format!(
@@ -240,7 +267,7 @@ impl Backend for CpuBackend {
             CpuKvLayers::filled(self.kv_dtype, layout.num_layers, len, 0.0).ok_or_else(|| {
                 EngineError::OutOfBlocks(format!(
                     "cannot allocate {num_blocks} KV blocks ({} MiB) in host memory",
-                    num_blocks.saturating_mul(self.kv_block_bytes(layout)) >> 20
+                    num_blocks.saturating_mul(layout.block_bytes()) >> 20
                 ))
             })?;
         Ok(CpuKvStorage {
@@ -400,7 +427,7 @@ impl Backend for CpuBackend {
             .collect()
     }
 
-    fn read_block(&self, kv: &CpuKvStorage, block: u32, dst: &mut [f32]) {
+    fn read_block(&self, kv: &CpuKvStorage, block: u32, dst: &mut [u8]) {
         let n = kv.layout.block_size * kv.layout.token_width();
         match &kv.layers {
             CpuKvLayers::F32(l) => read_block_of(l, n, block, dst),
@@ -409,7 +436,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn write_block(&self, kv: &mut CpuKvStorage, block: u32, src: &[f32]) {
+    fn write_block(&self, kv: &mut CpuKvStorage, block: u32, src: &[u8]) {
         let n = kv.layout.block_size * kv.layout.token_width();
         match &mut kv.layers {
             CpuKvLayers::F32(l) => write_block_of(l, n, block, src),
@@ -418,29 +445,13 @@ impl Backend for CpuBackend {
         }
     }
 
-    /// Only an f32 cache: blocks travel as f32, so a 16-bit cache is copied in and out
-    /// through [`Backend::write_block`] / [`Backend::read_block`], converting, as a GPU's is.
+    /// Every cache type: blocks travel as stored, so the KV memory is the transfer layout.
     fn host_kv_memory(&self, kv: &CpuKvStorage) -> Option<HostKvMemory> {
-        let CpuKvLayers::F32(layers) = &kv.layers else {
-            return None;
-        };
-        let stride = kv.layout.block_size * kv.layout.token_width() * 4;
-        let mut regions = Vec::with_capacity(2 * layers.len());
-        let mut keep = Vec::with_capacity(2 * layers.len());
-        for layer in layers {
-            for arena in [&layer.k, &layer.v] {
-                // SAFETY: the arena's whole allocation, kept alive by `keep`; the engine
-                // touches it only through block ranges (`KvArena::range`/`range_mut`).
-                regions.push(unsafe { HostSegment::new(arena.base().cast(), arena.len() * 4) });
-                keep.push(arena.keep_alive());
-            }
-        }
-        Some(HostKvMemory::new(
-            regions,
-            stride,
-            kv.num_blocks,
-            std::sync::Arc::new(keep),
-        ))
+        Some(match &kv.layers {
+            CpuKvLayers::F32(l) => host_memory_of(l, kv),
+            CpuKvLayers::F16(l) => host_memory_of(l, kv),
+            CpuKvLayers::Bf16(l) => host_memory_of(l, kv),
+        })
     }
 }
 
@@ -455,6 +466,7 @@ mod tests {
             num_kv_heads: 1,
             head_dim,
             block_size: 16,
+            dtype: DType::F32,
         };
         let err = CpuBackend::new().alloc_kv(&layout(1024), 4).unwrap_err();
         assert!(err.to_string().contains("head_dim 1024"), "{err}");
@@ -464,5 +476,34 @@ mod tests {
                 .alloc_kv(&layout(attention::MAX_HEAD_DIM), 4)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_layout_of_another_kv_type_is_refused_and_blocks_are_stored_bytes() {
+        let layout = |dtype| KvLayout {
+            num_layers: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            block_size: 4,
+            dtype,
+        };
+        let f16 = CpuBackend::with_kv_dtype(DType::F16);
+        let err = f16.alloc_kv(&layout(DType::F32), 4).unwrap_err();
+        assert!(err.to_string().contains("float32"), "{err}");
+        let mut kv = f16.alloc_kv(&layout(DType::F16), 4).unwrap();
+        let bytes = layout(DType::F16).block_bytes();
+        assert_eq!(bytes, 2 * 2 * 4 * 8 * 2);
+        let block: Vec<u8> = (0..bytes).map(|i| (i * 7) as u8).collect();
+        f16.write_block(&mut kv, 2, &block);
+        let mut back = vec![0u8; bytes];
+        f16.read_block(&kv, 2, &mut back);
+        assert_eq!(back, block, "a block round-trips byte for byte");
+        // The host memory the transport lands blocks in holds the same bytes in the same
+        // order (a piece per layer's K and V).
+        let memory = f16.host_kv_memory(&kv).expect("host memory");
+        assert_eq!(memory.block_bytes(), bytes);
+        // SAFETY: nothing writes the KV while the slices are read.
+        let pieces = unsafe { memory.block_slices(2) };
+        assert_eq!(pieces.concat(), block);
     }
 }

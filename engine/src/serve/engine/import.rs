@@ -46,10 +46,10 @@ impl<B: Backend> Engine<B> {
         }
         match &imp.blocks {
             ImportedBlocks::Buffers(blocks) => {
-                let len = self.executor.block_len();
+                let len = self.executor.block_bytes();
                 if let Some(b) = blocks.iter().position(|b| b.len() != len) {
                     return Err(invalid(format!(
-                        "imported KV block {} has {} values; this node's layout needs {len}",
+                        "imported KV block {} has {} bytes; this node's layout needs {len}",
                         imp.first_block + b,
                         blocks[b].len()
                     )));

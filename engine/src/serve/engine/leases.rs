@@ -70,7 +70,7 @@ impl<B: Backend> Engine<B> {
 
     /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
     /// a KV transfer). `None` if the lease does not exist or is shorter.
-    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<f32>>> {
+    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<u8>>> {
         self.lease_store.read(lease_id, first, count)
     }
 
@@ -116,7 +116,7 @@ impl<B: Backend> Engine<B> {
             None => LeasedKv::new(
                 keep.iter()
                     .map(|&b| {
-                        let mut data = vec![0.0; self.executor.block_len()];
+                        let mut data = vec![0; self.executor.block_bytes()];
                         self.executor.read_block(b, &mut data);
                         data
                     })

@@ -36,7 +36,7 @@ enum Held {
     Staged {
         /// Dropped (deregistered: the rkey is revoked) before the buffer is freed.
         _mr: Arc<MemoryRegion>,
-        _buf: Box<[f32]>,
+        _buf: Box<[u8]>,
     },
     /// The lease itself: its blocks stay where they are, unwritten and not freed, while held
     /// here (in the KV memory registered once).
@@ -176,28 +176,24 @@ impl RdmaExporter {
         deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
         let block_bytes = kv.block_bytes();
-        if block_bytes == 0 || !block_bytes.is_multiple_of(4) {
+        if block_bytes == 0 {
             return Err(RdmaError::BlockSize {
                 theirs: 0,
                 ours: block_bytes as u64,
             });
         }
         // The staging copy: the lease's blocks back to back (from wherever they lie).
-        let mut buf: Box<[f32]> = vec![0f32; kv.num_blocks() * block_bytes / 4].into_boxed_slice();
-        for (i, block) in bytemuck::cast_slice_mut::<f32, u8>(&mut buf)
-            .chunks_exact_mut(block_bytes)
-            .enumerate()
-        {
+        let mut buf: Box<[u8]> = vec![0u8; kv.num_blocks() * block_bytes].into_boxed_slice();
+        for (i, block) in buf.chunks_exact_mut(block_bytes).enumerate() {
             kv.copy_block(i, block);
         }
-        let bytes: &[u8] = bytemuck::cast_slice(&buf);
         let checksums = kv.checksums.clone();
-        let len = bytes.len();
+        let len = buf.len();
         // SAFETY: the boxed slice's heap memory does not move and is freed only after the
         // region (field order of `Held::Staged`).
         let mr = unsafe {
             self.device.register(
-                buf.as_mut_ptr().cast::<u8>(),
+                buf.as_mut_ptr(),
                 len,
                 AccessFlags::LocalWrite | AccessFlags::RemoteRead,
             )?

@@ -18,29 +18,23 @@ use crate::rdma::RdmaError;
 /// Idle registered bytes kept for later transfers.
 pub(super) const MAX_SPARE_BYTES: usize = 1 << 30;
 
-/// One registered buffer of f32 values.
+/// One registered buffer of bytes.
 pub(super) struct Landing {
     // Field order matters: the region is deregistered before the memory is freed.
     mr: Arc<MemoryRegion>,
-    buf: Box<[f32]>,
+    buf: Box<[u8]>,
 }
 
 impl Landing {
-    fn register(device: &RdmaDevice, values: usize) -> Result<Self, RdmaError> {
-        let mut buf = vec![0f32; values.max(1)].into_boxed_slice();
+    fn register(device: &RdmaDevice, bytes: usize) -> Result<Self, RdmaError> {
+        let mut buf = vec![0u8; bytes.max(1)].into_boxed_slice();
         // SAFETY: the boxed slice's heap memory does not move (moving a `Landing` moves the
         // pointer, not the memory) and is freed only after `mr` (field order above).
-        let mr = unsafe {
-            device.register(
-                buf.as_mut_ptr().cast::<u8>(),
-                buf.len() * 4,
-                AccessFlags::LocalWrite,
-            )?
-        };
+        let mr = unsafe { device.register(buf.as_mut_ptr(), buf.len(), AccessFlags::LocalWrite)? };
         Ok(Self { mr, buf })
     }
 
-    /// f32 values this buffer holds.
+    /// Bytes this buffer holds.
     pub(super) fn capacity(&self) -> usize {
         self.buf.len()
     }
@@ -55,8 +49,8 @@ impl Landing {
         self.buf.as_ptr() as u64
     }
 
-    /// The first `len` values (what a transfer of `len` values landed).
-    pub(super) fn values(&self, len: usize) -> &[f32] {
+    /// The first `len` bytes (what a transfer of `len` bytes landed).
+    pub(super) fn bytes(&self, len: usize) -> &[u8] {
         &self.buf[..len.min(self.buf.len())]
     }
 }
@@ -75,22 +69,22 @@ impl LandingPool {
         }
     }
 
-    /// A buffer of at least `values` f32 values: the smallest idle one that is large
-    /// enough, else a newly registered one. Blocking (registration).
-    pub(super) fn take(&self, values: usize) -> Result<Landing, RdmaError> {
+    /// A buffer of at least `bytes` bytes: the smallest idle one that is large enough,
+    /// else a newly registered one. Blocking (registration).
+    pub(super) fn take(&self, bytes: usize) -> Result<Landing, RdmaError> {
         let reused = {
             let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
             let best = spare
                 .iter()
                 .enumerate()
-                .filter(|(_, l)| l.capacity() >= values)
+                .filter(|(_, l)| l.capacity() >= bytes)
                 .min_by_key(|(_, l)| l.capacity())
                 .map(|(i, _)| i);
             best.map(|i| spare.swap_remove(i))
         };
         match reused {
             Some(landing) => Ok(landing),
-            None => Landing::register(&self.device, values),
+            None => Landing::register(&self.device, bytes),
         }
     }
 
@@ -102,7 +96,7 @@ impl LandingPool {
         spare.sort_by_key(|l| std::cmp::Reverse(l.capacity()));
         let mut kept = 0usize;
         spare.retain(|l| {
-            kept += l.capacity() * 4;
+            kept += l.capacity();
             kept <= MAX_SPARE_BYTES
         });
     }

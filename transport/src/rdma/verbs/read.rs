@@ -145,7 +145,7 @@ impl RdmaReader {
     /// The READs of `req`'s blocks of `offer`, planned (checked against this node's block
     /// size and the offer's blocks).
     fn plan(&self, offer: &RdmaOffer, req: &PullRequest) -> Result<Vec<ReadOp>, RdmaError> {
-        let block_bytes = req.block_len as u64 * 4;
+        let block_bytes = req.block_bytes as u64;
         if offer.block_bytes != block_bytes {
             return Err(RdmaError::BlockSize {
                 theirs: offer.block_bytes,
@@ -166,7 +166,7 @@ impl RdmaReader {
         offer: &RdmaOffer,
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<Vec<Vec<f32>>, RdmaError> {
+    ) -> Result<Vec<Vec<u8>>, RdmaError> {
         let ops = self.plan(offer, &req)?;
         let slot = self.slot(&offer.connect_addr);
         // One transfer at a time per queue pair: its window bounds the READs in flight.
@@ -182,7 +182,7 @@ impl RdmaReader {
             self.device.read_sge() as usize,
             self.max_op_bytes,
         );
-        let len = req.count * req.block_len;
+        let len = req.count * req.block_bytes;
         let (conn, landed) = tokio::task::spawn_blocking(move || {
             let landing = match landings.take(len) {
                 Ok(l) => l,
@@ -208,7 +208,7 @@ impl RdmaReader {
             // No READ targets the buffer any more (done, or the queue pair is destroyed).
             match result {
                 Ok(()) => {
-                    let blocks = copy_out(&landing, len, req.block_len);
+                    let blocks = copy_out(&landing, len, req.block_bytes);
                     landings.give(landing);
                     (conn, Ok(blocks))
                 }
@@ -223,7 +223,7 @@ impl RdmaReader {
         let blocks = landed?;
         for (i, block) in blocks.iter().enumerate() {
             let index = (req.first_block + i) as u64;
-            let sum = block_checksum(index, bytemuck::cast_slice(block));
+            let sum = block_checksum(index, block);
             if offer.checksums.get(index as usize) != Some(&sum) {
                 return Err(RdmaError::Checksum { block: index });
             }
@@ -291,30 +291,30 @@ fn completion_thread(e: tokio::task::JoinError) -> RdmaError {
     }
 }
 
-/// `ops` landing at their offsets of the first `values` values of `landing` (registered):
+/// `ops` landing at their offsets of the first `bytes` bytes of `landing` (registered):
 /// a packed plan's ops one entry each, a strided plan's pieces joined where they continue
 /// each other on the exporter.
 fn into_landing(
     ops: &[ReadOp],
     landing: &Landing,
-    values: usize,
+    bytes: usize,
     max_sge: usize,
     max_op: u32,
 ) -> Result<Vec<ScatterRead>, ScatterError> {
     let span = LocalSpan {
         addr: landing.base(),
-        len: (values.min(landing.capacity()) * 4) as u64,
+        len: bytes.min(landing.capacity()) as u64,
         lkey: landing.lkey(),
     };
     scatter_reads(ops, &[span], max_sge, max_op)
 }
 
-/// The landed values as blocks of `block_len`.
-fn copy_out(landing: &Landing, len: usize, block_len: usize) -> Vec<Vec<f32>> {
+/// The landed bytes as blocks of `block_bytes`.
+fn copy_out(landing: &Landing, len: usize, block_bytes: usize) -> Vec<Vec<u8>> {
     landing
-        .values(len)
-        .chunks_exact(block_len.max(1))
-        .map(<[f32]>::to_vec)
+        .bytes(len)
+        .chunks_exact(block_bytes.max(1))
+        .map(<[u8]>::to_vec)
         .collect()
 }
 
@@ -328,7 +328,7 @@ impl OneSidedReader for RdmaReader {
         offer: &'a RdmaOffer,
         req: PullRequest,
         deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<f32>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
         Box::pin(self.read_blocks(offer, req, deadline))
     }
 

@@ -22,10 +22,10 @@ fn rounded(dtype: DType, x: &[f32]) -> Vec<f32> {
 }
 
 /// A one-layer store of `num_blocks` blocks in `dtype`, every value NaN.
-fn nan_store(layout: KvLayout, num_blocks: usize, dtype: DType) -> CpuKvStorage {
+fn nan_store(layout: KvLayout, num_blocks: usize) -> CpuKvStorage {
     let len = num_blocks * layout.block_size * layout.token_width();
     CpuKvStorage {
-        layers: CpuKvLayers::filled(dtype, 1, len, f32::NAN).unwrap(),
+        layers: CpuKvLayers::filled(layout.dtype, 1, len, f32::NAN).unwrap(),
         layout,
         num_blocks,
     }
@@ -104,7 +104,7 @@ proptest! {
         let k: Vec<f32> = (0..ctx * kv_heads * hd).map(|_| rnd() * 2.0).collect();
         let v: Vec<f32> = (0..ctx * kv_heads * hd).map(|_| rnd()).collect();
 
-        let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size };
+        let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size, dtype };
         let nblocks = ctx.div_ceil(block_size) + 3;
         // Scatter the logical blocks over physical ids in a shuffled order.
         let mut table: Vec<u32> = (0..nblocks as u32).collect();
@@ -112,7 +112,7 @@ proptest! {
         table.rotate_left((seed % nblocks as u64) as usize);
         let width = kv_heads * hd;
         prop_assert_eq!(width, layout.token_width());
-        let mut store = nan_store(layout, nblocks, dtype);
+        let mut store = nan_store(layout, nblocks);
         for t in 0..ctx {
             put(&mut store, table[t / block_size] as usize * block_size + t % block_size, t, &k, &v);
         }
@@ -189,8 +189,9 @@ fn batch(
         num_kv_heads: kv_heads,
         head_dim: hd,
         block_size,
+        dtype,
     };
-    let mut store = nan_store(layout, nblocks, dtype);
+    let mut store = nan_store(layout, nblocks);
     let mut next_block = nblocks as u32;
     let mut q = Vec::new();
     let mut meta_seqs = Vec::new();
