@@ -3,13 +3,16 @@
 //! one JSON line once every part is healthy and stops everything on Ctrl-C or SIGTERM:
 //!
 //! ```text
-//! {"router": "127.0.0.1:P", "router_metrics": "127.0.0.1:P",
-//!  "prefill": [{"addr": "...", "kv": "...", "metrics": "..."}], "decode": [...],
+//! {"router": "127.0.0.1:P", "router_metrics": "http://127.0.0.1:P/metrics",
+//!  "prefill": [{"addr": "127.0.0.1:P", "kv": "127.0.0.1:P", "metrics": "http://127.0.0.1:P/metrics"}],
+//!  "decode": [{"addr": "...", "kv": null, "metrics": "http://..."}],
 //!  "prefill_metrics": ["127.0.0.1:P"], "decode_metrics": ["127.0.0.1:P"]}
 //! ```
 //!
 //! Every process serves Prometheus `/metrics` on an ephemeral port (`--metrics-port 0`,
-//! unless the node flags after `--` set one); the `*_metrics` fields are those addresses.
+//! unless the node flags after `--` set one): `router_metrics` and each node's `metrics` are
+//! the URLs to scrape (`curl` them as they are); `prefill_metrics` / `decode_metrics` list
+//! the nodes' HOST:PORT, the form Prometheus targets take.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -195,7 +198,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         router_args.push(flag.into());
         router_args.push(addr.clone());
         let metrics = field(p, "metrics_addr")?;
-        let entry = json!({"addr": addr, "kv": p.ready.get("kv"), "metrics": metrics});
+        let entry =
+            json!({"addr": addr, "kv": p.ready.get("kv"), "metrics": metrics_url(&metrics)});
         if p.name.starts_with("prefill") {
             prefill.push(entry);
             prefill_metrics.push(metrics);
@@ -222,7 +226,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "{}",
         json!({
             "router": router_addr,
-            "router_metrics": router_metrics,
+            "router_metrics": metrics_url(&router_metrics),
             "prefill": prefill,
             "decode": decode,
             "prefill_metrics": prefill_metrics,
@@ -295,4 +299,9 @@ async fn stop(parts: &mut [Part]) {
             let _ = p.child.kill().await;
         }
     }
+}
+
+/// The URL of the `/metrics` page served at `addr` (HOST:PORT).
+fn metrics_url(addr: &str) -> String {
+    format!("http://{addr}/metrics")
 }

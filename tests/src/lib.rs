@@ -359,7 +359,7 @@ pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
 // ---- metrics ------------------------------------------------------------------------------
 
 impl Cluster {
-    /// The router's `/metrics` address (`router_metrics` in `pdctl up`'s ready line).
+    /// The router's `/metrics` URL (`router_metrics` in `pdctl up`'s ready line).
     pub fn router_metrics(&self) -> String {
         self.ready["router_metrics"]
             .as_str()
@@ -390,6 +390,9 @@ pub fn metrics_addr(ready: &Value) -> String {
 /// `GET http://{addr}/metrics`: the exposition text.
 pub async fn scrape(addr: &str) -> anyhow::Result<String> {
     use http_body_util::BodyExt as _;
+    // HOST:PORT, or the URL `pdctl up` prints (`http://HOST:PORT/metrics`).
+    let addr = addr.strip_prefix("http://").unwrap_or(addr);
+    let addr = addr.strip_suffix("/metrics").unwrap_or(addr);
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;

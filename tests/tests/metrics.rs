@@ -345,6 +345,21 @@ async fn cache_disabled_counts_nothing_and_the_exposition_is_valid() {
         ],
     )
     .unwrap();
+    // The ready line: URLs to scrape for the router and each node, HOST:PORT targets for
+    // Prometheus beside them.
+    let url = cluster.router_metrics();
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.ends_with("/metrics"),
+        "{url}"
+    );
+    for role in ["prefill", "decode"] {
+        let entry = &cluster.ready[role][0]["metrics"];
+        let target = &cluster.node_metrics(role)[0];
+        assert_eq!(
+            entry.as_str(),
+            Some(format!("http://{target}/metrics").as_str())
+        );
+    }
     let mut c = client(&cluster.router()).await;
     let p = prompt(3, 40);
     for _ in 0..2 {

@@ -13,12 +13,15 @@ import argparse
 import json
 import os
 import shlex
+import urllib.parse
 
 
 def addresses(ready):
-    """(router gRPC, router metrics, [node metrics]) from pdctl up's ready JSON."""
+    """(router gRPC, router metrics, [node metrics]) from pdctl up's ready JSON, each metrics
+    address as HOST:PORT (a Prometheus target); the ready line's `router_metrics` is a URL."""
     nodes = ready["prefill_metrics"] + ready["decode_metrics"]
-    return ready["router"], ready["router_metrics"], nodes
+    router_metrics = urllib.parse.urlsplit(ready["router_metrics"]).netloc
+    return ready["router"], router_metrics, nodes
 
 
 def main():
