@@ -51,6 +51,10 @@ pub struct UpArgs {
     /// The router's gRPC port (0: ephemeral).
     #[arg(long, default_value_t = 0)]
     port: u16,
+    /// The router's Prometheus `/metrics` port (0: ephemeral). The nodes' are ephemeral
+    /// unless the node flags after `--` set one.
+    #[arg(long, default_value_t = 0)]
+    metrics_port: u16,
     /// How KV moves from prefill to decode nodes (`auto`: RDMA where the nodes have a
     /// device and were built with it, TCP otherwise).
     #[arg(long, value_enum, default_value = "auto")]
@@ -182,7 +186,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "--port".into(),
         args.port.to_string(),
         "--metrics-port".into(),
-        "0".into(),
+        args.metrics_port.to_string(),
     ];
     let mut prefill = Vec::new();
     let mut decode = Vec::new();

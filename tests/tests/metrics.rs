@@ -333,6 +333,12 @@ fn promtool_clean(text: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_disabled_counts_nothing_and_the_exposition_is_valid() {
     let cache = tempfile::tempdir().unwrap();
+    // A free port for the router's /metrics (`pdctl up --metrics-port`).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+        .to_string();
     let cluster = Cluster::up(
         cache.path(),
         &[
@@ -340,6 +346,8 @@ async fn cache_disabled_counts_nothing_and_the_exposition_is_valid() {
             "1",
             "--decode",
             "1",
+            "--metrics-port",
+            &port,
             "--",
             "--no-enable-prefix-caching",
         ],
@@ -348,10 +356,7 @@ async fn cache_disabled_counts_nothing_and_the_exposition_is_valid() {
     // The ready line: URLs to scrape for the router and each node, HOST:PORT targets for
     // Prometheus beside them.
     let url = cluster.router_metrics();
-    assert!(
-        url.starts_with("http://127.0.0.1:") && url.ends_with("/metrics"),
-        "{url}"
-    );
+    assert_eq!(url, format!("http://127.0.0.1:{port}/metrics"));
     for role in ["prefill", "decode"] {
         let entry = &cluster.ready[role][0]["metrics"];
         let target = &cluster.node_metrics(role)[0];
