@@ -191,6 +191,16 @@ fn reports_agree_with_usage_and_with_the_router_counters_over_the_window() {
         c["prefill_hits"].as_f64().unwrap(),
         c["usage_cached_tokens"].as_f64().unwrap()
     );
+    // The KV the decode node pulled over the window: the change of the router's counter, in
+    // whole blocks (synthetic:tiny, f32: 3 layers x K and V x 16 tokens x 2 x 32 x 4 bytes).
+    let kv = &r["router_kv_transfer"];
+    let pulled = |t: &str| sum(t, "pd_router_kv_transfer_bytes_total", "role=\"decode\"");
+    let moved = pulled(&after) - pulled(&before);
+    assert_eq!(kv["bytes"].as_f64().unwrap(), moved, "{kv}");
+    assert!(moved > 0.0 && moved % 24576.0 == 0.0, "{kv}");
+    assert!(kv["transfers"].as_f64().unwrap() >= 1.0, "{kv}");
+    assert!(kv["mean_transfer_ms"].as_f64().unwrap() > 0.0, "{kv}");
+    assert!(table.contains("KV transfer (decode nodes)"), "{table}");
     for chart in ["ttft_cdf", "itl_cdf", "throughput", "hit_rate"] {
         let svg = std::fs::read_to_string(plots.join(format!("{chart}.svg"))).unwrap();
         assert!(

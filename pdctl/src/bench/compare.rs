@@ -44,6 +44,9 @@ fn figures(r: &Report) -> Vec<(&'static str, Option<f64>)> {
     let hit = |f: fn(&super::report::RouterCache) -> Option<f64>| {
         r.router_prefix_cache.as_ref().and_then(f)
     };
+    let kv = |f: fn(&super::report::KvTransferWindow) -> Option<f64>| {
+        r.router_kv_transfer.as_ref().and_then(f)
+    };
     vec![
         ("successful requests", Some(s.successful as f64)),
         ("failed requests", Some(s.failed as f64)),
@@ -68,6 +71,12 @@ fn figures(r: &Report) -> Vec<(&'static str, Option<f64>)> {
         ("cached share in usage", s.usage_cache.cached_ratio),
         ("router local hit rate", hit(|c| c.local.hit_rate)),
         ("router external hit rate", hit(|c| c.external.hit_rate)),
+        ("KV pulled (MB)", kv(|k| Some(k.bytes / 1e6))),
+        (
+            "KV per transfer (MB)",
+            kv(|k| k.mean_bytes_per_transfer.map(|b| b / 1e6)),
+        ),
+        ("KV transfer mean (ms)", kv(|k| k.mean_transfer_ms)),
     ]
 }
 

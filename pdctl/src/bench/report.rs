@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::args::Slo;
 use super::client::RequestRecord;
 use super::driver::{CounterSample, RunOutput};
-use super::scrape::{CacheCounters, CacheTier, HitsQueries};
+use super::scrape::{CacheCounters, CacheTier, HitsQueries, KvTransfers};
 use super::stats::Distribution;
 
 pub const SCHEMA: &str = "pdctl-bench";
@@ -123,6 +123,34 @@ pub struct RouterCache {
     pub usage_cached_tokens: u64,
 }
 
+/// The KV the decode nodes pulled over the benchmark's window (from the router's
+/// `pd_router_kv_transfer_*{role="decode"}`): what disaggregation moved between nodes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KvTransferWindow {
+    pub bytes: f64,
+    pub transfers: f64,
+    /// Summed duration of the transfers.
+    pub seconds: f64,
+    pub mean_bytes_per_transfer: Option<f64>,
+    pub mean_transfer_ms: Option<f64>,
+    /// bytes / seconds: the transfers' own rate, not the window's.
+    pub gb_per_s: Option<f64>,
+}
+
+impl From<KvTransfers> for KvTransferWindow {
+    fn from(k: KvTransfers) -> Self {
+        let per = |x: f64| (k.transfers > 0.0).then(|| x / k.transfers);
+        Self {
+            bytes: k.bytes,
+            transfers: k.transfers,
+            seconds: k.seconds,
+            mean_bytes_per_transfer: per(k.bytes),
+            mean_transfer_ms: per(k.seconds * 1e3),
+            gb_per_s: (k.seconds > 0.0).then(|| k.bytes / k.seconds / 1e9),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TimelinePoint {
     /// End of the bucket, seconds into the window.
@@ -169,6 +197,9 @@ pub struct Report {
     pub config: RunConfig,
     pub summary: Summary,
     pub router_prefix_cache: Option<RouterCache>,
+    /// Absent in reports of older pdctl versions, and without `--router-metrics`.
+    #[serde(default)]
+    pub router_kv_transfer: Option<KvTransferWindow>,
     pub timeline: Vec<TimelinePoint>,
     pub router_timeline: Vec<RouterPoint>,
     pub requests: Vec<RequestRow>,
@@ -361,6 +392,10 @@ pub fn build(
         )),
         _ => None,
     };
+    let router_kv_transfer = match (&out.counters, metrics_url) {
+        (Some((before, after)), Some(_)) => Some(after.since(before).kv.into()),
+        _ => None,
+    };
     let mut records: Vec<&RequestRecord> = out.records.iter().collect();
     records.sort_by_key(|r| (r.start, r.session, r.turn));
     Report {
@@ -375,6 +410,7 @@ pub fn build(
             .unwrap_or(0.0),
         config,
         router_prefix_cache,
+        router_kv_transfer,
         timeline: timeline(out),
         router_timeline: router_timeline(&out.samples),
         requests: records.into_iter().map(row).collect(),
@@ -483,6 +519,23 @@ pub fn table(report: &Report) -> String {
             }
         }
         None => line("Router hit rates:", "n/a (no --router-metrics)".into()),
+    }
+    if let Some(kv) = &report.router_kv_transfer {
+        line(
+            &format!("{:-^60}", "KV transfer (decode nodes)"),
+            String::new(),
+        );
+        line(
+            "Pulled (MB):",
+            format!("{:.1} in {:.0} transfers", kv.bytes / 1e6, kv.transfers),
+        );
+        let opt = |v: Option<f64>, unit: &str| v.map_or("n/a".into(), |v| format!("{v:.2}{unit}"));
+        line(
+            "Per transfer (MB):",
+            opt(kv.mean_bytes_per_transfer.map(|b| b / 1e6), ""),
+        );
+        line("Mean transfer time (ms):", opt(kv.mean_transfer_ms, ""));
+        line("Transfer rate (GB/s):", opt(kv.gb_per_s, ""));
     }
     head.push_str(&t);
     head.push_str(&"=".repeat(60));

@@ -1,6 +1,8 @@
 //! The router's `/metrics`, read over plain HTTP and parsed with `prometheus-parse`: the
 //! prefix-cache counters `pd_router_prefix_cache_{hits,queries}_total{cache,role,node,...}`
-//! summed per (role, cache), and their change over a window.
+//! summed per (role, cache), the decode nodes' KV transfers
+//! (`pd_router_kv_transfer_bytes_total`, `pd_router_kv_transfer_seconds_{sum,count}`), and
+//! their change over a window.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,6 +12,9 @@ use hyper::body::Bytes;
 
 const HITS: &str = "pd_router_prefix_cache_hits_total";
 const QUERIES: &str = "pd_router_prefix_cache_queries_total";
+const KV_BYTES: &str = "pd_router_kv_transfer_bytes_total";
+const KV_SECONDS_SUM: &str = "pd_router_kv_transfer_seconds_sum";
+const KV_SECONDS_COUNT: &str = "pd_router_kv_transfer_seconds_count";
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -44,10 +49,21 @@ impl CacheTier {
     }
 }
 
-/// Prefix-cache hits and queries (tokens), one pair per (node role, cache).
+/// Prefix-cache hits and queries (tokens), one pair per (node role, cache), and the KV the
+/// decode nodes pulled.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CacheCounters {
     pub by_role: BTreeMap<(String, CacheTier), HitsQueries>,
+    pub kv: KvTransfers,
+}
+
+/// KV pulled by the decode nodes (the receiving side: prefill nodes report the same bytes as
+/// served, which are not added again).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct KvTransfers {
+    pub bytes: f64,
+    pub transfers: f64,
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -85,12 +101,12 @@ impl CacheCounters {
     /// The change from `before` to `self` (counters only grow; a series that shrank, e.g.
     /// a restarted router, counts from zero).
     pub fn since(&self, before: &CacheCounters) -> CacheCounters {
+        let d = |n: f64, t: f64| if n >= t { n - t } else { n };
         let by_role = self
             .by_role
             .iter()
             .map(|(k, now)| {
                 let then = before.by_role.get(k).copied().unwrap_or_default();
-                let d = |n: f64, t: f64| if n >= t { n - t } else { n };
                 (
                     k.clone(),
                     HitsQueries {
@@ -100,7 +116,13 @@ impl CacheCounters {
                 )
             })
             .collect();
-        CacheCounters { by_role }
+        let (now, then) = (self.kv, before.kv);
+        let kv = KvTransfers {
+            bytes: d(now.bytes, then.bytes),
+            transfers: d(now.transfers, then.transfers),
+            seconds: d(now.seconds, then.seconds),
+        };
+        CacheCounters { by_role, kv }
     }
 }
 
@@ -217,17 +239,25 @@ pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
     let mut counters = CacheCounters::default();
     let mut seen = false;
     for sample in &scrape.samples {
-        let is_hits = sample.metric == HITS;
-        if !is_hits && sample.metric != QUERIES {
-            continue;
-        }
-        seen = true;
         let value = match sample.value {
             prometheus_parse::Value::Counter(v)
             | prometheus_parse::Value::Untyped(v)
             | prometheus_parse::Value::Gauge(v) => v,
             _ => continue,
         };
+        if sample.labels.get("role") == Some("decode") {
+            match sample.metric.as_str() {
+                KV_BYTES => counters.kv.bytes += value,
+                KV_SECONDS_SUM => counters.kv.seconds += value,
+                KV_SECONDS_COUNT => counters.kv.transfers += value,
+                _ => {}
+            }
+        }
+        let is_hits = sample.metric == HITS;
+        if !is_hits && sample.metric != QUERIES {
+            continue;
+        }
+        seen = true;
         let (Some(cache), Some(role)) = (
             sample.labels.get("cache").and_then(CacheTier::from_label),
             sample.labels.get("role"),
@@ -274,7 +304,31 @@ pd_router_prefix_cache_queries_total{cache=\"local\",role=\"prefill\",node=\"a:1
 pd_router_prefix_cache_queries_total{cache=\"local\",role=\"prefill\",node=\"b:2\",model_name=\"m\"} 60
 pd_router_prefix_cache_queries_total{cache=\"external\",role=\"decode\",node=\"c:3\",model_name=\"m\"} 50
 pd_router_requests_total{model_name=\"m\",outcome=\"stop\"} 3
+# TYPE pd_router_kv_transfer_bytes_total counter
+pd_router_kv_transfer_bytes_total{role=\"decode\",node=\"c:3\",model_name=\"m\"} 4096
+pd_router_kv_transfer_bytes_total{role=\"prefill\",node=\"a:1\",model_name=\"m\"} 4096
+# TYPE pd_router_kv_transfer_seconds histogram
+pd_router_kv_transfer_seconds_bucket{role=\"decode\",node=\"c:3\",model_name=\"m\",le=\"+Inf\"} 2
+pd_router_kv_transfer_seconds_sum{role=\"decode\",node=\"c:3\",model_name=\"m\"} 0.5
+pd_router_kv_transfer_seconds_count{role=\"decode\",node=\"c:3\",model_name=\"m\"} 2
 ";
+
+    #[test]
+    fn kv_transfers_are_the_decode_nodes_and_subtract_over_a_window() {
+        let now = parse_cache_counters(TEXT).unwrap();
+        let want = KvTransfers {
+            bytes: 4096.0,
+            transfers: 2.0,
+            seconds: 0.5,
+        };
+        assert_eq!(
+            now.kv, want,
+            "the prefill side's served bytes are not added"
+        );
+        let before = parse_cache_counters(&TEXT.replace("} 4096", "} 1024")).unwrap();
+        assert_eq!(now.since(&before).kv.bytes, 3072.0);
+        assert_eq!(now.since(&now).kv, KvTransfers::default());
+    }
 
     #[test]
     fn sums_per_role_and_cache_and_subtracts_windows() {
