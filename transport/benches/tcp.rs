@@ -197,7 +197,7 @@ fn main() {
         .expect("warm-up pull in place");
     let check_placed = |r: &KvReservation| {
         for (i, b) in blocks_data.iter().enumerate() {
-            let want = block_checksum(i as u64, bytemuck::cast_slice(b));
+            let want = block_checksum(i as u64, b);
             assert_eq!(r.block_checksum(i, i as u64), want, "block {i} differs");
         }
     };
