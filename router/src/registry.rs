@@ -292,6 +292,8 @@ pub struct Registry {
     tasks: Mutex<Option<tokio::runtime::Handle>>,
     model: String,
     serving: watch::Sender<bool>,
+    /// The last "up but cannot pair" explanation logged, so that each is logged once.
+    unpaired: Mutex<Option<String>>,
     /// Receives every node's counter report from the health checks.
     metrics: Arc<RouterMetrics>,
 }
@@ -316,6 +318,7 @@ impl Registry {
             tasks: Mutex::new(None),
             model: model.into(),
             serving: watch::Sender::new(false),
+            unpaired: Mutex::new(None),
             metrics,
         };
         let all = prefill
@@ -522,6 +525,19 @@ impl Registry {
             *s = serving;
             changed
         });
+        // Nodes that are up but cannot pair (another block size, model or KV cache type)
+        // leave the router NOT_SERVING with no node down: say why, once per explanation.
+        let unpaired = match self.prefill_candidates(&[]) {
+            Err(e @ RouterError::IncompatibleLayouts { .. }) if !serving => Some(e.to_string()),
+            _ => None,
+        };
+        let mut last = self.unpaired.lock().unwrap_or_else(|e| e.into_inner());
+        if unpaired != *last {
+            if let Some(reason) = &unpaired {
+                tracing::warn!(%reason, "router not serving");
+            }
+            *last = unpaired;
+        }
     }
 
     fn compatible_pair_up(&self) -> bool {

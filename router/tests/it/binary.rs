@@ -91,3 +91,51 @@ fn bad_flags_are_refused_with_a_usage_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no-port"), "{err}");
 }
+
+/// Nodes that are up but cannot pair leave the router NOT_SERVING with no node down: its log
+/// says why, once, naming each node's layout and KV cache type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_that_cannot_pair_are_explained_in_the_log() {
+    let p = crate::fake::FakeNode::prefill().await;
+    let d = crate::fake::FakeNode::decode().await;
+    *d.state.fingerprint.lock().unwrap() = "beefbeef".into();
+    *d.state.kv_cache_dtype.lock().unwrap() = "bfloat16".into();
+    let mut child = Command::new(BIN)
+        .args(["--prefill", &p.address(), "--decode", &d.address()])
+        .args(["--port", "0", "--health-interval-ms", "100"])
+        .env("RUST_LOG", "warn")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the router binary");
+    let stderr = child.stderr.take().unwrap();
+    let lines = tokio::task::spawn_blocking(move || {
+        let mut seen = Vec::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.unwrap();
+            let done = line.contains("router not serving");
+            seen.push(line);
+            if done {
+                break;
+            }
+        }
+        seen
+    });
+    let lines = tokio::time::timeout(Duration::from_secs(30), lines).await;
+    // Killed first either way: the reader then sees the end of stderr and returns.
+    let _ = child.kill();
+    let _ = child.wait();
+    let lines = lines.expect("a warning within 30 s").unwrap();
+    let warning = lines.last().expect("log lines");
+    for needle in [
+        "router not serving",
+        "KV cache float32",
+        "KV cache bfloat16",
+        "beefbeef",
+        p.address().as_str(),
+        d.address().as_str(),
+    ] {
+        assert!(warning.contains(needle), "{needle}: {lines:?}");
+    }
+}
