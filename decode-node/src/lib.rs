@@ -183,10 +183,11 @@ impl DecodeNodeService {
                 f.block_size()
             )));
         }
-        if kv.block_bytes != f.block_bytes as u64 {
+        if kv.block_bytes != f.block_bytes() as u64 {
             return Err(Status::failed_precondition(format!(
                 "KV layout mismatch: the prefill node's blocks have {} bytes, this node's {}",
-                kv.block_bytes, f.block_bytes
+                kv.block_bytes,
+                f.block_bytes()
             )));
         }
         if first_token as usize >= f.vocab_size {
@@ -236,7 +237,7 @@ impl DecodeNodeService {
             fingerprint: self.facts.fingerprint,
             first_block,
             count,
-            block_bytes: self.facts.block_bytes,
+            block_bytes: self.facts.block_bytes(),
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());

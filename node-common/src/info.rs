@@ -40,6 +40,6 @@ pub fn node_info(
         max_model_len: n(facts.max_model_len),
         healthy: requests.engine().is_healthy() && !requests.is_draining(),
         counters: Some(metrics.counter_report()),
-        kv_cache_dtype: facts.kv_dtype.torch_name().into(),
+        kv_cache_dtype: facts.kv_dtype().torch_name().into(),
     }
 }

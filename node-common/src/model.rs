@@ -114,10 +114,6 @@ pub struct ModelFacts {
     pub vocab_size: usize,
     pub max_model_len: usize,
     pub num_blocks: usize,
-    /// Bytes per KV block (all layers, K and V, as stored: what one block moves).
-    pub block_bytes: usize,
-    /// How the KV cache is stored (`--kv-cache-dtype`, `auto` resolved).
-    pub kv_dtype: DType,
     /// Whether the prefix cache is on.
     pub prefix_caching: bool,
     /// Blocks of the prefix cache's host-memory tier (`--host-cache-blocks`).
@@ -125,26 +121,24 @@ pub struct ModelFacts {
 }
 
 impl ModelFacts {
-    /// The facts of `files` served as `served_name` with `num_blocks` KV blocks (from
-    /// [`pd_engine::cli::EngineArgs::num_blocks_on`]) stored as `kv_dtype`.
+    /// The facts of `files` served as `served_name` with `num_blocks` KV blocks of `layout`
+    /// (from [`pd_engine::cli::EngineArgs::num_blocks_on`]; the layout carries the cache's
+    /// resolved type).
     pub fn new(
         args: &NodeArgs,
         served_name: &str,
         files: &ModelFiles,
+        layout: KvLayout,
         num_blocks: usize,
-        kv_dtype: DType,
     ) -> anyhow::Result<Self> {
         let max_model_len = args.engine.max_model_len(&files.config)?;
-        let layout = KvLayout::new(&files.config, args.engine.block_size, kv_dtype)?;
         Ok(Self {
             served_name: served_name.to_string(),
             fingerprint: fingerprint(&layout, served_name, files),
-            block_bytes: layout.block_bytes(),
             vocab_size: files.config.vocab_size,
             max_model_len,
             num_blocks,
             layout,
-            kv_dtype,
             prefix_caching: !args.engine.no_enable_prefix_caching,
             host_cache_blocks: args.engine.host_cache_blocks,
         })
@@ -152,6 +146,16 @@ impl ModelFacts {
 
     pub fn block_size(&self) -> usize {
         self.layout.block_size
+    }
+
+    /// Bytes per KV block (all layers, K and V, as stored: what one block moves).
+    pub fn block_bytes(&self) -> usize {
+        self.layout.block_bytes()
+    }
+
+    /// How the KV cache is stored (`--kv-cache-dtype`, `auto` resolved).
+    pub fn kv_dtype(&self) -> DType {
+        self.layout.dtype
     }
 }
 
@@ -186,7 +190,7 @@ fn start_on<B: Backend>(
     let num_blocks = args
         .engine
         .num_blocks_on(&backend, &files.config, &layout, max_model_len)?;
-    let facts = ModelFacts::new(args, &served_name, &files, num_blocks, backend.kv_dtype())?;
+    let facts = ModelFacts::new(args, &served_name, &files, layout, num_blocks)?;
     let engine = args
         .engine
         .build_on(

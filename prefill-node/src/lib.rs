@@ -258,7 +258,7 @@ impl PrefillNodeService {
             num_tokens: n(lease.num_tokens),
             lease_id: lease.lease_id,
             lease_deadline_unix_ms: unix_ms(deadline),
-            block_bytes: f.block_bytes as u64,
+            block_bytes: f.block_bytes() as u64,
             num_blocks: n(lease.blocks.len()),
             rdma,
         }

@@ -519,18 +519,24 @@ impl Registry {
 
     /// Recomputes the serving flag (after any change of a node's health).
     pub fn refresh(&self) {
-        let serving = self.compatible_pair_up();
+        // With prefill nodes: serving when one up prefill node has an up decode node of its
+        // layout, which is exactly when there are prefill candidates.
+        let (serving, unpaired) = if self.aggregated() {
+            (self.role(NodeRole::Decode).iter().any(|n| n.is_up()), None)
+        } else {
+            match self.prefill_candidates(&[]) {
+                Ok(_) => (true, None),
+                // Up but unable to pair (another block size, model or KV cache type): NOT_SERVING
+                // with no node down, so the log says why, once per explanation.
+                Err(e @ RouterError::IncompatibleLayouts { .. }) => (false, Some(e.to_string())),
+                Err(_) => (false, None),
+            }
+        };
         self.serving.send_if_modified(|s| {
             let changed = *s != serving;
             *s = serving;
             changed
         });
-        // Nodes that are up but cannot pair (another block size, model or KV cache type)
-        // leave the router NOT_SERVING with no node down: say why, once per explanation.
-        let unpaired = match self.prefill_candidates(&[]) {
-            Err(e @ RouterError::IncompatibleLayouts { .. }) if !serving => Some(e.to_string()),
-            _ => None,
-        };
         let mut last = self.unpaired.lock().unwrap_or_else(|e| e.into_inner());
         if unpaired != *last {
             if let Some(reason) = &unpaired {
@@ -538,23 +544,6 @@ impl Registry {
             }
             *last = unpaired;
         }
-    }
-
-    fn compatible_pair_up(&self) -> bool {
-        if self.aggregated() {
-            return self.role(NodeRole::Decode).iter().any(|n| n.is_up());
-        }
-        let decode: Vec<Layout> = self
-            .role(NodeRole::Decode)
-            .iter()
-            .filter(|n| n.is_up())
-            .filter_map(|n| n.layout())
-            .collect();
-        self.role(NodeRole::Prefill)
-            .iter()
-            .filter(|n| n.is_up())
-            .filter_map(|n| n.layout())
-            .any(|l| decode.contains(&l))
     }
 
     /// The context length requests are validated against: the model's, lowered to the

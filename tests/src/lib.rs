@@ -390,9 +390,7 @@ pub fn metrics_addr(ready: &Value) -> String {
 /// `GET http://{addr}/metrics`: the exposition text.
 pub async fn scrape(addr: &str) -> anyhow::Result<String> {
     use http_body_util::BodyExt as _;
-    // HOST:PORT, or the URL `pdctl up` prints (`http://HOST:PORT/metrics`).
-    let addr = addr.strip_prefix("http://").unwrap_or(addr);
-    let addr = addr.strip_suffix("/metrics").unwrap_or(addr);
+    let addr = metrics_authority(addr);
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
@@ -408,6 +406,13 @@ pub async fn scrape(addr: &str) -> anyhow::Result<String> {
     }
     let body = response.into_body().collect().await?.to_bytes();
     Ok(String::from_utf8(body.to_vec())?)
+}
+
+/// HOST:PORT of a metrics address given as HOST:PORT (a ready line's `metrics_addr`) or as
+/// the URL `pdctl up` prints (`http://HOST:PORT/metrics`).
+pub fn metrics_authority(addr: &str) -> &str {
+    let addr = addr.strip_prefix("http://").unwrap_or(addr);
+    addr.strip_suffix("/metrics").unwrap_or(addr)
 }
 
 /// One parsed `/metrics` page (with `prometheus-parse`): every sample as (name, labels,

@@ -43,8 +43,7 @@ fn read_json(path: &Path) -> Value {
 /// The router's `/metrics` text (HTTP/1.0: the body ends when the connection closes) from
 /// its HOST:PORT (a ready line's `metrics_addr`) or its URL (`pdctl up`'s `router_metrics`).
 fn scrape(addr: &str) -> String {
-    let addr = addr.strip_prefix("http://").unwrap_or(addr);
-    let addr = addr.strip_suffix("/metrics").unwrap_or(addr);
+    let addr = pd_tests::metrics_authority(addr);
     let mut s = std::net::TcpStream::connect(addr).expect("metrics port");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();

@@ -137,7 +137,10 @@ fn cache_config(facts: &ModelFacts) -> Vec<(&'static str, String)> {
     let python_bool = |b: bool| if b { "True" } else { "False" };
     vec![
         (label::BLOCK_SIZE, facts.block_size().to_string()),
-        (label::CACHE_DTYPE, facts.kv_dtype.torch_name().to_string()),
+        (
+            label::CACHE_DTYPE,
+            facts.kv_dtype().torch_name().to_string(),
+        ),
         (
             label::ENABLE_PREFIX_CACHING,
             python_bool(facts.prefix_caching).to_string(),

@@ -24,14 +24,6 @@ pub trait KvElem: bytemuck::Pod + Send + Sync + std::fmt::Debug + 'static {
             *d = Self::from_f32(s);
         }
     }
-
-    /// `dst[i] = src[i]` widened; equal lengths.
-    fn load_f32(src: &[Self], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len());
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-    }
 }
 
 impl KvElem for f32 {
@@ -45,9 +37,6 @@ impl KvElem for f32 {
         self
     }
     fn store_f32(src: &[f32], dst: &mut [Self]) {
-        dst.copy_from_slice(src);
-    }
-    fn load_f32(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
 }
@@ -65,9 +54,6 @@ impl KvElem for f16 {
     // half's slice conversions use F16C where the CPU has it.
     fn store_f32(src: &[f32], dst: &mut [Self]) {
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-    }
-    fn load_f32(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
     }
 }
 
@@ -90,8 +76,7 @@ mod tests {
     fn round_trip<E: KvElem>(values: &[f32]) -> Vec<f32> {
         let mut stored = vec![E::from_f32(0.0); values.len()];
         E::store_f32(values, &mut stored);
-        let mut back = vec![0.0; values.len()];
-        E::load_f32(&stored, &mut back);
+        let back: Vec<f32> = stored.iter().map(|s| s.to_f32()).collect();
         // The slice paths and the scalar ones agree.
         for (s, v) in stored.iter().zip(values) {
             assert_eq!(s.to_f32().to_bits(), E::from_f32(*v).to_f32().to_bits());
