@@ -238,6 +238,16 @@ impl<B: Backend> Executor<B> {
         self.backend.write_block(&mut self.kv, block, src);
     }
 
+    /// [`Backend::read_blocks`]: `blocks` into `dst`, [`Self::block_bytes`] each.
+    pub fn read_blocks(&self, blocks: &[u32], dst: &mut [u8]) {
+        self.backend.read_blocks(&self.kv, blocks, dst);
+    }
+
+    /// [`Backend::write_blocks`]: `src[i]` into `blocks[i]`.
+    pub fn write_blocks(&mut self, blocks: &[u32], src: &[&[u8]]) {
+        self.backend.write_blocks(&mut self.kv, blocks, src);
+    }
+
     /// Where KV storage lies in host memory (`None` on a GPU): imports land there in place.
     pub fn host_kv_memory(&self) -> Option<crate::kv::placement::HostKvMemory> {
         self.backend.host_kv_memory(&self.kv)

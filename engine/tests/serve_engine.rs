@@ -223,8 +223,8 @@ fn cache_salt_isolates_tenants() {
     assert_eq!(unsalted.finished.unwrap().usage.cached_tokens(), 0);
 }
 
-/// With the KV cache in f32, f16 and bf16: the host tier keeps blocks as they travel (f32),
-/// which a 16-bit cache gets back exactly.
+/// With the KV cache in f32, f16 and bf16: the host tier keeps blocks as they travel (as
+/// stored), which the cache gets back exactly.
 #[test]
 fn evicted_blocks_come_back_from_the_host_tier_as_external_hits() {
     for kv_dtype in [DType::F32, DType::F16, DType::BF16] {

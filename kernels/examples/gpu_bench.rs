@@ -2,8 +2,10 @@
 //! copy and a large bf16 GEMM through cuBLAS), then per model decode tokens/s at batch 1, 8
 //! and 64 with the fraction of the measured bandwidth reached, and prefill of 2,048 and 8,192
 //! tokens with the fraction of the measured GEMM rate reached, and one layer's prefill
-//! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores). Prints one
-//! table last and writes every figure to OUT_DIR/gpu_bench.json.
+//! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores), and the KV
+//! of a 2,048-token lease copied out of and into device memory in batches and one block at a
+//! time (what a prefill node's lease and a decode node's import cost). Prints one table last
+//! and writes every figure to OUT_DIR/gpu_bench.json.
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
@@ -301,7 +303,68 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
         .iter()
         .flat_map(|&len| bench_attention(exec.backend(), &files.config, len, flops, sizes.reps))
         .collect();
-    json!({ "model": model, "decode": decode, "prefill": prefill, "attention": attention })
+    let kv_transfer = bench_kv_transfer(&mut exec, sizes.prefill[0], sizes.reps);
+    json!({
+        "model": model,
+        "decode": decode,
+        "prefill": prefill,
+        "attention": attention,
+        "kv_transfer": kv_transfer,
+    })
+}
+
+/// A `len`-token lease's KV between device and host memory, as a prefill node copies it out
+/// (`read_blocks`: batches of blocks per gather kernel and copy) and a decode node copies it
+/// in (`write_blocks`), against the same blocks one call per block (a launch, a copy and,
+/// out, a synchronization each): median ms of `reps` and GB/s of each.
+fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) -> Value {
+    let blocks: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
+    let block_bytes = exec.block_bytes();
+    let bytes = blocks.len() * block_bytes;
+    let mut host = vec![0u8; bytes];
+    let median = |exec: &mut Executor<CudaBackend>,
+                  f: &mut dyn FnMut(&mut Executor<CudaBackend>)| {
+        f(exec);
+        exec.backend().synchronize();
+        let mut times: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                f(exec);
+                exec.backend().synchronize();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[reps / 2]
+    };
+    let out_batched = median(exec, &mut |e| e.read_blocks(&blocks, &mut host));
+    let out_single = median(exec, &mut |e| {
+        for (&b, dst) in blocks.iter().zip(host.chunks_exact_mut(block_bytes)) {
+            e.read_block(b, dst);
+        }
+    });
+    let staged: Vec<Vec<u8>> = host.chunks_exact(block_bytes).map(<[u8]>::to_vec).collect();
+    let src: Vec<&[u8]> = staged.iter().map(Vec::as_slice).collect();
+    let in_batched = median(exec, &mut |e| e.write_blocks(&blocks, &src));
+    let in_single = median(exec, &mut |e| {
+        for (&b, data) in blocks.iter().zip(&src) {
+            e.write_block(b, data);
+        }
+    });
+    let gb_s = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
+    json!({
+        "tokens": len,
+        "blocks": blocks.len(),
+        "bytes": bytes,
+        "out_batched_ms": out_batched,
+        "out_per_block_ms": out_single,
+        "in_batched_ms": in_batched,
+        "in_per_block_ms": in_single,
+        "out_batched_gb_s": gb_s(out_batched),
+        "out_per_block_gb_s": gb_s(out_single),
+        "in_batched_gb_s": gb_s(in_batched),
+        "in_per_block_gb_s": gb_s(in_single),
+    })
 }
 
 fn main() {
@@ -387,6 +450,20 @@ fn main() {
                 "-"
             );
         }
+    }
+    for m in &results {
+        let k = &m["kv_transfer"];
+        println!(
+            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched, {:.2} one block at a time; host -> device {:.2} / {:.2}",
+            m["model"].as_str().unwrap_or("?"),
+            k["tokens"],
+            k["blocks"],
+            k["bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            k["out_batched_gb_s"].as_f64().unwrap_or(0.0),
+            k["out_per_block_gb_s"].as_f64().unwrap_or(0.0),
+            k["in_batched_gb_s"].as_f64().unwrap_or(0.0),
+            k["in_per_block_gb_s"].as_f64().unwrap_or(0.0),
+        );
     }
     println!(
         "(decode: fraction of the copy bandwidth; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",

@@ -316,6 +316,32 @@ pub trait Backend: Send + Sync + 'static {
     /// The inverse of [`Backend::read_block`].
     fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[u8]);
 
+    /// [`Backend::read_block`] of each of `blocks` in turn into `dst`, block `i` of the list
+    /// at `i * block_bytes`. A device backend overrides it to move many blocks per launch
+    /// and per copy (one synchronization for a whole lease, not one per block).
+    fn read_blocks(&self, kv: &Self::KvStorage, blocks: &[u32], dst: &mut [u8]) {
+        if blocks.is_empty() {
+            return;
+        }
+        assert!(
+            dst.len().is_multiple_of(blocks.len()),
+            "blocks buffer length"
+        );
+        let block_bytes = dst.len() / blocks.len();
+        for (&block, out) in blocks.iter().zip(dst.chunks_exact_mut(block_bytes)) {
+            self.read_block(kv, block, out);
+        }
+    }
+
+    /// [`Backend::write_block`] of `src[i]` into `blocks[i]`, for each `i`; batched like
+    /// [`Backend::read_blocks`] by a device backend.
+    fn write_blocks(&self, kv: &mut Self::KvStorage, blocks: &[u32], src: &[&[u8]]) {
+        assert_eq!(blocks.len(), src.len(), "one buffer per block");
+        for (&block, bytes) in blocks.iter().zip(src) {
+            self.write_block(kv, block, bytes);
+        }
+    }
+
     /// Where KV storage lies in host memory, block by block in [`Backend::read_block`]'s
     /// layout, so that imported KV can land in place; `None` (the default) when it is not
     /// host memory (a GPU's), and imports are copied in with [`Backend::write_block`].

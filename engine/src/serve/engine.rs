@@ -87,6 +87,7 @@ pub struct Engine<B: Backend> {
     eos_token_ids: Vec<u32>,
     /// Sampled ids are kept below this (ids past the tokenizer's vocabulary have no text).
     vocab_limit: usize,
+    /// Blocks on their way between the host tier and the backend (grown to a batch).
     block_buf: Vec<u8>,
     last_step: StepStats,
 }
@@ -508,14 +509,7 @@ impl<B: Backend> Engine<B> {
                 self.free_blocks(&blocks);
                 return None;
             };
-            for (j, &block) in fresh.iter().enumerate() {
-                let hash = hashes[local + j];
-                if restored == j && self.host.fetch(hash, &mut self.block_buf).is_ok() {
-                    self.executor.write_block(block, &self.block_buf);
-                    self.register(block, hash);
-                    restored += 1;
-                }
-            }
+            restored = self.restore_from_host(&hashes[local..local + external], &fresh);
             blocks.extend_from_slice(&fresh[..restored]);
             self.free_blocks(&fresh[restored..]);
         }

@@ -23,8 +23,9 @@ use crate::kv::placement::HostKvMemory;
 /// Where a lease's blocks are.
 #[derive(Debug)]
 enum LeaseData {
-    /// Copies, each block in `Backend::read_block`'s layout.
-    Copied(Vec<Vec<u8>>),
+    /// A copy of the blocks, one after another, each `block_bytes` long in
+    /// `Backend::read_block`'s layout.
+    Copied { bytes: Vec<u8>, block_bytes: usize },
     /// The blocks where they lie in host KV memory, in lease order.
     Pinned {
         memory: HostKvMemory,
@@ -41,19 +42,38 @@ pub struct LeasedKv {
 }
 
 impl LeasedKv {
-    /// Copied `blocks` with their checksums, hashed on the rayon pool (this runs on the
-    /// engine thread when a prefill ends: a 4,096-token Qwen3-0.6B lease is 940 MB, ~60 ms
-    /// for one core at ~15 GB/s).
-    pub fn new(blocks: Vec<Vec<u8>>) -> Self {
-        let checksums = blocks
-            .par_iter()
-            .enumerate()
-            .map(|(i, b)| block_checksum(i as u64, b))
-            .collect();
+    /// Copied blocks, `bytes` holding them one after another (`block_bytes` each, as
+    /// `Backend::read_blocks` writes them), with their checksums, hashed on the rayon pool
+    /// (this runs on the engine thread when a prefill ends: a 4,096-token Qwen3-0.6B lease
+    /// is 940 MB, ~60 ms for one core at ~15 GB/s).
+    pub fn copied(bytes: Vec<u8>, block_bytes: usize) -> Self {
+        assert!(
+            bytes.is_empty() || (block_bytes > 0 && bytes.len().is_multiple_of(block_bytes)),
+            "whole blocks"
+        );
+        let checksums = if bytes.is_empty() {
+            Vec::new()
+        } else {
+            bytes
+                .par_chunks_exact(block_bytes)
+                .enumerate()
+                .map(|(i, b)| block_checksum(i as u64, b))
+                .collect()
+        };
         Self {
-            data: LeaseData::Copied(blocks),
+            data: LeaseData::Copied { bytes, block_bytes },
             checksums,
         }
+    }
+
+    /// Copied blocks given one buffer each (all of one length).
+    pub fn new(blocks: Vec<Vec<u8>>) -> Self {
+        let block_bytes = blocks.first().map_or(0, Vec::len);
+        assert!(
+            blocks.iter().all(|b| b.len() == block_bytes),
+            "blocks of one length"
+        );
+        Self::copied(blocks.concat(), block_bytes)
     }
 
     /// Physical `blocks` of `memory` pinned where they lie, with their checksums (hashed on
@@ -85,14 +105,16 @@ impl LeasedKv {
     /// or `None` for copied blocks: for transports that read them where they lie.
     pub fn pinned_blocks(&self) -> Option<(&HostKvMemory, &[u32])> {
         match &self.data {
-            LeaseData::Copied(_) => None,
+            LeaseData::Copied { .. } => None,
             LeaseData::Pinned { memory, blocks } => Some((memory, blocks)),
         }
     }
 
     pub fn num_blocks(&self) -> usize {
         match &self.data {
-            LeaseData::Copied(b) => b.len(),
+            LeaseData::Copied { bytes, block_bytes } => {
+                bytes.len().checked_div(*block_bytes).unwrap_or(0)
+            }
             LeaseData::Pinned { blocks, .. } => blocks.len(),
         }
     }
@@ -100,7 +122,7 @@ impl LeasedKv {
     /// Bytes of each block (0 for an empty lease).
     pub fn block_bytes(&self) -> usize {
         match &self.data {
-            LeaseData::Copied(b) => b.first().map_or(0, Vec::len),
+            LeaseData::Copied { block_bytes, .. } => *block_bytes,
             LeaseData::Pinned { memory, .. } => memory.block_bytes(),
         }
     }
@@ -109,7 +131,9 @@ impl LeasedKv {
     /// per layer's K and V), in order.
     pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
         match &self.data {
-            LeaseData::Copied(b) => vec![&b[i]],
+            LeaseData::Copied { bytes, block_bytes } => {
+                vec![&bytes[i * block_bytes..(i + 1) * block_bytes]]
+            }
             // SAFETY: a leased block, unwritten while this value lives (module docs).
             LeaseData::Pinned { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },
         }

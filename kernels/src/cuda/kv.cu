@@ -21,29 +21,45 @@ extern "C" __global__ void write_kv(void* kcache, void* vcache, int kv_dtype, co
     }
 }
 
-// Gather block `block` of every layer into `staging`, laid out layer by layer as
-// [K block, V block] (the order of Backend::read_block), so one copy moves it to the host.
-// grid = (num_layers, 2): y = 0 for K, 1 for V. `bases` holds each layer's K and V pointers
-// as [k0, v0, k1, v1, ...]. `halves` = the bytes of one layer's K (or V) block / 2: every
-// element is 2 or 4 bytes and every buffer is at least 2-byte aligned, so the copy moves
-// 16-bit units.
-extern "C" __global__ void pack_block(const unsigned long long* bases, unsigned int block,
-                                      unsigned short* staging, int halves) {
-    const int layer = blockIdx.x;
-    const int which = blockIdx.y;
-    const unsigned short* src =
-        (const unsigned short*)bases[2 * layer + which] + (unsigned long long)block * halves;
-    unsigned short* dst = staging + ((unsigned long long)2 * layer + which) * halves;
-    for (int i = threadIdx.x; i < halves; i += blockDim.x) dst[i] = src[i];
+// Copy one layer's K (or V) block in 8-byte words: `bytes` is a multiple of 64 (head_dim is
+// a multiple of 32, every element 2 or 4 bytes) and every KV and staging buffer is a device
+// allocation, aligned far beyond 8 bytes, so both ends are 8-byte aligned.
+__device__ __forceinline__ void copy_part(unsigned char* dst, const unsigned char* src,
+                                          unsigned long long bytes) {
+    unsigned long long* d = (unsigned long long*)dst;
+    const unsigned long long* s = (const unsigned long long*)src;
+    for (unsigned long long i = threadIdx.x; i < bytes / 8; i += blockDim.x) d[i] = s[i];
 }
 
-// The inverse of pack_block.
-extern "C" __global__ void unpack_block(const unsigned long long* bases, unsigned int block,
-                                        const unsigned short* staging, int halves) {
-    const int layer = blockIdx.x;
-    const int which = blockIdx.y;
-    unsigned short* dst =
-        (unsigned short*)bases[2 * layer + which] + (unsigned long long)block * halves;
-    const unsigned short* src = staging + ((unsigned long long)2 * layer + which) * halves;
-    for (int i = threadIdx.x; i < halves; i += blockDim.x) dst[i] = src[i];
+// Gather blocks `blocks[0..n]` of every layer into `staging`, one after another, each laid
+// out layer by layer as [K block, V block] (the order of Backend::read_block), so that one
+// copy moves a whole batch of blocks to the host. grid = (num_layers, 2, n): y = 0 for K, 1
+// for V, z = which of the blocks. `bases` holds each layer's K and V pointers as
+// [k0, v0, k1, v1, ...]; `part_bytes` = the bytes of one layer's K (or V) block.
+extern "C" __global__ void pack_blocks(const unsigned long long* bases,
+                                       const unsigned int* blocks, unsigned char* staging,
+                                       unsigned long long part_bytes) {
+    const unsigned layer = blockIdx.x;
+    const unsigned which = blockIdx.y;
+    const unsigned n = blockIdx.z;
+    const unsigned char* src =
+        (const unsigned char*)bases[2 * layer + which] + (unsigned long long)blocks[n] * part_bytes;
+    unsigned char* dst =
+        staging + (((unsigned long long)n * gridDim.x + layer) * 2 + which) * part_bytes;
+    copy_part(dst, src, part_bytes);
+}
+
+// The inverse of pack_blocks.
+extern "C" __global__ void unpack_blocks(const unsigned long long* bases,
+                                         const unsigned int* blocks,
+                                         const unsigned char* staging,
+                                         unsigned long long part_bytes) {
+    const unsigned layer = blockIdx.x;
+    const unsigned which = blockIdx.y;
+    const unsigned n = blockIdx.z;
+    unsigned char* dst =
+        (unsigned char*)bases[2 * layer + which] + (unsigned long long)blocks[n] * part_bytes;
+    const unsigned char* src =
+        staging + (((unsigned long long)n * gridDim.x + layer) * 2 + which) * part_bytes;
+    copy_part(dst, src, part_bytes);
 }

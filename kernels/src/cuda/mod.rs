@@ -12,6 +12,7 @@
 //! and [`modules`] (the device, its libraries and compiled kernels).
 
 mod attention;
+mod blocks;
 mod device;
 pub mod gemm;
 mod graph;
@@ -769,43 +770,19 @@ impl Backend for CudaBackend {
     }
 
     fn read_block(&self, kv: &CudaKvStorage, block: u32, dst: &mut [u8]) {
-        let bytes = kv.block_bytes_per_part();
-        assert_eq!(dst.len(), 2 * bytes * kv.k.len(), "block buffer length");
-        assert!((block as usize) < kv.num_blocks, "block id in range");
-        let staging = self.alloc::<u8>(dst.len());
-        let halves = (bytes / 2) as i32;
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.pack_block);
-        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&halves);
-        self.launch("pack_block", b, block_grid(kv.k.len()));
-        self.dev
-            .stream
-            .memcpy_dtoh(&staging, dst)
-            .unwrap_or_else(|e| self.fail("copy a KV block to host", e));
-        self.synchronize();
+        self.copy_blocks_out(kv, &[block], dst);
     }
 
     fn write_block(&self, kv: &mut CudaKvStorage, block: u32, src: &[u8]) {
-        let bytes = kv.block_bytes_per_part();
-        assert_eq!(src.len(), 2 * bytes * kv.k.len(), "block buffer length");
-        assert!((block as usize) < kv.num_blocks, "block id in range");
-        let staging = self.upload(src);
-        let halves = (bytes / 2) as i32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.unpack_block);
-        b.arg(&kv.bases).arg(&block).arg(&staging).arg(&halves);
-        self.launch("unpack_block", b, block_grid(kv.k.len()));
-        // The staging buffer is freed stream-ordered, after the kernel has read it.
+        self.copy_blocks_in(kv, &[block], &[src]);
     }
-}
 
-/// pack / unpack: one block per (layer, K or V).
-fn block_grid(layers: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (layers as u32, 2, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    fn read_blocks(&self, kv: &CudaKvStorage, blocks: &[u32], dst: &mut [u8]) {
+        self.copy_blocks_out(kv, blocks, dst);
+    }
+
+    fn write_blocks(&self, kv: &mut CudaKvStorage, blocks: &[u32], src: &[&[u8]]) {
+        self.copy_blocks_in(kv, blocks, src);
     }
 }
 

@@ -40,7 +40,7 @@ pub const SOURCES: [KernelSource; 5] = [
     KernelSource {
         name: "kv",
         code: include_str!("kv.cu"),
-        kernels: &["write_kv", "pack_block", "unpack_block"],
+        kernels: &["write_kv", "pack_blocks", "unpack_blocks"],
     },
     KernelSource {
         name: "attention",

@@ -200,11 +200,15 @@ impl<B: Backend> Engine<B> {
         let ImportedBlocks::Buffers(buffers) = imp.blocks else {
             unreachable!("called for imports in buffers only");
         };
+        // Buffer `i` holds logical block `first_block + i`; the fresh blocks follow the local
+        // prefix. One batched write (a device backend moves many blocks per copy).
+        let src: Vec<&[u8]> = buffers[local - imp.first_block..][..fresh.len()]
+            .iter()
+            .map(Vec::as_slice)
+            .collect();
+        self.executor.write_blocks(&fresh, &src);
         for (j, &block) in fresh.iter().enumerate() {
-            let logical = local + j;
-            self.executor
-                .write_block(block, &buffers[logical - imp.first_block]);
-            if let Some(&hash) = hashes.get(logical) {
+            if let Some(&hash) = hashes.get(local + j) {
                 self.register(block, hash);
             }
         }

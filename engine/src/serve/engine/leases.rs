@@ -113,15 +113,14 @@ impl<B: Backend> Engine<B> {
             // SAFETY: the engine writes no block a lease holds, and frees them only once the
             // lease is released and no reader shares it (`reap_released_leases`).
             Some(memory) => unsafe { LeasedKv::pinned(memory, keep.to_vec()) },
-            None => LeasedKv::new(
-                keep.iter()
-                    .map(|&b| {
-                        let mut data = vec![0; self.executor.block_bytes()];
-                        self.executor.read_block(b, &mut data);
-                        data
-                    })
-                    .collect(),
-            ),
+            // Device memory: one copy of the whole lease (the backend moves it in batches,
+            // not block by block).
+            None => {
+                let block_bytes = self.executor.block_bytes();
+                let mut bytes = vec![0; keep.len() * block_bytes];
+                self.executor.read_blocks(keep, &mut bytes);
+                LeasedKv::copied(bytes, block_bytes)
+            }
         };
         let kv = self.lease_store.insert(lease_id, kv);
         self.leases.insert(

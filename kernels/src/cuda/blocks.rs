@@ -1,0 +1,139 @@
+//! KV blocks out of and into device storage in the transfer layout (`Backend::read_blocks`,
+//! `Backend::write_blocks`), a batch at a time: a lease, a spill to the host tier or an
+//! import moves many blocks, and one gather kernel, one copy and one synchronization per
+//! batch replace one of each per block. Does not decide which blocks move (the engine does).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::tensor::CudaKvStorage;
+use super::{CudaBackend, THREADS};
+
+/// Most bytes of blocks staged in device memory at once. Blocks move between engine steps,
+/// when the step's working memory (`step_activation_bytes`: at least 256 MiB) is free.
+const STAGING_BYTES: usize = 64 << 20;
+
+/// A grid's z dimension is at most 65,535 blocks.
+const MAX_GRID_Z: usize = 65_535;
+
+impl CudaBackend {
+    /// Copies `blocks` out of KV storage into `dst`, block `i` of the list at
+    /// `i * block_bytes`, each in the transfer layout.
+    pub(super) fn copy_blocks_out(&self, kv: &CudaKvStorage, blocks: &[u32], dst: &mut [u8]) {
+        let block_bytes = transfer_block_bytes(kv);
+        assert_eq!(
+            dst.len(),
+            blocks.len() * block_bytes,
+            "blocks buffer length"
+        );
+        check_ids(kv, blocks);
+        if blocks.is_empty() {
+            return;
+        }
+        let per_batch = batch_blocks(block_bytes).min(blocks.len());
+        let staging = self.alloc::<u8>(per_batch * block_bytes);
+        let part = kv.block_bytes_per_part() as u64;
+        for (ids, out) in blocks
+            .chunks(per_batch)
+            .zip(dst.chunks_mut(per_batch * block_bytes))
+        {
+            let ids_dev = self.upload(ids);
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.pack_blocks);
+            b.arg(&kv.bases).arg(&ids_dev).arg(&staging).arg(&part);
+            self.launch("pack_blocks", b, grid(kv, ids.len()));
+            // Pageable host memory: the copy returns once it is done, so the staging buffer
+            // is free for the next batch (and stream order would keep it safe anyway).
+            self.dev
+                .stream
+                .memcpy_dtoh(&staging.slice(..out.len()), out)
+                .unwrap_or_else(|e| self.fail("copy KV blocks to host", e));
+        }
+        self.synchronize();
+    }
+
+    /// Copies `src[i]` (each one block in the transfer layout) into block `blocks[i]` of KV
+    /// storage.
+    pub(super) fn copy_blocks_in(&self, kv: &mut CudaKvStorage, blocks: &[u32], src: &[&[u8]]) {
+        let block_bytes = transfer_block_bytes(kv);
+        assert_eq!(src.len(), blocks.len(), "one buffer per block");
+        assert!(
+            src.iter().all(|s| s.len() == block_bytes),
+            "block buffer length"
+        );
+        check_ids(kv, blocks);
+        if blocks.is_empty() {
+            return;
+        }
+        let per_batch = batch_blocks(block_bytes).min(blocks.len());
+        let mut staging = self.alloc::<u8>(per_batch * block_bytes);
+        let part = kv.block_bytes_per_part() as u64;
+        for (ids, bufs) in blocks.chunks(per_batch).zip(src.chunks(per_batch)) {
+            for (i, buf) in bufs.iter().enumerate() {
+                let mut at = staging.slice_mut(i * block_bytes..(i + 1) * block_bytes);
+                self.dev
+                    .stream
+                    .memcpy_htod(*buf, &mut at)
+                    .unwrap_or_else(|e| self.fail("copy a KV block to the device", e));
+            }
+            let ids_dev = self.upload(ids);
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.unpack_blocks);
+            b.arg(&kv.bases).arg(&ids_dev).arg(&staging).arg(&part);
+            self.launch("unpack_blocks", b, grid(kv, ids.len()));
+        }
+        // The staging and id buffers are freed stream-ordered, after the kernels read them;
+        // the next batch's copies into staging wait for this batch's kernel the same way.
+    }
+}
+
+/// Bytes of one block across all layers, K and V: the transfer layout's block.
+fn transfer_block_bytes(kv: &CudaKvStorage) -> usize {
+    // The kernels copy 8-byte words: head_dim is a multiple of 32 (`alloc_kv` checks).
+    assert!(
+        kv.block_bytes_per_part().is_multiple_of(8),
+        "KV block parts of whole 8-byte words"
+    );
+    2 * kv.block_bytes_per_part() * kv.k.len()
+}
+
+fn check_ids(kv: &CudaKvStorage, blocks: &[u32]) {
+    assert!(
+        blocks.iter().all(|&b| (b as usize) < kv.num_blocks),
+        "block ids in range"
+    );
+}
+
+/// Blocks per batch: as many as fit in [`STAGING_BYTES`], at least one.
+fn batch_blocks(block_bytes: usize) -> usize {
+    (STAGING_BYTES / block_bytes.max(1)).clamp(1, MAX_GRID_Z)
+}
+
+/// pack / unpack: one thread block per (layer, K or V, block of the batch).
+fn grid(kv: &CudaKvStorage, n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (kv.k.len() as u32, 2, n as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_stay_within_the_staging_budget() {
+        // Qwen3-0.6B with a bf16 cache: 28 layers x 2 x 16 tokens x 8 heads x 128 x 2 bytes.
+        let qwen3_06b = 28 * 2 * 16 * 8 * 128 * 2;
+        assert_eq!(batch_blocks(qwen3_06b), 36);
+        assert!(batch_blocks(qwen3_06b) * qwen3_06b <= STAGING_BYTES);
+        // A block larger than the budget still moves, alone.
+        assert_eq!(batch_blocks(STAGING_BYTES * 2), 1);
+        // Tiny blocks are bounded by the grid.
+        assert_eq!(batch_blocks(16), MAX_GRID_Z);
+    }
+}
