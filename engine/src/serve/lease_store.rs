@@ -110,6 +110,15 @@ impl LeasedKv {
         }
     }
 
+    /// A copied lease's blocks, one after another in one buffer (`block_bytes` each), or
+    /// `None` for pinned blocks: for transports that register the copy as it is.
+    pub fn copied_bytes(&self) -> Option<&[u8]> {
+        match &self.data {
+            LeaseData::Copied { bytes, .. } => Some(bytes),
+            LeaseData::Pinned { .. } => None,
+        }
+    }
+
     pub fn num_blocks(&self) -> usize {
         match &self.data {
             LeaseData::Copied { bytes, block_bytes } => {
@@ -218,6 +227,11 @@ mod tests {
         assert_eq!(store.read(8, 0, 1), None, "unknown lease");
         let shared = store.get(7).expect("leased");
         assert_eq!(shared.num_blocks(), 3);
+        assert_eq!(
+            shared.copied_bytes(),
+            Some(&[1, 1, 2, 2, 3, 3][..]),
+            "a copied lease is one buffer, block after block (what RDMA registers as it is)"
+        );
         let want: Vec<u64> = (0..3u64)
             .map(|i| block_checksum(i, &[(i + 1) as u8; 2]))
             .collect();

@@ -29,9 +29,10 @@
 //!   layer's K and V) and where each leased block lies in them (a strided offer); nothing is
 //!   copied, and the exporter holds the lease, so its blocks stay unwritten and allocated,
 //!   until release or expiry. Otherwise (GPU KV: GPUDirect registration is not implemented;
-//!   a failed registration) each lease is **staged**: its blocks copied back to back into a
-//!   buffer registered for that lease alone (a packed offer), deregistered at release or
-//!   expiry. Either way the `KvHandle` carries the offer: the port's fabric, the RdmaConnect
+//!   a failed registration) each lease is **staged**: its blocks back to back in a buffer
+//!   registered for that lease alone (a packed offer; a GPU node's lease, which the engine
+//!   copied out of device memory into one buffer, is registered as it is, other blocks are
+//!   copied into one), deregistered at release or expiry. Either way the `KvHandle` carries the offer: the port's fabric, the RdmaConnect
 //!   address, the regions (address, length, rkey), the layout and a checksum per block. The
 //!   exporter logs which mode it uses.
 //! - **Connect**: per pair of nodes, the decode node creates an RC queue pair and calls the

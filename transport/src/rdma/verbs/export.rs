@@ -7,9 +7,11 @@
 //!   exporter keeps the lease (so its blocks) until release or expiry. The rkeys then cover
 //!   all of the node's KV memory, not one lease: a late reader that reads a block after its
 //!   release may see another request's KV, which the per-block checksums catch.
-//! - **Staged** otherwise (GPU KV, a failed registration): the lease's blocks are copied
-//!   back to back into a buffer registered for that lease alone (a packed offer);
-//!   deregistering it at release or expiry revokes its rkey.
+//! - **Staged** otherwise (GPU KV, a failed registration): the lease's blocks back to back in
+//!   a buffer registered for that lease alone (a packed offer): a GPU node's lease is such a
+//!   buffer already (the engine copied it out of device memory) and is registered as it is;
+//!   blocks pinned in KV memory that could not be registered are copied into one.
+//!   Deregistering it at release or expiry revokes its rkey.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,6 +39,12 @@ enum Held {
         /// Dropped (deregistered: the rkey is revoked) before the buffer is freed.
         _mr: Arc<MemoryRegion>,
         _buf: Box<[u8]>,
+    },
+    /// A lease that is a copy already (GPU KV), its buffer registered for this lease alone.
+    Copy {
+        /// Dropped (deregistered: the rkey is revoked) before the lease may be freed.
+        _mr: Arc<MemoryRegion>,
+        _lease: Arc<LeasedKv>,
     },
     /// The lease itself: its blocks stay where they are, unwritten and not freed, while held
     /// here (in the KV memory registered once).
@@ -168,11 +176,12 @@ impl RdmaExporter {
         )
     }
 
-    /// Copy `kv`'s blocks back to back into a buffer registered for this lease.
+    /// `kv`'s blocks back to back in a buffer registered for this lease: the lease's own
+    /// buffer where it is a copy already (a GPU node's), else a copy made here.
     fn publish_staged(
         &self,
         lease_id: u64,
-        kv: &LeasedKv,
+        kv: &Arc<LeasedKv>,
         deadline: Instant,
     ) -> Result<Vec<u8>, RdmaError> {
         let block_bytes = kv.block_bytes();
@@ -182,38 +191,54 @@ impl RdmaExporter {
                 ours: block_bytes as u64,
             });
         }
-        // The staging copy: the lease's blocks back to back (from wherever they lie).
-        let mut buf: Box<[u8]> = vec![0u8; kv.num_blocks() * block_bytes].into_boxed_slice();
-        for (i, block) in buf.chunks_exact_mut(block_bytes).enumerate() {
-            kv.copy_block(i, block);
-        }
-        let checksums = kv.checksums.clone();
-        let len = buf.len();
-        // SAFETY: the boxed slice's heap memory does not move and is freed only after the
-        // region (field order of `Held::Staged`).
-        let mr = unsafe {
-            self.device.register(
-                buf.as_mut_ptr(),
-                len,
-                AccessFlags::LocalWrite | AccessFlags::RemoteRead,
-            )?
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
+        let (addr, len, mr, held) = match kv.copied_bytes() {
+            // No second copy of what the engine already copied out of device memory.
+            Some(bytes) => {
+                // SAFETY: the lease's buffer is never written, moved or freed while the lease
+                // lives, and `Held::Copy` keeps the lease until after the region (field
+                // order); nothing posts a local write into it.
+                let mr = unsafe { self.device.register(bytes.as_ptr(), bytes.len(), access)? };
+                let held = Held::Copy {
+                    _mr: mr.clone(),
+                    _lease: Arc::clone(kv),
+                };
+                (bytes.as_ptr() as u64, bytes.len(), mr, held)
+            }
+            None => {
+                // The staging copy: the lease's blocks back to back (from wherever they lie).
+                let mut buf: Box<[u8]> =
+                    vec![0u8; kv.num_blocks() * block_bytes].into_boxed_slice();
+                for (i, block) in buf.chunks_exact_mut(block_bytes).enumerate() {
+                    kv.copy_block(i, block);
+                }
+                // SAFETY: the boxed slice's heap memory does not move and is freed only after
+                // the region (field order of `Held::Staged`).
+                let mr = unsafe { self.device.register(buf.as_mut_ptr(), buf.len(), access)? };
+                let (addr, len) = (buf.as_ptr() as u64, buf.len());
+                let held = Held::Staged {
+                    _mr: mr.clone(),
+                    _buf: buf,
+                };
+                (addr, len, mr, held)
+            }
         };
         let offer = RdmaOffer {
             fabric: self.device.fabric(),
             connect_addr: self.connect_addr.clone(),
             block_bytes: block_bytes as u64,
             regions: vec![RemoteRegion {
-                addr: buf.as_ptr() as u64,
+                addr,
                 len: len as u64,
                 rkey: mr.rkey(),
             }],
             layout: OfferLayout::Packed,
-            checksums,
+            checksums: kv.checksums.clone(),
         };
         lock(&self.leases).insert(
             lease_id,
             Published {
-                _held: Held::Staged { _mr: mr, _buf: buf },
+                _held: held,
                 deadline,
             },
         );
