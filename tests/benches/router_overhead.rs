@@ -138,7 +138,6 @@ async fn bench() {
         .unwrap_or(300);
     let cache = tempfile::tempdir().expect("tempdir");
     let cluster = Cluster::up(cache.path(), &[]).expect("pdctl up");
-    let mut router = client(&cluster.router()).await;
     let prefill_addr = cluster.nodes("prefill")[0].clone();
     let decode_addr = cluster.nodes("decode")[0].clone();
     let baseline_bins: Vec<String> = std::env::var("BASELINE_ROUTER")
@@ -167,11 +166,22 @@ async fn bench() {
         wait_serving(&process.addr())
             .await
             .expect("baseline router serving");
-        let c = client(&process.addr()).await;
-        baselines.push((process, c, Vec::new()));
+        baselines.push(process);
     }
     let (_forwarder, forwarder_addr) = ForwarderProcess::start(&prefill_addr);
+    // Every client connects once every process has started: a client connected before the
+    // benchmark started more processes measured 40-160 us slower at p50 than another
+    // connected after them, against the same router binary (2026-12-02).
+    let mut router = client(&cluster.router()).await;
     let mut forwarder = client(&forwarder_addr).await;
+    let mut baselines: Vec<_> = {
+        let mut connected = Vec::new();
+        for process in baselines {
+            let c = client(&process.addr()).await;
+            connected.push((process, c, Vec::new()));
+        }
+        connected
+    };
     let mut prefill =
         pb::prefill_service_client::PrefillServiceClient::connect(format!("http://{prefill_addr}"))
             .await
