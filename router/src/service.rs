@@ -192,6 +192,20 @@ pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
+/// A request's future, spawned as a task of its own when dropped unfinished.
+struct SpawnOnDrop(Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>);
+
+impl Drop for SpawnOnDrop {
+    fn drop(&mut self) {
+        if let Some(rest) = self.0.take() {
+            // Handlers run on the runtime; outside it (never) the request is dropped as is.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(rest);
+            }
+        }
+    }
+}
+
 /// `pd.v1.Generation`.
 #[derive(Debug, Clone)]
 pub struct GenerationService {
@@ -243,21 +257,42 @@ impl pb::generation_server::Generation for GenerationService {
         let (entry, cancel) = self.shared.inflight.register(&valid.request_id)?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tracing::debug!(request_id = %valid.request_id, prompt_tokens = valid.prompt.len(), max_tokens = valid.params.max_tokens, "generate");
-        tokio::spawn(flow::run(
+        // This handler drives the request itself until its first message (for a 1-token
+        // request, to its end), then leaves the rest to a task of its own: a task per request
+        // from the start costs every request a hand-off and a wake-up. A client that goes
+        // away meanwhile drops this future: the guard then spawns the request, which sees
+        // the client gone and gives back what it holds on the nodes.
+        let mut request = SpawnOnDrop(Some(Box::pin(flow::run(
             self.shared.clone(),
             valid,
             entry,
             cancel,
             tx,
             budget.map(|b| arrival + b),
-        ));
+        ))));
         // The response goes out with its first message: headers alone would be one more
         // write, and one more wake-up of the client, while the prefill node computes (on
         // shared cores that slows the prefill itself), and for a 1-token request the headers,
-        // the chunk and the trailers then leave in one write. A client that goes away
-        // meanwhile drops this future and `rx` with it, which cancels the request.
+        // the chunk and the trailers then leave in one write.
         let mut rx = rx;
-        let first = rx.recv().await.unwrap_or_else(|| {
+        let mut first = None;
+        if let Some(running) = request.0.as_mut() {
+            tokio::select! {
+                biased;
+                message = rx.recv() => first = Some(message),
+                () = running => {}
+            }
+        }
+        let first = match first {
+            Some(message) => message,
+            None => {
+                // The request ended: everything it sent is queued.
+                request.0 = None;
+                rx.recv().await
+            }
+        };
+        drop(request);
+        let first = first.unwrap_or_else(|| {
             Err(Status::internal(
                 "the request ended without a response (router bug)",
             ))
