@@ -1,8 +1,10 @@
 //! Router overhead: the latency a client sees for a 1-token request through the router
 //! (validation, routing, Prefill, the chunk streamed back) versus the same Prefill sent straight
-//! to the prefill node, in shuffled rounds, on one `pdctl up` cluster of `synthetic:tiny`. Both
-//! ask the prefill node for no KV lease (`skip_kv_lease`: the router does so for every
-//! `max_tokens` 1 request). Prints p50 / p99 of each and the difference.
+//! to the prefill node, in shuffled rounds, on the nodes of one `pdctl up` cluster of
+//! `synthetic:tiny` (the router timed is this build's, started by the benchmark beside them,
+//! as every other hop it times). Both ask the prefill node for no KV lease (`skip_kv_lease`:
+//! the router does so for every `max_tokens` 1 request). Prints p50 / p99 of each and the
+//! difference.
 //!
 //! `BASELINE_ROUTER=/path/to/another/router` also times that router binary, started on the
 //! same nodes, in the same rounds: before/after figures of a router change from one run.
@@ -148,8 +150,12 @@ async fn bench() {
                 .collect()
         })
         .unwrap_or_default();
-    let mut baselines = Vec::new();
-    for bin in &baseline_bins {
+    // The router timed is this build's binary started here, as the baselines and the
+    // forwarder are, not the cluster's own: the same binary started by `pdctl up` measured
+    // 10-60 us slower at p50 than its copy started here, in the same rounds (2026-12-02), an
+    // offset of how it was started that would otherwise count as the router's cost.
+    let mut routers = Vec::new();
+    for bin in std::iter::once("router").chain(baseline_bins.iter().map(String::as_str)) {
         let process = Process::start(
             bin,
             cache.path(),
@@ -162,21 +168,18 @@ async fn bench() {
                 &decode_addr,
             ],
         )
-        .expect("baseline router");
-        wait_serving(&process.addr())
-            .await
-            .expect("baseline router serving");
-        baselines.push(process);
+        .expect("router");
+        wait_serving(&process.addr()).await.expect("router serving");
+        routers.push(process);
     }
     let (_forwarder, forwarder_addr) = ForwarderProcess::start(&prefill_addr);
     // Every client connects once every process has started: a client connected before the
     // benchmark started more processes measured 40-160 us slower at p50 than another
     // connected after them, against the same router binary (2026-12-02).
-    let mut router = client(&cluster.router()).await;
     let mut forwarder = client(&forwarder_addr).await;
-    let mut baselines: Vec<_> = {
+    let mut routers: Vec<_> = {
         let mut connected = Vec::new();
-        for process in baselines {
+        for process in routers {
             let c = client(&process.addr()).await;
             connected.push((process, c, Vec::new()));
         }
@@ -187,10 +190,10 @@ async fn bench() {
             .await
             .expect("prefill node");
     let prompt: Vec<u32> = (1..9).collect();
-    // Target 0 is the node itself, 1 the cluster's router, 2 the bare forwarder, 3.. the
+    // Target 0 is the node itself, 1 the bare forwarder, 2 this build's router, 3.. the
     // baseline routers. Each round times every target once, in a fresh random order: what a
     // request follows then weighs on all targets alike.
-    let targets = 3 + baselines.len();
+    let targets = 2 + routers.len();
     let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
     let mut order: Vec<usize> = (0..targets).collect();
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
@@ -199,21 +202,20 @@ async fn bench() {
         for &target in &order {
             let t = match target {
                 0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
-                1 => through(&mut router, &prompt).await,
-                2 => through(&mut forwarder, &prompt).await,
-                b => through(&mut baselines[b - 3].1, &prompt).await,
+                1 => through(&mut forwarder, &prompt).await,
+                r => through(&mut routers[r - 2].1, &prompt).await,
             };
             if i >= 20 {
                 times[target].push(t);
             }
         }
     }
-    let mut via_router = std::mem::take(&mut times[1]);
-    let mut via_forwarder = std::mem::take(&mut times[2]);
+    let mut via_forwarder = std::mem::take(&mut times[1]);
     let mut direct = std::mem::take(&mut times[0]);
-    for ((_, _, v), t) in baselines.iter_mut().zip(times.into_iter().skip(3)) {
+    for ((_, _, v), t) in routers.iter_mut().zip(times.into_iter().skip(2)) {
         *v = t;
     }
+    let mut via_router = std::mem::take(&mut routers[0].2);
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let (d50, d99) = (percentile(&mut direct, 0.5), percentile(&mut direct, 0.99));
     println!("1-token requests, synthetic:tiny, {n} each, in shuffled rounds");
@@ -238,9 +240,9 @@ async fn bench() {
         "  the router's own cost (router - forwarder) p50 {:6.0} us",
         us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
     );
-    for (bin, (_, _, times)) in baseline_bins.iter().zip(&mut baselines) {
+    for (bin, (_, _, times)) in baseline_bins.iter().zip(routers.iter_mut().skip(1)) {
         report(&format!("through {bin}"), times);
     }
-    drop(baselines);
+    drop(routers);
     cluster.stop();
 }
