@@ -333,6 +333,20 @@ static CUresult free_device(CUdeviceptr p, void* stream) {
     return CUDA_SUCCESS;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) { return free_device(p, nullptr); }
+// Page-locked host memory: plain host memory here (the emulated device reads and writes host
+// memory anyway); never device memory, so copies treat it as the host side.
+API CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int /*flags*/) {
+    if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (bytes == 0) return fail(CUDA_ERROR_INVALID_VALUE, "cuMemHostAlloc of 0 bytes");
+    void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (q == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = q;
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemFreeHost(void* p) {
+    std::free(p);
+    return CUDA_SUCCESS;
+}
 API CUresult cuMemFreeAsync(CUdeviceptr p, void* stream) { return free_device(p, stream); }
 
 static CUresult copy(const char* what, void* stream, void* dst, const void* src, size_t n,

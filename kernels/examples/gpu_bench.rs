@@ -351,8 +351,42 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
             e.write_block(b, data);
         }
     });
+    // The copy alone, device -> host, into pageable memory (what the lease copy writes into)
+    // and into page-locked memory (what a pool of pinned lease buffers would give).
+    let dev = exec.backend().device();
+    let device_bytes: CudaSlice<u8> = dev.stream.alloc_zeros(bytes.max(1)).expect("alloc");
+    let timed_copy = |dst: &mut dyn FnMut()| {
+        dst();
+        dev.stream.synchronize().expect("sync");
+        let mut times: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                dst();
+                dev.stream.synchronize().expect("sync");
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[reps / 2]
+    };
+    let pageable_ms = timed_copy(&mut || {
+        dev.stream
+            .memcpy_dtoh(&device_bytes, &mut host[..])
+            .expect("copy");
+    });
+    // SAFETY: written by the copies below before anything reads it. Flags 0: cached memory
+    // (the default write-combined memory is slow for the CPU to read, as a lease is read).
+    let mut pinned = unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }
+        .expect("page-locked host memory");
+    let pinned_ms = timed_copy(&mut || {
+        dev.stream
+            .memcpy_dtoh(&device_bytes, &mut pinned)
+            .expect("copy");
+    });
     let gb_s = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
     json!({
+        "dtoh_pageable_gb_s": gb_s(pageable_ms),
+        "dtoh_pinned_gb_s": gb_s(pinned_ms),
         "tokens": len,
         "blocks": blocks.len(),
         "bytes": bytes,
@@ -454,7 +488,7 @@ fn main() {
     for m in &results {
         let k = &m["kv_transfer"];
         println!(
-            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched, {:.2} one block at a time; host -> device {:.2} / {:.2}",
+            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched, {:.2} one block at a time; host -> device {:.2} / {:.2}; the copy alone into pageable memory {:.2} GB/s, into page-locked {:.2}",
             m["model"].as_str().unwrap_or("?"),
             k["tokens"],
             k["blocks"],
@@ -463,6 +497,8 @@ fn main() {
             k["out_per_block_gb_s"].as_f64().unwrap_or(0.0),
             k["in_batched_gb_s"].as_f64().unwrap_or(0.0),
             k["in_per_block_gb_s"].as_f64().unwrap_or(0.0),
+            k["dtoh_pageable_gb_s"].as_f64().unwrap_or(0.0),
+            k["dtoh_pinned_gb_s"].as_f64().unwrap_or(0.0),
         );
     }
     println!(
