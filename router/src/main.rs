@@ -8,6 +8,13 @@ use anyhow::Context as _;
 use clap::Parser;
 use pd_router::{Router, RouterArgs};
 
+/// mimalloc, not the system allocator: a request allocates and frees many small buffers
+/// (HTTP/2 frames, protobuf messages, tonic's bodies) on both of the router's connections, and
+/// with it the router added ~20 us less latency at p50 to a 1-token request (six runs of the
+/// router_overhead benchmark, both builds in the same rounds; docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// `--log-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum LogFormat {
