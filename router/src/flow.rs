@@ -1,8 +1,8 @@
 //! One request's life after validation: prefill, first token, decode, streaming, and the
 //! release of everything it holds on the nodes however it ends.
 //!
-//! - **Prefill** on the node the policy picks (deadline: `--node-timeout`, and the client's
-//!   deadline travels as grpc-timeout). A failure that is the node's, not the request's
+//! - **Prefill** on the node the policy picks (deadline: `--node-timeout`, enforced here; the
+//!   request's deadline, the client's or `--request-timeout`, travels as grpc-timeout). A failure that is the node's, not the request's
 //!   (unreachable, timeout, internal, out of blocks), is retried once on another healthy
 //!   prefill node: no token has reached the client yet.
 //! - The **first token** goes through the request's [`TextStream`] (incremental
@@ -344,7 +344,12 @@ impl Job {
                 // The first token ends the request: no decode node will pull its KV.
                 skip_kv_lease: self.ends_with_first_token(),
             });
-            request.set_timeout(self.propagated_timeout());
+            // The request's deadline travels to the node, capped at --node-timeout. Without
+            // one the node is told none: the router enforces --node-timeout itself (and
+            // aborts the node when it passes), which spares the node a timer per request.
+            if self.watch.deadline.is_some() {
+                request.set_timeout(self.propagated_timeout());
+            }
             self.held.prefilling = Some((node.clone(), node_request_id));
             tracing::debug!(request_id = %self.req.request_id, node = %node.addr, "prefill");
             let load = node.track();

@@ -78,6 +78,8 @@ pub struct FakeState {
     pub script: Mutex<Script>,
     next_lease: AtomicU64,
     pub prefills: Mutex<Vec<pb::PrefillRequest>>,
+    /// Each Prefill's `grpc-timeout` header, as received.
+    pub prefill_timeouts: Mutex<Vec<Option<String>>>,
     pub decodes: Mutex<Vec<pb::DecodeRequest>>,
     pub leases: Mutex<Vec<u64>>,
     pub released: Mutex<Vec<u64>>,
@@ -103,6 +105,7 @@ impl FakeState {
             script: Mutex::new(Script::default()),
             next_lease: AtomicU64::new(1000),
             prefills: Mutex::default(),
+            prefill_timeouts: Mutex::default(),
             decodes: Mutex::default(),
             leases: Mutex::default(),
             released: Mutex::default(),
@@ -175,6 +178,12 @@ impl PrefillService for Fake {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let timeout = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        self.0.prefill_timeouts.lock().unwrap().push(timeout);
         let req = request.into_inner();
         self.0.prefills.lock().unwrap().push(req.clone());
         let delay = *self.0.prefill_delay.lock().unwrap();

@@ -410,6 +410,32 @@ async fn deadlines_end_requests_and_abort_the_nodes() {
     .await;
     let sent = p.state.prefills.lock().unwrap()[1].clone();
     assert_eq!(sent.token_ids, tokenizer().encode("slow").unwrap());
+    // Both deadlines travelled to the prefill node as grpc-timeout, no longer than they were.
+    let timeouts = p.state.prefill_timeouts.lock().unwrap().clone();
+    for (timeout, limit) in timeouts.iter().zip([300, 100]) {
+        let value = timeout
+            .as_deref()
+            .expect("a deadline travels as grpc-timeout");
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        metadata.insert("grpc-timeout", value.parse().expect("ASCII"));
+        let timeout = pd_router::grpc_timeout(&metadata).expect("a valid grpc-timeout");
+        assert!(timeout <= Duration::from_millis(limit), "{value}");
+    }
+}
+
+#[tokio::test]
+async fn without_a_deadline_the_nodes_get_none() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let mut req = text_request("no hurry");
+    req.max_tokens = Some(1);
+    let (_, error) = collect(&mut client, req).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    // The router enforces --node-timeout itself (and aborts the node when it passes); the
+    // node is not told one, which spares it a timer per request.
+    assert_eq!(*p.state.prefill_timeouts.lock().unwrap(), vec![None]);
 }
 
 #[tokio::test]
