@@ -187,7 +187,11 @@ impl Aggregator {
         if report.epoch == 0 {
             return out;
         }
-        let epochs = self.nodes.entry(node.clone()).or_default();
+        // Looked up before inserting: a report of a known node clones no key.
+        if !self.nodes.contains_key(node) {
+            self.nodes.insert(node.clone(), VecDeque::new());
+        }
+        let epochs = self.nodes.get_mut(node).expect("inserted above");
         let position = epochs.iter().position(|m| m.epoch == report.epoch);
         let marks = match position {
             Some(i) => &mut epochs[i],

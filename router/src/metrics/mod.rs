@@ -27,8 +27,8 @@ use std::sync::Mutex;
 use pd_proto::pb::CounterReport;
 use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType, Summary};
 use prometheus::{
-    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, TextEncoder,
+    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, TextEncoder,
 };
 
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
@@ -70,8 +70,30 @@ pub struct RouterMetrics {
     restarts: IntCounterVec,
     /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
-    aggregator: Mutex<Aggregator>,
+    counting: Mutex<Counting>,
     faults: Option<ReportFaults>,
+}
+
+/// The aggregator and the series it raises, under one lock.
+#[derive(Debug, Default)]
+struct Counting {
+    aggregator: Aggregator,
+    series: BTreeMap<NodeKey, NodeCounters>,
+}
+
+/// One node's counter series, looked up once per node: a label lookup hashes every label
+/// value under a lock, and a node's report moves several series on every request.
+#[derive(Debug)]
+struct NodeCounters {
+    /// By [`Cache::ALL`]'s order: local, external.
+    queries: [IntCounter; 2],
+    hits: [IntCounter; 2],
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    preemptions: IntCounter,
+    kv_bytes: IntCounter,
+    kv_leases_expired: IntCounter,
+    restarts: IntCounter,
 }
 
 /// The per-request series of the served model (see [`RouterMetrics::model`]).
@@ -149,7 +171,7 @@ impl RouterMetrics {
             kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS)?,
             restarts: counter(Family::NodeRestarts, &NODE_LABELS)?,
             kv_seconds: Mutex::new(BTreeMap::new()),
-            aggregator: Mutex::new(Aggregator::new()),
+            counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
             registry,
         };
@@ -187,44 +209,33 @@ impl RouterMetrics {
     fn apply(&self, node: &NodeKey, report: &CounterReport) {
         // Counters are raised under the aggregator's lock, so a scrape never sees a hit
         // applied before its query from another report of the same node.
-        let mut aggregator = self.aggregator.lock().unwrap_or_else(|e| e.into_inner());
-        let inc = aggregator.apply(node, report);
+        let mut counting = self.counting.lock().unwrap_or_else(|e| e.into_inner());
+        let counting = &mut *counting;
+        let inc = counting.aggregator.apply(node, report);
         if inc.is_empty() {
             return;
         }
-        let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
-        // Only counters that move are looked up (a label lookup hashes the values under a
-        // lock; a PrefillResponse moves about half of them); `refresh_nodes` makes the other
-        // series exist before every scrape.
-        let add = |counter: &IntCounterVec, labels: &[&str], n: u64| {
+        if !counting.series.contains_key(node) {
+            let series = self.node_counters(node);
+            counting.series.insert(node.clone(), series);
+        }
+        let series = &counting.series[node];
+        let add = |counter: &IntCounter, n: u64| {
             if n > 0 {
-                counter.with_label_values(labels).inc_by(n);
+                counter.inc_by(n);
             }
         };
-        for (cache, queries, hits) in [
-            (
-                Cache::Local,
-                inc.prefix_cache_queries,
-                inc.prefix_cache_hits,
-            ),
-            (
-                Cache::External,
-                inc.external_prefix_cache_queries,
-                inc.external_prefix_cache_hits,
-            ),
-        ] {
-            let labels = [cache.as_str(), role, addr, model];
-            add(&self.queries, &labels, queries);
-            add(&self.hits, &labels, hits);
-        }
-        let labels = [role, addr, model];
-        add(&self.prompt_tokens, &labels, inc.prompt_tokens);
-        add(&self.generation_tokens, &labels, inc.generation_tokens);
-        add(&self.preemptions, &labels, inc.preemptions);
-        let labels = [addr, role];
-        add(&self.kv_bytes, &labels, inc.kv_transfer_bytes);
-        add(&self.kv_leases_expired, &labels, inc.kv_leases_expired);
-        add(&self.restarts, &labels, u64::from(inc.restarted));
+        add(&series.queries[0], inc.prefix_cache_queries);
+        add(&series.hits[0], inc.prefix_cache_hits);
+        add(&series.queries[1], inc.external_prefix_cache_queries);
+        add(&series.hits[1], inc.external_prefix_cache_hits);
+        add(&series.prompt_tokens, inc.prompt_tokens);
+        add(&series.generation_tokens, inc.generation_tokens);
+        add(&series.preemptions, inc.preemptions);
+        add(&series.kv_bytes, inc.kv_transfer_bytes);
+        add(&series.kv_leases_expired, inc.kv_leases_expired);
+        add(&series.restarts, u64::from(inc.restarted));
+        let (role, addr) = (node.role.as_str(), node.addr.as_str());
         for (reason, n) in &inc.kv_transfer_failures {
             self.kv_failures
                 .with_label_values(&[addr, role, reason])
@@ -235,6 +246,26 @@ impl RouterMetrics {
             let entry = seconds.entry(node.clone()).or_default();
             entry.0 += inc.kv_transfer_seconds;
             entry.1 += inc.kv_transfers;
+        }
+    }
+
+    /// `node`'s counter series (created at 0 if new, as `refresh_nodes` makes them anyway).
+    fn node_counters(&self, node: &NodeKey) -> NodeCounters {
+        let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
+        let count = [role, addr, model];
+        let kv = [addr, role];
+        let cache = |vec: &IntCounterVec, cache: Cache| {
+            vec.with_label_values(&[cache.as_str(), role, addr, model])
+        };
+        NodeCounters {
+            queries: Cache::ALL.map(|c| cache(&self.queries, c)),
+            hits: Cache::ALL.map(|c| cache(&self.hits, c)),
+            prompt_tokens: self.prompt_tokens.with_label_values(&count),
+            generation_tokens: self.generation_tokens.with_label_values(&count),
+            preemptions: self.preemptions.with_label_values(&count),
+            kv_bytes: self.kv_bytes.with_label_values(&kv),
+            kv_leases_expired: self.kv_leases_expired.with_label_values(&kv),
+            restarts: self.restarts.with_label_values(&kv),
         }
     }
 
