@@ -103,6 +103,9 @@ pub(crate) struct ModelSeries {
     pub itl: Histogram,
     pub duration: Histogram,
     pub in_flight: IntGauge,
+    /// `pd_router_requests_total` of each of [`Outcome::INITIAL`] (how nearly every request
+    /// ends), in that order; errors are looked up by label.
+    pub ended: [IntCounter; 3],
 }
 
 fn opts(family: Family) -> Opts {
@@ -144,11 +147,14 @@ impl RouterMetrics {
         let duration = hist(Family::RequestDuration, &ids::DURATION_BUCKETS)?;
         let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?;
         // Request series exist from the start, so rates are defined before any request.
+        let requests = counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?;
         let model = ModelSeries {
             ttft: ttft.with_label_values(&[model_name]),
             itl: itl.with_label_values(&[model_name]),
             duration: duration.with_label_values(&[model_name]),
             in_flight: in_flight.with_label_values(&[model_name]),
+            // Exported at 0 from the start, so rates exist before the first request.
+            ended: Outcome::INITIAL.map(|o| requests.with_label_values(&[model_name, o.as_str()])),
         };
         let metrics = Self {
             model_name: model_name.to_string(),
@@ -157,7 +163,7 @@ impl RouterMetrics {
             prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS)?,
             generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS)?,
             preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS)?,
-            requests: counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?,
+            requests,
             model,
             node_up: gauge(Family::NodeUp, &NODE_LABELS)?,
             node_running: gauge(Family::NodeRequestsRunning, &NODE_LABELS)?,
@@ -175,11 +181,6 @@ impl RouterMetrics {
             faults: faults.map(ReportFaults::new),
             registry,
         };
-        for outcome in Outcome::INITIAL {
-            metrics
-                .requests
-                .with_label_values(&[model_name, outcome.as_str()]);
-        }
         Ok(metrics)
     }
 

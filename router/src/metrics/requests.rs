@@ -142,10 +142,17 @@ impl RequestTimer {
             return;
         }
         self.done = true;
-        self.metrics
-            .requests
-            .with_label_values(&[self.metrics.model_name(), outcome.as_str()])
-            .inc();
+        let model = &self.metrics.model;
+        match outcome {
+            Outcome::Stop => model.ended[0].inc(),
+            Outcome::Length => model.ended[1].inc(),
+            Outcome::Abort => model.ended[2].inc(),
+            Outcome::Error(_) => self
+                .metrics
+                .requests
+                .with_label_values(&[self.metrics.model_name(), outcome.as_str()])
+                .inc(),
+        }
         if timed {
             let seconds = self.arrival.elapsed().as_secs_f64();
             self.metrics.model.duration.observe(seconds);
