@@ -104,8 +104,17 @@ pub(crate) struct ModelSeries {
     pub duration: Histogram,
     pub in_flight: IntGauge,
     /// `pd_router_requests_total` of each of [`Outcome::INITIAL`] (how nearly every request
-    /// ends), in that order; errors are looked up by label.
-    pub ended: [IntCounter; 3],
+    /// ends), in that order; see [`ModelSeries::ended`].
+    ended: [IntCounter; 3],
+}
+
+impl ModelSeries {
+    /// The request counter of `outcome` if it is one of [`Outcome::INITIAL`] (held, no label
+    /// lookup); errors are counted by label.
+    pub fn ended(&self, outcome: Outcome) -> Option<&IntCounter> {
+        let i = Outcome::INITIAL.iter().position(|o| *o == outcome)?;
+        Some(&self.ended[i])
+    }
 }
 
 fn opts(family: Family) -> Opts {
@@ -153,7 +162,6 @@ impl RouterMetrics {
             itl: itl.with_label_values(&[model_name]),
             duration: duration.with_label_values(&[model_name]),
             in_flight: in_flight.with_label_values(&[model_name]),
-            // Exported at 0 from the start, so rates exist before the first request.
             ended: Outcome::INITIAL.map(|o| requests.with_label_values(&[model_name, o.as_str()])),
         };
         let metrics = Self {
@@ -216,11 +224,7 @@ impl RouterMetrics {
         if inc.is_empty() {
             return;
         }
-        if !counting.series.contains_key(node) {
-            let series = self.node_counters(node);
-            counting.series.insert(node.clone(), series);
-        }
-        let series = &counting.series[node];
+        let series = self.node_counters(&mut counting.series, node);
         let add = |counter: &IntCounter, n: u64| {
             if n > 0 {
                 counter.inc_by(n);
@@ -250,8 +254,19 @@ impl RouterMetrics {
         }
     }
 
-    /// `node`'s counter series (created at 0 if new, as `refresh_nodes` makes them anyway).
-    fn node_counters(&self, node: &NodeKey) -> NodeCounters {
+    /// `node`'s counter series from `series`, looked up (and so created, at 0) the first time.
+    fn node_counters<'a>(
+        &self,
+        series: &'a mut BTreeMap<NodeKey, NodeCounters>,
+        node: &NodeKey,
+    ) -> &'a NodeCounters {
+        if !series.contains_key(node) {
+            series.insert(node.clone(), self.look_up_node_counters(node));
+        }
+        &series[node]
+    }
+
+    fn look_up_node_counters(&self, node: &NodeKey) -> NodeCounters {
         let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
         let count = [role, addr, model];
         let kv = [addr, role];
@@ -273,7 +288,8 @@ impl RouterMetrics {
     /// Sets the node gauges from the registry and makes every node's counter series exist
     /// (at 0 until its first count), so dashboards and rates see every node.
     fn refresh_nodes(&self, registry: &Registry) {
-        let model = self.model_name.as_str();
+        // The same lock order as `apply`: the counters, then the transfer seconds.
+        let mut counting = self.counting.lock().unwrap_or_else(|e| e.into_inner());
         let mut seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
         for node in registry.nodes() {
             let (role, addr) = (node.role.as_str(), node.addr.as_str());
@@ -294,27 +310,12 @@ impl RouterMetrics {
                 0.0
             };
             self.node_kv_usage.with_label_values(&labels).set(usage);
-            for c in [&self.kv_bytes, &self.kv_leases_expired, &self.restarts] {
-                c.with_label_values(&labels);
-            }
-            for cache in Cache::ALL {
-                let labels = [cache.as_str(), role, addr, model];
-                self.queries.with_label_values(&labels);
-                self.hits.with_label_values(&labels);
-            }
-            for c in [
-                &self.prompt_tokens,
-                &self.generation_tokens,
-                &self.preemptions,
-            ] {
-                c.with_label_values(&[role, addr, model]);
-            }
-            seconds
-                .entry(NodeKey {
-                    role: node.role,
-                    addr: node.addr.clone(),
-                })
-                .or_default();
+            let key = NodeKey {
+                role: node.role,
+                addr: node.addr.clone(),
+            };
+            self.node_counters(&mut counting.series, &key);
+            seconds.entry(key).or_default();
         }
     }
 

@@ -142,12 +142,9 @@ impl RequestTimer {
             return;
         }
         self.done = true;
-        let model = &self.metrics.model;
-        match outcome {
-            Outcome::Stop => model.ended[0].inc(),
-            Outcome::Length => model.ended[1].inc(),
-            Outcome::Abort => model.ended[2].inc(),
-            Outcome::Error(_) => self
+        match self.metrics.model.ended(outcome) {
+            Some(counter) => counter.inc(),
+            None => self
                 .metrics
                 .requests
                 .with_label_values(&[self.metrics.model_name(), outcome.as_str()])
