@@ -67,18 +67,26 @@ impl Sizes {
     }
 }
 
-fn timed_ms(backend: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    backend.synchronize();
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        f();
-        backend.synchronize();
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-    }
+/// Median ms of `reps` calls of `run` (which waits for its own work), after one warm-up call.
+fn median_ms(reps: usize, mut run: impl FnMut()) -> f64 {
+    run();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            run();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
     times.sort_by(f64::total_cmp);
     times[reps / 2]
+}
+
+/// [`median_ms`] of `f` with the device synchronized after each call.
+fn timed_ms(backend: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
+    median_ms(reps, || {
+        f();
+        backend.synchronize();
+    })
 }
 
 /// Bytes read plus written per second by a 2 GiB device-to-device copy (median of 10).
@@ -322,54 +330,36 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
     let block_bytes = exec.block_bytes();
     let bytes = blocks.len() * block_bytes;
     let mut host = vec![0u8; bytes];
-    let median = |exec: &mut Executor<CudaBackend>,
-                  f: &mut dyn FnMut(&mut Executor<CudaBackend>)| {
-        f(exec);
+    // A call returns once its copies are done (read) or queued (write): each is timed to the
+    // device's synchronization.
+    let out_batched = median_ms(reps, || {
+        exec.read_blocks(&blocks, &mut host);
         exec.backend().synchronize();
-        let mut times: Vec<f64> = (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f(exec);
-                exec.backend().synchronize();
-                t.elapsed().as_secs_f64() * 1e3
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[reps / 2]
-    };
-    let out_batched = median(exec, &mut |e| e.read_blocks(&blocks, &mut host));
-    let out_single = median(exec, &mut |e| {
+    });
+    let out_single = median_ms(reps, || {
         for (&b, dst) in blocks.iter().zip(host.chunks_exact_mut(block_bytes)) {
-            e.read_block(b, dst);
+            exec.read_block(b, dst);
         }
+        exec.backend().synchronize();
     });
     let staged: Vec<Vec<u8>> = host.chunks_exact(block_bytes).map(<[u8]>::to_vec).collect();
     let src: Vec<&[u8]> = staged.iter().map(Vec::as_slice).collect();
-    let in_batched = median(exec, &mut |e| e.write_blocks(&blocks, &src));
-    let in_single = median(exec, &mut |e| {
+    let in_batched = median_ms(reps, || {
+        exec.write_blocks(&blocks, &src);
+        exec.backend().synchronize();
+    });
+    let in_single = median_ms(reps, || {
         for (&b, data) in blocks.iter().zip(&src) {
-            e.write_block(b, data);
+            exec.write_block(b, data);
         }
+        exec.backend().synchronize();
     });
     // The copy alone, device -> host, into pageable memory (what the lease copy writes into)
     // and into page-locked memory (what a pool of pinned lease buffers would give).
-    let dev = exec.backend().device();
+    let backend = exec.backend();
+    let dev = backend.device();
     let device_bytes: CudaSlice<u8> = dev.stream.alloc_zeros(bytes.max(1)).expect("alloc");
-    let timed_copy = |dst: &mut dyn FnMut()| {
-        dst();
-        dev.stream.synchronize().expect("sync");
-        let mut times: Vec<f64> = (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                dst();
-                dev.stream.synchronize().expect("sync");
-                t.elapsed().as_secs_f64() * 1e3
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[reps / 2]
-    };
-    let pageable_ms = timed_copy(&mut || {
+    let pageable_ms = timed_ms(backend, reps, || {
         dev.stream
             .memcpy_dtoh(&device_bytes, &mut host[..])
             .expect("copy");
@@ -378,7 +368,7 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
     // (the default write-combined memory is slow for the CPU to read, as a lease is read).
     let mut pinned = unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }
         .expect("page-locked host memory");
-    let pinned_ms = timed_copy(&mut || {
+    let pinned_ms = timed_ms(backend, reps, || {
         dev.stream
             .memcpy_dtoh(&device_bytes, &mut pinned)
             .expect("copy");

@@ -97,7 +97,7 @@ fn transfer_block_bytes(kv: &CudaKvStorage) -> usize {
         kv.block_bytes_per_part().is_multiple_of(8),
         "KV block parts of whole 8-byte words"
     );
-    2 * kv.block_bytes_per_part() * kv.k.len()
+    kv.layout.block_bytes()
 }
 
 fn check_ids(kv: &CudaKvStorage, blocks: &[u32]) {
