@@ -10,7 +10,9 @@
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
 //! launches, then replaying CUDA graphs (`--cuda-graphs on`); the "graphs" column is the
-//! second's tokens/s, or why it fell back to eager launches.
+//! second's tokens/s, or why it fell back to eager launches. Batches of up to 8 run both
+//! again with the linear layers through the `gemv16` kernel instead of cuBLAS
+//! (`PD_CUDA_GEMV=kernel`): the "gemv kernel" and "+ graphs" columns.
 //!
 //! `PD_GPU_BENCH_SMOKE=1` shrinks every size (a 4 MiB copy, a 128³ GEMM, 48 tokens of
 //! context, 3 steps, prefills of 64 and 200 tokens): CI runs it on pd-cuda-emu (kernels/emu/)
@@ -28,8 +30,8 @@ use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::DeviceSampling;
 use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
-use pd_kernels::cuda::CudaTensor;
 use pd_kernels::cuda::gemm::{self, GemmType};
+use pd_kernels::cuda::{CudaTensor, GEMV_MAX_ROWS, SmallBatchLinear};
 use serde_json::{Value, json};
 
 const BLOCK: usize = 16;
@@ -259,12 +261,31 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             }
             t.elapsed().as_secs_f64() / decode_steps as f64
         };
-        exec.set_decode_graphs(None);
-        let secs = timed_steps(&mut exec, decode_context);
-        exec.set_decode_graphs(Some(DecodeGraphs::new(max_batch, max_model_len, BLOCK)));
-        let graph_secs = timed_steps(&mut exec, decode_context + decode_steps + 1);
-        let graphs_ok = exec.backend().decode_graphs_captured() > 0;
-        exec.set_decode_graphs(None);
+        // Eager and with graphs, through cuBLAS and (for batches it takes) through the
+        // gemv16 kernel (`PD_CUDA_GEMV=kernel`); every run starts at the same position, so
+        // all four read the same context. None where graphs fell back to eager launches.
+        let mut run = |linear: SmallBatchLinear, graphs: bool| {
+            exec.backend().set_small_batch_linear(linear);
+            exec.set_decode_graphs(
+                graphs.then(|| DecodeGraphs::new(max_batch, max_model_len, BLOCK)),
+            );
+            let secs = timed_steps(&mut exec, decode_context);
+            let ok = !graphs || exec.backend().decode_graphs_captured() > 0;
+            exec.set_decode_graphs(None);
+            ok.then_some(secs)
+        };
+        let secs = run(SmallBatchLinear::Cublas, false).expect("eager steps");
+        let graph_secs = run(SmallBatchLinear::Cublas, true);
+        let (kernel_secs, kernel_graph_secs) = if batch <= GEMV_MAX_ROWS {
+            (
+                run(SmallBatchLinear::Kernel, false),
+                run(SmallBatchLinear::Kernel, true),
+            )
+        } else {
+            (None, None)
+        };
+        exec.backend()
+            .set_small_batch_linear(SmallBatchLinear::Cublas);
         // Bytes of one step: every weight once plus each sequence's K and V, as stored
         // (`--kv-cache-dtype auto`: the model's dtype).
         let kv_bytes = (batch * (decode_context + decode_steps / 2)) as f64
@@ -277,8 +298,12 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             "step_ms": secs * 1e3,
             "tokens_per_s": batch as f64 / secs,
             "bandwidth_fraction": (weight_bytes + kv_bytes) / secs / bandwidth,
-            "graphs_tokens_per_s": if graphs_ok { json!(batch as f64 / graph_secs) } else { Value::Null },
-            "graphs_bandwidth_fraction": if graphs_ok { json!((weight_bytes + kv_bytes) / graph_secs / bandwidth) } else { Value::Null },
+            "graphs_tokens_per_s": graph_secs.map(|t| batch as f64 / t),
+            "graphs_bandwidth_fraction": graph_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
+            "gemv_kernel_tokens_per_s": kernel_secs.map(|t| batch as f64 / t),
+            "gemv_kernel_bandwidth_fraction": kernel_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
+            "gemv_kernel_graphs_tokens_per_s": kernel_graph_secs.map(|t| batch as f64 / t),
+            "gemv_kernel_graphs_bandwidth_fraction": kernel_graph_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
         }));
     }
 
@@ -432,22 +457,27 @@ fn main() {
         flops / 1e12
     );
     println!(
-        "{:<22} {:<16} {:>12} {:>14} {:>10}",
-        "model", "phase", "tokens/s", "of ceiling", "graphs"
+        "{:<22} {:<16} {:>12} {:>14} {:>10} {:>12} {:>12}",
+        "model", "phase", "tokens/s", "of ceiling", "graphs", "gemv kernel", "+ graphs"
     );
+    // A decode figure that may be absent: the graphs fell back, or the kernel takes no batch
+    // this large.
+    let maybe = |v: &Value, absent: &str| match v.as_f64() {
+        Some(t) => format!("{t:.1}"),
+        None => absent.to_string(),
+    };
     for m in &results {
         let name = m["model"].as_str().unwrap_or("?");
         for d in m["decode"].as_array().into_iter().flatten() {
             println!(
-                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
+                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10} {:>12} {:>12}",
                 name,
                 format!("decode b={}", d["batch"]),
                 d["tokens_per_s"].as_f64().unwrap_or(0.0),
                 100.0 * d["bandwidth_fraction"].as_f64().unwrap_or(0.0),
-                match d["graphs_tokens_per_s"].as_f64() {
-                    Some(t) => format!("{t:.1}"),
-                    None => "failed".to_string(),
-                }
+                maybe(&d["graphs_tokens_per_s"], "failed"),
+                maybe(&d["gemv_kernel_tokens_per_s"], "-"),
+                maybe(&d["gemv_kernel_graphs_tokens_per_s"], "-"),
             );
         }
         for p in m["prefill"].as_array().into_iter().flatten() {
@@ -492,7 +522,7 @@ fn main() {
         );
     }
     println!(
-        "(decode: fraction of the copy bandwidth; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
+        "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager and with graphs; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
         path.display()
     );
 }

@@ -63,4 +63,6 @@ pub enum CudaError {
     Unsupported(String),
     #[error("PD_CUDA_ATTENTION={0}: expected auto (tensor cores for prefill) or f32")]
     BadAttentionSetting(String),
+    #[error("PD_CUDA_GEMV={0}: expected cublas or kernel")]
+    BadGemvSetting(String),
 }

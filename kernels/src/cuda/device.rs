@@ -42,6 +42,7 @@ pub struct Kernels {
     pub paged_attention: CudaFunction,
     pub attention_mma: CudaFunction,
     pub sample_rows: CudaFunction,
+    pub gemv16: CudaFunction,
 }
 
 fn driver(ordinal: usize, what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
@@ -199,6 +200,7 @@ impl Kernels {
             paged_attention: take("paged_attention")?,
             attention_mma: take("attention_mma")?,
             sample_rows: take("sample_rows")?,
+            gemv16: take("gemv16")?,
         })
     }
 }

@@ -406,6 +406,13 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Forget every captured graph (the next decode step of each bucket captures again):
+    /// what a graph launches was fixed when it was captured.
+    pub(super) fn drop_captured_graphs(&self) {
+        let mut graphs = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
+        graphs.buckets.clear();
+    }
+
     /// Turn graphs off for this backend, saying why once.
     fn give_up(&self, graphs: &mut Graphs, why: &str) {
         if !graphs.disabled {

@@ -1,8 +1,9 @@
 //! The CUDA backend's GEMMs as the ops see them: the left operand (f32 rows, or a 16-bit
 //! copy an earlier kernel wrote), projections stacked in one buffer multiplied as one matrix
 //! and split into column views, the residual-accumulating form, and the cast to 16 bits. The
-//! cuBLAS call itself is [`super::gemm::linear`]; uploading the stacked weights is
-//! [`super::weights`].
+//! cuBLAS call itself is [`super::gemm::linear`] (or, for decode-sized batches with
+//! `PD_CUDA_GEMV=kernel`, the `gemv16` kernel of [`super::gemv`]); uploading the stacked
+//! weights is [`super::weights`].
 
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 use pd_engine::weights::DType;
 
 use super::gemm::{self, GemmType};
+use super::gemv::{self, SmallBatchLinear};
 use super::weights::weight_matrix;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 
@@ -130,7 +132,13 @@ impl CudaBackend {
                 (ty, self.ptr(x16))
             }
         };
-        gemm::linear(&self.dev, ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+        if self.small_batch_linear() == SmallBatchLinear::Kernel
+            && gemv::eligible(ty, rows, k, x_ptr, w)
+        {
+            self.gemv16(ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+        } else {
+            gemm::linear(&self.dev, ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+        }
     }
 
     /// The products `x · Wᵢᵀ` of projections that share their input: one GEMM when the

@@ -15,6 +15,7 @@ mod attention;
 mod blocks;
 mod device;
 pub mod gemm;
+mod gemv;
 mod graph;
 mod linear;
 pub mod modules;
@@ -24,7 +25,7 @@ mod sample;
 mod tensor;
 mod weights;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -36,6 +37,7 @@ use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
 pub use device::Device;
+pub use gemv::{GEMV_MAX_ROWS, SmallBatchLinear};
 use tensor::dtype_code;
 pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
 
@@ -77,6 +79,9 @@ pub struct CudaBackend {
     split_counters: CudaSlice<u32>,
     /// Decode graphs per batch-size bucket (`--cuda-graphs on`).
     graphs: Mutex<Graphs>,
+    /// Whether decode-sized batches with 16-bit weights go through the `gemv16` kernel
+    /// ([`SmallBatchLinear::Kernel`], `PD_CUDA_GEMV=kernel`) instead of cuBLAS.
+    gemv_kernel: AtomicBool,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -129,6 +134,7 @@ impl CudaBackend {
             Ok(v) if v == "f32" => false,
             Ok(v) => return Err(CudaError::BadAttentionSetting(v)),
         };
+        let small_batch_linear = SmallBatchLinear::from_env()?;
         let dev = Device::open(ordinal)?;
         tracing::info!(
             device = %format!("cuda:{ordinal}"),
@@ -155,6 +161,7 @@ impl CudaBackend {
             weight_bytes: AtomicUsize::new(0),
             uploads: Mutex::new(Uploads::default()),
             graphs: Mutex::new(Graphs::default()),
+            gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
         })
     }
 
@@ -169,6 +176,26 @@ impl CudaBackend {
         let mut backend = Self::open(ordinal, gpu_memory_utilization)?;
         backend.kv_dtype = kv_dtype;
         Ok(backend)
+    }
+
+    /// Choose what multiplies decode-sized batches (≤ 8 rows) with 16-bit weights from the
+    /// next step on (decode graphs captured with the other choice are dropped and captured
+    /// again); `open` takes it from `PD_CUDA_GEMV`. For benchmarks and tests that compare the
+    /// two; call it between steps.
+    pub fn set_small_batch_linear(&self, choice: SmallBatchLinear) {
+        let kernel = choice == SmallBatchLinear::Kernel;
+        if self.gemv_kernel.swap(kernel, Ordering::Relaxed) != kernel {
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// What multiplies decode-sized batches with 16-bit weights.
+    pub fn small_batch_linear(&self) -> SmallBatchLinear {
+        if self.gemv_kernel.load(Ordering::Relaxed) {
+            SmallBatchLinear::Kernel
+        } else {
+            SmallBatchLinear::Cublas
+        }
     }
 
     /// How this backend stores KV: as set, else the model's matrices' dtype, else f32.

@@ -19,7 +19,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 5] = [
+pub const SOURCES: [KernelSource; 6] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -56,6 +56,11 @@ pub const SOURCES: [KernelSource; 5] = [
         name: "sample",
         code: include_str!("sample.cu"),
         kernels: &["sample_rows"],
+    },
+    KernelSource {
+        name: "gemv",
+        code: include_str!("gemv.cu"),
+        kernels: &["gemv16"],
     },
 ];
 

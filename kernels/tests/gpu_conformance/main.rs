@@ -9,6 +9,7 @@
 #![cfg(feature = "cuda")]
 
 mod attention;
+mod gemv;
 
 use pd_engine::backend::conformance::{argmax, compare_logits};
 use pd_engine::backend::cpu::CpuBackend;
