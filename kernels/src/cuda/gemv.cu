@@ -17,6 +17,20 @@ struct alignas(16) Pack8 {
     unsigned int v[4];
 };
 
+// A weight load: read once, so it bypasses L1 (`L1::no_allocate`) and leaves L1 to the input
+// rows, which every warp of the SM reads again.
+__device__ __forceinline__ Pack8 load_streamed(const Pack8* p) {
+#ifdef PD_CUDA_EMU
+    return *p;
+#else
+    Pack8 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3])
+        : "l"(p));
+    return v;
+#endif
+}
+
 __device__ __forceinline__ void unpack8(const Pack8& p, int dtype, float* f) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -73,13 +87,13 @@ gemv16(const unsigned short* x, const unsigned short* w, float* out, int dtype, 
     int p = lane;
     // Two weight loads issued before either is used: more bytes in flight per lane.
     for (; p + WARP < (int)packs; p += 2 * WARP) {
-        const Pack8 w0 = wcol[p];
-        const Pack8 w1 = wcol[p + WARP];
+        const Pack8 w0 = load_streamed(wcol + p);
+        const Pack8 w1 = load_streamed(wcol + p + WARP);
         gemv_pack(w0, xp, rows, packs, p, dtype, acc);
         gemv_pack(w1, xp, rows, packs, p + WARP, dtype, acc);
     }
     if (p < (int)packs) {
-        gemv_pack(wcol[p], xp, rows, packs, p, dtype, acc);
+        gemv_pack(load_streamed(wcol + p), xp, rows, packs, p, dtype, acc);
     }
     #pragma unroll
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
