@@ -7,6 +7,7 @@ use crate::backend::graph::{DecodeGraphStep, DecodeGraphs, is_pure_decode};
 use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
+use crate::kv::host_buffer::HostBuffer;
 use crate::model::Qwen3;
 use crate::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
 
@@ -239,6 +240,11 @@ impl<B: Backend> Executor<B> {
     }
 
     /// [`Backend::read_blocks`]: `blocks` into `dst`, [`Self::block_bytes`] each.
+    /// A host buffer for [`Executor::read_blocks`] ([`Backend::host_buffer`]).
+    pub fn host_buffer(&self, len: usize) -> HostBuffer {
+        self.backend.host_buffer(len)
+    }
+
     pub fn read_blocks(&self, blocks: &[u32], dst: &mut [u8]) {
         self.backend.read_blocks(&self.kv, blocks, dst);
     }

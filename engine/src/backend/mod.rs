@@ -14,6 +14,7 @@ pub mod graph;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
+use crate::kv::host_buffer::{HostBuffer, heap_buffer};
 use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
 use graph::DecodeGraphStep;
@@ -315,6 +316,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The inverse of [`Backend::read_block`].
     fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[u8]);
+
+    /// A host buffer of `len` bytes for [`Backend::read_blocks`] to fill and other threads to
+    /// read (a GPU prefill node's lease): heap memory by default; a device backend lends
+    /// memory its copies out run faster into (page-locked, on a GPU).
+    fn host_buffer(&self, len: usize) -> HostBuffer {
+        heap_buffer(len)
+    }
 
     /// [`Backend::read_block`] of each of `blocks` in turn into `dst`, block `i` of the list
     /// at `i * block_bytes`. A device backend overrides it to move many blocks per launch

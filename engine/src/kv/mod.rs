@@ -12,6 +12,7 @@ use crate::weights::DType;
 pub mod block_buffers;
 pub mod checksum;
 pub mod hash;
+pub mod host_buffer;
 pub mod host_tier;
 pub mod placement;
 pub mod pool;

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use crate::kv::checksum::{BlockHasher, block_checksum};
+use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::HostKvMemory;
 
 /// Where a lease's blocks are.
@@ -25,7 +26,10 @@ use crate::kv::placement::HostKvMemory;
 enum LeaseData {
     /// A copy of the blocks, one after another, each `block_bytes` long in
     /// `Backend::read_block`'s layout.
-    Copied { bytes: Vec<u8>, block_bytes: usize },
+    Copied {
+        bytes: HostBuffer,
+        block_bytes: usize,
+    },
     /// The blocks where they lie in host KV memory, in lease order.
     Pinned {
         memory: HostKvMemory,
@@ -46,16 +50,16 @@ impl LeasedKv {
     /// `Backend::read_blocks` writes them), with their checksums, hashed on the rayon pool
     /// (this runs on the engine thread when a prefill ends: a 4,096-token Qwen3-0.6B lease
     /// is 940 MB, ~60 ms for one core at ~15 GB/s).
-    pub fn copied(bytes: Vec<u8>, block_bytes: usize) -> Self {
+    pub fn copied(bytes: HostBuffer, block_bytes: usize) -> Self {
+        let data = bytes.as_bytes();
         assert!(
-            bytes.is_empty() || (block_bytes > 0 && bytes.len().is_multiple_of(block_bytes)),
+            data.is_empty() || (block_bytes > 0 && data.len().is_multiple_of(block_bytes)),
             "whole blocks"
         );
-        let checksums = if bytes.is_empty() {
+        let checksums = if data.is_empty() {
             Vec::new()
         } else {
-            bytes
-                .par_chunks_exact(block_bytes)
+            data.par_chunks_exact(block_bytes)
                 .enumerate()
                 .map(|(i, b)| block_checksum(i as u64, b))
                 .collect()
@@ -73,7 +77,7 @@ impl LeasedKv {
             blocks.iter().all(|b| b.len() == block_bytes),
             "blocks of one length"
         );
-        Self::copied(blocks.concat(), block_bytes)
+        Self::copied(Box::new(blocks.concat()), block_bytes)
     }
 
     /// Physical `blocks` of `memory` pinned where they lie, with their checksums (hashed on
@@ -114,16 +118,18 @@ impl LeasedKv {
     /// `None` for pinned blocks: for transports that register the copy as it is.
     pub fn copied_bytes(&self) -> Option<&[u8]> {
         match &self.data {
-            LeaseData::Copied { bytes, .. } => Some(bytes),
+            LeaseData::Copied { bytes, .. } => Some(bytes.as_bytes()),
             LeaseData::Pinned { .. } => None,
         }
     }
 
     pub fn num_blocks(&self) -> usize {
         match &self.data {
-            LeaseData::Copied { bytes, block_bytes } => {
-                bytes.len().checked_div(*block_bytes).unwrap_or(0)
-            }
+            LeaseData::Copied { bytes, block_bytes } => bytes
+                .as_bytes()
+                .len()
+                .checked_div(*block_bytes)
+                .unwrap_or(0),
             LeaseData::Pinned { blocks, .. } => blocks.len(),
         }
     }
@@ -141,7 +147,7 @@ impl LeasedKv {
     pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
         match &self.data {
             LeaseData::Copied { bytes, block_bytes } => {
-                vec![&bytes[i * block_bytes..(i + 1) * block_bytes]]
+                vec![&bytes.as_bytes()[i * block_bytes..(i + 1) * block_bytes]]
             }
             // SAFETY: a leased block, unwritten while this value lives (module docs).
             LeaseData::Pinned { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },

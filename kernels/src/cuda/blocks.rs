@@ -43,8 +43,10 @@ impl CudaBackend {
                 .launch_builder(&self.dev.kernels.pack_blocks);
             b.arg(&kv.bases).arg(&ids_dev).arg(&staging).arg(&part);
             self.launch("pack_blocks", b, grid(kv, ids.len()));
-            // Pageable host memory: the copy returns once it is done, so the staging buffer
-            // is free for the next batch (and stream order would keep it safe anyway).
+            // A plain host slice (page-locked when the lease's buffer was lent by
+            // `host_buffer`, which makes the copy itself faster): the copy returns once it is
+            // done, so the staging buffer is free for the next batch (and stream order would
+            // keep it safe anyway).
             self.dev
                 .stream
                 .memcpy_dtoh(&staging.slice(..out.len()), out)

@@ -8,8 +8,10 @@
 //!
 //! Parts: `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
 //! `attention` (paged attention launches, planned by [`plan`]), `weights` (uploads), `graph`
-//! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `device`
-//! and [`modules`] (the device, its libraries and compiled kernels).
+//! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `blocks`
+//! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `gemv`
+//! (the decode-sized product kernel), `device` and [`modules`] (the device, its libraries
+//! and compiled kernels).
 
 mod attention;
 mod blocks;
@@ -19,6 +21,7 @@ mod gemv;
 mod graph;
 mod linear;
 pub mod modules;
+mod pinned;
 pub mod plan;
 mod qk;
 mod sample;
@@ -26,13 +29,14 @@ mod tensor;
 mod weights;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
+use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
@@ -45,6 +49,7 @@ use crate::CudaError;
 use attention::AttentionOut;
 use graph::Graphs;
 use linear::{Operand, shared_16bit};
+use pinned::PinnedPool;
 use plan::AttentionPlan;
 use qk::KOut;
 use weights::weight_vector;
@@ -82,6 +87,8 @@ pub struct CudaBackend {
     /// Whether decode-sized batches with 16-bit weights go through the `gemv16` kernel
     /// ([`SmallBatchLinear::Kernel`], `PD_CUDA_GEMV=kernel`) instead of cuBLAS.
     gemv_kernel: AtomicBool,
+    /// Page-locked host buffers lent for KV copied out (`Backend::host_buffer`).
+    pinned: Arc<PinnedPool>,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -143,6 +150,7 @@ impl CudaBackend {
             multiprocessors = dev.num_sms,
             "CUDA device open, kernels compiled"
         );
+        let pinned = PinnedPool::new(Arc::clone(&dev.ctx));
         let split_counters = dev
             .stream
             .alloc_zeros::<u32>(plan::max_split_blocks(dev.num_sms as usize))
@@ -162,6 +170,7 @@ impl CudaBackend {
             uploads: Mutex::new(Uploads::default()),
             graphs: Mutex::new(Graphs::default()),
             gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
+            pinned,
         })
     }
 
@@ -196,6 +205,12 @@ impl CudaBackend {
         } else {
             SmallBatchLinear::Cublas
         }
+    }
+
+    /// Page-locked bytes lent out for KV copies and kept for reuse (`Backend::host_buffer`),
+    /// within [`pinned::PINNED_BUDGET`]: for tests and the benchmark.
+    pub fn pinned_usage(&self) -> (usize, usize) {
+        self.pinned.usage()
     }
 
     /// How this backend stores KV: as set, else the model's matrices' dtype, else f32.
@@ -802,6 +817,10 @@ impl Backend for CudaBackend {
 
     fn write_block(&self, kv: &mut CudaKvStorage, block: u32, src: &[u8]) {
         self.copy_blocks_in(kv, &[block], &[src]);
+    }
+
+    fn host_buffer(&self, len: usize) -> HostBuffer {
+        self.pinned.lend(len)
     }
 
     fn read_blocks(&self, kv: &CudaKvStorage, blocks: &[u32], dst: &mut [u8]) {

@@ -234,6 +234,59 @@ fn kv_blocks_move_in_batches_byte_for_byte() {
     }
 }
 
+/// A GPU prefill node's lease is copied into page-locked memory lent from a pool
+/// (`Backend::host_buffer`): the same bytes as a copy into heap memory, readable and
+/// returned from another thread (an exporter's), and lent again to the next lease instead of
+/// pinning more.
+#[test]
+fn leases_land_in_reused_page_locked_buffers() {
+    if !enabled("leases_land_in_reused_page_locked_buffers") {
+        return;
+    }
+    let files = files("synthetic:qwen3-0.6b");
+    let n = 40;
+    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
+    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
+    let mut kv = gpu.alloc_kv(&layout, n).expect("KV storage");
+    let bytes = layout.block_bytes();
+    let sources: Vec<Vec<u8>> = (0..n).map(|b| pattern(100 + b, bytes)).collect();
+    let ids: Vec<u32> = (0..n as u32).collect();
+    let src: Vec<&[u8]> = sources.iter().map(Vec::as_slice).collect();
+    gpu.write_blocks(&mut kv, &ids, &src);
+    let lease: Vec<u32> = (0..n as u32).rev().collect();
+    let mut heap = vec![0u8; n * bytes];
+    gpu.read_blocks(&kv, &lease, &mut heap);
+
+    assert_eq!(gpu.pinned_usage(), (0, 0), "nothing pinned before a lease");
+    let mut buffer = gpu.host_buffer(n * bytes);
+    let (lent, _) = gpu.pinned_usage();
+    assert!(
+        lent >= n * bytes,
+        "the lease's buffer is page-locked ({lent} bytes lent)"
+    );
+    gpu.read_blocks(&kv, &lease, buffer.as_bytes_mut());
+    let reader = std::thread::spawn(move || {
+        assert!(
+            buffer.as_bytes() == &heap[..],
+            "the same bytes as into heap memory"
+        );
+        drop(buffer);
+    });
+    reader.join().expect("the reader thread");
+    assert_eq!(
+        gpu.pinned_usage(),
+        (0, lent),
+        "returned, and kept for the next lease"
+    );
+    let again = gpu.host_buffer(n * bytes - bytes);
+    assert_eq!(
+        gpu.pinned_usage(),
+        (lent, 0),
+        "a slightly shorter lease reuses it"
+    );
+    drop(again);
+}
+
 /// Bit-exact equality of two device tensors (copied to the host).
 fn assert_same(what: &str, gpu: &CudaBackend, a: &CudaTensor, b: &CudaTensor) {
     let (a, b) = (gpu.to_host(a), gpu.to_host(b));

@@ -114,11 +114,11 @@ impl<B: Backend> Engine<B> {
             // lease is released and no reader shares it (`reap_released_leases`).
             Some(memory) => unsafe { LeasedKv::pinned(memory, keep.to_vec()) },
             // Device memory: one copy of the whole lease (the backend moves it in batches,
-            // not block by block).
+            // not block by block) into memory the backend lends (page-locked on a GPU).
             None => {
                 let block_bytes = self.executor.block_bytes();
-                let mut bytes = vec![0; keep.len() * block_bytes];
-                self.executor.read_blocks(keep, &mut bytes);
+                let mut bytes = self.executor.host_buffer(keep.len() * block_bytes);
+                self.executor.read_blocks(keep, bytes.as_bytes_mut());
                 LeasedKv::copied(bytes, block_bytes)
             }
         };
