@@ -239,12 +239,12 @@ impl<B: Backend> Executor<B> {
         self.backend.write_block(&mut self.kv, block, src);
     }
 
-    /// [`Backend::read_blocks`]: `blocks` into `dst`, [`Self::block_bytes`] each.
     /// A host buffer for [`Executor::read_blocks`] ([`Backend::host_buffer`]).
     pub fn host_buffer(&self, len: usize) -> HostBuffer {
         self.backend.host_buffer(len)
     }
 
+    /// [`Backend::read_blocks`]: `blocks` into `dst`, [`Self::block_bytes`] each.
     pub fn read_blocks(&self, blocks: &[u32], dst: &mut [u8]) {
         self.backend.read_blocks(&self.kv, blocks, dst);
     }
