@@ -8,17 +8,15 @@
 //! the keys and values as the device stores them (rounded once to the storage type), so the
 //! bounds measure the kernels, not the storage.
 
-use std::io::Write;
-
 use pd_engine::backend::cpu::{CpuBackend, CpuTensor};
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use pd_engine::kv::KvLayout;
-use pd_engine::weights::{Checkpoint, DType};
+use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::plan::{self, AttentionKernel};
 use pd_kernels::cuda::{CudaTensor, CudaWeight};
 
-use super::{enabled, narrow, unit};
+use super::{enabled, narrow, unit, upload_matrix};
 
 /// Largest relative error per row, ‖gpu − cpu‖ / ‖cpu‖.
 fn worst_row_error(cpu: &HostMatrix, gpu: &HostMatrix) -> f64 {
@@ -37,28 +35,16 @@ fn worst_row_error(cpu: &HostMatrix, gpu: &HostMatrix) -> f64 {
 /// An `n` x `n` identity matrix in `dtype`, written as a real safetensors file and loaded
 /// the way model weights are.
 fn identity(gpu: &CudaBackend, dtype: DType, n: usize, dir: &std::path::Path) -> CudaWeight {
-    let (name, one) = match dtype {
-        DType::F16 => ("F16", 0x3c00u16),
-        DType::BF16 => ("BF16", 0x3f80u16),
+    let one = match dtype {
+        DType::F16 => 0x3c00u16,
+        DType::BF16 => 0x3f80u16,
         other => panic!("not a 16-bit type: {other:?}"),
     };
     let mut data = vec![0u8; 2 * n * n];
     for i in 0..n {
         data[2 * (i * n + i)..][..2].copy_from_slice(&one.to_le_bytes());
     }
-    let header = format!(
-        r#"{{"o_proj":{{"dtype":"{name}","shape":[{n},{n}],"data_offsets":[0,{}]}}}}"#,
-        data.len()
-    );
-    let mut file = std::fs::File::create(dir.join("model.safetensors")).expect("create");
-    file.write_all(&(header.len() as u64).to_le_bytes())
-        .and_then(|()| file.write_all(header.as_bytes()))
-        .and_then(|()| file.write_all(&data))
-        .expect("write");
-    drop(file);
-    let ckpt = Checkpoint::open(dir).expect("checkpoint");
-    gpu.load_weight("o_proj", ckpt.tensor("o_proj", &[n, n]).expect("tensor"))
-        .expect("upload")
+    upload_matrix(gpu, dtype, (n, n), &data, dir)
 }
 
 struct Case {

@@ -2,17 +2,15 @@
 //! for every decode batch size it takes (1-8 rows), both 16-bit types, widths that leave a
 //! partial last round of loads, and the residual-accumulating form.
 
-use std::io::Write;
-
 use pd_engine::backend::Backend;
-use pd_engine::weights::{Checkpoint, DType};
+use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::{CudaTensor, CudaWeight, SmallBatchLinear};
 
-use super::{enabled, narrow, unit, widen};
+use super::{enabled, narrow, unit, upload_matrix, widen};
 
-/// A random `[n, k]` matrix in `dtype`, written as a real safetensors file and loaded the
-/// way model weights are; also its stored values, widened.
+/// A random `[n, k]` matrix in `dtype`, uploaded from a real safetensors file; also its
+/// stored values, widened.
 fn matrix(
     gpu: &CudaBackend,
     dtype: DType,
@@ -23,28 +21,10 @@ fn matrix(
     let mut state = seed;
     let values: Vec<f32> = (0..n * k).map(|_| unit(&mut state) as f32).collect();
     let data = narrow(dtype, &values);
-    let name = match dtype {
-        DType::F16 => "F16",
-        DType::BF16 => "BF16",
-        other => panic!("not a 16-bit type: {other:?}"),
-    };
-    let header = format!(
-        r#"{{"w":{{"dtype":"{name}","shape":[{n},{k}],"data_offsets":[0,{}]}}}}"#,
-        data.len()
-    );
-    let path = dir.join("model.safetensors");
-    let mut file = std::fs::File::create(&path).expect("create");
-    file.write_all(&(header.len() as u64).to_le_bytes())
-        .and_then(|()| file.write_all(header.as_bytes()))
-        .and_then(|()| file.write_all(&data))
-        .expect("write");
-    drop(file);
-    let ckpt = Checkpoint::open(dir).expect("checkpoint");
-    let w = gpu
-        .load_weight("w", ckpt.tensor("w", &[n, k]).expect("tensor"))
-        .expect("upload");
-    std::fs::remove_file(path).expect("remove");
-    (w, widen(dtype, &data))
+    (
+        upload_matrix(gpu, dtype, (n, k), &data, dir),
+        widen(dtype, &data),
+    )
 }
 
 fn upload(gpu: &CudaBackend, rows: usize, cols: usize, host: &[f32]) -> CudaTensor {

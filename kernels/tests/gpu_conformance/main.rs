@@ -137,6 +137,40 @@ fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     }
 }
 
+/// A `[rows, cols]` 16-bit matrix of raw little-endian `data`, written as a real safetensors
+/// file under `dir` and uploaded the way model weights are.
+pub(crate) fn upload_matrix(
+    gpu: &CudaBackend,
+    dtype: DType,
+    (rows, cols): (usize, usize),
+    data: &[u8],
+    dir: &std::path::Path,
+) -> CudaWeight {
+    use std::io::Write;
+    let name = match dtype {
+        DType::F16 => "F16",
+        DType::BF16 => "BF16",
+        other => panic!("not a 16-bit type: {other:?}"),
+    };
+    let header = format!(
+        r#"{{"w":{{"dtype":"{name}","shape":[{rows},{cols}],"data_offsets":[0,{}]}}}}"#,
+        data.len()
+    );
+    let path = dir.join("model.safetensors");
+    let mut file = std::fs::File::create(&path).expect("create");
+    file.write_all(&(header.len() as u64).to_le_bytes())
+        .and_then(|()| file.write_all(header.as_bytes()))
+        .and_then(|()| file.write_all(data))
+        .expect("write");
+    drop(file);
+    let ckpt = Checkpoint::open(dir).expect("checkpoint");
+    let w = gpu
+        .load_weight("w", ckpt.tensor("w", &[rows, cols]).expect("tensor"))
+        .expect("upload");
+    std::fs::remove_file(path).expect("remove");
+    w
+}
+
 /// `values` as a KV cache of `dtype` stores them (rounded to nearest even), in bytes.
 pub(crate) fn narrow(dtype: DType, values: &[f32]) -> Vec<u8> {
     match dtype {
