@@ -22,6 +22,7 @@ use crate::executor::{ExecItem, Executor, StepOutput};
 use crate::generate::validate_prompt;
 use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
 use crate::kv::hash::{BlockHash, BlockHasher};
+use crate::kv::host_buffer::HostBuffer;
 use crate::kv::host_tier::HostTier;
 use crate::kv::placement::{HostKvMemory, ReservationId};
 use crate::kv::pool::BlockPool;
@@ -87,8 +88,9 @@ pub struct Engine<B: Backend> {
     eos_token_ids: Vec<u32>,
     /// Sampled ids are kept below this (ids past the tokenizer's vocabulary have no text).
     vocab_limit: usize,
-    /// Blocks on their way between the host tier and the backend (grown to a batch).
-    block_buf: Vec<u8>,
+    /// Blocks on their way between the host tier and the backend: one batch, in memory the
+    /// backend lends (page-locked on a GPU), taken at the first spill.
+    block_buf: Option<HostBuffer>,
     last_step: StepStats,
 }
 
@@ -136,7 +138,7 @@ impl<B: Backend> Engine<B> {
             expired_leases: 0,
             eos_token_ids,
             vocab_limit,
-            block_buf: vec![0; block_bytes],
+            block_buf: None,
             last_step: StepStats::default(),
         })
     }

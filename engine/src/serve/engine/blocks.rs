@@ -3,7 +3,9 @@
 //! the prefix cache, and preemption. The pool itself is [`crate::kv::pool`].
 
 use crate::backend::Backend;
+use crate::executor::Executor;
 use crate::kv::hash::BlockHash;
+use crate::kv::host_buffer::HostBuffer;
 use crate::kv::tier::ExternalTier;
 use crate::serve::request::RequestId;
 
@@ -16,6 +18,17 @@ const HOST_BATCH_BYTES: usize = 16 << 20;
 /// Blocks per host-tier batch, at least one.
 fn host_batch_blocks(block_bytes: usize) -> usize {
     (HOST_BATCH_BYTES / block_bytes.max(1)).max(1)
+}
+
+/// The engine's host-tier batch buffer (one batch of blocks), lent by the backend on first
+/// use and kept.
+fn batch_buffer<'a, B: Backend>(
+    buf: &'a mut Option<HostBuffer>,
+    executor: &Executor<B>,
+    block_bytes: usize,
+) -> &'a mut [u8] {
+    buf.get_or_insert_with(|| executor.host_buffer(host_batch_blocks(block_bytes) * block_bytes))
+        .as_bytes_mut()
 }
 
 impl<B: Backend> Engine<B> {
@@ -42,12 +55,12 @@ impl<B: Backend> Engine<B> {
         let alloc = self.pool.allocate(n).ok()?;
         if self.config.host_cache_blocks > 0 && !alloc.evicted.is_empty() {
             let block_bytes = self.executor.block_bytes();
+            let buf = batch_buffer(&mut self.block_buf, &self.executor, block_bytes);
             for batch in alloc.evicted.chunks(host_batch_blocks(block_bytes)) {
                 let ids: Vec<u32> = batch.iter().map(|&(block, _)| block).collect();
-                self.block_buf.resize(ids.len() * block_bytes, 0);
-                self.executor.read_blocks(&ids, &mut self.block_buf);
-                for (&(_, hash), data) in batch.iter().zip(self.block_buf.chunks_exact(block_bytes))
-                {
+                let buf = &mut buf[..ids.len() * block_bytes];
+                self.executor.read_blocks(&ids, buf);
+                for (&(_, hash), data) in batch.iter().zip(buf.chunks_exact(block_bytes)) {
                     self.host.offer(hash, data);
                 }
             }
@@ -64,7 +77,7 @@ impl<B: Backend> Engine<B> {
             fresh,
             block_bytes,
             host_batch_blocks(block_bytes),
-            &mut self.block_buf,
+            batch_buffer(&mut self.block_buf, &self.executor, block_bytes),
             |hash, dst| self.host.fetch(hash, dst).is_ok(),
             |blocks, src| self.executor.write_blocks(blocks, src),
         );
@@ -101,20 +114,20 @@ impl<B: Backend> Engine<B> {
 }
 
 /// [`Engine::restore_from_host`]'s copying: `fetch` each of `hashes` into `buf`, `per_batch`
-/// at a time, and `write` each batch into its `fresh` blocks, stopping at the first block
-/// `fetch` cannot give; how many were written.
+/// at a time (`buf` holds at least one batch), and `write` each batch into its `fresh` blocks,
+/// stopping at the first block `fetch` cannot give; how many were written.
 fn restore_in_batches(
     hashes: &[BlockHash],
     fresh: &[u32],
     block_bytes: usize,
     per_batch: usize,
-    buf: &mut Vec<u8>,
+    buf: &mut [u8],
     mut fetch: impl FnMut(BlockHash, &mut [u8]) -> bool,
     mut write: impl FnMut(&[u32], &[&[u8]]),
 ) -> usize {
     let mut restored = 0;
     for (hashes, blocks) in hashes.chunks(per_batch).zip(fresh.chunks(per_batch)) {
-        buf.resize(hashes.len() * block_bytes, 0);
+        let buf = &mut buf[..hashes.len() * block_bytes];
         let mut fetched = 0;
         for (&hash, dst) in hashes.iter().zip(buf.chunks_exact_mut(block_bytes)) {
             if !fetch(hash, dst) {
@@ -140,7 +153,7 @@ mod tests {
     fn restores_in_batches_up_to_the_first_missing_block() {
         let hashes: Vec<BlockHash> = (0u128..7).map(BlockHash).collect();
         let fresh: Vec<u32> = (100..107).collect();
-        let mut buf = Vec::new();
+        let mut buf = vec![0; 2 * 3];
         let mut written: Vec<(Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
         // The tier has blocks 0..5 (each filled with its hash), not 5 and 6.
         let restored = restore_in_batches(
