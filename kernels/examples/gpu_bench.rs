@@ -30,7 +30,7 @@ use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::DeviceSampling;
 use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
-use pd_kernels::cuda::gemm::{self, GemmType};
+use pd_kernels::cuda::gemm::{self, GemmType, Product};
 use pd_kernels::cuda::{CudaTensor, GEMV_MAX_ROWS, SmallBatchLinear};
 use serde_json::{Value, json};
 
@@ -124,7 +124,19 @@ fn gemm_rate(backend: &CudaBackend, sizes: &Sizes) -> f64 {
         c.device_ptr(&dev.stream).0,
     );
     let ms = timed_ms(backend, sizes.reps, || {
-        gemm::linear(dev, GemmType::BF16, ap, m, bp, m, m, cp, false);
+        gemm::linear(
+            dev,
+            &Product {
+                ty: GemmType::BF16,
+                x: ap,
+                rows: m,
+                w: bp,
+                n: m,
+                k: m,
+                out: cp,
+                accumulate: false,
+            },
+        );
     });
     2.0 * (m * m * m) as f64 / (ms / 1e3)
 }

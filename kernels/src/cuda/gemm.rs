@@ -31,24 +31,35 @@ impl GemmType {
     }
 }
 
-/// `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out` f32; with
-/// `accumulate`, `out += x · wᵀ` (cuBLAS's beta = 1: the product is added to `out` in the
-/// GEMM's f32 epilogue, so a residual add needs no launch of its own).
-///
-/// `x`, `w` and `out` are device addresses (of a buffer or a range of one) that the caller
-/// keeps alive until the GEMM has run (frees are stream-ordered after it).
-#[allow(clippy::too_many_arguments)]
-pub fn linear(
-    dev: &Device,
-    ty: GemmType,
-    x: u64,
-    rows: usize,
-    w: u64,
-    n: usize,
-    k: usize,
-    out: u64,
-    accumulate: bool,
-) {
+/// One product `out [rows, n] = x [rows, k] · w [n, k]ᵀ`, `x` and `w` both of `ty`, `out`
+/// f32; with `accumulate`, `out += x · wᵀ`. `x`, `w` and `out` are device addresses (of a
+/// buffer or a range of one) that the caller keeps alive until the product has run (frees are
+/// stream-ordered after it). What [`linear`] and the `gemv16` kernel both take.
+#[derive(Debug, Clone, Copy)]
+pub struct Product {
+    pub ty: GemmType,
+    pub x: u64,
+    pub rows: usize,
+    pub w: u64,
+    pub n: usize,
+    pub k: usize,
+    pub out: u64,
+    pub accumulate: bool,
+}
+
+/// `p` through cuBLAS; with `accumulate`, cuBLAS's beta = 1 adds the product to `out` in the
+/// GEMM's f32 epilogue, so a residual add needs no launch of its own.
+pub fn linear(dev: &Device, p: &Product) {
+    let Product {
+        ty,
+        x,
+        rows,
+        w,
+        n,
+        k,
+        out,
+        accumulate,
+    } = *p;
     let alpha = 1.0f32;
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
     let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits in i32");

@@ -2,7 +2,7 @@
 // cuBLAS GEMM's job (gemm.rs) for `rows` ≤ GEMV_MAX_ROWS, written as a weight stream. At
 // batch 1 a decode step reads every weight once and does two flops per 2-byte weight, so its
 // speed is the share of the card's memory bandwidth the linear layers reach; this kernel
-// exists to be measured against cuBLAS there (`--cuda-gemv`, docs/cuda.md).
+// exists to be measured against cuBLAS there (`PD_CUDA_GEMV`, docs/cuda.md).
 //
 // One warp per output column: its 32 lanes stream the column's weights in 16-byte loads (8
 // elements), two loads in flight per lane, each multiplied with the same 8 elements of every

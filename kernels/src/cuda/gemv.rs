@@ -7,7 +7,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::CudaBackend;
-use super::gemm::GemmType;
+use super::gemm::{GemmType, Product};
 use crate::CudaError;
 
 /// Most rows one launch multiplies (`GEMV_MAX_ROWS` in gemv.cu).
@@ -39,48 +39,37 @@ impl SmallBatchLinear {
 }
 
 /// Whether `gemv16` can take this product: few rows, 16-bit operands, whole 16-byte loads.
-pub(super) fn eligible(ty: GemmType, rows: usize, k: usize, x: u64, w: u64) -> bool {
-    matches!(ty, GemmType::BF16 | GemmType::F16)
-        && (1..=GEMV_MAX_ROWS).contains(&rows)
-        && k.is_multiple_of(8)
-        && i32::try_from(k).is_ok()
-        && x.is_multiple_of(16)
-        && w.is_multiple_of(16)
+pub(super) fn eligible(p: &Product) -> bool {
+    matches!(p.ty, GemmType::BF16 | GemmType::F16)
+        && (1..=GEMV_MAX_ROWS).contains(&p.rows)
+        && p.k.is_multiple_of(8)
+        && i32::try_from(p.k).is_ok()
+        && p.x.is_multiple_of(16)
+        && p.w.is_multiple_of(16)
 }
 
 impl CudaBackend {
-    /// `out [rows, n] (+)= x [rows, k] · w [n, k]ᵀ` by `gemv16`; the caller checked
-    /// [`eligible`]. Addresses as [`super::gemm::linear`] takes them.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemv16(
-        &self,
-        ty: GemmType,
-        x: u64,
-        rows: usize,
-        w: u64,
-        n: usize,
-        k: usize,
-        out: u64,
-        accumulate: bool,
-    ) {
-        let dtype = match ty {
+    /// `p` by `gemv16`; the caller checked [`eligible`].
+    pub(super) fn gemv16(&self, p: &Product) {
+        let dtype = match p.ty {
             GemmType::BF16 => super::tensor::dtype_code(pd_engine::weights::DType::BF16),
             GemmType::F16 => super::tensor::dtype_code(pd_engine::weights::DType::F16),
             GemmType::F32 => unreachable!("gemv16 multiplies 16-bit operands"),
         };
         let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
-        let (rows_i, n_i, k_i, acc) = (dim(rows), dim(n), dim(k), i32::from(accumulate));
+        let (rows, n, k) = (dim(p.rows), dim(p.n), dim(p.k));
+        let accumulate = i32::from(p.accumulate);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.gemv16);
-        b.arg(&x)
-            .arg(&w)
-            .arg(&out)
+        b.arg(&p.x)
+            .arg(&p.w)
+            .arg(&p.out)
             .arg(&dtype)
-            .arg(&rows_i)
-            .arg(&n_i)
-            .arg(&k_i)
-            .arg(&acc);
+            .arg(&rows)
+            .arg(&n)
+            .arg(&k)
+            .arg(&accumulate);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
+            grid_dim: (p.n.div_ceil(GEMV_WARPS) as u32, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -92,8 +81,22 @@ impl CudaBackend {
 mod tests {
     use super::*;
 
+    fn product(ty: GemmType, rows: usize, k: usize, x: u64, w: u64) -> Product {
+        Product {
+            ty,
+            x,
+            rows,
+            w,
+            n: 64,
+            k,
+            out: 0,
+            accumulate: false,
+        }
+    }
+
     #[test]
     fn takes_only_small_aligned_16bit_products() {
+        let eligible = |ty, rows, k, x, w| eligible(&product(ty, rows, k, x, w));
         assert!(eligible(GemmType::BF16, 1, 4096, 256, 512));
         assert!(eligible(GemmType::F16, 8, 1024, 0, 16));
         assert!(!eligible(GemmType::F32, 1, 4096, 256, 512), "f32 weights");

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use pd_engine::weights::DType;
 
-use super::gemm::{self, GemmType};
+use super::gemm::{self, GemmType, Product};
 use super::gemv::{self, SmallBatchLinear};
 use super::weights::weight_matrix;
 use super::{CudaBackend, CudaTensor, CudaWeight};
@@ -132,12 +132,20 @@ impl CudaBackend {
                 (ty, self.ptr(x16))
             }
         };
-        if self.small_batch_linear() == SmallBatchLinear::Kernel
-            && gemv::eligible(ty, rows, k, x_ptr, w)
-        {
-            self.gemv16(ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+        let product = Product {
+            ty,
+            x: x_ptr,
+            rows,
+            w,
+            n,
+            k,
+            out: out_ptr,
+            accumulate,
+        };
+        if self.small_batch_linear() == SmallBatchLinear::Kernel && gemv::eligible(&product) {
+            self.gemv16(&product);
         } else {
-            gemm::linear(&self.dev, ty, x_ptr, rows, w, n, k, out_ptr, accumulate);
+            gemm::linear(&self.dev, &product);
         }
     }
 
