@@ -76,7 +76,8 @@ uint64_t as_bits(T v) {
 // Dynamic shared memory (`extern __shared__ float smem[];`), 48 KiB: the most a launch gets
 // without opting in, which these kernels do not.
 #define EMU_DYNAMIC_SHARED_BYTES (48 * 1024)
-extern float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+// 16-byte aligned, as a GPU aligns it (kernels read it in 16-byte loads).
+alignas(16) extern float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
 
 inline void __syncthreads() { emu::syncthreads(); }
 // Blocks run one after another and memory is the host's: every write is already visible.

@@ -9,7 +9,7 @@
 
 #include "runtime.h"
 
-float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+alignas(16) float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
 
 namespace emu {
 

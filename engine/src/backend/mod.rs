@@ -77,6 +77,18 @@ pub struct QkNormRope<'a, W> {
     pub theta: f64,
 }
 
+/// Qwen3's MLP block with the RMSNorm before it: what [`Backend::norm_mlp_add`] needs besides
+/// the residual stream `[rows, hidden]` (the norm's weight `[hidden]` and `eps`; gate / up
+/// `[inter, hidden]`, down `[hidden, inter]`).
+pub struct NormMlp<'a, W> {
+    pub hidden: usize,
+    pub norm: &'a W,
+    pub eps: f32,
+    pub gate: &'a W,
+    pub up: &'a W,
+    pub down: &'a W,
+}
+
 /// The op-level backend contract. Implementations: [`cpu::CpuBackend`] here and the CUDA
 /// backend in `pd-kernels`. Ops take shapes from their inputs and panic only on internal
 /// shape bugs (the model guarantees shapes; clients never reach these calls directly).
@@ -189,6 +201,16 @@ pub trait Backend: Send + Sync + 'static {
         let act = self.silu_mul(gate, up);
         let y = self.linear(&act, weight);
         self.add_assign(x, &y);
+    }
+
+    /// `x += down(silu(gate(n)) · up(n))` with `n = rms_norm(x)` over the whole row: the
+    /// post-attention norm and the MLP added to the residual stream. By default
+    /// [`Self::norm_linear_shared`] then [`Self::silu_mul_linear_add`]; a backend may fuse
+    /// further (the CUDA backend's decode-batch kernels: two launches instead of four).
+    fn norm_mlp_add(&self, x: &mut Self::Tensor, mlp: &NormMlp<'_, Self::Weight>) {
+        let [gate, up] =
+            self.norm_linear_shared(x, mlp.norm, mlp.hidden, mlp.eps, [mlp.gate, mlp.up]);
+        self.silu_mul_linear_add(x, &gate, &up, mlp.down);
     }
 
     /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at

@@ -3,7 +3,7 @@
 //! → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm and a tied or separate LM head.
 //! No backend-specific code lives here.
 
-use crate::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
+use crate::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::weights::{Checkpoint, TensorView};
@@ -224,17 +224,19 @@ impl<B: Backend> Qwen3<B> {
             let q = backend.qk_norm_rope_write_kv(&q, &k, &v, &norm_rope, kv, i, &slots);
             backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
-            let [gate, up] = backend.norm_linear_shared(
-                &x,
-                &layer.post_norm,
-                c.hidden_size,
+            let mlp = NormMlp {
+                hidden: c.hidden_size,
+                norm: &layer.post_norm,
                 eps,
-                [&layer.gate_proj, &layer.up_proj],
-            );
-            backend.silu_mul_linear_add(&mut x, &gate, &up, &layer.down_proj);
+                gate: &layer.gate_proj,
+                up: &layer.up_proj,
+                down: &layer.down_proj,
+            };
+            backend.norm_mlp_add(&mut x, &mlp);
         }
         let x = backend.select_rows(&x, logit_rows);
-        let x = backend.rms_norm(&x, &self.norm, c.hidden_size, eps);
-        backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed))
+        let lm_head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let [logits] = backend.norm_linear_shared(&x, &self.norm, c.hidden_size, eps, [lm_head]);
+        logits
     }
 }

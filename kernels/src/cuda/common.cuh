@@ -54,6 +54,9 @@ __device__ __forceinline__ unsigned short to_16(float v, int dtype) {
     return dtype == DTYPE_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
 }
 
+// SiLU(g) · u, as silu_mul, silu_mul_16 and the gate/up GEMV's epilogue compute it.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // Element `i` of a weight stored as `dtype`.
 __device__ __forceinline__ float load_weight(const void* w, int dtype, unsigned long long i) {
     if (dtype == DTYPE_BF16) {

@@ -43,6 +43,8 @@ pub struct Kernels {
     pub attention_mma: CudaFunction,
     pub sample_rows: CudaFunction,
     pub gemv16: CudaFunction,
+    pub gemv16_norm: CudaFunction,
+    pub gemv16_norm_silu: CudaFunction,
 }
 
 fn driver(ordinal: usize, what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
@@ -201,6 +203,8 @@ impl Kernels {
             attention_mma: take("attention_mma")?,
             sample_rows: take("sample_rows")?,
             gemv16: take("gemv16")?,
+            gemv16_norm: take("gemv16_norm")?,
+            gemv16_norm_silu: take("gemv16_norm_silu")?,
         })
     }
 }

@@ -136,8 +136,6 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
     }
 }
 
-__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
 // rms_norm written straight as the 16-bit input of the GEMMs that are its only reader: the
 // same f32 value, rounded as the cast would round it, without the f32 round trip.
 extern "C" __global__ void rms_norm_16(const float* x, const float* w, unsigned short* out,

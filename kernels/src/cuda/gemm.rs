@@ -11,10 +11,12 @@ use std::ffi::c_void;
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 
+use pd_engine::weights::DType;
+
 use super::device::Device;
 
 /// Element type of both GEMM inputs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmType {
     F32,
     F16,
@@ -22,6 +24,15 @@ pub enum GemmType {
 }
 
 impl GemmType {
+    /// The GEMM type of weights stored as `dtype`.
+    pub fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => GemmType::F32,
+            DType::F16 => GemmType::F16,
+            DType::BF16 => GemmType::BF16,
+        }
+    }
+
     fn cuda(self) -> cudaDataType {
         match self {
             GemmType::F32 => cudaDataType::CUDA_R_32F,

@@ -1,8 +1,10 @@
-//! The `gemv16` kernel (`gemv.cu`) in place of the cuBLAS GEMM for decode-sized batches:
-//! which products it may take, and its launch. Chosen with `PD_CUDA_GEMV=kernel`; cuBLAS
-//! (`PD_CUDA_GEMV=cublas`) stays the default until a GPU run has measured which streams the
-//! weights faster (docs/cuda.md). Does not cover prefill-sized products (cuBLAS's tensor-core
-//! GEMMs) or f32 weights.
+//! The `gemv16` kernels (`gemv.cu`) in place of the cuBLAS GEMM for decode-sized batches:
+//! which products they may take, and their launches. Chosen with `PD_CUDA_GEMV=kernel`;
+//! cuBLAS (`PD_CUDA_GEMV=cublas`) stays the default until a GPU run has measured which streams
+//! the weights faster (docs/cuda.md). Besides the plain product, two fused forms take the
+//! layer norm before q/k/v (or the logits) and before gate/up, the latter also the SiLU after
+//! it ([`NormedRows`]). Does not cover prefill-sized products (cuBLAS's tensor-core GEMMs) or
+//! f32 weights; which ops use the fused forms is [`super::linear`]'s business.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -15,6 +17,13 @@ pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Warps per thread block, one output column each (`GEMV_WARPS` in gemv.cu).
 const GEMV_WARPS: usize = 8;
+
+/// Threads per block.
+pub(super) const GEMV_THREADS: u32 = (GEMV_WARPS * 32) as u32;
+
+/// Dynamic shared memory a launch gets without opting in: the norm-fused kernels hold their
+/// normalised rows there (`rows · k` 16-bit values).
+const SHARED_BYTES: usize = 48 * 1024;
 
 /// What multiplies 16-bit weights with a batch of at most [`GEMV_MAX_ROWS`] rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -40,22 +49,44 @@ impl SmallBatchLinear {
 
 /// Whether `gemv16` can take this product: few rows, 16-bit operands, whole 16-byte loads.
 pub(super) fn eligible(p: &Product) -> bool {
-    matches!(p.ty, GemmType::BF16 | GemmType::F16)
-        && (1..=GEMV_MAX_ROWS).contains(&p.rows)
-        && p.k.is_multiple_of(8)
-        && i32::try_from(p.k).is_ok()
-        && p.x.is_multiple_of(16)
-        && p.w.is_multiple_of(16)
+    weights_eligible(p.ty, p.rows, p.k, p.w) && p.x.is_multiple_of(16)
+}
+
+/// What every form needs of the weights `w` (`[n, k]`, device address) and the batch.
+fn weights_eligible(ty: GemmType, rows: usize, k: usize, w: u64) -> bool {
+    matches!(ty, GemmType::BF16 | GemmType::F16)
+        && (1..=GEMV_MAX_ROWS).contains(&rows)
+        && k.is_multiple_of(8)
+        && i32::try_from(k).is_ok()
+        && w.is_multiple_of(16)
+}
+
+/// The f32 residual rows `h` (`[rows, k]`, dense) that a norm-fused kernel normalises over
+/// whole rows with `gamma` (`[k]` f32) and `eps` before multiplying them. Device addresses,
+/// kept alive by the caller until the launch is queued.
+pub(super) struct NormedRows {
+    pub h: u64,
+    pub gamma: u64,
+    pub eps: f32,
+    pub rows: usize,
+    pub k: usize,
+}
+
+/// Whether the norm-fused kernels can take these rows into weights `w`: as [`eligible`], the
+/// normalised rows fit the shared memory, and `rms_norm_16` would reduce a row of width `k`
+/// with as many threads as a GEMV block has (`norm_threads`: rows over 128 wide), so the
+/// fused norm is the same arithmetic in the same order: the same bits.
+pub(super) fn norm_eligible(ty: GemmType, input: &NormedRows, w: u64) -> bool {
+    weights_eligible(ty, input.rows, input.k, w)
+        && super::norm_threads(input.k) == GEMV_THREADS
+        && input.rows * input.k * 2 <= SHARED_BYTES
+        && input.h.is_multiple_of(4)
 }
 
 impl CudaBackend {
     /// `p` by `gemv16`; the caller checked [`eligible`].
     pub(super) fn gemv16(&self, p: &Product) {
-        let dtype = match p.ty {
-            GemmType::BF16 => super::tensor::dtype_code(pd_engine::weights::DType::BF16),
-            GemmType::F16 => super::tensor::dtype_code(pd_engine::weights::DType::F16),
-            GemmType::F32 => unreachable!("gemv16 multiplies 16-bit operands"),
-        };
+        let dtype = dtype_code(p.ty);
         let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
         let (rows, n, k) = (dim(p.rows), dim(p.n), dim(p.k));
         let accumulate = i32::from(p.accumulate);
@@ -68,12 +99,82 @@ impl CudaBackend {
             .arg(&n)
             .arg(&k)
             .arg(&accumulate);
-        let cfg = LaunchConfig {
-            grid_dim: (p.n.div_ceil(GEMV_WARPS) as u32, 1, 1),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("gemv16", b, cfg);
+        self.launch("gemv16", b, launch(p.n, 0));
+    }
+
+    /// `out [rows, n] = rms_norm(input) · wᵀ` by `gemv16_norm`; the caller checked
+    /// [`norm_eligible`].
+    pub(super) fn gemv16_norm(&self, input: &NormedRows, ty: GemmType, w: u64, n: usize, out: u64) {
+        let (dtype, rows, n_i, k) = launch_dims(ty, input, n);
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.gemv16_norm);
+        b.arg(&input.h)
+            .arg(&input.gamma)
+            .arg(&input.eps)
+            .arg(&w)
+            .arg(&out)
+            .arg(&dtype)
+            .arg(&rows)
+            .arg(&n_i)
+            .arg(&k);
+        self.launch("gemv16_norm", b, launch(n, input.rows * input.k * 2));
+    }
+
+    /// `out16 [rows, inter] = silu(x · gateᵀ) · (x · upᵀ)` in `ty`, `x = rms_norm(input)`, by
+    /// `gemv16_norm_silu`; `w` holds gate `[inter, k]` then up `[inter, k]`. The caller
+    /// checked [`norm_eligible`].
+    pub(super) fn gemv16_norm_silu(
+        &self,
+        input: &NormedRows,
+        ty: GemmType,
+        w: u64,
+        inter: usize,
+        out16: u64,
+    ) {
+        let (dtype, rows, inter_i, k) = launch_dims(ty, input, inter);
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.gemv16_norm_silu);
+        b.arg(&input.h)
+            .arg(&input.gamma)
+            .arg(&input.eps)
+            .arg(&w)
+            .arg(&out16)
+            .arg(&dtype)
+            .arg(&rows)
+            .arg(&inter_i)
+            .arg(&k);
+        self.launch(
+            "gemv16_norm_silu",
+            b,
+            launch(inter, input.rows * input.k * 2),
+        );
+    }
+}
+
+/// The kernels' dtype code and `(rows, n, k)` as their `int` arguments.
+fn launch_dims(ty: GemmType, input: &NormedRows, n: usize) -> (i32, i32, i32, i32) {
+    let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
+    (dtype_code(ty), dim(input.rows), dim(n), dim(input.k))
+}
+
+fn dtype_code(ty: GemmType) -> i32 {
+    match ty {
+        GemmType::BF16 => super::tensor::dtype_code(pd_engine::weights::DType::BF16),
+        GemmType::F16 => super::tensor::dtype_code(pd_engine::weights::DType::F16),
+        GemmType::F32 => unreachable!("the GEMV kernels multiply 16-bit operands"),
+    }
+}
+
+/// One warp per output column, [`GEMV_WARPS`] columns per block.
+fn launch(columns: usize, shared_bytes: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (columns.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        block_dim: (GEMV_THREADS, 1, 1),
+        shared_mem_bytes: shared_bytes as u32,
     }
 }
 
@@ -116,6 +217,43 @@ mod tests {
         assert!(
             !eligible(GemmType::BF16, 1, 4096, 256, 520),
             "w not 16-byte aligned"
+        );
+    }
+
+    #[test]
+    fn norm_fused_forms_take_whole_rows_that_fit_shared_memory() {
+        let eligible = |ty, rows, k, h| {
+            let input = NormedRows {
+                h,
+                gamma: 0,
+                eps: 1e-6,
+                rows,
+                k,
+            };
+            norm_eligible(ty, &input, 512)
+        };
+        assert!(
+            eligible(GemmType::BF16, 8, 1024, 256),
+            "qwen3-0.6b, batch 8"
+        );
+        assert!(eligible(GemmType::BF16, 6, 4096, 256), "qwen3-8b, batch 6");
+        assert!(
+            !eligible(GemmType::BF16, 7, 4096, 256),
+            "qwen3-8b, batch 7: 56 KiB of normalised rows"
+        );
+        assert!(
+            !eligible(GemmType::F16, 1, 128, 256),
+            "rms_norm_16 reduces 128-wide rows with 64 threads, in another order"
+        );
+        assert!(eligible(GemmType::F16, 1, 136, 256));
+        assert!(!eligible(GemmType::F32, 1, 1024, 256), "f32 weights");
+        assert!(
+            !eligible(GemmType::BF16, 9, 1024, 256),
+            "a prefill-sized batch"
+        );
+        assert!(
+            !eligible(GemmType::BF16, 1, 1024, 2),
+            "rows not f32-aligned"
         );
     }
 }

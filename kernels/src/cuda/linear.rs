@@ -2,17 +2,19 @@
 //! copy an earlier kernel wrote), projections stacked in one buffer multiplied as one matrix
 //! and split into column views, the residual-accumulating form, and the cast to 16 bits. The
 //! cuBLAS call itself is [`super::gemm::linear`] (or, for decode-sized batches with
-//! `PD_CUDA_GEMV=kernel`, the `gemv16` kernel of [`super::gemv`]); uploading the stacked
-//! weights is [`super::weights`].
+//! `PD_CUDA_GEMV=kernel`, the `gemv16` kernel of [`super::gemv`]), and with that kernel the
+//! layer norms and the MLP's SiLU taken into the products (`norm_linear_gemv`,
+//! `norm_mlp_gemv`); uploading the stacked weights is [`super::weights`].
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
+use pd_engine::backend::NormMlp;
 use pd_engine::weights::DType;
 
 use super::gemm::{self, GemmType, Product};
-use super::gemv::{self, SmallBatchLinear};
-use super::weights::weight_matrix;
+use super::gemv::{self, NormedRows, SmallBatchLinear};
+use super::weights::{weight_matrix, weight_vector};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 
 /// A GEMM's left operand `[rows, cols]`: f32 rows (cast to the weight's 16-bit type if it
@@ -117,11 +119,7 @@ impl CudaBackend {
                 unreachable!("a 16-bit GEMM input is only made for 16-bit weights")
             }
             (DType::BF16 | DType::F16, x) => {
-                let ty = if dtype == DType::BF16 {
-                    GemmType::BF16
-                } else {
-                    GemmType::F16
-                };
+                let ty = GemmType::of(dtype);
                 let x16 = match x {
                     Operand::Bits16 { data, .. } => data,
                     Operand::F32(x) => {
@@ -165,6 +163,82 @@ impl CudaBackend {
             }
             None => weights.map(|w| self.linear_with(x, w)),
         }
+    }
+
+    /// [`Backend::norm_linear_shared`] by one `gemv16_norm` launch when it qualifies
+    /// ([`Self::normed_product`]); else `None`, nothing launched.
+    pub(super) fn norm_linear_gemv<const N: usize>(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaWeight,
+        group: usize,
+        eps: f32,
+        weights: [&CudaWeight; N],
+    ) -> Option<[CudaTensor; N]> {
+        let (ty, n, input, w) = self.normed_product(x, norm, group, eps, &weights)?;
+        let out = self.tensor(x.rows, n);
+        self.gemv16_norm(&input, ty, w, n, self.ptr(out.dense()));
+        Some(out.split_cols(weights.map(|w| weight_matrix(w).1)))
+    }
+
+    /// [`Backend::norm_mlp_add`] by `gemv16_norm_silu` (norm, gate / up and SiLU into the
+    /// down projection's 16-bit input) then `gemv16` adding the down projection to `x`, when
+    /// both qualify; else `false`, nothing launched.
+    pub(super) fn norm_mlp_gemv(&self, x: &mut CudaTensor, mlp: &NormMlp<'_, CudaWeight>) -> bool {
+        let Some((ty, n, input, w)) =
+            self.normed_product(x, mlp.norm, mlp.hidden, mlp.eps, &[mlp.gate, mlp.up])
+        else {
+            return false;
+        };
+        let inter = weight_matrix(mlp.gate).1;
+        let (down_dtype, down_n, down_k, down_w) = self.matrix(mlp.down);
+        let mut down = Product {
+            ty,
+            x: 0, // the activation's address, once allocated (aligned as every allocation)
+            rows: x.rows,
+            w: down_w,
+            n: down_n,
+            k: down_k,
+            out: self.ptr(x.dense()),
+            accumulate: true,
+        };
+        let shapes_fit = n == 2 * inter && down_k == inter && down_n == x.cols;
+        if !shapes_fit || GemmType::of(down_dtype) != ty || !gemv::eligible(&down) {
+            return false;
+        }
+        let act = self.alloc::<u16>(x.rows * inter);
+        down.x = self.ptr(&act);
+        self.gemv16_norm_silu(&input, ty, w, inter, down.x);
+        self.gemv16(&down);
+        true
+    }
+
+    /// What the norm-fused GEMV kernels need for `weights · rms_norm(x)ᵀ`, if they may take
+    /// it: `PD_CUDA_GEMV=kernel`, a norm over whole rows, the weights stacked in one 16-bit
+    /// buffer ([`Self::stacked`]) and [`gemv::norm_eligible`]. `(type, stacked columns, the
+    /// normalised rows, weights' address)`.
+    fn normed_product(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaWeight,
+        group: usize,
+        eps: f32,
+        weights: &[&CudaWeight],
+    ) -> Option<(GemmType, usize, NormedRows, u64)> {
+        if self.small_batch_linear() != SmallBatchLinear::Kernel || group != x.cols || x.is_empty()
+        {
+            return None;
+        }
+        let (dtype, n, k, w) = self.stacked(weights)?;
+        let ty = GemmType::of(dtype);
+        let input = NormedRows {
+            h: self.ptr(x.dense()),
+            gamma: self.ptr(weight_vector(norm)),
+            eps,
+            rows: x.rows,
+            k,
+        };
+        (k == x.cols && gemv::norm_eligible(ty, &input, w)).then_some((ty, n, input, w))
     }
 
     pub(super) fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {

@@ -28,12 +28,12 @@ mod sample;
 mod tensor;
 mod weights;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
-use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, QkNormRope};
+use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::kv::host_buffer::HostBuffer;
@@ -89,6 +89,8 @@ pub struct CudaBackend {
     gemv_kernel: AtomicBool,
     /// Page-locked host buffers lent for KV copied out (`Backend::host_buffer`).
     pinned: Arc<PinnedPool>,
+    /// Kernel launches issued so far ([`CudaBackend::kernel_launches`]).
+    launches: AtomicU64,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -171,6 +173,7 @@ impl CudaBackend {
             graphs: Mutex::new(Graphs::default()),
             gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
             pinned,
+            launches: AtomicU64::new(0),
         })
     }
 
@@ -205,6 +208,13 @@ impl CudaBackend {
         } else {
             SmallBatchLinear::Cublas
         }
+    }
+
+    /// Kernel launches this backend has issued (recorded into a graph during a capture
+    /// included; graph replays and cuBLAS's own kernels not): tests and benchmarks read what
+    /// an op costs in launches from its difference.
+    pub fn kernel_launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
     }
 
     /// Page-locked bytes lent out for KV copies and kept for reuse (`Backend::host_buffer`),
@@ -295,6 +305,7 @@ impl CudaBackend {
     }
 
     fn launch(&self, name: &str, mut args: LaunchArgs<'_>, cfg: LaunchConfig) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
         // SAFETY: each call site passes the arguments its kernel declares, in order, with
         // buffers sized for the grid it launches.
         if let Err(e) = unsafe { args.launch(cfg) } {
@@ -360,7 +371,7 @@ impl CudaBackend {
 }
 
 /// Threads of an RMSNorm block: two warps for a head (q/k norms), more for a hidden row.
-fn norm_threads(group: usize) -> u32 {
+pub(super) fn norm_threads(group: usize) -> u32 {
     if group <= 128 { 64 } else { THREADS }
 }
 
@@ -521,6 +532,9 @@ impl Backend for CudaBackend {
         eps: f32,
         weights: [&CudaWeight; N],
     ) -> [CudaTensor; N] {
+        if let Some(out) = self.norm_linear_gemv(x, norm, group, eps, weights) {
+            return out;
+        }
         let Some(dtype) = shared_16bit(&weights).filter(|_| !x.is_empty()) else {
             let h = self.rms_norm(x, norm, group, eps);
             return self.linear_shared(&h, weights);
@@ -575,6 +589,15 @@ impl Backend for CudaBackend {
             .arg(&code);
         self.launch("silu_mul_16", b, Self::elements(gate.len()));
         self.linear_into(Operand::bits16(&x16, gate), self.matrix(weight), x, true);
+    }
+
+    fn norm_mlp_add(&self, x: &mut CudaTensor, mlp: &NormMlp<'_, CudaWeight>) {
+        if self.norm_mlp_gemv(x, mlp) {
+            return;
+        }
+        let [gate, up] =
+            self.norm_linear_shared(x, mlp.norm, mlp.hidden, mlp.eps, [mlp.gate, mlp.up]);
+        self.silu_mul_linear_add(x, &gate, &up, mlp.down);
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {

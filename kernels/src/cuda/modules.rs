@@ -60,7 +60,7 @@ pub const SOURCES: [KernelSource; 6] = [
     KernelSource {
         name: "gemv",
         code: include_str!("gemv.cu"),
-        kernels: &["gemv16"],
+        kernels: &["gemv16", "gemv16_norm", "gemv16_norm_silu"],
     },
 ];
 

@@ -1,13 +1,14 @@
-//! The `gemv16` kernel (`PD_CUDA_GEMV=kernel`) against a host reference and against cuBLAS,
-//! for every decode batch size it takes (1-8 rows), both 16-bit types, widths that leave a
-//! partial last round of loads, and the residual-accumulating form.
+//! The `gemv16` kernels (`PD_CUDA_GEMV=kernel`): the plain product against a host reference
+//! and against cuBLAS, for every decode batch size it takes (1-8 rows), both 16-bit types,
+//! widths that leave a partial last round of loads, and the residual-accumulating form; the
+//! norm-fused forms against the separate ops.
 
-use pd_engine::backend::Backend;
-use pd_engine::weights::DType;
+use pd_engine::backend::{Backend, NormMlp};
+use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::{CudaTensor, CudaWeight, SmallBatchLinear};
 
-use super::{enabled, narrow, unit, upload_matrix, widen};
+use super::{assert_same, enabled, narrow, stacked_and_single, unit, upload_matrix, widen};
 
 /// A random `[n, k]` matrix in `dtype`, uploaded from a real safetensors file; also its
 /// stored values, widened.
@@ -116,5 +117,133 @@ fn small_batch_kernel_matches_the_host_and_cublas() {
                 "{what} accumulated: the product was added"
             );
         }
+    }
+}
+
+/// The decode-batch kernels with the layer norm (and, for gate / up, the SiLU) inside them
+/// give bit for bit what the separate ops give with the same `gemv16` products: the norm
+/// before q/k/v (one launch instead of four), the MLP block (two instead of four) and the
+/// final norm before the logits (one instead of three), at 1, 5 and 8 rows, on the
+/// qwen3-0.6b shape's own weights. The separate ops run when the projections are uploaded
+/// one by one, which the fused kernels do not take.
+#[test]
+fn norm_fused_kernels_equal_the_separate_ops() {
+    if !enabled("norm_fused_kernels_equal_the_separate_ops") {
+        return;
+    }
+    let files = super::files("synthetic:qwen3-0.6b");
+    let c = &files.config;
+    let ckpt = Checkpoint::open(&files.dir).expect("checkpoint");
+    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
+    gpu.set_small_batch_linear(SmallBatchLinear::Kernel);
+    let h = c.hidden_size;
+    let (q, kv) = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let load = |name: &str, shape: &[usize]| {
+        gpu.load_weight(name, ckpt.tensor(name, shape).expect("tensor"))
+            .expect("upload")
+    };
+    let (stacked_qkv, single_qkv) = stacked_and_single(
+        &gpu,
+        &ckpt,
+        [
+            ("self_attn.q_proj", q),
+            ("self_attn.k_proj", kv),
+            ("self_attn.v_proj", kv),
+        ],
+        h,
+    );
+    let (stacked_mlp, single_mlp) = stacked_and_single(
+        &gpu,
+        &ckpt,
+        [
+            ("mlp.gate_proj", c.intermediate_size),
+            ("mlp.up_proj", c.intermediate_size),
+        ],
+        h,
+    );
+    let input_norm = load("model.layers.0.input_layernorm.weight", &[h]);
+    let post_norm = load("model.layers.0.post_attention_layernorm.weight", &[h]);
+    let down = load(
+        "model.layers.0.mlp.down_proj.weight",
+        &[h, c.intermediate_size],
+    );
+    let final_norm = load("model.norm.weight", &[h]);
+    let lm_head = load("model.embed_tokens.weight", &[c.vocab_size, h]);
+    let eps = c.rms_norm_eps;
+    let (mlp_stacked, mlp_single) = [&stacked_mlp, &single_mlp]
+        .map(|[gate, up]| NormMlp {
+            hidden: h,
+            norm: &post_norm,
+            eps,
+            gate,
+            up,
+            down: &down,
+        })
+        .into();
+
+    for rows in [1, 5, 8] {
+        let mut state = 7 + rows as u64;
+        // Residual-stream-like rows: an RMS far from 1, so the norm matters.
+        let host: Vec<f32> = (0..rows * h)
+            .map(|_| 40.0 * unit(&mut state) as f32)
+            .collect();
+        let x = || upload(&gpu, rows, h, &host);
+        let launches = |f: &mut dyn FnMut()| {
+            let before = gpu.kernel_launches();
+            f();
+            gpu.kernel_launches() - before
+        };
+
+        let (x_fused, x_apart) = (x(), x());
+        let (mut fused, mut apart) = (None, None);
+        let n = launches(&mut || {
+            fused =
+                Some(gpu.norm_linear_shared(&x_fused, &input_norm, h, eps, stacked_qkv.each_ref()))
+        });
+        assert_eq!(n, 1, "{rows} rows: q/k/v with their norm in one launch");
+        let m = launches(&mut || {
+            apart =
+                Some(gpu.norm_linear_shared(&x_apart, &input_norm, h, eps, single_qkv.each_ref()))
+        });
+        assert_eq!(m, 4, "{rows} rows: the norm, then one product each");
+        for (i, what) in ["q", "k", "v"].iter().enumerate() {
+            let (a, b) = (&fused.as_ref().unwrap()[i], &apart.as_ref().unwrap()[i]);
+            assert_same(&format!("{rows} rows: {what}"), &gpu, a, b);
+        }
+
+        let (mut a, mut b) = (x(), x());
+        let n = launches(&mut || gpu.norm_mlp_add(&mut a, &mlp_stacked));
+        assert_eq!(n, 2, "{rows} rows: the MLP block in two launches");
+        let m = launches(&mut || gpu.norm_mlp_add(&mut b, &mlp_single));
+        assert_eq!(m, 5, "{rows} rows: norm, gate, up, SiLU, down");
+        assert_same(&format!("{rows} rows: residual + MLP"), &gpu, &a, &b);
+        let added = gpu.to_host(&a).data;
+        assert!(
+            relative(&added, &host) > 1e-3,
+            "{rows} rows: the MLP's product was added to the residual"
+        );
+
+        let (mut fused, mut apart) = (None, None);
+        let n = launches(&mut || {
+            fused = Some(gpu.norm_linear_shared(&x(), &final_norm, h, eps, [&lm_head]))
+        });
+        assert_eq!(
+            n, 1,
+            "{rows} rows: the final norm and the logits in one launch"
+        );
+        let m = launches(&mut || {
+            apart = Some(gpu.linear(&gpu.rms_norm(&x(), &final_norm, h, eps), &lm_head))
+        });
+        assert_eq!(m, 3, "{rows} rows: norm, cast, product");
+        let [fused] = fused.unwrap();
+        assert_same(
+            &format!("{rows} rows: logits"),
+            &gpu,
+            &fused,
+            &apart.unwrap(),
+        );
     }
 }

@@ -331,7 +331,7 @@ fn assert_same(what: &str, gpu: &CudaBackend, a: &CudaTensor, b: &CudaTensor) {
             .iter()
             .zip(&b.data)
             .all(|(x, y)| x.to_bits() == y.to_bits()),
-        "{what}: the stacked and the one-by-one weights differ"
+        "{what}: the two differ (stacked and one-by-one weights, or fused and separate ops)"
     );
 }
 
