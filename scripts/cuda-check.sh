@@ -99,6 +99,14 @@ echo "-- gpu_bench at smoke sizes (the figures mean nothing here: it runs the co
 bench_out="$(mktemp -d)"
 emu env PD_GPU_BENCH_SMOKE=1 target/debug/examples/gpu_bench "$bench_out" synthetic:tiny
 test -s "$bench_out/gpu_bench.json" || { echo "gpu_bench wrote no gpu_bench.json" >&2; exit 1; }
+test -s "$bench_out/table.txt" || { echo "gpu_bench wrote no table.txt" >&2; exit 1; }
+# The step gpu-check.sh profiles with Nsight Compute (no profiler attaches here).
+profiled="$(emu env PD_GPU_BENCH_SMOKE=1 target/debug/examples/gpu_bench --profile-decode synthetic:tiny kernel)"
+echo "$profiled"
+case "$profiled" in
+*"kernel launches per step"*) ;;
+*) echo "gpu_bench --profile-decode printed no launch count" >&2; exit 1 ;;
+esac
 rm -rf "$bench_out"
 echo "-- refusals at start, each one sentence (pdctl run and prefill-node on --device cuda)"
 refused() { # refused "what it must say" COMMAND...: COMMAND fails and says it

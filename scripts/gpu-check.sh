@@ -16,9 +16,12 @@
 #                                       1/8 again through the gemv16 kernel, prefill of
 #                                       2,048 and 8,192 tokens, one layer's prefill attention
 #                                       on each kernel) on synthetic:qwen3-0.6b and
-#                                       synthetic:qwen3-8b.
-#                                       Logs and gpu_bench.json go to OUT_DIR; the table is
-#                                       printed last.
+#                                       synthetic:qwen3-8b,
+#                                       (c) if time is left and ncu is there, one batch-1
+#                                       decode step of qwen3-0.6b kernel by kernel, through
+#                                       cuBLAS and through the gemv16 kernels.
+#                                       Logs, gpu_bench.json and the profiles go to OUT_DIR;
+#                                       the benchmark's table is printed last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=.gpu/bin
@@ -76,6 +79,29 @@ run)
     echo "== (b) benchmark"
     "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
     bench=${PIPESTATUS[0]}
+    # (c) Where one batch-1 decode step of qwen3-0.6b spends its time, kernel by kernel,
+    # through cuBLAS and through the gemv16 kernels: Nsight Compute (in the GPU host's
+    # image; on a Firecracker machine it reads the hardware timers) over `gpu_bench
+    # --profile-decode`, which marks the step as the only profiled range. Only if the 8
+    # minutes leave room; a diagnostic, its exit does not count.
+    echo "== (c) one decode step, kernel by kernel (Nsight Compute)"
+    ncu_bin="$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)"
+    if [ -z "$ncu_bin" ]; then
+        echo "skipped: no ncu on this host"
+    elif [ "$SECONDS" -gt 330 ]; then
+        echo "skipped: $SECONDS s of the 8 minutes used"
+    else
+        for linear in cublas kernel; do
+            timeout 75 "$ncu_bin" --profile-from-start off --clock-control none \
+                --metrics gpu__time_duration.sum --print-summary per-kernel \
+                "$bin/gpu_bench" --profile-decode synthetic:qwen3-0.6b "$linear" \
+                >"$out/profile-$linear.log" 2>&1
+            echo "-- through $linear: exit $? ($out/profile-$linear.log)"
+            tail -n 120 "$out/profile-$linear.log"
+        done
+    fi
+    # The benchmark's table once more, last.
+    [ -f "$out/table.txt" ] && cat "$out/table.txt"
     set -e
     echo "conformance exit $conformance, with the gemv16 kernel $gemv, benchmark exit $bench"
     [ "$conformance" -eq 0 ] && [ "$gemv" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -493,6 +493,10 @@ API CUresult cuEventRecord(void* e, void* s) {
     return submit(s, [ev] { ev->at = std::chrono::steady_clock::now(); });
 }
 API CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
+// Profiler range markers (gpu_bench --profile-decode, for Nsight Compute on a GPU): no
+// profiler attaches to the emulator.
+API CUresult cuProfilerStart() { return CUDA_SUCCESS; }
+API CUresult cuProfilerStop() { return CUDA_SUCCESS; }
 API CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
 API CUresult cuEventElapsedTime(float* ms, void* a, void* b) {
     *ms = std::chrono::duration<float, std::milli>(static_cast<Event*>(b)->at -

@@ -5,7 +5,7 @@
 //! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores), and the KV
 //! of a 2,048-token lease copied out of and into device memory in batches and one block at a
 //! time (what a prefill node's lease and a decode node's import cost). Prints one table last
-//! and writes every figure to OUT_DIR/gpu_bench.json.
+//! and writes every figure to OUT_DIR/gpu_bench.json, the table to OUT_DIR/table.txt.
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
@@ -14,10 +14,14 @@
 //! again with the linear layers through the `gemv16` kernel instead of cuBLAS
 //! (`PD_CUDA_GEMV=kernel`): the "gemv kernel" and "+ graphs" columns.
 //!
+//! `gpu_bench --profile-decode MODEL cublas|kernel` instead runs one batch-1 decode step
+//! inside a profiler range, for Nsight Compute to break down ([`profile_decode`]).
+//!
 //! `PD_GPU_BENCH_SMOKE=1` shrinks every size (a 4 MiB copy, a 128³ GEMM, 48 tokens of
 //! context, 3 steps, prefills of 64 and 200 tokens): CI runs it on pd-cuda-emu (kernels/emu/)
 //! so that the whole program has run before a GPU host runs it. Its figures mean nothing.
 
+use std::fmt::Write as _;
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -35,6 +39,9 @@ use pd_kernels::cuda::{CudaTensor, GEMV_MAX_ROWS, SmallBatchLinear};
 use serde_json::{Value, json};
 
 const BLOCK: usize = 16;
+
+const USAGE: &str =
+    "usage: gpu_bench OUT_DIR [MODEL...] | gpu_bench --profile-decode MODEL cublas|kernel";
 
 /// What the benchmark measures: the real sizes, or tiny ones that only run the code path.
 struct Sizes {
@@ -209,8 +216,11 @@ fn bench_attention(
         .collect()
 }
 
-fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value {
-    let (decode_context, decode_steps) = (sizes.decode_context, sizes.decode_steps);
+/// A model on cuda:0: its files and an executor with `blocks` KV blocks.
+fn open_model(
+    model: &str,
+    blocks: impl FnOnce(&ModelFiles) -> usize,
+) -> (ModelFiles, Executor<CudaBackend>) {
     let dir = ModelSource::parse(model)
         .expect("model name")
         .resolve(&|_, _| {})
@@ -220,56 +230,87 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
     let weights = files
         .load_weights(&backend, &mut |_, _| {})
         .expect("weights");
-    let weight_bytes = weights.weight_bytes_per_step() as f64;
-    let linear_flops_per_token = 2.0 * weight_bytes / files.config.dtype.size_in_bytes() as f64;
-    let vocab = files.config.vocab_size as u32;
-    let max_batch = 64;
-    // Eager steps, then as many with graphs (plus their warm-up / capture step).
-    let decode_len = decode_context + 2 * decode_steps + 2;
-    let per_seq = decode_len.max(sizes.prefill[1]).div_ceil(BLOCK);
-    let blocks = max_batch * decode_len.div_ceil(BLOCK) + per_seq;
-    let max_model_len = files.config.max_position_embeddings;
-    let mut exec = Executor::new(backend, weights, BLOCK, blocks).expect("executor");
+    let blocks = blocks(&files);
+    let exec = Executor::new(backend, weights, BLOCK, blocks).expect("executor");
+    (files, exec)
+}
 
-    let mut decode = Vec::new();
-    for batch in [1usize, 8, 64] {
-        let per = decode_len.div_ceil(BLOCK);
+/// `batch` sequences with a `context`-token prompt each in KV (blocks `s · per ..` for
+/// sequence `s`), decoded one token per step with greedy tokens chosen on the device, as the
+/// engine does.
+struct DecodeBatch {
+    tables: Vec<Vec<u32>>,
+    tokens: Vec<[u32; 1]>,
+    plans: Vec<Option<DeviceSampling>>,
+    vocab: usize,
+}
+
+impl DecodeBatch {
+    /// Prefills the prompts.
+    fn new(exec: &mut Executor<CudaBackend>, batch: usize, context: usize, per: usize) -> Self {
+        let vocab = exec.model().config().vocab_size;
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
             .collect();
-        let prompts: Vec<Vec<u32>> = (0..batch)
-            .map(|s| prompt(s, decode_context, vocab))
-            .collect();
-        for (p, t) in prompts.iter().zip(&tables) {
+        for (s, t) in tables.iter().enumerate() {
             exec.execute(&[ExecItem {
-                tokens: p,
+                tokens: &prompt(s, context, vocab as u32),
                 start: 0,
                 block_table: t,
                 all_logits: false,
             }]);
         }
-        let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31 + 7) % vocab]).collect();
-        let plans = vec![Some(DeviceSampling::Greedy); batch];
+        Self {
+            tables,
+            tokens: (0..batch)
+                .map(|s| [(s as u32 * 31 + 7) % vocab as u32])
+                .collect(),
+            plans: vec![Some(DeviceSampling::Greedy); batch],
+            vocab,
+        }
+    }
+
+    /// One decode step writing every sequence's token at `position`.
+    fn step(&self, exec: &mut Executor<CudaBackend>, position: usize) {
+        let items: Vec<ExecItem<'_>> = self
+            .tokens
+            .iter()
+            .zip(&self.tables)
+            .map(|(tok, t)| ExecItem {
+                tokens: tok,
+                start: position,
+                block_table: t,
+                all_logits: false,
+            })
+            .collect();
+        exec.execute_sampling(&items, &self.plans, self.vocab);
+    }
+}
+
+fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value {
+    let (decode_context, decode_steps) = (sizes.decode_context, sizes.decode_steps);
+    let max_batch = 64;
+    // Eager steps, then as many with graphs (plus their warm-up / capture step).
+    let decode_len = decode_context + 2 * decode_steps + 2;
+    let per = decode_len.div_ceil(BLOCK);
+    let (files, mut exec) = open_model(model, |_| {
+        max_batch * per + decode_len.max(sizes.prefill[1]).div_ceil(BLOCK)
+    });
+    let weight_bytes = exec.model().weight_bytes_per_step() as f64;
+    let linear_flops_per_token = 2.0 * weight_bytes / files.config.dtype.size_in_bytes() as f64;
+    let vocab = files.config.vocab_size as u32;
+    let max_model_len = files.config.max_position_embeddings;
+
+    let mut decode = Vec::new();
+    for batch in [1usize, 8, 64] {
+        let seqs = DecodeBatch::new(&mut exec, batch, decode_context, per);
         // Seconds per step of `decode_steps` steps from position `first`, after one warm-up
         // step (which captures the graph when graphs are on).
         let timed_steps = |exec: &mut Executor<CudaBackend>, first: usize| {
-            let mut step = |i: usize| {
-                let items: Vec<ExecItem<'_>> = tokens
-                    .iter()
-                    .zip(&tables)
-                    .map(|(tok, t)| ExecItem {
-                        tokens: tok,
-                        start: first + i,
-                        block_table: t,
-                        all_logits: false,
-                    })
-                    .collect();
-                exec.execute_sampling(&items, &plans, vocab as usize);
-            };
-            step(0);
+            seqs.step(exec, first);
             let t = Instant::now();
             for i in 1..=decode_steps {
-                step(i);
+                seqs.step(exec, first + i);
             }
             t.elapsed().as_secs_f64() / decode_steps as f64
         };
@@ -358,6 +399,44 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
     })
 }
 
+/// Decode steps `--profile-decode` runs inside the profiler's range.
+const PROFILED_STEPS: usize = 1;
+
+/// `gpu_bench --profile-decode MODEL cublas|kernel`, run under Nsight Compute by
+/// scripts/gpu-check.sh: a batch-1 decode step of MODEL after a 512-token context, eager, the
+/// linear layers through cuBLAS or the `gemv16` kernels (`PD_CUDA_GEMV`). Only that step
+/// lies between `cuProfilerStart` and `cuProfilerStop` (`ncu --profile-from-start off`), so
+/// ncu's per-kernel summary says where a step's time goes. Prints the kernel launches this
+/// backend issued per step (cuBLAS's own not counted).
+fn profile_decode(model: &str, linear: SmallBatchLinear, sizes: &Sizes) {
+    let context = sizes.decode_context;
+    let per = (context + PROFILED_STEPS + 2).div_ceil(BLOCK);
+    let (_, mut exec) = open_model(model, |_| per);
+    exec.backend().set_small_batch_linear(linear);
+    let seqs = DecodeBatch::new(&mut exec, 1, context, per);
+    seqs.step(&mut exec, context); // warm-up: first use of each kernel and cuBLAS path
+    exec.backend().synchronize();
+    let launches = exec.backend().kernel_launches();
+    let stream = &exec.backend().device().stream;
+    stream.context().bind_to_thread().expect("bind the context");
+    // SAFETY: plain driver calls on the bound context; they only mark the profiled range.
+    unsafe { cudarc::driver::sys::cuProfilerStart() }
+        .result()
+        .expect("cuProfilerStart");
+    for i in 1..=PROFILED_STEPS {
+        seqs.step(&mut exec, context + i);
+    }
+    exec.backend().synchronize();
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::cuProfilerStop() }
+        .result()
+        .expect("cuProfilerStop");
+    println!(
+        "profiled {PROFILED_STEPS} decode step(s) of {model} (batch 1, {context}-token context, linear layers through {linear:?}): {} kernel launches per step",
+        (exec.backend().kernel_launches() - launches) / PROFILED_STEPS as u64
+    );
+}
+
 /// A `len`-token lease's KV between device and host memory, as a prefill node copies it out
 /// (`read_blocks` into the page-locked buffer `host_buffer` lends: batches of blocks per
 /// gather kernel and copy; and the same into heap memory) and a decode node copies it in
@@ -439,7 +518,21 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let out = std::path::PathBuf::from(args.next().expect("usage: gpu_bench OUT_DIR [MODEL...]"));
+    let first = args.next().expect(USAGE);
+    if first == "--profile-decode" {
+        let model = args.next().expect(USAGE);
+        let linear = match args.next().as_deref() {
+            Some("cublas") => SmallBatchLinear::Cublas,
+            Some("kernel") => SmallBatchLinear::Kernel,
+            _ => {
+                eprintln!("{USAGE}");
+                std::process::exit(2);
+            }
+        };
+        profile_decode(&model, linear, &Sizes::from_env());
+        return;
+    }
+    let out = std::path::PathBuf::from(first);
     let mut models: Vec<String> = args.collect();
     if models.is_empty() {
         models = vec!["synthetic:qwen3-0.6b".into(), "synthetic:qwen3-8b".into()];
@@ -471,16 +564,21 @@ fn main() {
     std::fs::create_dir_all(&out).expect("out dir");
     let path = out.join("gpu_bench.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report).expect("json")).expect("write");
-
-    println!(
+    // The table, printed last (scripts/gpu-check.sh prints it again at its very end).
+    let mut table = String::new();
+    writeln!(
+        table,
         "\n{gpu}: copy {:.0} GB/s (read + write), bf16 GEMM {:.0} TFLOP/s",
         bandwidth / 1e9,
         flops / 1e12
-    );
-    println!(
+    )
+    .expect("writing to a String");
+    writeln!(
+        table,
         "{:<22} {:<16} {:>12} {:>14} {:>10} {:>12} {:>12}",
         "model", "phase", "tokens/s", "of ceiling", "graphs", "gemv kernel", "+ graphs"
-    );
+    )
+    .expect("writing to a String");
     // A decode figure that may be absent: the graphs fell back, or the kernel takes no batch
     // this large.
     let maybe = |v: &Value, absent: &str| match v.as_f64() {
@@ -490,7 +588,8 @@ fn main() {
     for m in &results {
         let name = m["model"].as_str().unwrap_or("?");
         for d in m["decode"].as_array().into_iter().flatten() {
-            println!(
+            writeln!(
+                table,
                 "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10} {:>12} {:>12}",
                 name,
                 format!("decode b={}", d["batch"]),
@@ -499,20 +598,24 @@ fn main() {
                 maybe(&d["graphs_tokens_per_s"], "failed"),
                 maybe(&d["gemv_kernel_tokens_per_s"], "-"),
                 maybe(&d["gemv_kernel_graphs_tokens_per_s"], "-"),
-            );
+            )
+            .expect("writing to a String");
         }
         for p in m["prefill"].as_array().into_iter().flatten() {
-            println!(
+            writeln!(
+                table,
                 "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
                 name,
                 format!("prefill {}", p["tokens"]),
                 p["tokens_per_s"].as_f64().unwrap_or(0.0),
                 100.0 * p["gemm_fraction"].as_f64().unwrap_or(0.0),
                 "-"
-            );
+            )
+            .expect("writing to a String");
         }
         for a in m["attention"].as_array().into_iter().flatten() {
-            println!(
+            writeln!(
+                table,
                 "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
                 name,
                 format!(
@@ -523,12 +626,14 @@ fn main() {
                 a["tokens"].as_f64().unwrap_or(0.0) / (a["ms"].as_f64().unwrap_or(1.0) / 1e3),
                 100.0 * a["gemm_fraction"].as_f64().unwrap_or(0.0),
                 "-"
-            );
+            )
+            .expect("writing to a String");
         }
     }
     for m in &results {
         let k = &m["kv_transfer"];
-        println!(
+        writeln!(
+        table,
             "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched (page-locked, as a lease), {:.2} into heap memory, {:.2} one block at a time; host -> device {:.2} / {:.2}; the copy alone into pageable memory {:.2} GB/s, into page-locked {:.2}",
             m["model"].as_str().unwrap_or("?"),
             k["tokens"],
@@ -541,10 +646,15 @@ fn main() {
             k["in_per_block_gb_s"].as_f64().unwrap_or(0.0),
             k["dtoh_pageable_gb_s"].as_f64().unwrap_or(0.0),
             k["dtoh_pinned_gb_s"].as_f64().unwrap_or(0.0),
-        );
+        )
+        .expect("writing to a String");
     }
-    println!(
+    writeln!(
+        table,
         "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager and with graphs; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
         path.display()
-    );
+    )
+    .expect("writing to a String");
+    print!("{table}");
+    std::fs::write(out.join("table.txt"), &table).expect("write the table");
 }

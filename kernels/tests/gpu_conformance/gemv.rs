@@ -8,7 +8,9 @@ use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::{CudaTensor, CudaWeight, SmallBatchLinear};
 
-use super::{assert_same, enabled, narrow, stacked_and_single, unit, upload_matrix, widen};
+use super::{
+    Layer0Projections, assert_same, enabled, layer0_projections, narrow, unit, upload_matrix, widen,
+};
 
 /// A random `[n, k]` matrix in `dtype`, uploaded from a real safetensors file; also its
 /// stored values, widened.
@@ -137,33 +139,16 @@ fn norm_fused_kernels_equal_the_separate_ops() {
     let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
     gpu.set_small_batch_linear(SmallBatchLinear::Kernel);
     let h = c.hidden_size;
-    let (q, kv) = (
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-    );
     let load = |name: &str, shape: &[usize]| {
         gpu.load_weight(name, ckpt.tensor(name, shape).expect("tensor"))
             .expect("upload")
     };
-    let (stacked_qkv, single_qkv) = stacked_and_single(
-        &gpu,
-        &ckpt,
-        [
-            ("self_attn.q_proj", q),
-            ("self_attn.k_proj", kv),
-            ("self_attn.v_proj", kv),
-        ],
-        h,
-    );
-    let (stacked_mlp, single_mlp) = stacked_and_single(
-        &gpu,
-        &ckpt,
-        [
-            ("mlp.gate_proj", c.intermediate_size),
-            ("mlp.up_proj", c.intermediate_size),
-        ],
-        h,
-    );
+    let Layer0Projections {
+        stacked_qkv,
+        single_qkv,
+        stacked_mlp,
+        single_mlp,
+    } = layer0_projections(&gpu, &ckpt, c);
     let input_norm = load("model.layers.0.input_layernorm.weight", &[h]);
     let post_norm = load("model.layers.0.post_attention_layernorm.weight", &[h]);
     let down = load(

@@ -352,6 +352,51 @@ fn stacked_and_single<const N: usize>(
     (stacked, single)
 }
 
+/// Layer 0's q/k/v and gate/up projections, each uploaded side by side and one by one
+/// ([`stacked_and_single`]).
+struct Layer0Projections {
+    stacked_qkv: [CudaWeight; 3],
+    single_qkv: [CudaWeight; 3],
+    stacked_mlp: [CudaWeight; 2],
+    single_mlp: [CudaWeight; 2],
+}
+
+fn layer0_projections(
+    gpu: &CudaBackend,
+    ckpt: &Checkpoint,
+    c: &pd_engine::config::ModelConfig,
+) -> Layer0Projections {
+    let (q, kv) = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let (stacked_qkv, single_qkv) = stacked_and_single(
+        gpu,
+        ckpt,
+        [
+            ("self_attn.q_proj", q),
+            ("self_attn.k_proj", kv),
+            ("self_attn.v_proj", kv),
+        ],
+        c.hidden_size,
+    );
+    let (stacked_mlp, single_mlp) = stacked_and_single(
+        gpu,
+        ckpt,
+        [
+            ("mlp.gate_proj", c.intermediate_size),
+            ("mlp.up_proj", c.intermediate_size),
+        ],
+        c.hidden_size,
+    );
+    Layer0Projections {
+        stacked_qkv,
+        single_qkv,
+        stacked_mlp,
+        single_mlp,
+    }
+}
+
 /// q/k/v and gate/up uploaded side by side (`load_stacked`: one GEMM, its columns split into
 /// views) give bit for bit the products of the same matrices uploaded one by one (one GEMM
 /// each), and the ops that read those views (q/k norm + RoPE, SiLU-and-multiply and the down
@@ -367,34 +412,17 @@ fn stacked_projections_equal_one_by_one() {
         let ckpt = Checkpoint::open(&files.dir).expect("checkpoint");
         let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
         let h = c.hidden_size;
-        let (q, kv) = (
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-        );
+        let Layer0Projections {
+            stacked_qkv,
+            single_qkv,
+            stacked_mlp,
+            single_mlp,
+        } = layer0_projections(&gpu, &ckpt, c);
         let load = |what: &str, shape: &[usize]| {
             let n = format!("model.layers.0.{what}.weight");
             gpu.load_weight(&n, ckpt.tensor(&n, shape).expect("tensor"))
                 .expect("upload")
         };
-        let (stacked_qkv, single_qkv) = stacked_and_single(
-            &gpu,
-            &ckpt,
-            [
-                ("self_attn.q_proj", q),
-                ("self_attn.k_proj", kv),
-                ("self_attn.v_proj", kv),
-            ],
-            h,
-        );
-        let (stacked_mlp, single_mlp) = stacked_and_single(
-            &gpu,
-            &ckpt,
-            [
-                ("mlp.gate_proj", c.intermediate_size),
-                ("mlp.up_proj", c.intermediate_size),
-            ],
-            h,
-        );
         let norm = load("input_layernorm", &[h]);
         let (q_norm, k_norm) = (
             load("self_attn.q_norm", &[c.head_dim]),
