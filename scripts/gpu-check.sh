@@ -11,9 +11,11 @@
 #                                       shapes and KV types), once more with
 #                                       PD_CUDA_ATTENTION=f32 if it failed, and the
 #                                       qwen3-0.6b checks with PD_CUDA_GEMV=kernel,
+#                                       then with PD_CUDA_PDL=on too,
 #                                       (b) the benchmark (copy and GEMM ceilings, decode at
 #                                       batch 1/8/64 eagerly and with CUDA graphs, batches
-#                                       1/8 again through the gemv16 kernel, prefill of
+#                                       1/8 again through the gemv16 kernels (eager,
+#                                       graphs, graphs + PDL), prefill of
 #                                       2,048 and 8,192 tokens, one layer's prefill attention
 #                                       on each kernel) on synthetic:qwen3-0.6b and
 #                                       synthetic:qwen3-8b,
@@ -76,6 +78,13 @@ run)
     PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture \
         qwen3_0_6b decode_graphs small_batch 2>&1 | tee "$out/conformance-gemv-kernel.log"
     gemv=${PIPESTATUS[0]}
+    # And once more with the GEMV kernels launched programmatically dependent on the kernel
+    # before them (PD_CUDA_PDL=on: the benchmark's "+ PDL" column): a kernel that read its
+    # input before its wait would race with its predecessor here, which no emulator shows.
+    echo "== (a''') the same with PD_CUDA_PDL=on"
+    PD_CUDA_PDL=on PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 \
+        --nocapture qwen3_0_6b decode_graphs norm_fused 2>&1 | tee "$out/conformance-pdl.log"
+    pdl=${PIPESTATUS[0]}
     echo "== (b) benchmark"
     "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
     bench=${PIPESTATUS[0]}
@@ -103,8 +112,8 @@ run)
     # The benchmark's table once more, last.
     [ -f "$out/table.txt" ] && cat "$out/table.txt"
     set -e
-    echo "conformance exit $conformance, with the gemv16 kernel $gemv, benchmark exit $bench"
-    [ "$conformance" -eq 0 ] && [ "$gemv" -eq 0 ] && [ "$bench" -eq 0 ]
+    echo "conformance exit $conformance, with the gemv16 kernels $gemv, with PDL $pdl, benchmark exit $bench"
+    [ "$conformance" -eq 0 ] && [ "$gemv" -eq 0 ] && [ "$pdl" -eq 0 ] && [ "$bench" -eq 0 ]
     ;;
 *)
     echo "usage: scripts/gpu-check.sh build | run OUT_DIR" >&2

@@ -605,3 +605,33 @@ API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
         check_guards(name.c_str());
     });
 }
+
+// The launch with attributes. Only programmatic stream serialization (attribute 6, Hopper's
+// programmatic dependent launch) is accepted: the GEMV kernels ask for it with
+// PD_CUDA_PDL=on. Kernels run one after another here, so the attribute changes nothing but
+// is checked, and the launch is otherwise cuLaunchKernel's.
+struct LaunchAttribute {
+    int id;
+    int pad;
+    int value[16];  // CUlaunchAttributeValue: a 64-byte union
+};
+struct LaunchConfig {
+    unsigned gx, gy, gz, bx, by, bz, shared;
+    void* stream;
+    LaunchAttribute* attrs;
+    unsigned num_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute's layout");
+API CUresult cuLaunchKernelEx(const LaunchConfig* c, void* f, void** params, void** extra) {
+    const std::string name = static_cast<Kernel*>(f)->name;
+    for (unsigned i = 0; i < c->num_attrs; ++i) {
+        const LaunchAttribute& a = c->attrs[i];
+        if (a.id != 6 || (a.value[0] != 0 && a.value[0] != 1)) {
+            return fail(CUDA_ERROR_INVALID_VALUE,
+                        name + ": launch attribute " + std::to_string(a.id) + " = " +
+                            std::to_string(a.value[0]) + " unsupported");
+        }
+    }
+    return cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shared, c->stream,
+                          params, extra);
+}

@@ -11,8 +11,9 @@
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
 //! launches, then replaying CUDA graphs (`--cuda-graphs on`); the "graphs" column is the
 //! second's tokens/s, or why it fell back to eager launches. Batches of up to 8 run both
-//! again with the linear layers through the `gemv16` kernel instead of cuBLAS
-//! (`PD_CUDA_GEMV=kernel`): the "gemv kernel" and "+ graphs" columns.
+//! again with the linear layers through the `gemv16` kernels instead of cuBLAS
+//! (`PD_CUDA_GEMV=kernel`): the "gemv kernel" and "+ graphs" columns, and with graphs
+//! whose GEMV kernels are launched programmatically dependent (`PD_CUDA_PDL=on`): "+ PDL".
 //!
 //! `gpu_bench --profile-decode MODEL cublas|kernel` instead runs one batch-1 decode step
 //! inside a profiler range, for Nsight Compute to break down ([`profile_decode`]).
@@ -314,11 +315,13 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             }
             t.elapsed().as_secs_f64() / decode_steps as f64
         };
-        // Eager and with graphs, through cuBLAS and (for batches it takes) through the
-        // gemv16 kernel (`PD_CUDA_GEMV=kernel`); every run starts at the same position, so
-        // all four read the same context. None where graphs fell back to eager launches.
-        let mut run = |linear: SmallBatchLinear, graphs: bool| {
+        // Eager and with graphs, through cuBLAS and (for batches they take) through the
+        // gemv16 kernels (`PD_CUDA_GEMV=kernel`), those also with graphs and programmatic
+        // dependent launch (`PD_CUDA_PDL=on`); every run starts at the same position, so all
+        // read the same context. None where graphs fell back to eager launches.
+        let mut run = |linear: SmallBatchLinear, graphs: bool, pdl: bool| {
             exec.backend().set_small_batch_linear(linear);
+            exec.backend().set_programmatic_launch(pdl);
             exec.set_decode_graphs(
                 graphs.then(|| DecodeGraphs::new(max_batch, max_model_len, BLOCK)),
             );
@@ -327,18 +330,20 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             exec.set_decode_graphs(None);
             ok.then_some(secs)
         };
-        let secs = run(SmallBatchLinear::Cublas, false).expect("eager steps");
-        let graph_secs = run(SmallBatchLinear::Cublas, true);
-        let (kernel_secs, kernel_graph_secs) = if batch <= GEMV_MAX_ROWS {
+        let secs = run(SmallBatchLinear::Cublas, false, false).expect("eager steps");
+        let graph_secs = run(SmallBatchLinear::Cublas, true, false);
+        let (kernel_secs, kernel_graph_secs, kernel_pdl_secs) = if batch <= GEMV_MAX_ROWS {
             (
-                run(SmallBatchLinear::Kernel, false),
-                run(SmallBatchLinear::Kernel, true),
+                run(SmallBatchLinear::Kernel, false, false),
+                run(SmallBatchLinear::Kernel, true, false),
+                run(SmallBatchLinear::Kernel, true, true),
             )
         } else {
-            (None, None)
+            (None, None, None)
         };
         exec.backend()
             .set_small_batch_linear(SmallBatchLinear::Cublas);
+        exec.backend().set_programmatic_launch(false);
         // Bytes of one step: every weight once plus each sequence's K and V, as stored
         // (`--kv-cache-dtype auto`: the model's dtype).
         let kv_bytes = (batch * (decode_context + decode_steps / 2)) as f64
@@ -357,6 +362,8 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             "gemv_kernel_bandwidth_fraction": kernel_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
             "gemv_kernel_graphs_tokens_per_s": kernel_graph_secs.map(|t| batch as f64 / t),
             "gemv_kernel_graphs_bandwidth_fraction": kernel_graph_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
+            "gemv_kernel_graphs_pdl_tokens_per_s": kernel_pdl_secs.map(|t| batch as f64 / t),
+            "gemv_kernel_graphs_pdl_bandwidth_fraction": kernel_pdl_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
         }));
     }
 
@@ -575,8 +582,8 @@ fn main() {
     .expect("writing to a String");
     writeln!(
         table,
-        "{:<22} {:<16} {:>12} {:>14} {:>10} {:>12} {:>12}",
-        "model", "phase", "tokens/s", "of ceiling", "graphs", "gemv kernel", "+ graphs"
+        "{:<22} {:<16} {:>12} {:>14} {:>10} {:>12} {:>12} {:>12}",
+        "model", "phase", "tokens/s", "of ceiling", "graphs", "gemv kernel", "+ graphs", "+ PDL"
     )
     .expect("writing to a String");
     // A decode figure that may be absent: the graphs fell back, or the kernel takes no batch
@@ -590,7 +597,7 @@ fn main() {
         for d in m["decode"].as_array().into_iter().flatten() {
             writeln!(
                 table,
-                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10} {:>12} {:>12}",
+                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10} {:>12} {:>12} {:>12}",
                 name,
                 format!("decode b={}", d["batch"]),
                 d["tokens_per_s"].as_f64().unwrap_or(0.0),
@@ -598,6 +605,7 @@ fn main() {
                 maybe(&d["graphs_tokens_per_s"], "failed"),
                 maybe(&d["gemv_kernel_tokens_per_s"], "-"),
                 maybe(&d["gemv_kernel_graphs_tokens_per_s"], "-"),
+                maybe(&d["gemv_kernel_graphs_pdl_tokens_per_s"], "-"),
             )
             .expect("writing to a String");
         }
@@ -651,7 +659,7 @@ fn main() {
     }
     writeln!(
         table,
-        "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager and with graphs; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
+        "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager, with graphs, and with graphs and PD_CUDA_PDL=on; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
         path.display()
     )
     .expect("writing to a String");

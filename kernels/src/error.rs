@@ -65,4 +65,6 @@ pub enum CudaError {
     BadAttentionSetting(String),
     #[error("PD_CUDA_GEMV={0}: expected cublas or kernel")]
     BadGemvSetting(String),
+    #[error("PD_CUDA_PDL={0}: expected on or off")]
+    BadPdlSetting(String),
 }

@@ -67,6 +67,24 @@ __device__ __forceinline__ float load_weight(const void* w, int dtype, unsigned 
     return ((const float*)w)[i];
 }
 
+// Programmatic dependent launch (sm_90 and later; elsewhere, and on pd-cuda-emu, nothing):
+// a kernel launched with the programmatic-stream-serialization attribute may start before
+// the kernel ahead of it in the stream has finished, once every block of that one has called
+// allow_dependents_to_launch (or exited); it must call wait_for_inputs before it reads what
+// an earlier kernel writes, or writes anything. Kernels launched without it, and kernels with
+// no dependent launched so, are unaffected by either (gemv.cu, pdl.rs).
+__device__ __forceinline__ void allow_dependents_to_launch() {
+#if !defined(PD_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_inputs() {
+#if !defined(PD_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = WARP / 2; o > 0; o /= 2) {

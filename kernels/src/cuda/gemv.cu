@@ -10,6 +10,14 @@
 // flight: the next round is issued before the current one is multiplied. Requires `k` a
 // multiple of 8 and `x`, `w` 16-byte aligned (the Rust side checks and otherwise uses cuBLAS).
 //
+// Programmatic dependent launch (Hopper; `PD_CUDA_PDL=on`): launched so, a GEMV kernel may
+// start while the kernel before it in the stream is still finishing (once every block of
+// that kernel has started and said so: `allow_dependents_to_launch`, which the GEMV kernels
+// and paged_attention do first). Its weights do not depend on that kernel, so each warp
+// issues its first weight loads at once and only then waits for the previous kernel's
+// results (`wait_for_inputs`) before it reads its input rows or writes anything. Launched
+// without the attribute, both are no-ops.
+//
 // Two fused forms save a launch each in every layer of a decode step (at batch 1 a small
 // model's step is otherwise bound by its ~9 launches per layer, not by its weights):
 // - gemv16_norm: the input is the residual stream `h` (f32); the block first computes the
@@ -122,6 +130,9 @@ __device__ __forceinline__ void gemv_body(const unsigned short* x, const float* 
                                           const float* gamma, float eps, const unsigned short* w,
                                           float* out, unsigned short* out16, int dtype, int rows,
                                           int n_out, int k, int accumulate) {
+    // Every block of this grid has started: the next GEMV may be scheduled into the SMs as
+    // this one's blocks finish, and stream its weights meanwhile.
+    allow_dependents_to_launch();
     const int lane = threadIdx.x % WARP;
     const int col = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP;
     const bool active = col < n_out;
@@ -142,6 +153,8 @@ __device__ __forceinline__ void gemv_body(const unsigned short* x, const float* 
             if (p + WARP < packs) b[c] = load_streamed(wcol[c] + p + WARP);
         }
     }
+    // Nothing above reads what an earlier kernel writes, nor writes anything.
+    wait_for_inputs();
     const Pack8* xp = (const Pack8*)x;
     if (NORM) {
         extern __shared__ float smem[];

@@ -6,10 +6,11 @@
 //! it ([`NormedRows`]). Does not cover prefill-sized products (cuBLAS's tensor-core GEMMs) or
 //! f32 weights; which ops use the fused forms is [`super::linear`]'s business.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 use super::CudaBackend;
 use super::gemm::{GemmType, Product};
+use super::pdl::arg;
 use crate::CudaError;
 
 /// Most rows one launch multiplies (`GEMV_MAX_ROWS` in gemv.cu).
@@ -90,36 +91,40 @@ impl CudaBackend {
         let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
         let (rows, n, k) = (dim(p.rows), dim(p.n), dim(p.k));
         let accumulate = i32::from(p.accumulate);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.gemv16);
-        b.arg(&p.x)
-            .arg(&p.w)
-            .arg(&p.out)
-            .arg(&dtype)
-            .arg(&rows)
-            .arg(&n)
-            .arg(&k)
-            .arg(&accumulate);
-        self.launch("gemv16", b, launch(p.n, 0));
+        let mut args = [
+            arg(&p.x),
+            arg(&p.w),
+            arg(&p.out),
+            arg(&dtype),
+            arg(&rows),
+            arg(&n),
+            arg(&k),
+            arg(&accumulate),
+        ];
+        // SAFETY: gemv16's parameters, in order; the caller checked `eligible` and keeps the
+        // operands alive until the launch is queued; the kernel waits before its reads of x.
+        unsafe {
+            self.launch_dependent(
+                "gemv16",
+                &self.dev.kernels.gemv16,
+                launch(p.n, 0),
+                &mut args,
+            )
+        };
     }
 
     /// `out [rows, n] = rms_norm(input) · wᵀ` by `gemv16_norm`; the caller checked
     /// [`norm_eligible`].
     pub(super) fn gemv16_norm(&self, input: &NormedRows, ty: GemmType, w: u64, n: usize, out: u64) {
-        let (dtype, rows, n_i, k) = launch_dims(ty, input, n);
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.gemv16_norm);
-        b.arg(&input.h)
-            .arg(&input.gamma)
-            .arg(&input.eps)
-            .arg(&w)
-            .arg(&out)
-            .arg(&dtype)
-            .arg(&rows)
-            .arg(&n_i)
-            .arg(&k);
-        self.launch("gemv16_norm", b, launch(n, input.rows * input.k * 2));
+        self.launch_normed(
+            "gemv16_norm",
+            &self.dev.kernels.gemv16_norm,
+            input,
+            ty,
+            w,
+            n,
+            out,
+        );
     }
 
     /// `out16 [rows, inter] = silu(x · gateᵀ) · (x · upᵀ)` in `ty`, `x = rms_norm(input)`, by
@@ -133,32 +138,42 @@ impl CudaBackend {
         inter: usize,
         out16: u64,
     ) {
-        let (dtype, rows, inter_i, k) = launch_dims(ty, input, inter);
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.gemv16_norm_silu);
-        b.arg(&input.h)
-            .arg(&input.gamma)
-            .arg(&input.eps)
-            .arg(&w)
-            .arg(&out16)
-            .arg(&dtype)
-            .arg(&rows)
-            .arg(&inter_i)
-            .arg(&k);
-        self.launch(
-            "gemv16_norm_silu",
-            b,
-            launch(inter, input.rows * input.k * 2),
-        );
+        let f = &self.dev.kernels.gemv16_norm_silu;
+        self.launch_normed("gemv16_norm_silu", f, input, ty, w, inter, out16);
     }
-}
 
-/// The kernels' dtype code and `(rows, n, k)` as their `int` arguments.
-fn launch_dims(ty: GemmType, input: &NormedRows, n: usize) -> (i32, i32, i32, i32) {
-    let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
-    (dtype_code(ty), dim(input.rows), dim(n), dim(input.k))
+    /// One of the norm-fused kernels (they share their parameter list) over `columns`
+    /// output columns.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_normed(
+        &self,
+        name: &str,
+        func: &CudaFunction,
+        input: &NormedRows,
+        ty: GemmType,
+        w: u64,
+        columns: usize,
+        out: u64,
+    ) {
+        let dim = |v: usize| i32::try_from(v).expect("GEMV dimension fits in i32");
+        let (dtype, rows, cols, k) = (dtype_code(ty), dim(input.rows), dim(columns), dim(input.k));
+        let mut args = [
+            arg(&input.h),
+            arg(&input.gamma),
+            arg(&input.eps),
+            arg(&w),
+            arg(&out),
+            arg(&dtype),
+            arg(&rows),
+            arg(&cols),
+            arg(&k),
+        ];
+        let cfg = launch(columns, input.rows * input.k * 2);
+        // SAFETY: the norm-fused kernels' parameters, in order; the caller checked
+        // `norm_eligible` and keeps the buffers alive until the launch is queued; the kernels
+        // wait before they read h.
+        unsafe { self.launch_dependent(name, func, cfg, &mut args) };
+    }
 }
 
 fn dtype_code(ty: GemmType) -> i32 {

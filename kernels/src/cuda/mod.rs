@@ -21,6 +21,7 @@ mod gemv;
 mod graph;
 mod linear;
 pub mod modules;
+mod pdl;
 mod pinned;
 pub mod plan;
 mod qk;
@@ -91,6 +92,10 @@ pub struct CudaBackend {
     pinned: Arc<PinnedPool>,
     /// Kernel launches issued so far ([`CudaBackend::kernel_launches`]).
     launches: AtomicU64,
+    /// Whether the GEMV kernels are launched programmatically dependent on the kernel
+    /// before them (`PD_CUDA_PDL=on`, [`pdl`]), and how many were.
+    programmatic: AtomicBool,
+    programmatic_launches: AtomicU64,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -144,6 +149,7 @@ impl CudaBackend {
             Ok(v) => return Err(CudaError::BadAttentionSetting(v)),
         };
         let small_batch_linear = SmallBatchLinear::from_env()?;
+        let programmatic = pdl::from_env()?;
         let dev = Device::open(ordinal)?;
         tracing::info!(
             device = %format!("cuda:{ordinal}"),
@@ -174,6 +180,8 @@ impl CudaBackend {
             gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
             pinned,
             launches: AtomicU64::new(0),
+            programmatic: AtomicBool::new(programmatic),
+            programmatic_launches: AtomicU64::new(0),
         })
     }
 
@@ -207,6 +215,36 @@ impl CudaBackend {
             SmallBatchLinear::Kernel
         } else {
             SmallBatchLinear::Cublas
+        }
+    }
+
+    /// Launch the GEMV kernels programmatically dependent on the kernel before them
+    /// (Hopper's programmatic dependent launch; ignored below compute capability 9.0) from
+    /// the next step on; `open` takes it from `PD_CUDA_PDL`. Decode graphs captured the
+    /// other way are dropped and captured again. For benchmarks and tests; call it between
+    /// steps.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        if self.programmatic.swap(on, Ordering::Relaxed) != on {
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// Whether programmatic dependent launch is asked for (`PD_CUDA_PDL=on`).
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
+    }
+
+    /// Kernel launches issued with the programmatic-dependence attribute (a subset of
+    /// [`Self::kernel_launches`]).
+    pub fn programmatic_launches(&self) -> u64 {
+        self.programmatic_launches.load(Ordering::Relaxed)
+    }
+
+    /// Count one launch about to be issued.
+    fn count_launch(&self, programmatic: bool) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        if programmatic {
+            self.programmatic_launches.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -305,7 +343,7 @@ impl CudaBackend {
     }
 
     fn launch(&self, name: &str, mut args: LaunchArgs<'_>, cfg: LaunchConfig) {
-        self.launches.fetch_add(1, Ordering::Relaxed);
+        self.count_launch(false);
         // SAFETY: each call site passes the arguments its kernel declares, in order, with
         // buffers sized for the grid it launches.
         if let Err(e) = unsafe { args.launch(cfg) } {

@@ -1,7 +1,8 @@
 //! The `gemv16` kernels (`PD_CUDA_GEMV=kernel`): the plain product against a host reference
 //! and against cuBLAS, for every decode batch size it takes (1-8 rows), both 16-bit types,
 //! widths that leave a partial last round of loads, and the residual-accumulating form; the
-//! norm-fused forms against the separate ops.
+//! norm-fused forms against the separate ops, and all of them launched programmatically
+//! dependent (`PD_CUDA_PDL=on`) against the ordinary launch.
 
 use pd_engine::backend::{Backend, NormMlp};
 use pd_engine::weights::{Checkpoint, DType};
@@ -127,7 +128,8 @@ fn small_batch_kernel_matches_the_host_and_cublas() {
 /// before q/k/v (one launch instead of four), the MLP block (two instead of four) and the
 /// final norm before the logits (one instead of three), at 1, 5 and 8 rows, on the
 /// qwen3-0.6b shape's own weights. The separate ops run when the projections are uploaded
-/// one by one, which the fused kernels do not take.
+/// one by one, which the fused kernels do not take. Launched with programmatic dependence
+/// (`PD_CUDA_PDL=on`), the fused kernels give the same bits again.
 #[test]
 fn norm_fused_kernels_equal_the_separate_ops() {
     if !enabled("norm_fused_kernels_equal_the_separate_ops") {
@@ -210,6 +212,26 @@ fn norm_fused_kernels_equal_the_separate_ops() {
             relative(&added, &host) > 1e-3,
             "{rows} rows: the MLP's product was added to the residual"
         );
+
+        // The same kernels launched programmatically dependent on the one before them
+        // (`PD_CUDA_PDL=on`; compute capability 9.0 and later): the same bits.
+        gpu.set_programmatic_launch(true);
+        let before = gpu.programmatic_launches();
+        let mut c = x();
+        gpu.norm_mlp_add(&mut c, &mlp_stacked);
+        let qkv = gpu.norm_linear_shared(&x(), &input_norm, h, eps, stacked_qkv.each_ref());
+        gpu.set_programmatic_launch(false);
+        let dependent = if gpu.device().cc.major >= 9 { 3 } else { 0 };
+        assert_eq!(
+            gpu.programmatic_launches() - before,
+            dependent,
+            "{rows} rows: launches with the programmatic-dependence attribute"
+        );
+        assert_same(&format!("{rows} rows: residual + MLP, PDL"), &gpu, &c, &a);
+        for (i, what) in ["q", "k", "v"].iter().enumerate() {
+            let fused = &fused.as_ref().unwrap()[i];
+            assert_same(&format!("{rows} rows: {what}, PDL"), &gpu, &qkv[i], fused);
+        }
 
         let (mut fused, mut apart) = (None, None);
         let n = launches(&mut || {
