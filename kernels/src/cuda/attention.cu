@@ -5,8 +5,12 @@
 // - grid.y: KV heads; the block computes every query head of that KV head's group (GQA), so
 //   a K/V tile loaded once serves group * rows (query row, head) pairs;
 // - grid.z: key splits (split-K). Long contexts with few work items (decode) are cut into
-//   `keys_per_split` ranges; the last split of an (item, KV head) to finish merges the
-//   partial results of all of them (merge_splits), so split-K costs no second launch.
+//   ranges: each item spreads its own keys evenly, in whole tiles, over as many of the
+//   launch's splits as its length has `min_keys_per_split` keys (plan.rs `keys_per_split`),
+//   so a short context in a launch shaped for a long one (a decode graph's) is split as its
+//   own length asks; the last split
+//   of an (item, KV head) to finish merges the partial results of all of them
+//   (merge_splits), so split-K costs no second launch.
 // Within a tile each lane owns one key for the q.k dot products, then owns head_dim / 32
 // output dimensions for the p.V accumulation. Arithmetic is f32 on CUDA cores. The work
 // items' metadata: `attn_item` (common.cuh).
@@ -78,7 +82,7 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
                 const unsigned int* block_tables, const int* items, const int* seqs,
                 float* out, unsigned short* out16, int out_dtype, float* part_acc,
                 float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads,
-                int head_dim, int block_size, int rows_per_item, int keys_per_split,
+                int head_dim, int block_size, int rows_per_item, int min_keys_per_split,
                 float scale) {
     // The o_proj GEMV after it may start streaming its weights (PD_CUDA_PDL, common.cuh).
     allow_dependents_to_launch();
@@ -101,6 +105,10 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
 
     // Keys this block may need: causal up to the item's last row, within this split.
     const int key_end_item = first_pos + rows_here;
+    const int used = min(splits, max(1, (key_end_item + min_keys_per_split - 1) /
+                                            max(1, min_keys_per_split)));
+    const int keys_per_split =
+        ((key_end_item + used - 1) / used + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
     const int k_begin = split * keys_per_split;
     const int k_end = min(key_end_item, k_begin + keys_per_split);
     const unsigned long long split_base = ((unsigned long long)item * num_kv_heads + kvh) * splits;

@@ -47,7 +47,7 @@ impl CudaBackend {
             items: p.num_items(),
             rows_per_item: p.rows_per_item,
             splits: p.splits,
-            keys_per_split: p.keys_per_split,
+            min_keys_per_split: p.min_keys_per_split,
         };
         (
             launch,
@@ -125,7 +125,7 @@ impl CudaBackend {
         let bs = kv.layout.block_size as i32;
         let kv_code = dtype_code(kv.dtype);
         let rows_per_item = p.rows_per_item as i32;
-        let keys_per_split = p.keys_per_split as i32;
+        let min_keys_per_split = p.min_keys_per_split as i32;
         // Both kernels take the same parameters (attention_mma ignores the split-K ones).
         let (function, name) = match kernel {
             AttentionKernel::CudaCores => (&self.dev.kernels.paged_attention, "paged_attention"),
@@ -150,7 +150,7 @@ impl CudaBackend {
             .arg(&hd)
             .arg(&bs)
             .arg(&rows_per_item)
-            .arg(&keys_per_split)
+            .arg(&min_keys_per_split)
             .arg(&meta.scale);
         let cfg = LaunchConfig {
             grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),

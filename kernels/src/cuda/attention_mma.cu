@@ -11,7 +11,7 @@
 //   to f16 straight from the S accumulators (their layout is the A fragment's).
 // - The output (f32 rows, or the o_proj GEMM's 16-bit input) is normalised at the end.
 // The parameters are paged_attention's, so one launch serves both kernels; the split-K ones
-// (part_acc, part_ml, split_counters, keys_per_split) are unused here.
+// (part_acc, part_ml, split_counters, min_keys_per_split) are unused here.
 // f16 rather than bf16 operands: 3 more mantissa bits at the same speed; scores and the
 // softmax stay f32. The lane layouts are the PTX ISA's for mma.m16n8k16 (see common.cuh):
 // lane = 4 * g + t holds rows g and g + 8 and columns 2t, 2t + 1 (+ 8) of each fragment.
@@ -29,7 +29,7 @@ attention_mma(const float* q, const void* kcache, const void* vcache, int kv_dty
               const unsigned int* block_tables, const int* items, const int* seqs, float* out,
               unsigned short* out16, int out_dtype, float* part_acc, float* part_ml,
               unsigned int* split_counters, int num_heads, int num_kv_heads, int head_dim,
-              int block_size, int rows_per_item, int keys_per_split, float scale) {
+              int block_size, int rows_per_item, int min_keys_per_split, float scale) {
     extern __shared__ float smem[];
     const int stride = head_dim + MMA_PAD;
     unsigned short* k_s = (unsigned short*)smem;  // [MMA_TILE][stride], key-major

@@ -56,7 +56,7 @@ pub(super) struct Launch {
     pub items: usize,
     pub rows_per_item: usize,
     pub splits: usize,
-    pub keys_per_split: usize,
+    pub min_keys_per_split: usize,
 }
 
 /// Device addresses of one bucket's staged inputs (see [`Layout`]) and its launch shape.
@@ -192,7 +192,7 @@ fn launch_shape(step: &DecodeGraphStep<'_>, num_sms: usize) -> Launch {
         items: p.num_items(),
         rows_per_item: p.rows_per_item,
         splits: p.splits,
-        keys_per_split: p.keys_per_split,
+        min_keys_per_split: p.min_keys_per_split,
     }
 }
 
@@ -504,6 +504,7 @@ mod tests {
         let s = step(&m, &[1], 2);
         let l = launch_shape(&s, 132);
         assert_eq!(l.items, 2);
-        assert!(l.splits * l.keys_per_split >= s.graphs.max_context);
+        let max = s.graphs.max_context;
+        assert!(l.splits * plan::keys_per_split(max, l.splits, l.min_keys_per_split) >= max);
     }
 }

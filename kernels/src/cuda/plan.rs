@@ -66,7 +66,9 @@ pub struct AttentionPlan {
     pub block_tables: Vec<u32>,
     pub rows_per_item: usize,
     pub splits: usize,
-    pub keys_per_split: usize,
+    /// The kernel's `min_keys_per_split`: each item's split ranges are
+    /// [`keys_per_split`]`(its keys, splits, this)`.
+    pub min_keys_per_split: usize,
 }
 
 impl AttentionPlan {
@@ -115,6 +117,17 @@ pub fn max_split_blocks(num_sms: usize) -> usize {
     2 * num_sms.max(1)
 }
 
+/// Keys each split of an item covers (`paged_attention`'s rule): the item's `keys` (causal:
+/// up to its last row) spread evenly, in whole tiles, over as many of the launch's `splits`
+/// as they hold `min` keys (at least one split). For the launch's longest item that is the
+/// plan's own division; a shorter item uses as many splits as its own length asks, so a
+/// decode graph's launch, shaped for the longest context the graph may see, does not leave
+/// a short context in one long split.
+pub fn keys_per_split(keys: usize, splits: usize, min: usize) -> usize {
+    let used = splits.min(keys.div_ceil(min.max(1))).max(1);
+    keys.div_ceil(used).div_ceil(TILE_KEYS).max(1) * TILE_KEYS
+}
+
 /// Plan `meta` for `kernel` on a device with `num_sms` multiprocessors.
 pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> AttentionPlan {
     let group = meta.num_heads / meta.num_kv_heads;
@@ -160,8 +173,10 @@ pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> At
             .min(max_keys.div_ceil(MIN_KEYS_PER_SPLIT))
             .min(MAX_SPLITS);
     }
-    let keys_per_split = max_keys.div_ceil(splits).div_ceil(TILE_KEYS).max(1) * TILE_KEYS;
-    let splits = max_keys.div_ceil(keys_per_split).max(1);
+    // No split of the longest item left empty.
+    let splits = max_keys
+        .div_ceil(keys_per_split(max_keys, splits, MIN_KEYS_PER_SPLIT))
+        .max(1);
     AttentionPlan {
         kernel,
         items,
@@ -169,7 +184,7 @@ pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> At
         block_tables,
         rows_per_item,
         splits,
-        keys_per_split,
+        min_keys_per_split: MIN_KEYS_PER_SPLIT,
     }
 }
 
@@ -219,12 +234,34 @@ mod tests {
             132,
         );
         assert!(p.splits > 1);
-        assert!(p.splits * p.keys_per_split >= 8192);
-        assert!(
-            (p.splits - 1) * p.keys_per_split < 8192,
-            "no split is empty"
-        );
-        assert_eq!(p.keys_per_split % TILE_KEYS, 0);
+        let kps = keys_per_split(8192, p.splits, p.min_keys_per_split);
+        assert!(p.splits * kps >= 8192);
+        assert!((p.splits - 1) * kps < 8192, "no split is empty");
+        assert_eq!(kps % TILE_KEYS, 0);
+    }
+
+    #[test]
+    fn each_item_spreads_its_own_keys_over_the_splits() {
+        // A launch of 32 splits (a decode graph's, shaped for 40,960 keys): a 512-key context
+        // takes two splits of 256 keys, not one of 1,280; a 40,000-key one all 32.
+        let min = MIN_KEYS_PER_SPLIT;
+        assert_eq!(keys_per_split(40_960, 32, min), 1280);
+        assert_eq!(keys_per_split(512, 32, min), 256);
+        assert_eq!(512usize.div_ceil(keys_per_split(512, 32, min)), 2);
+        assert_eq!(40_000usize.div_ceil(keys_per_split(40_000, 32, min)), 32);
+        // Evenly: 300 keys over 2 splits are 160 + 140, not 256 + 44.
+        assert_eq!(keys_per_split(300, 2, min), 160);
+        assert_eq!(keys_per_split(300, 32, min), 160);
+        // Whole tiles, at least one.
+        assert_eq!(keys_per_split(100, 8, 1), TILE_KEYS);
+        assert_eq!(keys_per_split(1, 1, min), TILE_KEYS);
+        assert_eq!(keys_per_split(33, 1, min), 2 * TILE_KEYS);
+        // Every key of every length is covered by the launch's splits.
+        for splits in [1, 2, 7, 32] {
+            for keys in [1, 31, 32, 255, 256, 257, 1000, 40_960] {
+                assert!(splits * keys_per_split(keys, splits, min) >= keys);
+            }
+        }
     }
 
     #[test]

@@ -56,7 +56,7 @@ struct Case {
     seqs: &'static [(usize, usize)],
 }
 
-const CASES: [Case; 5] = [
+const CASES: [Case; 6] = [
     // qwen3-0.6b's heads: a prompt, a chunk over 260 cached tokens and a decode row.
     Case {
         heads: 16,
@@ -96,6 +96,17 @@ const CASES: [Case; 5] = [
         head_dim: 32,
         block_size: 8,
         seqs: &[(65, 130)],
+    },
+    // Decode rows of three lengths beside a 16-token prompt: on the f32 kernel one split-K
+    // launch of 4 splits (for the 1,000-key context) in which each item spreads its own keys
+    // over the splits it needs (4 of 256, 2 of 160, 1 for the 40 keys and the prompt), the
+    // others empty.
+    Case {
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        seqs: &[(16, 16), (1, 1000), (1, 300), (1, 40)],
     },
 ];
 

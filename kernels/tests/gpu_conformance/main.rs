@@ -679,12 +679,12 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
 }
 
 /// Decode through captured CUDA graphs gives the logits of eager decode: a batch of 3 (the
-/// bucket of 4 has a padding row), 12 steps, the graph replayed from the second step on.
-fn graphs_match_eager(model: &str) {
+/// bucket of 4 has a padding row) with prompts of `prompts` tokens, 12 steps, the graph
+/// replayed from the second step on; graphs for contexts up to `per` blocks.
+fn graphs_match_eager(model: &str, prompts: [u32; 3], per: usize) {
     use pd_engine::backend::graph::DecodeGraphs;
 
     let files = files(model);
-    let per = 4;
     let blocks = 3 * per + 1;
     let mut eager = executor(CudaBackend::open(0, 0.4).expect("cuda:0"), &files, blocks);
     let mut graphs = executor(CudaBackend::open(0, 0.4).expect("cuda:0"), &files, blocks);
@@ -695,7 +695,7 @@ fn graphs_match_eager(model: &str) {
     let vocab = files.config.vocab_size as u32;
     let mut tokens: Vec<Vec<u32>> = (0..3u32)
         .map(|s| {
-            (0..9 + 5 * s)
+            (0..prompts[s as usize])
                 .map(|i| (i * 613 + s * 7 + 3) % vocab)
                 .collect()
         })
@@ -730,7 +730,10 @@ fn graphs_match_eager(model: &str) {
 #[test]
 fn decode_graphs_match_eager_decode() {
     if enabled("decode_graphs_match_eager_decode") {
-        graphs_match_eager("synthetic:tiny");
-        graphs_match_eager("synthetic:qwen3-0.6b");
+        graphs_match_eager("synthetic:tiny", [9, 14, 19], 4);
+        graphs_match_eager("synthetic:qwen3-0.6b", [9, 14, 19], 4);
+        // Graphs shaped for 2,048 keys (8 key splits) over contexts of ~300, ~40 and ~10:
+        // each sequence is split as its own length asks (2 splits, 1, 1), as eagerly.
+        graphs_match_eager("synthetic:tiny", [300, 40, 9], 128);
     }
 }
