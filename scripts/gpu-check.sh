@@ -15,7 +15,8 @@
 #                                       (b) the benchmark (copy and GEMM ceilings, decode at
 #                                       batch 1/8/64 eagerly and with CUDA graphs, batches
 #                                       1/8 again through the gemv16 kernels (eager,
-#                                       graphs, graphs + PDL), prefill of
+#                                       graphs, graphs + PDL) and with graphs at finer
+#                                       key splits (32/64/128 keys), prefill of
 #                                       2,048 and 8,192 tokens, one layer's prefill attention
 #                                       on each kernel) on synthetic:qwen3-0.6b and
 #                                       synthetic:qwen3-8b,

@@ -14,6 +14,8 @@
 //! again with the linear layers through the `gemv16` kernels instead of cuBLAS
 //! (`PD_CUDA_GEMV=kernel`): the "gemv kernel" and "+ graphs" columns, and with graphs
 //! whose GEMV kernels are launched programmatically dependent (`PD_CUDA_PDL=on`): "+ PDL".
+//! Those batches also run with graphs and key splits of at least 32, 64 and 128 keys
+//! (default 256): a line each under the table.
 //!
 //! `gpu_bench --profile-decode MODEL cublas|kernel` instead runs one batch-1 decode step
 //! inside a profiler range, for Nsight Compute to break down ([`profile_decode`]).
@@ -36,6 +38,7 @@ use pd_engine::sampling::DeviceSampling;
 use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::gemm::{self, GemmType, Product};
+use pd_kernels::cuda::plan::MIN_KEYS_PER_SPLIT;
 use pd_kernels::cuda::{CudaTensor, GEMV_MAX_ROWS, SmallBatchLinear};
 use serde_json::{Value, json};
 
@@ -319,9 +322,10 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
         // gemv16 kernels (`PD_CUDA_GEMV=kernel`), those also with graphs and programmatic
         // dependent launch (`PD_CUDA_PDL=on`); every run starts at the same position, so all
         // read the same context. None where graphs fell back to eager launches.
-        let mut run = |linear: SmallBatchLinear, graphs: bool, pdl: bool| {
+        let mut run = |linear: SmallBatchLinear, graphs: bool, pdl: bool, min_keys: usize| {
             exec.backend().set_small_batch_linear(linear);
             exec.backend().set_programmatic_launch(pdl);
+            exec.backend().set_min_keys_per_split(min_keys);
             exec.set_decode_graphs(
                 graphs.then(|| DecodeGraphs::new(max_batch, max_model_len, BLOCK)),
             );
@@ -330,20 +334,35 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             exec.set_decode_graphs(None);
             ok.then_some(secs)
         };
-        let secs = run(SmallBatchLinear::Cublas, false, false).expect("eager steps");
-        let graph_secs = run(SmallBatchLinear::Cublas, true, false);
+        let default_min = MIN_KEYS_PER_SPLIT;
+        let secs = run(SmallBatchLinear::Cublas, false, false, default_min).expect("eager steps");
+        let graph_secs = run(SmallBatchLinear::Cublas, true, false, default_min);
         let (kernel_secs, kernel_graph_secs, kernel_pdl_secs) = if batch <= GEMV_MAX_ROWS {
             (
-                run(SmallBatchLinear::Kernel, false, false),
-                run(SmallBatchLinear::Kernel, true, false),
-                run(SmallBatchLinear::Kernel, true, true),
+                run(SmallBatchLinear::Kernel, false, false, default_min),
+                run(SmallBatchLinear::Kernel, true, false, default_min),
+                run(SmallBatchLinear::Kernel, true, true, default_min),
             )
         } else {
             (None, None, None)
         };
+        // Decode attention is latency-bound at small batches: graphs again (cuBLAS) with
+        // finer key splits than the default, to choose `MIN_KEYS_PER_SPLIT` by.
+        let mut by_min_keys = serde_json::Map::new();
+        if batch <= GEMV_MAX_ROWS {
+            for min_keys in [32usize, 64, 128] {
+                let secs = run(SmallBatchLinear::Cublas, true, false, min_keys);
+                by_min_keys.insert(min_keys.to_string(), json!(secs.map(|t| batch as f64 / t)));
+            }
+            by_min_keys.insert(
+                default_min.to_string(),
+                json!(graph_secs.map(|t| batch as f64 / t)),
+            );
+        }
         exec.backend()
             .set_small_batch_linear(SmallBatchLinear::Cublas);
         exec.backend().set_programmatic_launch(false);
+        exec.backend().set_min_keys_per_split(default_min);
         // Bytes of one step: every weight once plus each sequence's K and V, as stored
         // (`--kv-cache-dtype auto`: the model's dtype).
         let kv_bytes = (batch * (decode_context + decode_steps / 2)) as f64
@@ -364,6 +383,7 @@ fn bench_model(model: &str, bandwidth: f64, flops: f64, sizes: &Sizes) -> Value 
             "gemv_kernel_graphs_bandwidth_fraction": kernel_graph_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
             "gemv_kernel_graphs_pdl_tokens_per_s": kernel_pdl_secs.map(|t| batch as f64 / t),
             "gemv_kernel_graphs_pdl_bandwidth_fraction": kernel_pdl_secs.map(|t| (weight_bytes + kv_bytes) / t / bandwidth),
+            "graphs_tokens_per_s_by_min_keys_per_split": by_min_keys,
         }));
     }
 
@@ -656,6 +676,30 @@ fn main() {
             k["dtoh_pinned_gb_s"].as_f64().unwrap_or(0.0),
         )
         .expect("writing to a String");
+    }
+    for m in &results {
+        for d in m["decode"].as_array().into_iter().flatten() {
+            let Some(by) = d["graphs_tokens_per_s_by_min_keys_per_split"].as_object() else {
+                continue;
+            };
+            if by.is_empty() {
+                continue;
+            }
+            let mut cells: Vec<(usize, String)> = by
+                .iter()
+                .map(|(k, v)| (k.parse().unwrap_or(0), maybe(v, "failed")))
+                .collect();
+            cells.sort();
+            let cells: Vec<String> = cells.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            writeln!(
+                table,
+                "{:<22} decode b={} with graphs, tokens/s by the least keys per split (default {MIN_KEYS_PER_SPLIT}): {}",
+                m["model"].as_str().unwrap_or("?"),
+                d["batch"],
+                cells.join(", ")
+            )
+            .expect("writing to a String");
+        }
     }
     writeln!(
         table,

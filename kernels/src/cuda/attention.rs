@@ -32,7 +32,8 @@ impl CudaBackend {
         let mut uploads = self.uploads.lock().expect("uploads lock");
         let cached = uploads.attention.as_ref();
         if cached.map(|(m, dp)| (m, dp.plan.kernel)) != Some((meta, kernel)) {
-            let plan = plan::plan(meta, kernel, self.dev.num_sms as usize);
+            let sms = self.dev.num_sms as usize;
+            let plan = plan::plan_with(meta, kernel, sms, self.min_keys_per_split());
             let device_plan = DevicePlan {
                 items: self.upload(&plan.items),
                 seqs: self.upload(&plan.seqs),

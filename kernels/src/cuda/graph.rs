@@ -175,7 +175,7 @@ fn stage(step: &DecodeGraphStep<'_>) -> Option<Vec<u32>> {
 }
 
 /// The attention shape for `rows` decode sequences of up to `max_context` keys.
-fn launch_shape(step: &DecodeGraphStep<'_>, num_sms: usize) -> Launch {
+fn launch_shape(step: &DecodeGraphStep<'_>, num_sms: usize, min_keys_per_split: usize) -> Launch {
     let meta = AttentionMeta {
         seqs: (0..step.bucket)
             .map(|row| SeqAttention {
@@ -187,7 +187,8 @@ fn launch_shape(step: &DecodeGraphStep<'_>, num_sms: usize) -> Launch {
             .collect(),
         ..step.meta.clone()
     };
-    let p = plan::plan(&meta, plan::AttentionKernel::CudaCores, num_sms);
+    let kernel = plan::AttentionKernel::CudaCores;
+    let p = plan::plan_with(&meta, kernel, num_sms, min_keys_per_split);
     Launch {
         items: p.num_items(),
         rows_per_item: p.rows_per_item,
@@ -262,7 +263,11 @@ impl CudaBackend {
                 e.insert(Bucket {
                     inputs: buf.map_err(|e| format!("allocating staged inputs: {e}"))?,
                     output: output.map_err(|e| format!("allocating the logits buffer: {e}"))?,
-                    launch: launch_shape(step, self.dev.num_sms as usize),
+                    launch: launch_shape(
+                        step,
+                        self.dev.num_sms as usize,
+                        self.min_keys_per_split(),
+                    ),
                     graph: None,
                 })
             }
@@ -502,7 +507,7 @@ mod tests {
     fn the_launch_shape_covers_the_longest_context() {
         let m = meta(&[(6, vec![1, 2])]);
         let s = step(&m, &[1], 2);
-        let l = launch_shape(&s, 132);
+        let l = launch_shape(&s, 132, plan::MIN_KEYS_PER_SPLIT);
         assert_eq!(l.items, 2);
         let max = s.graphs.max_context;
         assert!(l.splits * plan::keys_per_split(max, l.splits, l.min_keys_per_split) >= max);

@@ -96,6 +96,8 @@ pub struct CudaBackend {
     /// before them (`PD_CUDA_PDL=on`, [`pdl`]), and how many were.
     programmatic: AtomicBool,
     programmatic_launches: AtomicU64,
+    /// The least number of keys a split-K range takes ([`plan::MIN_KEYS_PER_SPLIT`]).
+    min_keys_per_split: AtomicUsize,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -182,6 +184,7 @@ impl CudaBackend {
             launches: AtomicU64::new(0),
             programmatic: AtomicBool::new(programmatic),
             programmatic_launches: AtomicU64::new(0),
+            min_keys_per_split: AtomicUsize::new(plan::MIN_KEYS_PER_SPLIT),
         })
     }
 
@@ -227,6 +230,23 @@ impl CudaBackend {
         if self.programmatic.swap(on, Ordering::Relaxed) != on {
             self.drop_captured_graphs();
         }
+    }
+
+    /// Split decode attention into key ranges of at least `keys` (default
+    /// [`plan::MIN_KEYS_PER_SPLIT`]; 0 is taken as 1) from the next step on, dropping the
+    /// cached attention plan and captured decode graphs. For the benchmark, which measures
+    /// what the default should be; call it between steps.
+    pub fn set_min_keys_per_split(&self, keys: usize) {
+        let keys = keys.max(1);
+        if self.min_keys_per_split.swap(keys, Ordering::Relaxed) != keys {
+            self.uploads.lock().expect("uploads lock").attention = None;
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// The least number of keys a split-K range takes.
+    pub fn min_keys_per_split(&self) -> usize {
+        self.min_keys_per_split.load(Ordering::Relaxed)
     }
 
     /// Whether programmatic dependent launch is asked for (`PD_CUDA_PDL=on`).

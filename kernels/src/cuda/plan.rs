@@ -49,8 +49,10 @@ pub const MAX_PAIRS: usize = 16;
 pub const MAX_HEAD_DIM: usize = 128;
 /// Threads per attention block (`ATTN_WARPS * 32`).
 pub const THREADS: u32 = 128;
-/// A split never has fewer keys than this: below it, merging costs more than it saves.
-const MIN_KEYS_PER_SPLIT: usize = 256;
+/// The default least number of keys a split takes (`CudaBackend::set_min_keys_per_split`
+/// changes it for benchmarks): below it, merging is expected to cost more than it saves.
+/// Chosen without a GPU; `gpu_bench` measures decode with graphs at 32, 64, 128 and 256.
+pub const MIN_KEYS_PER_SPLIT: usize = 256;
 /// At most this many splits per item.
 const MAX_SPLITS: usize = 32;
 
@@ -130,6 +132,17 @@ pub fn keys_per_split(keys: usize, splits: usize, min: usize) -> usize {
 
 /// Plan `meta` for `kernel` on a device with `num_sms` multiprocessors.
 pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> AttentionPlan {
+    plan_with(meta, kernel, num_sms, MIN_KEYS_PER_SPLIT)
+}
+
+/// [`plan`] with splits of at least `min_keys_per_split` keys (not 0).
+pub fn plan_with(
+    meta: &AttentionMeta,
+    kernel: AttentionKernel,
+    num_sms: usize,
+    min_keys_per_split: usize,
+) -> AttentionPlan {
+    let min_keys_per_split = min_keys_per_split.max(1);
     let group = meta.num_heads / meta.num_kv_heads;
     let pairs = match kernel {
         AttentionKernel::CudaCores => MAX_PAIRS,
@@ -166,16 +179,16 @@ pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> At
     if kernel == AttentionKernel::CudaCores
         && blocks > 0
         && blocks < target
-        && max_keys > MIN_KEYS_PER_SPLIT
+        && max_keys > min_keys_per_split
     {
         splits = target
             .div_ceil(blocks)
-            .min(max_keys.div_ceil(MIN_KEYS_PER_SPLIT))
+            .min(max_keys.div_ceil(min_keys_per_split))
             .min(MAX_SPLITS);
     }
     // No split of the longest item left empty.
     let splits = max_keys
-        .div_ceil(keys_per_split(max_keys, splits, MIN_KEYS_PER_SPLIT))
+        .div_ceil(keys_per_split(max_keys, splits, min_keys_per_split))
         .max(1);
     AttentionPlan {
         kernel,
@@ -184,7 +197,7 @@ pub fn plan(meta: &AttentionMeta, kernel: AttentionKernel, num_sms: usize) -> At
         block_tables,
         rows_per_item,
         splits,
-        min_keys_per_split: MIN_KEYS_PER_SPLIT,
+        min_keys_per_split,
     }
 }
 
