@@ -8,8 +8,9 @@
 //!   block tables padded to `max_blocks` per sequence) is packed on the host and copied into
 //!   one fixed device buffer before every replay ([`stage`]); while the capture records,
 //!   the ops read these addresses ([`Staged`]) instead of uploading;
-//! - the attention launch shape is fixed for the longest context (`max_context`), so key
-//!   splits beyond a sequence's context are empty blocks;
+//! - the attention launch shape is fixed for the longest context (`max_context`): each
+//!   sequence spreads its own keys over as many of its key splits as its length asks
+//!   (`plan::keys_per_split`), the others are empty blocks;
 //! - activations are allocated inside the capture (graph memory nodes: fixed addresses per
 //!   graph) and the logits are copied into the bucket's fixed output buffer, from which each
 //!   replay's result is copied out;
