@@ -1,0 +1,86 @@
+//! The CUDA backend's run-time choices that benchmarks and tests switch between steps (what
+//! multiplies decode-sized batches, programmatic dependent launch, the least keys of a
+//! split-K range) and its launch counters. The choices' defaults and environment variables
+//! are [`super::gemv`]'s and [`super::pdl`]'s; what each one does is in those modules and
+//! [`super::plan`].
+
+use std::sync::atomic::Ordering;
+
+use super::CudaBackend;
+use super::gemv::SmallBatchLinear;
+
+impl CudaBackend {
+    /// Choose what multiplies decode-sized batches (≤ 8 rows) with 16-bit weights from the
+    /// next step on (decode graphs captured with the other choice are dropped and captured
+    /// again); `open` takes it from `PD_CUDA_GEMV`. For benchmarks and tests that compare the
+    /// two; call it between steps.
+    pub fn set_small_batch_linear(&self, choice: SmallBatchLinear) {
+        let kernel = choice == SmallBatchLinear::Kernel;
+        if self.gemv_kernel.swap(kernel, Ordering::Relaxed) != kernel {
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// What multiplies decode-sized batches with 16-bit weights.
+    pub fn small_batch_linear(&self) -> SmallBatchLinear {
+        if self.gemv_kernel.load(Ordering::Relaxed) {
+            SmallBatchLinear::Kernel
+        } else {
+            SmallBatchLinear::Cublas
+        }
+    }
+
+    /// Launch the GEMV kernels programmatically dependent on the kernel before them
+    /// (Hopper's programmatic dependent launch; ignored below compute capability 9.0) from
+    /// the next step on; `open` takes it from `PD_CUDA_PDL`. Decode graphs captured the
+    /// other way are dropped and captured again. For benchmarks and tests; call it between
+    /// steps.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        if self.programmatic.swap(on, Ordering::Relaxed) != on {
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// Split decode attention into key ranges of at least `keys` (default
+    /// [`super::plan::MIN_KEYS_PER_SPLIT`]; 0 is taken as 1) from the next step on, dropping the
+    /// cached attention plan and captured decode graphs. For the benchmark, which measures
+    /// what the default should be; call it between steps.
+    pub fn set_min_keys_per_split(&self, keys: usize) {
+        let keys = keys.max(1);
+        if self.min_keys_per_split.swap(keys, Ordering::Relaxed) != keys {
+            self.uploads.lock().expect("uploads lock").attention = None;
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// The least number of keys a split-K range takes.
+    pub fn min_keys_per_split(&self) -> usize {
+        self.min_keys_per_split.load(Ordering::Relaxed)
+    }
+
+    /// Whether programmatic dependent launch is asked for (`PD_CUDA_PDL=on`).
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
+    }
+
+    /// Kernel launches issued with the programmatic-dependence attribute (a subset of
+    /// [`Self::kernel_launches`]).
+    pub fn programmatic_launches(&self) -> u64 {
+        self.programmatic_launches.load(Ordering::Relaxed)
+    }
+
+    /// Count one launch about to be issued.
+    pub(super) fn count_launch(&self, programmatic: bool) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        if programmatic {
+            self.programmatic_launches.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Kernel launches this backend has issued (recorded into a graph during a capture
+    /// included; graph replays and cuBLAS's own kernels not): tests and benchmarks read what
+    /// an op costs in launches from its difference.
+    pub fn kernel_launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+}
