@@ -117,6 +117,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// 1 / sqrt(mean(xs^2) + eps) over `group` values, for every thread of the block: the RMSNorm
+// scale of rms_norm / rms_norm_16 (elementwise.cu) and of the norm-fused GEMVs (gemv.cu),
+// one function so that they compute the same bits.
+__device__ __forceinline__ float rms_inv(const float* xs, int group, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        ss += xs[i] * xs[i];
+    }
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)group + eps);
+}
+
 // Tensor cores: d += a · b for one warp, PTX mma.m16n8k16 with f16 A (16 x 16, row-major) and
 // B (16 x 8, column-major) and f32 C / D (16 x 8), each lane holding its fragment registers
 // in the layout the PTX ISA specifies (sm_80 and later). Every lane of the warp must call it.

@@ -13,16 +13,6 @@ extern "C" __global__ void embedding(const void* table, int dtype, const unsigne
     }
 }
 
-// 1 / sqrt(mean(xs^2) + eps) over `group` values, for every thread of the block.
-__device__ __forceinline__ float rms_inv(const float* xs, int group, float eps, float* scratch) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        ss += xs[i] * xs[i];
-    }
-    ss = block_sum(ss, scratch);
-    return 1.0f / sqrtf(ss / (float)group + eps);
-}
-
 // RMSNorm over each group of `group` consecutive features (one block per group):
 // out = x * rsqrt(mean(x^2) + eps) * w. Same order of operations as the CPU backend.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int groups,

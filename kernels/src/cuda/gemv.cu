@@ -83,36 +83,17 @@ __device__ __forceinline__ void gemv_pack(const Pack8& wp, const Pack8* x, int r
 }
 
 // x16[r, :] = rms_norm(h[r, :]) · gamma in the 16-bit type, for every row, by the whole block
-// (GEMV_WARPS warps; every thread must call it). rms_norm_16 (elementwise.cu) with its 256
-// threads per row computes exactly this: each thread's strided sum of squares, a warp sum,
-// the warps' sums added by one warp sum, then the same expressions, so the bits are equal.
+// (every thread must call it): rms_norm_16's arithmetic (elementwise.cu: the same rms_inv
+// over the same 256 threads, the same expression), so the same bits.
 __device__ __forceinline__ void norm_rows_16(const float* h, const float* gamma, float eps,
                                              int rows, int k, int dtype, unsigned short* x16) {
-    __shared__ float sums[GEMV_MAX_ROWS * GEMV_WARPS];
-    const int lane = threadIdx.x % WARP;
-    const int warp = threadIdx.x / WARP;
+    __shared__ float scratch[WARP];
     #pragma unroll
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows) {
-            const float* xs = h + (unsigned long long)r * k;
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) {
-                ss += xs[i] * xs[i];
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) {
-                sums[r * GEMV_WARPS + warp] = ss;
-            }
-        }
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows) {
+        if (r < rows) {  // uniform across the block
             const float* xs = h + (unsigned long long)r * k;
             unsigned short* os = x16 + r * k;
-            const float ss = warp_sum(lane < GEMV_WARPS ? sums[r * GEMV_WARPS + lane] : 0.0f);
-            const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+            const float inv = rms_inv(xs, k, eps, scratch);
             for (int i = threadIdx.x; i < k; i += blockDim.x) {
                 os[i] = to_16(xs[i] * inv * gamma[i], dtype);
             }
