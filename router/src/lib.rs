@@ -4,7 +4,7 @@
 //! ([`validation`]), tokenized (chat template for chat input), routed to a prefill node by a
 //! [`policy`] and to a decode node by load, among the nodes the [`registry`] knows to be up
 //! and KV-compatible; the router then streams the decode node's tokens back as text
-//! ([`flow`]: incremental detokenization, stop strings, usage, cancellation and retries).
+//! (`flow`: incremental detokenization, stop strings, usage, cancellation and retries).
 //!
 //! Every node's counters, client-perceived latencies and node health are exported under
 //! `pd_router_*` on `/metrics` ([`metrics`]).

@@ -26,253 +26,27 @@
 //! stops), while requests already on it keep their `Arc<Node>` and finish. Readers take a
 //! snapshot of the list ([`Registry::nodes`]).
 
-use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+mod node;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_proto::pb::decode_service_client::DecodeServiceClient;
-use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
+
+pub use node::{InflightGuard, Layout, Node, NodeHealth, NodeRole};
 
 /// Largest node message the router decodes (prompt logprobs of a long prompt are large).
 pub const NODE_MAX_MESSAGE_BYTES: usize = 256 << 20;
 
 /// How long opening a connection to a node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NodeRole {
-    Prefill,
-    Decode,
-}
-
-impl NodeRole {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            NodeRole::Prefill => "prefill",
-            NodeRole::Decode => "decode",
-        }
-    }
-
-    fn wire(self) -> pb::Role {
-        match self {
-            NodeRole::Prefill => pb::Role::Prefill,
-            NodeRole::Decode => pb::Role::Decode,
-        }
-    }
-}
-
-impl fmt::Display for NodeRole {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What the router currently believes about a node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeHealth {
-    /// Not checked yet.
-    Unknown,
-    Up,
-    Down(String),
-}
-
-/// The KV layout two nodes must share for KV to move between them.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Layout {
-    pub fingerprint: String,
-    pub block_size: u32,
-}
-
-impl fmt::Display for Layout {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "fingerprint {} block size {}",
-            self.fingerprint, self.block_size
-        )
-    }
-}
-
-#[derive(Debug)]
-struct NodeState {
-    health: NodeHealth,
-    info: Option<pb::NodeInfo>,
-}
-
-/// One node: its address, channel, last known state and the router's in-flight count.
-#[derive(Debug)]
-pub struct Node {
-    /// Unique within the registry (prefill and decode nodes share the numbering).
-    pub id: usize,
-    pub role: NodeRole,
-    pub addr: String,
-    channel: Channel,
-    state: Mutex<NodeState>,
-    inflight: AtomicU64,
-    /// Incremented each time the node comes (back) up.
-    epoch: AtomicU64,
-    /// Found through DNS (removed when it leaves DNS) rather than given on the command line.
-    discovered: bool,
-    /// Set when it left the registry: its health task stops.
-    removed: AtomicBool,
-}
-
-impl Node {
-    fn state(&self) -> MutexGuard<'_, NodeState> {
-        // The state is a plain value: a panic elsewhere cannot leave it half-written.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn prefill_client(&self) -> PrefillServiceClient<Channel> {
-        PrefillServiceClient::new(self.channel.clone())
-            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
-    }
-
-    pub fn decode_client(&self) -> DecodeServiceClient<Channel> {
-        DecodeServiceClient::new(self.channel.clone())
-            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
-    }
-
-    pub fn health(&self) -> NodeHealth {
-        self.state().health.clone()
-    }
-
-    pub fn is_up(&self) -> bool {
-        self.state().health == NodeHealth::Up
-    }
-
-    /// The last good `Info`.
-    pub fn info(&self) -> Option<pb::NodeInfo> {
-        self.state().info.clone()
-    }
-
-    /// The context length from the last good `Info` (0: not reported).
-    pub fn max_model_len(&self) -> u32 {
-        self.state().info.as_ref().map_or(0, |i| i.max_model_len)
-    }
-
-    pub fn layout(&self) -> Option<Layout> {
-        self.state().info.as_ref().map(|i| Layout {
-            fingerprint: i.layout_fingerprint.clone(),
-            block_size: i.block_size,
-        })
-    }
-
-    /// The KV cache's element type from the last good `Info` (part of the fingerprint;
-    /// reported to explain a mismatch). Empty if not reported.
-    pub fn kv_cache_dtype(&self) -> String {
-        self.state()
-            .info
-            .as_ref()
-            .map_or_else(String::new, |i| i.kv_cache_dtype.clone())
-    }
-
-    /// Running + waiting (from the last `Info`) + this router's in-flight requests.
-    pub fn load(&self) -> u64 {
-        let reported = self
-            .state()
-            .info
-            .as_ref()
-            .map_or(0, |i| u64::from(i.num_running) + u64::from(i.num_waiting));
-        reported + self.inflight()
-    }
-
-    /// Changes each time the node comes (back) up: it may have restarted with an empty cache.
-    pub fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::Relaxed)
-    }
-
-    /// Requests this router has in flight on the node.
-    pub fn inflight(&self) -> u64 {
-        self.inflight.load(Ordering::Relaxed)
-    }
-
-    /// Counts a request on this node until the guard is dropped.
-    pub fn track(self: &Arc<Self>) -> InflightGuard {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
-        InflightGuard(self.clone())
-    }
-
-    /// Takes the node out of routing until its next good health check. True if it was up.
-    pub fn mark_down(&self, reason: impl Into<String>) -> bool {
-        let reason = reason.into();
-        let mut state = self.state();
-        let was_up = state.health == NodeHealth::Up;
-        if was_up {
-            tracing::warn!(node = %self.addr, role = %self.role, %reason, "node marked down");
-        }
-        state.health = NodeHealth::Down(reason);
-        was_up
-    }
-
-    /// Applies one health check's outcome; returns whether up/down changed.
-    fn record(&self, outcome: Result<pb::NodeInfo, String>, model: &str) -> bool {
-        let health = match &outcome {
-            Err(reason) => NodeHealth::Down(reason.clone()),
-            Ok(info)
-                if !matches!(info.role(), pb::Role::Unspecified)
-                    && info.role() != self.role.wire() =>
-            {
-                NodeHealth::Down(format!(
-                    "it reports role {:?} but was given as --{}",
-                    info.role(),
-                    self.role
-                ))
-            }
-            Ok(info) if !info.healthy => NodeHealth::Down("it reports itself unhealthy".into()),
-            Ok(_) => NodeHealth::Up,
-        };
-        let mut state = self.state();
-        let was_up = state.health == NodeHealth::Up;
-        let is_up = health == NodeHealth::Up;
-        if let Ok(info) = outcome {
-            if !model.is_empty() && !info.model.is_empty() && info.model != model {
-                let first = state
-                    .info
-                    .as_ref()
-                    .is_none_or(|old| old.model != info.model);
-                if first {
-                    tracing::warn!(node = %self.addr, node_model = %info.model, router_model = %model,
-                        "node serves a model of another name than the router's");
-                }
-            }
-            state.info = Some(info);
-        }
-        match (&state.health, &health) {
-            (NodeHealth::Up, NodeHealth::Down(reason)) => {
-                tracing::warn!(node = %self.addr, role = %self.role, %reason, "node down")
-            }
-            (NodeHealth::Unknown, NodeHealth::Down(reason)) => {
-                tracing::info!(node = %self.addr, role = %self.role, %reason, "node not up yet")
-            }
-            (NodeHealth::Unknown | NodeHealth::Down(_), NodeHealth::Up) => {
-                self.epoch.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(node = %self.addr, role = %self.role, "node up")
-            }
-            _ => {}
-        }
-        state.health = health;
-        was_up != is_up
-    }
-}
-
-/// Decrements a node's in-flight count on drop.
-#[derive(Debug)]
-pub struct InflightGuard(Arc<Node>);
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// Which roles also get nodes from DNS (`--prefill-dns`, `--decode-dns`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -359,20 +133,13 @@ impl Registry {
         if endpoint.uri().port_u16().is_none() {
             return Err(bad("no port (expected host:port)".into()));
         }
-        Ok(Arc::new(Node {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+        Ok(Arc::new(Node::new(
+            self.next_id.fetch_add(1, Ordering::Relaxed),
             role,
-            addr: addr.trim_start_matches("http://").to_string(),
-            channel: endpoint.connect_lazy(),
-            state: Mutex::new(NodeState {
-                health: NodeHealth::Unknown,
-                info: None,
-            }),
-            inflight: AtomicU64::new(0),
-            epoch: AtomicU64::new(0),
+            addr.trim_start_matches("http://").to_string(),
+            endpoint.connect_lazy(),
             discovered,
-            removed: AtomicBool::new(false),
-        }))
+        )))
     }
 
     fn write_nodes(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Node>>> {

@@ -8,7 +8,7 @@
 //!   An unknown model is INVALID_ARGUMENT (as every bad input; ARCHITECTURE §7), not NOT_FOUND.
 //! - `request_id`, when set, is 1..=[`MAX_REQUEST_ID_BYTES`] bytes without control
 //!   characters; unset, the router makes one. Uniqueness among in-flight requests is checked
-//!   when the request is registered ([`crate::service`]), also as INVALID_ARGUMENT.
+//!   when the request is registered (`crate::service`), also as INVALID_ARGUMENT.
 //! - Exactly one input: `text` (tokenized raw), `chat` (rendered with the model's chat
 //!   template with the generation prompt, then tokenized; roles must be system / user /
 //!   assistant / tool, and the template may refuse a conversation) or `token_ids`.

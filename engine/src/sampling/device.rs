@@ -18,7 +18,7 @@
 //! The reported log-probability must match it to floating-point accuracy (a GPU sums the
 //! softmax denominator in another order).
 
-use super::sampler::{
+use super::truncation::{
     SMALL_TOP_K, Weights, argmax, draw_candidates, log_sum_exp, raw_logprob, top_k_sorted,
     top_p_sorted,
 };

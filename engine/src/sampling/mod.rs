@@ -31,6 +31,7 @@ pub mod device;
 pub mod params;
 pub mod sampler;
 pub mod stop;
+mod truncation;
 
 pub use device::{DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K};
 pub use params::{

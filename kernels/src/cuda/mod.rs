@@ -6,7 +6,8 @@
 //! launch leaves the CUDA context unusable, so it panics with the op's name and the driver's
 //! message, which ends the engine thread (the node then reports itself unhealthy).
 //!
-//! Parts: `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
+//! Parts: `open` (start-up, memory sizing and KV storage), `elementwise` (the element- and
+//! row-wise ops), `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
 //! `attention` (paged attention launches, planned by [`plan`]), `weights` (uploads), `graph`
 //! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `blocks`
 //! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `gemv`
@@ -16,11 +17,13 @@
 mod attention;
 mod blocks;
 mod device;
+mod elementwise;
 pub mod gemm;
 mod gemv;
 mod graph;
 mod linear;
 pub mod modules;
+mod open;
 mod pdl;
 mod pinned;
 pub mod plan;
@@ -30,7 +33,7 @@ mod settings;
 mod tensor;
 mod weights;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -47,8 +50,8 @@ pub use gemv::{GEMV_MAX_ROWS, SmallBatchLinear};
 use tensor::dtype_code;
 pub use tensor::{CudaKvStorage, CudaTensor, CudaWeight};
 
-use crate::CudaError;
 use attention::AttentionOut;
+use elementwise::norm_threads;
 use graph::Graphs;
 use linear::{Operand, shared_16bit};
 use pinned::PinnedPool;
@@ -117,16 +120,6 @@ struct DevicePlan {
     block_tables: CudaSlice<u32>,
 }
 
-/// Kernel arguments of `silu_mul` / `silu_mul_16` (see [`CudaBackend::silu_mul_args`]).
-struct SiluMulArgs {
-    gate: u64,
-    up: u64,
-    n: u64,
-    cols: i32,
-    gate_stride: i32,
-    up_stride: i32,
-}
-
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
@@ -138,70 +131,6 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Open device `ordinal`: check driver, libraries and compute capability, compile the
-    /// kernels for it. `gpu_memory_utilization` is the fraction of the card's memory this
-    /// process may use (weights, activations and KV together), as vLLM defines it.
-    pub fn open(ordinal: usize, gpu_memory_utilization: f64) -> Result<Self, CudaError> {
-        if !(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0) {
-            return Err(CudaError::BadMemoryUtilization(gpu_memory_utilization));
-        }
-        let tensor_core_attention = match std::env::var("PD_CUDA_ATTENTION") {
-            Err(_) => true,
-            Ok(v) if v == "auto" => true,
-            Ok(v) if v == "f32" => false,
-            Ok(v) => return Err(CudaError::BadAttentionSetting(v)),
-        };
-        let small_batch_linear = SmallBatchLinear::from_env()?;
-        let programmatic = pdl::from_env()?;
-        let dev = Device::open(ordinal)?;
-        tracing::info!(
-            device = %format!("cuda:{ordinal}"),
-            gpu = %dev.name,
-            compute_capability = %format!("{}.{}", dev.cc.major, dev.cc.minor),
-            multiprocessors = dev.num_sms,
-            "CUDA device open, kernels compiled"
-        );
-        let pinned = PinnedPool::new(Arc::clone(&dev.ctx));
-        let split_counters = dev
-            .stream
-            .alloc_zeros::<u32>(plan::max_split_blocks(dev.num_sms as usize))
-            .map_err(|e| CudaError::Driver {
-                ordinal,
-                what: "allocate the split-K counters",
-                message: e.to_string(),
-            })?;
-        Ok(Self {
-            dev,
-            split_counters,
-            tensor_core_attention,
-            gpu_memory_utilization,
-            kv_dtype: None,
-            matrix_dtype: OnceLock::new(),
-            weight_bytes: AtomicUsize::new(0),
-            uploads: Mutex::new(Uploads::default()),
-            graphs: Mutex::new(Graphs::default()),
-            gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
-            pinned,
-            launches: AtomicU64::new(0),
-            programmatic: AtomicBool::new(programmatic),
-            programmatic_launches: AtomicU64::new(0),
-            min_keys_per_split: AtomicUsize::new(plan::MIN_KEYS_PER_SPLIT),
-        })
-    }
-
-    /// [`CudaBackend::open`], storing KV as `kv_dtype`: f32, or bf16 / f16 for half the
-    /// memory and traffic; `None` (what `open` does, vLLM's `auto`) stores the dtype of the
-    /// model's weight matrices (`--kv-cache-dtype`).
-    pub fn open_with(
-        ordinal: usize,
-        gpu_memory_utilization: f64,
-        kv_dtype: Option<DType>,
-    ) -> Result<Self, CudaError> {
-        let mut backend = Self::open(ordinal, gpu_memory_utilization)?;
-        backend.kv_dtype = kv_dtype;
-        Ok(backend)
-    }
-
     /// Page-locked bytes lent out for KV copies and kept for reuse (`Backend::host_buffer`),
     /// within the pool's budget (`pinned::PINNED_BUDGET`, 4 GiB): for tests and the benchmark.
     pub fn pinned_usage(&self) -> (usize, usize) {
@@ -225,38 +154,6 @@ impl CudaBackend {
         if let Err(e) = self.dev.stream.synchronize() {
             self.fail("synchronize", e);
         }
-    }
-
-    /// Bytes the KV cache may take: the utilization limit minus what the card already has in
-    /// use (this process's context, cuBLAS and weights, and anything else on the card) minus
-    /// `activation_bytes` of working memory for one engine step.
-    pub fn kv_budget_bytes(&self, activation_bytes: usize) -> Result<usize, CudaError> {
-        let (free, total) = self.dev.ctx.mem_get_info().map_err(|e| CudaError::Driver {
-            ordinal: self.dev.ordinal,
-            what: "reading free memory",
-            message: e.to_string(),
-        })?;
-        let limit = (total as f64 * self.gpu_memory_utilization) as usize;
-        let used = total - free;
-        let needed = used + activation_bytes;
-        if needed >= limit {
-            return Err(CudaError::OutOfMemory {
-                ordinal: self.dev.ordinal,
-                utilization: self.gpu_memory_utilization,
-                needed_mib: needed >> 20,
-                limit_mib: limit >> 20,
-                total_mib: total >> 20,
-            });
-        }
-        tracing::info!(
-            weights_mib = self.weight_bytes.load(Ordering::Relaxed) >> 20,
-            in_use_mib = used >> 20,
-            activations_mib = activation_bytes >> 20,
-            kv_mib = (limit - needed) >> 20,
-            limit_mib = limit >> 20,
-            "device memory plan"
-        );
-        Ok((limit - needed).min(free.saturating_sub(activation_bytes)))
     }
 
     fn fail(&self, what: &str, e: impl std::fmt::Debug) -> ! {
@@ -322,24 +219,6 @@ impl CudaBackend {
         }
     }
 
-    /// The inputs of `silu_mul` / `silu_mul_16`: `gate` and `up` of one shape, each dense or a
-    /// view (the two halves of one stacked gate/up product).
-    fn silu_mul_args(&self, gate: &CudaTensor, up: &CudaTensor) -> SiluMulArgs {
-        assert_eq!(
-            (gate.rows, gate.cols),
-            (up.rows, up.cols),
-            "silu_mul: shapes"
-        );
-        SiluMulArgs {
-            gate: self.rows_ptr(gate),
-            up: self.rows_ptr(up),
-            n: gate.len() as u64,
-            cols: gate.cols as i32,
-            gate_stride: gate.stride() as i32,
-            up_stride: up.stride() as i32,
-        }
-    }
-
     /// The device address of `positions`: the staged copy while a graph captures, else an
     /// upload shared by every op of the step that takes the same positions.
     fn positions_ptr(&self, positions: &[u32]) -> u64 {
@@ -353,11 +232,6 @@ impl CudaBackend {
             }
         }
     }
-}
-
-/// Threads of an RMSNorm block: two warps for a head (q/k norms), more for a hidden row.
-pub(super) fn norm_threads(group: usize) -> u32 {
-    if group <= 128 { 64 } else { THREADS }
 }
 
 impl Backend for CudaBackend {
@@ -381,54 +255,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, layout: &KvLayout, num_blocks: usize) -> Result<CudaKvStorage, EngineError> {
-        plan::check_head_dim(layout.head_dim)
-            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
-        if !layout.block_size.is_power_of_two() {
-            // The attention kernels find a key's block with shifts.
-            return Err(EngineError::InvalidRequest(format!(
-                "KV block size {} is not a power of two",
-                layout.block_size
-            )));
-        }
-        let dtype = self.kv_dtype();
-        if layout.dtype != dtype {
-            return Err(EngineError::InvalidRequest(format!(
-                "a KV layout of {} asked of {} storing KV as {}",
-                layout.dtype.torch_name(),
-                self.name(),
-                dtype.torch_name()
-            )));
-        }
-        let len = num_blocks
-            .checked_mul(layout.block_size * layout.token_width() * dtype.size_in_bytes())
-            .ok_or_else(|| EngineError::OutOfBlocks("KV cache size overflows".into()))?;
-        let oom = |e: cudarc::driver::DriverError| {
-            EngineError::OutOfBlocks(format!(
-                "cannot allocate {num_blocks} KV blocks ({} MiB) on {}: {e}",
-                (num_blocks * layout.block_bytes()) >> 20,
-                self.name()
-            ))
-        };
-        let mut k = Vec::with_capacity(layout.num_layers);
-        let mut v = Vec::with_capacity(layout.num_layers);
-        let mut bases = Vec::with_capacity(2 * layout.num_layers);
-        for _ in 0..layout.num_layers {
-            let kl = self.dev.stream.alloc_zeros::<u8>(len.max(4)).map_err(oom)?;
-            let vl = self.dev.stream.alloc_zeros::<u8>(len.max(4)).map_err(oom)?;
-            bases.push(kl.device_ptr(&self.dev.stream).0);
-            bases.push(vl.device_ptr(&self.dev.stream).0);
-            k.push(kl);
-            v.push(vl);
-        }
-        let bases = self.dev.stream.clone_htod(&bases).map_err(oom)?;
-        Ok(CudaKvStorage {
-            layout: layout.clone(),
-            num_blocks,
-            dtype,
-            k,
-            v,
-            bases,
-        })
+        self.alloc_kv_storage(layout, num_blocks)
     }
 
     fn kv_dtype(&self) -> DType {
@@ -442,51 +269,11 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
-        let (dtype, _, cols, table_ptr) = self.matrix(table);
-        let out = self.tensor(ids.len(), cols);
-        if ids.is_empty() {
-            return out;
-        }
-        // An eager upload lives until the end of the call, after the launch is queued.
-        let ids_dev;
-        let ids_ptr = match self.capture_inputs() {
-            Some(staged) => staged.ids,
-            None => {
-                ids_dev = self.upload(ids);
-                self.ptr(&ids_dev)
-            }
-        };
-        let (code, rows, cols_i) = (dtype_code(dtype), ids.len() as i32, cols as i32);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.embedding);
-        b.arg(&table_ptr)
-            .arg(&code)
-            .arg(&ids_ptr)
-            .arg(out.dense())
-            .arg(&rows)
-            .arg(&cols_i);
-        self.launch("embedding", b, Self::per_row(ids.len(), THREADS));
-        out
+        self.launch_embedding(table, ids)
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32) -> CudaTensor {
-        let w = weight_vector(weight);
-        assert_eq!(x.cols % group, 0, "rms_norm: width is whole groups");
-        let out = self.tensor(x.rows, x.cols);
-        let groups = x.len() / group;
-        if groups == 0 {
-            return out;
-        }
-        let (groups_i, group_i) = (groups as i32, group as i32);
-        let threads = norm_threads(group);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rms_norm);
-        b.arg(x.dense())
-            .arg(w)
-            .arg(out.dense())
-            .arg(&groups_i)
-            .arg(&group_i)
-            .arg(&eps);
-        self.launch("rms_norm", b, Self::per_row(groups, threads));
-        out
+        self.launch_rms_norm(x, weight, group, eps)
     }
 
     fn linear(&self, x: &CudaTensor, weight: &CudaWeight) -> CudaTensor {
@@ -586,20 +373,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, theta: f64) {
-        assert_eq!(positions.len(), x.rows);
-        if x.is_empty() {
-            return;
-        }
-        let pos = self.positions_ptr(positions);
-        let (rows, cols, hd, th) = (x.rows as i32, x.cols as i32, head_dim as i32, theta as f32);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.rope);
-        b.arg(x.dense())
-            .arg(&pos)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&hd)
-            .arg(&th);
-        self.launch("rope", b, Self::elements(x.len() / 2));
+        self.launch_rope(x, positions, head_dim, theta)
     }
 
     fn qk_norm_rope(
@@ -651,31 +425,7 @@ impl Backend for CudaBackend {
         v: &CudaTensor,
         slots: &[u32],
     ) {
-        let width = kv.layout.token_width();
-        assert_eq!(k.cols, width);
-        assert_eq!(v.cols, width);
-        assert_eq!(slots.len(), k.rows);
-        if slots.is_empty() {
-            return;
-        }
-        let slots_dev = self.slots_ptr(slots);
-        let (rows, width_i) = (k.rows as i32, width as i32);
-        // v (and k) may be views of one stacked q/k/v product.
-        let (k_in, v_in) = (self.rows_ptr(k), self.rows_ptr(v));
-        let (k_stride, v_stride) = (k.stride() as i32, v.stride() as i32);
-        let code = dtype_code(kv.dtype);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.write_kv);
-        b.arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(&code)
-            .arg(&k_in)
-            .arg(&v_in)
-            .arg(&k_stride)
-            .arg(&v_stride)
-            .arg(&slots_dev)
-            .arg(&rows)
-            .arg(&width_i);
-        self.launch("write_kv", b, Self::per_row(k.rows, 128));
+        self.launch_write_kv(kv, layer, k, v, slots)
     }
 
     fn paged_attention(
@@ -709,97 +459,19 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
-        assert_eq!(gate.len(), up.len());
-        let out = self.tensor(gate.rows, gate.cols);
-        if out.is_empty() {
-            return out;
-        }
-        let a = self.silu_mul_args(gate, up);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.silu_mul);
-        b.arg(&a.gate)
-            .arg(&a.up)
-            .arg(out.dense())
-            .arg(&a.n)
-            .arg(&a.cols)
-            .arg(&a.gate_stride)
-            .arg(&a.up_stride);
-        self.launch("silu_mul", b, Self::elements(out.len()));
-        out
+        self.launch_silu_mul(gate, up)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
-        assert_eq!(x.len(), y.len());
-        if x.is_empty() {
-            return;
-        }
-        let n = x.len() as u64;
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.add_assign);
-        b.arg(x.dense()).arg(y.dense()).arg(&n);
-        self.launch("add_assign", b, Self::elements(x.len()));
+        self.launch_add_assign(x, y)
     }
 
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
-        let out = self.tensor(rows.len(), x.cols);
-        if out.is_empty() {
-            return out;
-        }
-        assert!(
-            rows.iter().all(|&r| r < x.rows),
-            "select_rows: row in range"
-        );
-        let idx_dev;
-        let idx = match self.capture_inputs() {
-            Some(staged) => staged.select,
-            None => {
-                let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-                idx_dev = self.upload(&host);
-                self.ptr(&idx_dev)
-            }
-        };
-        let (n, cols) = (rows.len() as i32, x.cols as i32);
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.select_rows);
-        b.arg(x.dense())
-            .arg(&idx)
-            .arg(out.dense())
-            .arg(&n)
-            .arg(&cols);
-        self.launch("select_rows", b, Self::per_row(rows.len(), THREADS));
-        out
+        self.launch_select_rows(x, rows)
     }
 
     fn to_host(&self, x: &CudaTensor) -> HostMatrix {
-        // A view (columns of a stacked product) is copied with the rows' gaps, which are
-        // dropped here: the host is the only reader.
-        let span = if x.is_empty() {
-            0
-        } else {
-            (x.rows - 1) * x.stride() + x.cols
-        };
-        let mut copied = vec![0f32; span];
-        if span > 0 {
-            let src = x.buffer().slice(x.offset()..x.offset() + span);
-            self.dev
-                .stream
-                .memcpy_dtoh(&src, &mut copied)
-                .unwrap_or_else(|e| self.fail("copy to host", e));
-        }
-        self.synchronize();
-        let data = if span == x.len() {
-            copied
-        } else {
-            (0..x.rows)
-                .flat_map(|r| &copied[r * x.stride()..r * x.stride() + x.cols])
-                .copied()
-                .collect()
-        };
-        HostMatrix {
-            rows: x.rows,
-            cols: x.cols,
-            data,
-        }
+        self.copy_to_host(x)
     }
 
     fn sample(

@@ -321,6 +321,44 @@ fn leases_land_in_reused_page_locked_buffers() {
     drop(again);
 }
 
+/// The host tier restores blocks through one page-locked batch buffer (`Backend::host_buffer`),
+/// refilled for the next batch as soon as `write_blocks` returns: a copy still reading it
+/// then would land the next batch's bytes in this batch's blocks.
+#[test]
+fn blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes() {
+    if !enabled("blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes") {
+        return;
+    }
+    let files = files("synthetic:qwen3-0.6b");
+    let (n, batches) = (36, 3);
+    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
+    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
+    let mut kv = gpu.alloc_kv(&layout, n * batches).expect("KV storage");
+    let bytes = layout.block_bytes();
+    let mut buffer = gpu.host_buffer(n * bytes);
+    for batch in 0..batches {
+        let buf = buffer.as_bytes_mut();
+        for (b, dst) in buf.chunks_exact_mut(bytes).enumerate() {
+            dst.copy_from_slice(&pattern(1000 * batch + b, bytes));
+        }
+        let ids: Vec<u32> = (0..n).map(|b| (batch * n + b) as u32).collect();
+        let src: Vec<&[u8]> = buffer.as_bytes().chunks_exact(bytes).collect();
+        gpu.write_blocks(&mut kv, &ids, &src);
+    }
+    // Overwrite the buffer once more, as the tier does for the next restore.
+    buffer.as_bytes_mut().fill(0xA5);
+    let mut out = vec![0u8; bytes];
+    for batch in 0..batches {
+        for b in 0..n {
+            gpu.read_block(&kv, (batch * n + b) as u32, &mut out);
+            assert!(
+                out == pattern(1000 * batch + b, bytes),
+                "block {b} of batch {batch} holds its own bytes, not a later batch's"
+            );
+        }
+    }
+}
+
 /// Bit-exact equality of two device tensors (copied to the host).
 fn assert_same(what: &str, gpu: &CudaBackend, a: &CudaTensor, b: &CudaTensor) {
     let (a, b) = (gpu.to_host(a), gpu.to_host(b));

@@ -10,9 +10,9 @@
 //!   (the last `Info` of each node).
 //! - **Client-perceived request metrics** (time to first token, inter-token latency, request
 //!   duration, requests by outcome, in flight): measured in the router where chunks leave
-//!   for the client ([`requests`]).
+//!   for the client (`requests`).
 //!
-//! Names and labels are typed ids in [`ids`]; [`http`] serves the text exposition (0.0.4);
+//! Names and labels are typed ids in [`ids`]; `http` serves the text exposition (0.0.4);
 //! [`faults`] is a test-only hook that drops, repeats and reorders reports.
 
 pub mod aggregate;

@@ -1,0 +1,264 @@
+//! One node as the router sees it: its role, address and channel, the health and `Info` of
+//! its last check, and the requests this router has in flight on it. Which nodes exist and
+//! how they are checked and chosen is the registry's ([`super::Registry`]).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pd_proto::pb;
+use pd_proto::pb::decode_service_client::DecodeServiceClient;
+use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use tonic::transport::Channel;
+
+use super::NODE_MAX_MESSAGE_BYTES;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeRole {
+    Prefill,
+    Decode,
+}
+
+impl NodeRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeRole::Prefill => "prefill",
+            NodeRole::Decode => "decode",
+        }
+    }
+
+    fn wire(self) -> pb::Role {
+        match self {
+            NodeRole::Prefill => pb::Role::Prefill,
+            NodeRole::Decode => pb::Role::Decode,
+        }
+    }
+}
+
+impl fmt::Display for NodeRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the router currently believes about a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeHealth {
+    /// Not checked yet.
+    Unknown,
+    Up,
+    Down(String),
+}
+
+/// The KV layout two nodes must share for KV to move between them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub fingerprint: String,
+    pub block_size: u32,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fingerprint {} block size {}",
+            self.fingerprint, self.block_size
+        )
+    }
+}
+
+#[derive(Debug)]
+struct NodeState {
+    health: NodeHealth,
+    info: Option<pb::NodeInfo>,
+}
+
+/// One node: its address, channel, last known state and the router's in-flight count.
+#[derive(Debug)]
+pub struct Node {
+    /// Unique within the registry (prefill and decode nodes share the numbering).
+    pub id: usize,
+    pub role: NodeRole,
+    pub addr: String,
+    channel: Channel,
+    state: Mutex<NodeState>,
+    inflight: AtomicU64,
+    /// Incremented each time the node comes (back) up.
+    epoch: AtomicU64,
+    /// Found through DNS (removed when it leaves DNS) rather than given on the command line.
+    pub(super) discovered: bool,
+    /// Set when it left the registry: its health task stops.
+    pub(super) removed: AtomicBool,
+}
+
+impl Node {
+    pub(super) fn new(
+        id: usize,
+        role: NodeRole,
+        addr: String,
+        channel: Channel,
+        discovered: bool,
+    ) -> Self {
+        Self {
+            id,
+            role,
+            addr,
+            channel,
+            state: Mutex::new(NodeState {
+                health: NodeHealth::Unknown,
+                info: None,
+            }),
+            inflight: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            discovered,
+            removed: AtomicBool::new(false),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, NodeState> {
+        // The state is a plain value: a panic elsewhere cannot leave it half-written.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn prefill_client(&self) -> PrefillServiceClient<Channel> {
+        PrefillServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
+    }
+
+    pub fn decode_client(&self) -> DecodeServiceClient<Channel> {
+        DecodeServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(NODE_MAX_MESSAGE_BYTES)
+    }
+
+    pub fn health(&self) -> NodeHealth {
+        self.state().health.clone()
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.state().health == NodeHealth::Up
+    }
+
+    /// The last good `Info`.
+    pub fn info(&self) -> Option<pb::NodeInfo> {
+        self.state().info.clone()
+    }
+
+    /// The context length from the last good `Info` (0: not reported).
+    pub fn max_model_len(&self) -> u32 {
+        self.state().info.as_ref().map_or(0, |i| i.max_model_len)
+    }
+
+    pub fn layout(&self) -> Option<Layout> {
+        self.state().info.as_ref().map(|i| Layout {
+            fingerprint: i.layout_fingerprint.clone(),
+            block_size: i.block_size,
+        })
+    }
+
+    /// The KV cache's element type from the last good `Info` (part of the fingerprint;
+    /// reported to explain a mismatch). Empty if not reported.
+    pub fn kv_cache_dtype(&self) -> String {
+        self.state()
+            .info
+            .as_ref()
+            .map_or_else(String::new, |i| i.kv_cache_dtype.clone())
+    }
+
+    /// Running + waiting (from the last `Info`) + this router's in-flight requests.
+    pub fn load(&self) -> u64 {
+        let reported = self
+            .state()
+            .info
+            .as_ref()
+            .map_or(0, |i| u64::from(i.num_running) + u64::from(i.num_waiting));
+        reported + self.inflight()
+    }
+
+    /// Changes each time the node comes (back) up: it may have restarted with an empty cache.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Requests this router has in flight on the node.
+    pub fn inflight(&self) -> u64 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request on this node until the guard is dropped.
+    pub fn track(self: &Arc<Self>) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        InflightGuard(self.clone())
+    }
+
+    /// Takes the node out of routing until its next good health check. True if it was up.
+    pub fn mark_down(&self, reason: impl Into<String>) -> bool {
+        let reason = reason.into();
+        let mut state = self.state();
+        let was_up = state.health == NodeHealth::Up;
+        if was_up {
+            tracing::warn!(node = %self.addr, role = %self.role, %reason, "node marked down");
+        }
+        state.health = NodeHealth::Down(reason);
+        was_up
+    }
+
+    /// Applies one health check's outcome; returns whether up/down changed.
+    pub(super) fn record(&self, outcome: Result<pb::NodeInfo, String>, model: &str) -> bool {
+        let health = match &outcome {
+            Err(reason) => NodeHealth::Down(reason.clone()),
+            Ok(info)
+                if !matches!(info.role(), pb::Role::Unspecified)
+                    && info.role() != self.role.wire() =>
+            {
+                NodeHealth::Down(format!(
+                    "it reports role {:?} but was given as --{}",
+                    info.role(),
+                    self.role
+                ))
+            }
+            Ok(info) if !info.healthy => NodeHealth::Down("it reports itself unhealthy".into()),
+            Ok(_) => NodeHealth::Up,
+        };
+        let mut state = self.state();
+        let was_up = state.health == NodeHealth::Up;
+        let is_up = health == NodeHealth::Up;
+        if let Ok(info) = outcome {
+            if !model.is_empty() && !info.model.is_empty() && info.model != model {
+                let first = state
+                    .info
+                    .as_ref()
+                    .is_none_or(|old| old.model != info.model);
+                if first {
+                    tracing::warn!(node = %self.addr, node_model = %info.model, router_model = %model,
+                        "node serves a model of another name than the router's");
+                }
+            }
+            state.info = Some(info);
+        }
+        match (&state.health, &health) {
+            (NodeHealth::Up, NodeHealth::Down(reason)) => {
+                tracing::warn!(node = %self.addr, role = %self.role, %reason, "node down")
+            }
+            (NodeHealth::Unknown, NodeHealth::Down(reason)) => {
+                tracing::info!(node = %self.addr, role = %self.role, %reason, "node not up yet")
+            }
+            (NodeHealth::Unknown | NodeHealth::Down(_), NodeHealth::Up) => {
+                self.epoch.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(node = %self.addr, role = %self.role, "node up")
+            }
+            _ => {}
+        }
+        state.health = health;
+        was_up != is_up
+    }
+}
+
+/// Decrements a node's in-flight count on drop.
+#[derive(Debug)]
+pub struct InflightGuard(Arc<Node>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
