@@ -37,6 +37,12 @@ echo "== build with the cuda feature"
 cargo build --locked -p pd-kernels --features cuda --example nvrtc_check
 cargo build --locked -p prefill-node -p decode-node -p pdctl --features cuda
 
+echo "== lints and docs with the cuda feature (the workspace's own pass builds without it)"
+cuda_features=pd-kernels/cuda,prefill-node/cuda,decode-node/cuda,pdctl/cuda
+cargo clippy --locked -p pd-kernels -p prefill-node -p decode-node -p pdctl \
+    --features "$cuda_features" --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p pd-kernels --features cuda
+
 echo "== pd-kernels tests with the cuda feature"
 cargo test --locked -p pd-kernels --features cuda
 

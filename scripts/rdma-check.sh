@@ -64,6 +64,12 @@ build_check() {
     echo "== node binaries and the benchmark with the rdma feature"
     cargo build --locked --target-dir "$TARGET" -p prefill-node -p decode-node --features rdma
     cargo build --locked --target-dir "$TARGET" -p pd-transport --features rdma --example rdma_bench
+    echo "== lints and docs with the rdma feature (the workspace's own pass builds without it)"
+    cargo clippy --locked --target-dir "$TARGET" -p pd-transport -p pd-node -p prefill-node \
+        -p decode-node --features pd-transport/rdma,pd-node/rdma,prefill-node/rdma,decode-node/rdma \
+        --all-targets -- -D warnings
+    RUSTDOCFLAGS="-D warnings" cargo doc --locked --target-dir "$TARGET" --no-deps \
+        -p pd-transport -p pd-node --features pd-transport/rdma,pd-node/rdma
     for bin in prefill-node decode-node; do
         if ldd "$TARGET/debug/$bin" | grep -q libibverbs; then
             echo "FAIL: $bin links libibverbs; it must load it at run time" >&2

@@ -18,6 +18,8 @@ export PD_TOKENIZER_CORPUS="$corpus"
 echo "== formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Doc links that break (an item renamed, moved or made private) fail here, not in a reader's browser.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
 echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport)"
 if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs|sideway|rdma-mummy-sys)( |$)'; then
