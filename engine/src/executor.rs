@@ -7,7 +7,7 @@ use crate::backend::graph::{DecodeGraphStep, DecodeGraphs, is_pure_decode};
 use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
-use crate::kv::host_buffer::HostBuffer;
+use crate::kv::host_buffer::{HostAllocator, HostBuffer};
 use crate::model::Qwen3;
 use crate::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
 
@@ -242,6 +242,11 @@ impl<B: Backend> Executor<B> {
     /// A host buffer for [`Executor::read_blocks`] ([`Backend::host_buffer`]).
     pub fn host_buffer(&self, len: usize) -> HostBuffer {
         self.backend.host_buffer(len)
+    }
+
+    /// [`Backend::host_allocator`]: host buffers for blocks, lent from any thread.
+    pub fn host_allocator(&self) -> HostAllocator {
+        self.backend.host_allocator()
     }
 
     /// [`Backend::read_blocks`]: `blocks` into `dst`, [`Self::block_bytes`] each.

@@ -11,6 +11,7 @@ use pd_engine::ErrorKind;
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
+use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::{ReleaseFn, ReservationId};
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::{FinishReason, SamplingParams};
@@ -512,7 +513,12 @@ fn prefill_then_decode(placed: bool) {
                     }
                     ImportedBlocks::Placed(r)
                 }
-                None => ImportedBlocks::Buffers(blocks),
+                None => ImportedBlocks::Buffers(
+                    blocks
+                        .into_iter()
+                        .map(|b| Box::new(b) as HostBuffer)
+                        .collect(),
+                ),
             };
             let mut r = req(id, p.to_vec(), 8);
             r.imported = Some(pd_engine::serve::ImportedKv {
@@ -568,7 +574,7 @@ fn prefill_then_decode(placed: bool) {
     let mut bad = req("y", p.clone(), 4);
     bad.imported = Some(pd_engine::serve::ImportedKv {
         first_block: 0,
-        blocks: ImportedBlocks::Buffers(vec![vec![0; 3]; 6]),
+        blocks: ImportedBlocks::Buffers((0..6).map(|_| heap_buffer(3)).collect()),
         first_token: 1,
     });
     assert!(decode.submit(bad).unwrap_err().message.contains("layout"));

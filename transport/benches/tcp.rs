@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::checksum::block_checksum;
+use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::{
@@ -153,12 +154,15 @@ fn main() {
     let checksum_time = lease_started.elapsed();
     let blocks_data = Arc::new(blocks_data);
     let mut dst: Vec<Vec<u8>> = vec![vec![0u8; block_bytes]; blocks];
-    let check = |got: &[Vec<u8>]| {
+    let check = |got: &[&[u8]]| {
         assert_eq!(got.len(), blocks);
         assert!(
             got.iter().zip(blocks_data.iter()).all(|(g, s)| g == s),
             "data differs"
         );
+    };
+    let check_buffers = |got: &[HostBuffer]| {
+        check(&got.iter().map(|b| b.as_bytes()).collect::<Vec<_>>());
     };
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -222,14 +226,14 @@ fn main() {
         memcpy = memcpy.min(t.elapsed());
 
         raw = raw.min(raw_peer.read(&mut dst));
-        check(&dst);
+        check(&dst.iter().map(Vec::as_slice).collect::<Vec<_>>());
 
         let t = Instant::now();
         let got = rt
             .block_on(puller.pull(addr, req, deadline()))
             .expect("pull");
         pooled = pooled.min(t.elapsed());
-        check(&got);
+        check_buffers(&got);
         buffers.give_all(got);
 
         raw2 = raw2.min(raw_peer.read(&mut dst));
@@ -250,7 +254,7 @@ fn main() {
             .block_on(pull_blocks(addr, req, deadline()))
             .expect("pull");
         fresh = fresh.min(t.elapsed());
-        check(&got);
+        check_buffers(&got);
     }
     raw_peer.stop();
     rt.block_on(server.shutdown(Duration::from_secs(5)));

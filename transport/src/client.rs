@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::KvReservation;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
@@ -45,7 +46,7 @@ pub async fn pull_blocks(
     addr: SocketAddr,
     req: PullRequest,
     deadline: Instant,
-) -> Result<Vec<Vec<u8>>, TransportError> {
+) -> Result<Vec<HostBuffer>, TransportError> {
     let mut conn = connect(addr, deadline).await?;
     let mut started = false;
     let mut sink = Sink::Buffers {
@@ -61,14 +62,14 @@ enum Sink<'a> {
     /// Into buffers (from `pool` when given), collected in `blocks`.
     Buffers {
         pool: Option<&'a BlockBuffers>,
-        blocks: Vec<Vec<u8>>,
+        blocks: Vec<HostBuffer>,
     },
     /// In place, into the KV memory the engine reserved.
     Placed(&'a mut KvReservation),
 }
 
 impl Sink<'_> {
-    fn into_blocks(self) -> Vec<Vec<u8>> {
+    fn into_blocks(self) -> Vec<HostBuffer> {
         match self {
             Sink::Buffers { blocks, .. } => blocks,
             Sink::Placed(_) => Vec::new(),
@@ -88,8 +89,8 @@ impl Sink<'_> {
                 let pool = pool.filter(|b| b.block_bytes() == req.block_bytes);
                 for _ in 0..req.count {
                     let mut block =
-                        pool.map_or_else(|| vec![0u8; req.block_bytes], BlockBuffers::take);
-                    let read = reader.read_block(conn, &mut block).await;
+                        pool.map_or_else(|| heap_buffer(req.block_bytes), BlockBuffers::take);
+                    let read = reader.read_block(conn, block.as_bytes_mut()).await;
                     blocks.push(block);
                     if let Err(e) = read {
                         if let Some(b) = pool {
@@ -171,7 +172,7 @@ impl KvPuller {
         addr: SocketAddr,
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
+    ) -> Result<Vec<HostBuffer>, TransportError> {
         let mut sink = Sink::Buffers {
             pool: self.buffers.as_ref(),
             blocks: Vec::new(),

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::KvReservation;
 
 use crate::client::{KvPuller, PullRequest, check_reservation};
@@ -102,7 +103,7 @@ impl KvImporter {
         rdma_offer: &[u8],
         req: PullRequest,
         deadline: Instant,
-    ) -> Result<(Vec<Vec<u8>>, PathUsed), TransportError> {
+    ) -> Result<(Vec<HostBuffer>, PathUsed), TransportError> {
         let now = Instant::now();
         let Some((offer, reader)) = self.rdma_path(tcp_addr, rdma_offer, deadline) else {
             let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
@@ -111,7 +112,8 @@ impl KvImporter {
         match reader.read(&offer, req, rdma_deadline(now, deadline)).await {
             Ok(blocks) => {
                 self.record_rdma_ok(&req, now);
-                Ok((blocks, PathUsed::Rdma))
+                let blocks = blocks.into_iter().map(|b| Box::new(b) as HostBuffer);
+                Ok((blocks.collect(), PathUsed::Rdma))
             }
             Err(e) => {
                 self.record_failover(tcp_addr, &offer, &req, &e);

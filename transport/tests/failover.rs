@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
     BoxFuture, Fabric, LinkLayer, OfferLayout, RdmaError, RdmaOffer, RemoteRegion, block_checksum,
@@ -183,7 +184,7 @@ async fn a_failed_rdma_read_is_retried_once_over_tcp_and_counted() {
         .await
         .unwrap();
     assert_eq!(path, PathUsed::TcpAfterRdmaFailure);
-    assert_eq!(got, data[2..6].to_vec());
+    assert_eq!(owned(&got), data[2..6].to_vec());
     assert_eq!(reader.calls.load(Ordering::SeqCst), 1);
     let c = importer.stats().snapshot();
     assert_eq!((c.failovers, c.transfers), (1, 1));
@@ -221,7 +222,7 @@ async fn without_an_offer_or_a_common_fabric_the_pull_goes_straight_to_tcp() {
         .pull(addr, &[], request(LEASE, 0, 3), deadline())
         .await
         .unwrap();
-    assert_eq!((path, got), (PathUsed::Tcp, data.clone()));
+    assert_eq!((path, owned(&got)), (PathUsed::Tcp, data.clone()));
     let (mut offer, _) = offer_for(&data);
     offer.fabric = fabric(2); // another InfiniBand subnet
     let (_, path) = importer
@@ -257,7 +258,7 @@ async fn an_rdma_read_is_counted_once_and_never_touches_tcp() {
         .pull(addr, &offer.encode(), request(LEASE, 1, 3), deadline())
         .await
         .unwrap();
-    assert_eq!((path, got), (PathUsed::Rdma, data[1..4].to_vec()));
+    assert_eq!((path, owned(&got)), (PathUsed::Rdma, data[1..4].to_vec()));
     let c = importer.stats().snapshot();
     assert_eq!((c.transfers, c.failovers), (1, 0));
     assert_eq!(c.bytes, 3 * BLOCK_BYTES as u64);
@@ -276,7 +277,12 @@ async fn a_checksum_mismatch_on_rdma_fails_over_to_tcp() {
         .pull(addr, &offer.encode(), request(LEASE, 0, 2), deadline())
         .await
         .unwrap();
-    assert_eq!((path, got), (PathUsed::TcpAfterRdmaFailure, data));
+    assert_eq!((path, owned(&got)), (PathUsed::TcpAfterRdmaFailure, data));
     assert_eq!(importer.stats().snapshot().failovers, 1);
     server.shutdown(Duration::from_secs(1)).await;
+}
+
+/// The pulled blocks' bytes, to compare with what was exported.
+fn owned(blocks: &[HostBuffer]) -> Vec<Vec<u8>> {
+    blocks.iter().map(|b| b.as_bytes().to_vec()).collect()
 }

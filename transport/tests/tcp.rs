@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::serve::LeasedKv;
 use pd_transport::wire::{
     FRAME_HEADER_LEN, FrameHeader, PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame,
@@ -69,8 +70,9 @@ fn random_blocks(n: usize, len: usize, seed: u64) -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn same_bits(a: &[Vec<u8>], b: &[Vec<u8>]) -> bool {
-    a == b
+/// Pulled blocks hold exactly the exported ones.
+fn same_bits(a: &[HostBuffer], b: &[Vec<u8>]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.as_bytes() == &b[..])
 }
 
 /// Small batches so that a few MB cross many batch boundaries.

@@ -14,7 +14,7 @@ pub mod graph;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
-use crate::kv::host_buffer::{HostBuffer, heap_buffer};
+use crate::kv::host_buffer::{HostAllocator, HostBuffer, heap_allocator};
 use crate::sampling::{DeviceSample, DeviceSampleRow};
 use crate::weights::TensorView;
 use graph::DecodeGraphStep;
@@ -340,10 +340,17 @@ pub trait Backend: Send + Sync + 'static {
     fn write_block(&self, kv: &mut Self::KvStorage, block: u32, src: &[u8]);
 
     /// A host buffer of `len` bytes for [`Backend::read_blocks`] to fill and other threads to
-    /// read (a GPU prefill node's lease): heap memory by default; a device backend lends
-    /// memory its copies out run faster into (page-locked, on a GPU).
+    /// read (a GPU prefill node's lease): [`Backend::host_allocator`]'s.
     fn host_buffer(&self, len: usize) -> HostBuffer {
-        heap_buffer(len)
+        (self.host_allocator())(len)
+    }
+
+    /// Where host buffers that KV blocks are copied through come from, callable from any
+    /// thread (a decode node's importer receives blocks into them, then
+    /// [`Backend::write_blocks`] copies them in): heap memory by default; a device backend
+    /// lends memory its copies run faster from and into (page-locked, on a GPU).
+    fn host_allocator(&self) -> HostAllocator {
+        heap_allocator()
     }
 
     /// [`Backend::read_block`] of each of `blocks` in turn into `dst`, block `i` of the list

@@ -6,6 +6,7 @@
 //! (`Backend::read_blocks`).
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Bytes in host memory, readable from any thread (the exporters read a lease's copy).
 pub trait HostBytes: Send + Sync + fmt::Debug {
@@ -29,4 +30,14 @@ pub type HostBuffer = Box<dyn HostBytes>;
 /// `len` zeroed bytes of heap memory: what a backend without memory of its own to lend gives.
 pub fn heap_buffer(len: usize) -> HostBuffer {
     Box::new(vec![0u8; len])
+}
+
+/// Lends host buffers from any thread: what a backend's [`crate::backend::Backend::host_allocator`]
+/// gives, so that an importer's threads can receive blocks straight into memory the backend
+/// copies from fastest.
+pub type HostAllocator = Arc<dyn Fn(usize) -> HostBuffer + Send + Sync>;
+
+/// [`heap_buffer`] as a [`HostAllocator`].
+pub fn heap_allocator() -> HostAllocator {
+    Arc::new(heap_buffer)
 }

@@ -118,6 +118,11 @@ impl<B: Backend> Engine<B> {
         let pool = BlockPool::new(executor.num_blocks());
         let host = HostTier::new(config.host_cache_blocks, block_bytes);
         let host_kv = executor.host_kv_memory();
+        let import_buffers = BlockBuffers::with_allocator(
+            block_bytes,
+            DEFAULT_SPARE_BYTES,
+            executor.host_allocator(),
+        );
         Ok(Self {
             config,
             executor,
@@ -129,7 +134,7 @@ impl<B: Backend> Engine<B> {
             leases: HashMap::new(),
             released_leases: Vec::new(),
             lease_store: LeaseStore::default(),
-            import_buffers: BlockBuffers::new(block_bytes, DEFAULT_SPARE_BYTES),
+            import_buffers,
             host_kv,
             reservations: HashMap::new(),
             next_reservation: 1,

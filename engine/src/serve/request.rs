@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
+use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::KvReservation;
 use crate::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams};
 
@@ -63,7 +64,7 @@ pub struct ImportedKv {
 pub enum ImportedBlocks {
     /// In buffers, each in [`crate::backend::Backend::read_block`]'s layout; copied into KV
     /// storage at admission (a GPU node, or a host node whose pool had no room to reserve).
-    Buffers(Vec<Vec<u8>>),
+    Buffers(Vec<HostBuffer>),
     /// Already in this engine's KV storage, in the reserved blocks (held until admission,
     /// given back if the request ends before).
     Placed(KvReservation),

@@ -41,7 +41,7 @@ use pd_engine::backend::graph::DecodeGraphStep;
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
-use pd_engine::kv::host_buffer::HostBuffer;
+use pd_engine::kv::host_buffer::HostAllocator;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
@@ -499,8 +499,9 @@ impl Backend for CudaBackend {
         self.copy_blocks_in(kv, &[block], &[src]);
     }
 
-    fn host_buffer(&self, len: usize) -> HostBuffer {
-        self.pinned.lend(len)
+    fn host_allocator(&self) -> HostAllocator {
+        let pool = Arc::clone(&self.pinned);
+        Arc::new(move |len| pool.lend(len))
     }
 
     fn read_blocks(&self, kv: &CudaKvStorage, blocks: &[u32], dst: &mut [u8]) {

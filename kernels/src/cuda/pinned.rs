@@ -1,8 +1,10 @@
 //! Page-locked host buffers lent for KV copied out of the device (a GPU prefill node's lease,
-//! `Backend::host_buffer`): a device → host copy into page-locked memory runs at the link's
-//! speed, one into pageable memory goes through the driver's staging buffer. Pinning is slow
-//! (milliseconds per hundreds of MB), so a returned buffer is kept for the next lease, all
-//! within one budget; past it, leases get heap memory. Does not decide what is copied.
+//! the host tier's batches) and into it (a GPU decode node's imports, received straight into
+//! them): `Backend::host_allocator`. A copy between the device and page-locked memory runs at
+//! the link's speed; one through pageable memory goes through the driver's staging buffer.
+//! Pinning is slow (milliseconds per hundreds of MB), so a returned buffer is kept for the
+//! next request of a fitting size, all within one budget; past it, callers get heap memory.
+//! Does not decide what is copied.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -12,8 +14,10 @@ use pd_engine::kv::host_buffer::{HostBuffer, HostBytes, heap_buffer};
 /// Most page-locked bytes lent and kept together.
 pub const PINNED_BUDGET: usize = 4 << 30;
 
-/// Sizes round up to this, so that leases of similar length reuse each other's buffers.
-const GRANULE: usize = 2 << 20;
+/// Sizes round up to this. Small enough that a block-sized buffer (an import receives block
+/// by block: 1.75 MiB for Qwen3-0.6B in bf16, 2.25 MiB for Qwen3-8B) wastes little of the
+/// budget; buffers of similar sizes still reuse each other (up to twice the request).
+const GRANULE: usize = 256 << 10;
 
 /// What [`Shelf::take`] found for a request.
 #[derive(Debug, PartialEq, Eq)]
@@ -133,10 +137,11 @@ impl PinnedPool {
                 }
             }
         };
-        // The address is taken here, on the engine's thread with the context current, so
-        // that readers on other threads make no driver call. No copy is ever queued through
-        // the slice's own event (the backend copies into the bytes as a plain host slice and
+        // The address is taken here, with the context current on the lending thread (the
+        // engine's, or an importer's), so that readers make no driver call. No copy is ever
+        // queued through the slice's own event (the backend copies as a plain host slice and
         // waits), so this does not wait.
+        let _ = self.ctx.bind_to_thread();
         let ptr = match slice.as_ptr() {
             Ok(p) => p.cast_mut(),
             Err(e) => {
@@ -228,7 +233,7 @@ mod tests {
     #[test]
     fn reuses_a_returned_buffer_of_a_fitting_size() {
         let mut shelf = Shelf::new(64 * MB);
-        let Take::Allocate { bytes, evict } = shelf.take(3 * MB) else {
+        let Take::Allocate { bytes, evict } = shelf.take(4 * MB - 1000) else {
             panic!("nothing to reuse yet");
         };
         assert_eq!(
@@ -243,6 +248,16 @@ mod tests {
         assert!(
             matches!(shelf.take(MB), Take::Allocate { .. }),
             "a buffer over twice the request is not used for it"
+        );
+        // Qwen3-8B's bf16 block (36 layers x 2 x 16 tokens x 8 heads x 128 x 2 bytes) is whole
+        // granules: a decode node's import buffers take what they hold.
+        let block_8b = 36 * 2 * 16 * 8 * 128 * 2;
+        assert_eq!(
+            shelf.take(block_8b),
+            Take::Allocate {
+                bytes: block_8b,
+                evict: vec![]
+            }
         );
         assert!(
             matches!(shelf.take(5 * MB), Take::Allocate { .. }),
@@ -264,7 +279,7 @@ mod tests {
         shelf.give_back(8 * MB, 'a');
         // Kept buffers are given up to make room for one that fits the budget.
         assert_eq!(
-            shelf.take(3 * MB),
+            shelf.take(4 * MB - 1),
             Take::Allocate {
                 bytes: 4 * MB,
                 evict: vec!['a']

@@ -16,6 +16,7 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::backend::{Backend, HostMatrix, QkNormRope};
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::kv::KvLayout;
+use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
@@ -357,6 +358,66 @@ fn blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes() {
             );
         }
     }
+}
+
+/// A GPU decode node receives imported blocks straight into page-locked buffers
+/// (`Backend::host_allocator`, through the engine's `BlockBuffers`), lent on the importer's
+/// thread, not the engine's: they are page-locked, their blocks land where `write_blocks` puts
+/// them, and given back they serve the next import without pinning more.
+#[test]
+fn imports_arrive_in_page_locked_buffers_lent_on_another_thread() {
+    if !enabled("imports_arrive_in_page_locked_buffers_lent_on_another_thread") {
+        return;
+    }
+    let files = files("synthetic:qwen3-0.6b");
+    let n = 40;
+    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
+    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
+    let mut kv = gpu.alloc_kv(&layout, n).expect("KV storage");
+    let bytes = layout.block_bytes();
+    let buffers = BlockBuffers::with_allocator(bytes, 1 << 30, gpu.host_allocator());
+    let receive = |seed: usize| {
+        let buffers = buffers.clone();
+        std::thread::spawn(move || {
+            (0..n)
+                .map(|b| {
+                    let mut buf = buffers.take();
+                    buf.as_bytes_mut()
+                        .copy_from_slice(&pattern(seed + b, bytes));
+                    buf
+                })
+                .collect::<Vec<_>>()
+        })
+        .join()
+        .expect("the importer's thread")
+    };
+    let mut first_lent = 0;
+    for (round, seed) in [(0, 500), (1, 900)] {
+        let got = receive(seed);
+        let (lent, _) = gpu.pinned_usage();
+        assert!(
+            lent >= n * bytes,
+            "round {round}: import buffers are page-locked ({lent} bytes lent)"
+        );
+        if round == 0 {
+            first_lent = lent;
+        } else {
+            assert_eq!(lent, first_lent, "round 1 reused round 0's buffers");
+        }
+        let ids: Vec<u32> = (0..n as u32).rev().collect();
+        let src: Vec<&[u8]> = got.iter().map(|b| b.as_bytes()).collect();
+        gpu.write_blocks(&mut kv, &ids, &src);
+        buffers.give_all(got);
+        let mut out = vec![0u8; bytes];
+        for (b, &id) in ids.iter().enumerate() {
+            gpu.read_block(&kv, id, &mut out);
+            assert!(
+                out == pattern(seed + b, bytes),
+                "round {round}: block {id} holds import buffer {b}"
+            );
+        }
+    }
+    assert_eq!(buffers.spare(), n, "all given back and kept");
 }
 
 /// Bit-exact equality of two device tensors (copied to the host).

@@ -47,11 +47,11 @@ impl<B: Backend> Engine<B> {
         match &imp.blocks {
             ImportedBlocks::Buffers(blocks) => {
                 let len = self.executor.block_bytes();
-                if let Some(b) = blocks.iter().position(|b| b.len() != len) {
+                if let Some(b) = blocks.iter().position(|b| b.as_bytes().len() != len) {
                     return Err(invalid(format!(
                         "imported KV block {} has {} bytes; this node's layout needs {len}",
                         imp.first_block + b,
-                        blocks[b].len()
+                        blocks[b].as_bytes().len()
                     )));
                 }
             }
@@ -204,7 +204,7 @@ impl<B: Backend> Engine<B> {
         // prefix. One batched write (a device backend moves many blocks per copy).
         let src: Vec<&[u8]> = buffers[local - imp.first_block..][..fresh.len()]
             .iter()
-            .map(Vec::as_slice)
+            .map(|b| b.as_bytes())
             .collect();
         self.executor.write_blocks(&fresh, &src);
         for (j, &block) in fresh.iter().enumerate() {
