@@ -334,20 +334,8 @@ pub fn prompt_logprobs(logits: &[f32], next_token: u32, k: u32) -> PromptLogprob
 
 #[cfg(test)]
 mod tests {
-    use super::super::truncation::by_logit_desc;
+    use super::super::truncation::tests::{logits, sorted_desc};
     use super::*;
-
-    /// Deterministic pseudo-random logits without touching a sampler's RNG.
-    fn logits(n: usize, seed: u64) -> Vec<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..n).map(|_| rng.random::<f32>() * 20.0 - 10.0).collect()
-    }
-
-    fn sorted_desc(l: &[f32]) -> Vec<u32> {
-        let mut ids: Vec<u32> = (0..l.len() as u32).collect();
-        ids.sort_by(|&a, &b| by_logit_desc(l, a, b));
-        ids
-    }
 
     #[test]
     fn top_k_paths_keep_exactly_k_best() {

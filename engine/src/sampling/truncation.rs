@@ -442,18 +442,19 @@ pub(super) fn raw_logprob(logit: f32, lse: f64) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use rand::SeedableRng;
 
     use super::*;
 
     /// Deterministic pseudo-random logits without touching a sampler's RNG.
-    fn logits(n: usize, seed: u64) -> Vec<f32> {
+    pub(in crate::sampling) fn logits(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         (0..n).map(|_| rng.random::<f32>() * 20.0 - 10.0).collect()
     }
 
-    fn sorted_desc(l: &[f32]) -> Vec<u32> {
+    /// Every id, best logit first (ties by lower id).
+    pub(in crate::sampling) fn sorted_desc(l: &[f32]) -> Vec<u32> {
         let mut ids: Vec<u32> = (0..l.len() as u32).collect();
         ids.sort_by(|&a, &b| by_logit_desc(l, a, b));
         ids

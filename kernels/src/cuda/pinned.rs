@@ -253,7 +253,7 @@ mod tests {
         // granules: a decode node's import buffers take what they hold.
         let block_8b = 36 * 2 * 16 * 8 * 128 * 2;
         assert_eq!(
-            shelf.take(block_8b),
+            Shelf::<char>::new(64 * MB).take(block_8b),
             Take::Allocate {
                 bytes: block_8b,
                 evict: vec![]

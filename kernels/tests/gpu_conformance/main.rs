@@ -278,12 +278,8 @@ fn leases_land_in_reused_page_locked_buffers() {
     if !enabled("leases_land_in_reused_page_locked_buffers") {
         return;
     }
-    let files = files("synthetic:qwen3-0.6b");
     let n = 40;
-    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
-    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
-    let mut kv = gpu.alloc_kv(&layout, n).expect("KV storage");
-    let bytes = layout.block_bytes();
+    let (gpu, mut kv, bytes) = bf16_kv(n);
     let sources: Vec<Vec<u8>> = (0..n).map(|b| pattern(100 + b, bytes)).collect();
     let ids: Vec<u32> = (0..n as u32).collect();
     let src: Vec<&[u8]> = sources.iter().map(Vec::as_slice).collect();
@@ -330,12 +326,8 @@ fn blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes() {
     if !enabled("blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes") {
         return;
     }
-    let files = files("synthetic:qwen3-0.6b");
     let (n, batches) = (36, 3);
-    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
-    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
-    let mut kv = gpu.alloc_kv(&layout, n * batches).expect("KV storage");
-    let bytes = layout.block_bytes();
+    let (gpu, mut kv, bytes) = bf16_kv(n * batches);
     let mut buffer = gpu.host_buffer(n * bytes);
     for batch in 0..batches {
         let buf = buffer.as_bytes_mut();
@@ -369,12 +361,8 @@ fn imports_arrive_in_page_locked_buffers_lent_on_another_thread() {
     if !enabled("imports_arrive_in_page_locked_buffers_lent_on_another_thread") {
         return;
     }
-    let files = files("synthetic:qwen3-0.6b");
     let n = 40;
-    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
-    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
-    let mut kv = gpu.alloc_kv(&layout, n).expect("KV storage");
-    let bytes = layout.block_bytes();
+    let (gpu, mut kv, bytes) = bf16_kv(n);
     let buffers = BlockBuffers::with_allocator(bytes, 1 << 30, gpu.host_allocator());
     let receive = |seed: usize| {
         let buffers = buffers.clone();
@@ -418,6 +406,15 @@ fn imports_arrive_in_page_locked_buffers_lent_on_another_thread() {
         }
     }
     assert_eq!(buffers.spare(), n, "all given back and kept");
+}
+
+/// cuda:0 with `blocks` blocks of Qwen3-0.6B's KV in bf16, and the bytes of one block.
+fn bf16_kv(blocks: usize) -> (CudaBackend, pd_kernels::cuda::CudaKvStorage, usize) {
+    let files = files("synthetic:qwen3-0.6b");
+    let gpu = CudaBackend::open_with(0, 0.5, Some(DType::BF16)).expect("cuda:0 opens");
+    let layout = KvLayout::new(&files.config, BLOCK, DType::BF16).expect("layout");
+    let kv = gpu.alloc_kv(&layout, blocks).expect("KV storage");
+    (gpu, kv, layout.block_bytes())
 }
 
 /// Bit-exact equality of two device tensors (copied to the host).
