@@ -33,6 +33,7 @@ use pd_engine::backend::{AttentionMeta, Backend, SeqAttention};
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::kv::KvLayout;
+use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::DeviceSampling;
 use pd_engine::weights::DType;
@@ -467,7 +468,8 @@ fn profile_decode(model: &str, linear: SmallBatchLinear, sizes: &Sizes) {
 /// A `len`-token lease's KV between device and host memory, as a prefill node copies it out
 /// (`read_blocks` into the page-locked buffer `host_buffer` lends: batches of blocks per
 /// gather kernel and copy; and the same into heap memory) and a decode node copies it in
-/// (`write_blocks`), against the same blocks one call per block (a launch, a copy and, out, a
+/// (`write_blocks`, from the page-locked buffers its imports arrive in, and from heap memory),
+/// against the same blocks one call per block (a launch, a copy and, out, a
 /// synchronization each): median ms of `reps` and GB/s of each.
 fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) -> Value {
     let blocks: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
@@ -498,6 +500,24 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
         exec.write_blocks(&blocks, &src);
         exec.backend().synchronize();
     });
+    // As a decode node's import arrives: one buffer per block from the engine's recycled
+    // buffers, page-locked ones lent by the backend (`host_allocator`).
+    let imports = BlockBuffers::with_allocator(block_bytes, bytes, exec.host_allocator());
+    let received: Vec<_> = staged
+        .iter()
+        .map(|b| {
+            let mut buf = imports.take();
+            buf.as_bytes_mut().copy_from_slice(b);
+            buf
+        })
+        .collect();
+    let received_src: Vec<&[u8]> = received.iter().map(|b| b.as_bytes()).collect();
+    let in_batched_pinned = median_ms(reps, || {
+        exec.write_blocks(&blocks, &received_src);
+        exec.backend().synchronize();
+    });
+    drop(received_src);
+    drop(received);
     let in_single = median_ms(reps, || {
         for (&b, data) in blocks.iter().zip(&src) {
             exec.write_block(b, data);
@@ -539,6 +559,8 @@ fn bench_kv_transfer(exec: &mut Executor<CudaBackend>, len: usize, reps: usize) 
         "out_batched_gb_s": gb_s(out_batched),
         "out_per_block_gb_s": gb_s(out_single),
         "in_batched_gb_s": gb_s(in_batched),
+        "in_batched_pinned_ms": in_batched_pinned,
+        "in_batched_pinned_gb_s": gb_s(in_batched_pinned),
         "in_per_block_gb_s": gb_s(in_single),
     })
 }
@@ -662,7 +684,7 @@ fn main() {
         let k = &m["kv_transfer"];
         writeln!(
         table,
-            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched (page-locked, as a lease), {:.2} into heap memory, {:.2} one block at a time; host -> device {:.2} / {:.2}; the copy alone into pageable memory {:.2} GB/s, into page-locked {:.2}",
+            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched (page-locked, as a lease), {:.2} into heap memory, {:.2} one block at a time; host -> device {:.2} batched from page-locked import buffers, {:.2} from heap memory, {:.2} one block at a time; the copy alone into pageable memory {:.2} GB/s, into page-locked {:.2}",
             m["model"].as_str().unwrap_or("?"),
             k["tokens"],
             k["blocks"],
@@ -670,6 +692,7 @@ fn main() {
             k["out_batched_gb_s"].as_f64().unwrap_or(0.0),
             k["out_batched_heap_gb_s"].as_f64().unwrap_or(0.0),
             k["out_per_block_gb_s"].as_f64().unwrap_or(0.0),
+            k["in_batched_pinned_gb_s"].as_f64().unwrap_or(0.0),
             k["in_batched_gb_s"].as_f64().unwrap_or(0.0),
             k["in_per_block_gb_s"].as_f64().unwrap_or(0.0),
             k["dtoh_pageable_gb_s"].as_f64().unwrap_or(0.0),

@@ -161,6 +161,11 @@ impl KvPuller {
         }
     }
 
+    /// The buffers pulled blocks arrive in, if set ([`KvPuller::with_buffers`]).
+    pub(crate) fn buffers(&self) -> Option<&BlockBuffers> {
+        self.buffers.as_ref()
+    }
+
     /// The counters of this puller's transfers (completed and failed).
     pub fn stats(&self) -> &Arc<TransferStats> {
         &self.stats

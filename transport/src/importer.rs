@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::KvReservation;
 
@@ -20,13 +21,15 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
     fn fabric(&self) -> Fabric;
 
     /// Read `req`'s blocks of `offer` before `deadline`, verified against the offer's
-    /// checksums.
+    /// checksums, into buffers from `buffers` (the engine's recycled, page-locked on a GPU)
+    /// when given and of the right length, else into new heap buffers.
     fn read<'a>(
         &'a self,
         offer: &'a RdmaOffer,
         req: PullRequest,
+        buffers: Option<&'a BlockBuffers>,
         deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>>;
+    ) -> BoxFuture<'a, Result<Vec<HostBuffer>, RdmaError>>;
 
     /// Read `req`'s blocks of `offer` in place into `into` (KV memory the engine reserved,
     /// as many blocks as `req` reads), verified. This default reads into buffers and copies
@@ -39,7 +42,7 @@ pub trait OneSidedReader: Send + Sync + std::fmt::Debug {
         deadline: Instant,
     ) -> BoxFuture<'a, Result<(), RdmaError>> {
         Box::pin(async move {
-            into.write_blocks(&self.read(offer, req, deadline).await?);
+            into.write_blocks(&self.read(offer, req, None, deadline).await?);
             Ok(())
         })
     }
@@ -75,8 +78,9 @@ impl KvImporter {
         }
     }
 
-    /// TCP pulls receive into `buffers` from now on (see [`KvPuller::with_buffers`]).
-    pub fn with_buffers(mut self, buffers: pd_engine::kv::block_buffers::BlockBuffers) -> Self {
+    /// Pulls into buffers (TCP, and RDMA through its landing buffer) receive into `buffers`
+    /// from now on (see [`KvPuller::with_buffers`]).
+    pub fn with_buffers(mut self, buffers: BlockBuffers) -> Self {
         self.tcp = KvPuller::with_buffers(buffers);
         self
     }
@@ -109,11 +113,14 @@ impl KvImporter {
             let blocks = self.tcp.pull(tcp_addr, req, deadline).await?;
             return Ok((blocks, PathUsed::Tcp));
         };
-        match reader.read(&offer, req, rdma_deadline(now, deadline)).await {
+        let buffers = self.tcp.buffers();
+        match reader
+            .read(&offer, req, buffers, rdma_deadline(now, deadline))
+            .await
+        {
             Ok(blocks) => {
                 self.record_rdma_ok(&req, now);
-                let blocks = blocks.into_iter().map(|b| Box::new(b) as HostBuffer);
-                Ok((blocks.collect(), PathUsed::Rdma))
+                Ok((blocks, PathUsed::Rdma))
             }
             Err(e) => {
                 self.record_failover(tcp_addr, &offer, &req, &e);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
@@ -93,8 +94,9 @@ impl OneSidedReader for Failing {
         &'a self,
         _offer: &'a RdmaOffer,
         _req: PullRequest,
+        _buffers: Option<&'a BlockBuffers>,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<HostBuffer>, RdmaError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         Box::pin(async {
             Err(RdmaError::Completion {
@@ -121,8 +123,9 @@ impl OneSidedReader for InProcess {
         &'a self,
         offer: &'a RdmaOffer,
         req: PullRequest,
+        _buffers: Option<&'a BlockBuffers>,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<HostBuffer>, RdmaError>> {
         Box::pin(async move {
             let ops = plan_reads(offer, req.first_block as u64, req.count as u64, 4096)?;
             let mut landed = vec![0u8; req.count * req.block_bytes];
@@ -140,7 +143,7 @@ impl OneSidedReader for InProcess {
                     if offer.checksums[index as usize] != block_checksum(index, b) {
                         return Err(RdmaError::Checksum { block: index });
                     }
-                    Ok(b.to_vec())
+                    Ok(Box::new(b.to_vec()) as HostBuffer)
                 })
                 .collect()
         })

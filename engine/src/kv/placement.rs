@@ -15,6 +15,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::checksum::BlockHasher;
+use super::host_buffer::HostBuffer;
 
 /// One contiguous piece of host KV memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,9 +289,9 @@ impl KvReservation {
 
     /// Copy pulled blocks given whole in transfer layout (block `i` of `blocks` into pulled
     /// block `i`): blocks that arrived in buffers after all.
-    pub fn write_blocks(&mut self, blocks: &[Vec<u8>]) {
+    pub fn write_blocks(&mut self, blocks: &[HostBuffer]) {
         for (i, block) in blocks.iter().enumerate() {
-            self.write_block(i, block);
+            self.write_block(i, block.as_bytes());
         }
     }
 

@@ -102,8 +102,9 @@ impl crate::importer::OneSidedReader for RdmaReader {
         &'a self,
         _offer: &'a RdmaOffer,
         _req: PullRequest,
+        _buffers: Option<&'a pd_engine::kv::block_buffers::BlockBuffers>,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<pd_engine::kv::host_buffer::HostBuffer>, RdmaError>> {
         match self.0 {}
     }
 }

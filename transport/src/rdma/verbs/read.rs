@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::{HostKvMemory, KvReservation};
 
 use super::device::RdmaDevice;
@@ -165,8 +167,9 @@ impl RdmaReader {
         &self,
         offer: &RdmaOffer,
         req: PullRequest,
+        buffers: Option<&BlockBuffers>,
         deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>, RdmaError> {
+    ) -> Result<Vec<HostBuffer>, RdmaError> {
         let ops = self.plan(offer, &req)?;
         let slot = self.slot(&offer.connect_addr);
         // One transfer at a time per queue pair: its window bounds the READs in flight.
@@ -183,6 +186,10 @@ impl RdmaReader {
             self.max_op_bytes,
         );
         let len = req.count * req.block_bytes;
+        let buffers = buffers
+            .filter(|b| b.block_bytes() == req.block_bytes)
+            .cloned();
+        let into = buffers.clone();
         let (conn, landed) = tokio::task::spawn_blocking(move || {
             let landing = match landings.take(len) {
                 Ok(l) => l,
@@ -208,7 +215,7 @@ impl RdmaReader {
             // No READ targets the buffer any more (done, or the queue pair is destroyed).
             match result {
                 Ok(()) => {
-                    let blocks = copy_out(&landing, len, req.block_bytes);
+                    let blocks = copy_out(landing.bytes(len), req.block_bytes, into.as_ref());
                     landings.give(landing);
                     (conn, Ok(blocks))
                 }
@@ -223,8 +230,11 @@ impl RdmaReader {
         let blocks = landed?;
         for (i, block) in blocks.iter().enumerate() {
             let index = (req.first_block + i) as u64;
-            let sum = block_checksum(index, block);
+            let sum = block_checksum(index, block.as_bytes());
             if offer.checksums.get(index as usize) != Some(&sum) {
+                if let Some(b) = buffers {
+                    b.give_all(blocks);
+                }
                 return Err(RdmaError::Checksum { block: index });
             }
         }
@@ -309,12 +319,17 @@ fn into_landing(
     scatter_reads(ops, &[span], max_sge, max_op)
 }
 
-/// The landed bytes as blocks of `block_bytes`.
-fn copy_out(landing: &Landing, len: usize, block_bytes: usize) -> Vec<Vec<u8>> {
-    landing
-        .bytes(len)
+/// The landed bytes as blocks of `block_bytes`, each copied into a buffer from `buffers`
+/// (the engine's: page-locked on a GPU node, whose copy into the device reads them at the
+/// link's speed) or a new heap buffer.
+fn copy_out(landed: &[u8], block_bytes: usize, buffers: Option<&BlockBuffers>) -> Vec<HostBuffer> {
+    landed
         .chunks_exact(block_bytes.max(1))
-        .map(<[u8]>::to_vec)
+        .map(|block| {
+            let mut buf = buffers.map_or_else(|| heap_buffer(block.len()), BlockBuffers::take);
+            buf.as_bytes_mut().copy_from_slice(block);
+            buf
+        })
         .collect()
 }
 
@@ -327,9 +342,10 @@ impl OneSidedReader for RdmaReader {
         &'a self,
         offer: &'a RdmaOffer,
         req: PullRequest,
+        buffers: Option<&'a BlockBuffers>,
         deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<Vec<u8>>, RdmaError>> {
-        Box::pin(self.read_blocks(offer, req, deadline))
+    ) -> BoxFuture<'a, Result<Vec<HostBuffer>, RdmaError>> {
+        Box::pin(self.read_blocks(offer, req, buffers, deadline))
     }
 
     /// In place when `into` is memory this reader registered; otherwise (no registration,
@@ -347,10 +363,47 @@ impl OneSidedReader for RdmaReader {
                     self.read_in_place(reg, offer, req, into, deadline).await
                 }
                 _ => {
-                    into.write_blocks(&self.read_blocks(offer, req, deadline).await?);
+                    into.write_blocks(&self.read_blocks(offer, req, None, deadline).await?);
                     Ok(())
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    #[test]
+    fn landed_blocks_are_copied_into_the_engines_buffers_when_given() {
+        let landed: Vec<u8> = (0..12u8).collect();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let buffers = BlockBuffers::with_allocator(
+            4,
+            1 << 20,
+            Arc::new(move |len| {
+                counted.fetch_add(1, Ordering::Relaxed);
+                heap_buffer(len)
+            }),
+        );
+        let blocks = copy_out(&landed, 4, Some(&buffers));
+        let bytes: Vec<&[u8]> = blocks.iter().map(|b| b.as_bytes()).collect();
+        assert_eq!(bytes, [&landed[..4], &landed[4..8], &landed[8..]]);
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            3,
+            "one engine buffer per block"
+        );
+        buffers.give_all(blocks);
+        let again = copy_out(&landed[4..], 4, Some(&buffers));
+        assert_eq!(again[1].as_bytes(), &landed[8..]);
+        assert_eq!(calls.load(Ordering::Relaxed), 3, "given back, reused");
+        let heap = copy_out(&landed, 6, None);
+        assert_eq!(heap.len(), 2, "without buffers, new heap buffers");
+        assert_eq!(heap[1].as_bytes(), &landed[6..]);
     }
 }
