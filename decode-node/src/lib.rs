@@ -21,28 +21,26 @@
 //! - `Abort`, `Info`.
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with prefill-node
-//! (crate `pd-node`).
+//! (crate `pd-node`); the response stream is [`DecodeStream`] (stream.rs).
+
+mod stream;
+
+pub use stream::DecodeStream;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use pd_engine::generate::validate_prompt;
-use pd_engine::serve::{
-    EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, RequestId, Role,
-};
-use pd_node::requests::{engine_gone, engine_status, forward_events};
-use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, RequestGuard, Requests};
+use pd_engine::serve::{EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestId, Role};
+use pd_node::requests::forward_events;
+use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_server::{DecodeService, DecodeServiceServer};
 use pd_transport::{KvImporter, LayoutFingerprint, PathUsed, PullRequest};
-use tokio::sync::mpsc::UnboundedReceiver;
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 /// The longest a KV pull may take, whatever the lease's deadline.
@@ -349,84 +347,6 @@ async fn resolve(addr: &str) -> Result<SocketAddr, Status> {
     }
 }
 
-/// The response stream of one `Decode`: engine events into messages. Dropping it before the
-/// end (the client went away) aborts the engine request.
-pub struct DecodeStream {
-    events: UnboundedReceiver<RequestEvent>,
-    guard: RequestGuard,
-    /// For the counters on the last message.
-    metrics: Arc<NodeMetrics>,
-    /// An engine failure to report after the tokens that came before it.
-    pending_error: Option<Status>,
-    done: bool,
-}
-
-impl std::fmt::Debug for DecodeStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeStream")
-            .field("request_id", self.guard.id())
-            .field("done", &self.done)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Stream for DecodeStream {
-    type Item = Result<pb::DecodeResponse, Status>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        if let Some(e) = this.pending_error.take() {
-            return Poll::Ready(Some(Err(e)));
-        }
-        if this.done {
-            return Poll::Ready(None);
-        }
-        let Some(mut event) = std::task::ready!(this.events.poll_recv(cx)) else {
-            this.done = true;
-            this.guard.finished();
-            return Poll::Ready(Some(Err(engine_gone())));
-        };
-        let mut msg = pb::DecodeResponse::default();
-        // Events already queued travel in one message; none is waited for.
-        loop {
-            match event {
-                RequestEvent::Token(t) => msg.tokens.push(convert::logprob(&t)),
-                RequestEvent::Finished(f) => {
-                    msg.finish_reason = convert::finish_reason(f.reason) as i32;
-                    msg.usage = Some(convert::usage(&f.usage));
-                    // Only a prompt computed here (no KV handle) has them.
-                    msg.prompt_logprobs = f
-                        .prompt_logprobs
-                        .iter()
-                        .flatten()
-                        .map(convert::prompt_logprob)
-                        .collect();
-                    // The engine publishes its counters before delivering the end: this
-                    // request's counts are in.
-                    msg.counters = Some(this.metrics.counter_report());
-                    this.done = true;
-                    this.guard.finished();
-                    break;
-                }
-                RequestEvent::Failed(e) => {
-                    this.done = true;
-                    this.guard.finished();
-                    if msg.tokens.is_empty() {
-                        return Poll::Ready(Some(Err(engine_status(&e))));
-                    }
-                    this.pending_error = Some(engine_status(&e));
-                    break;
-                }
-            }
-            match this.events.try_recv() {
-                Ok(next) => event = next,
-                Err(_) => break,
-            }
-        }
-        Poll::Ready(Some(Ok(msg)))
-    }
-}
-
 #[tonic::async_trait]
 impl DecodeService for DecodeNodeService {
     type DecodeStream = DecodeStream;
@@ -453,13 +373,11 @@ impl DecodeService for DecodeNodeService {
             request.imported = Some(imported);
         }
         let events = forward_events(guard.submit(request));
-        Ok(Response::new(DecodeStream {
+        Ok(Response::new(DecodeStream::new(
             events,
             guard,
-            metrics: Arc::clone(&self.metrics),
-            pending_error: None,
-            done: false,
-        }))
+            Arc::clone(&self.metrics),
+        )))
     }
 
     async fn abort(
