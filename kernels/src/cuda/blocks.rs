@@ -3,7 +3,7 @@
 //! import moves many blocks, and one gather kernel, one copy and one synchronization per
 //! batch replace one of each per block. Does not decide which blocks move (the engine does).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 
 use super::tensor::CudaKvStorage;
 use super::{CudaBackend, THREADS};
@@ -69,15 +69,27 @@ impl CudaBackend {
             return;
         }
         let per_batch = batch_blocks(block_bytes).min(blocks.len());
-        let mut staging = self.alloc::<u8>(per_batch * block_bytes);
+        let staging = self.alloc::<u8>(per_batch * block_bytes);
         let part = kv.block_bytes_per_part() as u64;
+        if let Err(e) = self.dev.stream.context().bind_to_thread() {
+            self.fail("copy KV blocks to the device", e);
+        }
         for (ids, bufs) in blocks.chunks(per_batch).zip(src.chunks(per_batch)) {
-            for (i, buf) in bufs.iter().enumerate() {
-                let mut at = staging.slice_mut(i * block_bytes..(i + 1) * block_bytes);
-                self.dev
-                    .stream
-                    .memcpy_htod(*buf, &mut at)
-                    .unwrap_or_else(|e| self.fail("copy a KV block to the device", e));
+            // Blocks that lie back to back in host memory (a host-tier batch is one buffer)
+            // go in one copy.
+            let mut at = self.ptr(&staging);
+            for (start, len) in contiguous_runs(bufs) {
+                // SAFETY: the staging buffer has room for the batch (`per_batch` blocks) and
+                // the runs cover its blocks once each, in order; every byte of a run lies in
+                // one of `bufs`, which outlive this call, and the call waits for its copies
+                // before it returns (below).
+                let copied = unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(at, start.cast(), len, self.dev.stream.cu_stream())
+                };
+                if let Err(e) = copied.result() {
+                    self.fail("copy KV blocks to the device", e);
+                }
+                at += len as u64;
             }
             let ids_dev = self.upload(ids);
             let mut b = self
@@ -113,6 +125,20 @@ fn check_ids(kv: &CudaKvStorage, blocks: &[u32]) {
     );
 }
 
+/// `bufs` as the fewest (address, length) ranges covering the same bytes in order: neighbours
+/// that continue each other in memory are joined. Ranges, not slices: two neighbours may
+/// belong to different allocations, which no Rust slice may span (a copy may).
+fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
+    let mut runs: Vec<(*const u8, usize)> = Vec::new();
+    for buf in bufs {
+        match runs.last_mut() {
+            Some((start, len)) if start.wrapping_add(*len) == buf.as_ptr() => *len += buf.len(),
+            _ => runs.push((buf.as_ptr(), buf.len())),
+        }
+    }
+    runs
+}
+
 /// Blocks per batch: as many as fit in [`STAGING_BYTES`], at least one.
 fn batch_blocks(block_bytes: usize) -> usize {
     (STAGING_BYTES / block_bytes.max(1)).clamp(1, MAX_GRID_Z)
@@ -130,6 +156,25 @@ fn grid(kv: &CudaKvStorage, n: usize) -> LaunchConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn neighbouring_blocks_join_into_one_copy() {
+        let one = [7u8; 12];
+        let other = [9u8; 4];
+        let parts: Vec<&[u8]> = vec![&one[..4], &one[4..8], &other, &one[8..], &one[..4]];
+        let runs = contiguous_runs(&parts);
+        assert_eq!(
+            runs,
+            [
+                (one.as_ptr(), 8),
+                (other.as_ptr(), 4),
+                (one[8..].as_ptr(), 4),
+                (one.as_ptr(), 4)
+            ],
+            "only the first two continue each other"
+        );
+        assert!(contiguous_runs(&[]).is_empty());
+    }
 
     #[test]
     fn batches_stay_within_the_staging_budget() {
