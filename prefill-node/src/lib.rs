@@ -19,12 +19,13 @@
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with decode-node
 //! (crate `pd-node`). The drain also waits for leases handed out to be released or to
-//! expire, so that decode nodes can finish pulling.
+//! expire, so that decode nodes can finish pulling (leases.rs).
 
-use std::collections::HashMap;
+mod leases;
+
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
@@ -32,8 +33,8 @@ use clap::Parser;
 use pd_engine::generate::validate_prompt;
 use pd_engine::sampling::SampledToken;
 use pd_engine::serve::{
-    EngineHandle, EngineRequest, EngineThread, Finished, KvLease, RequestError, RequestEvent,
-    RequestId, Role,
+    EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
+    Role,
 };
 use pd_node::args::parse_seconds;
 use pd_node::requests::{engine_gone, engine_status};
@@ -44,6 +45,8 @@ use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer}
 use pd_transport::KvExportServer;
 use pd_transport::rdma::{RdmaError, RdmaExporter};
 use tonic::{Request, Response, Status};
+
+use leases::{LeaseGuard, Leases};
 
 /// How long the KV export server lets transfers in flight finish once the node has drained.
 const EXPORT_STOP_GRACE: Duration = Duration::from_secs(2);
@@ -71,69 +74,6 @@ pub struct PrefillArgs {
     #[arg(long, env = "PD_KV_LEASE_TIMEOUT", value_name = "SECONDS", default_value = "30",
           value_parser = parse_seconds, help_heading = "KV transfer")]
     pub kv_lease_timeout: Duration,
-}
-
-/// Leases handed out and not released yet, with their deadlines (for the drain: decode
-/// nodes may still be pulling them).
-#[derive(Debug, Default)]
-struct Leases(Mutex<HashMap<u64, Instant>>);
-
-impl Leases {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn insert(&self, id: u64, deadline: Instant) {
-        self.map().insert(id, deadline);
-    }
-
-    fn remove(&self, id: u64) {
-        self.map().remove(&id);
-    }
-
-    /// No lease is outstanding (expired ones are forgotten).
-    fn is_empty(&self) -> bool {
-        let now = Instant::now();
-        let mut map = self.map();
-        map.retain(|_, deadline| *deadline > now);
-        map.is_empty()
-    }
-}
-
-/// A lease not handed to anyone yet: released when dropped unless [`LeaseGuard::keep`] is
-/// called (a prefill whose caller went away must not pin blocks until the lease expires).
-struct LeaseGuard {
-    engine: EngineHandle,
-    lease: Option<KvLease>,
-}
-
-impl LeaseGuard {
-    fn keep(mut self) -> KvLease {
-        self.lease
-            .take()
-            .expect("a guard holds its lease until kept")
-    }
-}
-
-impl Drop for LeaseGuard {
-    fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        let engine = self.engine.clone();
-        let release = move || {
-            engine.release_lease(lease.lease_id);
-            tracing::debug!(
-                lease_id = lease.lease_id,
-                "released the lease of a prefill nobody received"
-            );
-        };
-        // Releasing waits for the engine thread: never on an async worker.
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(release)),
-            Err(_) => release(),
-        }
-    }
 }
 
 /// How a prefill ended.
