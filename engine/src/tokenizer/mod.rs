@@ -16,12 +16,14 @@
 //! ByteLevel decoder produces it. [`IncrementalDecoder`] emits the same text piece by piece.
 
 mod chat;
+mod config;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 pub use chat::{ChatMessage, ChatRole, ChatTemplateOptions};
-use chat::{ChatTemplate, SpecialTokenNames, TemplateOrigin};
+use chat::{ChatTemplate, TemplateOrigin};
+use config::TokenizerConfig;
 
 /// The converted Qwen3 `tokenizer.json` (also written into synthetic model directories).
 pub const QWEN3_TOKENIZER_JSON: &str = include_str!("../../../assets/qwen3/tokenizer.json");
@@ -395,85 +397,6 @@ impl IncrementalDecoder<'_> {
         }
         self.pending.drain(..start);
         out
-    }
-}
-
-/// The parts of `tokenizer_config.json` this module uses.
-struct TokenizerConfig {
-    path: PathBuf,
-    special: SpecialTokenNames,
-    chat_template: Option<(PathBuf, String)>,
-}
-
-impl TokenizerConfig {
-    fn parse(path: &Path, bytes: &[u8]) -> Result<Self, TokenizerError> {
-        let json: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|source| TokenizerError::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        let config_error = |field: &str, message: &str| TokenizerError::Config {
-            path: path.to_path_buf(),
-            field: field.to_string(),
-            message: message.to_string(),
-        };
-        if !json.is_object() {
-            return Err(config_error("(root)", "expected a JSON object"));
-        }
-        // A special token is a string, or an AddedToken object with `content`.
-        let token_field = |field: &str| -> Result<Option<String>, TokenizerError> {
-            match json.get(field) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                Some(obj @ serde_json::Value::Object(_)) => match obj.get("content") {
-                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                    _ => Err(config_error(field, "object without a string `content`")),
-                },
-                Some(_) => Err(config_error(field, "expected a string, an object or null")),
-            }
-        };
-        let special = SpecialTokenNames {
-            bos_token: token_field("bos_token")?,
-            eos_token: token_field("eos_token")?,
-            pad_token: token_field("pad_token")?,
-        };
-        let chat_template = match json.get("chat_template") {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Array(named)) => {
-                let default = named
-                    .iter()
-                    .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"));
-                match default {
-                    Some(t) => match t.get("template") {
-                        Some(serde_json::Value::String(s)) => Some(s.clone()),
-                        _ => {
-                            return Err(config_error(
-                                "chat_template",
-                                "template named `default` has no string `template`",
-                            ));
-                        }
-                    },
-                    None => {
-                        return Err(config_error(
-                            "chat_template",
-                            "a list of named templates without one named `default`",
-                        ));
-                    }
-                }
-            }
-            Some(_) => {
-                return Err(config_error(
-                    "chat_template",
-                    "expected a string or a list of {name, template} objects",
-                ));
-            }
-        };
-        Ok(TokenizerConfig {
-            path: path.to_path_buf(),
-            special,
-            chat_template: chat_template.map(|t| (path.to_path_buf(), t)),
-        })
     }
 }
 
