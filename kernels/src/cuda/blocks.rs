@@ -101,9 +101,9 @@ impl CudaBackend {
         }
         // The staging and id buffers are freed stream-ordered, after the kernels read them;
         // the next batch's copies into staging wait for this batch's kernel the same way.
-        // A copy out of page-locked memory (the host tier's batch buffer is lent by
-        // `host_buffer`) is still reading `src` when `memcpy_htod` returns; the caller
-        // refills that buffer with the next batch as soon as this returns, so wait here.
+        // A copy out of page-locked memory (the host tier's batch buffer, an import's block
+        // buffers: `host_allocator`'s) is still reading `src` when it has been queued; the
+        // callers refill or recycle those buffers as soon as this returns, so wait here.
         self.synchronize();
     }
 }

@@ -112,8 +112,8 @@ impl PinnedPool {
     /// `len` bytes of page-locked memory, or of heap memory when the budget is spent or the
     /// driver cannot pin more (a host short of lockable memory): the copy is then slower,
     /// never refused. Contents are unspecified (the caller overwrites them). Any thread may
-    /// lend, also while the engine's thread captures a decode graph: captures are
-    /// thread-local (graph.rs), so a pin elsewhere neither fails nor invalidates one.
+    /// lend, also while the engine's thread captures a decode graph: captures use CUDA's
+    /// thread-local mode (graph.rs), which restricts only the capturing thread's calls.
     pub(super) fn lend(self: &Arc<Self>, len: usize) -> HostBuffer {
         if len == 0 {
             return heap_buffer(0);
