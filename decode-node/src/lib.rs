@@ -34,6 +34,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use pd_engine::generate::validate_prompt;
+use pd_engine::kv::host_buffer::HostBuffer;
+use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
 use pd_engine::serve::{EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestId, Role};
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
@@ -207,8 +209,10 @@ impl DecodeNodeService {
     }
 
     /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV:
-    /// in place into blocks the engine reserves for them where its KV is in host memory and
-    /// its pool has room, else into buffers the engine copies in at admission.
+    /// into blocks the engine reserves for them where its pool has room (in place where its
+    /// KV is in host memory; on a GPU into buffers this task then copies into the reserved
+    /// device blocks, so the engine thread copies nothing), else into buffers the engine
+    /// copies in at admission.
     async fn pull(
         &self,
         req: &EngineRequest,
@@ -219,7 +223,7 @@ impl DecodeNodeService {
         let engine = self.requests.engine().clone();
         let (prompt, salt) = (req.prompt.clone(), req.cache_salt.clone());
         let total = req.prompt.len().div_ceil(self.facts.block_size());
-        let (cached, mut reservation) = tokio::task::spawn_blocking(move || {
+        let (cached, reservation) = tokio::task::spawn_blocking(move || {
             match engine.reserve_import(prompt.clone(), salt.clone()) {
                 Some(r) => (r.first_block(), Some(r)),
                 None => (engine.cached_prefix_blocks(prompt, salt), None),
@@ -239,20 +243,29 @@ impl DecodeNodeService {
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());
-        let pulled = match reservation.as_mut() {
-            Some(into) => self
+        let pulled = match reservation {
+            Some(ImportReservation::Host(mut into)) => self
                 .importer
-                .pull_into(addr, &kv.rdma, pull, into, deadline)
+                .pull_into(addr, &kv.rdma, pull, &mut into, deadline)
                 .await
-                .map(|path| (None, path)),
+                .map(|path| (ImportedBlocks::Placed(into.filled()), path)),
+            Some(ImportReservation::Device(into)) => {
+                match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
+                    Ok((buffers, path)) => {
+                        let placed = self.write_in(into, buffers).await?;
+                        Ok((ImportedBlocks::Placed(placed), path))
+                    }
+                    Err(e) => Err(e),
+                }
+            }
             None => self
                 .importer
                 .pull(addr, &kv.rdma, pull, deadline)
                 .await
-                .map(|(blocks, path)| (Some(blocks), path)),
+                .map(|(blocks, path)| (ImportedBlocks::Buffers(blocks), path)),
         };
         match pulled {
-            Ok((buffers, path)) => {
+            Ok((blocks, path)) => {
                 let s = &self.stats;
                 s.pulls_ok.fetch_add(1, Ordering::Relaxed);
                 s.blocks_pulled.fetch_add(count as u64, Ordering::Relaxed);
@@ -266,7 +279,13 @@ impl DecodeNodeService {
                     lease_id = kv.lease_id,
                     cached_blocks = first_block,
                     pulled_blocks = count,
-                    in_place = buffers.is_none(),
+                    landing = match &blocks {
+                        ImportedBlocks::Placed(r) => match r.landing() {
+                            Landing::HostInPlace => "in place",
+                            Landing::DeviceCopy => "copied into reserved device blocks",
+                        },
+                        ImportedBlocks::Buffers(_) => "buffers",
+                    },
                     path = match path {
                         PathUsed::Rdma => "rdma",
                         PathUsed::Tcp => "tcp",
@@ -275,11 +294,6 @@ impl DecodeNodeService {
                     elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
                     "KV pulled"
                 );
-                let blocks = match (buffers, reservation) {
-                    (Some(b), _) => ImportedBlocks::Buffers(b),
-                    (None, Some(r)) => ImportedBlocks::Placed(r),
-                    (None, None) => unreachable!("a pull lands in buffers or in place"),
-                };
                 Ok(ImportedKv {
                     first_block,
                     blocks,
@@ -304,6 +318,28 @@ impl DecodeNodeService {
                 )))
             }
         }
+    }
+
+    /// Copy pulled blocks into the device blocks reserved for them (the backend's import
+    /// stream), on a blocking thread since the copy waits for the device, then give the
+    /// buffers back for the next import.
+    async fn write_in(
+        &self,
+        into: DeviceReservation,
+        buffers: Vec<HostBuffer>,
+    ) -> Result<ReservedBlocks, Status> {
+        let engine = self.requests.engine().clone();
+        tokio::task::spawn_blocking(move || {
+            let placed = into.write(&buffers);
+            engine.import_buffers().give_all(buffers);
+            placed
+        })
+        .await
+        .map_err(|e| {
+            Status::internal(format!(
+                "copying the pulled KV into device memory failed: {e}"
+            ))
+        })
     }
 }
 

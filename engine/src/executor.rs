@@ -263,6 +263,12 @@ impl<B: Backend> Executor<B> {
     pub fn host_kv_memory(&self) -> Option<crate::kv::placement::HostKvMemory> {
         self.backend.host_kv_memory(&self.kv)
     }
+
+    /// [`Backend::block_writer`]: imported blocks written into KV storage from other
+    /// threads (a GPU's copy stream).
+    pub fn block_writer(&self) -> Option<crate::kv::reservation::BlockWriter> {
+        self.backend.block_writer(&self.kv)
+    }
 }
 
 /// What [`Executor::execute_sampling`] returns for one item.

@@ -12,7 +12,8 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
 use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
-use pd_engine::kv::placement::{ReleaseFn, ReservationId};
+use pd_engine::kv::placement::{KvReservation, ReleaseFn, ReservationId};
+use pd_engine::kv::reservation::ImportReservation;
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::{FinishReason, SamplingParams};
 use pd_engine::serve::{
@@ -488,9 +489,7 @@ fn prefill_then_decode(placed: bool) {
             let first = run_one(prefill, req(id, p.to_vec(), 8));
             let lease = first.finished.unwrap().lease.unwrap();
             let (have, reservation) = if placed {
-                let r = decode
-                    .reserve_import(p, None, release_into(&released))
-                    .expect("host KV memory and room in the pool");
+                let r = in_host_memory(decode.reserve_import(p, None, release_into(&released)));
                 (r.first_block(), Some(r))
             } else {
                 (decode.cached_prefix_blocks(p, None), None)
@@ -511,7 +510,7 @@ fn prefill_then_decode(placed: bool) {
                         }
                         assert_eq!(at, bytes.len());
                     }
-                    ImportedBlocks::Placed(r)
+                    ImportedBlocks::Placed(r.filled())
                 }
                 None => ImportedBlocks::Buffers(
                     blocks
@@ -646,11 +645,11 @@ fn reservations_never_admitted_give_every_block_back() {
     all_free(&decode);
 
     // Reserved, then the request is aborted while it waits.
-    let r = decode.reserve_import(&p, None, release_into(&log)).unwrap();
+    let r = in_host_memory(decode.reserve_import(&p, None, release_into(&log)));
     let mut waiting = req("w", p.clone(), 4);
     waiting.imported = Some(pd_engine::serve::ImportedKv {
         first_block: 0,
-        blocks: ImportedBlocks::Placed(r),
+        blocks: ImportedBlocks::Placed(r.filled()),
         first_token: 1,
     });
     decode.submit(waiting).unwrap();
@@ -694,16 +693,23 @@ fn driver_reservations_come_back_when_dropped_or_refused() {
     usage_back_to_zero("dropped reservation");
 
     // The first token ends the request (max_tokens 1): refused, and the reservation with it.
-    let r = h
-        .reserve_import(prompt(3, 10), None)
-        .expect("room to reserve");
+    let r = in_host_memory(h.reserve_import(prompt(3, 10), None));
     let mut done = req("d", prompt(3, 10), 1);
     done.imported = Some(pd_engine::serve::ImportedKv {
         first_block: 0,
-        blocks: ImportedBlocks::Placed(r),
+        blocks: ImportedBlocks::Placed(r.filled()),
         first_token: 7,
     });
     let refused = h.submit(done).recv().unwrap();
     assert!(matches!(refused, RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument));
     usage_back_to_zero("refused request");
+}
+
+/// A reservation the pull fills in place: what the CPU backend's host KV memory gives.
+fn in_host_memory(r: Option<ImportReservation>) -> KvReservation {
+    match r {
+        Some(ImportReservation::Host(r)) => r,
+        Some(ImportReservation::Device(_)) => panic!("CPU KV is host memory, not a device's"),
+        None => panic!("host KV memory and room in the pool"),
+    }
 }

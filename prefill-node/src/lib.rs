@@ -83,7 +83,7 @@ enum Outcome {
     Prefilled {
         first_token: SampledToken,
         finished: Box<Finished>,
-        lease: Option<LeaseGuard>,
+        lease: Option<Box<LeaseGuard>>,
     },
     Aborted,
     Failed(RequestError),
@@ -101,9 +101,11 @@ fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>, lease_kv: boo
                 first_token.get_or_insert(t);
             }
             Ok(RequestEvent::Finished(mut finished)) => {
-                let lease = finished.lease.take().map(|l| LeaseGuard {
-                    engine: engine.clone(),
-                    lease: Some(l),
+                let lease = finished.lease.take().map(|l| {
+                    Box::new(LeaseGuard {
+                        engine: engine.clone(),
+                        lease: Some(l),
+                    })
                 });
                 return match (first_token, lease) {
                     (Some(first_token), lease) if lease.is_some() == lease_kv => {
@@ -271,7 +273,7 @@ impl PrefillService for PrefillNodeService {
             Outcome::EngineGone => return Err(engine_gone()),
         };
         let kv = match lease {
-            Some(lease) => Some(self.hand_out(lease, submitted, &finished).await),
+            Some(lease) => Some(self.hand_out(*lease, submitted, &finished).await),
             None => None,
         };
         tracing::debug!(

@@ -15,8 +15,8 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, Process, all_blocks_free, client, collect, greedy, json_of, node_info, nodes_sum,
-    pdctl, spread_prompts, wait_serving,
+    Cluster, Process, all_blocks_free, client, collect, exposition, greedy, json_of, metrics_addr,
+    node_info, nodes_sum, pdctl, spread_prompts, wait_serving,
 };
 use tonic::transport::Channel;
 
@@ -136,6 +136,18 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
     );
     let received = nodes_sum(&cluster, "decode", "pd_node_kv_transfer_bytes_total", &[]).await;
     assert!(received > 0.0, "the decode node received KV");
+    // GPU KV: the puller copied every import into blocks reserved on the device (the import
+    // stream), none was left for the engine thread to copy in at admission.
+    let mut landed = Vec::new();
+    for landing in ["device_copy", "in_place", "buffers"] {
+        let labels = [("landing", landing)];
+        landed.push(nodes_sum(&cluster, "decode", "pd_node_kv_imports_total", &labels).await);
+    }
+    assert_eq!(
+        landed,
+        [prompts().len() as f64, 0.0, 0.0],
+        "imports by landing"
+    );
 
     // The longest prompt again: its whole blocks are in the prefill node's GPU cache.
     let long = prompts().pop().expect("a prompt");
@@ -208,6 +220,21 @@ async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
         assert_eq!(
             counters.kv_transfers, 3,
             "{what}: one KV transfer per request"
+        );
+        // Where the imports landed: reserved device blocks copied in by the puller on a GPU,
+        // reserved host blocks filled in place on a CPU.
+        let metrics = exposition(&metrics_addr(&decode.ready))
+            .await
+            .expect("decode node metrics");
+        let landing = if decode_device == "cuda" {
+            "device_copy"
+        } else {
+            "in_place"
+        };
+        assert_eq!(
+            metrics.sum("pd_node_kv_imports_total", &[("landing", landing)]),
+            3.0,
+            "{what}: imports landed {landing}"
         );
     }
 }

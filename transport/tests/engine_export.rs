@@ -10,6 +10,7 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
 use pd_engine::kv::KvLayout;
+use pd_engine::kv::reservation::ImportReservation;
 use pd_engine::model::Qwen3;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{
@@ -227,13 +228,13 @@ async fn pulled_in_place_decodes_like_one_mixed_engine(kv: DType) -> u64 {
     let (mut decode, _) = engine(Role::Decode, kv);
     let released = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = released.clone();
-    let mut into = decode
-        .reserve_import(
-            &prompt,
-            None,
-            Arc::new(move |id| log.lock().unwrap().push(id)),
-        )
-        .expect("host KV memory with room");
+    let Some(ImportReservation::Host(mut into)) = decode.reserve_import(
+        &prompt,
+        None,
+        Arc::new(move |id| log.lock().unwrap().push(id)),
+    ) else {
+        panic!("host KV memory with room: a reservation in place");
+    };
     assert_eq!((into.first_block(), into.len()), (0, 6));
     let puller = KvPuller::new();
     let req = |count| PullRequest {
@@ -261,7 +262,7 @@ async fn pulled_in_place_decodes_like_one_mixed_engine(kv: DType) -> u64 {
 
     let imported = ImportedKv {
         first_block: 0,
-        blocks: ImportedBlocks::Placed(into),
+        blocks: ImportedBlocks::Placed(into.filled()),
         first_token,
     };
     let mut got = vec![first_token];

@@ -386,6 +386,19 @@ pub trait Backend: Send + Sync + 'static {
         let _ = kv;
         None
     }
+
+    /// A way to write blocks into `kv` from other threads while the engine keeps stepping
+    /// (a GPU's copy stream): a decode node's puller copies an import into the blocks the
+    /// engine reserved for it as soon as it arrives, so admission copies nothing on the
+    /// engine thread. Each [`crate::kv::reservation::BlockWrite`] it makes is ordered after
+    /// the device work queued when it was made, and writes only blocks the engine handed
+    /// out exclusively. `None` (the default): imports that do not land in host memory are
+    /// copied in with [`Backend::write_blocks`] at admission. Called once, on the engine
+    /// thread, and only where [`Backend::host_kv_memory`] is `None`.
+    fn block_writer(&self, kv: &Self::KvStorage) -> Option<crate::kv::reservation::BlockWriter> {
+        let _ = kv;
+        None
+    }
 }
 
 /// A row-major `f32` matrix in host memory (logits handed to the sampler).

@@ -16,6 +16,7 @@ pub mod host_buffer;
 pub mod host_tier;
 pub mod placement;
 pub mod pool;
+pub mod reservation;
 pub mod tier;
 
 pub const DEFAULT_BLOCK_SIZE: usize = 16;

@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use super::checksum::BlockHasher;
 use super::host_buffer::HostBuffer;
+use super::reservation::{Landing, ReservedBlocks};
+pub use super::reservation::{ReleaseFn, ReservationId};
 
 /// One contiguous piece of host KV memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,33 +179,21 @@ impl HostKvMemory {
     }
 }
 
-/// Identifies a reservation to the engine that made it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ReservationId(pub u64);
-
-/// Gives a reservation's blocks back to the engine (called once, when a reservation is
-/// dropped without being admitted).
-pub type ReleaseFn = Arc<dyn Fn(ReservationId) + Send + Sync>;
-
 /// Blocks the engine set aside for one import: the prompt's blocks from `first_block` on
 /// (those before it are this node's cached prefix, held too). Fill every block with
 /// [`KvReservation::block_mut`], then hand the reservation to the engine with the request.
 /// Dropped unused (a failed pull, an aborted request), it gives every block back.
 pub struct KvReservation {
-    id: ReservationId,
-    first_block: usize,
+    held: ReservedBlocks,
     /// Per pulled block, its segments in transfer-layout order.
     blocks: Vec<Vec<HostSegment>>,
     memory: HostKvMemory,
-    release: Option<ReleaseFn>,
 }
 
 impl std::fmt::Debug for KvReservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvReservation")
-            .field("id", &self.id)
-            .field("first_block", &self.first_block)
-            .field("blocks", &self.blocks.len())
+            .field("held", &self.held)
             .finish()
     }
 }
@@ -221,21 +211,25 @@ impl KvReservation {
         release: ReleaseFn,
     ) -> Self {
         Self {
-            id,
-            first_block,
+            held: ReservedBlocks::new(
+                id,
+                first_block,
+                physical.len(),
+                Landing::HostInPlace,
+                release,
+            ),
             blocks: physical.iter().map(|&b| memory.block_segments(b)).collect(),
             memory,
-            release: Some(release),
         }
     }
 
     pub fn id(&self) -> ReservationId {
-        self.id
+        self.held.id()
     }
 
     /// The prompt's first block to pull: the blocks before it are cached on this node.
     pub fn first_block(&self) -> usize {
-        self.first_block
+        self.held.first_block()
     }
 
     /// Blocks to pull.
@@ -307,19 +301,11 @@ impl KvReservation {
         h.digest()
     }
 
-    /// The engine takes the blocks over (the request was admitted on them): nothing to give
-    /// back on drop.
-    pub(crate) fn admit(mut self) -> ReservationId {
-        self.release = None;
-        self.id
-    }
-}
-
-impl Drop for KvReservation {
-    fn drop(&mut self) {
-        if let Some(release) = self.release.take() {
-            release(self.id);
-        }
+    /// Every block is filled: what the engine takes with the request
+    /// ([`crate::serve::ImportedBlocks::Placed`]). Dropped unadmitted, it gives the blocks
+    /// back as this reservation would have.
+    pub fn filled(self) -> ReservedBlocks {
+        self.held
     }
 }
 
@@ -393,7 +379,7 @@ mod tests {
             mem,
             Arc::new(move |id| r2.lock().unwrap().push(id)),
         );
-        assert_eq!(r.admit(), ReservationId(1));
+        assert_eq!(r.filled().admit(), ReservationId(1));
         assert!(released.lock().unwrap().is_empty());
     }
 }

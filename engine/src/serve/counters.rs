@@ -61,6 +61,9 @@ pub struct EngineCounters {
     pub kv_leases_expired: u64,
     /// Requests admitted with imported KV that landed in place in reserved blocks.
     pub kv_imports_in_place: u64,
+    /// Requests admitted with imported KV the puller had copied into reserved device
+    /// blocks (off the engine thread).
+    pub kv_imports_device_copy: u64,
     /// Requests admitted with imported KV in buffers, copied into KV storage at admission.
     pub kv_imports_buffered: u64,
     /// Gauges (current values, not totals).

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::block_buffers::BlockBuffers;
-use crate::kv::placement::{HostKvMemory, KvReservation, ReleaseFn, ReservationId};
+use crate::kv::placement::HostKvMemory;
+use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
@@ -41,7 +42,7 @@ enum Command {
     Reserve(
         Vec<u32>,
         Option<String>,
-        Sender<Option<KvReservation>>,
+        Sender<Option<ImportReservation>>,
         Sender<Command>,
     ),
     ReleaseReservation(ReservationId),
@@ -57,6 +58,8 @@ pub struct EngineHandle {
     leases: LeaseStore,
     import_buffers: BlockBuffers,
     host_kv: Option<HostKvMemory>,
+    /// Whether the engine can reserve blocks for imports ([`Engine::can_reserve`]).
+    can_reserve: bool,
 }
 
 /// The engine thread; dropping it shuts the engine down and joins the thread.
@@ -84,6 +87,7 @@ impl EngineThread {
             leases: engine.lease_store(),
             import_buffers: engine.import_buffers(),
             host_kv: engine.host_kv_memory(),
+            can_reserve: engine.can_reserve(),
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
@@ -154,12 +158,19 @@ impl EngineHandle {
         rx.recv().unwrap_or(0)
     }
 
-    /// Reserve the blocks of `tokens`' KV this node does not cache, for a pull that lands in
-    /// place ([`KvReservation`]); `None` if KV storage is not host memory, the pool has no
-    /// room now, or the engine is gone: pull into [`Self::import_buffers`] then.
-    pub fn reserve_import(&self, tokens: Vec<u32>, salt: Option<String>) -> Option<KvReservation> {
+    /// Reserve the blocks of `tokens`' KV this node does not cache, for a pull to fill
+    /// ([`ImportReservation`]: in place in host KV memory, or written into device KV
+    /// storage by the puller); `None` if the engine cannot reserve, the pool has no room
+    /// now, or the engine is gone: pull into [`Self::import_buffers`] then.
+    pub fn reserve_import(
+        &self,
+        tokens: Vec<u32>,
+        salt: Option<String>,
+    ) -> Option<ImportReservation> {
+        if !self.can_reserve {
+            return None;
+        }
         let (tx, rx) = mpsc::channel();
-        self.host_kv.as_ref()?;
         self.tx
             .send(Command::Reserve(tokens, salt, tx, self.tx.clone()))
             .ok()?;

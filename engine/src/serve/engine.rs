@@ -26,6 +26,7 @@ use crate::kv::host_buffer::HostBuffer;
 use crate::kv::host_tier::HostTier;
 use crate::kv::placement::{HostKvMemory, ReservationId};
 use crate::kv::pool::BlockPool;
+use crate::kv::reservation::BlockWriter;
 use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
 
@@ -79,7 +80,10 @@ pub struct Engine<B: Backend> {
     import_buffers: BlockBuffers,
     /// Where KV storage lies in host memory (`None` on a GPU): imports can land in place.
     host_kv: Option<HostKvMemory>,
-    /// Blocks set aside for imports being pulled in place.
+    /// How a puller writes imported blocks into device KV storage from its own thread
+    /// (`None` where KV is host memory, or the backend cannot).
+    block_writer: Option<BlockWriter>,
+    /// Blocks set aside for imports being pulled.
     reservations: HashMap<ReservationId, Reserved>,
     next_reservation: u64,
     next_lease: u64,
@@ -118,6 +122,10 @@ impl<B: Backend> Engine<B> {
         let pool = BlockPool::new(executor.num_blocks());
         let host = HostTier::new(config.host_cache_blocks, block_bytes);
         let host_kv = executor.host_kv_memory();
+        // A prefill engine never imports KV; the writer holds device memory and a stream.
+        let block_writer = (config.role != Role::Prefill && host_kv.is_none())
+            .then(|| executor.block_writer())
+            .flatten();
         let import_buffers = BlockBuffers::with_allocator(
             block_bytes,
             DEFAULT_SPARE_BYTES,
@@ -136,6 +144,7 @@ impl<B: Backend> Engine<B> {
             lease_store: LeaseStore::default(),
             import_buffers,
             host_kv,
+            block_writer,
             reservations: HashMap::new(),
             next_reservation: 1,
             next_lease: 1,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
-use crate::kv::placement::KvReservation;
+use crate::kv::reservation::ReservedBlocks;
 use crate::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams};
 
 /// A request's id, unique among the engine's open requests (the router's request id).
@@ -46,8 +46,9 @@ pub struct EngineRequest {
 /// KV of a prompt computed by another node (a prefill node), already pulled, plus the first
 /// token it sampled. The pull happens outside the engine (no network I/O on the engine
 /// thread): the puller first asks which leading blocks this node already caches and pulls
-/// only the rest, either in place into blocks the engine reserved
-/// ([`crate::serve::EngineHandle::reserve_import`]) or into buffers
+/// only the rest, either into blocks the engine reserved
+/// ([`crate::serve::EngineHandle::reserve_import`]: in place in host memory, or copied in
+/// by the puller on a GPU) or into buffers
 /// ([`crate::serve::EngineHandle::cached_prefix_blocks`]).
 #[derive(Debug)]
 pub struct ImportedKv {
@@ -63,11 +64,12 @@ pub struct ImportedKv {
 #[derive(Debug)]
 pub enum ImportedBlocks {
     /// In buffers, each in [`crate::backend::Backend::read_block`]'s layout; copied into KV
-    /// storage at admission (a GPU node, or a host node whose pool had no room to reserve).
+    /// storage at admission, on the engine thread (the pool had no room to reserve when the
+    /// pull started).
     Buffers(Vec<HostBuffer>),
     /// Already in this engine's KV storage, in the reserved blocks (held until admission,
     /// given back if the request ends before).
-    Placed(KvReservation),
+    Placed(ReservedBlocks),
 }
 
 impl ImportedBlocks {

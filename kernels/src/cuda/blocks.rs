@@ -41,7 +41,10 @@ impl CudaBackend {
                 .dev
                 .stream
                 .launch_builder(&self.dev.kernels.pack_blocks);
-            b.arg(&kv.bases).arg(&ids_dev).arg(&staging).arg(&part);
+            b.arg(kv.bases.as_ref())
+                .arg(&ids_dev)
+                .arg(&staging)
+                .arg(&part);
             self.launch("pack_blocks", b, grid(kv, ids.len()));
             // A plain host slice (page-locked when the lease's buffer was lent by
             // `host_buffer`, which makes the copy itself faster): the copy returns once it is
@@ -96,7 +99,10 @@ impl CudaBackend {
                 .dev
                 .stream
                 .launch_builder(&self.dev.kernels.unpack_blocks);
-            b.arg(&kv.bases).arg(&ids_dev).arg(&staging).arg(&part);
+            b.arg(kv.bases.as_ref())
+                .arg(&ids_dev)
+                .arg(&staging)
+                .arg(&part);
             self.launch("unpack_blocks", b, grid(kv, ids.len()));
         }
         // The staging and id buffers are freed stream-ordered, after the kernels read them;
@@ -109,7 +115,7 @@ impl CudaBackend {
 }
 
 /// Bytes of one block across all layers, K and V: the transfer layout's block.
-fn transfer_block_bytes(kv: &CudaKvStorage) -> usize {
+pub(super) fn transfer_block_bytes(kv: &CudaKvStorage) -> usize {
     // The kernels copy 8-byte words: head_dim is a multiple of 32 (`alloc_kv` checks).
     assert!(
         kv.block_bytes_per_part().is_multiple_of(8),
@@ -128,7 +134,7 @@ fn check_ids(kv: &CudaKvStorage, blocks: &[u32]) {
 /// `bufs` as the fewest (address, length) ranges covering the same bytes in order: neighbours
 /// that continue each other in memory are joined. Ranges, not slices: two neighbours may
 /// belong to different allocations, which no Rust slice may span (a copy may).
-fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
+pub(super) fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
     let mut runs: Vec<(*const u8, usize)> = Vec::new();
     for buf in bufs {
         match runs.last_mut() {

@@ -10,7 +10,8 @@
 //! row-wise ops), `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
 //! `attention` (paged attention launches, planned by [`plan`]), `weights` (uploads), `graph`
 //! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `blocks`
-//! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `gemv`
+//! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `import`
+//! (imports written in from the puller's thread, on a second stream), `gemv`
 //! (the decode-sized product kernel), `device` and [`modules`] (the device, its libraries
 //! and compiled kernels).
 
@@ -21,6 +22,7 @@ mod elementwise;
 pub mod gemm;
 mod gemv;
 mod graph;
+mod import;
 mod linear;
 pub mod modules;
 mod open;
@@ -42,6 +44,7 @@ use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::kv::host_buffer::HostAllocator;
+use pd_engine::kv::reservation::BlockWriter;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
 use pd_engine::weights::{DType, TensorView};
 
@@ -510,6 +513,21 @@ impl Backend for CudaBackend {
 
     fn write_blocks(&self, kv: &mut CudaKvStorage, blocks: &[u32], src: &[&[u8]]) {
         self.copy_blocks_in(kv, blocks, src);
+    }
+
+    fn block_writer(&self, kv: &CudaKvStorage) -> Option<BlockWriter> {
+        match self.import_writer(kv) {
+            Ok(writer) => Some(writer),
+            Err(e) => {
+                // Imports still work: the engine copies them in at admission.
+                tracing::warn!(
+                    device = %self.name(),
+                    error = %e,
+                    "no import stream; imported KV is copied in on the engine thread"
+                );
+                None
+            }
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use pd_engine::weights::DType;
 
 use super::gemv::SmallBatchLinear;
 use super::graph::Graphs;
+use super::import::IMPORT_STAGING_BYTES;
 use super::pinned::PinnedPool;
 use super::{CudaBackend, CudaKvStorage, Device, Uploads, pdl, plan};
 use crate::CudaError;
@@ -84,8 +85,10 @@ impl CudaBackend {
 
     /// Bytes the KV cache may take: the utilization limit minus what the card already has in
     /// use (this process's context, cuBLAS and weights, and anything else on the card) minus
-    /// `activation_bytes` of working memory for one engine step.
+    /// `activation_bytes` of working memory for one engine step and the import writer's
+    /// staging buffer ([`IMPORT_STAGING_BYTES`]).
     pub fn kv_budget_bytes(&self, activation_bytes: usize) -> Result<usize, CudaError> {
+        let activation_bytes = activation_bytes + IMPORT_STAGING_BYTES;
         let (free, total) = self.dev.ctx.mem_get_info().map_err(|e| CudaError::Driver {
             ordinal: self.dev.ordinal,
             what: "reading free memory",
@@ -165,9 +168,9 @@ impl CudaBackend {
             layout: layout.clone(),
             num_blocks,
             dtype,
-            k,
-            v,
-            bases,
+            k: k.into(),
+            v: v.into(),
+            bases: Arc::new(bases),
         })
     }
 }

@@ -129,10 +129,12 @@ pub struct CudaKvStorage {
     pub num_blocks: usize,
     /// `--kv-cache-dtype`: f32, or the 16-bit bf16 / f16 (half the memory and traffic).
     pub dtype: DType,
-    pub k: Vec<CudaSlice<u8>>,
-    pub v: Vec<CudaSlice<u8>>,
+    /// Shared (not copied) with the import writer ([`pd_engine::backend::Backend::block_writer`]),
+    /// which keeps them allocated while it may still write them.
+    pub k: Arc<[CudaSlice<u8>]>,
+    pub v: Arc<[CudaSlice<u8>]>,
     /// Device addresses `[k0, v0, k1, v1, ...]` for the block pack / unpack kernels.
-    pub bases: CudaSlice<u64>,
+    pub bases: Arc<CudaSlice<u64>>,
 }
 
 impl CudaKvStorage {

@@ -10,6 +10,7 @@
 
 mod attention;
 mod gemv;
+mod import;
 
 use pd_engine::backend::conformance::{argmax, compare_logits};
 use pd_engine::backend::cpu::CpuBackend;

@@ -209,6 +209,10 @@ fn values(
                 c.kv_imports_in_place as f64,
             ),
             (
+                vec![(label::LANDING, "device_copy")],
+                c.kv_imports_device_copy as f64,
+            ),
+            (
                 vec![(label::LANDING, "buffers")],
                 c.kv_imports_buffered as f64,
             ),

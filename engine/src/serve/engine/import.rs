@@ -8,6 +8,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
+use crate::kv::reservation::Landing;
 use crate::serve::counters::PrefixOutcome;
 use crate::serve::request::{EngineRequest, ImportedBlocks, ImportedKv, RequestError, RequestId};
 
@@ -110,9 +111,13 @@ impl<B: Backend> Engine<B> {
             Vec::new()
         };
         let (blocks, local) = match &imp.blocks {
-            ImportedBlocks::Placed(_) => {
+            ImportedBlocks::Placed(r) => {
+                let landing = r.landing();
                 let held = self.take_placed(id, &hashes)?;
-                self.counters.kv_imports_in_place += 1;
+                match landing {
+                    Landing::HostInPlace => self.counters.kv_imports_in_place += 1,
+                    Landing::DeviceCopy => self.counters.kv_imports_device_copy += 1,
+                }
                 held
             }
             ImportedBlocks::Buffers(_) => match self.place_buffers(id, &hashes) {

@@ -1,12 +1,13 @@
-//! Reservations for imports that land in place (decode role, host KV memory): the blocks a
-//! pull will fill are taken from the pool before the pull starts, together with a reference
-//! on each block of this node's cached prefix, so that admission finds everything where the
-//! puller left it. A reservation ends by admission (the sequence takes its blocks) or by
+//! Reservations for imports (decode role): the blocks a pull will fill are taken from the
+//! pool before the pull starts, together with a reference on each block of this node's
+//! cached prefix, so that admission finds everything where the puller left it (in place in
+//! host KV memory, or copied into device KV storage by the puller). A reservation ends by admission (the sequence takes its blocks) or by
 //! release (the pull failed, the request ended first): never both, never neither.
 
 use crate::backend::Backend;
 use crate::kv::hash::block_hashes;
-use crate::kv::placement::{KvReservation, ReleaseFn, ReservationId};
+use crate::kv::placement::KvReservation;
+use crate::kv::reservation::{DeviceReservation, ImportReservation, ReleaseFn, ReservationId};
 
 use super::Engine;
 
@@ -20,18 +21,17 @@ pub(super) struct Reserved {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Reserve the blocks of `tokens`' KV that this node does not cache (with `salt`), to
-    /// be pulled in place; `release` is called with the id if the reservation is dropped
-    /// unadmitted. `None`: KV storage is not host memory, or the pool has no room now (the
-    /// caller pulls into buffers instead).
+    /// Reserve the blocks of `tokens`' KV that this node does not cache (with `salt`), for
+    /// a pull to fill; `release` is called with the id if the reservation is dropped
+    /// unadmitted. `None`: the backend can neither land KV in place nor write it from
+    /// another thread, or the pool has no room now (the caller pulls into buffers instead).
     pub fn reserve_import(
         &mut self,
         tokens: &[u32],
         salt: Option<&str>,
         release: ReleaseFn,
-    ) -> Option<KvReservation> {
-        let memory = self.host_kv.clone()?;
-        if tokens.is_empty() {
+    ) -> Option<ImportReservation> {
+        if !self.can_reserve() || tokens.is_empty() {
             return None;
         }
         let bs = self.block_size();
@@ -62,9 +62,32 @@ impl<B: Backend> Engine<B> {
         };
         let id = ReservationId(self.next_reservation);
         self.next_reservation += 1;
-        let reservation = KvReservation::new(id, local, &fresh, memory, release);
+        let reservation = match (&self.host_kv, &self.block_writer) {
+            (Some(memory), _) => ImportReservation::Host(KvReservation::new(
+                id,
+                local,
+                &fresh,
+                memory.clone(),
+                release,
+            )),
+            (None, Some(writer)) => ImportReservation::Device(DeviceReservation::new(
+                id,
+                local,
+                fresh.clone(),
+                self.executor.block_bytes(),
+                writer(),
+                release,
+            )),
+            (None, None) => unreachable!("can_reserve checked"),
+        };
         self.reservations.insert(id, Reserved { cached, fresh });
         Some(reservation)
+    }
+
+    /// Whether [`Self::reserve_import`] can reserve at all: KV storage in host memory
+    /// (pulls land in place) or a backend that writes blocks from other threads.
+    pub fn can_reserve(&self) -> bool {
+        self.host_kv.is_some() || self.block_writer.is_some()
     }
 
     /// Give back a reservation's blocks; false if it is not held (admitted or released).
