@@ -86,7 +86,7 @@ impl CudaBackend {
     /// Bytes the KV cache may take: the utilization limit minus what the card already has in
     /// use (this process's context, cuBLAS and weights, and anything else on the card) minus
     /// `activation_bytes` of working memory for one engine step and the import writer's
-    /// staging buffer ([`IMPORT_STAGING_BYTES`]).
+    /// staging buffer (`IMPORT_STAGING_BYTES`, 16 MiB).
     pub fn kv_budget_bytes(&self, activation_bytes: usize) -> Result<usize, CudaError> {
         let activation_bytes = activation_bytes + IMPORT_STAGING_BYTES;
         let (free, total) = self.dev.ctx.mem_get_info().map_err(|e| CudaError::Driver {
