@@ -3,7 +3,7 @@
 //! import moves many blocks, and one gather kernel, one copy and one synchronization per
 //! batch replace one of each per block. Does not decide which blocks move (the engine does).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg, sys};
+use cudarc::driver::{CudaStream, DriverError, LaunchConfig, PushKernelArg, sys};
 
 use super::tensor::CudaKvStorage;
 use super::{CudaBackend, THREADS};
@@ -78,21 +78,11 @@ impl CudaBackend {
             self.fail("copy KV blocks to the device", e);
         }
         for (ids, bufs) in blocks.chunks(per_batch).zip(src.chunks(per_batch)) {
-            // Blocks that lie back to back in host memory (a host-tier batch is one buffer)
-            // go in one copy.
-            let mut at = self.ptr(&staging);
-            for (start, len) in contiguous_runs(bufs) {
-                // SAFETY: the staging buffer has room for the batch (`per_batch` blocks) and
-                // the runs cover its blocks once each, in order; every byte of a run lies in
-                // one of `bufs`, which outlive this call, and the call waits for its copies
-                // before it returns (below).
-                let copied = unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(at, start.cast(), len, self.dev.stream.cu_stream())
-                };
-                if let Err(e) = copied.result() {
-                    self.fail("copy KV blocks to the device", e);
-                }
-                at += len as u64;
+            // SAFETY: the staging buffer has room for the batch (`per_batch` blocks); `bufs`
+            // outlive this call, which waits for its copies before it returns (below).
+            let queued = unsafe { queue_copies_in(&self.dev.stream, self.ptr(&staging), bufs) };
+            if let Err(e) = queued {
+                self.fail("copy KV blocks to the device", e);
             }
             let ids_dev = self.upload(ids);
             let mut b = self
@@ -134,7 +124,7 @@ fn check_ids(kv: &CudaKvStorage, blocks: &[u32]) {
 /// `bufs` as the fewest (address, length) ranges covering the same bytes in order: neighbours
 /// that continue each other in memory are joined. Ranges, not slices: two neighbours may
 /// belong to different allocations, which no Rust slice may span (a copy may).
-pub(super) fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
+fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
     let mut runs: Vec<(*const u8, usize)> = Vec::new();
     for buf in bufs {
         match runs.last_mut() {
@@ -143,6 +133,30 @@ pub(super) fn contiguous_runs(bufs: &[&[u8]]) -> Vec<(*const u8, usize)> {
         }
     }
     runs
+}
+
+/// Queues the copies of `bufs`, back to back from device address `dst`, on `stream`: one copy
+/// per run of blocks that lie back to back in host memory (a host-tier batch is one buffer:
+/// one copy).
+///
+/// # Safety
+/// `dst` must have room for all of `bufs`' bytes, and `bufs` must stay allocated and
+/// unwritten until `stream` has run the copies (the callers synchronize before returning).
+/// The context must be bound to this thread.
+pub(super) unsafe fn queue_copies_in(
+    stream: &CudaStream,
+    dst: u64,
+    bufs: &[&[u8]],
+) -> Result<(), DriverError> {
+    let mut at = dst;
+    for (start, len) in contiguous_runs(bufs) {
+        // SAFETY: the runs cover `bufs` once each, in order, and every byte of a run lies in
+        // one of them; `dst` has room for them all and `bufs` outlive the copy (the
+        // caller's contract).
+        unsafe { sys::cuMemcpyHtoDAsync_v2(at, start.cast(), len, stream.cu_stream()) }.result()?;
+        at += len as u64;
+    }
+    Ok(())
 }
 
 /// Blocks per batch: as many as fit in [`STAGING_BYTES`], at least one.

@@ -17,7 +17,7 @@ use cudarc::driver::{
 };
 use pd_engine::kv::reservation::{BlockWrite, BlockWriter};
 
-use super::blocks::{contiguous_runs, transfer_block_bytes};
+use super::blocks::{queue_copies_in, transfer_block_bytes};
 use super::tensor::CudaKvStorage;
 use super::{CudaBackend, THREADS};
 
@@ -127,18 +127,11 @@ impl ImportCopier {
         {
             // The previous batch's unpack has read the staging buffer before these copies
             // overwrite it: both are on this stream.
-            let mut at = base;
-            for (start, len) in contiguous_runs(bufs) {
-                // SAFETY: the staging buffer holds `per_batch` blocks and the runs cover this
-                // batch's blocks once each, in order; every byte of a run lies in one of
-                // `src`, which outlives this call, and the call waits for its copies below.
-                let copied = unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(at, start.cast(), len, self.stream.cu_stream())
-                };
-                if let Err(e) = copied.result() {
-                    self.fail("copy imported KV blocks to the device", e);
-                }
-                at += len as u64;
+            // SAFETY: the staging buffer holds `per_batch` blocks; `src` outlives this call,
+            // which waits for its copies below; the context was bound by `wait` above.
+            let queued = unsafe { queue_copies_in(&self.stream, base, bufs) };
+            if let Err(e) = queued {
+                self.fail("copy imported KV blocks to the device", e);
             }
             let first = n * self.per_batch;
             let ids = ids.slice(first..first + batch.len());
