@@ -8,7 +8,8 @@
 //! [`crate::backend::Backend::read_block`]) and the reservation a pull fills
 //! ([`KvReservation`]). It does not own the block bookkeeping (the engine's pool) nor the
 //! wire (pd-transport). KV memory that is not host memory (a GPU's) has no `HostKvMemory`;
-//! such a node receives into buffers and the engine copies them in at admission.
+//! such a node receives into buffers and copies them into reserved device blocks
+//! ([`super::reservation::DeviceReservation`]), or the engine copies them in at admission.
 
 use std::any::Any;
 use std::ptr::NonNull;
@@ -181,8 +182,8 @@ impl HostKvMemory {
 
 /// Blocks the engine set aside for one import: the prompt's blocks from `first_block` on
 /// (those before it are this node's cached prefix, held too). Fill every block with
-/// [`KvReservation::block_mut`], then hand the reservation to the engine with the request.
-/// Dropped unused (a failed pull, an aborted request), it gives every block back.
+/// [`KvReservation::block_mut`], then hand [`KvReservation::filled`] to the engine with the
+/// request. Dropped unused (a failed pull, an aborted request), it gives every block back.
 pub struct KvReservation {
     held: ReservedBlocks,
     /// Per pulled block, its segments in transfer-layout order.
