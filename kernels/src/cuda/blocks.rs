@@ -13,7 +13,7 @@ use super::{CudaBackend, THREADS};
 const STAGING_BYTES: usize = 64 << 20;
 
 /// A grid's z dimension is at most 65,535 blocks.
-const MAX_GRID_Z: usize = 65_535;
+pub(super) const MAX_GRID_Z: usize = 65_535;
 
 impl CudaBackend {
     /// Copies `blocks` out of KV storage into `dst`, block `i` of the list at

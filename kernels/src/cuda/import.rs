@@ -17,16 +17,13 @@ use cudarc::driver::{
 };
 use pd_engine::kv::reservation::{BlockWrite, BlockWriter};
 
-use super::blocks::{queue_copies_in, transfer_block_bytes};
+use super::blocks::{MAX_GRID_Z, queue_copies_in, transfer_block_bytes};
 use super::tensor::CudaKvStorage;
 use super::{CudaBackend, THREADS};
 
 /// Device bytes the import writer stages blocks in, allocated once beside KV storage (the
 /// memory plan sets them aside: `kv_budget_bytes`). A block larger than this moves alone.
 pub(super) const IMPORT_STAGING_BYTES: usize = 16 << 20;
-
-/// A grid's z dimension is at most 65,535 blocks.
-const MAX_GRID_Z: usize = 65_535;
 
 /// What every write of one engine's imports shares.
 struct ImportCopier {
