@@ -87,14 +87,16 @@ impl Sink<'_> {
         match self {
             Sink::Buffers { pool, blocks } => {
                 let pool = pool.filter(|b| b.block_bytes() == req.block_bytes);
-                for _ in 0..req.count {
-                    let mut block =
-                        pool.map_or_else(|| heap_buffer(req.block_bytes), BlockBuffers::take);
-                    let read = reader.read_block(conn, block.as_bytes_mut()).await;
-                    blocks.push(block);
-                    if let Err(e) = read {
-                        if let Some(b) = pool {
-                            b.give_all(std::mem::take(blocks));
+                *blocks = match pool {
+                    Some(p) => take_buffers(p, req.count).await?,
+                    None => (0..req.count)
+                        .map(|_| heap_buffer(req.block_bytes))
+                        .collect(),
+                };
+                for block in blocks.iter_mut() {
+                    if let Err(e) = reader.read_block(conn, block.as_bytes_mut()).await {
+                        if let Some(p) = pool {
+                            p.give_all(std::mem::take(blocks));
                         }
                         return Err(e);
                     }
@@ -109,6 +111,27 @@ impl Sink<'_> {
             }
         }
     }
+}
+
+/// `n` buffers from `pool`: its spares, and new ones allocated on a blocking thread, since
+/// a GPU node's allocator page-locks memory (milliseconds per block on a cold pool) and must
+/// not hold a runtime thread that other requests' streams run on.
+async fn take_buffers(pool: &BlockBuffers, n: usize) -> Result<Vec<HostBuffer>, TransportError> {
+    let mut got = pool.take_spare(n);
+    let missing = n - got.len();
+    if missing > 0 {
+        let p = pool.clone();
+        let fresh = tokio::task::spawn_blocking(move || p.allocate(missing))
+            .await
+            .map_err(|e| {
+                pool.give_all(std::mem::take(&mut got));
+                TransportError::Io(std::io::Error::other(format!(
+                    "allocating {missing} buffers for the pulled blocks failed: {e}"
+                )))
+            })?;
+        got.extend(fresh);
+    }
+    Ok(got)
 }
 
 /// Connections kept open between pulls, per exporter: a pull reuses an idle connection when

@@ -72,6 +72,21 @@ impl BlockBuffers {
         reused.unwrap_or_else(|| (self.alloc)(self.block_bytes))
     }
 
+    /// Up to `n` spare buffers, without allocating any: never waits on the allocator.
+    pub fn take_spare(&self, n: usize) -> Vec<HostBuffer> {
+        let Ok(mut spare) = self.spare.lock() else {
+            return Vec::new();
+        };
+        let keep = spare.len().saturating_sub(n);
+        spare.split_off(keep)
+    }
+
+    /// `n` new buffers from the allocator. Can block for milliseconds (page-locking on a
+    /// GPU node), so async callers run it on a blocking thread.
+    pub fn allocate(&self, n: usize) -> Vec<HostBuffer> {
+        (0..n).map(|_| (self.alloc)(self.block_bytes)).collect()
+    }
+
     /// Return buffers whose contents are no longer needed. Buffers of another length, and
     /// any past the bound, are freed.
     pub fn give_all(&self, buffers: impl IntoIterator<Item = HostBuffer>) {
@@ -160,5 +175,33 @@ mod tests {
         assert_eq!(calls.load(Ordering::Relaxed), 2, "spares are reused");
         pool.take();
         assert_eq!(calls.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn take_spare_never_allocates_and_allocate_always_does() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let pool = BlockBuffers::with_allocator(
+            4,
+            64,
+            Arc::new(move |len| {
+                counted.fetch_add(1, Ordering::Relaxed);
+                heap_buffer(len)
+            }),
+        );
+        assert!(pool.take_spare(3).is_empty(), "nothing spare yet");
+        pool.give_all([filled(4, 1), filled(4, 2)]);
+        let got = pool.take_spare(3);
+        assert_eq!(got.len(), 2, "only what is spare");
+        assert_eq!(pool.spare(), 0);
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+        pool.give_all(got);
+        assert_eq!(pool.take_spare(1).len(), 1);
+        assert_eq!(pool.spare(), 1, "the rest stays spare");
+        let fresh = pool.allocate(3);
+        assert_eq!(fresh.len(), 3);
+        assert!(fresh.iter().all(|b| b.as_bytes().len() == 4));
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
+        assert_eq!(pool.spare(), 1, "allocate leaves spares alone");
     }
 }
