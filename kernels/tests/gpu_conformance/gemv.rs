@@ -9,9 +9,8 @@ use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::{CudaTensor, CudaWeight, SmallBatchLinear};
 
-use super::{
-    Layer0Projections, assert_same, enabled, layer0_projections, narrow, unit, upload_matrix, widen,
-};
+use super::stacked::{Layer0Projections, assert_same, layer0_projections};
+use super::{enabled, narrow, unit, upload_matrix, widen};
 
 /// A random `[n, k]` matrix in `dtype`, uploaded from a real safetensors file; also its
 /// stored values, widened.

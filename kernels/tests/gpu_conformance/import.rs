@@ -5,7 +5,8 @@
 use pd_engine::backend::Backend;
 use pd_kernels::cuda::CudaTensor;
 
-use super::{bf16_kv, enabled, pattern};
+use super::blocks::{bf16_kv, pattern};
+use super::enabled;
 
 /// The engine queues kernels that write block 5 (a request that ended while they were
 /// still running, say), then reserves block 5 for an import; the import, copied in from

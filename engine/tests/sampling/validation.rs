@@ -1,0 +1,192 @@
+//! `SamplingParams::validate`: accepted boundaries, every rejection and its message, and
+//! serde defaults / round trip.
+
+use pd_engine::sampling::{MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingError, SamplingParams};
+
+use crate::{VOCAB, params};
+
+fn invalid(p: SamplingParams) -> SamplingError {
+    p.validate(VOCAB, 4096).expect_err("should be rejected")
+}
+
+#[test]
+fn validate_accepts_defaults_and_boundaries() {
+    params().validate(VOCAB, 4096).unwrap();
+    let edge = SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 5_000_000,
+        min_p: 1.0,
+        repetition_penalty: 1e-3,
+        seed: Some(u64::MAX),
+        max_tokens: 4096,
+        stop: vec!["x".into(); MAX_STOP_STRINGS],
+        stop_token_ids: vec![0, VOCAB as u32 - 1],
+        ignore_eos: true,
+        logprobs: Some(MAX_LOGPROBS),
+        prompt_logprobs: Some(MAX_LOGPROBS),
+        include_stop_str_in_output: true,
+    };
+    edge.validate(VOCAB, 4096).unwrap();
+    SamplingParams {
+        temperature: 100.0,
+        top_p: 1e-9,
+        min_p: 0.0,
+        max_tokens: 1,
+        logprobs: Some(0),
+        ..params()
+    }
+    .validate(VOCAB, 4096)
+    .unwrap();
+}
+
+#[test]
+fn validate_temperature() {
+    for t in [-1.0, -1e-9, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let e = invalid(SamplingParams {
+            temperature: t,
+            ..params()
+        });
+        assert!(
+            matches!(e, SamplingError::InvalidTemperature(_)),
+            "{t}: {e}"
+        );
+    }
+    let e = invalid(SamplingParams {
+        temperature: -1.0,
+        ..params()
+    });
+    assert_eq!(
+        e.to_string(),
+        "temperature must be a finite number >= 0, got -1"
+    );
+    let e = invalid(SamplingParams {
+        temperature: f32::NAN,
+        ..params()
+    });
+    assert!(e.to_string().ends_with("got NaN"), "{e}");
+}
+
+#[test]
+fn validate_top_p() {
+    for v in [0.0, -0.5, 1.0001, f32::NAN, f32::INFINITY] {
+        let e = invalid(SamplingParams {
+            top_p: v,
+            ..params()
+        });
+        assert!(matches!(e, SamplingError::InvalidTopP(_)), "{v}: {e}");
+        assert!(e.to_string().starts_with("top_p must be in (0, 1]"), "{e}");
+    }
+}
+
+#[test]
+fn validate_min_p() {
+    for v in [-0.01, 1.01, f32::NAN, f32::NEG_INFINITY] {
+        let e = invalid(SamplingParams {
+            min_p: v,
+            ..params()
+        });
+        assert!(matches!(e, SamplingError::InvalidMinP(_)), "{v}: {e}");
+        assert!(e.to_string().starts_with("min_p must be in [0, 1]"), "{e}");
+    }
+}
+
+#[test]
+fn validate_repetition_penalty() {
+    for v in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let e = invalid(SamplingParams {
+            repetition_penalty: v,
+            ..params()
+        });
+        assert!(
+            matches!(e, SamplingError::InvalidRepetitionPenalty(_)),
+            "{v}: {e}"
+        );
+        assert!(e.to_string().contains("repetition_penalty"), "{e}");
+    }
+}
+
+#[test]
+fn validate_max_tokens() {
+    let e = invalid(SamplingParams {
+        max_tokens: 0,
+        ..params()
+    });
+    assert_eq!(e, SamplingError::ZeroMaxTokens);
+    assert_eq!(e.to_string(), "max_tokens must be >= 1, got 0");
+    let e = invalid(SamplingParams {
+        max_tokens: 4097,
+        ..params()
+    });
+    assert_eq!(
+        e,
+        SamplingError::MaxTokensTooLarge {
+            max_tokens: 4097,
+            cap: 4096
+        }
+    );
+    assert_eq!(e.to_string(), "max_tokens must be <= 4096, got 4097");
+}
+
+#[test]
+fn validate_stop_strings() {
+    let e = invalid(SamplingParams {
+        stop: vec!["a".into(); MAX_STOP_STRINGS + 1],
+        ..params()
+    });
+    assert_eq!(e, SamplingError::TooManyStopStrings(17));
+    let e = invalid(SamplingParams {
+        stop: vec!["a".into(), String::new()],
+        ..params()
+    });
+    assert_eq!(e, SamplingError::EmptyStopString { index: 1 });
+    assert!(e.to_string().contains("stop[1]"), "{e}");
+}
+
+#[test]
+fn validate_stop_token_ids() {
+    let e = invalid(SamplingParams {
+        stop_token_ids: vec![1, 2, VOCAB as u32],
+        ..params()
+    });
+    assert_eq!(
+        e,
+        SamplingError::StopTokenIdOutOfRange {
+            index: 2,
+            token_id: VOCAB as u32,
+            vocab_size: VOCAB
+        }
+    );
+    assert!(e.to_string().contains("1000"), "{e}");
+}
+
+#[test]
+fn validate_logprobs() {
+    let e = invalid(SamplingParams {
+        logprobs: Some(21),
+        ..params()
+    });
+    assert_eq!(e, SamplingError::TooManyLogprobs(21));
+    assert_eq!(e.to_string(), "logprobs must be <= 20, got 21");
+    let e = invalid(SamplingParams {
+        prompt_logprobs: Some(100),
+        ..params()
+    });
+    assert_eq!(e, SamplingError::TooManyPromptLogprobs(100));
+    assert_eq!(e.to_string(), "prompt_logprobs must be <= 20, got 100");
+}
+
+#[test]
+fn params_deserialize_with_defaults_and_roundtrip() {
+    let p: SamplingParams =
+        serde_json::from_str(r#"{"temperature": 0.7, "stop": ["\n\n"], "seed": 5}"#).unwrap();
+    assert_eq!(p.temperature, 0.7);
+    assert_eq!(p.stop, vec!["\n\n".to_string()]);
+    assert_eq!(p.seed, Some(5));
+    assert_eq!(p.max_tokens, 16);
+    assert_eq!(p.top_p, 1.0);
+    assert_eq!(p.repetition_penalty, 1.0);
+    assert!(!p.is_greedy());
+    let back: SamplingParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+    assert_eq!(back, p);
+}

@@ -1,0 +1,323 @@
+//! Prefill/decode disaggregation: prefill-node leases (release, expiry, readers), KV moved
+//! from a prefill engine to a decode engine (as buffers or pulled in place), and import
+//! reservations that are never admitted giving every block back.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pd_engine::ErrorKind;
+use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
+use pd_engine::kv::placement::{KvReservation, ReleaseFn, ReservationId};
+use pd_engine::kv::reservation::ImportReservation;
+use pd_engine::serve::{Engine, EngineConfig, EngineThread, ImportedBlocks, RequestEvent, Role};
+
+use crate::{all_free, config, engine, prompt, req, run_one};
+
+#[test]
+fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
+    let mut cfg = config();
+    cfg.role = Role::Prefill;
+    cfg.lease_timeout = Duration::from_millis(1);
+    let mut e = engine(64, cfg);
+    let out = run_one(&mut e, req("a", prompt(8, 10), 100));
+    assert_eq!(
+        out.tokens.len(),
+        1,
+        "a prefill node stops after the first token"
+    );
+    let lease = out.finished.unwrap().lease.expect("a lease");
+    assert_eq!(lease.blocks.len(), 3);
+    assert_eq!(lease.block_hashes.len(), 2);
+    assert_eq!(e.num_free_blocks(), 61);
+    assert!(e.release_lease(lease.lease_id));
+    assert!(!e.release_lease(lease.lease_id));
+    all_free(&e);
+    // Never released: the deadline frees it.
+    let out = run_one(&mut e, req("b", prompt(8, 10), 100));
+    assert!(out.finished.unwrap().lease.is_some());
+    std::thread::sleep(Duration::from_millis(5));
+    e.expire_leases(std::time::Instant::now());
+    assert_eq!(e.expired_leases(), 1);
+    all_free(&e);
+
+    // Host-memory KV: the lease pins its blocks in place. One released while a transfer
+    // still reads it keeps its blocks until the reader lets go, and the reader sees the
+    // lease's KV unchanged meanwhile.
+    let out = run_one(&mut e, req("c", prompt(8, 10), 100));
+    let lease = out.finished.unwrap().lease.unwrap();
+    let reader = e
+        .lease_store()
+        .get(lease.lease_id)
+        .expect("lent to the exporter");
+    let before: Vec<Vec<u8>> = (0..3).map(|i| reader.block_data(i)).collect();
+    assert!(e.release_lease(lease.lease_id));
+    assert!(
+        e.lease_store().get(lease.lease_id).is_none(),
+        "a new reader finds nothing"
+    );
+    // Another request runs meanwhile (its own lease expires at once).
+    run_one(&mut e, req("d", prompt(9, 40), 100));
+    std::thread::sleep(Duration::from_millis(5));
+    e.expire_leases(std::time::Instant::now());
+    assert_eq!(e.num_free_blocks(), 61, "the 3 blocks stay held while read");
+    let after: Vec<Vec<u8>> = (0..3).map(|i| reader.block_data(i)).collect();
+    assert_eq!(before, after);
+    drop(reader);
+    e.expire_leases(std::time::Instant::now());
+    all_free(&e);
+}
+
+/// Prefill on one engine, KV moved block by block, decode on another: the same greedy tokens
+/// as one mixed engine, and the decode node pulls only what it does not cache. With
+/// `placed`, the blocks land in place in blocks the decode engine reserved; otherwise in
+/// buffers it copies in at admission.
+fn prefill_then_decode(placed: bool) {
+    let p = prompt(21, 23); // 5 full blocks + 3 tokens
+    let mut mixed = engine(64, config());
+    let want = run_one(&mut mixed, req("m", p.clone(), 8)).tokens;
+
+    let mut prefill = engine(
+        64,
+        EngineConfig {
+            role: Role::Prefill,
+            ..config()
+        },
+    );
+    let mut decode = engine(
+        64,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    );
+    let released = Arc::new(Mutex::new(Vec::new()));
+    let transfer =
+        |id: &str, p: &[u32], prefill: &mut Engine<CpuBackend>, decode: &mut Engine<CpuBackend>| {
+            let first = run_one(prefill, req(id, p.to_vec(), 8));
+            let lease = first.finished.unwrap().lease.unwrap();
+            let (have, reservation) = if placed {
+                let r = in_host_memory(decode.reserve_import(p, None, release_into(&released)));
+                (r.first_block(), Some(r))
+            } else {
+                (decode.cached_prefix_blocks(p, None), None)
+            };
+            let blocks = prefill
+                .read_lease(lease.lease_id, have, lease.blocks.len() - have)
+                .unwrap();
+            assert!(prefill.release_lease(lease.lease_id));
+            let blocks = match reservation {
+                Some(mut r) => {
+                    assert_eq!(r.len(), blocks.len());
+                    for (i, block) in blocks.iter().enumerate() {
+                        let bytes: Vec<u8> = block.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let mut at = 0;
+                        for seg in r.block_mut(i) {
+                            seg.copy_from_slice(&bytes[at..at + seg.len()]);
+                            at += seg.len();
+                        }
+                        assert_eq!(at, bytes.len());
+                    }
+                    ImportedBlocks::Placed(r.filled())
+                }
+                None => ImportedBlocks::Buffers(
+                    blocks
+                        .into_iter()
+                        .map(|b| Box::new(b) as HostBuffer)
+                        .collect(),
+                ),
+            };
+            let mut r = req(id, p.to_vec(), 8);
+            r.imported = Some(pd_engine::serve::ImportedKv {
+                first_block: have,
+                blocks,
+                first_token: first.tokens[0],
+            });
+            let rest = run_one(decode, r);
+            let mut tokens = first.tokens.clone();
+            tokens.extend(rest.tokens);
+            (tokens, rest.finished.unwrap().usage, have)
+        };
+    let (tokens, usage, have) = transfer("a", &p, &mut prefill, &mut decode);
+    assert_eq!(tokens, want, "prefill + decode equals one mixed engine");
+    assert_eq!(have, 0);
+    assert_eq!(
+        (usage.local_cached_tokens, usage.external_cached_tokens),
+        (0, 23)
+    );
+    let c = decode.counters();
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (23, 23)
+    );
+
+    // Same prompt again: the decode node caches its 5 full blocks and pulls only the last.
+    let (tokens, usage, have) = transfer("b", &p, &mut prefill, &mut decode);
+    assert_eq!(tokens, want);
+    assert_eq!(have, 5);
+    assert_eq!(
+        (usage.local_cached_tokens, usage.external_cached_tokens),
+        (20, 3)
+    );
+    let c = decode.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (46, 20));
+    assert_eq!(
+        (
+            c.external_prefix_cache_queries,
+            c.external_prefix_cache_hits
+        ),
+        (26, 26)
+    );
+    all_free(&prefill);
+    all_free(&decode);
+    assert_eq!(prefill.num_leases(), 0);
+
+    // A decode node refuses requests without KV, and KV of the wrong shape.
+    let err = decode.submit(req("x", p.clone(), 4)).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidArgument);
+    let mut bad = req("y", p.clone(), 4);
+    bad.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Buffers((0..6).map(|_| heap_buffer(3)).collect()),
+        first_token: 1,
+    });
+    assert!(decode.submit(bad).unwrap_err().message.contains("layout"));
+    assert!(
+        released.lock().unwrap().is_empty(),
+        "admitted reservations give nothing back"
+    );
+    assert_eq!(decode.reservations_held(), 0);
+}
+
+#[test]
+fn prefill_then_decode_equals_mixed_and_counts_the_transfer_as_external() {
+    prefill_then_decode(false);
+}
+
+#[test]
+fn kv_pulled_in_place_equals_mixed_and_counts_the_transfer_as_external() {
+    prefill_then_decode(true);
+}
+
+/// A release function that records the ids it is called with.
+fn release_into(log: &Arc<Mutex<Vec<ReservationId>>>) -> ReleaseFn {
+    let log = log.clone();
+    Arc::new(move |id| log.lock().unwrap().push(id))
+}
+
+/// A reservation dropped unadmitted (a failed pull, a request that ended first) gives every
+/// block back, its cached prefix's references included; one left in a request that is
+/// aborted before admission does too.
+#[test]
+fn reservations_never_admitted_give_every_block_back() {
+    let p = prompt(5, 10); // 3 blocks of 4
+    let mut decode = engine(
+        16,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    );
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let r = decode.reserve_import(&p, None, release_into(&log)).unwrap();
+    assert_eq!((r.first_block(), r.len()), (0, 3));
+    assert!(
+        decode.counters().kv_cache_usage > 0.0,
+        "the blocks are held"
+    );
+    // The pool cannot reserve what it does not have: the caller falls back to buffers.
+    assert!(
+        decode
+            .reserve_import(&prompt(6, 16 * 14), None, release_into(&log))
+            .is_none()
+    );
+    assert_eq!(decode.reservations_held(), 1);
+    drop(r);
+    let id = log.lock().unwrap().pop().expect("released on drop");
+    assert!(decode.release_reservation(id));
+    assert!(!decode.release_reservation(id), "released once");
+    all_free(&decode);
+    // Headroom: never the pool's last free block (running sequences grow into it).
+    assert!(
+        decode
+            .reserve_import(&prompt(7, 64), None, release_into(&log))
+            .is_none()
+    );
+    let all_but_one = decode.reserve_import(&prompt(7, 60), None, release_into(&log));
+    assert_eq!(all_but_one.map(|r| r.len()), Some(15));
+    let id = log.lock().unwrap().pop().expect("released on drop");
+    assert!(decode.release_reservation(id));
+    all_free(&decode);
+
+    // Reserved, then the request is aborted while it waits.
+    let r = in_host_memory(decode.reserve_import(&p, None, release_into(&log)));
+    let mut waiting = req("w", p.clone(), 4);
+    waiting.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Placed(r.filled()),
+        first_token: 1,
+    });
+    decode.submit(waiting).unwrap();
+    assert!(decode.abort(&"w".into()).is_some());
+    let id = log
+        .lock()
+        .unwrap()
+        .pop()
+        .expect("released when the request went");
+    assert!(decode.release_reservation(id));
+    all_free(&decode);
+    assert_eq!(decode.reservations_held(), 0);
+}
+
+/// Through the engine thread: a reservation handed out and dropped without a request gives
+/// its blocks back; one carried by a request that the engine refuses does too.
+#[test]
+fn driver_reservations_come_back_when_dropped_or_refused() {
+    let thread = EngineThread::spawn(engine(
+        32,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    ));
+    let h = thread.handle();
+    assert!(h.host_kv_memory().is_some(), "CPU KV is host memory");
+    let usage_back_to_zero = |what: &str| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while h.counters().kv_cache_usage > 0.0 {
+            assert!(std::time::Instant::now() < deadline, "{what}: blocks kept");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let r = h
+        .reserve_import(prompt(3, 10), None)
+        .expect("room to reserve");
+    assert_eq!(r.len(), 3);
+    assert!(h.counters().kv_cache_usage > 0.0, "held while reserved");
+    drop(r);
+    usage_back_to_zero("dropped reservation");
+
+    // The first token ends the request (max_tokens 1): refused, and the reservation with it.
+    let r = in_host_memory(h.reserve_import(prompt(3, 10), None));
+    let mut done = req("d", prompt(3, 10), 1);
+    done.imported = Some(pd_engine::serve::ImportedKv {
+        first_block: 0,
+        blocks: ImportedBlocks::Placed(r.filled()),
+        first_token: 7,
+    });
+    let refused = h.submit(done).recv().unwrap();
+    assert!(matches!(refused, RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument));
+    usage_back_to_zero("refused request");
+}
+
+/// A reservation the pull fills in place: what the CPU backend's host KV memory gives.
+fn in_host_memory(r: Option<ImportReservation>) -> KvReservation {
+    match r {
+        Some(ImportReservation::Host(r)) => r,
+        Some(ImportReservation::Device(_)) => panic!("CPU KV is host memory, not a device's"),
+        None => panic!("host KV memory and room in the pool"),
+    }
+}

@@ -1,0 +1,143 @@
+//! What a fake node is told and what it saw: its scripts ([`Script`], [`End`]), its reported
+//! [`pb::NodeInfo`], scripted failures, and the requests, leases and aborts it received.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pd_proto::pb;
+use tonic::{Code, Status};
+
+pub const FINGERPRINT: &str = "f00dcafe";
+pub const LOCAL_CACHED: u32 = 16;
+pub const EXTERNAL_CACHED: u32 = 32;
+
+/// How a scripted decode stream ends after its messages.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum End {
+    /// The last message carries this finish reason (and the node's usage).
+    Finish(pb::FinishReason),
+    /// The stream stays open, sending nothing, until the router drops it.
+    Hang,
+    /// The stream ends with this error status.
+    Fail(Code),
+}
+
+#[derive(Debug, Clone)]
+pub struct Script {
+    /// Tokens of each message.
+    pub messages: Vec<Vec<u32>>,
+    pub end: End,
+    /// Pause before each message.
+    pub delay: Duration,
+}
+
+impl Default for Script {
+    fn default() -> Self {
+        Self {
+            messages: vec![vec![101, 102]],
+            end: End::Finish(pb::FinishReason::Length),
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+/// Everything a fake node is told and everything it saw.
+#[derive(Debug)]
+pub struct FakeState {
+    pub role: pb::Role,
+    pub fingerprint: Mutex<String>,
+    pub block_size: AtomicU32,
+    /// `NodeInfo.kv_cache_dtype`.
+    pub kv_cache_dtype: Mutex<String>,
+    /// Reported as `num_waiting`.
+    pub load: AtomicU32,
+    pub max_model_len: AtomicU32,
+    pub unhealthy: AtomicBool,
+    /// The next N Prefill / Decode calls fail with `fail_code`.
+    pub fail_next: AtomicUsize,
+    pub fail_code: Mutex<Code>,
+    pub first_token: AtomicU32,
+    pub prefill_delay: Mutex<Duration>,
+    pub script: Mutex<Script>,
+    pub(crate) next_lease: AtomicU64,
+    pub prefills: Mutex<Vec<pb::PrefillRequest>>,
+    /// Each Prefill's `grpc-timeout` header, as received.
+    pub prefill_timeouts: Mutex<Vec<Option<String>>>,
+    pub decodes: Mutex<Vec<pb::DecodeRequest>>,
+    pub leases: Mutex<Vec<u64>>,
+    pub released: Mutex<Vec<u64>>,
+    pub aborted: Mutex<Vec<String>>,
+    /// Decode streams the router dropped before they ended.
+    pub streams_cancelled: AtomicUsize,
+}
+
+impl FakeState {
+    pub fn new(role: pb::Role) -> Arc<Self> {
+        Arc::new(Self {
+            role,
+            fingerprint: Mutex::new(FINGERPRINT.into()),
+            block_size: AtomicU32::new(16),
+            kv_cache_dtype: Mutex::new("float32".into()),
+            load: AtomicU32::new(0),
+            max_model_len: AtomicU32::new(4096),
+            unhealthy: AtomicBool::new(false),
+            fail_next: AtomicUsize::new(0),
+            fail_code: Mutex::new(Code::Unavailable),
+            first_token: AtomicU32::new(100),
+            prefill_delay: Mutex::new(Duration::ZERO),
+            script: Mutex::new(Script::default()),
+            next_lease: AtomicU64::new(1000),
+            prefills: Mutex::default(),
+            prefill_timeouts: Mutex::default(),
+            decodes: Mutex::default(),
+            leases: Mutex::default(),
+            released: Mutex::default(),
+            aborted: Mutex::default(),
+            streams_cancelled: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn info(&self) -> pb::NodeInfo {
+        pb::NodeInfo {
+            model: "synthetic:tiny".into(),
+            role: self.role as i32,
+            layout_fingerprint: self.fingerprint.lock().unwrap().clone(),
+            block_size: self.block_size.load(Ordering::SeqCst),
+            num_blocks: 1000,
+            free_blocks: 1000,
+            num_running: 0,
+            num_waiting: self.load.load(Ordering::SeqCst),
+            kv_transport_addr: "127.0.0.1:9".into(),
+            vocab_size: 151_936,
+            max_model_len: self.max_model_len.load(Ordering::SeqCst),
+            healthy: !self.unhealthy.load(Ordering::SeqCst),
+            counters: None,
+            kv_cache_dtype: self.kv_cache_dtype.lock().unwrap().clone(),
+        }
+    }
+
+    pub(crate) fn scripted_failure(&self) -> Option<Status> {
+        let failing = self
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        failing.then(|| Status::new(*self.fail_code.lock().unwrap(), "scripted failure"))
+    }
+
+    pub fn prefill_count(&self) -> usize {
+        self.prefills.lock().unwrap().len()
+    }
+
+    pub fn decode_count(&self) -> usize {
+        self.decodes.lock().unwrap().len()
+    }
+
+    pub fn released(&self) -> Vec<u64> {
+        self.released.lock().unwrap().clone()
+    }
+
+    pub fn aborted(&self) -> Vec<String> {
+        self.aborted.lock().unwrap().clone()
+    }
+}
