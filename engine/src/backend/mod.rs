@@ -318,7 +318,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Run a pure decode step through a graph this backend captured for `step.bucket` rows
     /// (see [`graph`]), staging the step's metadata in the graph's fixed buffers. The first
     /// time for a bucket the backend records `forward` (the model over
-    /// [`DecodeGraphStep::padded`]) and then replays the recording. Returns the logits of
+    /// [`DecodeGraphStep::padded`]; possibly more than once, so it must only queue device
+    /// work) and then replays the recording. Returns the logits of
     /// the bucket's rows, the real sequences first, or `None` when the backend has no graphs
     /// or capturing failed: the caller then runs the step eagerly. Default: `None`.
     fn decode_graph(

@@ -246,6 +246,8 @@ pub(crate) fn profile_decode(model: &str, linear: SmallBatchLinear, sizes: &Size
     seqs.step(&mut exec, context); // warm-up: first use of each kernel and cuBLAS path
     exec.backend().synchronize();
     let launches = exec.backend().kernel_launches();
+    let allocations = exec.backend().stream_allocations();
+    let programmatic = exec.backend().programmatic_launches();
     let stream = &exec.backend().device().stream;
     stream.context().bind_to_thread().expect("bind the context");
     // SAFETY: plain driver calls on the bound context; they only mark the profiled range.
@@ -261,7 +263,9 @@ pub(crate) fn profile_decode(model: &str, linear: SmallBatchLinear, sizes: &Size
         .result()
         .expect("cuProfilerStop");
     println!(
-        "profiled {PROFILED_STEPS} decode step(s) of {model} (batch 1, {context}-token context, linear layers through {linear:?}): {} kernel launches per step",
-        (exec.backend().kernel_launches() - launches) / PROFILED_STEPS as u64
+        "profiled {PROFILED_STEPS} decode step(s) of {model} (batch 1, {context}-token context, linear layers through {linear:?}): {} kernel launches ({} programmatically dependent) and {} stream-ordered allocations per step",
+        (exec.backend().kernel_launches() - launches) / PROFILED_STEPS as u64,
+        (exec.backend().programmatic_launches() - programmatic) / PROFILED_STEPS as u64,
+        (exec.backend().stream_allocations() - allocations) / PROFILED_STEPS as u64
     );
 }

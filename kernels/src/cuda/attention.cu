@@ -84,8 +84,10 @@ paged_attention(const float* q, const void* kcache, const void* vcache, int kv_d
                 float* part_ml, unsigned int* split_counters, int num_heads, int num_kv_heads,
                 int head_dim, int block_size, int rows_per_item, int min_keys_per_split,
                 float scale) {
-    // The o_proj GEMV after it may start streaming its weights (PD_CUDA_PDL, common.cuh).
+    // The o_proj GEMV after it may start streaming its weights (PD_CUDA_PDL, common.cuh);
+    // this kernel waits for the q/k norm kernel's q and KV write before reading either.
     allow_dependents_to_launch();
+    wait_for_inputs();
     extern __shared__ float smem[];
     const int item = blockIdx.x;
     const int kvh = blockIdx.y;

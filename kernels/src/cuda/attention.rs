@@ -4,14 +4,15 @@
 //! or, for the prefill of 16-bit models, the tensor-core `attention_mma` kernel
 //! (`attention_mma.cu`). The choice and the plan are [`super::plan`].
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use pd_engine::backend::AttentionMeta;
 use pd_engine::weights::DType;
 
 use super::graph::Launch;
+use super::pdl::arg;
 use super::plan::{self, AttentionKernel, AttentionPlan};
 use super::tensor::dtype_code;
-use super::{CudaBackend, CudaKvStorage, CudaTensor, DevicePlan};
+use super::{CudaBackend, CudaKvStorage, CudaTensor, DeviceBuffer, DevicePlan};
 
 /// Where attention writes its output: f32 rows, or the o_proj GEMM's 16-bit input.
 pub(super) enum AttentionOut<'a> {
@@ -68,7 +69,7 @@ impl CudaBackend {
         layer: usize,
         meta: &AttentionMeta,
         dtype: DType,
-    ) -> CudaSlice<u16> {
+    ) -> DeviceBuffer<u16> {
         let out16 = self.alloc::<u16>(q.len());
         self.attend(q, kv, layer, meta, AttentionOut::Bits16(&out16, dtype));
         out16
@@ -132,32 +133,52 @@ impl CudaBackend {
             AttentionKernel::CudaCores => (&self.dev.kernels.paged_attention, "paged_attention"),
             AttentionKernel::TensorCores => (&self.dev.kernels.attention_mma, "attention_mma"),
         };
-        let mut b = self.dev.stream.launch_builder(function);
-        b.arg(q.dense())
-            .arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(&kv_code)
-            .arg(&tables_ptr)
-            .arg(&items_ptr)
-            .arg(&seqs_ptr)
-            .arg(&out)
-            .arg(&out16)
-            .arg(&out_code)
-            .arg(&part_acc)
-            .arg(&part_ml)
-            .arg(&self.split_counters)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&hd)
-            .arg(&bs)
-            .arg(&rows_per_item)
-            .arg(&min_keys_per_split)
-            .arg(&meta.scale);
         let cfg = LaunchConfig {
             grid_dim: (items as u32, meta.num_kv_heads as u32, p.splits as u32),
             block_dim: (plan::THREADS, 1, 1),
             shared_mem_bytes: AttentionPlan::shared_bytes(kernel, meta.head_dim) as u32,
         };
-        self.launch(name, b, cfg);
+        let (q_ptr, k_ptr, v_ptr) = (
+            self.ptr(q.dense()),
+            self.ptr(&kv.k[layer]),
+            self.ptr(&kv.v[layer]),
+        );
+        let (acc_ptr, ml_ptr, counters) = (
+            self.ptr(&part_acc),
+            self.ptr(&part_ml),
+            self.ptr(&self.split_counters),
+        );
+        let mut args = [
+            arg(&q_ptr),
+            arg(&k_ptr),
+            arg(&v_ptr),
+            arg(&kv_code),
+            arg(&tables_ptr),
+            arg(&items_ptr),
+            arg(&seqs_ptr),
+            arg(&out),
+            arg(&out16),
+            arg(&out_code),
+            arg(&acc_ptr),
+            arg(&ml_ptr),
+            arg(&counters),
+            arg(&heads),
+            arg(&kv_heads),
+            arg(&hd),
+            arg(&bs),
+            arg(&rows_per_item),
+            arg(&min_keys_per_split),
+            arg(&meta.scale),
+        ];
+        // SAFETY: both kernels' parameters, in order, with the types they declare; the plan
+        // sized the grid for the metadata and the partials; every buffer outlives the queued
+        // launch. `paged_attention` waits before it reads or writes anything, so it may be
+        // launched programmatically dependent; `attention_mma` does not wait.
+        unsafe {
+            match kernel {
+                AttentionKernel::CudaCores => self.launch_dependent(name, function, cfg, &mut args),
+                AttentionKernel::TensorCores => self.launch_plain(name, function, cfg, &mut args),
+            }
+        }
     }
 }

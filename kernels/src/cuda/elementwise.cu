@@ -68,6 +68,10 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, int q_st
                                         const float* v, int v_stride,
                                         const unsigned int* slots) {
     __shared__ float scratch[WARP];
+    // PD_CUDA_PDL (common.cuh): the attention after this kernel may launch at once (it waits
+    // for these results), and this one waits for the q/k/v product before it reads it.
+    allow_dependents_to_launch();
+    wait_for_inputs();
     const int heads = q_heads + k_heads + (kcache != nullptr ? k_heads : 0);
     const int r = blockIdx.x / heads;
     const int h = blockIdx.x % heads;

@@ -11,8 +11,11 @@
 //! - the attention launch shape is fixed for the longest context (`max_context`): each
 //!   sequence spreads its own keys over as many of its key splits as its length asks
 //!   (`plan::keys_per_split`), the others are empty blocks;
-//! - activations are allocated inside the capture (graph memory nodes: fixed addresses per
-//!   graph) and the logits are copied into the bucket's fixed output buffer, from which each
+//! - activations come from the backend's graph pool (`pool.rs`), never lent outside the
+//!   graphs: a bucket is recorded once to learn which buffers the pool lacks and, once they
+//!   are made, again, so the graph holds kernels and copies only — no memory nodes between
+//!   its kernels, which a programmatically dependent launch needs to overlap the kernel
+//!   before it. The logits are copied into the bucket's fixed output buffer, from which each
 //!   replay's result is copied out;
 //! - cuBLAS gets a fixed workspace ([`CUBLAS_WORKSPACE`]) so it allocates nothing inside a
 //!   capture.
@@ -27,11 +30,13 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::PoisonError;
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, sys};
 use pd_engine::backend::graph::DecodeGraphStep;
 use pd_engine::backend::{AttentionMeta, SeqAttention};
 
+use super::pool::Shortfall;
 use super::{CudaBackend, CudaTensor, plan};
 
 /// Bytes of cuBLAS workspace (NVIDIA's recommendation for Hopper).
@@ -49,6 +54,9 @@ pub(super) struct Graphs {
     /// After a failure every step runs eagerly.
     disabled: bool,
     workspace: Option<CudaSlice<u8>>,
+    /// Buffers the latest capture still took as graph allocations (memory nodes) rather
+    /// than from the graph pool.
+    graph_allocations: usize,
 }
 
 /// The attention launch shape a bucket's graph is captured with.
@@ -210,6 +218,16 @@ impl CudaBackend {
             .count()
     }
 
+    /// Buffers the latest decode graph allocates as memory nodes of its own instead of
+    /// taking them from the backend's graph pool: 0 when every op of the step found its
+    /// buffer there, so the graph is kernels and copies only.
+    pub fn decode_graph_allocations(&self) -> usize {
+        self.graphs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .graph_allocations
+    }
+
     /// The inputs of the capture being recorded, if one is.
     pub(super) fn capture_inputs(&self) -> Option<Staged> {
         self.graphs
@@ -300,9 +318,13 @@ impl CudaBackend {
         let mut out = self.alloc::<f32>(step.bucket * step.logits_cols);
         self.dev
             .stream
-            .memcpy_dtod(&bucket.output, &mut out)
+            .memcpy_dtod(&bucket.output, &mut *out)
             .map_err(|e| format!("copying the graph's logits: {e}"))?;
-        Ok(Some(CudaTensor::new(step.bucket, step.logits_cols, out)))
+        Ok(Some(CudaTensor::in_buffer(
+            step.bucket,
+            step.logits_cols,
+            out,
+        )))
     }
 
     /// Record `forward` into the bucket's graph (its inputs are already staged), then replay
@@ -336,7 +358,64 @@ impl CudaBackend {
         });
         // The ops read `capturing` through the lock while they record.
         drop(graphs);
+        // The first recording learns which buffers the graph pool lacks; once they are made,
+        // a second one finds them all and the graph holds kernels and copies only.
+        let mut left = 0;
+        let recorded = match self.record(step, forward) {
+            (Ok(graph), short) if short.buffers() > 0 => {
+                drop(graph);
+                let made = short.buffers();
+                self.allocations.fetch_add(made as u64, Ordering::Relaxed);
+                match self.pools.provision(&self.dev.stream, short) {
+                    Ok(()) => {
+                        let (second, still) = self.record(step, forward);
+                        left = still.buffers();
+                        if left > 0 {
+                            tracing::debug!(
+                                bucket = step.bucket,
+                                buffers = left,
+                                "a decode graph keeps graph allocations its first recording \
+                                 did not ask for"
+                            );
+                        }
+                        second
+                    }
+                    Err(e) => Err(format!("allocating {made} buffers for the graph: {e}")),
+                }
+            }
+            (first, _) => first,
+        };
+        let mut graphs = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
+        graphs.capturing = None;
+        graphs.graph_allocations = left;
+        let graph = match recorded {
+            Ok(graph) => graph,
+            Err(why) => {
+                self.give_up(&mut graphs, &why);
+                return None;
+            }
+        };
+        tracing::info!(bucket = step.bucket, "captured a CUDA graph for decode");
+        let bucket = graphs.buckets.get_mut(&step.bucket).expect("created");
+        bucket.graph = Some(Graph(graph));
+        match self.launch_graph(bucket, step) {
+            Ok(logits) => logits,
+            Err(why) => {
+                self.give_up(&mut graphs, &why);
+                None
+            }
+        }
+    }
+
+    /// Record `forward` and the copy of its logits into the bucket's output as a graph, its
+    /// buffers from the graph pool; also what that pool lacked for it.
+    fn record(
+        &self,
+        step: &DecodeGraphStep<'_>,
+        forward: &mut dyn FnMut() -> CudaTensor,
+    ) -> (Result<CudaGraph, String>, Shortfall) {
         let stream = &self.dev.stream;
+        self.pools.begin_capture();
         let recorded = stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("beginning a capture: {e}"))
@@ -358,33 +437,14 @@ impl CudaBackend {
         let ended = stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
         );
-        let mut graphs = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
-        graphs.capturing = None;
+        let short = self.pools.end_capture();
         let graph = match (recorded, ended) {
-            (Ok(()), Ok(Some(graph))) => graph,
-            (Err(why), _) => {
-                self.give_up(&mut graphs, &why);
-                return None;
-            }
-            (Ok(()), Ok(None)) => {
-                self.give_up(&mut graphs, "the capture recorded no graph");
-                return None;
-            }
-            (Ok(()), Err(e)) => {
-                self.give_up(&mut graphs, &format!("ending the capture: {e}"));
-                return None;
-            }
+            (Ok(()), Ok(Some(graph))) => Ok(graph),
+            (Err(why), _) => Err(why),
+            (Ok(()), Ok(None)) => Err("the capture recorded no graph".into()),
+            (Ok(()), Err(e)) => Err(format!("ending the capture: {e}")),
         };
-        tracing::info!(bucket = step.bucket, "captured a CUDA graph for decode");
-        let bucket = graphs.buckets.get_mut(&step.bucket).expect("created");
-        bucket.graph = Some(Graph(graph));
-        match self.launch_graph(bucket, step) {
-            Ok(logits) => logits,
-            Err(why) => {
-                self.give_up(&mut graphs, &why);
-                None
-            }
-        }
+        (graph, short)
     }
 
     /// Give cuBLAS a fixed workspace once, before the first capture.

@@ -12,6 +12,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 use pd_engine::backend::NormMlp;
 use pd_engine::weights::DType;
 
+use super::DeviceBuffer;
 use super::gemm::{self, GemmType, Product};
 use super::gemv::{self, NormedRows, SmallBatchLinear};
 use super::weights::{weight_matrix, weight_vector};
@@ -241,7 +242,7 @@ impl CudaBackend {
         (k == x.cols && gemv::norm_eligible(ty, &input, w)).then_some((ty, n, input, w))
     }
 
-    pub(super) fn cast(&self, x: &CudaTensor, dtype: DType) -> CudaSlice<u16> {
+    pub(super) fn cast(&self, x: &CudaTensor, dtype: DType) -> DeviceBuffer<u16> {
         let out = self.alloc::<u16>(x.len());
         let n = x.len() as u64;
         let f = match dtype {

@@ -29,13 +29,14 @@ mod open;
 mod pdl;
 mod pinned;
 pub mod plan;
+mod pool;
 mod qk;
 mod sample;
 mod settings;
 mod tensor;
 mod weights;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -59,6 +60,8 @@ use graph::Graphs;
 use linear::{Operand, shared_16bit};
 use pinned::PinnedPool;
 use plan::AttentionPlan;
+use pool::BufferPools;
+pub use pool::DeviceBuffer;
 use qk::KOut;
 use weights::weight_vector;
 
@@ -99,6 +102,10 @@ pub struct CudaBackend {
     pinned: Arc<PinnedPool>,
     /// Kernel launches issued so far ([`CudaBackend::kernel_launches`]).
     launches: AtomicU64,
+    /// Stream-ordered allocations issued so far ([`CudaBackend::stream_allocations`]).
+    allocations: AtomicU64,
+    /// Activation and upload buffers recycled between ops, steps and graph captures.
+    pools: BufferPools,
     /// Whether the GEMV kernels are launched programmatically dependent on the kernel
     /// before them (`PD_CUDA_PDL=on`, [`pdl`]), and how many were.
     programmatic: AtomicBool,
@@ -110,17 +117,17 @@ pub struct CudaBackend {
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
 #[derive(Default)]
 struct Uploads {
-    positions: Option<(Vec<u32>, CudaSlice<u32>)>,
-    slots: Option<(Vec<u32>, CudaSlice<u32>)>,
+    positions: Option<(Vec<u32>, DeviceBuffer<u32>)>,
+    slots: Option<(Vec<u32>, DeviceBuffer<u32>)>,
     attention: Option<(AttentionMeta, DevicePlan)>,
 }
 
 /// An [`AttentionPlan`] on the device.
 struct DevicePlan {
     plan: AttentionPlan,
-    items: CudaSlice<i32>,
-    seqs: CudaSlice<i32>,
-    block_tables: CudaSlice<u32>,
+    items: DeviceBuffer<i32>,
+    seqs: DeviceBuffer<i32>,
+    block_tables: DeviceBuffer<u32>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -163,15 +170,20 @@ impl CudaBackend {
         panic!("cuda:{}: {what} failed: {e:?}", self.dev.ordinal)
     }
 
-    /// Uninitialised device memory for `len` elements (at least one: CUDA refuses zero).
-    fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
-        // SAFETY: every caller writes the elements it later reads (kernels cover their
-        // whole output).
-        unsafe { self.dev.stream.alloc::<T>(len.max(1)) }.unwrap_or_else(|e| self.fail("alloc", e))
+    /// Device memory of unspecified contents for `len` elements (at least one: CUDA refuses
+    /// zero), from the pools ([`pool`]): every caller writes the elements it later reads.
+    fn alloc<T: cudarc::driver::DeviceRepr + 'static>(&self, len: usize) -> DeviceBuffer<T> {
+        let mut fresh = 0;
+        let buffer = self
+            .pools
+            .alloc::<T>(&self.dev.stream, len.max(1), &mut fresh)
+            .unwrap_or_else(|e| self.fail("alloc", e));
+        self.allocations.fetch_add(fresh, Ordering::Relaxed);
+        buffer
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
-        CudaTensor::new(rows, cols, self.alloc(rows * cols))
+        CudaTensor::in_buffer(rows, cols, self.alloc(rows * cols))
     }
 
     /// The device address of row 0 of `t` (a buffer of its own, or a view).
@@ -179,14 +191,18 @@ impl CudaBackend {
         self.ptr(t.buffer()) + (t.offset() * std::mem::size_of::<f32>()) as u64
     }
 
-    fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
-        if host.is_empty() {
-            return self.alloc(1);
+    /// `host` copied to the device, at the start of a buffer whose length is rounded up to
+    /// a power of two: per-step metadata (block tables grow with the context) then reuses
+    /// the same few pooled buffers step after step. Kernels read the lengths they are told.
+    fn upload<T: cudarc::driver::DeviceRepr + 'static>(&self, host: &[T]) -> DeviceBuffer<T> {
+        let mut buffer = self.alloc::<T>(host.len().next_power_of_two().max(64));
+        if !host.is_empty() {
+            self.dev
+                .stream
+                .memcpy_htod(host, &mut buffer.slice_mut(..host.len()))
+                .unwrap_or_else(|e| self.fail("upload", e));
         }
-        self.dev
-            .stream
-            .clone_htod(host)
-            .unwrap_or_else(|e| self.fail("upload", e))
+        buffer
     }
 
     fn launch(&self, name: &str, mut args: LaunchArgs<'_>, cfg: LaunchConfig) {
@@ -533,9 +549,9 @@ impl Backend for CudaBackend {
 
 /// The device copy of `host`, uploading it only when it differs from the cached one.
 fn cached<'a>(
-    slot: &'a mut Option<(Vec<u32>, CudaSlice<u32>)>,
+    slot: &'a mut Option<(Vec<u32>, DeviceBuffer<u32>)>,
     host: &[u32],
-    upload: impl FnOnce(&[u32]) -> CudaSlice<u32>,
+    upload: impl FnOnce(&[u32]) -> DeviceBuffer<u32>,
 ) -> &'a CudaSlice<u32> {
     if slot.as_ref().map(|(h, _)| h.as_slice()) != Some(host) {
         *slot = Some((host.to_vec(), upload(host)));

@@ -15,6 +15,7 @@ use super::gemv::SmallBatchLinear;
 use super::graph::Graphs;
 use super::import::IMPORT_STAGING_BYTES;
 use super::pinned::PinnedPool;
+use super::pool::BufferPools;
 use super::{CudaBackend, CudaKvStorage, Device, Uploads, pdl, plan};
 use crate::CudaError;
 
@@ -64,6 +65,8 @@ impl CudaBackend {
             gemv_kernel: AtomicBool::new(small_batch_linear == SmallBatchLinear::Kernel),
             pinned,
             launches: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
+            pools: BufferPools::new(),
             programmatic: AtomicBool::new(programmatic),
             programmatic_launches: AtomicU64::new(0),
             min_keys_per_split: AtomicUsize::new(plan::MIN_KEYS_PER_SPLIT),

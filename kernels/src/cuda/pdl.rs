@@ -5,7 +5,9 @@
 //! kernels, so the gap between one kernel's end and the next one's start is a large share of
 //! the step; this hides part of it, in CUDA graphs too (captured as programmatic edges).
 //! Off by default until a GPU run has measured it (docs/cuda.md). Owns the setting and the
-//! raw launch; which kernels use it is [`super::gemv`]'s business.
+//! raw launch; which kernels use it is their launchers' business: the GEMV kernels
+//! ([`super::gemv`]), the q/k norm + RoPE kernel and the decode attention kernel, so every
+//! kernel of a decode layer but the first GEMV's predecessor chain is programmatic.
 
 use std::ffi::c_void;
 
@@ -43,6 +45,34 @@ impl CudaBackend {
         args: &mut [*mut c_void],
     ) {
         let programmatic = self.programmatic_launch() && self.dev.cc.major >= 9;
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_ex(name, func, cfg, args, programmatic) }
+    }
+
+    /// An ordinary launch of `func` with `args` given as [`Self::launch_dependent`] takes
+    /// them, for a kernel that shares its parameter list with one launched so.
+    ///
+    /// # Safety
+    /// As [`Self::launch_dependent`], except that the kernel need not wait.
+    pub(super) unsafe fn launch_plain(
+        &self,
+        name: &str,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_ex(name, func, cfg, args, false) }
+    }
+
+    unsafe fn launch_ex(
+        &self,
+        name: &str,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+        programmatic: bool,
+    ) {
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],

@@ -2,9 +2,9 @@
 //! and RoPE of q and k), alone or with the layer's KV write fused in (the rotated k and v
 //! into their slots, as `write_kv` writes them). The kernel is in `elementwise.cu`.
 
-use cudarc::driver::PushKernelArg;
 use pd_engine::backend::QkNormRope;
 
+use super::pdl::arg;
 use super::tensor::dtype_code;
 use super::weights::weight_vector;
 use super::{CudaBackend, CudaKvStorage, CudaTensor, CudaWeight, cached};
@@ -82,39 +82,49 @@ impl CudaBackend {
         };
         // One thread per rotated pair, in whole warps (block_sum needs them).
         let threads = (head_dim / 2).div_ceil(32).max(1) as u32 * 32;
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.qk_norm_rope);
         // q and k may be views of one stacked q/k/v product; the outputs are dense.
         let (q_in, k_in) = (self.rows_ptr(q), self.rows_ptr(k));
         let (q_stride, k_stride) = (q.stride() as i32, k.stride() as i32);
-        b.arg(&q_in)
-            .arg(&k_in)
-            .arg(&q_stride)
-            .arg(&k_stride)
-            .arg(weight_vector(p.q_norm))
-            .arg(weight_vector(p.k_norm))
-            .arg(q_out.dense())
-            .arg(&k_ptr)
-            .arg(&pos)
-            .arg(&rows)
-            .arg(&qh)
-            .arg(&kh)
-            .arg(&hd)
-            .arg(&p.eps)
-            .arg(&th)
-            .arg(&kcache)
-            .arg(&vcache)
-            .arg(&kv_code)
-            .arg(&v_ptr)
-            .arg(&v_stride)
-            .arg(&slots_ptr);
-        self.launch(
-            "qk_norm_rope",
-            b,
-            Self::per_row(q.rows * (q_heads + k_heads + v_heads), threads),
+        let (wq, wk) = (
+            self.ptr(weight_vector(p.q_norm)),
+            self.ptr(weight_vector(p.k_norm)),
         );
+        let q_ptr = self.ptr(q_out.dense());
+        let mut args = [
+            arg(&q_in),
+            arg(&k_in),
+            arg(&q_stride),
+            arg(&k_stride),
+            arg(&wq),
+            arg(&wk),
+            arg(&q_ptr),
+            arg(&k_ptr),
+            arg(&pos),
+            arg(&rows),
+            arg(&qh),
+            arg(&kh),
+            arg(&hd),
+            arg(&p.eps),
+            arg(&th),
+            arg(&kcache),
+            arg(&vcache),
+            arg(&kv_code),
+            arg(&v_ptr),
+            arg(&v_stride),
+            arg(&slots_ptr),
+        ];
+        let cfg = Self::per_row(q.rows * (q_heads + k_heads + v_heads), threads);
+        // SAFETY: qk_norm_rope's parameters, in order, with the types it declares; the
+        // buffers cover the grid's rows and heads and outlive the queued launch; the kernel
+        // waits before it reads or writes anything.
+        unsafe {
+            self.launch_dependent(
+                "qk_norm_rope",
+                &self.dev.kernels.qk_norm_rope,
+                cfg,
+                &mut args,
+            )
+        };
         q_out
     }
 }

@@ -54,7 +54,7 @@ impl CudaBackend {
         let mut host = vec![0u32; OUTPUTS * rows.len()];
         self.dev
             .stream
-            .memcpy_dtoh(&out, &mut host)
+            .memcpy_dtoh(&*out, &mut host)
             .unwrap_or_else(|e| self.fail("copy sampled tokens to host", e));
         self.synchronize();
         decode(&host)

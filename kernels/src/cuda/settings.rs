@@ -83,4 +83,17 @@ impl CudaBackend {
     pub fn kernel_launches(&self) -> u64 {
         self.launches.load(Ordering::Relaxed)
     }
+
+    /// Device buffers this backend has allocated on its stream for activations and uploads
+    /// (`cuMemAllocAsync`; in a capture, a graph memory node): each is also freed on the
+    /// stream when dropped, so between two kernels of a step it stands between them.
+    pub fn stream_allocations(&self) -> u64 {
+        self.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of idle buffers the backend keeps for its ops: for eager steps (at most
+    /// 256 MiB) and for decode graphs (what their captures need).
+    pub fn pooled_bytes(&self) -> (usize, usize) {
+        self.pools.idle_bytes()
+    }
 }

@@ -3,6 +3,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
+
+use super::pool::DeviceBuffer;
 use pd_engine::kv::KvLayout;
 use pd_engine::weights::DType;
 
@@ -15,7 +17,7 @@ use pd_engine::weights::DType;
 pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
-    data: Arc<CudaSlice<f32>>,
+    data: Arc<DeviceBuffer<f32>>,
     /// Elements before row 0 in `data`, and from one row to the next.
     offset: usize,
     stride: usize,
@@ -24,6 +26,11 @@ pub struct CudaTensor {
 impl CudaTensor {
     /// Rows back to back in `data`.
     pub fn new(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
+        Self::in_buffer(rows, cols, DeviceBuffer::unpooled(data))
+    }
+
+    /// Rows back to back in a buffer that may go back to the backend's pool.
+    pub(super) fn in_buffer(rows: usize, cols: usize, data: DeviceBuffer<f32>) -> Self {
         Self {
             rows,
             cols,

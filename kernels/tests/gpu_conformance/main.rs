@@ -278,7 +278,10 @@ fn graphs_match_eager(model: &str, prompts: [u32; 3], per: usize) {
         })
         .collect();
     let mut computed = [0usize; 3];
+    // Stream-ordered allocations per step, eager and through graphs.
+    let mut allocated = Vec::new();
     for step in 0..13 {
+        let before = [&eager, &graphs].map(|e| e.backend().stream_allocations());
         let items: Vec<ExecItem<'_>> = (0..3)
             .map(|i| ExecItem {
                 tokens: &tokens[i][computed[i]..],
@@ -289,6 +292,8 @@ fn graphs_match_eager(model: &str, prompts: [u32; 3], per: usize) {
             .collect();
         let e = eager.execute(&items);
         let g = graphs.execute(&items);
+        let after = [&eager, &graphs].map(|e| e.backend().stream_allocations());
+        allocated.push([after[0] - before[0], after[1] - before[1]]);
         for (i, (e, g)) in e.iter().zip(&g).enumerate() {
             compare(&format!("{model} graphs step {step} sequence {i}"), e, g);
         }
@@ -301,6 +306,22 @@ fn graphs_match_eager(model: &str, prompts: [u32; 3], per: usize) {
         graphs.backend().decode_graphs_captured(),
         1,
         "the bucket of 4 was captured (not an eager fallback)"
+    );
+    // Buffers are recycled: from the third step on (the first decode step warms the eager
+    // pool and captures the graph) no step allocates on the stream, and the graph took
+    // every buffer from the graph pool (no memory nodes between its kernels).
+    assert!(
+        allocated[..2].iter().all(|a| a[0] > 0),
+        "the first steps allocate: {allocated:?}"
+    );
+    assert!(
+        allocated[3..].iter().all(|a| *a == [0, 0]),
+        "steady decode steps allocate nothing, [eager, graphs] per step: {allocated:?}"
+    );
+    assert_eq!(graphs.backend().decode_graph_allocations(), 0);
+    assert!(
+        graphs.backend().pooled_bytes().1 > 0,
+        "the graph pool holds its buffers"
     );
 }
 
