@@ -151,18 +151,24 @@ mod tests {
         assert_eq!(pool.spare(), 0);
     }
 
-    #[test]
-    fn new_buffers_come_from_the_allocator_and_spares_do_not() {
+    /// A pool of `block_bytes` buffers whose allocator counts its calls.
+    fn counted(block_bytes: usize, max_spare: usize) -> (BlockBuffers, Arc<AtomicUsize>) {
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&calls);
         let pool = BlockBuffers::with_allocator(
-            8,
-            64,
+            block_bytes,
+            max_spare,
             Arc::new(move |len| {
                 counted.fetch_add(1, Ordering::Relaxed);
                 heap_buffer(len)
             }),
         );
+        (pool, calls)
+    }
+
+    #[test]
+    fn new_buffers_come_from_the_allocator_and_spares_do_not() {
+        let (pool, calls) = counted(8, 64);
         let (a, b) = (pool.take(), pool.take());
         assert_eq!(
             calls.load(Ordering::Relaxed),
@@ -179,16 +185,7 @@ mod tests {
 
     #[test]
     fn take_spare_never_allocates_and_allocate_always_does() {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&calls);
-        let pool = BlockBuffers::with_allocator(
-            4,
-            64,
-            Arc::new(move |len| {
-                counted.fetch_add(1, Ordering::Relaxed);
-                heap_buffer(len)
-            }),
-        );
+        let (pool, calls) = counted(4, 64);
         assert!(pool.take_spare(3).is_empty(), "nothing spare yet");
         pool.give_all([filled(4, 1), filled(4, 2)]);
         let got = pool.take_spare(3);
