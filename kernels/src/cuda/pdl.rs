@@ -6,8 +6,8 @@
 //! the step; this hides part of it, in CUDA graphs too (captured as programmatic edges).
 //! Off by default until a GPU run has measured it (docs/cuda.md). Owns the setting and the
 //! raw launch; which kernels use it is their launchers' business: the GEMV kernels
-//! ([`super::gemv`]), the q/k norm + RoPE kernel and the decode attention kernel, so every
-//! kernel of a decode layer but the first GEMV's predecessor chain is programmatic.
+//! ([`super::gemv`]), the q/k norm + RoPE kernel and the decode attention kernel, i.e.
+//! every kernel of a decode layer.
 
 use std::ffi::c_void;
 

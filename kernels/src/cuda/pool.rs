@@ -25,7 +25,7 @@
 //! Owns the bookkeeping and the buffers; what is computed in them is the ops' business.
 
 use std::any::{Any, TypeId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -54,10 +54,13 @@ fn make<T: DeviceRepr + 'static>(
     Ok((Box::new(slice), len * std::mem::size_of::<T>()))
 }
 
-/// Idle buffers in the order they were given back, within an optional byte bound.
+/// Idle buffers by shape, each stamped with when it was given back, within an optional
+/// byte bound. Taking is by shape (the most recent first), so its cost does not grow with the
+/// number of idle buffers; only freeing past the bound looks across shapes.
 #[derive(Debug)]
 struct Shelf<B> {
-    idle: VecDeque<(Key, usize, B)>,
+    idle: HashMap<Key, Vec<(u64, usize, B)>>,
+    given: u64,
     bytes: usize,
     cap: Option<usize>,
 }
@@ -65,7 +68,8 @@ struct Shelf<B> {
 impl<B> Shelf<B> {
     fn new(cap: Option<usize>) -> Self {
         Self {
-            idle: VecDeque::new(),
+            idle: HashMap::new(),
+            given: 0,
             bytes: 0,
             cap,
         }
@@ -73,14 +77,21 @@ impl<B> Shelf<B> {
 
     /// The most recently given back buffer of `key`'s shape.
     fn take(&mut self, key: Key) -> Option<B> {
-        let i = self.idle.iter().rposition(|(k, _, _)| *k == key)?;
-        let (_, bytes, b) = self.idle.remove(i).expect("found above");
+        let list = self.idle.get_mut(&key)?;
+        let (_, bytes, b) = list.pop()?;
+        if list.is_empty() {
+            self.idle.remove(&key);
+        }
         self.bytes -= bytes;
         Some(b)
     }
 
     fn give(&mut self, key: Key, bytes: usize, b: B) {
-        self.idle.push_back((key, bytes, b));
+        self.given += 1;
+        self.idle
+            .entry(key)
+            .or_default()
+            .push((self.given, bytes, b));
         self.bytes += bytes;
     }
 
@@ -88,9 +99,19 @@ impl<B> Shelf<B> {
     fn over_cap(&mut self) -> Vec<B> {
         let mut out = Vec::new();
         while self.cap.is_some_and(|cap| self.bytes > cap) {
-            let Some((_, bytes, b)) = self.idle.pop_front() else {
+            let Some(key) = self
+                .idle
+                .iter()
+                .min_by_key(|(_, list)| list[0].0)
+                .map(|(key, _)| *key)
+            else {
                 break;
             };
+            let list = self.idle.get_mut(&key).expect("found above");
+            let (_, bytes, b) = list.remove(0);
+            if list.is_empty() {
+                self.idle.remove(&key);
+            }
             self.bytes -= bytes;
             out.push(b);
         }
@@ -99,7 +120,10 @@ impl<B> Shelf<B> {
 
     fn drain(&mut self) -> Vec<B> {
         self.bytes = 0;
-        self.idle.drain(..).map(|(_, _, b)| b).collect()
+        self.idle
+            .drain()
+            .flat_map(|(_, list)| list.into_iter().map(|(_, _, b)| b))
+            .collect()
     }
 }
 
