@@ -248,10 +248,29 @@ impl EngineArgs {
         })
     }
 
+    /// Device memory an engine built from these flags works in besides its weights and KV:
+    /// one step of `max(--max-num-batched-tokens, --max-num-seqs)` tokens
+    /// ([`step_activation_bytes`]) and, with `--cuda-graphs on`, the graphs' own buffers,
+    /// which stay allocated beside the eager ones: at most one step of the largest bucket
+    /// (the graphs replay one at a time and share them).
+    pub fn activation_reserve_bytes(&self, config: &ModelConfig, max_model_len: usize) -> usize {
+        let step =
+            step_activation_bytes(config, self.max_num_batched_tokens.max(self.max_num_seqs));
+        let graphs = match self.cuda_graphs {
+            CudaGraphs::Off => 0,
+            CudaGraphs::On => {
+                let graphs = DecodeGraphs::new(self.max_num_seqs, max_model_len, self.block_size);
+                step_activation_bytes(config, graphs.max_batch)
+            }
+        };
+        step + graphs
+    }
+
     /// KV blocks on `backend`, whose weights are already loaded: `--num-gpu-blocks` if given;
-    /// else on a device what `--gpu-memory-utilization` leaves after the weights and one
-    /// step's working memory, refused if that cannot hold one `max_model_len` sequence (as
-    /// vLLM refuses); else (the CPU) [`EngineArgs::num_blocks`].
+    /// else on a device what `--gpu-memory-utilization` leaves after the weights and the
+    /// working memory ([`EngineArgs::activation_reserve_bytes`]), refused if that cannot
+    /// hold one `max_model_len` sequence (as vLLM refuses); else (the CPU)
+    /// [`EngineArgs::num_blocks`].
     pub fn num_blocks_on<B: Backend>(
         &self,
         backend: &B,
@@ -262,8 +281,8 @@ impl EngineArgs {
         if let Some(n) = self.num_gpu_blocks {
             return Ok(n);
         }
-        let tokens = self.max_num_batched_tokens.max(self.max_num_seqs);
-        match backend.kv_memory_budget(step_activation_bytes(config, tokens))? {
+        let reserve = self.activation_reserve_bytes(config, max_model_len);
+        match backend.kv_memory_budget(reserve)? {
             None => Ok(self.num_blocks(layout, max_model_len)),
             Some(bytes) => {
                 let blocks = bytes / layout.block_bytes();
@@ -382,6 +401,42 @@ mod tests {
         assert_eq!(KvCacheDtype::Auto.on_cpu(), DType::F32);
         assert_eq!(KvCacheDtype::Bf16.on_cpu(), DType::BF16);
         assert_eq!(KvCacheDtype::F16.on_cpu(), DType::F16);
+    }
+
+    #[test]
+    fn decode_graphs_reserve_device_memory_for_their_largest_bucket() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let args = |flags: &[&str]| {
+            <Cli as clap::Parser>::try_parse_from(["test"].iter().chain(flags))
+                .expect("flags")
+                .engine
+        };
+        let config = crate::model::ModelSource::parse("synthetic:qwen3-0.6b")
+            .and_then(|m| m.open_metadata())
+            .expect("preset")
+            .config;
+        let step = step_activation_bytes(&config, 2048);
+        assert_eq!(args(&[]).activation_reserve_bytes(&config, 4096), step);
+        // The graphs' buffers sit beside the eager step's: the largest bucket (128 rows of
+        // the default 256 sequences; 16 of 20) is set aside on top.
+        assert_eq!(
+            args(&["--cuda-graphs", "on"]).activation_reserve_bytes(&config, 4096),
+            step + step_activation_bytes(&config, 128)
+        );
+        assert_eq!(
+            args(&["--cuda-graphs", "on", "--max-num-seqs", "20"])
+                .activation_reserve_bytes(&config, 4096),
+            step + step_activation_bytes(&config, 16)
+        );
+        // A step of more sequences than batched tokens is sized by the sequences.
+        assert_eq!(
+            args(&["--max-num-seqs", "4096"]).activation_reserve_bytes(&config, 4096),
+            step_activation_bytes(&config, 4096)
+        );
     }
 
     #[test]

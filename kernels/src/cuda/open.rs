@@ -15,7 +15,7 @@ use super::gemv::SmallBatchLinear;
 use super::graph::Graphs;
 use super::import::IMPORT_STAGING_BYTES;
 use super::pinned::PinnedPool;
-use super::pool::BufferPools;
+use super::pool::{BufferPools, EAGER_IDLE_BYTES};
 use super::{CudaBackend, CudaKvStorage, Device, Uploads, pdl, plan};
 use crate::CudaError;
 
@@ -88,10 +88,12 @@ impl CudaBackend {
 
     /// Bytes the KV cache may take: the utilization limit minus what the card already has in
     /// use (this process's context, cuBLAS and weights, and anything else on the card) minus
-    /// `activation_bytes` of working memory for one engine step and the import writer's
-    /// staging buffer (`IMPORT_STAGING_BYTES`, 16 MiB).
+    /// `activation_bytes` of working memory (the engine's reserve: a step's activations, and
+    /// the decode graphs' buffers when they are on), the import writer's staging buffer
+    /// (`IMPORT_STAGING_BYTES`, 16 MiB) and what the eager buffer pool may keep idle beside a
+    /// step's live buffers (`EAGER_IDLE_BYTES`, 256 MiB).
     pub fn kv_budget_bytes(&self, activation_bytes: usize) -> Result<usize, CudaError> {
-        let activation_bytes = activation_bytes + IMPORT_STAGING_BYTES;
+        let activation_bytes = activation_bytes + IMPORT_STAGING_BYTES + EAGER_IDLE_BYTES;
         let (free, total) = self.dev.ctx.mem_get_info().map_err(|e| CudaError::Driver {
             ordinal: self.dev.ordinal,
             what: "reading free memory",
