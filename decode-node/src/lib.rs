@@ -211,8 +211,9 @@ impl DecodeNodeService {
     /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV:
     /// into blocks the engine reserves for them where its pool has room (in place where its
     /// KV is in host memory; on a GPU into buffers this task then copies into the reserved
-    /// device blocks, so the engine thread copies nothing), else into buffers the engine
-    /// copies in at admission.
+    /// device blocks, so the engine thread copies nothing), else into buffers: placed in
+    /// blocks reserved after the pull if the pool has room by then, or else copied in by the
+    /// engine at admission.
     async fn pull(
         &self,
         req: &EngineRequest,
@@ -243,6 +244,9 @@ impl DecodeNodeService {
         };
         let started = Instant::now();
         let deadline = started + pull_budget(kv.lease_deadline_unix_ms, SystemTime::now());
+        // Where the imported KV starts: `first_block`, or a later block where KV pulled into
+        // buffers lands in blocks reserved after the pull and more is cached here by then.
+        let mut first_placed = first_block;
         let pulled = match reservation {
             Some(ImportReservation::Host(mut into)) => self
                 .importer
@@ -258,11 +262,14 @@ impl DecodeNodeService {
                     Err(e) => Err(e),
                 }
             }
-            None => self
-                .importer
-                .pull(addr, &kv.rdma, pull, deadline)
-                .await
-                .map(|(blocks, path)| (ImportedBlocks::Buffers(blocks), path)),
+            None => match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
+                Ok((buffers, path)) => {
+                    let (first, blocks) = self.place_pulled(req, first_block, buffers).await?;
+                    first_placed = first;
+                    Ok((blocks, path))
+                }
+                Err(e) => Err(e),
+            },
         };
         match pulled {
             Ok((blocks, path)) => {
@@ -283,6 +290,7 @@ impl DecodeNodeService {
                         ImportedBlocks::Placed(r) => match r.landing() {
                             Landing::HostInPlace => "in place",
                             Landing::DeviceCopy => "copied into reserved device blocks",
+                            Landing::HostCopy => "copied into blocks reserved after the pull",
                         },
                         ImportedBlocks::Buffers(_) => "buffers",
                     },
@@ -295,7 +303,7 @@ impl DecodeNodeService {
                     "KV pulled"
                 );
                 Ok(ImportedKv {
-                    first_block,
+                    first_block: first_placed,
                     blocks,
                     first_token,
                 })
@@ -323,6 +331,22 @@ impl DecodeNodeService {
     /// Copy pulled blocks into the device blocks reserved for them (the backend's import
     /// stream), on a blocking thread since the copy waits for the device, then give the
     /// buffers back for the next import.
+    /// KV pulled into buffers because the pool had no room when the pull began: into
+    /// blocks reserved now if it has room by then, copied on a blocking thread
+    /// ([`pd_engine::serve::EngineHandle::place_pulled`]), else left in the buffers.
+    async fn place_pulled(
+        &self,
+        req: &EngineRequest,
+        first_block: usize,
+        buffers: Vec<HostBuffer>,
+    ) -> Result<(usize, ImportedBlocks), Status> {
+        let engine = self.requests.engine().clone();
+        let (prompt, salt) = (req.prompt.clone(), req.cache_salt.clone());
+        tokio::task::spawn_blocking(move || engine.place_pulled(prompt, salt, first_block, buffers))
+            .await
+            .map_err(|e| Status::internal(format!("placing the pulled KV failed: {e}")))
+    }
+
     async fn write_in(
         &self,
         into: DeviceReservation,

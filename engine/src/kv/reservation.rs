@@ -41,6 +41,9 @@ pub enum Landing {
     HostInPlace,
     /// The puller copied them into device KV storage as they arrived, off the engine thread.
     DeviceCopy,
+    /// The pull wrote them into buffers (no room to reserve when it began), and the puller
+    /// copied those into host KV storage reserved when it ended, off the engine thread.
+    HostCopy,
 }
 
 /// A reservation whose blocks hold the pulled KV: hand it to the engine with the request
@@ -104,6 +107,12 @@ impl ReservedBlocks {
         self.landing
     }
 
+    /// The same blocks, filled another way than the reservation was made for.
+    pub(crate) fn landed(mut self, landing: Landing) -> Self {
+        self.landing = landing;
+        self
+    }
+
     /// The engine takes the blocks over (the request was admitted on them): nothing to give
     /// back on drop.
     pub(crate) fn admit(mut self) -> ReservationId {
@@ -144,6 +153,25 @@ impl ImportReservation {
         match self {
             Self::Host(r) => r.len(),
             Self::Device(r) => r.len(),
+        }
+    }
+
+    /// Fill every reserved block from buffers that already hold it (block `i` of `blocks`
+    /// into reserved block `i`, each whole in the transfer layout): copied into host KV
+    /// memory ([`Landing::HostCopy`]), or written into device KV storage
+    /// ([`Landing::DeviceCopy`]). Blocking; the buffers may be reused once
+    /// this returns.
+    ///
+    /// # Panics
+    /// If `blocks` does not hold exactly one buffer of the block size per reserved block.
+    pub fn fill(self, blocks: &[HostBuffer]) -> ReservedBlocks {
+        match self {
+            Self::Host(mut r) => {
+                assert_eq!(blocks.len(), r.len(), "one buffer per block");
+                r.write_blocks(blocks);
+                r.filled().landed(Landing::HostCopy)
+            }
+            Self::Device(r) => r.write(blocks),
         }
     }
 

@@ -64,6 +64,9 @@ pub struct EngineCounters {
     /// Requests admitted with imported KV the puller had copied into reserved device
     /// blocks (off the engine thread).
     pub kv_imports_device_copy: u64,
+    /// Requests admitted with imported KV the puller had copied from buffers into host KV
+    /// blocks reserved when its pull ended (no room when it began; off the engine thread).
+    pub kv_imports_host_copy: u64,
     /// Requests admitted with imported KV in buffers, copied into KV storage at admission.
     pub kv_imports_buffered: u64,
     /// Gauges (current values, not totals).

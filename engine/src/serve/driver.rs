@@ -17,13 +17,16 @@ use std::time::{Duration, Instant};
 use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::block_buffers::BlockBuffers;
+use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::HostKvMemory;
 use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
 use super::counters::EngineCounters;
 use super::engine::Engine;
 use super::lease_store::{LeaseStore, LeasedKv};
-use super::request::{EngineRequest, Finished, RequestError, RequestEvent, RequestId};
+use super::request::{
+    EngineRequest, Finished, ImportedBlocks, RequestError, RequestEvent, RequestId,
+};
 
 /// How often an idle engine wakes to expire leases.
 const IDLE_TICK: Duration = Duration::from_millis(50);
@@ -175,6 +178,37 @@ impl EngineHandle {
             .send(Command::Reserve(tokens, salt, tx, self.tx.clone()))
             .ok()?;
         rx.recv().ok().flatten()
+    }
+
+    /// Imported KV pulled into buffers (from `first_block` to the prompt's end) because
+    /// [`Self::reserve_import`] found no room when the pull began: reserve again now and, if
+    /// the pool has room by then, copy the buffers into the reserved blocks here, on the
+    /// calling thread, so that admitting the request copies nothing on the engine thread.
+    /// Returns the first block of the imported KV and the blocks: placed (from a later
+    /// block where more of the prompt is cached here by now; the buffers go back to
+    /// [`Self::import_buffers`]), or still the buffers where there is no room, or the
+    /// locally cached prefix the pull relied on was evicted meanwhile (admission then sees
+    /// to it, as for any import in buffers). Blocking.
+    pub fn place_pulled(
+        &self,
+        tokens: Vec<u32>,
+        salt: Option<String>,
+        first_block: usize,
+        buffers: Vec<HostBuffer>,
+    ) -> (usize, ImportedBlocks) {
+        let Some(reserved) = self.reserve_import(tokens, salt) else {
+            return (first_block, ImportedBlocks::Buffers(buffers));
+        };
+        let first = reserved.first_block();
+        match first.checked_sub(first_block) {
+            Some(skip) if skip + reserved.len() == buffers.len() => {
+                let placed = reserved.fill(&buffers[skip..]);
+                self.import_buffers.give_all(buffers);
+                (first, ImportedBlocks::Placed(placed))
+            }
+            // Dropping the reservation gives its blocks back.
+            _ => (first_block, ImportedBlocks::Buffers(buffers)),
+        }
     }
 
     /// Where KV storage lies in host memory (`None` on a GPU): an RDMA reader registers it

@@ -9,8 +9,10 @@ use pd_engine::ErrorKind;
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::{KvReservation, ReleaseFn, ReservationId};
-use pd_engine::kv::reservation::ImportReservation;
-use pd_engine::serve::{Engine, EngineConfig, EngineThread, ImportedBlocks, RequestEvent, Role};
+use pd_engine::kv::reservation::{ImportReservation, Landing};
+use pd_engine::serve::{
+    Engine, EngineConfig, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, Role,
+};
 
 use crate::{all_free, config, engine, prompt, req, run_one};
 
@@ -311,6 +313,121 @@ fn driver_reservations_come_back_when_dropped_or_refused() {
     let refused = h.submit(done).recv().unwrap();
     assert!(matches!(refused, RequestEvent::Failed(e) if e.kind == ErrorKind::InvalidArgument));
     usage_back_to_zero("refused request");
+}
+
+/// KV pulled into buffers because the pool had no room when the pull began: placed in blocks
+/// reserved after the pull once the pool has room (from a later block where more of the
+/// prompt is cached by then), left in the buffers while it has none or where the cached
+/// prefix the pull relied on is gone. Either way the request decodes as one mixed engine
+/// does, and its prompt counts as found where it was.
+#[test]
+fn kv_pulled_into_buffers_is_placed_once_the_pool_has_room() {
+    let p = prompt(21, 23); // 5 full blocks + 3 tokens
+    let want = run_one(&mut engine(64, config()), req("m", p.clone(), 8)).tokens;
+    let mut prefill = engine(
+        64,
+        EngineConfig {
+            role: Role::Prefill,
+            ..config()
+        },
+    );
+    // Prefill `id` and read its blocks from `from` on, as a pull into buffers does.
+    let mut pull = |id: &str, p: &[u32], from: usize| {
+        let first = run_one(&mut prefill, req(id, p.to_vec(), 8));
+        let lease = first.finished.unwrap().lease.unwrap();
+        let blocks = prefill
+            .read_lease(lease.lease_id, from, lease.blocks.len() - from)
+            .unwrap();
+        assert!(prefill.release_lease(lease.lease_id));
+        let buffers: Vec<HostBuffer> = blocks
+            .into_iter()
+            .map(|b| Box::new(b) as HostBuffer)
+            .collect();
+        (first.tokens[0], buffers)
+    };
+    let thread = EngineThread::spawn(engine(
+        16,
+        EngineConfig {
+            role: Role::Decode,
+            ..config()
+        },
+    ));
+    let h = thread.handle();
+    let decode = |id: &str, first_block: usize, blocks: ImportedBlocks, first_token: u32| {
+        let mut r = req(id, p.clone(), 8);
+        r.imported = Some(ImportedKv {
+            first_block,
+            blocks,
+            first_token,
+        });
+        let mut tokens = vec![first_token];
+        for event in h.submit(r) {
+            match event {
+                RequestEvent::Token(t) => tokens.push(t.token_id),
+                RequestEvent::Finished(f) => {
+                    let u = f.usage;
+                    return (tokens, (u.local_cached_tokens, u.external_cached_tokens));
+                }
+                RequestEvent::Failed(e) => panic!("request {id} failed: {e}"),
+            }
+        }
+        panic!("request {id}: no terminal event")
+    };
+    let placed = |blocks: &ImportedBlocks| match blocks {
+        ImportedBlocks::Placed(r) => Some((r.len(), r.landing())),
+        ImportedBlocks::Buffers(_) => None,
+    };
+
+    // Another import holds 15 of the 16 blocks: no room for the prompt's 6, before the pull
+    // or after it, so its KV stays in the buffers.
+    let other = h.reserve_import(prompt(7, 60), None).expect("room");
+    assert!(h.reserve_import(p.clone(), None).is_none());
+    let (first_token, buffers) = pull("a", &p, 0);
+    let (first, blocks) = h.place_pulled(p.clone(), None, 0, buffers);
+    let ImportedBlocks::Buffers(buffers) = blocks else {
+        panic!("placed with no room in the pool");
+    };
+    assert_eq!((first, buffers.len()), (0, 6));
+    // The other import went (its request ended): now the pulled KV is placed here.
+    drop(other);
+    let (first, blocks) = h.place_pulled(p.clone(), None, 0, buffers);
+    assert_eq!(first, 0);
+    assert_eq!(placed(&blocks), Some((6, Landing::HostCopy)));
+    assert_eq!(
+        decode("a", first, blocks, first_token),
+        (want.clone(), (0, 23))
+    );
+    let c = h.counters();
+    let imports = |c: &pd_engine::serve::EngineCounters| {
+        (
+            c.kv_imports_in_place,
+            c.kv_imports_host_copy,
+            c.kv_imports_buffered,
+        )
+    };
+    assert_eq!(imports(&c), (0, 1, 0));
+
+    // Pulled whole, but the prompt's 5 full blocks are cached here by the time the pull
+    // ends: only the last pulled block is placed, and the prompt counts 20 tokens local.
+    let (first_token, buffers) = pull("b", &p, 0);
+    let (first, blocks) = h.place_pulled(p.clone(), None, 0, buffers);
+    assert_eq!(first, 5);
+    assert_eq!(placed(&blocks), Some((1, Landing::HostCopy)));
+    assert_eq!(decode("b", first, blocks, first_token), (want, (20, 3)));
+
+    // Pulled from block 5 of a prompt whose first 5 blocks are not cached here (evicted
+    // since the puller looked): nothing to place them after; the reservation is given back.
+    let q = prompt(22, 23);
+    let (_, buffers) = pull("c", &q, 5);
+    let (first, blocks) = h.place_pulled(q, None, 5, buffers);
+    assert_eq!((first, placed(&blocks)), (5, None));
+    let c = h.counters();
+    assert_eq!(imports(&c), (0, 2, 0));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.counters().kv_cache_usage > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "blocks kept");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// A reservation the pull fills in place: what the CPU backend's host KV memory gives.

@@ -213,6 +213,10 @@ fn values(
                 c.kv_imports_device_copy as f64,
             ),
             (
+                vec![(label::LANDING, "host_copy")],
+                c.kv_imports_host_copy as f64,
+            ),
+            (
                 vec![(label::LANDING, "buffers")],
                 c.kv_imports_buffered as f64,
             ),

@@ -117,6 +117,7 @@ impl<B: Backend> Engine<B> {
                 match landing {
                     Landing::HostInPlace => self.counters.kv_imports_in_place += 1,
                     Landing::DeviceCopy => self.counters.kv_imports_device_copy += 1,
+                    Landing::HostCopy => self.counters.kv_imports_host_copy += 1,
                 }
                 held
             }
