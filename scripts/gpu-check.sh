@@ -84,7 +84,7 @@ run)
     # input before its wait would race with its predecessor here, which no emulator shows.
     echo "== (a''') the same with PD_CUDA_PDL=on"
     PD_CUDA_PDL=on PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 \
-        --nocapture qwen3_0_6b decode_graphs norm_fused 2>&1 | tee "$out/conformance-pdl.log"
+        --nocapture qwen3_0_6b decode_graphs norm_fused wide_rows 2>&1 | tee "$out/conformance-pdl.log"
     pdl=${PIPESTATUS[0]}
     echo "== (b) benchmark"
     "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"

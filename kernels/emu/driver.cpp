@@ -95,6 +95,12 @@ std::pair<int, int> compute_capability() {
     return cc;
 }
 
+// Dynamic shared memory a block may have once opted in: Hopper's, or an A100's on 8.x.
+int optin_shared_bytes() {
+    return compute_capability().first >= 9 ? EMU_OPTIN_SHARED_BYTES
+                                           : EMU_OPTIN_SHARED_BYTES_SM80;
+}
+
 CUresult fail(CUresult code, const std::string& why) {
     std::fprintf(stderr, "pd-cuda-emu: error %d: %s\n", code, why.c_str());
     return code;
@@ -243,6 +249,8 @@ API CUresult cuDeviceGetAttribute(int* v, int attribute, int) {
         case 8: *v = 49152; break;           // max shared memory per block
         case 10: *v = 32; break;             // warp size
         case 16: *v = 132; break;            // multiprocessors
+        case 81: *v = optin_shared_bytes() + 1024; break;  // shared memory per multiprocessor
+        case 97: *v = optin_shared_bytes(); break;         // per block, opted in
         case 75: *v = compute_capability().first; break;
         case 76: *v = compute_capability().second; break;
         case 115: *v = 1; break;             // memory pools
@@ -543,12 +551,34 @@ API CUresult cuModuleGetFunction(void** f, void* module, const char* name) {
     *f = const_cast<Kernel*>(k);
     return CUDA_SUCCESS;
 }
+// Attribute 0: max threads per block; 8: max dynamic shared memory; any other reads 0
+// (static shared memory, registers, ...: nothing the emulator knows).
 API CUresult cuFuncGetAttribute(int* v, int attribute, void* f) {
     auto* k = static_cast<Kernel*>(f);
-    *v = attribute == 0 ? (k->max_threads ? (int)k->max_threads : 1024) : 0;
+    switch (attribute) {
+        case 0: *v = k->max_threads ? (int)k->max_threads : 1024; break;
+        case 8: *v = (int)k->max_dynamic_shared; break;
+        default: *v = 0;
+    }
     return CUDA_SUCCESS;
 }
-API CUresult cuFuncSetAttribute(void*, int, int) { return CUDA_SUCCESS; }
+// Only the dynamic shared memory limit (attribute 8) can be set, up to the device's opt-in
+// limit, as the driver refuses more.
+API CUresult cuFuncSetAttribute(void* f, int attribute, int value) {
+    auto* k = static_cast<Kernel*>(f);
+    if (attribute != 8) {
+        return fail(CUDA_ERROR_INVALID_VALUE, std::string(k->name) + ": function attribute " +
+                                                  std::to_string(attribute) + " unsupported");
+    }
+    if (value < 0 || value > optin_shared_bytes()) {
+        return fail(CUDA_ERROR_INVALID_VALUE,
+                    std::string(k->name) + ": " + std::to_string(value) +
+                        " bytes of dynamic shared memory over the device's opt-in limit " +
+                        std::to_string(optin_shared_bytes()));
+    }
+    k->max_dynamic_shared = (unsigned)value;
+    return CUDA_SUCCESS;
+}
 
 API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                             unsigned by, unsigned bz, unsigned shared, void* stream,
@@ -570,10 +600,12 @@ API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
                     name + ": " + std::to_string(threads) + " threads over __launch_bounds__ " +
                         std::to_string(k->max_threads));
     }
-    if (shared > EMU_DYNAMIC_SHARED_BYTES) {
+    if (shared > k->max_dynamic_shared) {
         return fail(CUDA_ERROR_INVALID_VALUE,
                     name + ": " + std::to_string(shared) +
-                        " bytes of dynamic shared memory (48 KiB without opting in)");
+                        " bytes of dynamic shared memory over the kernel's limit of " +
+                        std::to_string(k->max_dynamic_shared) +
+                        " (48 KiB unless opted in with cuFuncSetAttribute)");
     }
     if (k->param_sizes.size() > 0 && params == nullptr) {
         return fail(CUDA_ERROR_INVALID_VALUE, name + ": no kernel parameters given");

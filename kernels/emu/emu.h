@@ -73,11 +73,15 @@ uint64_t as_bits(T v) {
 #define __shared__ static
 #define __restrict__
 
-// Dynamic shared memory (`extern __shared__ float smem[];`), 48 KiB: the most a launch gets
-// without opting in, which these kernels do not.
+// Dynamic shared memory (`extern __shared__ float smem[];`): 48 KiB is the most a launch gets
+// without opting in; a kernel opted in (cuFuncSetAttribute, MAX_DYNAMIC_SHARED_SIZE_BYTES)
+// gets up to the device's opt-in limit, Hopper's 227 KiB (an A100's 163 KiB with
+// PD_CUDA_EMU_CC=8.x).
 #define EMU_DYNAMIC_SHARED_BYTES (48 * 1024)
+#define EMU_OPTIN_SHARED_BYTES (227 * 1024)
+#define EMU_OPTIN_SHARED_BYTES_SM80 (163 * 1024)
 // 16-byte aligned, as a GPU aligns it (kernels read it in 16-byte loads).
-alignas(16) extern float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+alignas(16) extern float smem[EMU_OPTIN_SHARED_BYTES / sizeof(float)];
 
 inline void __syncthreads() { emu::syncthreads(); }
 // Blocks run one after another and memory is the host's: every write is already visible.

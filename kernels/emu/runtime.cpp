@@ -9,7 +9,7 @@
 
 #include "runtime.h"
 
-alignas(16) float smem[EMU_DYNAMIC_SHARED_BYTES / sizeof(float)];
+alignas(16) float smem[EMU_OPTIN_SHARED_BYTES / sizeof(float)];
 
 namespace emu {
 

@@ -26,6 +26,8 @@ struct LaunchShape {
 struct Kernel {
     const char* name = nullptr;
     unsigned max_threads = 0;  // __launch_bounds__, 0 if none
+    // Most dynamic shared memory a launch may ask for: 48 KiB unless opted in.
+    mutable unsigned max_dynamic_shared = EMU_DYNAMIC_SHARED_BYTES;
     std::vector<size_t> param_sizes;
     std::vector<bool> param_is_pointer;
     virtual ~Kernel() = default;

@@ -21,6 +21,8 @@ pub struct Device {
     pub blas: CudaBlas,
     pub kernels: Kernels,
     pub num_sms: u32,
+    /// Dynamic shared memory the norm-fused GEMV kernels may ask for (they opted in).
+    pub norm_shared_bytes: usize,
 }
 
 /// Every kernel function, looked up once.
@@ -120,6 +122,10 @@ impl Device {
             message: e.to_string(),
         })?;
         let kernels = Kernels::load(&ctx, cc, ordinal)?;
+        let norm_shared_bytes = super::gemv::opt_in_norm_shared(
+            &ctx,
+            [&kernels.gemv16_norm, &kernels.gemv16_norm_silu],
+        );
         Ok(Self {
             ordinal,
             name,
@@ -129,6 +135,7 @@ impl Device {
             blas,
             kernels,
             num_sms,
+            norm_shared_bytes,
         })
     }
 }

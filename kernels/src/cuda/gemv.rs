@@ -6,7 +6,7 @@
 //! it ([`NormedRows`]). Does not cover prefill-sized products (cuBLAS's tensor-core GEMMs) or
 //! f32 weights; which ops use the fused forms is [`super::linear`]'s business.
 
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
 
 use super::CudaBackend;
 use super::gemm::{GemmType, Product};
@@ -22,8 +22,9 @@ const GEMV_WARPS: usize = 8;
 /// Threads per block.
 pub(super) const GEMV_THREADS: u32 = (GEMV_WARPS * 32) as u32;
 
-/// Dynamic shared memory a launch gets without opting in: the norm-fused kernels hold their
-/// normalised rows there (`rows · k` 16-bit values).
+/// Dynamic shared memory a launch gets without opting in. The norm-fused kernels hold their
+/// normalised rows there (`rows · k` 16-bit values) and opt in to more
+/// ([`opt_in_norm_shared`]): 8 rows of qwen3-8b's 4,096 take 64 KiB.
 const SHARED_BYTES: usize = 48 * 1024;
 
 /// What multiplies 16-bit weights with a batch of at most [`GEMV_MAX_ROWS`] rows.
@@ -74,14 +75,60 @@ pub(super) struct NormedRows {
 }
 
 /// Whether the norm-fused kernels can take these rows into weights `w`: as [`eligible`], the
-/// normalised rows fit the shared memory, and `rms_norm_16` would reduce a row of width `k`
+/// normalised rows fit the `shared_bytes` of dynamic shared memory the kernels may have
+/// ([`opt_in_norm_shared`]), and `rms_norm_16` would reduce a row of width `k`
 /// with as many threads as a GEMV block has (`norm_threads`: rows over 128 wide), so the
 /// fused norm is the same arithmetic in the same order: the same bits.
-pub(super) fn norm_eligible(ty: GemmType, input: &NormedRows, w: u64) -> bool {
+pub(super) fn norm_eligible(ty: GemmType, input: &NormedRows, w: u64, shared_bytes: usize) -> bool {
     weights_eligible(ty, input.rows, input.k, w)
         && super::norm_threads(input.k) == GEMV_THREADS
-        && input.rows * input.k * 2 <= SHARED_BYTES
+        && input.rows * input.k * 2 <= shared_bytes
         && input.h.is_multiple_of(4)
+}
+
+/// Let the norm-fused kernels have more dynamic shared memory than the 48 KiB a launch gets
+/// by default, so that wide rows are normalised in the kernel too: up to the device's
+/// opt-in limit per block, but at most half of a multiprocessor's shared memory (two blocks
+/// of them still fit on one, and their weight loads keep the memory system busy), less the
+/// kernels' static shared memory. Returns the bytes a launch may ask for: 48 KiB if the
+/// device does not say, or refuses.
+pub(super) fn opt_in_norm_shared(dev: &CudaContext, kernels: [&CudaFunction; 2]) -> usize {
+    use cudarc::driver::sys::{CUdevice_attribute as D, CUfunction_attribute as F};
+    let attribute = |a| dev.attribute(a).ok().and_then(|v| usize::try_from(v).ok());
+    let (Some(per_block), Some(per_sm)) = (
+        attribute(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        attribute(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+    ) else {
+        return SHARED_BYTES;
+    };
+    let statics = kernels
+        .iter()
+        .map(|f| {
+            f.shared_size_bytes()
+                .ok()
+                .and_then(|v| usize::try_from(v).ok())
+        })
+        .try_fold(0, |most, b| b.map(|b| most.max(b)));
+    let Some(statics) = statics else {
+        return SHARED_BYTES;
+    };
+    let limit = per_block.min(per_sm / 2).saturating_sub(statics);
+    if limit <= SHARED_BYTES {
+        return SHARED_BYTES;
+    }
+    let value = i32::try_from(limit).unwrap_or(i32::MAX);
+    for f in kernels {
+        let set = f.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, value);
+        if let Err(e) = set {
+            tracing::warn!(
+                error = %e,
+                "the norm-fused GEMV kernels keep 48 KiB of shared memory"
+            );
+            // One may have been raised: that only allows what the launches never ask for.
+            return SHARED_BYTES;
+        }
+    }
+    limit
 }
 
 impl CudaBackend {
@@ -245,7 +292,7 @@ mod tests {
                 rows,
                 k,
             };
-            norm_eligible(ty, &input, 512)
+            norm_eligible(ty, &input, 512, SHARED_BYTES)
         };
         assert!(
             eligible(GemmType::BF16, 8, 1024, 256),
@@ -254,8 +301,25 @@ mod tests {
         assert!(eligible(GemmType::BF16, 6, 4096, 256), "qwen3-8b, batch 6");
         assert!(
             !eligible(GemmType::BF16, 7, 4096, 256),
-            "qwen3-8b, batch 7: 56 KiB of normalised rows"
+            "qwen3-8b, batch 7: 56 KiB of normalised rows without opting in"
         );
+        let input = |rows| NormedRows {
+            h: 256,
+            gamma: 0,
+            eps: 1e-6,
+            rows,
+            k: 4096,
+        };
+        assert!(
+            norm_eligible(GemmType::BF16, &input(8), 512, 64 << 10),
+            "qwen3-8b, batch 8: 64 KiB opted in"
+        );
+        assert!(!norm_eligible(
+            GemmType::BF16,
+            &input(8),
+            512,
+            (64 << 10) - 1
+        ));
         assert!(
             !eligible(GemmType::F16, 1, 128, 256),
             "rms_norm_16 reduces 128-wide rows with 64 threads, in another order"

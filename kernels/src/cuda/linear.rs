@@ -239,7 +239,8 @@ impl CudaBackend {
             rows: x.rows,
             k,
         };
-        (k == x.cols && gemv::norm_eligible(ty, &input, w)).then_some((ty, n, input, w))
+        let shared = self.dev.norm_shared_bytes;
+        (k == x.cols && gemv::norm_eligible(ty, &input, w, shared)).then_some((ty, n, input, w))
     }
 
     pub(super) fn cast(&self, x: &CudaTensor, dtype: DType) -> DeviceBuffer<u16> {

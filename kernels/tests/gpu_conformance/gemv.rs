@@ -253,3 +253,55 @@ fn norm_fused_kernels_equal_the_separate_ops() {
         );
     }
 }
+
+/// Rows too wide for the 48 KiB of shared memory a launch gets by default (qwen3-8b's 4,096
+/// at batch 7 and 8: 56 and 64 KiB normalised): the norm-fused kernels opted in to more, so
+/// the norm and the product are still one launch, with the separate ops' bits.
+#[test]
+fn wide_rows_are_norm_fused_in_opted_in_shared_memory() {
+    if !enabled("wide_rows_are_norm_fused_in_opted_in_shared_memory") {
+        return;
+    }
+    use pd_engine::weights::writer::{TensorSpec, write_checkpoint};
+    let (k, n) = (4096, 128);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let random = |len: usize, seed: u64, scale: f32| {
+        let mut state = seed;
+        let values: Vec<f32> = (0..len).map(|_| scale * unit(&mut state) as f32).collect();
+        narrow(DType::BF16, &values)
+    };
+    let spec = |name: &str, shape: Vec<usize>, seed: u64| TensorSpec {
+        name: name.into(),
+        dtype: DType::BF16,
+        shape: shape.clone(),
+        fill: Box::new(move || random(shape.iter().product(), seed, 1.0)),
+    };
+    let tensors = [spec("norm", vec![k], 3), spec("w", vec![n, k], 4)];
+    write_checkpoint(dir.path(), &tensors, usize::MAX, &|_| {}).expect("checkpoint");
+    let ckpt = Checkpoint::open(dir.path()).expect("checkpoint");
+    let gpu = CudaBackend::open(0, 0.3).expect("cuda:0");
+    gpu.set_small_batch_linear(SmallBatchLinear::Kernel);
+    let load = |name: &str, shape: &[usize]| {
+        gpu.load_weight(name, ckpt.tensor(name, shape).expect("tensor"))
+            .expect("upload")
+    };
+    let (norm, w) = (load("norm", &[k]), load("w", &[n, k]));
+    for rows in [7, 8] {
+        let mut state = 11 + rows as u64;
+        let host: Vec<f32> = (0..rows * k)
+            .map(|_| 40.0 * unit(&mut state) as f32)
+            .collect();
+        let x = || upload(&gpu, rows, k, &host);
+        let before = gpu.kernel_launches();
+        let [fused] = gpu.norm_linear_shared(&x(), &norm, k, 1e-6, [&w]);
+        assert_eq!(
+            gpu.kernel_launches() - before,
+            1,
+            "{rows} rows of {k}: the norm and the product in one launch"
+        );
+        let before = gpu.kernel_launches();
+        let apart = gpu.linear(&gpu.rms_norm(&x(), &norm, k, 1e-6), &w);
+        assert_eq!(gpu.kernel_launches() - before, 3, "norm, cast, product");
+        assert_same(&format!("{rows} rows of {k}"), &gpu, &fused, &apart);
+    }
+}
