@@ -20,10 +20,14 @@
 #                                       2,048 and 8,192 tokens, one layer's prefill attention
 #                                       on each kernel) on synthetic:qwen3-0.6b and
 #                                       synthetic:qwen3-8b,
-#                                       (c) if time is left and ncu is there, one batch-1
+#                                       (c) if time is left and compute-sanitizer is there,
+#                                       memcheck over the tiny model's tests and racecheck
+#                                       over the attention kernels' test,
+#                                       (d) if time is left and ncu is there, one batch-1
 #                                       decode step of qwen3-0.6b kernel by kernel, through
 #                                       cuBLAS and through the gemv16 kernels.
-#                                       Logs, gpu_bench.json and the profiles go to OUT_DIR;
+#                                       Logs, gpu_bench.json, the sanitizer's reports and the
+#                                       profiles go to OUT_DIR;
 #                                       the benchmark's table is printed last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,16 +93,41 @@ run)
     echo "== (b) benchmark"
     "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
     bench=${PIPESTATUS[0]}
-    # (c) Where one batch-1 decode step of qwen3-0.6b spends its time, kernel by kernel,
+    # (c) Memory errors and shared-memory races no emulator shows: compute-sanitizer (in the
+    # GPU host's image; it works on a Firecracker machine) over the tiny model's tests
+    # (every kernel of a layer, the split-K merge of a long context, a batch) with memcheck,
+    # and over the attention kernels' test with racecheck (shared-memory hazards in
+    # paged_attention and attention_mma). Only if the 8 minutes leave room; a diagnostic,
+    # its exit does not count: read "ERROR SUMMARY" in the logs.
+    echo "== (c) compute-sanitizer: memcheck (tiny model), racecheck (attention)"
+    sanitizer="$(command -v compute-sanitizer || ls -d /usr/local/cuda*/bin/compute-sanitizer \
+        /opt/nvidia/*/compute-sanitizer 2>/dev/null | tail -n 1 || true)"
+    if [ -z "$sanitizer" ]; then
+        echo "skipped: no compute-sanitizer on this host"
+    elif [ "$SECONDS" -gt 300 ]; then
+        echo "skipped: $SECONDS s of the 8 minutes used"
+    else
+        for check in "memcheck tiny_ batched_sequences" "racecheck attention_kernels"; do
+            set -- $check
+            tool="$1"
+            shift
+            PD_GPU_TESTS=1 timeout 45 "$sanitizer" --tool "$tool" --print-limit 20 \
+                "$bin/gpu_conformance" --test-threads=1 "$@" >"$out/sanitizer-$tool.log" 2>&1
+            echo "-- $tool over $*: exit $? ($out/sanitizer-$tool.log)"
+            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result|^=+ (Invalid|Error|Race)" \
+                "$out/sanitizer-$tool.log" | head -n 20
+        done
+    fi
+    # (d) Where one batch-1 decode step of qwen3-0.6b spends its time, kernel by kernel,
     # through cuBLAS and through the gemv16 kernels: Nsight Compute (in the GPU host's
     # image; on a Firecracker machine it reads the hardware timers) over `gpu_bench
     # --profile-decode`, which marks the step as the only profiled range. Only if the 8
     # minutes leave room; a diagnostic, its exit does not count.
-    echo "== (c) one decode step, kernel by kernel (Nsight Compute)"
+    echo "== (d) one decode step, kernel by kernel (Nsight Compute)"
     ncu_bin="$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)"
     if [ -z "$ncu_bin" ]; then
         echo "skipped: no ncu on this host"
-    elif [ "$SECONDS" -gt 330 ]; then
+    elif [ "$SECONDS" -gt 360 ]; then
         echo "skipped: $SECONDS s of the 8 minutes used"
     else
         for linear in cublas kernel; do

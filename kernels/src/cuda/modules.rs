@@ -3,6 +3,8 @@
 //! check (`examples/nvrtc_check.rs`, for sm_80 and sm_90, assembled with ptxas), so CI
 //! compiles exactly what a GPU host will.
 
+use std::sync::{Mutex, PoisonError};
+
 use cudarc::nvrtc::{self, CompileOptions, Ptx};
 
 use crate::CudaError;
@@ -108,14 +110,34 @@ pub fn compile_options(source: &KernelSource, cc: ComputeCapability) -> CompileO
 
 /// Compile `source` to PTX for `cc`. The caller checks that libnvrtc can be loaded first
 /// (cudarc panics where it cannot).
+///
+/// Each (source, compute capability) is compiled once per process and its PTX kept: NVRTC
+/// takes seconds for all the sources, and every backend opened on a device of that
+/// capability (each test of a suite, each device a process opens) loads the same modules.
 pub fn compile(source: &KernelSource, cc: ComputeCapability) -> Result<Ptx, CudaError> {
-    nvrtc::compile_ptx_with_opts(source.full_text(), compile_options(source, cc)).map_err(|e| {
-        CudaError::Compile {
+    static COMPILED: Mutex<Vec<(&str, ComputeCapability, Ptx)>> = Mutex::new(Vec::new());
+    let cached = |compiled: &[(&str, ComputeCapability, Ptx)]| {
+        compiled
+            .iter()
+            .find(|(name, arch, _)| *name == source.name && *arch == cc)
+            .map(|(_, _, ptx)| ptx.clone())
+    };
+    if let Some(ptx) = cached(&COMPILED.lock().unwrap_or_else(PoisonError::into_inner)) {
+        return Ok(ptx);
+    }
+    // Not under the lock: two threads may both compile a source the first time, and one
+    // result is kept.
+    let ptx = nvrtc::compile_ptx_with_opts(source.full_text(), compile_options(source, cc))
+        .map_err(|e| CudaError::Compile {
             source_name: source.name,
             arch: cc.virtual_arch(),
             log: compile_log(e),
-        }
-    })
+        })?;
+    let mut compiled = COMPILED.lock().unwrap_or_else(PoisonError::into_inner);
+    if cached(&compiled).is_none() {
+        compiled.push((source.name, cc, ptx.clone()));
+    }
+    Ok(ptx)
 }
 
 fn compile_log(e: nvrtc::CompileError) -> String {
