@@ -3,141 +3,19 @@
 //! in process through their libraries. Every test checks that all KV blocks came back on
 //! both nodes.
 
-use std::path::Path;
-use std::sync::Arc;
+#[allow(dead_code)]
+mod support;
+
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use decode_node::{DecodeArgs, TransferStats};
+use decode_node::DecodeArgs;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{EngineRequest, RequestEvent, RequestId, Role};
 use pd_proto::pb;
-use pd_proto::pb::decode_service_client::DecodeServiceClient;
-use pd_proto::pb::prefill_service_client::PrefillServiceClient;
-use prefill_node::PrefillArgs;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-/// A cache shared by the tests of this file, so `synthetic:tiny` is written once.
-fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
-}
-
-/// A node running in this process.
-struct Node {
-    ready: pd_node::Ready,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<anyhow::Result<()>>,
-    /// Decode nodes: KV-transfer counters.
-    transfers: Option<Arc<TransferStats>>,
-}
-
-async fn prefill_node(flags: &[&str]) -> Node {
-    let mut args = PrefillArgs::try_parse_from(["prefill-node"].iter().chain(flags)).unwrap();
-    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
-    let node = prefill_node::start(args)
-        .await
-        .expect("prefill node starts");
-    let ready = node.ready().clone();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
-        let _ = stopped.await;
-    }));
-    Node {
-        ready,
-        stop,
-        task,
-        transfers: None,
-    }
-}
-
-async fn decode_node(flags: &[&str]) -> Node {
-    let mut args = DecodeArgs::try_parse_from(["decode-node"].iter().chain(flags)).unwrap();
-    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
-    let node = decode_node::start(args).await.expect("decode node starts");
-    let ready = node.ready().clone();
-    let transfers = Some(node.transfer_stats());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
-        let _ = stopped.await;
-    }));
-    Node {
-        ready,
-        stop,
-        task,
-        transfers,
-    }
-}
-
-impl Node {
-    fn url(&self) -> String {
-        format!("http://{}", self.ready.grpc)
-    }
-
-    async fn prefill(&self) -> PrefillServiceClient<Channel> {
-        PrefillServiceClient::connect(self.url()).await.unwrap()
-    }
-
-    async fn decode(&self) -> DecodeServiceClient<Channel> {
-        DecodeServiceClient::connect(self.url()).await.unwrap()
-    }
-
-    async fn info(&self) -> pb::NodeInfo {
-        let request = pb::InfoRequest {};
-        if self.ready.role == "prefill" {
-            self.prefill().await.info(request).await
-        } else {
-            self.decode().await.info(request).await
-        }
-        .unwrap()
-        .into_inner()
-    }
-
-    fn blocks_pulled(&self) -> u64 {
-        self.transfers.as_ref().unwrap().snapshot().blocks_pulled
-    }
-
-    /// Every KV block free and no request open (polled: counters publish after each step).
-    async fn assert_all_blocks_free(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let info = self.info().await;
-            if info.free_blocks == info.num_blocks && info.num_running + info.num_waiting == 0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} node: {} of {} blocks free, {} running, {} waiting",
-                self.ready.role,
-                info.free_blocks,
-                info.num_blocks,
-                info.num_running,
-                info.num_waiting
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn stop(self) {
-        self.assert_all_blocks_free().await;
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the node stops")
-            .unwrap()
-            .expect("clean stop");
-    }
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
-        .collect()
-}
+use support::{Node, cache, decode_node, prefill_node, prompt};
 
 fn greedy() -> Option<pb::SamplingParams> {
     Some(pb::SamplingParams {

@@ -8,87 +8,21 @@
 
 mod expo;
 
-use std::path::Path;
+#[allow(dead_code)]
+mod support;
+
 use std::time::{Duration, Instant};
 
-use clap::Parser;
-use decode_node::DecodeArgs;
 use pd_proto::pb;
-use pd_proto::pb::decode_service_client::DecodeServiceClient;
-use pd_proto::pb::prefill_service_client::PrefillServiceClient;
-use prefill_node::PrefillArgs;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tonic::Code;
-use tonic::transport::Channel;
 
 use expo::Exposition;
+use support::{Node, decode_node, prefill_node, prompt};
 
 const MODEL: &str = "synthetic:tiny";
 const BLOCK: usize = 16;
 
-fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
-}
-
-struct Node {
-    ready: pd_node::Ready,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
-async fn prefill_node() -> Node {
-    let mut args = PrefillArgs::try_parse_from(["prefill-node"]).unwrap();
-    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
-    let node = prefill_node::start(args)
-        .await
-        .expect("prefill node starts");
-    let ready = node.ready().clone();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
-        let _ = stopped.await;
-    }));
-    Node { ready, stop, task }
-}
-
-async fn decode_node() -> Node {
-    let mut args = DecodeArgs::try_parse_from(["decode-node"]).unwrap();
-    args.node.synthetic_cache_dir = Some(cache().to_path_buf());
-    let node = decode_node::start(args).await.expect("decode node starts");
-    let ready = node.ready().clone();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
-        let _ = stopped.await;
-    }));
-    Node { ready, stop, task }
-}
-
 impl Node {
-    fn url(&self) -> String {
-        format!("http://{}", self.ready.grpc)
-    }
-
-    async fn prefill(&self) -> PrefillServiceClient<Channel> {
-        PrefillServiceClient::connect(self.url()).await.unwrap()
-    }
-
-    async fn decode(&self) -> DecodeServiceClient<Channel> {
-        DecodeServiceClient::connect(self.url()).await.unwrap()
-    }
-
-    async fn info(&self) -> pb::NodeInfo {
-        let request = pb::InfoRequest {};
-        if self.ready.role == "prefill" {
-            self.prefill().await.info(request).await
-        } else {
-            self.decode().await.info(request).await
-        }
-        .unwrap()
-        .into_inner()
-    }
-
     /// Scrape and parse strictly; the content type is checked on every scrape.
     async fn metrics(&self) -> Exposition {
         let scrape = expo::scrape(self.ready.metrics_addr).await;
@@ -97,23 +31,6 @@ impl Node {
             "text/plain; version=0.0.4; charset=utf-8"
         );
         expo::parse(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
-    }
-
-    /// Idle: no request open and every block free (the gauges publish after each step).
-    async fn wait_idle(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let info = self.info().await;
-            if info.free_blocks == info.num_blocks && info.num_running + info.num_waiting == 0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} node never idle",
-                self.ready.role
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 
     /// Wait for a sample to reach `want`: the exporter counts a transfer once its last byte
@@ -132,22 +49,6 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-
-    async fn stop(self) {
-        self.wait_idle().await;
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the node stops")
-            .unwrap()
-            .expect("clean stop");
-    }
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
-        .collect()
 }
 
 fn sampling(prompt_logprobs: Option<u32>) -> Option<pb::SamplingParams> {
@@ -357,7 +258,7 @@ const VLLM_FAMILIES: [(&str, &str); 19] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
-    let p = prefill_node().await;
+    let p = prefill_node(&[]).await;
     let m = p.metrics().await;
     for (name, kind) in VLLM_FAMILIES {
         assert_eq!(m.families[name].kind, kind, "{name}");
@@ -451,7 +352,7 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
     assert_eq!(m.value("vllm:request_queue_time_seconds_count", &[]), 3.0);
 
     // Idle: Info's report equals the scrape, its epoch is the gauge's.
-    p.wait_idle().await;
+    p.assert_all_blocks_free().await;
     let info = p.info().await;
     let m = p.metrics().await;
     let report = info.counters.expect("Info carries the counters");
@@ -464,8 +365,8 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_nodes() {
-    let p = prefill_node().await;
-    let d = decode_node().await;
+    let p = prefill_node(&[]).await;
+    let d = decode_node(&[]).await;
     assert_labels(&d.metrics().await, "decode");
 
     // Cold on both nodes: the decode node receives the whole prompt (3 blocks).
@@ -578,7 +479,7 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
     assert!(stream.message().await.unwrap().is_some(), "a first message");
     drop(stream);
     release(&p, &r).await;
-    d.wait_idle().await;
+    d.assert_all_blocks_free().await;
     let m = d.metrics().await;
     assert_eq!(
         m.value("vllm:request_success_total", &abort),
@@ -588,8 +489,8 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
     assert_eq!(prefix(&m).0, 120.0, "its lookup counted once");
 
     // Reports equal the scrapes; each node has its own epoch.
-    d.wait_idle().await;
-    p.wait_idle().await;
+    d.assert_all_blocks_free().await;
+    p.assert_all_blocks_free().await;
     let (di, pi) = (d.info().await, p.info().await);
     assert_report_matches(di.counters.as_ref().unwrap(), &d.metrics().await);
     assert_report_matches(pi.counters.as_ref().unwrap(), &p.metrics().await);
