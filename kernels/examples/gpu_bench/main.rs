@@ -4,8 +4,9 @@
 //! tokens with the fraction of the measured GEMM rate reached, and one layer's prefill
 //! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores), and the KV
 //! of a 2,048-token lease copied out of and into device memory in batches and one block at a
-//! time (what a prefill node's lease and a decode node's import cost). Prints one table last
-//! and writes every figure to OUT_DIR/gpu_bench.json, the table to OUT_DIR/table.txt.
+//! time (what a prefill node's lease and a decode node's import cost). Prints one table last,
+//! with issue 6's goals checked under it, and writes every figure to OUT_DIR/gpu_bench.json,
+//! the table to OUT_DIR/table.txt, both after every model ([`report`]).
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager
@@ -24,21 +25,20 @@
 //! context, 3 steps, prefills of 64 and 200 tokens): CI runs it on pd-cuda-emu (kernels/emu/)
 //! so that the whole program has run before a GPU host runs it. Its figures mean nothing.
 
-use std::fmt::Write as _;
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::SmallBatchLinear;
 use pd_kernels::cuda::gemm::{self, GemmType, Product};
-use pd_kernels::cuda::plan::MIN_KEYS_PER_SPLIT;
-use serde_json::{Value, json};
 
 mod attention;
 mod model;
+mod report;
 mod transfer;
 
 use model::{bench_model, profile_decode};
+use report::Ceilings;
 
 const BLOCK: usize = 16;
 
@@ -182,140 +182,18 @@ fn main() {
         flops / 1e12
     );
     drop(backend);
-    let results: Vec<Value> = models
-        .iter()
-        .map(|m| {
-            eprintln!("benchmarking {m}");
-            bench_model(m, bandwidth, flops, &sizes)
-        })
-        .collect();
-    let report = json!({
-        "gpu": gpu,
-        "copy_bytes_per_s": bandwidth,
-        "bf16_gemm_flops": flops,
-        "models": results,
-    });
-    std::fs::create_dir_all(&out).expect("out dir");
-    let path = out.join("gpu_bench.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report).expect("json")).expect("write");
-    // The table, printed last (scripts/gpu-check.sh prints it again at its very end).
-    let mut table = String::new();
-    writeln!(
-        table,
-        "\n{gpu}: copy {:.0} GB/s (read + write), bf16 GEMM {:.0} TFLOP/s",
-        bandwidth / 1e9,
-        flops / 1e12
-    )
-    .expect("writing to a String");
-    writeln!(
-        table,
-        "{:<22} {:<16} {:>12} {:>14} {:>10} {:>12} {:>12} {:>12}",
-        "model", "phase", "tokens/s", "of ceiling", "graphs", "gemv kernel", "+ graphs", "+ PDL"
-    )
-    .expect("writing to a String");
-    // A decode figure that may be absent: the graphs fell back, or the kernel takes no batch
-    // this large.
-    let maybe = |v: &Value, absent: &str| match v.as_f64() {
-        Some(t) => format!("{t:.1}"),
-        None => absent.to_string(),
+    let ceilings = Ceilings {
+        gpu,
+        bandwidth,
+        flops,
     };
-    for m in &results {
-        let name = m["model"].as_str().unwrap_or("?");
-        for d in m["decode"].as_array().into_iter().flatten() {
-            writeln!(
-                table,
-                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10} {:>12} {:>12} {:>12}",
-                name,
-                format!("decode b={}", d["batch"]),
-                d["tokens_per_s"].as_f64().unwrap_or(0.0),
-                100.0 * d["bandwidth_fraction"].as_f64().unwrap_or(0.0),
-                maybe(&d["graphs_tokens_per_s"], "failed"),
-                maybe(&d["gemv_kernel_tokens_per_s"], "-"),
-                maybe(&d["gemv_kernel_graphs_tokens_per_s"], "-"),
-                maybe(&d["gemv_kernel_graphs_pdl_tokens_per_s"], "-"),
-            )
-            .expect("writing to a String");
-        }
-        for p in m["prefill"].as_array().into_iter().flatten() {
-            writeln!(
-                table,
-                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
-                name,
-                format!("prefill {}", p["tokens"]),
-                p["tokens_per_s"].as_f64().unwrap_or(0.0),
-                100.0 * p["gemm_fraction"].as_f64().unwrap_or(0.0),
-                "-"
-            )
-            .expect("writing to a String");
-        }
-        for a in m["attention"].as_array().into_iter().flatten() {
-            writeln!(
-                table,
-                "{:<22} {:<16} {:>12.1} {:>13.1}% {:>10}",
-                name,
-                format!(
-                    "attn {} {}",
-                    a["tokens"],
-                    a["kernel"].as_str().unwrap_or("?")
-                ),
-                a["tokens"].as_f64().unwrap_or(0.0) / (a["ms"].as_f64().unwrap_or(1.0) / 1e3),
-                100.0 * a["gemm_fraction"].as_f64().unwrap_or(0.0),
-                "-"
-            )
-            .expect("writing to a String");
-        }
+    let mut results = Vec::new();
+    for m in &models {
+        eprintln!("benchmarking {m}");
+        results.push(bench_model(m, bandwidth, flops, &sizes));
+        // After every model, so that a run the GPU host's time limit cuts short still
+        // leaves the models it finished.
+        report::write(&out, &ceilings, &results);
     }
-    for m in &results {
-        let k = &m["kv_transfer"];
-        writeln!(
-        table,
-            "{:<22} KV of a {}-token lease ({} blocks, {:.1} MB): device -> host {:.2} GB/s batched (page-locked, as a lease), {:.2} into heap memory, {:.2} one block at a time; host -> device {:.2} batched from page-locked import buffers ({:.2} through the import stream from another thread), {:.2} from heap memory, {:.2} one block at a time; the copy alone into pageable memory {:.2} GB/s, into page-locked {:.2}",
-            m["model"].as_str().unwrap_or("?"),
-            k["tokens"],
-            k["blocks"],
-            k["bytes"].as_f64().unwrap_or(0.0) / 1e6,
-            k["out_batched_gb_s"].as_f64().unwrap_or(0.0),
-            k["out_batched_heap_gb_s"].as_f64().unwrap_or(0.0),
-            k["out_per_block_gb_s"].as_f64().unwrap_or(0.0),
-            k["in_batched_pinned_gb_s"].as_f64().unwrap_or(0.0),
-            k["in_import_stream_gb_s"].as_f64().unwrap_or(0.0),
-            k["in_batched_gb_s"].as_f64().unwrap_or(0.0),
-            k["in_per_block_gb_s"].as_f64().unwrap_or(0.0),
-            k["dtoh_pageable_gb_s"].as_f64().unwrap_or(0.0),
-            k["dtoh_pinned_gb_s"].as_f64().unwrap_or(0.0),
-        )
-        .expect("writing to a String");
-    }
-    for m in &results {
-        for d in m["decode"].as_array().into_iter().flatten() {
-            let Some(by) = d["graphs_tokens_per_s_by_min_keys_per_split"].as_object() else {
-                continue;
-            };
-            if by.is_empty() {
-                continue;
-            }
-            let mut cells: Vec<(usize, String)> = by
-                .iter()
-                .map(|(k, v)| (k.parse().unwrap_or(0), maybe(v, "failed")))
-                .collect();
-            cells.sort();
-            let cells: Vec<String> = cells.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-            writeln!(
-                table,
-                "{:<22} decode b={} with graphs, tokens/s by the least keys per split (default {MIN_KEYS_PER_SPLIT}): {}",
-                m["model"].as_str().unwrap_or("?"),
-                d["batch"],
-                cells.join(", ")
-            )
-            .expect("writing to a String");
-        }
-    }
-    writeln!(
-        table,
-        "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager, with graphs, and with graphs and PD_CUDA_PDL=on; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
-        path.display()
-    )
-    .expect("writing to a String");
-    print!("{table}");
-    std::fs::write(out.join("table.txt"), &table).expect("write the table");
+    print!("{}", report::write(&out, &ceilings, &results));
 }
