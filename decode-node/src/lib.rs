@@ -328,9 +328,6 @@ impl DecodeNodeService {
         }
     }
 
-    /// Copy pulled blocks into the device blocks reserved for them (the backend's import
-    /// stream), on a blocking thread since the copy waits for the device, then give the
-    /// buffers back for the next import.
     /// KV pulled into buffers because the pool had no room when the pull began: into
     /// blocks reserved now if it has room by then, copied on a blocking thread
     /// ([`pd_engine::serve::EngineHandle::place_pulled`]), else left in the buffers.
@@ -347,6 +344,9 @@ impl DecodeNodeService {
             .map_err(|e| Status::internal(format!("placing the pulled KV failed: {e}")))
     }
 
+    /// Copy pulled blocks into the device blocks reserved for them (the backend's import
+    /// stream), on a blocking thread since the copy waits for the device, then give the
+    /// buffers back for the next import.
     async fn write_in(
         &self,
         into: DeviceReservation,

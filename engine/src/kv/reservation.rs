@@ -159,8 +159,7 @@ impl ImportReservation {
     /// Fill every reserved block from buffers that already hold it (block `i` of `blocks`
     /// into reserved block `i`, each whole in the transfer layout): copied into host KV
     /// memory ([`Landing::HostCopy`]), or written into device KV storage
-    /// ([`Landing::DeviceCopy`]). Blocking; the buffers may be reused once
-    /// this returns.
+    /// ([`Landing::DeviceCopy`]). Blocking; the buffers may be reused once this returns.
     ///
     /// # Panics
     /// If `blocks` does not hold exactly one buffer of the block size per reserved block.
