@@ -64,15 +64,19 @@ run)
     export PD_CACHE_DIR="${PD_CACHE_DIR:-/tmp/pd-cache}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
+    # Every stage has a time limit well past what it needs, so that one that hangs (a kernel
+    # that never returns) leaves the later stages their time: the conformance suites 180 s,
+    # the reruns 90 / 60 / 60 s; the benchmark gets what is left of 470 s (at least 60) and
+    # writes its results after each model; the diagnostics (c) and (d) run only if they fit.
     echo "== (a) conformance: CUDA vs CPU"
     set +e
-    PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
+    PD_GPU_TESTS=1 timeout 180 "$bin/gpu_conformance" --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
     conformance=${PIPESTATUS[0]}
     if [ "$conformance" -ne 0 ]; then
         # Tell a tensor-core attention defect from any other: the same suite on the f32
         # attention kernel only (docs/cuda.md, PD_CUDA_ATTENTION).
         echo "== (a') conformance again with PD_CUDA_ATTENTION=f32"
-        PD_CUDA_ATTENTION=f32 PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+        PD_CUDA_ATTENTION=f32 PD_GPU_TESTS=1 timeout 90 "$bin/gpu_conformance" --test-threads=1 --nocapture \
             2>&1 | tee "$out/conformance-f32-attention.log"
         echo "conformance with f32 attention only: exit ${PIPESTATUS[0]}"
     fi
@@ -80,18 +84,21 @@ run)
     # gemv16 kernel instead of cuBLAS (PD_CUDA_GEMV=kernel: the benchmark's "gemv kernel"
     # columns), so that its speed is only read off a kernel that computes the right thing.
     echo "== (a'') the qwen3-0.6b checks with PD_CUDA_GEMV=kernel"
-    PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+    PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 --nocapture \
         qwen3_0_6b decode_graphs small_batch 2>&1 | tee "$out/conformance-gemv-kernel.log"
     gemv=${PIPESTATUS[0]}
     # And once more with the GEMV kernels launched programmatically dependent on the kernel
     # before them (PD_CUDA_PDL=on: the benchmark's "+ PDL" column): a kernel that read its
     # input before its wait would race with its predecessor here, which no emulator shows.
     echo "== (a''') the same with PD_CUDA_PDL=on"
-    PD_CUDA_PDL=on PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 "$bin/gpu_conformance" --test-threads=1 \
+    PD_CUDA_PDL=on PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 \
         --nocapture qwen3_0_6b decode_graphs norm_fused wide_rows 2>&1 | tee "$out/conformance-pdl.log"
     pdl=${PIPESTATUS[0]}
     echo "== (b) benchmark"
-    "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 | tee "$out/bench.log"
+    left=$((470 - SECONDS))
+    [ "$left" -ge 60 ] || left=60
+    timeout "$left" "$bin/gpu_bench" "$out" synthetic:qwen3-0.6b synthetic:qwen3-8b 2>&1 \
+        | tee "$out/bench.log"
     bench=${PIPESTATUS[0]}
     # (c) Memory errors and shared-memory races no emulator shows: compute-sanitizer (in the
     # GPU host's image; it works on a Firecracker machine) over the tiny model's tests
@@ -104,7 +111,7 @@ run)
         /opt/nvidia/*/compute-sanitizer 2>/dev/null | tail -n 1 || true)"
     if [ -z "$sanitizer" ]; then
         echo "skipped: no compute-sanitizer on this host"
-    elif [ "$SECONDS" -gt 300 ]; then
+    elif [ "$SECONDS" -gt 270 ]; then
         echo "skipped: $SECONDS s of the 8 minutes used"
     else
         for check in "memcheck tiny_ batched_sequences" "racecheck attention_kernels"; do
@@ -127,7 +134,7 @@ run)
     ncu_bin="$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)"
     if [ -z "$ncu_bin" ]; then
         echo "skipped: no ncu on this host"
-    elif [ "$SECONDS" -gt 360 ]; then
+    elif [ "$SECONDS" -gt 330 ]; then
         echo "skipped: $SECONDS s of the 8 minutes used"
     else
         for linear in cublas kernel; do
