@@ -403,38 +403,40 @@ mod tests {
         assert_eq!(KvCacheDtype::F16.on_cpu(), DType::F16);
     }
 
-    #[test]
-    fn decode_graphs_reserve_device_memory_for_their_largest_bucket() {
+    /// The engine flags of a command line of `flags`.
+    fn parse(flags: &[&str]) -> EngineArgs {
         #[derive(clap::Parser)]
         struct Cli {
             #[command(flatten)]
             engine: EngineArgs,
         }
-        let args = |flags: &[&str]| {
-            <Cli as clap::Parser>::try_parse_from(["test"].iter().chain(flags))
-                .expect("flags")
-                .engine
-        };
+        <Cli as clap::Parser>::try_parse_from(["test"].iter().chain(flags))
+            .expect("flags")
+            .engine
+    }
+
+    #[test]
+    fn decode_graphs_reserve_device_memory_for_their_largest_bucket() {
         let config = crate::model::ModelSource::parse("synthetic:qwen3-0.6b")
             .and_then(|m| m.open_metadata())
             .expect("preset")
             .config;
         let step = step_activation_bytes(&config, 2048);
-        assert_eq!(args(&[]).activation_reserve_bytes(&config, 4096), step);
+        assert_eq!(parse(&[]).activation_reserve_bytes(&config, 4096), step);
         // The graphs' buffers sit beside the eager step's: the largest bucket (128 rows of
         // the default 256 sequences; 16 of 20) is set aside on top.
         assert_eq!(
-            args(&["--cuda-graphs", "on"]).activation_reserve_bytes(&config, 4096),
+            parse(&["--cuda-graphs", "on"]).activation_reserve_bytes(&config, 4096),
             step + step_activation_bytes(&config, 128)
         );
         assert_eq!(
-            args(&["--cuda-graphs", "on", "--max-num-seqs", "20"])
+            parse(&["--cuda-graphs", "on", "--max-num-seqs", "20"])
                 .activation_reserve_bytes(&config, 4096),
             step + step_activation_bytes(&config, 16)
         );
         // A step of more sequences than batched tokens is sized by the sequences.
         assert_eq!(
-            args(&["--max-num-seqs", "4096"]).activation_reserve_bytes(&config, 4096),
+            parse(&["--max-num-seqs", "4096"]).activation_reserve_bytes(&config, 4096),
             step_activation_bytes(&config, 4096)
         );
     }
@@ -448,16 +450,7 @@ mod tests {
             block_size: 16,
             dtype,
         };
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            engine: EngineArgs,
-        }
-        let args = |dtype: &str| {
-            <Cli as clap::Parser>::try_parse_from(["test", "--kv-cache-dtype", dtype])
-                .expect("flags")
-                .engine
-        };
+        let args = |dtype: &str| parse(&["--kv-cache-dtype", dtype]);
         // The layout of the backend the flags ask for, as the nodes build it.
         let blocks = |dtype: &str| {
             let a = args(dtype);

@@ -187,13 +187,13 @@ fn main() {
         bandwidth,
         flops,
     };
-    let mut results = Vec::new();
+    let (mut results, mut table) = (Vec::new(), String::new());
     for m in &models {
         eprintln!("benchmarking {m}");
         results.push(bench_model(m, bandwidth, flops, &sizes));
         // After every model, so that a run the GPU host's time limit cuts short still
         // leaves the models it finished.
-        report::write(&out, &ceilings, &results);
+        table = report::write(&out, &ceilings, &results);
     }
-    print!("{}", report::write(&out, &ceilings, &results));
+    print!("{table}");
 }
