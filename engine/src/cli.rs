@@ -213,9 +213,9 @@ pub struct EngineArgs {
     /// eager launches. CUDA only (ignored on the CPU).
     #[arg(long, env = "PD_CUDA_GRAPHS", default_value_t = CudaGraphs::Off)]
     pub cuda_graphs: CudaGraphs,
-    /// How the KV cache is stored on the device: auto (the model's dtype: bf16 for Qwen3),
-    /// f32, bf16 or f16. 16-bit types halve KV memory and attention's KV reads. Blocks move
-    /// between nodes as f32 whatever the type. The CPU keeps f32 (auto or f32 only).
+    /// How the KV cache is stored: auto (on a GPU the model's dtype, bf16 for Qwen3; on the
+    /// CPU f32), f32, bf16 or f16. 16-bit types halve KV memory and attention's KV reads.
+    /// Blocks move between nodes as stored, so nodes that exchange KV must store it alike.
     #[arg(long, env = "PD_KV_CACHE_DTYPE", default_value_t = KvCacheDtype::Auto)]
     pub kv_cache_dtype: KvCacheDtype,
 }
