@@ -33,6 +33,7 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
             sampling: greedy(),
             cache_salt: None,
             skip_kv_lease: false,
+            ..Default::default()
         })
         .await
         .expect("prefill")

@@ -68,6 +68,7 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::P
             sampling: sampling(logprobs.then_some(1)),
             cache_salt: None,
             skip_kv_lease: false,
+            ..Default::default()
         })
         .await
         .expect("prefill")

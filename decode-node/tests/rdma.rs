@@ -84,6 +84,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<b
             sampling: greedy,
             cache_salt: None,
             skip_kv_lease: false,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -45,7 +45,7 @@ fn seqs(params: &[SamplingParams]) -> Vec<Seq> {
             prompt_len: 9 + i,
             computed: 0,
             blocks: (i as u32 * 8..i as u32 * 8 + 8).collect(),
-            sampler: Sampler::new(p, 1000 + i as u64),
+            sampler: Sampler::new(p, 1000 + i as u64, &[]),
             prompt_logprobs: i == 0,
         })
         .collect()
@@ -75,7 +75,10 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
             })
             .collect();
         let results: Vec<StepOutput> = if on_backend {
-            let plans: Vec<_> = seqs.iter().map(|s| s.sampler.device_plan()).collect();
+            let plans: Vec<_> = seqs
+                .iter()
+                .map(|s| s.sampler.device_plan(s.tokens.len() - s.prompt_len))
+                .collect();
             exec.execute_sampling(&items, &plans, VOCAB_LIMIT)
         } else {
             exec.execute(&items)

@@ -79,6 +79,15 @@ pub struct SamplingArgs {
     min_p: f32,
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
+    /// In [-2, 2]: subtracted once from every token already in the output.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// In [-2, 2]: subtracted from every token in the output once per occurrence.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Generate at least this many tokens before EOS, a stop token or a stop string.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: u32,
     /// Same seed, same output.
     #[arg(long)]
     seed: Option<u64>,
@@ -107,8 +116,11 @@ impl SamplingArgs {
             top_k: self.top_k,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
             max_tokens: self.max_tokens,
+            min_tokens: self.min_tokens,
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,

@@ -217,9 +217,17 @@ impl PrefillNodeService {
         validate_prompt(&req.token_ids, f.vocab_size, f.max_model_len, 1)
             .map_err(|e| convert::status(e.kind(), e.to_string()))?;
         // A prefill node samples exactly one token: max_tokens is 1 whatever the request
-        // would decode later.
-        let params =
-            convert::sampling_params(req.sampling.as_ref(), 1, vec![], vec![], false, false);
+        // would decode later, and min_tokens at most 1 (the first token is then neither EOS
+        // nor a stop token id; the decode node keeps the rest of the minimum).
+        let mut params = convert::sampling_params(
+            req.sampling.as_ref(),
+            1,
+            vec![],
+            req.stop_token_ids,
+            req.ignore_eos,
+            false,
+        );
+        params.min_tokens = params.min_tokens.min(1);
         params
             .validate(f.vocab_size, f.max_model_len as u32)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;

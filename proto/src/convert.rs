@@ -39,8 +39,11 @@ pub fn sampling_params(
         top_k: w.top_k.unwrap_or(0),
         min_p: w.min_p.unwrap_or(0.0),
         repetition_penalty: w.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: w.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: w.frequency_penalty.unwrap_or(0.0),
         seed: w.seed,
         max_tokens,
+        min_tokens: w.min_tokens.unwrap_or(0),
         stop,
         stop_token_ids,
         ignore_eos,
@@ -61,6 +64,9 @@ pub fn wire_sampling(p: &SamplingParams) -> pb::SamplingParams {
         seed: p.seed,
         logprobs: p.logprobs,
         prompt_logprobs: p.prompt_logprobs,
+        presence_penalty: Some(p.presence_penalty),
+        frequency_penalty: Some(p.frequency_penalty),
+        min_tokens: Some(p.min_tokens),
     }
 }
 
@@ -153,6 +159,29 @@ mod tests {
         assert_eq!(
             p.temperature, 0.0,
             "an explicit 0 is greedy, not the default"
+        );
+        let w = pb::SamplingParams {
+            presence_penalty: Some(-0.5),
+            frequency_penalty: Some(1.5),
+            min_tokens: Some(3),
+            ..Default::default()
+        };
+        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
+        assert_eq!(
+            (p.presence_penalty, p.frequency_penalty, p.min_tokens),
+            (-0.5, 1.5, 3)
+        );
+        assert_eq!(
+            wire_sampling(&p),
+            pb::SamplingParams {
+                temperature: Some(1.0),
+                top_p: Some(1.0),
+                top_k: Some(0),
+                min_p: Some(0.0),
+                repetition_penalty: Some(1.0),
+                ..w
+            },
+            "router → node keeps every field"
         );
         for r in [
             FinishReason::Stop,

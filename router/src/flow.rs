@@ -343,6 +343,8 @@ impl Job {
                 cache_salt: self.req.cache_salt.clone(),
                 // The first token ends the request: no decode node will pull its KV.
                 skip_kv_lease: self.ends_with_first_token(),
+                stop_token_ids: self.req.params.stop_token_ids.clone(),
+                ignore_eos: self.req.params.ignore_eos,
             });
             // The request's deadline travels to the node, capped at --node-timeout. Without
             // one the node is told none: the router enforces --node-timeout itself (and

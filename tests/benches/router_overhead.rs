@@ -92,6 +92,7 @@ async fn direct(
             }),
             cache_salt: None,
             skip_kv_lease: true,
+            ..Default::default()
         })
         .await
         .expect("prefill")

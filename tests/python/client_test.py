@@ -54,6 +54,15 @@ def main():
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH, last
         assert last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0, last.usage
         assert all(c.request_id == chunks[0].request_id for c in chunks)
+        # OpenAI-style penalties and a minimum length are accepted and honoured.
+        penalised = common_pb2.SamplingParams(
+            temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, min_tokens=4
+        )
+        req = generation_pb2.GenerateRequest(
+            text="Hello from Python", sampling=penalised, max_tokens=6
+        )
+        ids = [t for c in stub.Generate(req, timeout=60) for t in c.token_ids]
+        assert 4 <= len(ids) <= 6, ids
 
     def abort():
         req = generation_pb2.GenerateRequest(
@@ -88,6 +97,12 @@ def main():
                 token_ids=generation_pb2.TokenIds(ids=[10**9]), max_tokens=4
             ),
             "max_tokens": generation_pb2.GenerateRequest(text="x", max_tokens=0),
+            "presence_penalty": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, sampling=common_pb2.SamplingParams(presence_penalty=2.5)
+            ),
+            "min_tokens": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, sampling=common_pb2.SamplingParams(min_tokens=5)
+            ),
         }
         for name, req in cases.items():
             try:

@@ -49,6 +49,40 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     assert_eq!(usage.cached_tokens, whole_blocks);
     all_blocks_free(&cluster).await;
 
+    // Penalties and min_tokens across the split: the prefill node keeps the first token off
+    // the stop id, the decode node penalises the output it continues (the prefill node's
+    // token included) and keeps the minimum, as one engine does.
+    let ids = prompts().remove(2);
+    let stop = reference_tokens(cache.path(), &ids, 1)[0];
+    let flags = [
+        "--frequency-penalty",
+        "1.5",
+        "--presence-penalty",
+        "0.5",
+        "--min-tokens",
+        "3",
+        "--stop-token-ids",
+        &stop.to_string(),
+    ];
+    let want = token_ids(&reference_run_with(cache.path(), &ids, 12, &flags));
+    let mut req = greedy(ids, 12);
+    req.stop_token_ids = vec![stop];
+    let s = req.sampling.as_mut().unwrap();
+    (s.frequency_penalty, s.presence_penalty, s.min_tokens) = (Some(1.5), Some(0.5), Some(3));
+    let (got, last) = collect(&mut c, req).await.unwrap();
+    assert_eq!(got, want);
+    assert!(
+        !got[..3].contains(&stop),
+        "{got:?} starts with stop id {stop}"
+    );
+    let reason = if got.last() == Some(&stop) {
+        pb::FinishReason::Stop
+    } else {
+        pb::FinishReason::Length
+    };
+    assert_eq!(last.finish_reason(), reason);
+    all_blocks_free(&cluster).await;
+
     // One token: the prefill node's answer ends the request. It leases nothing (every block
     // is free the moment the stream ends, no release to wait for) and no decode node runs.
     let decode = &cluster.nodes("decode")[0];

@@ -277,6 +277,7 @@ async fn prefill_node_killed_is_retried_on_the_other_and_used_again_after_restar
                 }),
                 cache_salt: None,
                 skip_kv_lease: false,
+                ..Default::default()
             })
             .await
             .unwrap()

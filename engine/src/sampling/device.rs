@@ -134,8 +134,8 @@ mod tests {
     /// tokens and log-probabilities must be identical, step after step (so the RNG streams
     /// stay aligned).
     fn same_stream(params: &SamplingParams, vocab_limit: usize, quantised: bool) -> bool {
-        let mut host = Sampler::new(params, 7);
-        let mut dev = Sampler::new(params, 7);
+        let mut host = Sampler::new(params, 7, &[]);
+        let mut dev = Sampler::new(params, 7, &[]);
         let mut planned = false;
         for step in 0..40 {
             let mut row = logits(1200, step, quantised);
@@ -147,7 +147,7 @@ mod tests {
             let mut masked = row.clone();
             masked[vocab_limit..].fill(f32::NEG_INFINITY);
             let expect = host.sample(&masked, &[1, 2], &[3]);
-            let got = match dev.device_plan() {
+            let got = match dev.device_plan(1) {
                 Some(method) => {
                     planned = true;
                     dev.accept(sample_row(&row[..vocab_limit], method))
@@ -203,6 +203,19 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams {
+                presence_penalty: 0.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: -0.25,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_tokens: 5,
+                stop_token_ids: vec![4],
+                ..Default::default()
+            },
+            SamplingParams {
                 temperature: 1.0,
                 top_k: 20,
                 min_p: 0.1,
@@ -223,7 +236,11 @@ mod tests {
             },
         ];
         for params in &host_only {
-            assert_eq!(Sampler::new(params, 1).device_plan(), None, "{params:?}");
+            assert_eq!(
+                Sampler::new(params, 1, &[]).device_plan(1),
+                None,
+                "{params:?}"
+            );
             // They still produce the same tokens through the shared driver above.
             assert!(!same_stream(params, 1200, false));
         }
@@ -232,7 +249,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            Sampler::new(&zero_logprobs, 1).device_plan(),
+            Sampler::new(&zero_logprobs, 1, &[]).device_plan(1),
+            Some(DeviceSampling::Greedy)
+        );
+    }
+
+    #[test]
+    fn min_tokens_keeps_the_host_only_while_it_masks_something() {
+        let p = SamplingParams {
+            min_tokens: 3,
+            ..Default::default()
+        };
+        // EOS is masked for the first three tokens: the host samples them.
+        let s = Sampler::new(&p, 1, &[2]);
+        assert_eq!(s.device_plan(2), None);
+        assert_eq!(s.device_plan(3), Some(DeviceSampling::Greedy));
+        // Nothing to mask (EOS ignored, no stop ids): the device samples from the start.
+        let ignored = SamplingParams {
+            ignore_eos: true,
+            ..p
+        };
+        assert_eq!(
+            Sampler::new(&ignored, 1, &[2]).device_plan(0),
             Some(DeviceSampling::Greedy)
         );
     }

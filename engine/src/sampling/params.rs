@@ -8,6 +8,15 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// Upper bound for `logprobs` and `prompt_logprobs` (top-K alternatives per position).
 pub const MAX_LOGPROBS: u32 = 20;
 
+/// Largest magnitude of `presence_penalty` and `frequency_penalty` (OpenAI's and vLLM's
+/// range).
+pub const MAX_ABS_PENALTY: f32 = 2.0;
+
+/// Whether a presence or frequency penalty is within `[-2, 2]` (NaN is not).
+pub(crate) fn additive_penalty_in_range(p: f32) -> bool {
+    (-MAX_ABS_PENALTY..=MAX_ABS_PENALTY).contains(&p)
+}
+
 /// Temperatures below this are treated as greedy decoding (vLLM's `_SAMPLING_EPS`).
 pub const GREEDY_TEMPERATURE_EPS: f32 = 1e-5;
 
@@ -31,11 +40,21 @@ pub struct SamplingParams {
     /// Penalty for tokens already present in the prompt or the output: positive logits
     /// are divided by it, negative ones multiplied. `> 0`; `1` disables it.
     pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already in the output (not the
+    /// prompt): positive values favour new tokens. In `[-2, 2]`; `0` disables it.
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every token in the output as many times as it occurs
+    /// there: positive values discourage repeats. In `[-2, 2]`; `0` disables it.
+    pub frequency_penalty: f32,
     /// Per-request RNG seed. `None`: the engine derives one (see
     /// [`SamplingParams::effective_seed`]).
     pub seed: Option<u64>,
     /// Maximum number of generated tokens (stop tokens included). `>= 1`.
     pub max_tokens: u32,
+    /// Generate at least this many tokens before EOS, a stop token id or a stop string may
+    /// end the request: until then those ids are never sampled and stop strings are not
+    /// looked for. `<= max_tokens`; `0` disables it.
+    pub min_tokens: u32,
     /// Stop strings: generation stops when one appears in the output text.
     pub stop: Vec<String>,
     /// Token ids that stop generation (the token is kept in the output ids).
@@ -58,8 +77,11 @@ impl Default for SamplingParams {
             top_k: 0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: None,
             max_tokens: 16,
+            min_tokens: 0,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
@@ -85,6 +107,20 @@ pub enum SamplingError {
     /// `repetition_penalty` is not a finite number `> 0`.
     #[error("repetition_penalty must be a finite number > 0 (1 disables it), got {0}")]
     InvalidRepetitionPenalty(f32),
+    /// `presence_penalty` is outside `[-2, 2]` or NaN.
+    #[error("presence_penalty must be in [-2, 2] (0 disables it), got {0}")]
+    InvalidPresencePenalty(f32),
+    /// `frequency_penalty` is outside `[-2, 2]` or NaN.
+    #[error("frequency_penalty must be in [-2, 2] (0 disables it), got {0}")]
+    InvalidFrequencyPenalty(f32),
+    /// `min_tokens` is larger than `max_tokens`.
+    #[error("min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")]
+    MinTokensAboveMaxTokens {
+        /// The requested minimum.
+        min_tokens: u32,
+        /// The request's `max_tokens`.
+        max_tokens: u32,
+    },
     /// `max_tokens` is zero.
     #[error("max_tokens must be >= 1, got 0")]
     ZeroMaxTokens,
@@ -127,7 +163,7 @@ pub enum SamplingError {
 }
 
 impl SamplingParams {
-    /// Whether this request decodes greedily (argmax after the repetition penalty).
+    /// Whether this request decodes greedily (argmax after the penalties).
     pub fn is_greedy(&self) -> bool {
         self.temperature < GREEDY_TEMPERATURE_EPS
     }
@@ -156,6 +192,14 @@ impl SamplingParams {
                 self.repetition_penalty,
             ));
         }
+        if !additive_penalty_in_range(self.presence_penalty) {
+            return Err(SamplingError::InvalidPresencePenalty(self.presence_penalty));
+        }
+        if !additive_penalty_in_range(self.frequency_penalty) {
+            return Err(SamplingError::InvalidFrequencyPenalty(
+                self.frequency_penalty,
+            ));
+        }
         if self.max_tokens == 0 {
             return Err(SamplingError::ZeroMaxTokens);
         }
@@ -163,6 +207,12 @@ impl SamplingParams {
             return Err(SamplingError::MaxTokensTooLarge {
                 max_tokens: self.max_tokens,
                 cap: max_tokens_cap,
+            });
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(SamplingError::MinTokensAboveMaxTokens {
+                min_tokens: self.min_tokens,
+                max_tokens: self.max_tokens,
             });
         }
         if self.stop.len() > MAX_STOP_STRINGS {

@@ -1,5 +1,6 @@
-//! Per-request token sampler: repetition penalty, greedy / temperature, min-p, top-k,
-//! top-p, seeded draw, and raw log-probabilities. Owns a request's parameters, RNG and
+//! Per-request token sampler: the min-tokens mask, repetition / frequency / presence
+//! penalties, greedy / temperature, min-p, top-k, top-p, seeded draw, and raw
+//! log-probabilities. Owns a request's parameters, RNG and
 //! scratch buffers; the arithmetic over a row of logits is `truncation`'s.
 //!
 //! Cost per token for a 151,936-entry vocabulary is a few linear passes.
@@ -10,7 +11,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K};
-use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams};
+use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_range};
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, Weights, argmax, dense_weights, draw_candidates, draw_weights,
     log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
@@ -52,9 +53,11 @@ pub struct PromptLogprob {
 
 /// Chooses the tokens of one request.
 ///
-/// Processing order (vLLM v1): repetition penalty → greedy argmax when the temperature is
-/// below [`GREEDY_TEMPERATURE_EPS`] (ties to the lower id) → temperature → min-p → top-k →
-/// top-p → one draw from the renormalised distribution with the request's ChaCha RNG.
+/// Processing order (vLLM v1): while fewer than `min_tokens` tokens are out, EOS and the stop
+/// token ids get `-inf` → repetition penalty (prompt and output) → frequency and presence
+/// penalties (output) → greedy argmax when the temperature is below
+/// [`GREEDY_TEMPERATURE_EPS`] (ties to the lower id) → temperature → min-p → top-k → top-p →
+/// one draw from the renormalised distribution with the request's ChaCha RNG.
 /// Reported log-probabilities are always those of the *raw* logits.
 ///
 /// The sampler keeps scratch buffers sized to the vocabulary, so after the first call a
@@ -71,6 +74,12 @@ pub struct Sampler {
     top_k: u32,
     min_p: f32,
     repetition_penalty: f32,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    /// Ids never sampled while fewer than `min_tokens` tokens are out: the stop token ids and,
+    /// unless `ignore_eos`, the model's EOS ids.
+    suppress: Vec<u32>,
+    min_tokens: u32,
     logprobs: Option<u32>,
     rng: ChaCha8Rng,
     penalty: Penalty,
@@ -85,6 +94,9 @@ struct Penalty {
     /// `seen[id] == stamp` marks ids already penalised in this call.
     seen: Vec<u32>,
     stamp: u32,
+    /// Occurrences of each id in the output (all zero between calls) and the ids counted.
+    counts: Vec<u32>,
+    counted: Vec<u32>,
 }
 
 impl fmt::Debug for Sampler {
@@ -96,6 +108,9 @@ impl fmt::Debug for Sampler {
             .field("top_k", &self.top_k)
             .field("min_p", &self.min_p)
             .field("repetition_penalty", &self.repetition_penalty)
+            .field("presence_penalty", &self.presence_penalty)
+            .field("frequency_penalty", &self.frequency_penalty)
+            .field("min_tokens", &self.min_tokens)
             .field("logprobs", &self.logprobs)
             .finish_non_exhaustive()
     }
@@ -104,11 +119,21 @@ impl fmt::Debug for Sampler {
 impl Sampler {
     /// A sampler for one request. `seed` is used as given: pass
     /// [`SamplingParams::effective_seed`] so that unseeded requests are still reproducible
-    /// for a given engine seed. `params` should have passed [`SamplingParams::validate`];
+    /// for a given engine seed. `eos_token_ids` are the model's (masked until `min_tokens`
+    /// unless `ignore_eos`). `params` should have passed [`SamplingParams::validate`];
     /// out-of-range values are neutralised (NaN temperature → greedy, bad `top_p`,
     /// `min_p` or penalty → disabled), never trusted.
-    pub fn new(params: &SamplingParams, seed: u64) -> Self {
+    pub fn new(params: &SamplingParams, seed: u64, eos_token_ids: &[u32]) -> Self {
         let penalty = params.repetition_penalty;
+        let additive = |p: f32| {
+            if additive_penalty_in_range(p) { p } else { 0.0 }
+        };
+        let mut suppress = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            suppress.extend_from_slice(eos_token_ids);
+        }
+        suppress.sort_unstable();
+        suppress.dedup();
         Self {
             greedy: params.temperature.is_nan() || params.temperature < GREEDY_TEMPERATURE_EPS,
             temperature: params.temperature,
@@ -128,6 +153,10 @@ impl Sampler {
             } else {
                 1.0
             },
+            presence_penalty: additive(params.presence_penalty),
+            frequency_penalty: additive(params.frequency_penalty),
+            suppress,
+            min_tokens: params.min_tokens,
             logprobs: params.logprobs,
             rng: ChaCha8Rng::seed_from_u64(seed),
             penalty: Penalty::default(),
@@ -141,13 +170,16 @@ impl Sampler {
     }
 
     /// How a backend may choose this request's next token where the logits are (see
-    /// [`super::device`]), or `None` when it needs the host: a repetition penalty, min-p,
-    /// `logprobs > 0`, or temperature sampling without a top-k in
-    /// `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw is *peeked* from the request's RNG;
-    /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
-    /// one [`Sampler::sample`] would have used.
-    pub fn device_plan(&self) -> Option<DeviceSampling> {
+    /// [`super::device`]), given how many tokens are out already, or `None` when it needs
+    /// the host: a penalty, min-p, `logprobs > 0`, ids masked until `min_tokens`, or
+    /// temperature sampling without a top-k in `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw
+    /// is *peeked* from the request's RNG; [`Sampler::accept`] consumes it only if the
+    /// backend used it, so the stream stays the one [`Sampler::sample`] would have used.
+    pub fn device_plan(&self, output_len: usize) -> Option<DeviceSampling> {
         if self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.suppressing(output_len)
             || self.min_p > 0.0
             || self.logprobs.is_some_and(|k| k > 0)
         {
@@ -182,8 +214,8 @@ impl Sampler {
 
     /// Chooses the next token from one row of logits (`vocab_size` entries).
     ///
-    /// `prompt_tokens` and `output_tokens` are the request's tokens so far; they only feed
-    /// the repetition penalty (ids outside the logits are ignored).
+    /// `prompt_tokens` and `output_tokens` are the request's tokens so far; they feed the
+    /// penalties and the `min_tokens` mask (ids outside the logits are ignored).
     ///
     /// # Panics
     /// If `logits` is empty or longer than `u32::MAX`.
@@ -211,21 +243,48 @@ impl Sampler {
         }
     }
 
+    /// Whether the `min_tokens` mask applies to the token after `output_len` tokens.
+    fn suppressing(&self, output_len: usize) -> bool {
+        !self.suppress.is_empty() && output_len < self.min_tokens as usize
+    }
+
     fn choose(&mut self, logits: &[f32], prompt_tokens: &[u32], output_tokens: &[u32]) -> u32 {
-        let work: &[f32] = if self.repetition_penalty != 1.0
-            && !(prompt_tokens.is_empty() && output_tokens.is_empty())
-        {
+        let repetition = self.repetition_penalty != 1.0
+            && !(prompt_tokens.is_empty() && output_tokens.is_empty());
+        let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
+            && !output_tokens.is_empty();
+        let suppress = self.suppressing(output_tokens.len());
+        let work: &[f32] = if repetition || additive || suppress {
             let pen = &mut self.penalty;
             pen.logits.clear();
             pen.logits.extend_from_slice(logits);
-            apply_repetition_penalty(
-                &mut pen.logits,
-                &mut pen.seen,
-                &mut pen.stamp,
-                self.repetition_penalty,
-                prompt_tokens,
-                output_tokens,
-            );
+            if suppress {
+                for &id in &self.suppress {
+                    if let Some(l) = pen.logits.get_mut(id as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            if repetition {
+                apply_repetition_penalty(
+                    &mut pen.logits,
+                    &mut pen.seen,
+                    &mut pen.stamp,
+                    self.repetition_penalty,
+                    prompt_tokens,
+                    output_tokens,
+                );
+            }
+            if additive {
+                apply_output_penalties(
+                    &mut pen.logits,
+                    &mut pen.counts,
+                    &mut pen.counted,
+                    self.frequency_penalty,
+                    self.presence_penalty,
+                    output_tokens,
+                );
+            }
             &pen.logits
         } else {
             logits
@@ -300,6 +359,37 @@ fn apply_repetition_penalty(
     }
 }
 
+/// vLLM's frequency and presence penalties (OpenAI's): every id in the output has
+/// `frequency × its count` and then `presence` subtracted from its logit. `counts` is all
+/// zero on entry and on return.
+fn apply_output_penalties(
+    logits: &mut [f32],
+    counts: &mut Vec<u32>,
+    counted: &mut Vec<u32>,
+    frequency: f32,
+    presence: f32,
+    output_tokens: &[u32],
+) {
+    if counts.len() < logits.len() {
+        counts.resize(logits.len(), 0);
+    }
+    counted.clear();
+    for &t in output_tokens {
+        let i = t as usize;
+        if i < logits.len() {
+            if counts[i] == 0 {
+                counted.push(t);
+            }
+            counts[i] += 1;
+        }
+    }
+    for &t in counted.iter() {
+        let i = t as usize;
+        logits[i] = (logits[i] - frequency * counts[i] as f32) - presence;
+        counts[i] = 0;
+    }
+}
+
 /// The `k` best ids by raw logit (descending, ties by lower id) with their logprobs.
 fn top_logprobs(logits: &[f32], k: u32, lse: f64) -> Vec<TokenLogprob> {
     let mut ids = Vec::with_capacity((k as usize).min(logits.len()));
@@ -348,6 +438,7 @@ mod tests {
                     ..Default::default()
                 },
                 1,
+                &[],
             );
             let best: Vec<u32> = sorted_desc(&l)[..k as usize].to_vec();
             for _ in 0..50 {
@@ -385,14 +476,21 @@ mod tests {
                 temperature: 0.8,
                 top_p: 0.9,
                 repetition_penalty: 1.1,
+                frequency_penalty: 0.5,
+                presence_penalty: -0.5,
+                min_tokens: 4,
+                stop_token_ids: vec![7],
                 ..Default::default()
             },
             9,
+            &[8],
         );
         let caps = |s: &Sampler| {
             (
                 s.penalty.logits.capacity(),
                 s.penalty.seen.capacity(),
+                s.penalty.counts.capacity(),
+                s.penalty.counted.capacity(),
                 s.bufs.dense.capacity(),
                 s.bufs.candidates.capacity(),
                 s.bufs.hist.capacity(),

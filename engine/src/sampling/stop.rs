@@ -68,6 +68,10 @@ pub struct StopDecision {
 ///   the shortest), so the emitted text never contains a stop string.
 /// - Otherwise, the `max_tokens`-th token → [`FinishReason::Length`]. A stop token or
 ///   stop string on that same token still reports `Stop`.
+/// - The first `min_tokens` tokens never stop the request: a stop token among them (the
+///   sampler masks them, so only a token chosen elsewhere can be one) is kept as text, and
+///   stop strings are looked for only from the token after them on (one that begins
+///   earlier and ends there still counts), as vLLM does.
 ///
 /// While running, the longest suffix of the text that is a proper prefix of a stop string
 /// is held back (not when `include_stop_str_in_output`, where no cut can remove already
@@ -80,6 +84,7 @@ pub struct StopChecker {
     ignore_eos: bool,
     include_stop_str: bool,
     max_tokens: u32,
+    min_tokens: u32,
     num_tokens: u32,
     /// All accepted output text (cut at the stop string once one matched).
     text: String,
@@ -105,6 +110,7 @@ impl StopChecker {
             ignore_eos: params.ignore_eos,
             include_stop_str: params.include_stop_str_in_output,
             max_tokens: params.max_tokens,
+            min_tokens: params.min_tokens,
             num_tokens: 0,
             text: String::new(),
             emitted: 0,
@@ -120,8 +126,11 @@ impl StopChecker {
             return self.decision(String::new());
         }
         self.num_tokens = self.num_tokens.saturating_add(1);
+        let may_stop = self.num_tokens > self.min_tokens;
 
-        let token_stop = if !self.ignore_eos && self.eos_token_ids.contains(&token_id) {
+        let token_stop = if !may_stop {
+            None
+        } else if !self.ignore_eos && self.eos_token_ids.contains(&token_id) {
             Some(None)
         } else if self.stop_token_ids.contains(&token_id) {
             Some(Some(StopReason::TokenId(token_id)))
@@ -132,7 +141,7 @@ impl StopChecker {
         if token_stop.is_none() || self.include_stop_str {
             let before = self.text.len();
             self.text.push_str(new_text);
-            if let Some((start, end, index)) = self.find_stop_string(before) {
+            if let Some((start, end, index)) = self.find_stop_string(before).filter(|_| may_stop) {
                 let cut = if self.include_stop_str { end } else { start };
                 // Text already handed out (only possible after `flush`) cannot be taken back.
                 self.text.truncate(cut.max(self.emitted));

@@ -273,7 +273,7 @@ impl<B: Backend> Engine<B> {
             blocks: Vec::new(),
             computed: 0,
             registered: 0,
-            sampler: Sampler::new(&req.params, seed),
+            sampler: Sampler::new(&req.params, seed, &self.eos_token_ids),
             stop,
             admitted: false,
             imported: req.imported.take(),
@@ -370,7 +370,7 @@ impl<B: Backend> Engine<B> {
                     let seq = &self.seqs[id];
                     let completes = seq.computed + n == seq.tokens.len();
                     if completes {
-                        seq.sampler.device_plan()
+                        seq.sampler.device_plan(seq.tokens.len() - seq.prompt_len)
                     } else {
                         None
                     }

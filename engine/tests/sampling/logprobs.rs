@@ -25,7 +25,7 @@ fn logprobs_are_raw_log_softmax_and_top_is_ordered() {
         logprobs: Some(MAX_LOGPROBS),
         ..params()
     };
-    let mut s = Sampler::new(&p, 5);
+    let mut s = Sampler::new(&p, 5, &[]);
     for _ in 0..20 {
         let t = s.sample(&l, &[1, 2], &[3]);
         assert!((t.logprob as f64 - expect[t.token_id as usize]).abs() < 1e-4);
@@ -44,7 +44,7 @@ fn logprobs_are_raw_log_softmax_and_top_is_ordered() {
         logprobs: Some(3),
         ..params()
     };
-    let t = Sampler::new(&p, 0).sample(&[1.0, 2.0, 2.0, 0.0, 2.0], &[], &[]);
+    let t = Sampler::new(&p, 0, &[]).sample(&[1.0, 2.0, 2.0, 0.0, 2.0], &[], &[]);
     let ids: Vec<u32> = t.top.iter().map(|x| x.token_id).collect();
     assert_eq!(ids, vec![1, 2, 4]);
     let t = Sampler::new(
@@ -53,12 +53,13 @@ fn logprobs_are_raw_log_softmax_and_top_is_ordered() {
             ..params()
         },
         0,
+        &[],
     )
     .sample(&[1.0, 2.0], &[], &[]);
     assert_eq!(t.top.len(), 2);
     // No logprobs requested: no top list.
     assert!(
-        Sampler::new(&params(), 0)
+        Sampler::new(&params(), 0, &[])
             .sample(&l, &[], &[])
             .top
             .is_empty()
@@ -69,6 +70,7 @@ fn logprobs_are_raw_log_softmax_and_top_is_ordered() {
             ..params()
         },
         0,
+        &[],
     )
     .sample(&l, &[], &[]);
     assert!(t.top.is_empty());

@@ -5,6 +5,8 @@
 //! live here.
 
 mod logprobs;
+mod min_tokens;
+mod penalties;
 mod sampler;
 mod stop;
 mod validation;
@@ -46,7 +48,7 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
 }
 
 fn counts(p: &SamplingParams, seed: u64, logits: &[f32], n: usize) -> Vec<usize> {
-    let mut s = Sampler::new(p, seed);
+    let mut s = Sampler::new(p, seed, &[]);
     let mut c = vec![0; logits.len()];
     for _ in 0..n {
         c[s.sample(logits, &[], &[]).token_id as usize] += 1;

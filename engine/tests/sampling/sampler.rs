@@ -7,7 +7,7 @@ use crate::{VOCAB, argmax, chi_square, counts, log_softmax, params, spread_logit
 
 #[test]
 fn greedy_is_argmax_with_ties_to_lower_id() {
-    let mut s = Sampler::new(&params(), 0);
+    let mut s = Sampler::new(&params(), 0, &[]);
     assert!(s.is_greedy());
     for salt in 0..20 {
         let l = spread_logits(VOCAB, salt);
@@ -27,7 +27,7 @@ fn temperature_towards_zero_becomes_greedy() {
             temperature: 1e-6,
             ..params()
         };
-        let mut s = Sampler::new(&p, seed);
+        let mut s = Sampler::new(&p, seed, &[]);
         assert!(s.is_greedy());
         assert_eq!(s.sample(&l, &[], &[]).token_id, best);
     }
@@ -37,7 +37,7 @@ fn temperature_towards_zero_becomes_greedy() {
         temperature: 0.01,
         ..params()
     };
-    let mut s = Sampler::new(&p, 3);
+    let mut s = Sampler::new(&p, 3, &[]);
     assert!(!s.is_greedy());
     for _ in 0..1000 {
         assert_eq!(s.sample(&l, &[], &[]).token_id, 1);
@@ -53,7 +53,7 @@ fn top_k_one_equals_greedy() {
             top_k: 1,
             ..params()
         };
-        let mut s = Sampler::new(&p, salt);
+        let mut s = Sampler::new(&p, salt, &[]);
         for _ in 0..20 {
             assert_eq!(s.sample(&l, &[], &[]).token_id, argmax(&l));
         }
@@ -64,7 +64,7 @@ fn top_k_one_equals_greedy() {
         top_k: 1,
         ..params()
     };
-    let mut s = Sampler::new(&p, 1);
+    let mut s = Sampler::new(&p, 1, &[]);
     for _ in 0..50 {
         assert_eq!(s.sample(&[0.0, 4.0, 4.0, 4.0], &[], &[]).token_id, 1);
     }
@@ -79,7 +79,7 @@ fn tiny_top_p_equals_greedy() {
             top_p: 1e-6,
             ..params()
         };
-        let mut s = Sampler::new(&p, salt);
+        let mut s = Sampler::new(&p, salt, &[]);
         for _ in 0..20 {
             assert_eq!(s.sample(&l, &[], &[]).token_id, argmax(&l));
         }
@@ -119,7 +119,7 @@ fn repetition_penalty_divides_positive_and_multiplies_negative() {
         ..params()
     };
     // Positive logit of a prompt token divided: 4 / 2 = 2 < 3.
-    let mut s = Sampler::new(&greedy_pen, 0);
+    let mut s = Sampler::new(&greedy_pen, 0, &[]);
     assert_eq!(s.sample(&[4.0, 3.0, -1.0], &[0], &[]).token_id, 1);
     assert_eq!(
         s.sample(&[4.0, 3.0, -1.0], &[], &[]).token_id,
@@ -134,19 +134,19 @@ fn repetition_penalty_divides_positive_and_multiplies_negative() {
         repetition_penalty: 1.5,
         ..params()
     };
-    let mut s = Sampler::new(&p, 0);
+    let mut s = Sampler::new(&p, 0, &[]);
     assert_eq!(s.sample(&[4.0, 2.5], &[0, 0, 0], &[0, 0]).token_id, 0);
     // A penalty below 1 boosts instead.
     let p = SamplingParams {
         repetition_penalty: 0.5,
         ..params()
     };
-    let mut s = Sampler::new(&p, 0);
+    let mut s = Sampler::new(&p, 0, &[]);
     assert_eq!(s.sample(&[3.0, 2.0], &[1], &[]).token_id, 1);
     // Ids outside the vocabulary are ignored.
     assert_eq!(s.sample(&[3.0, 2.0], &[7, 99], &[]).token_id, 0);
     // The reported logprob is the raw one, before the penalty.
-    let mut s = Sampler::new(&greedy_pen, 0);
+    let mut s = Sampler::new(&greedy_pen, 0, &[]);
     let l = [4.0f32, 3.0, -1.0];
     let t = s.sample(&l, &[0], &[]);
     assert!((t.logprob as f64 - log_softmax(&l)[1]).abs() < 1e-6);
@@ -161,7 +161,7 @@ fn repetition_penalty_then_temperature_distribution() {
         repetition_penalty: 2.0,
         ..params()
     };
-    let mut s = Sampler::new(&p, 99);
+    let mut s = Sampler::new(&p, 99, &[]);
     let mut c = [0usize; 2];
     for _ in 0..20_000 {
         c[s.sample(&l, &[0], &[]).token_id as usize] += 1;
@@ -179,7 +179,7 @@ fn same_seed_same_tokens_different_seed_differs() {
         ..params()
     };
     let run = |seed| {
-        let mut s = Sampler::new(&p, seed);
+        let mut s = Sampler::new(&p, seed, &[]);
         (0..64)
             .map(|_| s.sample(&flat, &[], &[]).token_id)
             .collect::<Vec<_>>()
@@ -197,7 +197,7 @@ fn same_seed_same_tokens_different_seed_differs() {
     };
     let l = spread_logits(VOCAB, 5);
     let run = |seed| {
-        let mut s = Sampler::new(&p, seed);
+        let mut s = Sampler::new(&p, seed, &[]);
         let mut out = Vec::new();
         for _ in 0..64 {
             let t = s.sample(&l, &[1, 2, 3], &out).token_id;
@@ -216,7 +216,7 @@ fn effective_seed_makes_unseeded_requests_reproducible() {
         ..params()
     };
     let draw = |p: &SamplingParams, fallback| {
-        let mut s = Sampler::new(p, p.effective_seed(fallback));
+        let mut s = Sampler::new(p, p.effective_seed(fallback), &[]);
         (0..16)
             .map(|_| s.sample(&flat, &[], &[]).token_id)
             .collect::<Vec<_>>()
@@ -294,7 +294,7 @@ fn neg_inf_and_nan_logits_are_never_sampled() {
         logprobs: Some(5),
         ..params()
     };
-    let mut s = Sampler::new(&p, 0);
+    let mut s = Sampler::new(&p, 0, &[]);
     let t = s.sample(&l, &[], &[]);
     assert!(t.token_id == 1 || t.token_id == 3);
     assert!((t.logprob - 0.5f32.ln()).abs() < 1e-6);
@@ -305,7 +305,7 @@ fn qwen3_sized_vocabulary() {
     const QWEN3_VOCAB: usize = 151_936;
     let l = spread_logits(QWEN3_VOCAB, 1);
     let best = argmax(&l);
-    let mut g = Sampler::new(&params(), 0);
+    let mut g = Sampler::new(&params(), 0, &[]);
     assert_eq!(g.sample(&l, &[], &[]).token_id, best);
     let p = SamplingParams {
         temperature: 0.7,
@@ -314,7 +314,7 @@ fn qwen3_sized_vocabulary() {
         logprobs: Some(5),
         ..params()
     };
-    let mut s = Sampler::new(&p, 1);
+    let mut s = Sampler::new(&p, 1, &[]);
     let mut order: Vec<u32> = (0..QWEN3_VOCAB as u32).collect();
     order.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
     for _ in 0..10 {
@@ -328,7 +328,7 @@ fn qwen3_sized_vocabulary() {
         top_p: 0.95,
         ..params()
     };
-    let mut s = Sampler::new(&p, 2);
+    let mut s = Sampler::new(&p, 2, &[]);
     for _ in 0..5 {
         assert!((s.sample(&l, &[], &[]).token_id as usize) < QWEN3_VOCAB);
     }

@@ -18,8 +18,11 @@ fn validate_accepts_defaults_and_boundaries() {
         top_k: 5_000_000,
         min_p: 1.0,
         repetition_penalty: 1e-3,
+        presence_penalty: -2.0,
+        frequency_penalty: 2.0,
         seed: Some(u64::MAX),
         max_tokens: 4096,
+        min_tokens: 4096,
         stop: vec!["x".into(); MAX_STOP_STRINGS],
         stop_token_ids: vec![0, VOCAB as u32 - 1],
         ignore_eos: true,
@@ -104,6 +107,60 @@ fn validate_repetition_penalty() {
         );
         assert!(e.to_string().contains("repetition_penalty"), "{e}");
     }
+}
+
+#[test]
+fn validate_presence_and_frequency_penalties() {
+    for v in [2.0001, -2.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let e = invalid(SamplingParams {
+            presence_penalty: v,
+            ..params()
+        });
+        assert!(
+            matches!(e, SamplingError::InvalidPresencePenalty(_)),
+            "{v}: {e}"
+        );
+        let e = invalid(SamplingParams {
+            frequency_penalty: v,
+            ..params()
+        });
+        assert!(
+            matches!(e, SamplingError::InvalidFrequencyPenalty(_)),
+            "{v}: {e}"
+        );
+    }
+    let e = invalid(SamplingParams {
+        frequency_penalty: 3.0,
+        ..params()
+    });
+    assert_eq!(
+        e.to_string(),
+        "frequency_penalty must be in [-2, 2] (0 disables it), got 3"
+    );
+}
+
+#[test]
+fn validate_min_tokens() {
+    let e = invalid(SamplingParams {
+        max_tokens: 8,
+        min_tokens: 9,
+        ..params()
+    });
+    assert_eq!(
+        e,
+        SamplingError::MinTokensAboveMaxTokens {
+            min_tokens: 9,
+            max_tokens: 8
+        }
+    );
+    assert_eq!(e.to_string(), "min_tokens must be <= max_tokens (8), got 9");
+    SamplingParams {
+        max_tokens: 8,
+        min_tokens: 8,
+        ..params()
+    }
+    .validate(VOCAB, 4096)
+    .unwrap();
 }
 
 #[test]

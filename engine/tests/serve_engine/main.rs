@@ -8,6 +8,7 @@
 mod disaggregation;
 mod prefix_cache;
 mod scheduling;
+mod stopping;
 
 use std::collections::HashMap;
 use std::path::Path;

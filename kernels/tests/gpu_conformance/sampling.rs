@@ -128,7 +128,7 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
         let mut tokens: Vec<Vec<u32>> = (0..2u32)
             .map(|s| (0..10).map(|i| (i * 97 + s * 13 + 1) % 150_000).collect())
             .collect();
-        let mut samplers: Vec<Sampler> = params.iter().map(|p| Sampler::new(p, 5)).collect();
+        let mut samplers: Vec<Sampler> = params.iter().map(|p| Sampler::new(p, 5, &[])).collect();
         let mut computed = [0usize; 2];
         for _ in 0..steps {
             let items: Vec<ExecItem<'_>> = (0..2)
@@ -140,7 +140,11 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                 })
                 .collect();
             let outs: Vec<StepOutput> = if on_device {
-                let plans: Vec<_> = samplers.iter().map(|s| s.device_plan()).collect();
+                let plans: Vec<_> = samplers
+                    .iter()
+                    .zip(&tokens)
+                    .map(|(s, t)| s.device_plan(t.len() - 10))
+                    .collect();
                 gpu.execute_sampling(&items, &plans, usize::MAX)
             } else {
                 gpu.execute(&items)

@@ -128,5 +128,6 @@ pub(crate) fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillReque
         sampling: greedy(),
         cache_salt: None,
         skip_kv_lease: false,
+        ..Default::default()
     }
 }

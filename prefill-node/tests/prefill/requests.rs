@@ -171,6 +171,8 @@ async fn bad_input_is_refused_with_invalid_argument_and_an_actionable_message() 
     sampled(|s| s.top_p = Some(0.0), "top_p");
     sampled(|s| s.min_p = Some(1.5), "min_p");
     sampled(|s| s.repetition_penalty = Some(0.0), "repetition_penalty");
+    sampled(|s| s.presence_penalty = Some(-3.0), "presence_penalty");
+    sampled(|s| s.frequency_penalty = Some(2.5), "frequency_penalty");
     sampled(|s| s.prompt_logprobs = Some(21), "logprobs");
     for (req, needle) in cases {
         let id = req.request_id.clone();
@@ -197,6 +199,50 @@ async fn bad_input_is_refused_with_invalid_argument_and_an_actionable_message() 
         .unwrap()
         .into_inner();
     assert!(!unknown.aborted, "no such request");
+    node.assert_all_blocks_free().await;
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_tokens_keeps_the_first_token_off_the_stop_ids_and_eos() {
+    let node = Node::start(&[]).await;
+    let mut client = node.client().await;
+    let tokens = prompt(20, 3);
+    let first = |r: pb::PrefillResponse| r.first_token.expect("first token").token_id;
+    let ask = |id: &str, min_tokens: u32, stop: Vec<u32>| {
+        let mut r = prefill_request(id, tokens.clone());
+        r.skip_kv_lease = true;
+        r.sampling.as_mut().unwrap().min_tokens = Some(min_tokens);
+        r.stop_token_ids = stop;
+        r
+    };
+    let plain = first(
+        client
+            .prefill(ask("plain", 0, vec![]))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    let again = first(
+        client
+            .prefill(ask("unmasked", 0, vec![plain]))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(again, plain, "no minimum: the stop id may come first");
+    // A minimum above 1 is the decode node's to keep; here it means the first token only.
+    let masked = first(
+        client
+            .prefill(ask("masked", 5, vec![plain]))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_ne!(
+        masked, plain,
+        "the greedy choice is a stop id: the next best comes"
+    );
     node.assert_all_blocks_free().await;
     node.stop().await;
 }

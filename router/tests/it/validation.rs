@@ -145,6 +145,30 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
         ),
         (
             sampling(pb::SamplingParams {
+                presence_penalty: f(2.5),
+                ..Default::default()
+            }),
+            "presence_penalty must be in [-2, 2]",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                frequency_penalty: f(f32::NAN),
+                ..Default::default()
+            }),
+            "frequency_penalty",
+        ),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(4),
+                ..sampling(pb::SamplingParams {
+                    min_tokens: Some(5),
+                    ..Default::default()
+                })
+            },
+            "min_tokens must be <= max_tokens (4), got 5",
+        ),
+        (
+            sampling(pb::SamplingParams {
                 logprobs: Some(21),
                 ..Default::default()
             }),

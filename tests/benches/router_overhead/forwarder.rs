@@ -51,6 +51,7 @@ impl Generation for Forwarder {
                 sampling: req.sampling,
                 cache_salt: req.cache_salt,
                 skip_kv_lease: true,
+                ..Default::default()
             })
             .await?
             .into_inner();
