@@ -81,7 +81,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<b
         .prefill(pb::PrefillRequest {
             request_id: "r".into(),
             token_ids: tokens.to_vec(),
-            sampling: greedy,
+            sampling: greedy.clone(),
             cache_salt: None,
             skip_kv_lease: false,
             ..Default::default()

@@ -88,6 +88,13 @@ pub struct SamplingArgs {
     /// Generate at least this many tokens before EOS, a stop token or a stop string.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
+    /// Added to token logits before sampling: ID:BIAS pairs, comma separated, each bias in
+    /// [-100, 100] (e.g. 151645:-100 all but bans `<|im_end|>`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_logit_bias, allow_hyphen_values = true)]
+    logit_bias: Vec<(u32, f32)>,
+    /// Sample only among these token ids, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    allowed_token_ids: Vec<u32>,
     /// Same seed, same output.
     #[arg(long)]
     seed: Option<u64>,
@@ -121,6 +128,8 @@ impl SamplingArgs {
             seed: self.seed,
             max_tokens: self.max_tokens,
             min_tokens: self.min_tokens,
+            logit_bias: self.logit_bias.clone(),
+            allowed_token_ids: self.allowed_token_ids.clone(),
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
@@ -129,6 +138,22 @@ impl SamplingArgs {
             include_stop_str_in_output: false,
         }
     }
+}
+
+/// One `--logit-bias` entry, `ID:BIAS` (the range is checked with the other sampling values).
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}` is not ID:BIAS"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{id}` is not a token id: {e}"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{bias}` is not a number: {e}"))?;
+    Ok((id, bias))
 }
 
 /// One prompt to run.

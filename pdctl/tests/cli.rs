@@ -472,3 +472,64 @@ fn stop_strings_end_the_text_and_the_request() {
     );
     assert!(stopped["token_ids"].as_array().unwrap().len() <= 12);
 }
+
+#[test]
+fn logit_bias_and_allowed_token_ids_steer_every_token() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let v = json_of(&pdctl(cache(), &args));
+        v["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect::<Vec<u32>>()
+    };
+    let free = run(&[]);
+    // A +100 bias forces a token the model would not choose.
+    let forced = (0..1000).find(|t| !free.contains(t)).unwrap();
+    assert_eq!(
+        run(&["--logit-bias", &format!("{forced}:100")]),
+        vec![forced; 6]
+    );
+    // Banning the free run's first token changes the first choice.
+    let banned = run(&["--logit-bias", &format!("{}:-100", free[0])]);
+    assert_ne!(banned[0], free[0]);
+    let allowed = run(&["--allowed-token-ids", "11,22,33", "--temperature", "1"]);
+    assert!(
+        allowed.iter().all(|t| [11, 22, 33].contains(t)),
+        "{allowed:?}"
+    );
+    let c = cache();
+    let base = ["run", "--model", "synthetic:tiny", "--prompt", "x"];
+    let refused = |extra: &[&str], needle: &str| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        assert_refused(&pdctl(c, &args), needle);
+    };
+    refused(
+        &["--logit-bias", "5:200"],
+        "logit_bias[5] must be in [-100, 100]",
+    );
+    // clap's own refusal (two lines: the error and where to find help).
+    let out = pdctl(c, &[&base[..], &["--logit-bias", "5"]].concat());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`5` is not ID:BIAS"));
+    refused(
+        &["--allowed-token-ids", "1,999999999"],
+        "allowed_token_ids[1]",
+    );
+    refused(&["--presence-penalty", "3"], "presence_penalty");
+    refused(&["--max-tokens", "2", "--min-tokens", "3"], "min_tokens");
+}

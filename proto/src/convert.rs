@@ -44,6 +44,13 @@ pub fn sampling_params(
         seed: w.seed,
         max_tokens,
         min_tokens: w.min_tokens.unwrap_or(0),
+        logit_bias: {
+            // In id order, so that two equal requests sample alike whatever the map's order.
+            let mut bias: Vec<(u32, f32)> = w.logit_bias.iter().map(|(&k, &v)| (k, v)).collect();
+            bias.sort_unstable_by_key(|&(id, _)| id);
+            bias
+        },
+        allowed_token_ids: w.allowed_token_ids.clone(),
         stop,
         stop_token_ids,
         ignore_eos,
@@ -67,6 +74,14 @@ pub fn wire_sampling(p: &SamplingParams) -> pb::SamplingParams {
         presence_penalty: Some(p.presence_penalty),
         frequency_penalty: Some(p.frequency_penalty),
         min_tokens: Some(p.min_tokens),
+        logit_bias: p
+            .logit_bias
+            .iter()
+            .fold(Default::default(), |mut map, &(id, bias)| {
+                *map.entry(id).or_insert(0.0) += bias;
+                map
+            }),
+        allowed_token_ids: p.allowed_token_ids.clone(),
     }
 }
 
@@ -164,6 +179,8 @@ mod tests {
             presence_penalty: Some(-0.5),
             frequency_penalty: Some(1.5),
             min_tokens: Some(3),
+            logit_bias: [(9, -100.0), (2, 1.5)].into_iter().collect(),
+            allowed_token_ids: vec![4, 2, 9],
             ..Default::default()
         };
         let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
@@ -171,6 +188,8 @@ mod tests {
             (p.presence_penalty, p.frequency_penalty, p.min_tokens),
             (-0.5, 1.5, 3)
         );
+        assert_eq!(p.logit_bias, [(2, 1.5), (9, -100.0)], "in id order");
+        assert_eq!(p.allowed_token_ids, [4, 2, 9]);
         assert_eq!(
             wire_sampling(&p),
             pb::SamplingParams {

@@ -63,6 +63,15 @@ def main():
         )
         ids = [t for c in stub.Generate(req, timeout=60) for t in c.token_ids]
         assert 4 <= len(ids) <= 6, ids
+        # A logit bias map and allowed ids confine every token.
+        confined = common_pb2.SamplingParams(
+            temperature=1.0, allowed_token_ids=[11, 22, 33], logit_bias={22: 2.0, 44: 100.0}
+        )
+        req = generation_pb2.GenerateRequest(
+            text="Hello from Python", sampling=confined, max_tokens=6, ignore_eos=True
+        )
+        ids = [t for c in stub.Generate(req, timeout=60) for t in c.token_ids]
+        assert len(ids) == 6 and set(ids) <= {11, 22, 33}, ids
 
     def abort():
         req = generation_pb2.GenerateRequest(
@@ -99,6 +108,9 @@ def main():
             "max_tokens": generation_pb2.GenerateRequest(text="x", max_tokens=0),
             "presence_penalty": generation_pb2.GenerateRequest(
                 text="x", max_tokens=4, sampling=common_pb2.SamplingParams(presence_penalty=2.5)
+            ),
+            "logit_bias": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, sampling=common_pb2.SamplingParams(logit_bias={1: 101.0})
             ),
             "min_tokens": generation_pb2.GenerateRequest(
                 text="x", max_tokens=4, sampling=common_pb2.SamplingParams(min_tokens=5)

@@ -81,6 +81,29 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
         pb::FinishReason::Length
     };
     assert_eq!(last.finish_reason(), reason);
+    // Allowed ids and a logit bias: every token, the prefill node's first included, is one
+    // of them, as one engine chooses.
+    let ids = prompts().remove(3);
+    let flags = [
+        "--allowed-token-ids",
+        "101,202,303,404",
+        "--logit-bias",
+        "202:1.5,999:50",
+        "--frequency-penalty",
+        "0.7",
+    ];
+    let want = token_ids(&reference_run_with(cache.path(), &ids, 12, &flags));
+    let mut req = greedy(ids, 12);
+    let s = req.sampling.as_mut().unwrap();
+    s.allowed_token_ids = vec![101, 202, 303, 404];
+    s.logit_bias = [(202, 1.5), (999, 50.0)].into_iter().collect();
+    s.frequency_penalty = Some(0.7);
+    let (got, _) = collect(&mut c, req).await.unwrap();
+    assert_eq!(got, want);
+    assert!(
+        got.iter().all(|t| [101, 202, 303, 404].contains(t)),
+        "{got:?}"
+    );
     all_blocks_free(&cluster).await;
 
     // One token: the prefill node's answer ends the request. It leases nothing (every block

@@ -216,6 +216,14 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams {
+                logit_bias: vec![(4, 1.0)],
+                ..Default::default()
+            },
+            SamplingParams {
+                allowed_token_ids: vec![4, 5],
+                ..Default::default()
+            },
+            SamplingParams {
                 temperature: 1.0,
                 top_k: 20,
                 min_p: 0.1,

@@ -35,8 +35,8 @@ mod truncation;
 
 pub use device::{DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K};
 pub use params::{
-    GREEDY_TEMPERATURE_EPS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingError,
-    SamplingParams,
+    GREEDY_TEMPERATURE_EPS, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+    MAX_STOP_STRINGS, SamplingError, SamplingParams,
 };
 pub use sampler::{PromptLogprob, SampledToken, Sampler, TokenLogprob, prompt_logprobs};
 pub use stop::{FinishReason, StopChecker, StopDecision, StopReason};

@@ -8,6 +8,12 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// Upper bound for `logprobs` and `prompt_logprobs` (top-K alternatives per position).
 pub const MAX_LOGPROBS: u32 = 20;
 
+/// At most this many `logit_bias` entries per request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// Largest magnitude of a `logit_bias` value (OpenAI's range).
+pub const MAX_ABS_LOGIT_BIAS: f32 = 100.0;
+
 /// Largest magnitude of `presence_penalty` and `frequency_penalty` (OpenAI's and vLLM's
 /// range).
 pub const MAX_ABS_PENALTY: f32 = 2.0;
@@ -46,6 +52,12 @@ pub struct SamplingParams {
     /// Subtracted from the logit of every token in the output as many times as it occurs
     /// there: positive values discourage repeats. In `[-2, 2]`; `0` disables it.
     pub frequency_penalty: f32,
+    /// Added to the logits of these ids before penalties and sampling (OpenAI's
+    /// `logit_bias`): ids in the vocabulary, values in `[-100, 100]`, at most
+    /// [`MAX_LOGIT_BIAS`] entries (an id listed twice gets both).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Sample only among these ids (vLLM's `allowed_token_ids`); empty allows every id.
+    pub allowed_token_ids: Vec<u32>,
     /// Per-request RNG seed. `None`: the engine derives one (see
     /// [`SamplingParams::effective_seed`]).
     pub seed: Option<u64>,
@@ -79,6 +91,8 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            allowed_token_ids: Vec::new(),
             seed: None,
             max_tokens: 16,
             min_tokens: 0,
@@ -160,6 +174,41 @@ pub enum SamplingError {
     /// `prompt_logprobs` above [`MAX_LOGPROBS`].
     #[error("prompt_logprobs must be <= {max}, got {0}", max = MAX_LOGPROBS)]
     TooManyPromptLogprobs(u32),
+    /// More than [`MAX_LOGIT_BIAS`] `logit_bias` entries.
+    #[error("logit_bias may hold at most {max} entries, got {0}", max = MAX_LOGIT_BIAS)]
+    TooManyLogitBiases(usize),
+    /// A `logit_bias` id outside the vocabulary.
+    #[error(
+        "logit_bias names token {token_id}, out of range: the vocabulary has {vocab_size} \
+         tokens (ids 0..{vocab_size})"
+    )]
+    LogitBiasIdOutOfRange {
+        /// The offending id.
+        token_id: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+    /// A `logit_bias` value outside `[-100, 100]` or NaN.
+    #[error("logit_bias[{token_id}] must be in [-100, 100], got {value}")]
+    InvalidLogitBias {
+        /// The id it is for.
+        token_id: u32,
+        /// The offending value.
+        value: f32,
+    },
+    /// An `allowed_token_ids` entry outside the vocabulary.
+    #[error(
+        "allowed_token_ids[{index}] = {token_id} is out of range: the vocabulary has \
+         {vocab_size} tokens (ids 0..{vocab_size})"
+    )]
+    AllowedTokenIdOutOfRange {
+        /// Position in `allowed_token_ids`.
+        index: usize,
+        /// The offending id.
+        token_id: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
 }
 
 impl SamplingParams {
@@ -238,6 +287,32 @@ impl SamplingParams {
         }
         if let Some(k) = self.prompt_logprobs.filter(|&k| k > MAX_LOGPROBS) {
             return Err(SamplingError::TooManyPromptLogprobs(k));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(SamplingError::TooManyLogitBiases(self.logit_bias.len()));
+        }
+        for &(token_id, value) in &self.logit_bias {
+            if token_id as usize >= vocab_size {
+                return Err(SamplingError::LogitBiasIdOutOfRange {
+                    token_id,
+                    vocab_size,
+                });
+            }
+            if !(-MAX_ABS_LOGIT_BIAS..=MAX_ABS_LOGIT_BIAS).contains(&value) {
+                return Err(SamplingError::InvalidLogitBias { token_id, value });
+            }
+        }
+        if let Some((index, &token_id)) = self
+            .allowed_token_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= vocab_size)
+        {
+            return Err(SamplingError::AllowedTokenIdOutOfRange {
+                index,
+                token_id,
+                vocab_size,
+            });
         }
         Ok(())
     }

@@ -1,5 +1,5 @@
-//! Per-request token sampler: the min-tokens mask, repetition / frequency / presence
-//! penalties, greedy / temperature, min-p, top-k, top-p, seeded draw, and raw
+//! Per-request token sampler: allowed ids, logit bias, the min-tokens mask, repetition /
+//! frequency / presence penalties, greedy / temperature, min-p, top-k, top-p, seeded draw, and raw
 //! log-probabilities. Owns a request's parameters, RNG and
 //! scratch buffers; the arithmetic over a row of logits is `truncation`'s.
 //!
@@ -53,7 +53,8 @@ pub struct PromptLogprob {
 
 /// Chooses the tokens of one request.
 ///
-/// Processing order (vLLM v1): while fewer than `min_tokens` tokens are out, EOS and the stop
+/// Processing order (vLLM v1): ids outside `allowed_token_ids` (when given) get `-inf` →
+/// `logit_bias` is added → while fewer than `min_tokens` tokens are out, EOS and the stop
 /// token ids get `-inf` → repetition penalty (prompt and output) → frequency and presence
 /// penalties (output) → greedy argmax when the temperature is below
 /// [`GREEDY_TEMPERATURE_EPS`] (ties to the lower id) → temperature → min-p → top-k → top-p →
@@ -80,6 +81,9 @@ pub struct Sampler {
     /// unless `ignore_eos`, the model's EOS ids.
     suppress: Vec<u32>,
     min_tokens: u32,
+    logit_bias: Vec<(u32, f32)>,
+    /// Sorted, without repeats; empty allows every id.
+    allowed: Vec<u32>,
     logprobs: Option<u32>,
     rng: ChaCha8Rng,
     penalty: Penalty,
@@ -134,6 +138,9 @@ impl Sampler {
         }
         suppress.sort_unstable();
         suppress.dedup();
+        let mut allowed = params.allowed_token_ids.clone();
+        allowed.sort_unstable();
+        allowed.dedup();
         Self {
             greedy: params.temperature.is_nan() || params.temperature < GREEDY_TEMPERATURE_EPS,
             temperature: params.temperature,
@@ -157,6 +164,13 @@ impl Sampler {
             frequency_penalty: additive(params.frequency_penalty),
             suppress,
             min_tokens: params.min_tokens,
+            logit_bias: params
+                .logit_bias
+                .iter()
+                .copied()
+                .filter(|&(_, b)| b.is_finite())
+                .collect(),
+            allowed,
             logprobs: params.logprobs,
             rng: ChaCha8Rng::seed_from_u64(seed),
             penalty: Penalty::default(),
@@ -171,7 +185,8 @@ impl Sampler {
 
     /// How a backend may choose this request's next token where the logits are (see
     /// [`super::device`]), given how many tokens are out already, or `None` when it needs
-    /// the host: a penalty, min-p, `logprobs > 0`, ids masked until `min_tokens`, or
+    /// the host: a penalty, a logit bias, allowed ids, min-p, `logprobs > 0`, ids masked
+    /// until `min_tokens`, or
     /// temperature sampling without a top-k in `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw
     /// is *peeked* from the request's RNG; [`Sampler::accept`] consumes it only if the
     /// backend used it, so the stream stays the one [`Sampler::sample`] would have used.
@@ -180,6 +195,8 @@ impl Sampler {
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.suppressing(output_len)
+            || !self.logit_bias.is_empty()
+            || !self.allowed.is_empty()
             || self.min_p > 0.0
             || self.logprobs.is_some_and(|k| k > 0)
         {
@@ -254,10 +271,25 @@ impl Sampler {
         let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
             && !output_tokens.is_empty();
         let suppress = self.suppressing(output_tokens.len());
-        let work: &[f32] = if repetition || additive || suppress {
+        let reshaped = !self.allowed.is_empty() || !self.logit_bias.is_empty();
+        let work: &[f32] = if repetition || additive || suppress || reshaped {
             let pen = &mut self.penalty;
             pen.logits.clear();
-            pen.logits.extend_from_slice(logits);
+            if self.allowed.is_empty() {
+                pen.logits.extend_from_slice(logits);
+            } else {
+                pen.logits.resize(logits.len(), f32::NEG_INFINITY);
+                for &id in &self.allowed {
+                    if let Some(&l) = logits.get(id as usize) {
+                        pen.logits[id as usize] = l;
+                    }
+                }
+            }
+            for &(id, bias) in &self.logit_bias {
+                if let Some(l) = pen.logits.get_mut(id as usize) {
+                    *l += bias;
+                }
+            }
             if suppress {
                 for &id in &self.suppress {
                     if let Some(l) = pen.logits.get_mut(id as usize) {

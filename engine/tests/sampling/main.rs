@@ -4,6 +4,7 @@
 //! helpers (deterministic logits, a reference log-softmax, empirical counts, chi-square)
 //! live here.
 
+mod bias_and_allowed;
 mod logprobs;
 mod min_tokens;
 mod penalties;

@@ -23,6 +23,8 @@ fn validate_accepts_defaults_and_boundaries() {
         seed: Some(u64::MAX),
         max_tokens: 4096,
         min_tokens: 4096,
+        logit_bias: vec![(0, -100.0); pd_engine::sampling::MAX_LOGIT_BIAS],
+        allowed_token_ids: vec![VOCAB as u32 - 1, 0],
         stop: vec!["x".into(); MAX_STOP_STRINGS],
         stop_token_ids: vec![0, VOCAB as u32 - 1],
         ignore_eos: true,
@@ -136,6 +138,40 @@ fn validate_presence_and_frequency_penalties() {
     assert_eq!(
         e.to_string(),
         "frequency_penalty must be in [-2, 2] (0 disables it), got 3"
+    );
+}
+
+#[test]
+fn validate_logit_bias_and_allowed_token_ids() {
+    let bias = |logit_bias: Vec<(u32, f32)>| {
+        invalid(SamplingParams {
+            logit_bias,
+            ..params()
+        })
+    };
+    assert_eq!(
+        bias(vec![(1, 0.0); 1025]).to_string(),
+        "logit_bias may hold at most 1024 entries, got 1025"
+    );
+    assert_eq!(
+        bias(vec![(3, 1.0), (VOCAB as u32, 1.0)]).to_string(),
+        "logit_bias names token 1000, out of range: the vocabulary has 1000 tokens (ids 0..1000)"
+    );
+    assert_eq!(
+        bias(vec![(3, 100.5)]).to_string(),
+        "logit_bias[3] must be in [-100, 100], got 100.5"
+    );
+    assert!(matches!(
+        bias(vec![(3, f32::NAN)]),
+        SamplingError::InvalidLogitBias { token_id: 3, .. }
+    ));
+    let e = invalid(SamplingParams {
+        allowed_token_ids: vec![5, 6, 1000],
+        ..params()
+    });
+    assert_eq!(
+        e.to_string(),
+        "allowed_token_ids[2] = 1000 is out of range: the vocabulary has 1000 tokens (ids 0..1000)"
     );
 }
 

@@ -169,7 +169,10 @@ async fn logprobs_and_prompt_logprobs_when_asked_for() {
         chunks.last().unwrap().finish_reason(),
         pb::FinishReason::Length
     );
-    let sent = p.state.prefills.lock().unwrap()[0].sampling.unwrap();
+    let sent = p.state.prefills.lock().unwrap()[0]
+        .sampling
+        .clone()
+        .unwrap();
     assert_eq!(sent.temperature, Some(0.0));
     assert_eq!(sent.logprobs, Some(1));
     assert_eq!(sent.prompt_logprobs, Some(0));

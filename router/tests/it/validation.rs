@@ -169,6 +169,27 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
         ),
         (
             sampling(pb::SamplingParams {
+                logit_bias: [(151_936, 1.0)].into_iter().collect(),
+                ..Default::default()
+            }),
+            "logit_bias names token 151936, out of range",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                logit_bias: [(5, -101.0)].into_iter().collect(),
+                ..Default::default()
+            }),
+            "logit_bias[5] must be in [-100, 100]",
+        ),
+        (
+            sampling(pb::SamplingParams {
+                allowed_token_ids: vec![1, 151_936],
+                ..Default::default()
+            }),
+            "allowed_token_ids[1] = 151936 is out of range",
+        ),
+        (
+            sampling(pb::SamplingParams {
                 logprobs: Some(21),
                 ..Default::default()
             }),
