@@ -83,3 +83,63 @@ fn allowed_token_ids_confine_every_draw() {
         "a bias cannot bring back a token that is not allowed"
     );
 }
+
+mod properties {
+    use pd_engine::sampling::{Sampler, SamplingParams};
+    use proptest::prelude::*;
+
+    fn logit() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            8 => -20.0f32..20.0,
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(f32::NAN),
+        ]
+    }
+
+    proptest! {
+        /// Whatever valid reshaping a request asks for, on whatever row (NaN and -inf
+        /// included), the sampler returns an id of the row, and an allowed one whenever an
+        /// allowed id has a finite logit; the masked stop id never comes before min_tokens
+        /// unless nothing else is left.
+        #[test]
+        fn reshaped_sampling_stays_in_bounds(
+            logits in prop::collection::vec(logit(), 1..64),
+            allowed in prop::collection::vec(0u32..64, 0..6),
+            bias in prop::collection::vec((0u32..64, -100.0f32..100.0), 0..6),
+            presence in -2.0f32..2.0,
+            frequency in -2.0f32..2.0,
+            repetition in 0.5f32..2.0,
+            temperature in prop_oneof![Just(0.0f32), 0.1f32..2.0],
+            top_k in 0u32..80,
+            output in prop::collection::vec(0u32..70, 0..12),
+            min_tokens in 0u32..4,
+            seed in any::<u64>(),
+        ) {
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                repetition_penalty: repetition,
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                logit_bias: bias,
+                allowed_token_ids: allowed.clone(),
+                stop_token_ids: vec![1],
+                min_tokens,
+                max_tokens: 16,
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::new(&p, seed, &[]);
+            let t = s.sample(&logits, &[0, 3], &output).token_id;
+            prop_assert!((t as usize) < logits.len());
+            let live = |id: u32| logits.get(id as usize).is_some_and(|l| l.is_finite());
+            if allowed.iter().any(|&a| live(a) && (a != 1 || output.len() >= min_tokens as usize)) {
+                prop_assert!(allowed.contains(&t), "{t} not in {allowed:?}");
+            }
+            let others_live = (0..logits.len() as u32)
+                .any(|id| id != 1 && live(id) && (allowed.is_empty() || allowed.contains(&id)));
+            if output.len() < min_tokens as usize && others_live {
+                prop_assert_ne!(t, 1, "the stop id before min_tokens");
+            }
+        }
+    }
+}
