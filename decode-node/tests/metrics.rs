@@ -235,7 +235,7 @@ fn assert_labels(m: &Exposition, role: &str) {
     }
 }
 
-const VLLM_FAMILIES: [(&str, &str); 19] = [
+const VLLM_FAMILIES: [(&str, &str); 24] = [
     ("vllm:num_requests_running", "gauge"),
     ("vllm:num_requests_waiting", "gauge"),
     ("vllm:kv_cache_usage_perc", "gauge"),
@@ -249,10 +249,15 @@ const VLLM_FAMILIES: [(&str, &str); 19] = [
     ("vllm:prompt_tokens_by_source_total", "counter"),
     ("vllm:generation_tokens_total", "counter"),
     ("vllm:request_success_total", "counter"),
+    ("vllm:request_prompt_tokens", "histogram"),
+    ("vllm:request_generation_tokens", "histogram"),
+    ("vllm:iteration_tokens_total", "histogram"),
+    ("vllm:request_params_max_tokens", "histogram"),
     ("vllm:time_to_first_token_seconds", "histogram"),
     ("vllm:inter_token_latency_seconds", "histogram"),
     ("vllm:e2e_request_latency_seconds", "histogram"),
     ("vllm:request_queue_time_seconds", "histogram"),
+    ("vllm:request_inference_time_seconds", "histogram"),
     ("vllm:request_prefill_time_seconds", "histogram"),
     ("vllm:request_decode_time_seconds", "histogram"),
 ];
@@ -307,6 +312,18 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
     assert_eq!(m.les("vllm:request_decode_time_seconds"), latency);
     let itl = m.les("vllm:inter_token_latency_seconds");
     assert_eq!((itl[0].as_str(), itl[11].as_str()), ("0.01", "1.0"));
+    // Token counts in 1-2-5 steps up to the context (synthetic:tiny: 4,096 tokens).
+    let tokens = [
+        "1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
+        "+Inf",
+    ];
+    assert_eq!(m.les("vllm:request_prompt_tokens"), tokens);
+    assert_eq!(m.les("vllm:request_params_max_tokens"), tokens);
+    let iteration = m.les("vllm:iteration_tokens_total");
+    assert_eq!(
+        (iteration[1].as_str(), iteration[12].as_str()),
+        ("8.0", "16384.0")
+    );
 
     // Cold miss: 40 tokens looked up, none found.
     let a = prompt(40, 1);
@@ -351,6 +368,26 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
     assert_eq!(m.value("vllm:time_to_first_token_seconds_count", &[]), 3.0);
     assert_eq!(m.value("vllm:e2e_request_latency_seconds_count", &[]), 3.0);
     assert_eq!(m.value("vllm:request_queue_time_seconds_count", &[]), 3.0);
+    assert_eq!(
+        m.value("vllm:request_inference_time_seconds_count", &[]),
+        3.0
+    );
+    // Per request: 40 prompt tokens, one token sampled, max_tokens 1 (a prefill node's).
+    let count_sum = |name: &str| {
+        (
+            m.value(&format!("{name}_count"), &[]),
+            m.value(&format!("{name}_sum"), &[]),
+        )
+    };
+    assert_eq!(count_sum("vllm:request_prompt_tokens"), (3.0, 120.0));
+    assert_eq!(
+        m.value("vllm:request_prompt_tokens_bucket", &[("le", "50.0")]),
+        3.0
+    );
+    assert_eq!(count_sum("vllm:request_generation_tokens"), (3.0, 3.0));
+    assert_eq!(count_sum("vllm:request_params_max_tokens"), (3.0, 3.0));
+    // One step per prompt, computing what the cache did not hold: 40 + 8 + 40.
+    assert_eq!(count_sum("vllm:iteration_tokens_total"), (3.0, 88.0));
 
     // Idle: Info's report equals the scrape, its epoch is the gauge's.
     p.assert_all_blocks_free().await;
@@ -397,6 +434,18 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
     assert_eq!(report.external_prefix_cache_hits, 40);
     assert_eq!(report.generation_tokens, 3);
     assert_eq!(m.value("vllm:inter_token_latency_seconds_count", &[]), 2.0);
+    // Three steps of one token each; the request's 3 tokens sampled here of its 4 (the
+    // first is the prefill node's), max_tokens 4.
+    let count_sum = |name: &str| {
+        (
+            m.value(&format!("{name}_count"), &[]),
+            m.value(&format!("{name}_sum"), &[]),
+        )
+    };
+    assert_eq!(count_sum("vllm:iteration_tokens_total"), (3.0, 3.0));
+    assert_eq!(count_sum("vllm:request_generation_tokens"), (1.0, 3.0));
+    assert_eq!(count_sum("vllm:request_params_max_tokens"), (1.0, 4.0));
+    assert_eq!(count_sum("vllm:request_prompt_tokens"), (1.0, 40.0));
 
     let block_bytes = |r: &pb::CounterReport, blocks: u64| {
         assert_eq!(r.kv_transfer_bytes % blocks, 0);

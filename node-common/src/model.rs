@@ -171,7 +171,7 @@ pub fn fingerprint(layout: &KvLayout, served_name: &str, files: &ModelFiles) -> 
 pub struct StartedEngine {
     pub facts: ModelFacts,
     pub thread: EngineThread,
-    /// The latency histograms the engine thread feeds with every request's end.
+    /// The histograms the engine thread feeds with every request's end and every step.
     pub histograms: Arc<RequestHistograms>,
 }
 
@@ -181,8 +181,7 @@ fn start_on<B: Backend>(
     args: &NodeArgs,
     role: Role,
     lease_timeout: Duration,
-    histograms: &Arc<RequestHistograms>,
-) -> anyhow::Result<(ModelFacts, EngineThread)> {
+) -> anyhow::Result<StartedEngine> {
     let (served_name, files) = open_model(&args.model, args.synthetic_cache_dir.as_deref())?;
     let weights = load_weights(&files, &backend, &args.model)?;
     let max_model_len = args.engine.max_model_len(&files.config)?;
@@ -203,10 +202,13 @@ fn start_on<B: Backend>(
             lease_timeout,
         )
         .context("building the engine")?;
-    Ok((
+    let histograms = Arc::new(RequestHistograms::new(max_model_len));
+    let (finished, step) = histograms.observers();
+    Ok(StartedEngine {
         facts,
-        EngineThread::spawn_observed(engine, histograms.observer()),
-    ))
+        thread: EngineThread::spawn_observed(engine, finished, step),
+        histograms,
+    })
 }
 
 /// Load the model and start an engine of `role` on its own thread (blocking work runs on
@@ -217,32 +219,20 @@ pub async fn start_engine(
     lease_timeout: Duration,
 ) -> anyhow::Result<StartedEngine> {
     let args = args.clone();
-    let histograms = Arc::new(RequestHistograms::default());
     tokio::task::spawn_blocking(move || {
         // The device is opened first: asking for one that cannot work fails before any
         // model is written or read.
-        let (facts, thread) = match args.engine.device {
-            Device::Cpu => start_on(
-                args.engine.cpu_backend(),
-                &args,
-                role,
-                lease_timeout,
-                &histograms,
-            )?,
+        match args.engine.device {
+            Device::Cpu => start_on(args.engine.cpu_backend(), &args, role, lease_timeout),
             Device::Cuda { ordinal } => {
                 let backend = pd_kernels::CudaBackend::open_with(
                     ordinal,
                     args.engine.gpu_memory_utilization,
                     args.engine.kv_cache_dtype.on_device(),
                 )?;
-                start_on(backend, &args, role, lease_timeout, &histograms)?
+                start_on(backend, &args, role, lease_timeout)
             }
-        };
-        Ok(StartedEngine {
-            facts,
-            thread,
-            histograms,
-        })
+        }
     })
     .await
     .context("the model loading task failed")?

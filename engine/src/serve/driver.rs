@@ -4,7 +4,8 @@
 //! request gets one `Failed` event, the engine is marked unhealthy and the thread ends;
 //! later submissions fail at once with UNAVAILABLE-class errors. An optional
 //! [`FinishedObserver`] sees every request's end on the engine thread (the node's latency
-//! histograms), including requests nobody listens to any more.
+//! histograms), including requests nobody listens to any more, and a [`StepObserver`]
+//! every step.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -22,7 +23,7 @@ use crate::kv::placement::HostKvMemory;
 use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
 use super::counters::EngineCounters;
-use super::engine::Engine;
+use super::engine::{Engine, StepStats};
 use super::lease_store::{LeaseStore, LeasedKv};
 use super::request::{
     EngineRequest, Finished, ImportedBlocks, RequestError, RequestEvent, RequestId,
@@ -35,6 +36,10 @@ const IDLE_TICK: Duration = Duration::from_millis(50);
 /// it are published and before it is delivered, whether or not its caller still listens (a request whose client went away, or that was aborted,
 /// ends here too). It runs between engine steps: keep it cheap.
 pub type FinishedObserver = Box<dyn Fn(&Finished) + Send>;
+
+/// Called on the engine thread after every step that ran, with what it computed (the
+/// node's tokens-per-step histogram). Keep it cheap.
+pub type StepObserver = Box<dyn Fn(&StepStats) + Send>;
 
 enum Command {
     Submit(Box<EngineRequest>, Sender<RequestEvent>),
@@ -75,11 +80,16 @@ pub struct EngineThread {
 impl EngineThread {
     /// Start `engine` on a new thread.
     pub fn spawn<B: Backend>(engine: Engine<B>) -> Self {
-        Self::spawn_observed(engine, Box::new(|_| {}))
+        Self::spawn_observed(engine, Box::new(|_| {}), Box::new(|_| {}))
     }
 
-    /// Start `engine` on a new thread; `observer` sees every request's end.
-    pub fn spawn_observed<B: Backend>(engine: Engine<B>, observer: FinishedObserver) -> Self {
+    /// Start `engine` on a new thread; `observer` sees every request's end, `on_step` every
+    /// step.
+    pub fn spawn_observed<B: Backend>(
+        engine: Engine<B>,
+        observer: FinishedObserver,
+        on_step: StepObserver,
+    ) -> Self {
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let counters = Arc::new(Mutex::new(engine.counters()));
@@ -94,7 +104,7 @@ impl EngineThread {
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
-            .spawn(move || run(engine, rx, healthy, counters, observer))
+            .spawn(move || run(engine, rx, healthy, counters, observer, on_step))
             .expect("spawning the engine thread");
         Self {
             handle,
@@ -245,6 +255,7 @@ fn run<B: Backend>(
     healthy: Arc<AtomicBool>,
     counters: Arc<Mutex<EngineCounters>>,
     observer: FinishedObserver,
+    on_step: StepObserver,
 ) {
     let observe = |event: &RequestEvent| {
         if let RequestEvent::Finished(finished) = event {
@@ -342,8 +353,12 @@ fn run<B: Backend>(
             publish(&engine);
             continue;
         }
+        let steps_before = engine.model_steps();
         match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
             Ok(events) => {
+                if engine.model_steps() != steps_before {
+                    on_step(&engine.last_step());
+                }
                 // Observe, then publish, then deliver: a caller that sees its request end
                 // and then asks for the counters must see that end reflected (blocks,
                 // leases), and counters that show an end come with its timings.

@@ -96,6 +96,7 @@ pub struct Engine<B: Backend> {
     /// backend lends (page-locked on a GPU), taken at the first spill.
     block_buf: Option<HostBuffer>,
     last_step: StepStats,
+    model_steps: u64,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -154,6 +155,7 @@ impl<B: Backend> Engine<B> {
             vocab_limit,
             block_buf: None,
             last_step: StepStats::default(),
+            model_steps: 0,
         })
     }
 
@@ -173,6 +175,11 @@ impl<B: Backend> Engine<B> {
         c.kv_cache_usage = self.pool.usage();
         c.kv_leases_expired = self.expired_leases;
         c
+    }
+
+    /// How many steps have run the model so far (a step with nothing to schedule does not).
+    pub fn model_steps(&self) -> u64 {
+        self.model_steps
     }
 
     /// Timings of the last step that ran the model.
@@ -268,6 +275,7 @@ impl<B: Backend> Engine<B> {
         }
         let seq = Seq {
             prompt_len: req.prompt.len(),
+            sampled_from: tokens.len(),
             tokens,
             hasher,
             blocks: Vec::new(),
@@ -394,6 +402,7 @@ impl<B: Backend> Engine<B> {
 
         // 4. Results.
         let now = Instant::now();
+        self.model_steps += 1;
         self.last_step = StepStats {
             seqs: scheduled.len(),
             tokens: scheduled.iter().map(|(_, n)| n).sum(),
@@ -579,6 +588,8 @@ impl<B: Backend> Engine<B> {
             timings: seq.timings(now),
             prompt_logprobs: seq.prompt_logprobs.take(),
             lease,
+            max_tokens: seq.req.params.max_tokens,
+            sampled_tokens: seq.tokens.len() - seq.sampled_from,
         }))
     }
 }

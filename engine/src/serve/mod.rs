@@ -10,7 +10,7 @@ pub mod request;
 
 pub use config::{EngineConfig, Role};
 pub use counters::{EngineCounters, PrefixOutcome};
-pub use driver::{EngineHandle, EngineThread, FinishedObserver};
+pub use driver::{EngineHandle, EngineThread, FinishedObserver, StepObserver};
 pub use engine::{Engine, StepStats};
 pub use lease_store::{LeaseStore, LeasedKv};
 pub use request::{

@@ -166,4 +166,9 @@ pub struct Finished {
     pub prompt_logprobs: Option<Vec<PromptLogprob>>,
     /// Set on a prefill-role node: the KV stays allocated under this lease.
     pub lease: Option<KvLease>,
+    /// The request's `max_tokens` as this engine was given it (1 on a prefill node).
+    pub max_tokens: u32,
+    /// Tokens this engine sampled for the request: `usage.completion_tokens` less, on a
+    /// decode node, the first token the prefill node sampled.
+    pub sampled_tokens: usize,
 }

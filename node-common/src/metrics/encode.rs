@@ -169,7 +169,7 @@ mod tests {
     #[test]
     fn histograms_are_cumulative_with_le_last() {
         let h = HistogramSnapshot {
-            bounds: &[0.5, 1.0],
+            bounds: [0.5, 1.0].into(),
             counts: vec![1, 0, 2],
             sum: 7.25,
         };

@@ -70,6 +70,30 @@ pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// vLLM's `vllm:iteration_tokens_total` buckets.
+pub const ITERATION_TOKENS_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
+
+/// vLLM's buckets for token counts per request: 1, 2, 5, 10, 20, 50, ... up to `max` (the
+/// model's context length).
+pub fn one_two_five_buckets(max: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut scale = 1usize;
+    loop {
+        for m in [1usize, 2, 5] {
+            match m.checked_mul(scale) {
+                Some(v) if v <= max => out.push(v as f64),
+                _ => return out,
+            }
+        }
+        scale = match scale.checked_mul(10) {
+            Some(s) => s,
+            None => return out,
+        };
+    }
+}
+
 /// Every metric family of a node, in exposition order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -86,10 +110,15 @@ pub enum Family {
     PromptTokensBySource,
     GenerationTokens,
     RequestSuccess,
+    RequestPromptTokens,
+    RequestGenerationTokens,
+    IterationTokens,
+    RequestParamsMaxTokens,
     TimeToFirstToken,
     InterTokenLatency,
     E2eRequestLatency,
     RequestQueueTime,
+    RequestInferenceTime,
     RequestPrefillTime,
     RequestDecodeTime,
     KvTransferBytes,
@@ -103,7 +132,7 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 27] = [
+    pub const ALL: [Family; 32] = [
         Self::NumRequestsRunning,
         Self::NumRequestsWaiting,
         Self::KvCacheUsagePerc,
@@ -117,10 +146,15 @@ impl Family {
         Self::PromptTokensBySource,
         Self::GenerationTokens,
         Self::RequestSuccess,
+        Self::RequestPromptTokens,
+        Self::RequestGenerationTokens,
+        Self::IterationTokens,
+        Self::RequestParamsMaxTokens,
         Self::TimeToFirstToken,
         Self::InterTokenLatency,
         Self::E2eRequestLatency,
         Self::RequestQueueTime,
+        Self::RequestInferenceTime,
         Self::RequestPrefillTime,
         Self::RequestDecodeTime,
         Self::KvTransferBytes,
@@ -150,10 +184,15 @@ impl Family {
             Self::PromptTokensBySource => "vllm:prompt_tokens_by_source_total",
             Self::GenerationTokens => "vllm:generation_tokens_total",
             Self::RequestSuccess => "vllm:request_success_total",
+            Self::RequestPromptTokens => "vllm:request_prompt_tokens",
+            Self::RequestGenerationTokens => "vllm:request_generation_tokens",
+            Self::IterationTokens => "vllm:iteration_tokens_total",
+            Self::RequestParamsMaxTokens => "vllm:request_params_max_tokens",
             Self::TimeToFirstToken => "vllm:time_to_first_token_seconds",
             Self::InterTokenLatency => "vllm:inter_token_latency_seconds",
             Self::E2eRequestLatency => "vllm:e2e_request_latency_seconds",
             Self::RequestQueueTime => "vllm:request_queue_time_seconds",
+            Self::RequestInferenceTime => "vllm:request_inference_time_seconds",
             Self::RequestPrefillTime => "vllm:request_prefill_time_seconds",
             Self::RequestDecodeTime => "vllm:request_decode_time_seconds",
             Self::KvTransferBytes => "pd_node_kv_transfer_bytes_total",
@@ -190,10 +229,15 @@ impl Family {
             Self::PromptTokensBySource => "Number of prompt tokens by source.",
             Self::GenerationTokens => "Number of generation tokens processed.",
             Self::RequestSuccess => "Count of successfully processed requests.",
+            Self::RequestPromptTokens => "Number of prefill tokens processed.",
+            Self::RequestGenerationTokens => "Number of generation tokens processed.",
+            Self::IterationTokens => "Histogram of number of tokens per engine_step.",
+            Self::RequestParamsMaxTokens => "Histogram of the max_tokens request parameter.",
             Self::TimeToFirstToken => "Histogram of time to first token in seconds.",
             Self::InterTokenLatency => "Histogram of inter-token latency in seconds.",
             Self::E2eRequestLatency => "Histogram of e2e request latency in seconds.",
             Self::RequestQueueTime => "Histogram of time spent in WAITING phase for request.",
+            Self::RequestInferenceTime => "Histogram of time spent in RUNNING phase for request.",
             Self::RequestPrefillTime => "Histogram of time spent in PREFILL phase for request.",
             Self::RequestDecodeTime => "Histogram of time spent in DECODE phase for request.",
             Self::KvTransferBytes => {
@@ -229,10 +273,15 @@ impl Family {
             | Self::KvCacheUsagePerc
             | Self::CacheConfigInfo
             | Self::Epoch => MetricType::Gauge,
-            Self::TimeToFirstToken
+            Self::RequestPromptTokens
+            | Self::RequestGenerationTokens
+            | Self::IterationTokens
+            | Self::RequestParamsMaxTokens
+            | Self::TimeToFirstToken
             | Self::InterTokenLatency
             | Self::E2eRequestLatency
             | Self::RequestQueueTime
+            | Self::RequestInferenceTime
             | Self::RequestPrefillTime
             | Self::RequestDecodeTime
             | Self::KvTransferSeconds => MetricType::Histogram,
@@ -294,5 +343,39 @@ pub fn role(role: Role) -> &'static str {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
         Role::Mixed => "mixed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_buckets_go_one_two_five_up_to_the_context() {
+        assert_eq!(
+            one_two_five_buckets(100),
+            [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
+        );
+        assert_eq!(
+            one_two_five_buckets(4096),
+            [
+                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0
+            ]
+        );
+        assert_eq!(one_two_five_buckets(0), Vec::<f64>::new());
+        // 1, 2, 5 × 10^0..=10^18, then 10^19: no overflow.
+        assert_eq!(one_two_five_buckets(usize::MAX).len(), 58);
+    }
+
+    #[test]
+    fn every_family_is_listed_once_with_a_type_and_help() {
+        let names: std::collections::HashSet<_> = Family::ALL.iter().map(|f| f.name()).collect();
+        assert_eq!(names.len(), Family::ALL.len());
+        for f in Family::ALL {
+            assert!(!f.help().is_empty());
+            if f.kind() == MetricType::Counter {
+                assert!(f.name().ends_with("_total"), "{}", f.name());
+            }
+        }
     }
 }

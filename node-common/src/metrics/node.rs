@@ -118,10 +118,15 @@ impl NodeMetrics {
             Family::InterTokenLatency => r.inter_token_latency.snapshot(),
             Family::E2eRequestLatency => r.e2e_request_latency.snapshot(),
             Family::RequestQueueTime => r.queue_time.snapshot(),
+            Family::RequestInferenceTime => r.inference_time.snapshot(),
+            Family::RequestPromptTokens => r.prompt_tokens.snapshot(),
+            Family::RequestGenerationTokens => r.generation_tokens.snapshot(),
+            Family::RequestParamsMaxTokens => r.max_tokens.snapshot(),
+            Family::IterationTokens => r.iteration_tokens.snapshot(),
             Family::RequestPrefillTime => r.prefill_time.snapshot(),
             Family::RequestDecodeTime => r.decode_time.snapshot(),
             Family::KvTransferSeconds => HistogramSnapshot {
-                bounds: &TRANSFER_SECONDS_BUCKETS,
+                bounds: TRANSFER_SECONDS_BUCKETS.into(),
                 counts: snap.transfers.bucket_counts.clone(),
                 sum: snap.transfers.seconds_sum,
             },
@@ -228,8 +233,13 @@ fn values(
         | Family::InterTokenLatency
         | Family::E2eRequestLatency
         | Family::RequestQueueTime
+        | Family::RequestInferenceTime
         | Family::RequestPrefillTime
         | Family::RequestDecodeTime
+        | Family::RequestPromptTokens
+        | Family::RequestGenerationTokens
+        | Family::RequestParamsMaxTokens
+        | Family::IterationTokens
         | Family::KvTransferSeconds => vec![],
     }
 }

@@ -14,6 +14,9 @@ pub(super) struct Seq {
     pub(super) prompt_len: usize,
     /// Prompt followed by the generated tokens.
     pub(super) tokens: Vec<u32>,
+    /// Where the tokens this engine samples begin in `tokens`: after the prompt, and after
+    /// the first token on a decode node (the prefill node sampled it).
+    pub(super) sampled_from: usize,
     pub(super) hasher: BlockHasher,
     pub(super) blocks: Vec<u32>,
     /// Tokens whose KV is in `blocks`.
