@@ -429,41 +429,13 @@ fn prompts_file_shows_the_prefix_cache_at_work() {
 
 #[test]
 fn stop_strings_end_the_text_and_the_request() {
-    let free = json_of(&pdctl(
-        cache(),
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--prompt",
-            "Once upon a time",
-            "--max-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-        ],
-    ));
+    let free = once_upon_a_time(12, &[]);
     let text = free["text"].as_str().unwrap();
     // Stop at a piece of the text the model will produce: the output ends right before it.
     let chars: Vec<char> = text.chars().collect();
     let mid = chars.len() / 2;
     let stop: String = chars[mid..(mid + 2).min(chars.len())].iter().collect();
-    let stopped = json_of(&pdctl(
-        cache(),
-        &[
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--prompt",
-            "Once upon a time",
-            "--max-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-            "--stop",
-            &stop,
-        ],
-    ));
+    let stopped = once_upon_a_time(12, &["--stop", &stop]);
     let got = stopped["text"].as_str().unwrap();
     assert_eq!(stopped["finish_reason"], "stop");
     assert!(
@@ -473,22 +445,29 @@ fn stop_strings_end_the_text_and_the_request() {
     assert!(stopped["token_ids"].as_array().unwrap().len() <= 12);
 }
 
+/// `pdctl run --json` of "Once upon a time" on synthetic:tiny, EOS ignored, with `extra`
+/// flags.
+fn once_upon_a_time(max_tokens: u32, extra: &[&str]) -> serde_json::Value {
+    let max_tokens = max_tokens.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        "synthetic:tiny",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        &max_tokens,
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    json_of(&pdctl(cache(), &args))
+}
+
 #[test]
 fn logit_bias_and_allowed_token_ids_steer_every_token() {
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "--model",
-            "synthetic:tiny",
-            "--prompt",
-            "Once upon a time",
-            "--max-tokens",
-            "6",
-            "--ignore-eos",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let v = json_of(&pdctl(cache(), &args));
+        let v = once_upon_a_time(6, extra);
         v["token_ids"]
             .as_array()
             .unwrap()

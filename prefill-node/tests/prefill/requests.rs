@@ -208,37 +208,19 @@ async fn min_tokens_keeps_the_first_token_off_the_stop_ids_and_eos() {
     let node = Node::start(&[]).await;
     let mut client = node.client().await;
     let tokens = prompt(20, 3);
-    let first = |r: pb::PrefillResponse| r.first_token.expect("first token").token_id;
-    let ask = |id: &str, min_tokens: u32, stop: Vec<u32>| {
+    let mut first = async |id: &str, min_tokens: u32, stop: Vec<u32>| {
         let mut r = prefill_request(id, tokens.clone());
         r.skip_kv_lease = true;
         r.sampling.as_mut().unwrap().min_tokens = Some(min_tokens);
         r.stop_token_ids = stop;
-        r
+        let answer = client.prefill(r).await.unwrap().into_inner();
+        answer.first_token.expect("first token").token_id
     };
-    let plain = first(
-        client
-            .prefill(ask("plain", 0, vec![]))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
-    let again = first(
-        client
-            .prefill(ask("unmasked", 0, vec![plain]))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
+    let plain = first("plain", 0, vec![]).await;
+    let again = first("unmasked", 0, vec![plain]).await;
     assert_eq!(again, plain, "no minimum: the stop id may come first");
     // A minimum above 1 is the decode node's to keep; here it means the first token only.
-    let masked = first(
-        client
-            .prefill(ask("masked", 5, vec![plain]))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
+    let masked = first("masked", 5, vec![plain]).await;
     assert_ne!(
         masked, plain,
         "the greedy choice is a stop id: the next best comes"
