@@ -2,7 +2,7 @@
 //! Nodes see token ids only; whoever owns text (the router, `pdctl run`) runs this over the
 //! engine's tokens, and aborts the engine request when a stop string ends it early.
 
-use crate::sampling::{SamplingParams, StopChecker, StopDecision};
+use crate::sampling::{SamplingParams, StopChecker, StopDecision, StopReason};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
 
 pub struct TextStream<'t> {
@@ -40,5 +40,10 @@ impl<'t> TextStream<'t> {
     /// The whole text emitted so far.
     pub fn text(&self) -> &str {
         self.stop.output_text()
+    }
+
+    /// Which stop token id or stop string ended the stream, once one did.
+    pub fn stop_reason(&self) -> Option<&StopReason> {
+        self.stop.stop_reason()
     }
 }

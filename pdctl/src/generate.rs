@@ -141,6 +141,11 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         "token_ids": token_ids,
         "text": text,
         "finish_reason": reason,
+        "stop_reason": match &last.stop_reason {
+            Some(pb::generate_response::StopReason::StopTokenId(id)) => json!(id),
+            Some(pb::generate_response::StopReason::StopString(s)) => json!(s),
+            None => serde_json::Value::Null,
+        },
         "usage": {
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,

@@ -15,7 +15,7 @@ use pd_engine::cli::EngineArgs;
 use pd_engine::generate::validate_prompt;
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
-    FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
+    FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
 };
 use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
 use pd_engine::text::TextStream;
@@ -168,6 +168,8 @@ struct Outcome {
     token_ids: Vec<u32>,
     text: String,
     finish_reason: FinishReason,
+    /// The stop token id or stop string that ended the request, if one did.
+    stop_reason: Option<StopReason>,
     usage: Usage,
     /// `None` when logprobs were not asked for.
     logprobs: Option<Vec<SampledToken>>,
@@ -296,6 +298,7 @@ fn collect(
                     token_ids,
                     text: text.text().to_string(),
                     finish_reason: text_finish.unwrap_or(f.reason),
+                    stop_reason: text.stop_reason().cloned(),
                     usage,
                     logprobs: job.params.logprobs.map(|_| logprobs),
                     prompt_logprobs: f.prompt_logprobs,
@@ -414,6 +417,11 @@ fn to_json(o: &Outcome) -> serde_json::Value {
         "token_ids": o.token_ids,
         "text": o.text,
         "finish_reason": o.finish_reason.as_str(),
+        "stop_reason": match &o.stop_reason {
+            Some(StopReason::TokenId(id)) => json!(id),
+            Some(StopReason::Text(s)) => json!(s),
+            None => serde_json::Value::Null,
+        },
         "usage": {
             "prompt_tokens": u.prompt_tokens,
             "completion_tokens": u.completion_tokens,

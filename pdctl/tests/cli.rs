@@ -438,6 +438,8 @@ fn stop_strings_end_the_text_and_the_request() {
     let stopped = once_upon_a_time(12, &["--stop", &stop]);
     let got = stopped["text"].as_str().unwrap();
     assert_eq!(stopped["finish_reason"], "stop");
+    assert_eq!(stopped["stop_reason"], stop.as_str());
+    assert_eq!(free["stop_reason"], serde_json::Value::Null);
     assert!(
         text.starts_with(got) && !got.contains(&stop),
         "{got:?} vs {text:?} stop {stop:?}"

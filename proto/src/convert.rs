@@ -2,7 +2,7 @@
 
 use pd_engine::ErrorKind;
 use pd_engine::sampling::{
-    FinishReason, PromptLogprob, SampledToken, SamplingParams, TokenLogprob,
+    FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
 };
 use pd_engine::serve::Usage;
 use tonic::{Code, Status};
@@ -90,6 +90,14 @@ pub fn finish_reason(r: FinishReason) -> pb::FinishReason {
         FinishReason::Stop => pb::FinishReason::Stop,
         FinishReason::Length => pb::FinishReason::Length,
         FinishReason::Abort => pb::FinishReason::Abort,
+    }
+}
+
+/// The wire form of what stopped a request.
+pub fn stop_reason(r: &StopReason) -> pb::generate_response::StopReason {
+    match r {
+        StopReason::TokenId(id) => pb::generate_response::StopReason::StopTokenId(*id),
+        StopReason::Text(s) => pb::generate_response::StopReason::StopString(s.clone()),
     }
 }
 

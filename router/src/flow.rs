@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use pd_engine::sampling::FinishReason;
 use pd_engine::text::TextStream;
-use pd_proto::convert::{finish_reason, wire_sampling};
+use pd_proto::convert::{finish_reason, stop_reason, wire_sampling};
 use pd_proto::pb;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -156,7 +156,10 @@ pub(crate) async fn run(
     };
     let outcome = job.drive(&mut text).await;
     let last = match outcome {
-        Ok(chunk) => Some(Ok(chunk)),
+        Ok(mut chunk) => {
+            chunk.stop_reason = text.stop_reason().map(stop_reason);
+            Some(Ok(chunk))
+        }
         Err(End::ClientGone) => {
             tracing::info!(request_id = %job.req.request_id, "client went away; request cancelled");
             None

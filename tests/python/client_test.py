@@ -52,6 +52,7 @@ def main():
         assert len(ids) == 6, ids
         last = chunks[-1]
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH, last
+        assert last.WhichOneof("stop_reason") is None, last
         assert last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0, last.usage
         assert all(c.request_id == chunks[0].request_id for c in chunks)
         # OpenAI-style penalties and a minimum length are accepted and honoured.

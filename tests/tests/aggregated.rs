@@ -65,6 +65,10 @@ async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_ca
         pb::FinishReason::Stop,
         "stop {stop:?}"
     );
+    assert_eq!(
+        last.stop_reason,
+        Some(pb::generate_response::StopReason::StopString(stop.clone()))
+    );
     assert!(got.len() <= 10 && token_ids(&run).starts_with(&got));
     let usage = last.usage.unwrap();
     assert_eq!(usage.local_cached_tokens, whole_blocks);

@@ -75,12 +75,15 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
         !got[..3].contains(&stop),
         "{got:?} starts with stop id {stop}"
     );
-    let reason = if got.last() == Some(&stop) {
-        pb::FinishReason::Stop
+    let (reason, why) = if got.last() == Some(&stop) {
+        (
+            pb::FinishReason::Stop,
+            Some(pb::generate_response::StopReason::StopTokenId(stop)),
+        )
     } else {
-        pb::FinishReason::Length
+        (pb::FinishReason::Length, None)
     };
-    assert_eq!(last.finish_reason(), reason);
+    assert_eq!((last.finish_reason(), last.stop_reason), (reason, why));
     // Allowed ids and a logit bias: every token, the prefill node's first included, is one
     // of them, as one engine chooses.
     let ids = prompts().remove(3);

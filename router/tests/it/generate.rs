@@ -201,6 +201,16 @@ async fn a_stop_string_ends_the_request_and_aborts_the_decode_node() {
     let last = chunks.last().unwrap();
     assert_eq!(last.finish_reason(), pb::FinishReason::Stop);
     assert_eq!(
+        last.stop_reason,
+        Some(pb::generate_response::StopReason::StopString("STOP".into()))
+    );
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.stop_reason.is_none()),
+        "only the last chunk says why"
+    );
+    assert_eq!(
         last.usage.unwrap().completion_tokens as usize,
         all_ids(&chunks).len()
     );
