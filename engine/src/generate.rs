@@ -162,6 +162,25 @@ impl<B: Backend> Runner<B> {
     }
 }
 
+/// vLLM's `truncate_prompt_tokens`: keep only the last `keep` tokens of `prompt` (left
+/// truncation, after any chat template), `keep` in `1..=max_model_len`. A shorter prompt is
+/// kept whole.
+pub fn truncate_prompt(
+    prompt: &mut Vec<u32>,
+    keep: u32,
+    max_model_len: usize,
+) -> Result<(), EngineError> {
+    if keep == 0 || keep as usize > max_model_len {
+        return Err(EngineError::InvalidRequest(format!(
+            "truncate_prompt_tokens must be between 1 and the model's context of \
+             {max_model_len} tokens, got {keep}"
+        )));
+    }
+    let excess = prompt.len().saturating_sub(keep as usize);
+    prompt.drain(..excess);
+    Ok(())
+}
+
 /// The prompt checks every entry point shares: non-empty, ids inside the vocabulary, and
 /// room in the context for the prompt plus `max_tokens`.
 pub fn validate_prompt(
@@ -195,4 +214,25 @@ pub fn validate_prompt(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_keeps_the_last_tokens_within_the_context() {
+        let mut p: Vec<u32> = (0..10).collect();
+        truncate_prompt(&mut p, 4, 16).unwrap();
+        assert_eq!(p, [6, 7, 8, 9]);
+        truncate_prompt(&mut p, 16, 16).unwrap();
+        assert_eq!(p, [6, 7, 8, 9], "a shorter prompt stays whole");
+        for bad in [0, 17] {
+            let e = truncate_prompt(&mut p, bad, 16).unwrap_err().to_string();
+            assert!(
+                e.contains("truncate_prompt_tokens must be between 1 and"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -79,6 +79,7 @@ fn request(args: &GenerateArgs) -> pb::GenerateRequest {
         ignore_eos: p.ignore_eos,
         include_stop_str_in_output: false,
         cache_salt: args.cache_salt.clone(),
+        truncate_prompt_tokens: args.sampling.truncate_prompt_tokens,
         request_id: None,
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use pd_engine::cli::EngineArgs;
-use pd_engine::generate::validate_prompt;
+use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
@@ -113,6 +113,9 @@ pub struct SamplingArgs {
     /// Top-K logprobs of each prompt position after the first.
     #[arg(long)]
     pub(crate) prompt_logprobs: Option<u32>,
+    /// Keep only the last N prompt tokens (after the chat template), 1 to the context length.
+    #[arg(long)]
+    pub(crate) truncate_prompt_tokens: Option<u32>,
 }
 
 impl SamplingArgs {
@@ -180,10 +183,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let files = crate::load::open(&args.model)?;
     let config = &files.config;
     let max_model_len = args.engine.max_model_len(config)?;
-    let jobs = jobs(&args, &files)?;
-    for (i, job) in jobs.iter().enumerate() {
+    let mut jobs = jobs(&args, &files)?;
+    let many = jobs.len() > 1;
+    for (i, job) in jobs.iter_mut().enumerate() {
         let at = |e: anyhow::Error| {
-            if jobs.len() > 1 {
+            if many {
                 e.context(format!("prompt {}", i + 1))
             } else {
                 e
@@ -192,6 +196,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         job.params
             .validate(config.vocab_size, max_model_len as u32)
             .map_err(|e| at(e.into()))?;
+        if let Some(keep) = args.sampling.truncate_prompt_tokens {
+            truncate_prompt(&mut job.prompt, keep, max_model_len).map_err(|e| at(e.into()))?;
+        }
         validate_prompt(
             &job.prompt,
             config.vocab_size,

@@ -514,3 +514,43 @@ fn logit_bias_and_allowed_token_ids_steer_every_token() {
     refused(&["--presence-penalty", "3"], "presence_penalty");
     refused(&["--max-tokens", "2", "--min-tokens", "3"], "min_tokens");
 }
+
+#[test]
+fn truncate_prompt_tokens_keeps_the_prompts_tail() {
+    let run = |extra: &[&str]| {
+        let base = [
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--json",
+        ];
+        json_of(&pdctl(cache(), &[&base[..], extra].concat()))
+    };
+    let cut = run(&[
+        "--token-ids",
+        "5,6,7,8,9,10",
+        "--truncate-prompt-tokens",
+        "3",
+    ]);
+    let tail = run(&["--token-ids", "8,9,10"]);
+    assert_eq!(cut["token_ids"], tail["token_ids"]);
+    assert_eq!(cut["usage"]["prompt_tokens"], 3);
+    assert_refused(
+        &pdctl(
+            cache(),
+            &[
+                "run",
+                "--model",
+                "synthetic:tiny",
+                "--prompt",
+                "x",
+                "--truncate-prompt-tokens",
+                "0",
+            ],
+        ),
+        "truncate_prompt_tokens must be between 1 and",
+    );
+}

@@ -12,6 +12,8 @@
 //! - Exactly one input: `text` (tokenized raw), `chat` (rendered with the model's chat
 //!   template with the generation prompt, then tokenized; roles must be system / user /
 //!   assistant / tool, and the template may refuse a conversation) or `token_ids`.
+//! - `truncate_prompt_tokens`, when set, is 1 to the context length; the prompt keeps its
+//!   last that many tokens.
 //! - Sampling ranges and stop conditions: [`SamplingParams::validate`] with the model's
 //!   vocabulary and `--max-tokens-cap` (max_tokens 0 or above the cap is refused; unset it is
 //!   `min(cap, context − prompt)`).
@@ -23,7 +25,7 @@
 //! whichever node it lands on.
 
 use pd_engine::EngineError;
-use pd_engine::generate::validate_prompt;
+use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{SamplingError, SamplingParams};
 use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, Tokenizer};
@@ -189,7 +191,11 @@ impl Validator {
             }
             None => new_id(),
         };
-        let prompt = self.prompt(req.input)?;
+        let mut prompt = self.prompt(req.input)?;
+        if let Some(keep) = req.truncate_prompt_tokens {
+            truncate_prompt(&mut prompt, keep, context_len)
+                .map_err(|e| ValidationError::Prompt(engine_message(e)))?;
+        }
 
         let vocab_size = self.model.vocab_size();
         let room = context_len.saturating_sub(prompt.len());

@@ -227,3 +227,32 @@ async fn a_stop_string_ends_the_request_and_aborts_the_decode_node() {
     .await;
     eventually("the lease is released", || p.state.released().len() == 1).await;
 }
+
+#[tokio::test]
+async fn truncate_prompt_tokens_sends_only_the_prompts_tail() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    *d.state.script.lock().unwrap() = Script {
+        messages: vec![vec![101]],
+        end: End::Finish(pb::FinishReason::Length),
+        ..Default::default()
+    };
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let mut client = router.client();
+    let req = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::TokenIds(pb::TokenIds {
+            ids: (1..=10).collect(),
+        })),
+        max_tokens: Some(2),
+        truncate_prompt_tokens: Some(4),
+        ..Default::default()
+    };
+    let (chunks, error) = collect(&mut client, req).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(p.state.prefills.lock().unwrap()[0].token_ids, [7, 8, 9, 10]);
+    assert_eq!(
+        d.state.decodes.lock().unwrap()[0].prompt_token_ids,
+        [7, 8, 9, 10]
+    );
+    assert_eq!(chunks.last().unwrap().usage.unwrap().prompt_tokens, 4);
+}

@@ -144,6 +144,20 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             "repetition_penalty",
         ),
         (
+            pb::GenerateRequest {
+                truncate_prompt_tokens: Some(0),
+                ..ids(vec![1, 2, 3])
+            },
+            "truncate_prompt_tokens must be between 1 and",
+        ),
+        (
+            pb::GenerateRequest {
+                truncate_prompt_tokens: Some(1_000_000),
+                ..ids(vec![1, 2, 3])
+            },
+            "truncate_prompt_tokens must be between 1 and",
+        ),
+        (
             sampling(pb::SamplingParams {
                 presence_penalty: f(2.5),
                 ..Default::default()
