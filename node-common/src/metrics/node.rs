@@ -39,7 +39,7 @@ struct Snapshot {
 impl NodeMetrics {
     /// `transfers`: the puller's counters on a decode node, the export server's on a prefill
     /// node. `requests`: the histograms the engine thread feeds
-    /// ([`RequestHistograms::observer`]). A new random epoch is drawn here.
+    /// ([`RequestHistograms::observers`]). A new random epoch is drawn here.
     pub fn new(
         role: Role,
         facts: &ModelFacts,
