@@ -3,7 +3,8 @@
 use std::path::Path;
 
 use pd_engine::tokenizer::{
-    ChatMessage, ChatRole, ChatTemplateOptions, QWEN3_TOKENIZER_JSON, Tokenizer, TokenizerError,
+    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, QWEN3_TOKENIZER_JSON, Tokenizer,
+    TokenizerError,
 };
 
 fn conversation() -> Vec<ChatMessage> {
@@ -20,6 +21,7 @@ fn options(add_generation_prompt: bool, enable_thinking: Option<bool>) -> ChatTe
     ChatTemplateOptions {
         add_generation_prompt,
         enable_thinking,
+        ..ChatTemplateOptions::default()
     }
 }
 
@@ -250,9 +252,10 @@ fn python_style_methods_and_tojson() {
         ChatMessage::new(ChatRole::Assistant, "<think>\nhmm\n</think>\n\nAnswer"),
         ChatMessage::new(ChatRole::User, "  two words  "),
     ];
+    // Dicts keep their insertion order, as Python's do (`b` before `a`).
     assert_eq!(
         tok.apply_chat_template(&messages, false).unwrap(),
-        "Answer|two_words|a=[1, \"é<>\"];b=1;{\"x\": {\"y\": null}}"
+        "Answer|two_words|b=1;a=[1, \"é<>\"];{\"x\": {\"y\": null}}"
     );
 }
 
@@ -326,4 +329,73 @@ fn bad_model_directories_name_the_file_at_fault() {
         "{err:?}"
     );
     assert!(err.to_string().contains("`Fuse`"), "{err}");
+}
+
+/// One function tool, its keys deliberately not in alphabetical order.
+const TOOL: &str = r#"{"type": "function", "function": {"name": "get_weather",
+    "description": "Weather in a city, °C", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#;
+
+#[test]
+fn the_built_in_template_lists_tools_as_jinja2_renders_them() {
+    // tools/tokenizer/verify_against_tiktoken.py renders the same with Python's Jinja2 and
+    // transformers' tojson (TOOLS_RENDERED there).
+    let expected = "<|im_start|>system\nYou are terse.\n\n# Tools\n\nThese functions are \
+        available, one JSON signature per line inside <tools></tools>:\n<tools>\n\
+        {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \
+        \"Weather in a city, °C\", \"parameters\": {\"type\": \"object\", \"properties\": \
+        {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nTo call a \
+        function, reply with a JSON object of its name and arguments inside \
+        <tool_call></tool_call> tags, one call per pair of tags:\n<tool_call>\n{\"name\": \
+        <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call><|im_end|>\n\
+        <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n";
+    let tok = Tokenizer::qwen3().unwrap();
+    let messages = vec![
+        ChatMessage::new(ChatRole::System, "You are terse."),
+        ChatMessage::new(ChatRole::User, "Hi!"),
+    ];
+    let with_tools = ChatTemplateOptions {
+        add_generation_prompt: true,
+        tools: vec![ChatTool::from_json(TOOL).unwrap()],
+        ..ChatTemplateOptions::default()
+    };
+    assert_eq!(
+        tok.apply_chat_template_with(&messages, &with_tools)
+            .unwrap(),
+        expected
+    );
+    // Without tools, nothing changes.
+    assert_eq!(
+        tok.apply_chat_template(&messages, true).unwrap(),
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn a_model_template_sees_tools_in_their_own_key_order() {
+    let template = "{%- if tools -%}{%- for t in tools -%}{{ t | tojson }}|\
+        {{ t.function | tojson(sort_keys=true) }}|{{ t.function.name }}{%- endfor -%}\
+        {%- else -%}none{%- endif -%}";
+    let dir = model_dir(&[("tokenizer_config.json", &config_with_template(template))]);
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    let tools = ChatTemplateOptions {
+        tools: vec![
+            ChatTool::from_json(r#"{"z": 1, "function": {"name": "f", "a": [2]}}"#).unwrap(),
+        ],
+        ..ChatTemplateOptions::default()
+    };
+    assert_eq!(
+        tok.apply_chat_template_with(&conversation(), &tools)
+            .unwrap(),
+        r#"{"z": 1, "function": {"name": "f", "a": [2]}}|{"a": [2], "name": "f"}|f"#
+    );
+    assert_eq!(
+        tok.apply_chat_template_with(&conversation(), &ChatTemplateOptions::default())
+            .unwrap(),
+        "none"
+    );
+    for bad in ["[1]", "\"f\"", "{", ""] {
+        assert!(ChatTool::from_json(bad).is_err(), "{bad:?}");
+    }
 }

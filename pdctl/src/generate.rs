@@ -24,6 +24,10 @@ pub struct GenerateArgs {
     /// Optional system message for `--chat`.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// Function tools for `--chat`: a JSON array of tool objects (OpenAI's shape), rendered
+    /// by the model's chat template.
+    #[arg(long, requires = "chat")]
+    tools: Option<std::path::PathBuf>,
     /// Prompt as token ids, comma separated.
     #[arg(long, value_delimiter = ',')]
     token_ids: Option<Vec<u32>>,
@@ -45,7 +49,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     rt.block_on(generate(args))
 }
 
-fn request(args: &GenerateArgs) -> pb::GenerateRequest {
+fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
     use pb::generate_request::Input;
     let input = if let Some(ids) = &args.token_ids {
         Input::TokenIds(pb::TokenIds { ids: ids.clone() })
@@ -66,6 +70,7 @@ fn request(args: &GenerateArgs) -> pb::GenerateRequest {
         Input::Chat(pb::ChatInput {
             messages,
             enable_thinking: None,
+            tools,
         })
     };
     let p = args.sampling.params();
@@ -85,6 +90,10 @@ fn request(args: &GenerateArgs) -> pb::GenerateRequest {
 }
 
 async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let tools = match &args.tools {
+        Some(path) => crate::tools::read(path)?,
+        None => Vec::new(),
+    };
     let endpoint = if args.router.contains("://") {
         args.router.clone()
     } else {
@@ -94,7 +103,7 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("connecting to the router at {}", args.router))?;
     let mut stream = client
-        .generate(request(&args))
+        .generate(request(&args, tools))
         .await
         .map_err(|s| anyhow::anyhow!("{}: {}", code_name(s.code()), s.message()))?
         .into_inner();

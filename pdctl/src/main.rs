@@ -15,6 +15,7 @@ mod load;
 mod metrics;
 mod run;
 mod tokenize;
+mod tools;
 mod up;
 
 use std::process::ExitCode;

@@ -19,7 +19,7 @@ use pd_engine::sampling::{
 };
 use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
 use pd_engine::text::TextStream;
-use pd_engine::tokenizer::{ChatMessage, ChatRole};
+use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool};
 use serde_json::json;
 
 #[derive(Debug, Args)]
@@ -37,6 +37,10 @@ pub struct RunArgs {
     /// Optional system message for `--chat`.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// Function tools for `--chat`: a JSON array of tool objects (OpenAI's shape), rendered
+    /// by the model's chat template.
+    #[arg(long, requires = "chat")]
+    tools: Option<PathBuf>,
     /// Prompt as token ids, comma separated.
     #[arg(long, value_delimiter = ',')]
     token_ids: Option<Vec<u32>>,
@@ -342,7 +346,23 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
             role: ChatRole::User,
             content: text.clone(),
         });
-        let rendered = tokenizer.apply_chat_template(&messages, true)?;
+        let tools = match &args.tools {
+            Some(path) => crate::tools::read(path)?
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    ChatTool::from_json(t)
+                        .map_err(|e| anyhow::anyhow!("{}: tool {i}: {e}", path.display()))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        let options = ChatTemplateOptions {
+            add_generation_prompt: true,
+            tools,
+            ..ChatTemplateOptions::default()
+        };
+        let rendered = tokenizer.apply_chat_template_with(&messages, &options)?;
         return Ok(vec![one(tokenizer.encode(&rendered)?)]);
     }
     let path = args.prompts_file.as_ref().expect("clap requires one input");

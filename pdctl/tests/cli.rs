@@ -554,3 +554,46 @@ fn truncate_prompt_tokens_keeps_the_prompts_tail() {
         "truncate_prompt_tokens must be between 1 and",
     );
 }
+
+#[test]
+fn chat_tools_are_rendered_into_the_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]"#,
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let base = [
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--chat",
+            "Weather in Paris?",
+            "--max-tokens",
+            "1",
+            "--json",
+        ];
+        json_of(&pdctl(cache(), &[&base[..], extra].concat()))
+    };
+    let plain = run(&[])["usage"]["prompt_tokens"].as_u64().unwrap();
+    let with_tools = run(&["--tools", tools.to_str().unwrap()])["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(with_tools > plain + 20, "{with_tools} vs {plain}");
+    std::fs::write(&tools, r#"{"not": "an array"}"#).unwrap();
+    let out = pdctl(
+        cache(),
+        &[
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--chat",
+            "x",
+            "--tools",
+            tools.to_str().unwrap(),
+        ],
+    );
+    assert_refused(&out, "not a JSON array of tools");
+}

@@ -11,7 +11,8 @@
 //!   when the request is registered (`crate::service`), also as INVALID_ARGUMENT.
 //! - Exactly one input: `text` (tokenized raw), `chat` (rendered with the model's chat
 //!   template with the generation prompt, then tokenized; roles must be system / user /
-//!   assistant / tool, and the template may refuse a conversation) or `token_ids`.
+//!   assistant / tool, tools at most [`MAX_CHAT_TOOLS`] JSON objects, and the template may
+//!   refuse a conversation) or `token_ids`.
 //! - `truncate_prompt_tokens`, when set, is 1 to the context length; the prompt keeps its
 //!   last that many tokens.
 //! - Sampling ranges and stop conditions: [`SamplingParams::validate`] with the model's
@@ -28,7 +29,9 @@ use pd_engine::EngineError;
 use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{SamplingError, SamplingParams};
-use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, Tokenizer};
+use pd_engine::tokenizer::{
+    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, MAX_CHAT_TOOLS, Tokenizer,
+};
 use pd_proto::pb;
 use tonic::Status;
 
@@ -101,6 +104,10 @@ pub enum ValidationError {
         "chat.messages[{index}].role is `{role}`: expected one of system, user, assistant, tool"
     )]
     UnknownChatRole { index: usize, role: String },
+    #[error("chat.tools[{index}]: {message}")]
+    BadTool { index: usize, message: String },
+    #[error("chat.tools has {0} tools; at most {max} are accepted", max = MAX_CHAT_TOOLS)]
+    TooManyTools(usize),
     #[error("the chat template refused the conversation: {0}")]
     ChatTemplate(String),
     #[error("cannot tokenize the prompt: {0}")]
@@ -260,9 +267,22 @@ impl Validator {
                         }),
                     })
                     .collect::<Result<Vec<_>, _>>()?;
+                if chat.tools.len() > MAX_CHAT_TOOLS {
+                    return Err(ValidationError::TooManyTools(chat.tools.len()));
+                }
+                let tools = chat
+                    .tools
+                    .iter()
+                    .enumerate()
+                    .map(|(index, json)| {
+                        ChatTool::from_json(json)
+                            .map_err(|message| ValidationError::BadTool { index, message })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
                 let options = ChatTemplateOptions {
                     add_generation_prompt: true,
                     enable_thinking: chat.enable_thinking,
+                    tools,
                 };
                 let text = self
                     .model

@@ -4,6 +4,7 @@ Usage: python3 tests/python/client_test.py ROUTER_ADDR
 Prints one line per check and a closing "N passed, M failed" line; exits non-zero on failure.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +65,20 @@ def main():
         )
         ids = [t for c in stub.Generate(req, timeout=60) for t in c.token_ids]
         assert 4 <= len(ids) <= 6, ids
+        # Function tools (JSON objects) are rendered into a chat prompt by the template.
+        def chat_prompt_tokens(tools):
+            req = generation_pb2.GenerateRequest(
+                chat=generation_pb2.ChatInput(
+                    messages=[generation_pb2.ChatMessage(role="user", content="Weather in Paris?")],
+                    tools=tools,
+                ),
+                sampling=greedy,
+                max_tokens=1,
+            )
+            return list(stub.Generate(req, timeout=60))[-1].usage.prompt_tokens
+
+        tool = json.dumps({"type": "function", "function": {"name": "get_weather", "parameters": {}}})
+        assert chat_prompt_tokens([tool]) > chat_prompt_tokens([]) + 20
         # A logit bias map and allowed ids confine every token.
         confined = common_pb2.SamplingParams(
             temperature=1.0, allowed_token_ids=[11, 22, 33], logit_bias={22: 2.0, 44: 100.0}

@@ -405,6 +405,26 @@ def hf_nfc(candidate, text: str) -> str:
     return candidate.normalizer.normalize_str(text)
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city, °C",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOLS_RENDERED = (
+    "<|im_start|>system\nYou are terse.\n\n# Tools\n\nThese functions are available, one JSON signature per "
+    "line inside <tools></tools>:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, °C", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n'
+    "</tools>\n\nTo call a function, reply with a JSON object of its name and arguments inside "
+    "<tool_call></tool_call> tags, one call per pair of tags:\n<tool_call>\n"
+    '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
 def check_chat_template(config_path: Path) -> int:
     """Render the committed chat template with Jinja2 (as transformers would)."""
     try:
@@ -417,8 +437,13 @@ def check_chat_template(config_path: Path) -> int:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' own filter: json.dumps, non-ASCII kept, keys in insertion order.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     template = env.from_string(json.loads(config_path.read_text(encoding="utf-8"))["chat_template"])
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
     convo = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
@@ -430,6 +455,8 @@ def check_chat_template(config_path: Path) -> int:
             dict(messages=msgs, add_generation_prompt=True, enable_thinking=False),
             convo + "<|im_start|>assistant\n<think>\n\n</think>\n\n",
         ),
+        # With tools (engine/tests/chat_template.rs expects the same text).
+        (dict(messages=msgs, add_generation_prompt=True, tools=[TOOL]), TOOLS_RENDERED),
     ]
     failures = 0
     for kwargs, expected in cases:

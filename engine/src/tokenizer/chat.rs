@@ -3,12 +3,14 @@
 //! Templates are Jinja, rendered with minijinja in the environment Hugging Face's
 //! `apply_chat_template` sets up: `trim_blocks` and `lstrip_blocks` on, the context holds
 //! `messages`, `add_generation_prompt`, the special tokens (`bos_token`, `eos_token`,
-//! `pad_token`, when the tokenizer config names them), `tools` and `documents` (none), and any
-//! template variables the caller passes (such as Qwen3's `enable_thinking`);
+//! `pad_token`, when the tokenizer config names them), `tools` (the caller's function tools,
+//! none when there are none) and `documents` (none), and any template variables the caller
+//! passes (such as Qwen3's `enable_thinking`);
 //! `raise_exception(message)` aborts rendering with that message. Model templates are written
 //! for Python's Jinja2, so the common Python string and dict methods they call
-//! (`startswith`, `split`, `strip`, `items`, ...) are provided, and `tojson` writes JSON the way
-//! Python's `json.dumps(..., ensure_ascii=False)` does.
+//! (`startswith`, `split`, `strip`, `items`, ...) are provided, dicts keep their insertion
+//! order as Python's do, and `tojson` writes JSON the way Python's
+//! `json.dumps(..., ensure_ascii=False)` does.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -90,8 +92,32 @@ impl ChatMessage {
     }
 }
 
+/// Most function tools one conversation may carry.
+pub const MAX_CHAT_TOOLS: usize = 128;
+
+/// One function tool a template may describe to the model (`apply_chat_template(tools=...)`):
+/// a JSON object, OpenAI's shape `{"type": "function", "function": {"name": ..., "description":
+/// ..., "parameters": {...}}}`, kept in its own key order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatTool(Value);
+
+impl ChatTool {
+    /// Parses one tool; anything but a JSON object is refused.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let value: Value =
+            serde_json::from_str(json).map_err(|e| format!("not valid JSON: {e}"))?;
+        if value.kind() != ValueKind::Map {
+            return Err(format!(
+                "a tool must be a JSON object, got {}",
+                value.kind()
+            ));
+        }
+        Ok(ChatTool(value))
+    }
+}
+
 /// Options for [`super::Tokenizer::apply_chat_template_with`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatTemplateOptions {
     /// End the prompt with the opening of an assistant turn.
     pub add_generation_prompt: bool,
@@ -99,6 +125,8 @@ pub struct ChatTemplateOptions {
     /// decides whether to think); `Some(false)` makes Qwen3 templates append an empty think
     /// block to the generation prompt.
     pub enable_thinking: Option<bool>,
+    /// Function tools for the template's `tools` (none when empty).
+    pub tools: Vec<ChatTool>,
 }
 
 /// Where a chat template came from, for error messages.
@@ -179,7 +207,14 @@ impl ChatTemplate {
             "add_generation_prompt",
             Value::from(options.add_generation_prompt),
         );
-        ctx.insert("tools", Value::from(()));
+        ctx.insert(
+            "tools",
+            if options.tools.is_empty() {
+                Value::from(())
+            } else {
+                Value::from_iter(options.tools.iter().map(|t| t.0.clone()))
+            },
+        );
         ctx.insert("documents", Value::from(()));
         if let Some(thinking) = options.enable_thinking {
             ctx.insert("enable_thinking", Value::from(thinking));
@@ -218,9 +253,9 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value,
         Some(v) => Some(v),
         None => kwargs.get::<Option<Value>>("indent")?,
     };
-    // Accepted for compatibility with HF's filter; maps are written in key order either way.
-    let _sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
+
     let indent = match indent {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
@@ -231,24 +266,39 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value,
             )
         })?),
     };
+    let cannot =
+        |e| Error::new(ErrorKind::InvalidOperation, "tojson: cannot serialize").with_source(e);
+    // Maps are written in their insertion order, as Python does; `sort_keys=True` sorts them
+    // (serde_json's own maps are ordered by key).
+    let text = if sort_keys == Some(true) {
+        let sorted = serde_json::to_value(value).map_err(cannot)?;
+        python_json(&sorted, indent)
+    } else {
+        python_json(value, indent)
+    }
+    .map_err(cannot)?;
+    Ok(Value::from_safe_string(text))
+}
+
+/// `value` as Python's `json.dumps(value, ensure_ascii=False, indent=indent)` writes it.
+fn python_json<T: Serialize>(
+    value: &T,
+    indent: Option<usize>,
+) -> Result<String, serde_json::Error> {
     let mut out = Vec::new();
-    let result = match indent {
+    match indent {
         None => {
             let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonCompact);
-            value.serialize(&mut ser)
+            value.serialize(&mut ser)?;
         }
         Some(n) => {
             let pad = vec![b' '; n];
             let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
             let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
-            value.serialize(&mut ser)
+            value.serialize(&mut ser)?;
         }
-    };
-    result.map_err(|e| {
-        Error::new(ErrorKind::InvalidOperation, "tojson: cannot serialize").with_source(e)
-    })?;
-    let text = String::from_utf8(out).expect("serde_json writes UTF-8");
-    Ok(Value::from_safe_string(text))
+    }
+    Ok(String::from_utf8(out).expect("serde_json writes UTF-8"))
 }
 
 /// serde_json formatter with Python's default separators (`", "`, `": "`).

@@ -21,7 +21,7 @@ mod config;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-pub use chat::{ChatMessage, ChatRole, ChatTemplateOptions};
+pub use chat::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, MAX_CHAT_TOOLS};
 use chat::{ChatTemplate, TemplateOrigin};
 use config::TokenizerConfig;
 
@@ -297,7 +297,7 @@ impl Tokenizer {
             messages,
             &ChatTemplateOptions {
                 add_generation_prompt,
-                enable_thinking: None,
+                ..ChatTemplateOptions::default()
             },
         )
     }

@@ -109,6 +109,7 @@ pub fn wire_request(
                 })
                 .collect(),
             enable_thinking: None,
+            tools: Vec::new(),
         }),
     };
     pb::GenerateRequest {

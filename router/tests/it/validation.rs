@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering::SeqCst;
 
-use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions};
+use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool};
 use pd_proto::pb;
 use pd_proto::pb::generate_request::Input;
 use tonic::Code;
@@ -36,11 +36,21 @@ fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
                 })
                 .collect(),
             enable_thinking: Some(false),
+            tools: Vec::new(),
         })),
         max_tokens: Some(8),
         ..Default::default()
     }
 }
+
+fn with_tools(mut req: pb::GenerateRequest, tools: &[&str]) -> pb::GenerateRequest {
+    if let Some(Input::Chat(c)) = req.input.as_mut() {
+        c.tools = tools.iter().map(|t| t.to_string()).collect();
+    }
+    req
+}
+
+const TOOL: &str = r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}"#;
 
 #[tokio::test]
 async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
@@ -239,6 +249,18 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
         ),
         (chat(&[]), "`chat.messages` is empty"),
         (
+            with_tools(chat(&[("user", "hi")]), &[TOOL, "{\"type\": "]),
+            "chat.tools[1]: not valid JSON",
+        ),
+        (
+            with_tools(chat(&[("user", "hi")]), &["[1, 2]"]),
+            "chat.tools[0]: a tool must be a JSON object",
+        ),
+        (
+            with_tools(chat(&[("user", "hi")]), &[TOOL; 129]),
+            "chat.tools has 129 tools; at most 128",
+        ),
+        (
             chat(&[("user", "hi"), ("wizard", "abracadabra")]),
             "chat.messages[1].role is `wizard`",
         ),
@@ -380,7 +402,10 @@ async fn chat_input_is_rendered_with_the_template() {
     let d = FakeNode::decode().await;
     let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
     let mut client = router.client();
-    let request = chat(&[("system", "Be brief."), ("user", "What is 2+2?")]);
+    let request = with_tools(
+        chat(&[("system", "Be brief."), ("user", "What is 2+2?")]),
+        &[TOOL],
+    );
     let (_, error) = collect(&mut client, request).await.unwrap();
     assert!(error.is_none());
     let rendered = tok
@@ -392,11 +417,17 @@ async fn chat_input_is_rendered_with_the_template() {
             &ChatTemplateOptions {
                 add_generation_prompt: true,
                 enable_thinking: Some(false),
+                tools: vec![ChatTool::from_json(TOOL).unwrap()],
             },
         )
         .unwrap();
     assert!(
         rendered.ends_with("<think>\n\n</think>\n\n"),
+        "{rendered:?}"
+    );
+    // The tool as the client wrote it, key order included.
+    assert!(
+        rendered.contains(&format!("<tools>\n{TOOL}\n</tools>")),
         "{rendered:?}"
     );
     let sent = p.state.prefills.lock().unwrap()[0].token_ids.clone();
