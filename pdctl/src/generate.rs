@@ -85,6 +85,7 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         include_stop_str_in_output: false,
         cache_salt: args.cache_salt.clone(),
         truncate_prompt_tokens: args.sampling.truncate_prompt_tokens,
+        bad_words: args.sampling.bad_words.clone(),
         request_id: None,
     }
 }

@@ -16,6 +16,7 @@ use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
+    bad_words_token_ids,
 };
 use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
 use pd_engine::text::TextStream;
@@ -99,6 +100,10 @@ pub struct SamplingArgs {
     /// Sample only among these token ids, comma separated.
     #[arg(long, value_delimiter = ',')]
     allowed_token_ids: Vec<u32>,
+    /// A word the model must not produce (repeatable; tokenized as written and after a
+    /// space).
+    #[arg(long = "bad-words")]
+    pub(crate) bad_words: Vec<String>,
     /// Same seed, same output.
     #[arg(long)]
     seed: Option<u64>,
@@ -137,6 +142,8 @@ impl SamplingArgs {
             min_tokens: self.min_tokens,
             logit_bias: self.logit_bias.clone(),
             allowed_token_ids: self.allowed_token_ids.clone(),
+            // Tokenized where the tokenizer is (`run`, or the router for `generate`).
+            bad_words_token_ids: Vec::new(),
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
@@ -188,8 +195,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = &files.config;
     let max_model_len = args.engine.max_model_len(config)?;
     let mut jobs = jobs(&args, &files)?;
+    let bad_words = bad_words_token_ids(&files.tokenizer, &args.sampling.bad_words)?;
     let many = jobs.len() > 1;
     for (i, job) in jobs.iter_mut().enumerate() {
+        job.params.bad_words_token_ids = bad_words.clone();
         let at = |e: anyhow::Error| {
             if many {
                 e.context(format!("prompt {}", i + 1))

@@ -51,6 +51,11 @@ pub fn sampling_params(
             bias
         },
         allowed_token_ids: w.allowed_token_ids.clone(),
+        bad_words_token_ids: w
+            .bad_words_token_ids
+            .iter()
+            .map(|seq| seq.ids.clone())
+            .collect(),
         stop,
         stop_token_ids,
         ignore_eos,
@@ -82,6 +87,11 @@ pub fn wire_sampling(p: &SamplingParams) -> pb::SamplingParams {
                 map
             }),
         allowed_token_ids: p.allowed_token_ids.clone(),
+        bad_words_token_ids: p
+            .bad_words_token_ids
+            .iter()
+            .map(|ids| pb::TokenSequence { ids: ids.clone() })
+            .collect(),
     }
 }
 
@@ -189,6 +199,7 @@ mod tests {
             min_tokens: Some(3),
             logit_bias: [(9, -100.0), (2, 1.5)].into_iter().collect(),
             allowed_token_ids: vec![4, 2, 9],
+            bad_words_token_ids: vec![pb::TokenSequence { ids: vec![5, 6] }],
             ..Default::default()
         };
         let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
@@ -198,6 +209,7 @@ mod tests {
         );
         assert_eq!(p.logit_bias, [(2, 1.5), (9, -100.0)], "in id order");
         assert_eq!(p.allowed_token_ids, [4, 2, 9]);
+        assert_eq!(p.bad_words_token_ids, [vec![5, 6]]);
         assert_eq!(
             wire_sampling(&p),
             pb::SamplingParams {

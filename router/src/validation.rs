@@ -15,6 +15,8 @@
 //!   refuse a conversation) or `token_ids`.
 //! - `truncate_prompt_tokens`, when set, is 1 to the context length; the prompt keeps its
 //!   last that many tokens.
+//! - `bad_words` (at most [`MAX_BAD_WORDS`]) are tokenized into the sampling parameters'
+//!   token sequences.
 //! - Sampling ranges and stop conditions: [`SamplingParams::validate`] with the model's
 //!   vocabulary and `--max-tokens-cap` (max_tokens 0 or above the cap is refused; unset it is
 //!   `min(cap, context − prompt)`).
@@ -28,7 +30,7 @@
 use pd_engine::EngineError;
 use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
-use pd_engine::sampling::{SamplingError, SamplingParams};
+use pd_engine::sampling::{MAX_BAD_WORDS, SamplingError, SamplingParams, bad_words_token_ids};
 use pd_engine::tokenizer::{
     ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, MAX_CHAT_TOOLS, Tokenizer,
 };
@@ -215,7 +217,7 @@ impl Validator {
                 .min(self.max_tokens_cap)
                 .max(1),
         };
-        let params = pd_proto::convert::sampling_params(
+        let mut params = pd_proto::convert::sampling_params(
             req.sampling.as_ref(),
             max_tokens,
             req.stop,
@@ -223,6 +225,14 @@ impl Validator {
             req.ignore_eos,
             req.include_stop_str_in_output,
         );
+        if !req.bad_words.is_empty() {
+            if req.bad_words.len() > MAX_BAD_WORDS {
+                return Err(SamplingError::TooManyBadWords(req.bad_words.len()).into());
+            }
+            let words = bad_words_token_ids(self.model.tokenizer(), &req.bad_words)
+                .map_err(|e| ValidationError::Tokenize(e.to_string()))?;
+            params.bad_words_token_ids.extend(words);
+        }
         params.validate(vocab_size, self.max_tokens_cap)?;
         validate_prompt(&prompt, vocab_size, context_len, max_tokens)
             .map_err(|e| ValidationError::Prompt(engine_message(e)))?;

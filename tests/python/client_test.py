@@ -125,6 +125,9 @@ def main():
             "presence_penalty": generation_pb2.GenerateRequest(
                 text="x", max_tokens=4, sampling=common_pb2.SamplingParams(presence_penalty=2.5)
             ),
+            "bad_words": generation_pb2.GenerateRequest(
+                text="x", max_tokens=4, bad_words=["w"] * 129
+            ),
             "logit_bias": generation_pb2.GenerateRequest(
                 text="x", max_tokens=4, sampling=common_pb2.SamplingParams(logit_bias={1: 101.0})
             ),

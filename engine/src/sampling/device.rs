@@ -224,6 +224,10 @@ mod tests {
                 ..Default::default()
             },
             SamplingParams {
+                bad_words_token_ids: vec![vec![4]],
+                ..Default::default()
+            },
+            SamplingParams {
                 temperature: 1.0,
                 top_k: 20,
                 min_p: 0.1,

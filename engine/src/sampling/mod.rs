@@ -27,12 +27,14 @@
 //! }
 //! ```
 
+pub mod bad_words;
 pub mod device;
 pub mod params;
 pub mod sampler;
 pub mod stop;
 mod truncation;
 
+pub use bad_words::{MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_words_token_ids};
 pub use device::{DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K};
 pub use params::{
     GREEDY_TEMPERATURE_EPS, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS,

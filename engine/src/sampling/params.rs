@@ -58,6 +58,11 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Sample only among these ids (vLLM's `allowed_token_ids`); empty allows every id.
     pub allowed_token_ids: Vec<u32>,
+    /// vLLM's `bad_words` as token sequences ([`super::bad_words_token_ids`]): the last token
+    /// of each is never sampled right after the rest of it (a single token never). At most
+    /// [`super::MAX_BAD_WORDS`], each 1 to [`super::MAX_BAD_WORD_TOKENS`] ids of the
+    /// vocabulary.
+    pub bad_words_token_ids: Vec<Vec<u32>>,
     /// Per-request RNG seed. `None`: the engine derives one (see
     /// [`SamplingParams::effective_seed`]).
     pub seed: Option<u64>,
@@ -93,6 +98,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             allowed_token_ids: Vec::new(),
+            bad_words_token_ids: Vec::new(),
             seed: None,
             max_tokens: 16,
             min_tokens: 0,
@@ -195,6 +201,23 @@ pub enum SamplingError {
         token_id: u32,
         /// The offending value.
         value: f32,
+    },
+    /// More than [`super::MAX_BAD_WORDS`] bad words.
+    #[error("at most {max} bad words are allowed, got {0}", max = super::MAX_BAD_WORDS)]
+    TooManyBadWords(usize),
+    /// A bad word's token sequence is empty, too long or outside the vocabulary.
+    #[error(
+        "bad word {index} must be 1 to {max} token ids of the vocabulary (ids 0..{vocab_size}), \
+         got {ids:?}",
+        max = super::MAX_BAD_WORD_TOKENS
+    )]
+    InvalidBadWord {
+        /// Position in `bad_words_token_ids`.
+        index: usize,
+        /// Its ids (cut to the first few).
+        ids: Vec<u32>,
+        /// The model's vocabulary size.
+        vocab_size: usize,
     },
     /// An `allowed_token_ids` entry outside the vocabulary.
     #[error(
@@ -301,6 +324,27 @@ impl SamplingParams {
             if !(-MAX_ABS_LOGIT_BIAS..=MAX_ABS_LOGIT_BIAS).contains(&value) {
                 return Err(SamplingError::InvalidLogitBias { token_id, value });
             }
+        }
+        if self.bad_words_token_ids.len() > super::MAX_BAD_WORDS {
+            return Err(SamplingError::TooManyBadWords(
+                self.bad_words_token_ids.len(),
+            ));
+        }
+        if let Some((index, ids)) = self
+            .bad_words_token_ids
+            .iter()
+            .enumerate()
+            .find(|(_, ids)| {
+                ids.is_empty()
+                    || ids.len() > super::MAX_BAD_WORD_TOKENS
+                    || ids.iter().any(|&id| id as usize >= vocab_size)
+            })
+        {
+            return Err(SamplingError::InvalidBadWord {
+                index,
+                ids: ids.iter().copied().take(8).collect(),
+                vocab_size,
+            });
         }
         if let Some((index, &token_id)) = self
             .allowed_token_ids

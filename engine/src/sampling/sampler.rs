@@ -10,6 +10,7 @@ use std::fmt;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::bad_words::mask_bad_words;
 use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K};
 use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_range};
 use super::truncation::{
@@ -54,7 +55,7 @@ pub struct PromptLogprob {
 /// Chooses the tokens of one request.
 ///
 /// Processing order (vLLM v1): ids outside `allowed_token_ids` (when given) get `-inf` →
-/// `logit_bias` is added → while fewer than `min_tokens` tokens are out, EOS and the stop
+/// `logit_bias` is added → tokens that would complete a bad word get `-inf` → while fewer than `min_tokens` tokens are out, EOS and the stop
 /// token ids get `-inf` → repetition penalty (prompt and output) → frequency and presence
 /// penalties (output) → greedy argmax when the temperature is below
 /// [`GREEDY_TEMPERATURE_EPS`] (ties to the lower id) → temperature → min-p → top-k → top-p →
@@ -84,6 +85,7 @@ pub struct Sampler {
     logit_bias: Vec<(u32, f32)>,
     /// Sorted, without repeats; empty allows every id.
     allowed: Vec<u32>,
+    bad_words: Vec<Vec<u32>>,
     logprobs: Option<u32>,
     rng: ChaCha8Rng,
     penalty: Penalty,
@@ -171,6 +173,7 @@ impl Sampler {
                 .filter(|&(_, b)| b.is_finite())
                 .collect(),
             allowed,
+            bad_words: params.bad_words_token_ids.clone(),
             logprobs: params.logprobs,
             rng: ChaCha8Rng::seed_from_u64(seed),
             penalty: Penalty::default(),
@@ -185,10 +188,9 @@ impl Sampler {
 
     /// How a backend may choose this request's next token where the logits are (see
     /// [`super::device`]), given how many tokens are out already, or `None` when it needs
-    /// the host: a penalty, a logit bias, allowed ids, min-p, `logprobs > 0`, ids masked
-    /// until `min_tokens`, or
-    /// temperature sampling without a top-k in `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw
-    /// is *peeked* from the request's RNG; [`Sampler::accept`] consumes it only if the
+    /// the host: a penalty, a logit bias, allowed ids, bad words, min-p, `logprobs > 0`, ids
+    /// masked until `min_tokens`, or temperature sampling without a top-k in
+    /// `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw is *peeked* from the request's RNG; [`Sampler::accept`] consumes it only if the
     /// backend used it, so the stream stays the one [`Sampler::sample`] would have used.
     pub fn device_plan(&self, output_len: usize) -> Option<DeviceSampling> {
         if self.repetition_penalty != 1.0
@@ -197,6 +199,7 @@ impl Sampler {
             || self.suppressing(output_len)
             || !self.logit_bias.is_empty()
             || !self.allowed.is_empty()
+            || !self.bad_words.is_empty()
             || self.min_p > 0.0
             || self.logprobs.is_some_and(|k| k > 0)
         {
@@ -271,7 +274,8 @@ impl Sampler {
         let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
             && !output_tokens.is_empty();
         let suppress = self.suppressing(output_tokens.len());
-        let reshaped = !self.allowed.is_empty() || !self.logit_bias.is_empty();
+        let reshaped =
+            !self.allowed.is_empty() || !self.logit_bias.is_empty() || !self.bad_words.is_empty();
         let work: &[f32] = if repetition || additive || suppress || reshaped {
             let pen = &mut self.penalty;
             pen.logits.clear();
@@ -290,6 +294,7 @@ impl Sampler {
                     *l += bias;
                 }
             }
+            mask_bad_words(&mut pen.logits, &self.bad_words, output_tokens);
             if suppress {
                 for &id in &self.suppress {
                     if let Some(l) = pen.logits.get_mut(id as usize) {

@@ -1,5 +1,5 @@
-//! `logit_bias` (OpenAI's) and `allowed_token_ids` (vLLM's): both reshape the logits before
-//! the penalties and sampling; reported log-probabilities stay the raw ones.
+//! `logit_bias` (OpenAI's), `allowed_token_ids` and `bad_words` (vLLM's): they reshape the
+//! logits before the penalties and sampling; reported log-probabilities stay the raw ones.
 
 use pd_engine::sampling::{Sampler, SamplingParams};
 
@@ -82,6 +82,35 @@ fn allowed_token_ids_confine_every_draw() {
         other,
         "a bias cannot bring back a token that is not allowed"
     );
+}
+
+#[test]
+fn bad_words_are_never_completed() {
+    // Greedy would say 3, 4, 5 forever; "4 5" is a bad word, "7" too.
+    let p = SamplingParams {
+        bad_words_token_ids: vec![vec![4, 5], vec![7]],
+        ..params()
+    };
+    let mut s = Sampler::new(&p, 0, &[]);
+    let row = |best: u32| {
+        let mut l = vec![0.0f32; 10];
+        l[best as usize] = 5.0;
+        l[7] = 4.0;
+        l[8] = 3.0;
+        l
+    };
+    assert_eq!(
+        s.sample(&row(5), &[4], &[]).token_id,
+        5,
+        "the prompt is not the output"
+    );
+    assert_eq!(
+        s.sample(&row(5), &[], &[3, 4]).token_id,
+        8,
+        "not 5 after 4, never 7"
+    );
+    assert_eq!(s.sample(&row(5), &[], &[4, 3]).token_id, 5);
+    assert_eq!(s.sample(&row(7), &[], &[]).token_id, 8);
 }
 
 mod properties {

@@ -25,6 +25,7 @@ fn validate_accepts_defaults_and_boundaries() {
         min_tokens: 4096,
         logit_bias: vec![(0, -100.0); pd_engine::sampling::MAX_LOGIT_BIAS],
         allowed_token_ids: vec![VOCAB as u32 - 1, 0],
+        bad_words_token_ids: vec![vec![VOCAB as u32 - 1; 64]; 128],
         stop: vec!["x".into(); MAX_STOP_STRINGS],
         stop_token_ids: vec![0, VOCAB as u32 - 1],
         ignore_eos: true,
@@ -173,6 +174,27 @@ fn validate_logit_bias_and_allowed_token_ids() {
         e.to_string(),
         "allowed_token_ids[2] = 1000 is out of range: the vocabulary has 1000 tokens (ids 0..1000)"
     );
+}
+
+#[test]
+fn validate_bad_words() {
+    let bad = |bad_words_token_ids: Vec<Vec<u32>>| {
+        invalid(SamplingParams {
+            bad_words_token_ids,
+            ..params()
+        })
+        .to_string()
+    };
+    assert_eq!(
+        bad(vec![vec![1]; 129]),
+        "at most 128 bad words are allowed, got 129"
+    );
+    assert_eq!(
+        bad(vec![vec![1], vec![]]),
+        "bad word 1 must be 1 to 64 token ids of the vocabulary (ids 0..1000), got []"
+    );
+    assert!(bad(vec![vec![2; 65]]).starts_with("bad word 0 must be"));
+    assert!(bad(vec![vec![3, 1000]]).ends_with("got [3, 1000]"));
 }
 
 #[test]

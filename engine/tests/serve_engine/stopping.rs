@@ -1,6 +1,7 @@
 //! Stop conditions and penalties through the engine: `min_tokens` keeps stop token ids
 //! from being sampled or ending a request, on a mixed engine and on a prefill node's single
-//! token; frequency and presence penalties change what greedy decoding chooses.
+//! token; frequency and presence penalties and bad words change what greedy decoding
+//! chooses.
 
 use pd_engine::sampling::{FinishReason, SamplingParams};
 use pd_engine::serve::Role;
@@ -81,4 +82,28 @@ fn frequency_and_presence_penalties_change_greedy_choices() {
         // The penalties only act once a token is out: the first token is the same.
         assert_eq!(out.tokens[0], plain[0]);
     }
+}
+
+#[test]
+fn bad_words_are_steered_around() {
+    let plain = greedy(6);
+    let run = |bad: Vec<Vec<u32>>| {
+        let mut r = req("bad", prompt(3, 9), 6);
+        r.params.bad_words_token_ids = bad;
+        let mut e = engine(64, config());
+        let out = run_one(&mut e, r);
+        all_free(&e);
+        out.tokens
+    };
+    // A one-token bad word is never produced.
+    let out = run(vec![vec![plain[0]]]);
+    assert!(!out.contains(&plain[0]), "{out:?}");
+    // A two-token one: its first token may come, never followed by its second.
+    let out = run(vec![vec![plain[0], plain[1]]]);
+    assert_eq!(out[0], plain[0]);
+    assert_ne!(out[1], plain[1]);
+    assert!(
+        !out.windows(2).any(|w| w == [plain[0], plain[1]]),
+        "{out:?}"
+    );
 }

@@ -147,6 +147,7 @@ async fn logprobs_and_prompt_logprobs_when_asked_for() {
     let mut client = router.client();
     let mut req = text_request("one two three four");
     req.max_tokens = Some(4);
+    req.bad_words = vec!["  fox".into()];
     req.sampling = Some(pb::SamplingParams {
         logprobs: Some(1),
         prompt_logprobs: Some(0),
@@ -174,6 +175,18 @@ async fn logprobs_and_prompt_logprobs_when_asked_for() {
         .clone()
         .unwrap();
     assert_eq!(sent.temperature, Some(0.0));
+    // The bad word, tokenized as written and after a space, for the nodes.
+    assert_eq!(
+        sent.bad_words_token_ids,
+        [
+            pb::TokenSequence {
+                ids: tok.encode("fox").unwrap()
+            },
+            pb::TokenSequence {
+                ids: tok.encode(" fox").unwrap()
+            }
+        ]
+    );
     assert_eq!(sent.logprobs, Some(1));
     assert_eq!(sent.prompt_logprobs, Some(0));
 }

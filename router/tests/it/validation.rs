@@ -249,6 +249,13 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
         ),
         (chat(&[]), "`chat.messages` is empty"),
         (
+            pb::GenerateRequest {
+                bad_words: vec!["x".into(); 129],
+                ..text_request("Hello")
+            },
+            "at most 128 bad words",
+        ),
+        (
             with_tools(chat(&[("user", "hi")]), &[TOOL, "{\"type\": "]),
             "chat.tools[1]: not valid JSON",
         ),
