@@ -9,7 +9,7 @@ use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::kv::host_buffer::{HostAllocator, HostBuffer};
 use crate::model::Qwen3;
-use crate::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
+use crate::sampling::{DeviceSample, DeviceSampleRow, SamplePlan};
 
 /// One sequence's part of a forward pass.
 #[derive(Debug, Clone, Copy)]
@@ -105,7 +105,7 @@ impl<B: Backend> Executor<B> {
     pub fn execute_sampling(
         &mut self,
         items: &[ExecItem<'_>],
-        plans: &[Option<DeviceSampling>],
+        plans: &[Option<SamplePlan>],
         vocab_limit: usize,
     ) -> Vec<StepOutput> {
         assert_eq!(plans.len(), items.len(), "one plan (or None) per item");
@@ -115,10 +115,9 @@ impl<B: Backend> Executor<B> {
         let mut host_spans = Vec::new();
         for ((item, plan), &(first, n)) in items.iter().zip(plans).zip(&spans) {
             match plan {
-                Some(method) if !item.all_logits => device_rows.push(DeviceSampleRow {
-                    row: first,
-                    method: *method,
-                }),
+                Some(plan) if !item.all_logits => {
+                    device_rows.push(DeviceSampleRow::planned(first, plan));
+                }
                 _ => {
                     host_spans.push((host_rows.len(), n));
                     host_rows.extend(first..first + n);

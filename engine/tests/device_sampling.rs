@@ -65,6 +65,13 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
     let mut out = vec![Vec::new(); seqs.len()];
     let mut device_rows = 0;
     for _ in 0..steps {
+        let plans: Vec<_> = seqs
+            .iter_mut()
+            .map(|s| {
+                let (prompt, output) = s.tokens.split_at(s.prompt_len);
+                s.sampler.device_plan(prompt, output, VOCAB_LIMIT)
+            })
+            .collect();
         let items: Vec<ExecItem<'_>> = seqs
             .iter()
             .map(|s| ExecItem {
@@ -75,10 +82,6 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
             })
             .collect();
         let results: Vec<StepOutput> = if on_backend {
-            let plans: Vec<_> = seqs
-                .iter()
-                .map(|s| s.sampler.device_plan(s.tokens.len() - s.prompt_len))
-                .collect();
             exec.execute_sampling(&items, &plans, VOCAB_LIMIT)
         } else {
             exec.execute(&items)
@@ -100,9 +103,10 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
         }
     }
     if on_backend {
-        // Greedy and top-k requests after their first step: the backend chose them.
+        // Greedy, top-k and penalised requests after their first step: the backend chose
+        // them.
         assert!(
-            device_rows >= 3 * (steps - 1),
+            device_rows >= 4 * (steps - 1),
             "{device_rows} rows on the backend"
         );
     }
@@ -125,6 +129,17 @@ fn backend_sampling_gives_the_host_samplers_tokens_for_the_same_seeds() {
             top_k: 64,
             ..Default::default()
         },
+        // Penalties, a bias and a mask as edits on the backend.
+        SamplingParams {
+            temperature: 1.1,
+            top_k: 30,
+            repetition_penalty: 1.3,
+            presence_penalty: 1.5,
+            frequency_penalty: 0.5,
+            logit_bias: vec![(5, 4.0)],
+            bad_words_token_ids: vec![vec![6]],
+            ..Default::default()
+        },
         // Host-only features in the same batch.
         SamplingParams {
             temperature: 1.0,
@@ -144,7 +159,7 @@ fn backend_sampling_gives_the_host_samplers_tokens_for_the_same_seeds() {
     let device = generate(&params, steps, true);
     assert_eq!(host, device);
     // The sampling requests really sampled (not a constant stream).
-    for seq in &host[1..3] {
+    for seq in &host[1..4] {
         let first = seq[0].token_id;
         assert!(seq.iter().any(|t| t.token_id != first));
     }

@@ -106,6 +106,7 @@ inline int __float_as_int(float v) { return (int)(uint32_t)emu::as_bits(v); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }

@@ -3,10 +3,16 @@
 //! instead of a `[sequences, vocab]` matrix of logits.
 //!
 //! Which requests qualify is decided by [`super::Sampler::device_plan`]: greedy requests and
-//! temperature sampling with a top-k in `1..=`[`MAX_DEVICE_TOP_K`] (then top-p over those k),
-//! without a repetition penalty, min-p or `logprobs > 0`. Everything else (penalties need the
-//! token history, min-p / dense top-p need the whole distribution, logprobs need the top
-//! alternatives) keeps the host sampler.
+//! temperature sampling with a top-k in `1..=`[`MAX_DEVICE_TOP_K`] (then min-p and top-p over
+//! those k), with or without penalties, a logit bias, allowed ids, bad words and the
+//! `min_tokens` mask (a [`Reshape`]), and without `logprobs > 0`. Everything else (min-p or
+//! top-p over the whole vocabulary without a top-k, the top alternatives of `logprobs`) keeps
+//! the host sampler.
+//!
+//! A [`Reshape`] carries the logits processors as *edits*: the host, which knows the token
+//! history, turns the penalties, bias, masks and allowed ids into one [`TokenEdit`] per token
+//! id they touch, so the backend needs no history, only the edits (a few bytes per touched
+//! id instead of a row of logits).
 //!
 //! Reproducibility: the host peeks the request's next uniform draw from its seeded RNG and
 //! passes it in [`DeviceSampling::TopK::uniform`]; the backend reports whether it used it
@@ -14,9 +20,9 @@
 //! a request's token stream is the same whichever path each step took.
 //!
 //! [`sample_row`] is the contract: every backend must choose the same token as it, bit for bit
-//! (it is built from the host sampler's own functions, so it equals [`super::Sampler::sample`]).
-//! The reported log-probability must match it to floating-point accuracy (a GPU sums the
-//! softmax denominator in another order).
+//! (it is built from the host sampler's own functions and tested to equal
+//! [`super::Sampler::sample`]). The reported log-probability must match it to floating-point
+//! accuracy (a GPU sums the softmax denominator in another order).
 
 use super::truncation::{
     SMALL_TOP_K, Weights, argmax, draw_candidates, log_sum_exp, raw_logprob, top_k_sorted,
@@ -32,11 +38,11 @@ pub const MAX_DEVICE_TOP_K: u32 = SMALL_TOP_K as u32;
 pub enum DeviceSampling {
     /// The largest logit; ties to the lower id, NaN ignored, id 0 if every logit is `-inf`.
     Greedy,
-    /// The `k` largest logits (ties to the lower id; NaN and `-inf` never kept), sorted;
-    /// weights `exp((l - lmax) * inv_temperature)`; then top-p over them when `top_p < 1`;
-    /// then one draw: the first candidate, in order, whose cumulative weight exceeds
-    /// `uniform × total`. A row whose largest logit is not finite gets its argmax and does
-    /// not use the draw.
+    /// The `k` largest logits at or above `lmax + min_p_margin` (ties to the lower id; NaN
+    /// and `-inf` never kept), sorted; weights `exp((l - lmax) * inv_temperature)`; then
+    /// top-p over them when `top_p < 1`; then one draw: the first candidate, in order, whose
+    /// cumulative weight exceeds `uniform × total`. A row whose largest logit is not finite
+    /// gets its argmax and does not use the draw.
     TopK {
         /// `1..=`[`MAX_DEVICE_TOP_K`].
         k: u32,
@@ -44,17 +50,126 @@ pub enum DeviceSampling {
         inv_temperature: f32,
         /// In `(0, 1]`; `1` disables top-p.
         top_p: f32,
+        /// min-p as a logit margin: `temperature × ln(min_p)` in f32 (`p >= min_p × p_max`
+        /// is `l >= lmax + margin`); `-inf` disables min-p.
+        min_p_margin: f32,
         /// The request's next uniform draw in `[0, 1)`.
         uniform: f64,
     },
 }
 
+/// What one [`TokenEdit`] does to its token's logit, as bits of [`TokenEdit::ops`], applied
+/// in the order of the constants (the host sampler's order).
+pub mod edit {
+    /// The id is in `allowed_token_ids`: it keeps its logit under [`super::Reshape::allowed_only`].
+    pub const ALLOWED: u32 = 1;
+    /// Add [`super::TokenEdit::bias`] (`logit_bias`).
+    pub const BIAS: u32 = 2;
+    /// Set to `-inf` (a bad word it would complete, or an id masked until `min_tokens`).
+    pub const MASK: u32 = 4;
+    /// Repetition penalty: divide by it when positive, multiply otherwise (the id is in the
+    /// prompt or the output).
+    pub const REPEAT: u32 = 8;
+    /// Subtract [`super::TokenEdit::frequency`], then the presence penalty (the id is in the
+    /// output).
+    pub const OUTPUT: u32 = 16;
+}
+
+/// Everything the logits processors do to one token id's logit this step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenEdit {
+    pub id: u32,
+    /// Bits of [`edit`].
+    pub ops: u32,
+    /// The `logit_bias` added under [`edit::BIAS`].
+    pub bias: f32,
+    /// `frequency_penalty × count in the output` (an f32 product made on the host) under
+    /// [`edit::OUTPUT`].
+    pub frequency: f32,
+}
+
+impl TokenEdit {
+    /// The edited logit, from the raw one: the reference every backend's kernel repeats
+    /// operation for operation (IEEE f32, round to nearest, no fused multiply-add).
+    pub fn apply(&self, raw: f32, reshape: &Reshape) -> f32 {
+        let mut l = raw;
+        if reshape.allowed_only && self.ops & edit::ALLOWED == 0 {
+            l = f32::NEG_INFINITY;
+        }
+        if self.ops & edit::BIAS != 0 {
+            l += self.bias;
+        }
+        if self.ops & edit::MASK != 0 {
+            l = f32::NEG_INFINITY;
+        }
+        if self.ops & edit::REPEAT != 0 {
+            let p = reshape.repetition_penalty;
+            l = if l > 0.0 { l / p } else { l * p };
+        }
+        if self.ops & edit::OUTPUT != 0 {
+            l = (l - self.frequency) - reshape.presence_penalty;
+        }
+        l
+    }
+}
+
+/// The logits processors of one row as edits: ids without an edit keep their raw logit, or
+/// get `-inf` when `allowed_only`; each edited id gets [`TokenEdit::apply`]. At most one edit
+/// per id; ids at or past the row's vocabulary limit are never edited.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reshape {
+    /// `allowed_token_ids` was given: ids without an [`edit::ALLOWED`] edit get `-inf`.
+    pub allowed_only: bool,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub edits: Vec<TokenEdit>,
+}
+
+impl Reshape {
+    /// The edited copy of a row (the reference; a backend writes it in device memory).
+    pub fn apply(&self, raw: &[f32]) -> Vec<f32> {
+        let mut out = if self.allowed_only {
+            vec![f32::NEG_INFINITY; raw.len()]
+        } else {
+            raw.to_vec()
+        };
+        for e in &self.edits {
+            if let Some(&l) = raw.get(e.id as usize) {
+                out[e.id as usize] = e.apply(l, self);
+            }
+        }
+        out
+    }
+}
+
+/// What [`super::Sampler::device_plan`] hands the backend for one request's next token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplePlan {
+    pub method: DeviceSampling,
+    /// The logits processors, when any applies this step.
+    pub reshape: Option<Reshape>,
+}
+
 /// One row of a step's logits to sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DeviceSampleRow {
+pub struct DeviceSampleRow<'a> {
     /// Row of the logits matrix.
     pub row: usize,
     pub method: DeviceSampling,
+    /// Edits to make to (a copy of) the row before choosing; the log-probability is still
+    /// that of the raw row.
+    pub reshape: Option<&'a Reshape>,
+}
+
+impl<'a> DeviceSampleRow<'a> {
+    /// Row `row` sampled following `plan`.
+    pub fn planned(row: usize, plan: &'a SamplePlan) -> Self {
+        Self {
+            row,
+            method: plan.method,
+            reshape: plan.reshape.as_ref(),
+        }
+    }
 }
 
 /// What a backend chose for one row.
@@ -68,13 +183,19 @@ pub struct DeviceSample {
 }
 
 /// The reference: the token [`DeviceSampling`] chooses from `logits` (one row, already cut to
-/// the columns that are real tokens).
+/// the columns that are real tokens) after `reshape`'s edits.
 ///
 /// # Panics
 /// If `logits` is empty.
-pub fn sample_row(logits: &[f32], method: DeviceSampling) -> DeviceSample {
+pub fn sample_row(
+    logits: &[f32],
+    method: DeviceSampling,
+    reshape: Option<&Reshape>,
+) -> DeviceSample {
     assert!(!logits.is_empty(), "sample_row: empty logits row");
-    let (max_id, lmax) = argmax(logits);
+    let shaped = reshape.map(|r| r.apply(logits));
+    let work = shaped.as_deref().unwrap_or(logits);
+    let (max_id, lmax) = argmax(work);
     let (token_id, used_draw) = match method {
         DeviceSampling::Greedy => (max_id, false),
         DeviceSampling::TopK { .. } if !(lmax > f32::NEG_INFINITY && lmax < f32::INFINITY) => {
@@ -84,19 +205,20 @@ pub fn sample_row(logits: &[f32], method: DeviceSampling) -> DeviceSample {
             k,
             inv_temperature,
             top_p,
+            min_p_margin,
             uniform,
         } => {
             let w = Weights {
                 lmax,
                 inv_t: inv_temperature,
-                threshold: f32::NEG_INFINITY,
+                threshold: lmax + min_p_margin,
             };
             let mut candidates = Vec::with_capacity(k as usize);
-            top_k_sorted(logits, k as usize, f32::NEG_INFINITY, &mut candidates);
+            top_k_sorted(work, k as usize, w.threshold, &mut candidates);
             if top_p < 1.0 {
-                top_p_sorted(logits, &mut candidates, top_p, w);
+                top_p_sorted(work, &mut candidates, top_p, w);
             }
-            let token = draw_candidates(logits, &candidates, w, uniform).unwrap_or(max_id);
+            let token = draw_candidates(work, &candidates, w, uniform).unwrap_or(max_id);
             (token, true)
         }
     };
@@ -129,34 +251,61 @@ mod tests {
             .collect()
     }
 
+    const PROMPT: [u32; 6] = [1, 2, 3, 2, 40, 1100];
+
     /// Runs `steps` steps of one request both ways: the host sampler alone, and the device
-    /// plan + [`sample_row`] + accept (falling back to the host where there is no plan). The
-    /// tokens and log-probabilities must be identical, step after step (so the RNG streams
-    /// stay aligned).
-    fn same_stream(params: &SamplingParams, vocab_limit: usize, quantised: bool) -> bool {
-        let mut host = Sampler::new(params, 7, &[]);
-        let mut dev = Sampler::new(params, 7, &[]);
-        let mut planned = false;
+    /// plan + [`sample_row`] + accept (falling back to the host where there is no plan), the
+    /// output growing with the chosen tokens. The tokens and log-probabilities must be
+    /// identical, step after step (so the RNG streams stay aligned). Returns how many steps
+    /// had a plan.
+    fn same_stream(params: &SamplingParams, vocab_limit: usize, quantised: bool) -> usize {
+        let eos = [7];
+        let mut host = Sampler::new(params, 7, &eos);
+        let mut dev = Sampler::new(params, 7, &eos);
+        let mut output = Vec::new();
+        let mut planned = 0;
         for step in 0..40 {
             let mut row = logits(1200, step, quantised);
             if step % 7 == 3 {
                 row[5] = f32::NAN;
                 row[9] = f32::NEG_INFINITY;
             }
+            if step % 2 == 1 {
+                // The ids the processors below touch lead the row: their edits decide.
+                for (j, id) in [3, 4, 7, 12, 13, 40, 1100].into_iter().enumerate() {
+                    row[id] = 7.5 + j as f32 * 0.25;
+                }
+            }
+            if step % 5 == 1 {
+                // Ties and a repeated token's logit on both sides of zero.
+                row[3] = 0.0;
+                row[2] = -0.0;
+                row[40] = row[41];
+            }
             // The engine hides columns past the tokenizer's vocabulary this way.
             let mut masked = row.clone();
             masked[vocab_limit..].fill(f32::NEG_INFINITY);
-            let expect = host.sample(&masked, &[1, 2], &[3]);
-            let got = match dev.device_plan(1) {
-                Some(method) => {
-                    planned = true;
-                    dev.accept(sample_row(&row[..vocab_limit], method))
+            let expect = host.sample(&masked, &PROMPT, &output);
+            let got = match dev.device_plan(&PROMPT, &output, vocab_limit) {
+                Some(plan) => {
+                    planned += 1;
+                    let row = &row[..vocab_limit];
+                    dev.accept(sample_row(row, plan.method, plan.reshape.as_ref()))
                 }
-                None => dev.sample(&masked, &[1, 2], &[3]),
+                None => dev.sample(&masked, &PROMPT, &output),
             };
             assert_eq!(got, expect, "step {step} {params:?}");
+            output.push(got.token_id);
         }
         planned
+    }
+
+    fn sampling(temperature: f32, top_k: u32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -164,32 +313,85 @@ mod tests {
         let cases = [
             SamplingParams::default(),
             SamplingParams {
-                temperature: 0.7,
-                top_k: 20,
                 top_p: 0.8,
-                ..Default::default()
+                ..sampling(0.7, 20)
             },
+            sampling(1.3, 1),
+            sampling(0.05, 64),
             SamplingParams {
-                temperature: 1.3,
-                top_k: 1,
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: 0.05,
-                top_k: 64,
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: 2.0,
-                top_k: 64,
                 top_p: 0.1,
+                ..sampling(2.0, 64)
+            },
+            // The logits processors, one at a time and all together.
+            SamplingParams {
+                repetition_penalty: 1.7,
+                ..sampling(0.9, 40)
+            },
+            SamplingParams {
+                repetition_penalty: 0.6,
                 ..Default::default()
+            },
+            SamplingParams {
+                presence_penalty: 1.5,
+                ..sampling(1.0, 20)
+            },
+            SamplingParams {
+                frequency_penalty: 2.0,
+                presence_penalty: -0.3,
+                ..sampling(1.2, 64)
+            },
+            SamplingParams {
+                frequency_penalty: 1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_tokens: 30,
+                stop_token_ids: vec![4, 1100],
+                ..sampling(0.8, 8)
+            },
+            SamplingParams {
+                logit_bias: vec![(4, 9.0), (900, -100.0), (4, 0.3), (1199, 100.0)],
+                ..sampling(1.0, 30)
+            },
+            SamplingParams {
+                allowed_token_ids: vec![3, 4, 5, 6, 7, 8, 1100, 1190],
+                ..sampling(1.0, 3)
+            },
+            SamplingParams {
+                allowed_token_ids: vec![5, 9],
+                ..Default::default()
+            },
+            SamplingParams {
+                bad_words_token_ids: vec![vec![3], vec![2, 40], vec![9, 9, 9]],
+                ..sampling(1.5, 50)
+            },
+            SamplingParams {
+                min_p: 0.2,
+                ..sampling(1.0, 64)
+            },
+            SamplingParams {
+                min_p: 1.0,
+                top_p: 0.5,
+                ..sampling(3.0, 10)
+            },
+            SamplingParams {
+                repetition_penalty: 1.3,
+                presence_penalty: 0.5,
+                frequency_penalty: 0.25,
+                logit_bias: vec![(10, 5.0), (11, -5.0)],
+                bad_words_token_ids: vec![vec![12]],
+                min_tokens: 10,
+                stop_token_ids: vec![13],
+                min_p: 0.01,
+                top_p: 0.9,
+                ..sampling(0.7, 20)
             },
         ];
         for params in &cases {
             for quantised in [false, true] {
                 for limit in [1200, 1000] {
-                    assert!(same_stream(params, limit, quantised), "{params:?} planned");
+                    let planned = same_stream(params, limit, quantised);
+                    assert_eq!(planned, 40, "{params:?} on the device every step");
                 }
             }
         }
@@ -198,93 +400,105 @@ mod tests {
     #[test]
     fn host_only_features_get_no_plan() {
         let host_only = [
+            // Dense paths over the whole vocabulary.
             SamplingParams {
-                repetition_penalty: 1.1,
-                ..Default::default()
-            },
-            SamplingParams {
-                presence_penalty: 0.5,
-                ..Default::default()
-            },
-            SamplingParams {
-                frequency_penalty: -0.25,
-                ..Default::default()
-            },
-            SamplingParams {
-                min_tokens: 5,
-                stop_token_ids: vec![4],
-                ..Default::default()
-            },
-            SamplingParams {
-                logit_bias: vec![(4, 1.0)],
-                ..Default::default()
-            },
-            SamplingParams {
-                allowed_token_ids: vec![4, 5],
-                ..Default::default()
-            },
-            SamplingParams {
-                bad_words_token_ids: vec![vec![4]],
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: 1.0,
-                top_k: 20,
                 min_p: 0.1,
-                ..Default::default()
+                ..sampling(1.0, 0)
             },
+            sampling(1.0, 0),
+            sampling(1.0, 65),
+            // The top alternatives.
             SamplingParams {
                 logprobs: Some(3),
                 ..Default::default()
             },
+            // Edits for more than a quarter of the vocabulary.
             SamplingParams {
-                temperature: 1.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: 1.0,
-                top_k: 65,
+                allowed_token_ids: (0..400).collect(),
                 ..Default::default()
             },
         ];
         for params in &host_only {
             assert_eq!(
-                Sampler::new(params, 1, &[]).device_plan(1),
+                Sampler::new(params, 1, &[]).device_plan(&PROMPT, &[], 1200),
                 None,
                 "{params:?}"
             );
             // They still produce the same tokens through the shared driver above.
-            assert!(!same_stream(params, 1200, false));
+            assert_eq!(same_stream(params, 1200, false), 0, "{params:?}");
         }
         let zero_logprobs = SamplingParams {
             logprobs: Some(0),
             ..Default::default()
         };
         assert_eq!(
-            Sampler::new(&zero_logprobs, 1, &[]).device_plan(1),
-            Some(DeviceSampling::Greedy)
+            Sampler::new(&zero_logprobs, 1, &[]).device_plan(&PROMPT, &[], 1200),
+            Some(SamplePlan {
+                method: DeviceSampling::Greedy,
+                reshape: None
+            })
         );
     }
 
     #[test]
-    fn min_tokens_keeps_the_host_only_while_it_masks_something() {
+    fn edits_merge_every_processor_per_id_and_skip_ids_past_the_vocabulary() {
+        let params = SamplingParams {
+            repetition_penalty: 1.5,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(2, 1.0), (9, 3.0), (2, 0.5), (50, 1.0)],
+            allowed_token_ids: vec![2, 3, 9, 70],
+            bad_words_token_ids: vec![vec![3], vec![8, 9], vec![1, 4]],
+            min_tokens: 5,
+            stop_token_ids: vec![6],
+            ..Default::default()
+        };
+        let mut s = Sampler::new(&params, 1, &[5]);
+        let plan = s.device_plan(&[1, 2], &[2, 2, 8], 40).expect("a plan");
+        let r = plan.reshape.expect("edits");
+        assert!(r.allowed_only);
+        let ops = |id: u32| r.edits.iter().find(|e| e.id == id).map(|e| e.ops);
+        use edit::*;
+        assert_eq!(ops(2), Some(ALLOWED | BIAS | REPEAT | OUTPUT));
+        assert_eq!(ops(3), Some(ALLOWED | MASK));
+        assert_eq!(ops(9), Some(ALLOWED | BIAS | MASK), "8 9 completes after 8");
+        assert_eq!(ops(4), None, "1 4 needs a 1 last");
+        assert_eq!(ops(5), Some(MASK), "EOS before min_tokens");
+        assert_eq!(ops(6), Some(MASK), "stop id before min_tokens");
+        assert_eq!(ops(1), Some(REPEAT));
+        assert_eq!(ops(8), Some(REPEAT | OUTPUT));
+        assert_eq!(ops(50), None);
+        assert_eq!(ops(70), None);
+        assert_eq!(r.edits.len(), 7, "one edit per id: {:?}", r.edits);
+        let two = r.edits.iter().find(|e| e.id == 2).unwrap();
+        assert_eq!(
+            (two.bias, two.frequency),
+            (1.5, 0.5),
+            "bias summed, 0.25 × 2"
+        );
+        // The map is clean for the next step: nothing carried over.
+        let next = s.device_plan(&[1, 2], &[], 40).unwrap().reshape.unwrap();
+        assert_eq!(next.edits.iter().filter(|e| e.ops & OUTPUT != 0).count(), 0);
+    }
+
+    #[test]
+    fn min_tokens_edits_only_while_it_masks_something() {
         let p = SamplingParams {
             min_tokens: 3,
             ..Default::default()
         };
-        // EOS is masked for the first three tokens: the host samples them.
-        let s = Sampler::new(&p, 1, &[2]);
-        assert_eq!(s.device_plan(2), None);
-        assert_eq!(s.device_plan(3), Some(DeviceSampling::Greedy));
-        // Nothing to mask (EOS ignored, no stop ids): the device samples from the start.
+        // EOS is masked for the first three tokens.
+        let mut s = Sampler::new(&p, 1, &[2]);
+        let masked = s.device_plan(&[9], &[4, 4], 10).unwrap();
+        assert_eq!(masked.reshape.unwrap().edits.len(), 1);
+        assert_eq!(s.device_plan(&[9], &[4, 4, 4], 10).unwrap().reshape, None);
+        // Nothing to mask (EOS ignored, no stop ids): no edits from the start.
         let ignored = SamplingParams {
             ignore_eos: true,
             ..p
         };
-        assert_eq!(
-            Sampler::new(&ignored, 1, &[2]).device_plan(0),
-            Some(DeviceSampling::Greedy)
-        );
+        let mut s = Sampler::new(&ignored, 1, &[2]);
+        assert_eq!(s.device_plan(&[9], &[], 10).unwrap().reshape, None);
     }
 
     #[test]
@@ -293,14 +507,23 @@ mod tests {
             k: 4,
             inv_temperature: 1.0,
             top_p: 1.0,
+            min_p_margin: f32::NEG_INFINITY,
             uniform: 0.5,
         };
-        let s = sample_row(&[f32::NEG_INFINITY; 5], method);
+        let s = sample_row(&[f32::NEG_INFINITY; 5], method, None);
         assert_eq!((s.token_id, s.used_draw), (0, false));
-        let s = sample_row(&[1.0, f32::INFINITY, f32::NAN], method);
+        let s = sample_row(&[1.0, f32::INFINITY, f32::NAN], method, None);
         assert_eq!((s.token_id, s.used_draw), (1, false));
-        let s = sample_row(&[1.0, 3.0, 3.0, f32::NAN], DeviceSampling::Greedy);
+        let s = sample_row(&[1.0, 3.0, 3.0, f32::NAN], DeviceSampling::Greedy, None);
         assert_eq!((s.token_id, s.used_draw), (1, false));
+        // Everything masked by the edits: id 0, and the raw row's log-probability.
+        let all_out = Reshape {
+            allowed_only: true,
+            ..Default::default()
+        };
+        let s = sample_row(&[1.0, 3.0], method, Some(&all_out));
+        assert_eq!((s.token_id, s.used_draw), (0, false));
+        assert!((s.logprob - (1.0 - (1f32.exp() + 3f32.exp()).ln())).abs() < 1e-6);
     }
 
     #[test]
@@ -310,9 +533,10 @@ mod tests {
             k: 1,
             inv_temperature: 1.0,
             top_p: 1.0,
+            min_p_margin: f32::NEG_INFINITY,
             uniform: 0.99,
         };
-        assert_eq!(sample_row(&[-0.0, 0.0, -1.0], method).token_id, 0);
-        assert_eq!(sample_row(&[-1.0, 0.0, -0.0], method).token_id, 1);
+        assert_eq!(sample_row(&[-0.0, 0.0, -1.0], method, None).token_id, 0);
+        assert_eq!(sample_row(&[-1.0, 0.0, -0.0], method, None).token_id, 1);
     }
 }

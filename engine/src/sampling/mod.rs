@@ -6,9 +6,10 @@
 //!   row of logits into a [`SampledToken`] (repetition penalty → greedy or temperature →
 //!   min-p → top-k → top-p → draw), reporting raw log-probabilities. [`prompt_logprobs`]
 //!   scores prompt positions.
-//! - [`device`]: the subset of the sampler a backend runs where the logits are (greedy and
-//!   top-k ≤ 64 / top-p without penalties, min-p or logprobs), with the same tokens for the
-//!   same seeds ([`Sampler::device_plan`] / [`Sampler::accept`]).
+//! - [`device`]: the part of the sampler a backend runs where the logits are (greedy, and
+//!   top-k ≤ 64 then min-p / top-p, with the penalties, bias and masks as per-id edits; not
+//!   `logprobs > 0`), with the same tokens for the same seeds ([`Sampler::device_plan`] /
+//!   [`Sampler::accept`]).
 //! - [`StopChecker`]: one per request, fed each generated token and its text; decides
 //!   [`FinishReason`] (EOS / stop token / stop string / `max_tokens`) and withholds text
 //!   that may be the start of a stop string until it is disambiguated.
@@ -35,7 +36,9 @@ pub mod stop;
 mod truncation;
 
 pub use bad_words::{MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_words_token_ids};
-pub use device::{DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K};
+pub use device::{
+    DeviceSample, DeviceSampleRow, DeviceSampling, MAX_DEVICE_TOP_K, Reshape, SamplePlan, TokenEdit,
+};
 pub use params::{
     GREEDY_TEMPERATURE_EPS, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS,
     MAX_STOP_STRINGS, SamplingError, SamplingParams,

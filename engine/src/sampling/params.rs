@@ -54,7 +54,7 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Added to the logits of these ids before penalties and sampling (OpenAI's
     /// `logit_bias`): ids in the vocabulary, values in `[-100, 100]`, at most
-    /// [`MAX_LOGIT_BIAS`] entries (an id listed twice gets both).
+    /// [`MAX_LOGIT_BIAS`] entries (an id listed twice gets the sum, added once).
     pub logit_bias: Vec<(u32, f32)>,
     /// Sample only among these ids (vLLM's `allowed_token_ids`); empty allows every id.
     pub allowed_token_ids: Vec<u32>,

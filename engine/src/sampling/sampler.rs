@@ -11,7 +11,9 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::bad_words::mask_bad_words;
-use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K};
+use super::device::{
+    DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K, Reshape, SamplePlan, TokenEdit, edit,
+};
 use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_range};
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, Weights, argmax, dense_weights, draw_candidates, draw_weights,
@@ -89,6 +91,9 @@ pub struct Sampler {
     logprobs: Option<u32>,
     rng: ChaCha8Rng,
     penalty: Penalty,
+    /// `edit_slots[id]`: the index of `id`'s edit while [`Sampler::device_plan`] builds a
+    /// [`Reshape`]; `u32::MAX` otherwise.
+    edit_slots: Vec<u32>,
     bufs: Buffers,
 }
 
@@ -166,17 +171,13 @@ impl Sampler {
             frequency_penalty: additive(params.frequency_penalty),
             suppress,
             min_tokens: params.min_tokens,
-            logit_bias: params
-                .logit_bias
-                .iter()
-                .copied()
-                .filter(|&(_, b)| b.is_finite())
-                .collect(),
+            logit_bias: merge_logit_bias(&params.logit_bias),
             allowed,
             bad_words: params.bad_words_token_ids.clone(),
             logprobs: params.logprobs,
             rng: ChaCha8Rng::seed_from_u64(seed),
             penalty: Penalty::default(),
+            edit_slots: Vec::new(),
             bufs: Buffers::default(),
         }
     }
@@ -187,35 +188,120 @@ impl Sampler {
     }
 
     /// How a backend may choose this request's next token where the logits are (see
-    /// [`super::device`]), given how many tokens are out already, or `None` when it needs
-    /// the host: a penalty, a logit bias, allowed ids, bad words, min-p, `logprobs > 0`, ids
-    /// masked until `min_tokens`, or temperature sampling without a top-k in
-    /// `1..=`[`MAX_DEVICE_TOP_K`]. The uniform draw is *peeked* from the request's RNG; [`Sampler::accept`] consumes it only if the
-    /// backend used it, so the stream stays the one [`Sampler::sample`] would have used.
-    pub fn device_plan(&self, output_len: usize) -> Option<DeviceSampling> {
-        if self.repetition_penalty != 1.0
-            || self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
-            || self.suppressing(output_len)
-            || !self.logit_bias.is_empty()
-            || !self.allowed.is_empty()
-            || !self.bad_words.is_empty()
-            || self.min_p > 0.0
-            || self.logprobs.is_some_and(|k| k > 0)
+    /// [`super::device`]), given the request's tokens so far and the number of logits columns
+    /// that are real tokens, or `None` when it needs the host: `logprobs > 0`, temperature
+    /// sampling without a top-k in `1..=`[`MAX_DEVICE_TOP_K`], or logits processors that
+    /// touch more than a quarter of the vocabulary this step (their edits would then weigh
+    /// more than the row of logits). The uniform draw is *peeked* from the request's RNG;
+    /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
+    /// one [`Sampler::sample`] would have used.
+    pub fn device_plan(
+        &mut self,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        vocab_limit: usize,
+    ) -> Option<SamplePlan> {
+        if self.logprobs.is_some_and(|k| k > 0) {
+            return None;
+        }
+        let method = if self.greedy {
+            DeviceSampling::Greedy
+        } else if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
+            return None;
+        } else {
+            DeviceSampling::TopK {
+                k: self.top_k,
+                inv_temperature: 1.0 / self.temperature,
+                top_p: self.top_p,
+                // The host's threshold is `lmax + temperature * ln(min_p)`, in this order.
+                min_p_margin: if self.min_p > 0.0 {
+                    self.temperature * self.min_p.ln()
+                } else {
+                    f32::NEG_INFINITY
+                },
+                uniform: self.rng.clone().random::<f64>(),
+            }
+        };
+        let reshape = self.reshape(prompt_tokens, output_tokens, vocab_limit);
+        if reshape
+            .as_ref()
+            .is_some_and(|r| r.edits.len() > vocab_limit / 4)
         {
             return None;
         }
-        if self.greedy {
-            return Some(DeviceSampling::Greedy);
-        }
-        if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
+        Some(SamplePlan { method, reshape })
+    }
+
+    /// The logits processors of the next step as one edit per touched id (the host's
+    /// [`Sampler::sample`] applies the same operations, in the same order, to a dense copy).
+    fn reshape(
+        &mut self,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+        vocab_limit: usize,
+    ) -> Option<Reshape> {
+        let repetition = self.repetition_penalty != 1.0
+            && !(prompt_tokens.is_empty() && output_tokens.is_empty());
+        let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
+            && !output_tokens.is_empty();
+        let suppress = self.suppressing(output_tokens.len());
+        let reshaped =
+            !self.allowed.is_empty() || !self.logit_bias.is_empty() || !self.bad_words.is_empty();
+        if !(repetition || additive || suppress || reshaped) {
             return None;
         }
-        Some(DeviceSampling::TopK {
-            k: self.top_k,
-            inv_temperature: 1.0 / self.temperature,
-            top_p: self.top_p,
-            uniform: self.rng.clone().random::<f64>(),
+        if self.edit_slots.len() < vocab_limit {
+            self.edit_slots.resize(vocab_limit, u32::MAX);
+        }
+        let mut b = EditBuilder {
+            slots: &mut self.edit_slots[..vocab_limit],
+            edits: Vec::new(),
+        };
+        for &id in &self.allowed {
+            b.add(id, edit::ALLOWED);
+        }
+        for &(id, bias) in &self.logit_bias {
+            if let Some(e) = b.add(id, edit::BIAS) {
+                e.bias = bias;
+            }
+        }
+        for seq in &self.bad_words {
+            if let Some((&last, prefix)) = seq.split_last()
+                && output_tokens.ends_with(prefix)
+            {
+                b.add(last, edit::MASK);
+            }
+        }
+        if suppress {
+            for &id in &self.suppress {
+                b.add(id, edit::MASK);
+            }
+        }
+        if repetition {
+            for &id in prompt_tokens.iter().chain(output_tokens) {
+                b.add(id, edit::REPEAT);
+            }
+        }
+        if additive {
+            // Count first (exact in f32 far past any output length), multiply once: the
+            // host's `frequency * count as f32`.
+            for &id in output_tokens {
+                if let Some(e) = b.add(id, edit::OUTPUT) {
+                    e.frequency += 1.0;
+                }
+            }
+        }
+        let mut edits = b.finish();
+        for e in &mut edits {
+            if e.ops & edit::OUTPUT != 0 {
+                e.frequency *= self.frequency_penalty;
+            }
+        }
+        Some(Reshape {
+            allowed_only: !self.allowed.is_empty(),
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            edits,
         })
     }
 
@@ -424,6 +510,61 @@ fn apply_output_penalties(
         let i = t as usize;
         logits[i] = (logits[i] - frequency * counts[i] as f32) - presence;
         counts[i] = 0;
+    }
+}
+
+/// `logit_bias` with one entry per id, sorted by id: an id listed twice gets the sum of its
+/// biases in the order given (added once, so the host and a backend's edits round alike).
+/// Non-finite values are dropped.
+fn merge_logit_bias(bias: &[(u32, f32)]) -> Vec<(u32, f32)> {
+    let mut sorted: Vec<(u32, f32)> = bias
+        .iter()
+        .copied()
+        .filter(|(_, b)| b.is_finite())
+        .collect();
+    // Stable: equal ids keep their order, so the sum is the one the list spells.
+    sorted.sort_by_key(|&(id, _)| id);
+    let mut out: Vec<(u32, f32)> = Vec::with_capacity(sorted.len());
+    for (id, b) in sorted {
+        match out.last_mut() {
+            Some((last, sum)) if *last == id => *sum += b,
+            _ => out.push((id, b)),
+        }
+    }
+    out
+}
+
+/// Builds a [`Reshape`]'s edits, one per id, through a dense id → edit index map.
+struct EditBuilder<'a> {
+    /// All `u32::MAX` on entry and after [`EditBuilder::finish`]; ids past its end are not
+    /// real tokens and get no edit.
+    slots: &'a mut [u32],
+    edits: Vec<TokenEdit>,
+}
+
+impl EditBuilder<'_> {
+    /// `id`'s edit with `op` added, or `None` for an id past the vocabulary limit.
+    fn add(&mut self, id: u32, op: u32) -> Option<&mut TokenEdit> {
+        let slot = self.slots.get_mut(id as usize)?;
+        if *slot == u32::MAX {
+            *slot = self.edits.len() as u32;
+            self.edits.push(TokenEdit {
+                id,
+                ops: 0,
+                bias: 0.0,
+                frequency: 0.0,
+            });
+        }
+        let e = &mut self.edits[*slot as usize];
+        e.ops |= op;
+        Some(e)
+    }
+
+    fn finish(self) -> Vec<TokenEdit> {
+        for e in &self.edits {
+            self.slots[e.id as usize] = u32::MAX;
+        }
+        self.edits
     }
 }
 

@@ -31,7 +31,7 @@ use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
 
 use crate::sampling::{
-    DeviceSampling, FinishReason, SampledToken, Sampler, StopChecker, prompt_logprobs,
+    FinishReason, SamplePlan, SampledToken, Sampler, StopChecker, prompt_logprobs,
 };
 
 mod blocks;
@@ -369,16 +369,19 @@ impl<B: Backend> Engine<B> {
         let planned = Instant::now();
 
         // 3. Forward. Sequences that finish their tokens this step and whose sampling the
-        // backend can do (greedy, top-k <= 64 without penalties / min-p / logprobs) get their
-        // token chosen where the logits are; the others get logits for the host sampler.
+        // backend can do (greedy, top-k <= 64, penalties and masks as edits; not logprobs)
+        // get their token chosen where the logits are; the others get logits for the host
+        // sampler.
         let outputs = {
-            let plans: Vec<Option<DeviceSampling>> = scheduled
+            let limit = self.vocab_limit;
+            let plans: Vec<Option<SamplePlan>> = scheduled
                 .iter()
                 .map(|(id, n)| {
-                    let seq = &self.seqs[id];
+                    let seq = self.seqs.get_mut(id).expect("scheduled sequence exists");
                     let completes = seq.computed + n == seq.tokens.len();
                     if completes {
-                        seq.sampler.device_plan(seq.tokens.len() - seq.prompt_len)
+                        let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                        seq.sampler.device_plan(prompt, output, limit)
                     } else {
                         None
                     }

@@ -114,6 +114,7 @@ fn bad_words_are_never_completed() {
 }
 
 mod properties {
+    use pd_engine::sampling::device::sample_row;
     use pd_engine::sampling::{Sampler, SamplingParams};
     use proptest::prelude::*;
 
@@ -169,6 +170,92 @@ mod properties {
             if output.len() < min_tokens as usize && others_live {
                 prop_assert_ne!(t, 1, "the stop id before min_tokens");
             }
+        }
+    }
+
+    /// Logits a little below those of the ids the processors touch (see below).
+    fn close_logit() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            16 => -3.0f32..0.5,
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(f32::NAN),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+        /// The backend's path (the sampler's plan: penalties, bias, masks and allowed ids as
+        /// per-id edits, applied by the reference a backend must equal) chooses the host
+        /// sampler's token, with the same raw log-probability and RNG use, whatever the
+        /// request and the row. Rows of 100 to 300 ids keep the edits under a quarter of the
+        /// vocabulary, so the plan is there to compare. The ids the processors touch get
+        /// logits in [-1, 1), at the top of the row and of either sign, so their edits decide.
+        #[test]
+        fn the_backends_path_chooses_the_host_samplers_token(
+            mut logits in prop::collection::vec(close_logit(), 100..300),
+            hot in prop::collection::vec(-1.0f32..1.0, 130),
+            allowed in prop::collection::vec(0u32..120, 0..6),
+            bias in prop::collection::vec((0u32..120, -100.0f32..100.0), 0..6),
+            bad in prop::collection::vec(prop::collection::vec(0u32..120, 1..3), 0..3),
+            presence in -2.0f32..2.0,
+            frequency in -2.0f32..2.0,
+            repetition in prop_oneof![Just(1.0f32), 0.5f32..2.0],
+            temperature in prop_oneof![Just(0.0f32), 0.1f32..2.0],
+            top_k in 1u32..=64,
+            top_p in prop_oneof![Just(1.0f32), 0.05f32..1.0],
+            min_p in prop_oneof![Just(0.0f32), 0.001f32..1.0],
+            output in prop::collection::vec(0u32..130, 0..12),
+            min_tokens in 0u32..4,
+            seed in any::<u64>(),
+        ) {
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repetition_penalty: repetition,
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                logit_bias: bias,
+                allowed_token_ids: allowed,
+                bad_words_token_ids: bad,
+                stop_token_ids: vec![1],
+                min_tokens,
+                max_tokens: 16,
+                ..SamplingParams::default()
+            };
+            let prompt = [0, 3, 3, 90];
+            let touched = prompt
+                .iter()
+                .chain(&output)
+                .chain(&p.allowed_token_ids)
+                .chain(p.logit_bias.iter().map(|(id, _)| id))
+                .chain(p.bad_words_token_ids.iter().flatten())
+                .chain(&[1, 2]);
+            for &id in touched {
+                if let Some(l) = logits.get_mut(id as usize).filter(|l| l.is_finite()) {
+                    *l = hot[id as usize];
+                }
+            }
+            let mut host = Sampler::new(&p, seed, &[2]);
+            let mut dev = Sampler::new(&p, seed, &[2]);
+            let plan = dev.device_plan(&prompt, &output, logits.len());
+            prop_assert!(plan.is_some(), "a plan for {p:?}");
+            let plan = plan.unwrap();
+            let expect = host.sample(&logits, &prompt, &output);
+            let got = dev.accept(sample_row(&logits, plan.method, plan.reshape.as_ref()));
+            prop_assert_eq!(got.token_id, expect.token_id);
+            prop_assert!(
+                got.logprob == expect.logprob
+                    || (got.logprob.is_nan() && expect.logprob.is_nan()),
+                "logprob {} vs {}", got.logprob, expect.logprob
+            );
+            // Both RNGs advanced alike: the next draws agree.
+            let flat = vec![0.0f32; logits.len()];
+            prop_assert_eq!(
+                host.sample(&flat, &[], &[]).token_id,
+                dev.sample(&flat, &[], &[]).token_id
+            );
         }
     }
 }

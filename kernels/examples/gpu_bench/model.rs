@@ -6,7 +6,7 @@ use std::time::Instant;
 use pd_engine::backend::graph::DecodeGraphs;
 use pd_engine::executor::{ExecItem, Executor};
 use pd_engine::model::{ModelFiles, ModelSource};
-use pd_engine::sampling::DeviceSampling;
+use pd_engine::sampling::{DeviceSampling, SamplePlan};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::plan::MIN_KEYS_PER_SPLIT;
 use pd_kernels::cuda::{GEMV_MAX_ROWS, SmallBatchLinear};
@@ -47,7 +47,7 @@ fn open_model(
 struct DecodeBatch {
     tables: Vec<Vec<u32>>,
     tokens: Vec<[u32; 1]>,
-    plans: Vec<Option<DeviceSampling>>,
+    plans: Vec<Option<SamplePlan>>,
     vocab: usize,
 }
 
@@ -71,7 +71,13 @@ impl DecodeBatch {
             tokens: (0..batch)
                 .map(|s| [(s as u32 * 31 + 7) % vocab as u32])
                 .collect(),
-            plans: vec![Some(DeviceSampling::Greedy); batch],
+            plans: vec![
+                Some(SamplePlan {
+                    method: DeviceSampling::Greedy,
+                    reshape: None,
+                });
+                batch
+            ],
             vocab,
         }
     }

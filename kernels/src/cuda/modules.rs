@@ -57,7 +57,7 @@ pub const SOURCES: [KernelSource; 6] = [
     KernelSource {
         name: "sample",
         code: include_str!("sample.cu"),
-        kernels: &["sample_rows"],
+        kernels: &["reshape_copy", "reshape_edit", "sample_rows"],
     },
     KernelSource {
         name: "gemv",

@@ -8,10 +8,75 @@
 // contracts into an FMA (the Rust side has no FMA either), and exp is the host's polynomial,
 // not expf. Only the log-probability (a softmax denominator summed in another order) may
 // differ from the host's by rounding.
+//
+// The logits processors (penalties, logit bias, allowed ids, bad words, the min_tokens mask)
+// come as per-id edits made by the host (pd_engine::sampling::device::Reshape):
+// reshape_copy and reshape_edit write the edited rows into a buffer of their own, which
+// sample_rows chooses from; the log-probability stays that of the raw row.
 
 #define SAMPLE_MAX_K 64
-// Per row: row index, k (0 = greedy), inv_temperature, top_p, uniform (all exact in f64).
-#define SAMPLE_PARAMS 5
+// Per row: row index, k (0 = greedy), inv_temperature, top_p, uniform, min-p margin (-inf:
+// none), row of the edited logits (-1: choose from the raw row); all exact in f64.
+#define SAMPLE_PARAMS 7
+// Per edited row: raw logits row, allowed_only, repetition penalty bits, presence bits.
+#define RESHAPE_ROW 4
+// Per edit: edited row, token id, ops, bias bits, frequency bits.
+#define RESHAPE_EDIT 5
+// The ops of an edit, applied in this order (pd_engine::sampling::device::edit).
+#define EDIT_ALLOWED 1u
+#define EDIT_BIAS 2u
+#define EDIT_MASK 4u
+#define EDIT_REPEAT 8u
+#define EDIT_OUTPUT 16u
+
+// Edited rows, dense part: each a copy of its raw row, or all -inf under allowed_only.
+// grid.y: one per edited row; grid.x strides the columns.
+extern "C" __global__ void reshape_copy(const float* logits, int cols, int vocab_limit,
+                                        const unsigned int* rows, float* shaped) {
+    const unsigned int* r = rows + (unsigned long long)blockIdx.y * RESHAPE_ROW;
+    const float* x = logits + (unsigned long long)r[0] * cols;
+    float* y = shaped + (unsigned long long)blockIdx.y * vocab_limit;
+    const bool allowed_only = r[1] != 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab_limit;
+         i += gridDim.x * blockDim.x) {
+        y[i] = allowed_only ? -INFINITY : x[i];
+    }
+}
+
+// Edited rows, sparse part (after reshape_copy): one thread per edit, at most one edit per
+// (row, id), each computed from the raw logit as TokenEdit::apply does, operation for
+// operation with explicit round-to-nearest intrinsics.
+extern "C" __global__ void reshape_edit(const float* logits, int cols, int vocab_limit,
+                                        const unsigned int* rows, const unsigned int* edits,
+                                        int n_edits, float* shaped) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_edits) {
+        return;
+    }
+    const unsigned int* d = edits + (unsigned long long)e * RESHAPE_EDIT;
+    const unsigned int j = d[0];
+    const unsigned int id = d[1];
+    const unsigned int ops = d[2];
+    const unsigned int* r = rows + (unsigned long long)j * RESHAPE_ROW;
+    float l = logits[(unsigned long long)r[0] * cols + id];
+    if (r[1] != 0 && (ops & EDIT_ALLOWED) == 0) {
+        l = -INFINITY;
+    }
+    if (ops & EDIT_BIAS) {
+        l = __fadd_rn(l, __uint_as_float(d[3]));
+    }
+    if (ops & EDIT_MASK) {
+        l = -INFINITY;
+    }
+    if (ops & EDIT_REPEAT) {
+        const float p = __uint_as_float(r[2]);
+        l = l > 0.0f ? __fdiv_rn(l, p) : __fmul_rn(l, p);
+    }
+    if (ops & EDIT_OUTPUT) {
+        l = __fsub_rn(__fsub_rn(l, __uint_as_float(d[4])), __uint_as_float(r[3]));
+    }
+    shaped[(unsigned long long)j * vocab_limit + id] = l;
+}
 
 // The host's exp_nonpos (pd_engine sampler.rs): exp(x) for x <= 0 by a degree-7 polynomial
 // after n ln2 range reduction; 0 below -87, for -inf and NaN. Constants as f32 bit patterns.
@@ -39,9 +104,10 @@ __device__ __forceinline__ float exp_nonpos(float x) {
     return valid ? __fmul_rn(p, scale) : 0.0f;
 }
 
-// A logit that can be chosen by top-k: not NaN and above -inf.
-__device__ __forceinline__ bool sample_candidate(float l) {
-    return l == l && l > -INFINITY;
+// A logit that can be chosen by top-k: not NaN, above -inf and at or above the min-p
+// threshold (-inf when there is none).
+__device__ __forceinline__ bool sample_candidate(float l, float threshold) {
+    return l == l && l > -INFINITY && l >= threshold;
 }
 
 // Unsigned key whose order is the float order (-0.0 made +0.0: the host ranks them equal).
@@ -116,9 +182,12 @@ __device__ int block_prefix_count(bool flag, int* scratch) {
 
 // params: SAMPLE_PARAMS doubles per sampled row (one block each); out: per row the token id,
 // the bits of its f32 log-probability, and whether the uniform draw was used. Only columns
-// below vocab_limit are candidates. blockDim.x: a multiple of 32, at most 1024.
-extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_limit,
-                                       const double* params, unsigned int* out) {
+// below vocab_limit are candidates. A row with edits chooses from its row of `shaped`
+// (vocab_limit columns each; unused, possibly null, when no row has edits).
+// blockDim.x: a multiple of 32, at most 1024.
+extern "C" __global__ void sample_rows(const float* logits, int cols, const float* shaped,
+                                       int vocab_limit, const double* params,
+                                       unsigned int* out) {
     __shared__ float s_val[WARP];
     __shared__ int s_idx[WARP];
     __shared__ double s_sum[WARP];
@@ -136,7 +205,12 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
     const float inv_t = (float)p[2];
     const float top_p = (float)p[3];
     const double uniform = p[4];
-    const float* x = logits + (unsigned long long)row * cols;
+    const float min_p_margin = (float)p[5];
+    const int shaped_row = (int)p[6];
+    const float* raw = logits + (unsigned long long)row * cols;
+    // The row the token is chosen from.
+    const float* x =
+        shaped_row >= 0 ? shaped + (unsigned long long)shaped_row * vocab_limit : raw;
     const int n = vocab_limit;
 
     // 1. argmax: the largest logit, NaN ignored, ties to the lower id (a thread visits its
@@ -155,30 +229,46 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
     const int max_id = lmax == -INFINITY ? 0 : best_i;
     const bool finite = lmax > -INFINITY && lmax < INFINITY;
 
-    // 2. log-sum-exp of the raw logits, for the chosen token's log-probability.
-    double lse = (double)lmax;
-    if (finite) {
+    // 2. log-sum-exp of the raw logits, for the chosen token's log-probability (their own
+    //    maximum first when the choice is made from edited logits).
+    float raw_max = lmax;
+    if (x != raw) {
+        raw_max = -INFINITY;
+        int unused = 0x7fffffff;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float l = raw[i];
+            if (l > raw_max) {
+                raw_max = l;
+                unused = i;
+            }
+        }
+        block_argmax(raw_max, unused, s_val, s_idx);
+    }
+    double lse = (double)raw_max;
+    if (raw_max > -INFINITY && raw_max < INFINITY) {
         double s = 0.0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = x[i];
+            const float l = raw[i];
             if (l == l) {
-                s += (double)expf(l - lmax);
+                s += (double)expf(l - raw_max);
             }
         }
         s = block_sum_f64(s, s_sum);
-        lse = (double)lmax + log(s);
+        lse = (double)raw_max + log(s);
     }
 
     int token = max_id;
     int used = 0;
     if (k > 0 && finite) {
         used = 1;
+        // min-p: the host's `lmax + temperature * ln(min_p)`, the product made on the host.
+        const float threshold = __fadd_rn(lmax, min_p_margin);
         // 3. The k best candidates (logit descending, id ascending). Radix-select the k-th
         //    best key (8 bits at a time, most significant first); keep every key above it and
         //    the lowest ids among those equal to it.
         int valid = 0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            valid += sample_candidate(x[i]) ? 1 : 0;
+            valid += sample_candidate(x[i], threshold) ? 1 : 0;
         }
         valid = (int)(block_sum_f64((double)valid, s_sum) + 0.5);
         if (threadIdx.x == 0) {
@@ -187,7 +277,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
         __syncthreads();
         if (valid <= k) {
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                if (sample_candidate(x[i])) {
+                if (sample_candidate(x[i], threshold)) {
                     cand[atomicAdd(&n_cand, 1)] = i;
                 }
             }
@@ -202,7 +292,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
                 __syncthreads();
                 for (int i = threadIdx.x; i < n; i += blockDim.x) {
                     const float l = x[i];
-                    if (sample_candidate(l)) {
+                    if (sample_candidate(l, threshold)) {
                         const unsigned int key = order_key(l);
                         if ((key & mask) == desired) {
                             atomicAdd(&hist[(key >> shift) & 255u], 1u);
@@ -231,7 +321,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
             const int equal = s_equal;
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const float l = x[i];
-                if (sample_candidate(l)) {
+                if (sample_candidate(l, threshold)) {
                     const unsigned int key = order_key(l);
                     if (key > desired || (key == desired && equal == rank)) {
                         cand[atomicAdd(&n_cand, 1)] = i;
@@ -245,7 +335,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
                 int taken = 0;
                 for (int base = 0; base < n && taken < rank; base += blockDim.x) {
                     const int i = base + threadIdx.x;
-                    const bool eq = i < n && sample_candidate(x[i]) && order_key(x[i]) == desired;
+                    const bool eq = i < n && sample_candidate(x[i], threshold) && order_key(x[i]) == desired;
                     const int before = block_prefix_count(eq, s_idx);
                     if (eq && taken + before < rank) {
                         cand[above + taken + before] = i;
@@ -309,7 +399,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, int vocab_
     }
 
     if (threadIdx.x == 0) {
-        const float l = x[token];
+        const float l = raw[token];
         const float logprob = (l != l || l == -INFINITY) ? -INFINITY : (float)((double)l - lse);
         unsigned int* o = out + 3ull * blockIdx.x;
         o[0] = (unsigned int)token;

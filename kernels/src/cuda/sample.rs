@@ -1,7 +1,9 @@
 //! [`Backend::sample`](pd_engine::backend::Backend::sample) on the device: the `sample_rows`
 //! kernel (`sample.cu`) chooses each row's token where the logits are, so a step copies
 //! three words per sequence to the host instead of a row of vocabulary size (608 KB for
-//! Qwen3). The choice follows `pd_engine::sampling::device::sample_row` bit for bit.
+//! Qwen3). Rows with logits processors first get an edited copy (`reshape_copy`, then
+//! `reshape_edit` for their per-id edits). The choice follows
+//! `pd_engine::sampling::device::sample_row` bit for bit.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
@@ -11,11 +13,42 @@ use super::{CudaBackend, CudaTensor};
 /// Threads per sampled row: the whole vocabulary is scanned by one block.
 const THREADS: u32 = 1024;
 
+/// Threads per block of the reshape kernels.
+const RESHAPE_THREADS: u32 = 256;
+
+/// Most blocks along a row in `reshape_copy` (each thread then copies a few columns).
+const RESHAPE_COPY_BLOCKS: u32 = 64;
+
 /// Doubles per row in the kernel's parameter array (`SAMPLE_PARAMS` in `sample.cu`).
-const PARAMS: usize = 5;
+const PARAMS: usize = 7;
+
+/// Words per edited row (`RESHAPE_ROW`) and per edit (`RESHAPE_EDIT`) in `sample.cu`.
+const RESHAPE_ROW: usize = 4;
+const RESHAPE_EDIT: usize = 5;
 
 /// Words per row in the kernel's output (`token`, logprob bits, used draw).
 const OUTPUTS: usize = 3;
+
+/// The kernels' inputs for one call.
+#[derive(Debug, Default, PartialEq)]
+struct Encoded {
+    /// [`PARAMS`] per sampled row.
+    params: Vec<f64>,
+    /// [`RESHAPE_ROW`] per edited row.
+    shaped_rows: Vec<u32>,
+    /// [`RESHAPE_EDIT`] per edit.
+    edits: Vec<u32>,
+}
+
+impl Encoded {
+    fn shaped(&self) -> usize {
+        self.shaped_rows.len() / RESHAPE_ROW
+    }
+
+    fn edits(&self) -> usize {
+        self.edits.len() / RESHAPE_EDIT
+    }
+}
 
 impl CudaBackend {
     pub(super) fn sample_on_device(
@@ -33,15 +66,63 @@ impl CudaBackend {
             rows.iter().all(|r| r.row < logits.rows),
             "sample: row in range"
         );
-        let params = self.upload(&encode(rows));
-        let out = self.alloc::<u32>(OUTPUTS * rows.len());
+        let enc = encode(rows, limit);
         let (cols, limit_i) = (logits.cols as i32, limit as i32);
+        let shaped = (enc.shaped() > 0).then(|| {
+            let shaped = self.alloc::<f32>(enc.shaped() * limit);
+            let shaped_rows = self.upload(&enc.shaped_rows);
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.reshape_copy);
+            b.arg(logits.dense())
+                .arg(&cols)
+                .arg(&limit_i)
+                .arg(&shaped_rows)
+                .arg(&shaped);
+            let per_row = (limit as u32)
+                .div_ceil(RESHAPE_THREADS)
+                .min(RESHAPE_COPY_BLOCKS);
+            let cfg = LaunchConfig {
+                grid_dim: (per_row, enc.shaped() as u32, 1),
+                block_dim: (RESHAPE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("reshape_copy", b, cfg);
+            if enc.edits() > 0 {
+                let edits = self.upload(&enc.edits);
+                let n_edits = enc.edits() as i32;
+                let mut b = self
+                    .dev
+                    .stream
+                    .launch_builder(&self.dev.kernels.reshape_edit);
+                b.arg(logits.dense())
+                    .arg(&cols)
+                    .arg(&limit_i)
+                    .arg(&shaped_rows)
+                    .arg(&edits)
+                    .arg(&n_edits)
+                    .arg(&shaped);
+                let cfg = LaunchConfig {
+                    grid_dim: ((enc.edits() as u32).div_ceil(RESHAPE_THREADS), 1, 1),
+                    block_dim: (RESHAPE_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch("reshape_edit", b, cfg);
+            }
+            shaped
+        });
+        // No edited rows: the kernel never reads `shaped`, a null pointer stands in.
+        let shaped_ptr = shaped.as_ref().map_or(0u64, |s| self.ptr(s));
+        let params = self.upload(&enc.params);
+        let out = self.alloc::<u32>(OUTPUTS * rows.len());
         let mut b = self
             .dev
             .stream
             .launch_builder(&self.dev.kernels.sample_rows);
         b.arg(logits.dense())
             .arg(&cols)
+            .arg(&shaped_ptr)
             .arg(&limit_i)
             .arg(&params)
             .arg(&out);
@@ -57,33 +138,59 @@ impl CudaBackend {
             .memcpy_dtoh(&*out, &mut host)
             .unwrap_or_else(|e| self.fail("copy sampled tokens to host", e));
         self.synchronize();
+        drop(shaped);
         decode(&host)
     }
 }
 
-/// The kernel's parameters: per row its index, k (0 = greedy), 1/temperature, top_p and the
-/// uniform draw, all exact as f64.
-fn encode(rows: &[DeviceSampleRow]) -> Vec<f64> {
-    let mut params = Vec::with_capacity(PARAMS * rows.len());
+/// The kernels' parameters: per row its index, k (0 = greedy), 1/temperature, top_p, the
+/// uniform draw, the min-p margin and its edited row (-1: none), all exact as f64; per
+/// edited row and per edit their words. Edits of ids at or past `limit` are dropped (the
+/// reference cuts the row there first).
+fn encode(rows: &[DeviceSampleRow], limit: usize) -> Encoded {
+    let mut enc = Encoded {
+        params: Vec::with_capacity(PARAMS * rows.len()),
+        ..Default::default()
+    };
     for r in rows {
-        let (k, inv_t, top_p, uniform) = match r.method {
-            DeviceSampling::Greedy => (0, 1.0, 1.0, 0.0),
+        let (k, inv_t, top_p, margin, uniform) = match r.method {
+            DeviceSampling::Greedy => (0, 1.0, 1.0, f32::NEG_INFINITY, 0.0),
             DeviceSampling::TopK {
                 k,
                 inv_temperature,
                 top_p,
+                min_p_margin,
                 uniform,
-            } => (k, inv_temperature, top_p, uniform),
+            } => (k, inv_temperature, top_p, min_p_margin, uniform),
         };
-        params.extend([
+        let shaped_row = match r.reshape {
+            Some(reshape) => {
+                let j = enc.shaped() as u32;
+                enc.shaped_rows.extend([
+                    r.row as u32,
+                    u32::from(reshape.allowed_only),
+                    reshape.repetition_penalty.to_bits(),
+                    reshape.presence_penalty.to_bits(),
+                ]);
+                for e in reshape.edits.iter().filter(|e| (e.id as usize) < limit) {
+                    enc.edits
+                        .extend([j, e.id, e.ops, e.bias.to_bits(), e.frequency.to_bits()]);
+                }
+                f64::from(j)
+            }
+            None => -1.0,
+        };
+        enc.params.extend([
             r.row as f64,
             f64::from(k),
             f64::from(inv_t),
             f64::from(top_p),
             uniform,
+            f64::from(margin),
+            shaped_row,
         ]);
     }
-    params
+    enc
 }
 
 fn decode(out: &[u32]) -> Vec<DeviceSample> {
@@ -98,14 +205,36 @@ fn decode(out: &[u32]) -> Vec<DeviceSample> {
 
 #[cfg(test)]
 mod tests {
+    use pd_engine::sampling::{Reshape, TokenEdit};
+
     use super::*;
 
     #[test]
     fn parameters_round_trip_exactly() {
+        let reshape = Reshape {
+            allowed_only: true,
+            repetition_penalty: 1.3,
+            presence_penalty: -0.5,
+            edits: vec![
+                TokenEdit {
+                    id: 9,
+                    ops: 3,
+                    bias: 2.5,
+                    frequency: 0.0,
+                },
+                TokenEdit {
+                    id: 500,
+                    ops: 1,
+                    bias: 0.0,
+                    frequency: 0.0,
+                },
+            ],
+        };
         let rows = [
             DeviceSampleRow {
                 row: 3,
                 method: DeviceSampling::Greedy,
+                reshape: None,
             },
             DeviceSampleRow {
                 row: 0,
@@ -113,17 +242,30 @@ mod tests {
                     k: 64,
                     inv_temperature: 1.0 / 0.7,
                     top_p: 0.95,
+                    min_p_margin: 0.7 * 0.05f32.ln(),
                     uniform: 0.123_456_789_012_345_67,
                 },
+                reshape: Some(&reshape),
             },
         ];
-        let p = encode(&rows);
+        let enc = encode(&rows, 100);
+        let p = &enc.params;
         assert_eq!(p.len(), 2 * PARAMS);
         assert_eq!(&p[..2], &[3.0, 0.0]);
+        assert_eq!(p[5], f64::NEG_INFINITY);
+        assert_eq!(p[6], -1.0, "no edited row");
         // The kernel narrows these back to f32 exactly.
         assert_eq!(p[PARAMS + 2] as f32, 1.0f32 / 0.7);
         assert_eq!(p[PARAMS + 3] as f32, 0.95f32);
         assert_eq!(p[PARAMS + 4], 0.123_456_789_012_345_67);
+        assert_eq!(p[PARAMS + 5] as f32, 0.7 * 0.05f32.ln());
+        assert_eq!(p[PARAMS + 6], 0.0, "edited row 0");
+        assert_eq!(
+            enc.shaped_rows,
+            [0, 1, 1.3f32.to_bits(), (-0.5f32).to_bits()]
+        );
+        // Id 500 is past the 100 candidate columns.
+        assert_eq!(enc.edits, [0, 9, 3, 2.5f32.to_bits(), 0]);
         let s = decode(&[7, (-1.5f32).to_bits(), 1, 0, 0, 0]);
         assert_eq!(
             s[0],

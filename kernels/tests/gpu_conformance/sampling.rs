@@ -47,7 +47,8 @@ fn sampling_rows(vocab: usize) -> Vec<Vec<f32>> {
 #[test]
 fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
     use pd_engine::backend::cpu::CpuTensor;
-    use pd_engine::sampling::{DeviceSampleRow, DeviceSampling};
+    use pd_engine::sampling::device::edit;
+    use pd_engine::sampling::{DeviceSampleRow, DeviceSampling, Reshape, TokenEdit};
     use pd_kernels::cuda::CudaTensor;
 
     if !enabled("sampling_on_the_device_chooses_the_cpu_backends_tokens") {
@@ -64,23 +65,71 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
         gpu.device().stream.clone_htod(&data).expect("upload"),
     );
     let mut s = 7u64;
+    // Logits processors as edits: penalties on ids around the hot spots of the rows above
+    // (3, 7, 11, vocab / 3), a bias lifting an id to the top, masks on the best ids, and an
+    // allowed list (with one id past the tokenizer's 151,669).
+    let hot = [3u32, 7, 11, 12, 40, (vocab / 3) as u32, 151_700];
+    let reshape = |allowed_only: bool, repetition: f32, presence: f32, salt: u32| Reshape {
+        allowed_only,
+        repetition_penalty: repetition,
+        presence_penalty: presence,
+        edits: hot
+            .iter()
+            .enumerate()
+            .map(|(j, &id)| TokenEdit {
+                id,
+                ops: [
+                    edit::REPEAT | edit::OUTPUT,
+                    edit::ALLOWED | edit::BIAS,
+                    edit::MASK,
+                    edit::ALLOWED | edit::REPEAT,
+                    edit::BIAS | edit::REPEAT | edit::OUTPUT,
+                ][(j + salt as usize) % 5],
+                bias: [31.0, -7.25, 0.1][(j + salt as usize) % 3],
+                frequency: 0.75 * (j as f32 + 1.0),
+            })
+            .collect(),
+    };
+    let reshapes = [
+        reshape(false, 1.3, 0.5, 0),
+        reshape(false, 0.7, -1.25, 1),
+        reshape(true, 1.1, 2.0, 2),
+        reshape(true, 1.0, 0.0, 3),
+        reshape(false, 2.0, 0.0, 4),
+    ];
     let mut requests = Vec::new();
     for row in 0..rows.len() {
-        requests.push(DeviceSampleRow {
-            row,
-            method: DeviceSampling::Greedy,
-        });
-        for k in [1u32, 2, 20, 64] {
-            for (t, top_p) in [(0.7f32, 1.0f32), (1.5, 0.9), (0.05, 0.3), (1.0, 1e-6)] {
-                requests.push(DeviceSampleRow {
-                    row,
-                    method: DeviceSampling::TopK {
-                        k,
-                        inv_temperature: 1.0 / t,
-                        top_p,
-                        uniform: unit(&mut s),
-                    },
-                });
+        for shape in std::iter::once(None).chain(reshapes.iter().map(Some)) {
+            requests.push(DeviceSampleRow {
+                row,
+                method: DeviceSampling::Greedy,
+                reshape: shape,
+            });
+            for k in [1u32, 2, 20, 64] {
+                for (t, top_p, min_p) in [
+                    (0.7f32, 1.0f32, 0.0f32),
+                    (1.5, 0.9, 0.0),
+                    (0.05, 0.3, 0.0),
+                    (1.0, 1e-6, 0.0),
+                    (1.0, 1.0, 0.05),
+                    (2.0, 0.8, 0.5),
+                ] {
+                    requests.push(DeviceSampleRow {
+                        row,
+                        method: DeviceSampling::TopK {
+                            k,
+                            inv_temperature: 1.0 / t,
+                            top_p,
+                            min_p_margin: if min_p > 0.0 {
+                                t * min_p.ln()
+                            } else {
+                                f32::NEG_INFINITY
+                            },
+                            uniform: unit(&mut s),
+                        },
+                        reshape: shape,
+                    });
+                }
             }
         }
     }
@@ -119,19 +168,38 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
             top_p: 0.9,
             ..Default::default()
         },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 40,
+            min_p: 0.02,
+            repetition_penalty: 1.4,
+            presence_penalty: 1.5,
+            frequency_penalty: 0.5,
+            logit_bias: vec![(77, 3.0)],
+            bad_words_token_ids: vec![vec![5]],
+            ..Default::default()
+        },
     ];
+    let n = params.len();
     let steps = 12;
     let run = |on_device: bool| -> Vec<Vec<u32>> {
-        let blocks = 2 * 4 + 1;
+        let blocks = n * 4 + 1;
         let mut gpu = executor(CudaBackend::open(0, 0.5).expect("cuda:0"), &files, blocks);
-        let tables: Vec<Vec<u32>> = (0..2u32).map(|s| (s * 4..s * 4 + 4).collect()).collect();
-        let mut tokens: Vec<Vec<u32>> = (0..2u32)
+        let tables: Vec<Vec<u32>> = (0..n as u32)
+            .map(|s| (s * 4..s * 4 + 4).collect())
+            .collect();
+        let mut tokens: Vec<Vec<u32>> = (0..n as u32)
             .map(|s| (0..10).map(|i| (i * 97 + s * 13 + 1) % 150_000).collect())
             .collect();
         let mut samplers: Vec<Sampler> = params.iter().map(|p| Sampler::new(p, 5, &[])).collect();
-        let mut computed = [0usize; 2];
+        let mut computed = vec![0usize; n];
         for _ in 0..steps {
-            let items: Vec<ExecItem<'_>> = (0..2)
+            let plans: Vec<_> = samplers
+                .iter_mut()
+                .zip(&tokens)
+                .map(|(s, t)| s.device_plan(&t[..10], &t[10..], 151_936))
+                .collect();
+            let items: Vec<ExecItem<'_>> = (0..n)
                 .map(|i| ExecItem {
                     tokens: &tokens[i][computed[i]..],
                     start: computed[i],
@@ -140,11 +208,6 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                 })
                 .collect();
             let outs: Vec<StepOutput> = if on_device {
-                let plans: Vec<_> = samplers
-                    .iter()
-                    .zip(&tokens)
-                    .map(|(s, t)| s.device_plan(t.len() - 10))
-                    .collect();
                 gpu.execute_sampling(&items, &plans, usize::MAX)
             } else {
                 gpu.execute(&items)
@@ -157,8 +220,9 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                 let t = match out {
                     StepOutput::Sampled(s) => samplers[i].accept(s),
                     StepOutput::Logits(m) => {
-                        assert!(!on_device, "both requests qualify for the device");
-                        samplers[i].sample(m.row(0), &[], &[])
+                        assert!(!on_device, "every request qualifies for the device");
+                        let (prompt, output) = tokens[i].split_at(10);
+                        samplers[i].sample(m.row(0), prompt, output)
                     }
                 };
                 tokens[i].push(t.token_id);
