@@ -96,8 +96,9 @@ impl<B: Backend> Executor<B> {
 
     /// [`Executor::execute`], choosing the next token on the backend for every item with a
     /// plan (`plans[i]`, from [`crate::sampling::Sampler::device_plan`]) instead of copying
-    /// its logits to the host. Items without a plan, and items with `all_logits` (their
-    /// prompt logprobs need the rows), get their logits as before. Only the first
+    /// its logits to the host. Items without a plan, items with `all_logits` (their prompt
+    /// logprobs need the rows) and rows the backend hands back
+    /// ([`DeviceSample::needs_host`]) get their logits as before. Only the first
     /// `vocab_limit` columns are candidate tokens.
     ///
     /// # Panics
@@ -111,43 +112,50 @@ impl<B: Backend> Executor<B> {
         assert_eq!(plans.len(), items.len(), "one plan (or None) per item");
         let (logits, spans) = self.forward(items);
         let mut device_rows = Vec::new();
-        let mut host_rows = Vec::new();
-        let mut host_spans = Vec::new();
-        for ((item, plan), &(first, n)) in items.iter().zip(plans).zip(&spans) {
-            match plan {
-                Some(plan) if !item.all_logits => {
-                    device_rows.push(DeviceSampleRow::planned(first, plan));
-                }
-                _ => {
-                    host_spans.push((host_rows.len(), n));
-                    host_rows.extend(first..first + n);
+        let mut device_items = Vec::new();
+        for (i, ((item, plan), &(first, _))) in items.iter().zip(plans).zip(&spans).enumerate() {
+            if let Some(plan) = plan
+                && !item.all_logits
+            {
+                device_rows.push(DeviceSampleRow::planned(first, plan));
+                device_items.push(i);
+            }
+        }
+        let mut outputs: Vec<Option<StepOutput>> = (0..items.len()).map(|_| None).collect();
+        if !device_rows.is_empty() {
+            let sampled = self.backend.sample(&logits, &device_rows, vocab_limit);
+            for (&i, sample) in device_items.iter().zip(sampled) {
+                // A row the backend handed back joins the host rows below.
+                if !sample.needs_host {
+                    outputs[i] = Some(StepOutput::Sampled(sample));
                 }
             }
         }
-        let mut sampled = if device_rows.is_empty() {
-            Vec::new()
-        } else {
-            self.backend.sample(&logits, &device_rows, vocab_limit)
+        let mut host_rows = Vec::new();
+        let mut host_spans = Vec::new();
+        let mut host_items = Vec::new();
+        for (i, &(first, n)) in spans.iter().enumerate() {
+            if outputs[i].is_none() {
+                host_spans.push((host_rows.len(), n));
+                host_rows.extend(first..first + n);
+                host_items.push(i);
+            }
         }
-        .into_iter();
-        let mut host = if host_rows.is_empty() {
-            Vec::new()
-        } else if device_rows.is_empty() {
-            split_rows(&self.backend.to_host(&logits), &host_spans)
-        } else {
-            let rows = self.backend.select_rows(&logits, &host_rows);
-            split_rows(&self.backend.to_host(&rows), &host_spans)
+        if !host_rows.is_empty() {
+            let all_rows = spans.iter().map(|&(_, n)| n).sum::<usize>();
+            let host = if host_rows.len() == all_rows {
+                split_rows(&self.backend.to_host(&logits), &host_spans)
+            } else {
+                let rows = self.backend.select_rows(&logits, &host_rows);
+                split_rows(&self.backend.to_host(&rows), &host_spans)
+            };
+            for (&i, m) in host_items.iter().zip(host) {
+                outputs[i] = Some(StepOutput::Logits(m));
+            }
         }
-        .into_iter();
-        items
-            .iter()
-            .zip(plans)
-            .map(|(item, plan)| match plan {
-                Some(_) if !item.all_logits => {
-                    StepOutput::Sampled(sampled.next().expect("one sample per device row"))
-                }
-                _ => StepOutput::Logits(host.next().expect("one matrix per host item")),
-            })
+        outputs
+            .into_iter()
+            .map(|o| o.expect("every item sampled or given its logits"))
             .collect()
     }
 

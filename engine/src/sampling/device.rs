@@ -25,13 +25,18 @@
 //! accuracy (a GPU sums the softmax denominator in another order).
 
 use super::truncation::{
-    SMALL_TOP_K, Weights, argmax, draw_candidates, log_sum_exp, raw_logprob, top_k_sorted,
-    top_p_sorted,
+    Buffers, SMALL_TOP_K, Survivors, TOP_P_SORT_MAX, Weights, argmax, dense_weights,
+    draw_candidates, draw_weights, log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
 };
 
-/// Largest top-k a backend samples itself; the host's small-k path (a sorted candidate list)
-/// is what the backend reproduces.
+/// Largest top-k of [`DeviceSampling::TopK`], the host's small-k path (a sorted candidate
+/// list); larger ones, and none, are [`DeviceSampling::Dense`].
 pub const MAX_DEVICE_TOP_K: u32 = SMALL_TOP_K as u32;
+
+/// Most tokens a [`DeviceSampling::Dense`] row's top-p sorts: the host sorts the tokens that
+/// may survive top-p when there are at most this many and histograms the mass otherwise;
+/// a backend does the first and hands the second back ([`DeviceSample::needs_host`]).
+pub const MAX_DEVICE_TOP_P_CANDIDATES: usize = TOP_P_SORT_MAX;
 
 /// How a backend chooses one row's token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,6 +59,24 @@ pub enum DeviceSampling {
         /// is `l >= lmax + margin`); `-inf` disables min-p.
         min_p_margin: f32,
         /// The request's next uniform draw in `[0, 1)`.
+        uniform: f64,
+    },
+    /// The host's dense path, for temperature sampling without a top-k or with one above
+    /// [`MAX_DEVICE_TOP_K`]: every token's weight `exp((l - lmax) * inv_temperature)` (0
+    /// below `lmax + min_p_margin`); with `top_k`, the weights outside the `top_k` best
+    /// positive-weight logits (ties to the lower id) zeroed; the total summed in chunks of
+    /// 64 (8 f32 lanes each, lanes in order, chunks in order in f64). Then without top-p one
+    /// draw over the weights in id order; with top-p, the tokens whose weight is at least
+    /// `(1 - top_p) × total / (2 × columns)` sorted (logit descending, id ascending), kept
+    /// while the mass before them is below `top_p × total`, and one draw over those in
+    /// order. More than [`MAX_DEVICE_TOP_P_CANDIDATES`] such tokens: the row goes back to
+    /// the host. A row whose largest logit is not finite gets its argmax, no draw.
+    Dense {
+        /// 0 (none) or above [`MAX_DEVICE_TOP_K`].
+        top_k: u32,
+        inv_temperature: f32,
+        top_p: f32,
+        min_p_margin: f32,
         uniform: f64,
     },
 }
@@ -180,6 +203,20 @@ pub struct DeviceSample {
     pub logprob: f32,
     /// Whether the row's uniform draw was used (the host then advances the request's RNG).
     pub used_draw: bool,
+    /// The backend did not choose (a [`DeviceSampling::Dense`] top-p over more than
+    /// [`MAX_DEVICE_TOP_P_CANDIDATES`] tokens): the host samples this row from its logits.
+    /// `token_id` and `logprob` mean nothing then, and the draw is unused.
+    pub needs_host: bool,
+}
+
+impl DeviceSample {
+    /// A choice the backend hands back to the host.
+    pub const NEEDS_HOST: Self = Self {
+        token_id: 0,
+        logprob: 0.0,
+        used_draw: false,
+        needs_host: true,
+    };
 }
 
 /// The reference: the token [`DeviceSampling`] chooses from `logits` (one row, already cut to
@@ -221,11 +258,36 @@ pub fn sample_row(
             let token = draw_candidates(work, &candidates, w, uniform).unwrap_or(max_id);
             (token, true)
         }
+        DeviceSampling::Dense { .. } if !(lmax > f32::NEG_INFINITY && lmax < f32::INFINITY) => {
+            (max_id, false)
+        }
+        DeviceSampling::Dense {
+            top_k,
+            inv_temperature,
+            top_p,
+            min_p_margin,
+            uniform,
+        } => {
+            let w = Weights {
+                lmax,
+                inv_t: inv_temperature,
+                threshold: lmax + min_p_margin,
+            };
+            let mut bufs = Buffers::default();
+            let token = match dense_weights(work, w, top_k as usize, top_p, &mut bufs) {
+                Survivors::Candidates => draw_candidates(work, &bufs.candidates, w, uniform),
+                // Top-p through the mass histogram: the host's own path.
+                Survivors::Dense if top_p < 1.0 => return DeviceSample::NEEDS_HOST,
+                Survivors::Dense => draw_weights(&bufs.dense, uniform),
+            };
+            (token.unwrap_or(max_id), true)
+        }
     };
     DeviceSample {
         token_id,
         logprob: raw_logprob(logits[token_id as usize], log_sum_exp(logits)),
         used_draw,
+        needs_host: false,
     }
 }
 
@@ -286,13 +348,16 @@ mod tests {
             let mut masked = row.clone();
             masked[vocab_limit..].fill(f32::NEG_INFINITY);
             let expect = host.sample(&masked, &PROMPT, &output);
-            let got = match dev.device_plan(&PROMPT, &output, vocab_limit) {
-                Some(plan) => {
+            let plan = dev.device_plan(&PROMPT, &output, vocab_limit);
+            let sample = plan
+                .as_ref()
+                .map(|p| sample_row(&row[..vocab_limit], p.method, p.reshape.as_ref()));
+            let got = match sample {
+                Some(s) if !s.needs_host => {
                     planned += 1;
-                    let row = &row[..vocab_limit];
-                    dev.accept(sample_row(row, plan.method, plan.reshape.as_ref()))
+                    dev.accept(s)
                 }
-                None => dev.sample(&masked, &PROMPT, &output),
+                _ => dev.sample(&masked, &PROMPT, &output),
             };
             assert_eq!(got, expect, "step {step} {params:?}");
             output.push(got.token_id);
@@ -374,6 +439,33 @@ mod tests {
                 top_p: 0.5,
                 ..sampling(3.0, 10)
             },
+            // The dense path: no top-k, or one above 64.
+            sampling(1.0, 0),
+            sampling(0.3, 0),
+            SamplingParams {
+                top_p: 0.9,
+                ..sampling(0.8, 0)
+            },
+            SamplingParams {
+                top_p: 0.05,
+                ..sampling(2.5, 0)
+            },
+            SamplingParams {
+                min_p: 0.1,
+                ..sampling(1.0, 0)
+            },
+            sampling(1.0, 65),
+            SamplingParams {
+                top_p: 0.7,
+                min_p: 0.01,
+                ..sampling(1.7, 500)
+            },
+            SamplingParams {
+                top_p: 0.95,
+                presence_penalty: 1.5,
+                repetition_penalty: 1.1,
+                ..sampling(0.7, 0)
+            },
             SamplingParams {
                 repetition_penalty: 1.3,
                 presence_penalty: 0.5,
@@ -400,13 +492,6 @@ mod tests {
     #[test]
     fn host_only_features_get_no_plan() {
         let host_only = [
-            // Dense paths over the whole vocabulary.
-            SamplingParams {
-                min_p: 0.1,
-                ..sampling(1.0, 0)
-            },
-            sampling(1.0, 0),
-            sampling(1.0, 65),
             // The top alternatives.
             SamplingParams {
                 logprobs: Some(3),
@@ -438,6 +523,29 @@ mod tests {
                 reshape: None
             })
         );
+    }
+
+    #[test]
+    fn a_dense_top_p_over_too_many_tokens_goes_back_to_the_host() {
+        // 20,000 nearly equal logits: top-p 0.99 keeps far more than 8,192 candidates.
+        let flat: Vec<f32> = (0..20_000).map(|i| (i % 7) as f32 * 1e-3).collect();
+        let dense = |top_p: f32| DeviceSampling::Dense {
+            top_k: 0,
+            inv_temperature: 1.0,
+            top_p,
+            min_p_margin: f32::NEG_INFINITY,
+            uniform: 0.5,
+        };
+        assert_eq!(
+            sample_row(&flat, dense(0.99), None),
+            DeviceSample::NEEDS_HOST
+        );
+        // Without top-p, or over a peaked row, the backend draws itself.
+        assert!(!sample_row(&flat, dense(1.0), None).needs_host);
+        let mut peaked = flat.clone();
+        peaked[77] = 40.0;
+        let s = sample_row(&peaked, dense(0.99), None);
+        assert_eq!((s.token_id, s.used_draw, s.needs_host), (77, true, false));
     }
 
     #[test]

@@ -189,10 +189,10 @@ impl Sampler {
 
     /// How a backend may choose this request's next token where the logits are (see
     /// [`super::device`]), given the request's tokens so far and the number of logits columns
-    /// that are real tokens, or `None` when it needs the host: `logprobs > 0`, temperature
-    /// sampling without a top-k in `1..=`[`MAX_DEVICE_TOP_K`], or logits processors that
-    /// touch more than a quarter of the vocabulary this step (their edits would then weigh
-    /// more than the row of logits). The uniform draw is *peeked* from the request's RNG;
+    /// that are real tokens, or `None` when it needs the host: `logprobs > 0`, or logits
+    /// processors that touch more than a quarter of the vocabulary this step (their edits
+    /// would then weigh more than the row of logits). (A dense top-p may still come back,
+    /// see [`super::DeviceSample::needs_host`].) The uniform draw is *peeked* from the request's RNG;
     /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
     /// one [`Sampler::sample`] would have used.
     pub fn device_plan(
@@ -204,21 +204,28 @@ impl Sampler {
         if self.logprobs.is_some_and(|k| k > 0) {
             return None;
         }
+        // The host's threshold is `lmax + temperature * ln(min_p)`, in this order.
+        let min_p_margin = if self.min_p > 0.0 {
+            self.temperature * self.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
         let method = if self.greedy {
             DeviceSampling::Greedy
         } else if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
-            return None;
+            DeviceSampling::Dense {
+                top_k: self.top_k,
+                inv_temperature: 1.0 / self.temperature,
+                top_p: self.top_p,
+                min_p_margin,
+                uniform: self.rng.clone().random::<f64>(),
+            }
         } else {
             DeviceSampling::TopK {
                 k: self.top_k,
                 inv_temperature: 1.0 / self.temperature,
                 top_p: self.top_p,
-                // The host's threshold is `lmax + temperature * ln(min_p)`, in this order.
-                min_p_margin: if self.min_p > 0.0 {
-                    self.temperature * self.min_p.ln()
-                } else {
-                    f32::NEG_INFINITY
-                },
+                min_p_margin,
                 uniform: self.rng.clone().random::<f64>(),
             }
         };
@@ -308,6 +315,10 @@ impl Sampler {
     /// The token a backend chose for this request following [`Sampler::device_plan`]. Advances
     /// the RNG by the one draw the backend used, if it used it.
     pub fn accept(&mut self, sample: DeviceSample) -> SampledToken {
+        debug_assert!(
+            !sample.needs_host,
+            "a row handed back is sampled on the host"
+        );
         if sample.used_draw {
             let _: f64 = self.rng.random();
         }
@@ -445,7 +456,7 @@ impl Sampler {
             return draw_candidates(work, cand, w, rng.random::<f64>()).unwrap_or(max_id);
         }
         match dense_weights(work, w, k, self.top_p, &mut self.bufs) {
-            Survivors::Dense => draw_weights(&self.bufs.dense, rng),
+            Survivors::Dense => draw_weights(&self.bufs.dense, rng.random::<f64>()),
             Survivors::Candidates => {
                 draw_candidates(work, &self.bufs.candidates, w, rng.random::<f64>())
             }

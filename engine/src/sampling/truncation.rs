@@ -12,9 +12,6 @@
 
 use std::cmp::Ordering;
 
-use rand::RngExt;
-use rand_chacha::ChaCha8Rng;
-
 /// Up to this `k`, top-k runs as one pass with a sorted insertion buffer (and a backend may
 /// sample the request itself, see [`super::device`]).
 pub(super) const SMALL_TOP_K: usize = 64;
@@ -200,7 +197,7 @@ pub(super) fn dense_weights(
 }
 
 /// With at most this many tokens above the certain-drop weight, top-p sorts them.
-const TOP_P_SORT_MAX: usize = 8192;
+pub(super) const TOP_P_SORT_MAX: usize = 8192;
 
 /// Top-p over dense weights without sorting the vocabulary.
 ///
@@ -304,11 +301,12 @@ fn top_p_dense(logits: &[f32], w: Weights, top_p: f32, s: &mut Buffers) -> Survi
     Survivors::Dense
 }
 
-/// One draw from unnormalised weights; `None` if they are all 0. Chunk sums are computed
-/// the same way for the total and the walk, so the walk ends exactly at the total.
-pub(super) fn draw_weights(weights: &[f32], rng: &mut ChaCha8Rng) -> Option<u32> {
+/// One draw (`uniform` in `[0, 1)`) from unnormalised weights; `None` if they are all 0.
+/// Chunk sums are computed the same way for the total and the walk, so the walk ends
+/// exactly at the total.
+pub(super) fn draw_weights(weights: &[f32], uniform: f64) -> Option<u32> {
     let total: f64 = weights.chunks(CHUNK).map(|c| f64::from(chunk_sum(c))).sum();
-    let target = rng.random::<f64>() * total;
+    let target = uniform * total;
     let last_positive = |ci: usize, c: &[f32]| {
         c.iter()
             .rposition(|&x| x > 0.0)
@@ -443,7 +441,8 @@ pub(super) fn raw_logprob(logit: f32, lse: f64) -> f32 {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use rand::SeedableRng;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     use super::*;
 
@@ -559,10 +558,10 @@ pub(super) mod tests {
         ws[1000] = 1e-30;
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         for _ in 0..2000 {
-            let t = draw_weights(&ws, &mut rng).unwrap();
+            let t = draw_weights(&ws, rng.random::<f64>()).unwrap();
             assert!(ws[t as usize] > 0.0);
         }
-        assert_eq!(draw_weights(&[0.0; 70], &mut rng), None);
-        assert_eq!(draw_weights(&[0.0, 0.0, 2.0], &mut rng), Some(2));
+        assert_eq!(draw_weights(&[0.0; 70], rng.random::<f64>()), None);
+        assert_eq!(draw_weights(&[0.0, 0.0, 2.0], rng.random::<f64>()), Some(2));
     }
 }

@@ -465,11 +465,12 @@ impl<B: Backend> Engine<B> {
                 let token = match output {
                     StepOutput::Sampled(sample) => seq.sampler.accept(sample),
                     StepOutput::Logits(logits) => {
-                        let mut row = logits.row(logits.rows - 1).to_vec();
-                        let limit = limit.min(row.len());
-                        row[limit..].fill(f32::NEG_INFINITY);
+                        // Only the columns that are real tokens: the backend's sampling
+                        // sees the same row, so both paths draw alike.
+                        let row = logits.row(logits.rows - 1);
                         let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                        seq.sampler.sample(&row, prompt, output)
+                        seq.sampler
+                            .sample(&row[..limit.min(row.len())], prompt, output)
                     }
                 };
                 (id, seq, token)

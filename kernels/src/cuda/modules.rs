@@ -21,7 +21,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 6] = [
+pub const SOURCES: [KernelSource; 7] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -55,9 +55,14 @@ pub const SOURCES: [KernelSource; 6] = [
         kernels: &["attention_mma"],
     },
     KernelSource {
+        name: "reshape",
+        code: include_str!("reshape.cu"),
+        kernels: &["reshape_copy", "reshape_edit"],
+    },
+    KernelSource {
         name: "sample",
         code: include_str!("sample.cu"),
-        kernels: &["reshape_copy", "reshape_edit", "sample_rows"],
+        kernels: &["sample_rows", "sample_dense"],
     },
     KernelSource {
         name: "gemv",

@@ -1,82 +1,27 @@
 // Sampling next to the logits: one block per sampled row chooses its token exactly as
 // pd_engine::sampling::device::sample_row does on the host (the contract every backend
-// keeps), so only token ids travel to the host.
+// keeps), so only token ids travel to the host. sample_rows: greedy and top-k <= 64 (then
+// min-p, top-p); sample_dense: no top-k or a larger one, over the whole vocabulary.
 //
 // Bit-exactness: the token choice repeats the host's arithmetic in the same order with the
 // same rounding. Every float / double operation of the weights, top-p and the draw is an
 // explicit round-to-nearest intrinsic (__fmul_rn, __dadd_rn, ...), which the compiler never
 // contracts into an FMA (the Rust side has no FMA either), and exp is the host's polynomial,
 // not expf. Only the log-probability (a softmax denominator summed in another order) may
-// differ from the host's by rounding.
-//
-// The logits processors (penalties, logit bias, allowed ids, bad words, the min_tokens mask)
-// come as per-id edits made by the host (pd_engine::sampling::device::Reshape):
-// reshape_copy and reshape_edit write the edited rows into a buffer of their own, which
-// sample_rows chooses from; the log-probability stays that of the raw row.
+// differ from the host's by rounding. Rows with logits processors are chosen from their
+// edited copy (reshape.cu); the log-probability stays that of the raw row.
 
 #define SAMPLE_MAX_K 64
-// Per row: row index, k (0 = greedy), inv_temperature, top_p, uniform, min-p margin (-inf:
-// none), row of the edited logits (-1: choose from the raw row); all exact in f64.
+// Per row: row index, k (0 = none / greedy), inv_temperature, top_p, uniform, min-p margin
+// (-inf: none), row of the edited logits (-1: choose from the raw row); all exact in f64.
 #define SAMPLE_PARAMS 7
-// Per edited row: raw logits row, allowed_only, repetition penalty bits, presence bits.
-#define RESHAPE_ROW 4
-// Per edit: edited row, token id, ops, bias bits, frequency bits.
-#define RESHAPE_EDIT 5
-// The ops of an edit, applied in this order (pd_engine::sampling::device::edit).
-#define EDIT_ALLOWED 1u
-#define EDIT_BIAS 2u
-#define EDIT_MASK 4u
-#define EDIT_REPEAT 8u
-#define EDIT_OUTPUT 16u
-
-// Edited rows, dense part: each a copy of its raw row, or all -inf under allowed_only.
-// grid.y: one per edited row; grid.x strides the columns.
-extern "C" __global__ void reshape_copy(const float* logits, int cols, int vocab_limit,
-                                        const unsigned int* rows, float* shaped) {
-    const unsigned int* r = rows + (unsigned long long)blockIdx.y * RESHAPE_ROW;
-    const float* x = logits + (unsigned long long)r[0] * cols;
-    float* y = shaped + (unsigned long long)blockIdx.y * vocab_limit;
-    const bool allowed_only = r[1] != 0;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab_limit;
-         i += gridDim.x * blockDim.x) {
-        y[i] = allowed_only ? -INFINITY : x[i];
-    }
-}
-
-// Edited rows, sparse part (after reshape_copy): one thread per edit, at most one edit per
-// (row, id), each computed from the raw logit as TokenEdit::apply does, operation for
-// operation with explicit round-to-nearest intrinsics.
-extern "C" __global__ void reshape_edit(const float* logits, int cols, int vocab_limit,
-                                        const unsigned int* rows, const unsigned int* edits,
-                                        int n_edits, float* shaped) {
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= n_edits) {
-        return;
-    }
-    const unsigned int* d = edits + (unsigned long long)e * RESHAPE_EDIT;
-    const unsigned int j = d[0];
-    const unsigned int id = d[1];
-    const unsigned int ops = d[2];
-    const unsigned int* r = rows + (unsigned long long)j * RESHAPE_ROW;
-    float l = logits[(unsigned long long)r[0] * cols + id];
-    if (r[1] != 0 && (ops & EDIT_ALLOWED) == 0) {
-        l = -INFINITY;
-    }
-    if (ops & EDIT_BIAS) {
-        l = __fadd_rn(l, __uint_as_float(d[3]));
-    }
-    if (ops & EDIT_MASK) {
-        l = -INFINITY;
-    }
-    if (ops & EDIT_REPEAT) {
-        const float p = __uint_as_float(r[2]);
-        l = l > 0.0f ? __fdiv_rn(l, p) : __fmul_rn(l, p);
-    }
-    if (ops & EDIT_OUTPUT) {
-        l = __fsub_rn(__fsub_rn(l, __uint_as_float(d[4])), __uint_as_float(r[3]));
-    }
-    shaped[(unsigned long long)j * vocab_limit + id] = l;
-}
+// Words per row of output: token, logprob bits, draw used, handed back to the host.
+#define SAMPLE_OUTPUTS 4
+// sample_dense: most tokens its top-p sorts (pd_engine's MAX_DEVICE_TOP_P_CANDIDATES); more
+// and the row goes back to the host, which histograms them.
+#define DENSE_MAX_CANDIDATES 8192
+// sample_dense: weights are summed in chunks of this many (8 f32 lanes), as on the host.
+#define DENSE_CHUNK 64
 
 // The host's exp_nonpos (pd_engine sampler.rs): exp(x) for x <= 0 by a degree-7 polynomial
 // after n ln2 range reduction; 0 below -87, for -inf and NaN. Constants as f32 bit patterns.
@@ -180,11 +125,140 @@ __device__ int block_prefix_count(bool flag, int* scratch) {
     return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
-// params: SAMPLE_PARAMS doubles per sampled row (one block each); out: per row the token id,
-// the bits of its f32 log-probability, and whether the uniform draw was used. Only columns
-// below vocab_limit are candidates. A row with edits chooses from its row of `shaped`
-// (vocab_limit columns each; unused, possibly null, when no row has edits).
-// blockDim.x: a multiple of 32, at most 1024.
+// The row a block samples, from its parameters.
+struct SampleRow {
+    const float* raw;  // raw logits: the log-probability's
+    const float* x;    // the logits the token is chosen from (raw, or the edited copy)
+    int k;
+    float inv_t;
+    float top_p;
+    double uniform;
+    float min_p_margin;
+};
+
+__device__ SampleRow sample_row_at(const float* logits, int cols, const float* shaped,
+                                   int vocab_limit, const double* params) {
+    const double* p = params + (unsigned long long)blockIdx.x * SAMPLE_PARAMS;
+    SampleRow r;
+    r.raw = logits + (unsigned long long)p[0] * cols;
+    const int shaped_row = (int)p[6];
+    r.x = shaped_row >= 0 ? shaped + (unsigned long long)shaped_row * vocab_limit : r.raw;
+    r.k = (int)p[1];
+    r.inv_t = (float)p[2];
+    r.top_p = (float)p[3];
+    r.uniform = p[4];
+    r.min_p_margin = (float)p[5];
+    return r;
+}
+
+// The largest logit, NaN ignored, ties to the lower id (a thread visits its ids in
+// increasing order, so a strict > keeps its first maximum); id 0 when all are -inf.
+__device__ void row_argmax(const float* x, int n, float& lmax, int& max_id, float* s_val,
+                           int* s_idx) {
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float l = x[i];
+        if (l > best) {
+            best = l;
+            best_i = i;
+        }
+    }
+    block_argmax(best, best_i, s_val, s_idx);
+    lmax = best;
+    max_id = best == -INFINITY ? 0 : best_i;
+}
+
+// log-sum-exp of the raw logits, for the chosen token's log-probability (their own maximum
+// first when the choice is made from edited logits).
+__device__ double raw_log_sum_exp(const SampleRow& r, int n, float lmax, float* s_val,
+                                  int* s_idx, double* s_sum) {
+    float raw_max = lmax;
+    if (r.x != r.raw) {
+        int unused;
+        row_argmax(r.raw, n, raw_max, unused, s_val, s_idx);
+    }
+    double lse = (double)raw_max;
+    if (raw_max > -INFINITY && raw_max < INFINITY) {
+        double s = 0.0;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float l = r.raw[i];
+            if (l == l) {
+                s += (double)expf(l - raw_max);
+            }
+        }
+        s = block_sum_f64(s, s_sum);
+        lse = (double)raw_max + log(s);
+    }
+    return lse;
+}
+
+// Whether id i takes part in top-k: with weights (sample_dense) a positive weight, else a
+// candidate logit (sample_candidate).
+__device__ __forceinline__ bool topk_eligible(const float* x, const float* w, int i,
+                                              float threshold) {
+    return w != nullptr ? w[i] > 0.0f : sample_candidate(x[i], threshold);
+}
+
+// Radix select of the k-th best key among the eligible ids (8 bits at a time, most
+// significant first). Returns the key; `rank` of the `equal` eligible ids with that key
+// rank within the best k (the lowest ids first). Every thread gets the results.
+__device__ unsigned int select_kth(const float* x, const float* w, float threshold, int n,
+                                   int k, int& rank, int& equal, unsigned int* hist,
+                                   unsigned int* s_desired, int* s_rank, int* s_equal) {
+    unsigned int desired = 0;
+    unsigned int mask = 0;
+    rank = k;  // 1-based rank of the wanted key among those matching `desired`
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) {
+            hist[d] = 0;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (topk_eligible(x, w, i, threshold)) {
+                const unsigned int key = order_key(x[i]);
+                if ((key & mask) == desired) {
+                    atomicAdd(&hist[(key >> shift) & 255u], 1u);
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int r = rank;
+            int d = 255;
+            for (; d > 0; --d) {
+                if ((int)hist[d] >= r) break;
+                r -= (int)hist[d];
+            }
+            *s_desired = desired | ((unsigned int)d << shift);
+            *s_rank = r;
+            *s_equal = (int)hist[d];
+        }
+        __syncthreads();
+        desired = *s_desired;
+        rank = *s_rank;
+        equal = *s_equal;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    return desired;
+}
+
+__device__ void write_sample(unsigned int* out, const SampleRow& r, double lse, int token,
+                             int used, int needs_host) {
+    const float l = r.raw[token];
+    const float logprob = (l != l || l == -INFINITY) ? -INFINITY : (float)((double)l - lse);
+    unsigned int* o = out + (unsigned long long)SAMPLE_OUTPUTS * blockIdx.x;
+    o[0] = (unsigned int)token;
+    o[1] = __float_as_uint(logprob);
+    o[2] = (unsigned int)used;
+    o[3] = (unsigned int)needs_host;
+}
+
+// params: SAMPLE_PARAMS doubles per sampled row (one block each, k in 0..=64); out:
+// SAMPLE_OUTPUTS words per row. Only columns below vocab_limit are candidates. A row with
+// edits chooses from its row of `shaped` (vocab_limit columns each; unused, possibly null,
+// when no row has edits). blockDim.x: a multiple of 32, at most 1024.
 extern "C" __global__ void sample_rows(const float* logits, int cols, const float* shaped,
                                        int vocab_limit, const double* params,
                                        unsigned int* out) {
@@ -199,73 +273,26 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
     __shared__ int s_rank;
     __shared__ int s_equal;
 
-    const double* p = params + (unsigned long long)blockIdx.x * SAMPLE_PARAMS;
-    const int row = (int)p[0];
-    const int k = (int)p[1];
-    const float inv_t = (float)p[2];
-    const float top_p = (float)p[3];
-    const double uniform = p[4];
-    const float min_p_margin = (float)p[5];
-    const int shaped_row = (int)p[6];
-    const float* raw = logits + (unsigned long long)row * cols;
-    // The row the token is chosen from.
-    const float* x =
-        shaped_row >= 0 ? shaped + (unsigned long long)shaped_row * vocab_limit : raw;
+    const SampleRow r = sample_row_at(logits, cols, shaped, vocab_limit, params);
+    const float* x = r.x;
+    const int k = r.k;
     const int n = vocab_limit;
 
-    // 1. argmax: the largest logit, NaN ignored, ties to the lower id (a thread visits its
-    //    ids in increasing order, so a strict > keeps its first maximum).
-    float best = -INFINITY;
-    int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float l = x[i];
-        if (l > best) {
-            best = l;
-            best_i = i;
-        }
-    }
-    block_argmax(best, best_i, s_val, s_idx);
-    const float lmax = best;
-    const int max_id = lmax == -INFINITY ? 0 : best_i;
+    // 1. argmax; 2. the raw log-sum-exp.
+    float lmax;
+    int max_id;
+    row_argmax(x, n, lmax, max_id, s_val, s_idx);
     const bool finite = lmax > -INFINITY && lmax < INFINITY;
-
-    // 2. log-sum-exp of the raw logits, for the chosen token's log-probability (their own
-    //    maximum first when the choice is made from edited logits).
-    float raw_max = lmax;
-    if (x != raw) {
-        raw_max = -INFINITY;
-        int unused = 0x7fffffff;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = raw[i];
-            if (l > raw_max) {
-                raw_max = l;
-                unused = i;
-            }
-        }
-        block_argmax(raw_max, unused, s_val, s_idx);
-    }
-    double lse = (double)raw_max;
-    if (raw_max > -INFINITY && raw_max < INFINITY) {
-        double s = 0.0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = raw[i];
-            if (l == l) {
-                s += (double)expf(l - raw_max);
-            }
-        }
-        s = block_sum_f64(s, s_sum);
-        lse = (double)raw_max + log(s);
-    }
+    const double lse = raw_log_sum_exp(r, n, lmax, s_val, s_idx, s_sum);
 
     int token = max_id;
     int used = 0;
     if (k > 0 && finite) {
         used = 1;
         // min-p: the host's `lmax + temperature * ln(min_p)`, the product made on the host.
-        const float threshold = __fadd_rn(lmax, min_p_margin);
-        // 3. The k best candidates (logit descending, id ascending). Radix-select the k-th
-        //    best key (8 bits at a time, most significant first); keep every key above it and
-        //    the lowest ids among those equal to it.
+        const float threshold = __fadd_rn(lmax, r.min_p_margin);
+        // 3. The k best candidates (logit descending, id ascending): every key above the
+        //    k-th best and the lowest ids among those equal to it.
         int valid = 0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             valid += sample_candidate(x[i], threshold) ? 1 : 0;
@@ -282,43 +309,10 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
                 }
             }
         } else {
-            unsigned int desired = 0;
-            unsigned int mask = 0;
-            int rank = k;  // 1-based rank of the wanted key among those matching `desired`
-            for (int shift = 24; shift >= 0; shift -= 8) {
-                for (int d = threadIdx.x; d < 256; d += blockDim.x) {
-                    hist[d] = 0;
-                }
-                __syncthreads();
-                for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                    const float l = x[i];
-                    if (sample_candidate(l, threshold)) {
-                        const unsigned int key = order_key(l);
-                        if ((key & mask) == desired) {
-                            atomicAdd(&hist[(key >> shift) & 255u], 1u);
-                        }
-                    }
-                }
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    int r = rank;
-                    int d = 255;
-                    for (; d > 0; --d) {
-                        if ((int)hist[d] >= r) break;
-                        r -= (int)hist[d];
-                    }
-                    s_desired = desired | ((unsigned int)d << shift);
-                    s_rank = r;
-                    s_equal = (int)hist[d];
-                }
-                __syncthreads();
-                desired = s_desired;
-                rank = s_rank;
-                mask |= 255u << shift;
-            }
-            // `desired` is the k-th best key; `rank` of the `s_equal` logits with that key
-            // are kept, the lowest ids first.
-            const int equal = s_equal;
+            int rank;
+            int equal;
+            const unsigned int desired = select_kth(x, nullptr, threshold, n, k, rank, equal,
+                                                    hist, &s_desired, &s_rank, &s_equal);
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const float l = x[i];
                 if (sample_candidate(l, threshold)) {
@@ -335,7 +329,8 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
                 int taken = 0;
                 for (int base = 0; base < n && taken < rank; base += blockDim.x) {
                     const int i = base + threadIdx.x;
-                    const bool eq = i < n && sample_candidate(x[i], threshold) && order_key(x[i]) == desired;
+                    const bool eq = i < n && sample_candidate(x[i], threshold) &&
+                                    order_key(x[i]) == desired;
                     const int before = block_prefix_count(eq, s_idx);
                     if (eq && taken + before < rank) {
                         cand[above + taken + before] = i;
@@ -348,7 +343,6 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
             }
         }
         __syncthreads();
-
         // 4. Sort, weights, top-p and the draw: at most 64 candidates, one thread, in the
         //    host's order.
         if (threadIdx.x == 0) {
@@ -365,12 +359,12 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
             }
             double total = 0.0;
             for (int j = 0; j < m; ++j) {
-                cand_w[j] = exp_nonpos(__fmul_rn(__fsub_rn(x[cand[j]], lmax), inv_t));
+                cand_w[j] = exp_nonpos(__fmul_rn(__fsub_rn(x[cand[j]], lmax), r.inv_t));
                 total = __dadd_rn(total, (double)cand_w[j]);
             }
             int kept = m;
-            if (top_p < 1.0f) {
-                const double target = __dmul_rn((double)top_p, total);
+            if (r.top_p < 1.0f) {
+                const double target = __dmul_rn((double)r.top_p, total);
                 double cum = 0.0;
                 for (int j = 0; j < m; ++j) {
                     if (cum >= target) {
@@ -384,7 +378,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
             for (int j = 0; j < kept; ++j) {
                 sum = __dadd_rn(sum, (double)cand_w[j]);
             }
-            const double target = __dmul_rn(uniform, sum);
+            const double target = __dmul_rn(r.uniform, sum);
             double cum = 0.0;
             int last = -1;
             for (int j = 0; j < kept; ++j) {
@@ -399,11 +393,254 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
     }
 
     if (threadIdx.x == 0) {
-        const float l = raw[token];
-        const float logprob = (l != l || l == -INFINITY) ? -INFINITY : (float)((double)l - lse);
-        unsigned int* o = out + 3ull * blockIdx.x;
-        o[0] = (unsigned int)token;
-        o[1] = __float_as_uint(logprob);
-        o[2] = (unsigned int)used;
+        write_sample(out, r, lse, token, used, 0);
+    }
+}
+
+// Per sampled row of sample_dense, its scratch: the weights (vocab_limit floats), the chunk
+// sums (one float per DENSE_CHUNK weights), the top-p candidates and their sorted order
+// (DENSE_MAX_CANDIDATES ints each).
+__device__ __forceinline__ unsigned long long dense_scratch_words(int vocab_limit) {
+    return (unsigned long long)vocab_limit + (vocab_limit + DENSE_CHUNK - 1) / DENSE_CHUNK +
+           2ull * DENSE_MAX_CANDIDATES;
+}
+
+// Sum of one chunk of weights as the host's chunk_sum: 8 f32 lanes (weight j of each group of
+// 8 into lane j, in order), then the lanes in order.
+__device__ float dense_chunk_sum(const float* w, int c, int n) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const int base = c * DENSE_CHUNK;
+    for (int e = 0; e < DENSE_CHUNK; e += 8) {
+        for (int j = 0; j < 8; ++j) {
+            if (base + e + j < n) {
+                acc[j] = __fadd_rn(acc[j], w[base + e + j]);
+            }
+        }
+    }
+    float s = acc[0];
+    for (int j = 1; j < 8; ++j) {
+        s = __fadd_rn(s, acc[j]);
+    }
+    return s;
+}
+
+// The host's dense path (DeviceSampling::Dense): temperature sampling with no top-k or one
+// above 64, min-p and top-p over the whole vocabulary. params: SAMPLE_PARAMS doubles per row
+// (k: top-k, 0 = none); scratch: dense_scratch_words(vocab_limit) words per row; out:
+// SAMPLE_OUTPUTS words per row. A top-p over more than DENSE_MAX_CANDIDATES tokens is handed
+// back (the host histograms those). blockDim.x: a multiple of 32, at most 1024.
+extern "C" __global__ void sample_dense(const float* logits, int cols, const float* shaped,
+                                        int vocab_limit, const double* params,
+                                        float* scratch, unsigned int* out) {
+    __shared__ float s_val[WARP];
+    __shared__ int s_idx[WARP];
+    __shared__ double s_sum[WARP];
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int s_desired;
+    __shared__ int s_rank;
+    __shared__ int s_equal;
+    __shared__ int s_kth_id;
+    __shared__ int n_cand;
+
+    const SampleRow r = sample_row_at(logits, cols, shaped, vocab_limit, params);
+    const float* x = r.x;
+    const int n = vocab_limit;
+    const int chunks = (n + DENSE_CHUNK - 1) / DENSE_CHUNK;
+    float* w = scratch + dense_scratch_words(n) * blockIdx.x;
+    float* chunk_sum = w + n;
+    int* cand = (int*)(chunk_sum + chunks);
+    int* sorted = cand + DENSE_MAX_CANDIDATES;
+
+    float lmax;
+    int max_id;
+    row_argmax(x, n, lmax, max_id, s_val, s_idx);
+    const double lse = raw_log_sum_exp(r, n, lmax, s_val, s_idx, s_sum);
+    if (!(lmax > -INFINITY && lmax < INFINITY)) {
+        if (threadIdx.x == 0) {
+            write_sample(out, r, lse, max_id, 0, 0);
+        }
+        return;
+    }
+
+    // 1. Every token's weight (Weights::of): 0 below the min-p threshold, NaN and -inf.
+    const float threshold = __fadd_rn(lmax, r.min_p_margin);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float l = x[i];
+        const float e = __fmul_rn(__fsub_rn(l, lmax), r.inv_t);
+        w[i] = exp_nonpos(l >= threshold ? e : -INFINITY);
+    }
+    __syncthreads();
+
+    // 2. Top-k over the positive weights: zero every token ranked below the k-th (logit
+    //    descending, id ascending), as the host's select_nth does.
+    if (r.k > 0) {
+        int positive = 0;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            positive += w[i] > 0.0f ? 1 : 0;
+        }
+        positive = (int)(block_sum_f64((double)positive, s_sum) + 0.5);
+        if (r.k < positive) {
+            int rank;
+            int equal;
+            const unsigned int desired = select_kth(x, w, threshold, n, r.k, rank, equal, hist,
+                                                    &s_desired, &s_rank, &s_equal);
+            // The k-th token: the rank-th lowest id among the eligible ones with that key.
+            int taken = 0;
+            for (int base = 0; base < n && taken < rank; base += blockDim.x) {
+                const int i = base + threadIdx.x;
+                const bool eq = i < n && w[i] > 0.0f && order_key(x[i]) == desired;
+                const int before = block_prefix_count(eq, s_idx);
+                if (eq && taken + before == rank - 1) {
+                    s_kth_id = i;
+                }
+                taken += __syncthreads_count(eq);
+            }
+            __syncthreads();
+            const int kth = s_kth_id;
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                if (w[i] > 0.0f) {
+                    const unsigned int key = order_key(x[i]);
+                    if (key < desired || (key == desired && i > kth)) {
+                        w[i] = 0.0f;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    // 3. Chunk sums, each as the host's chunk_sum.
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        chunk_sum[c] = dense_chunk_sum(w, c, n);
+    }
+    __syncthreads();
+
+    int token = max_id;
+    int needs_host = 0;
+    if (r.top_p < 1.0f) {
+        // 4. Top-p as the host's top_p_dense: tokens that certainly drop go first; the rest
+        //    are sorted and walked while the mass before them is below top_p.
+        __shared__ double s_total;
+        if (threadIdx.x == 0) {
+            double total = 0.0;
+            for (int c = 0; c < chunks; ++c) {
+                total = __dadd_rn(total, (double)chunk_sum[c]);
+            }
+            s_total = total;
+            n_cand = 0;
+        }
+        __syncthreads();
+        const double total = s_total;
+        const double drop_below = __ddiv_rn(__dmul_rn(__dsub_rn(1.0, (double)r.top_p), total),
+                                            __dmul_rn(2.0, (double)n));
+        if (!(total > 0.0)) {
+            needs_host = 1;
+        } else {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                if (w[i] > 0.0f && (double)w[i] >= drop_below) {
+                    const int slot = atomicAdd(&n_cand, 1);
+                    if (slot < DENSE_MAX_CANDIDATES) {
+                        cand[slot] = i;
+                    }
+                }
+            }
+            __syncthreads();
+            const int m = n_cand;
+            if (m > DENSE_MAX_CANDIDATES) {
+                needs_host = 1;
+            } else {
+                // Rank sort (logit descending, id ascending: a total order over them).
+                for (int a = threadIdx.x; a < m; a += blockDim.x) {
+                    const int ia = cand[a];
+                    const float la = x[ia];
+                    int before = 0;
+                    for (int b = 0; b < m; ++b) {
+                        const int ib = cand[b];
+                        const float lb = x[ib];
+                        before += (lb > la || (lb == la && ib < ia)) ? 1 : 0;
+                    }
+                    sorted[before] = ia;
+                }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    const double target = __dmul_rn((double)r.top_p, total);
+                    double cum = 0.0;
+                    int kept = m;
+                    for (int j = 0; j < m; ++j) {
+                        if (cum >= target) {
+                            kept = j;
+                            break;
+                        }
+                        cum = __dadd_rn(cum, (double)w[sorted[j]]);
+                    }
+                    // The host's draw_candidates over the kept tokens, in order.
+                    double sum = 0.0;
+                    for (int j = 0; j < kept; ++j) {
+                        sum = __dadd_rn(sum, (double)w[sorted[j]]);
+                    }
+                    const double draw = __dmul_rn(r.uniform, sum);
+                    double walked = 0.0;
+                    int last = -1;
+                    for (int j = 0; j < kept; ++j) {
+                        const float wj = w[sorted[j]];
+                        if (wj > 0.0f) {
+                            walked = __dadd_rn(walked, (double)wj);
+                            last = sorted[j];
+                            if (walked > draw) break;
+                        }
+                    }
+                    token = last >= 0 ? last : max_id;
+                }
+            }
+        }
+    } else if (threadIdx.x == 0) {
+        // 5. No top-p: the host's draw_weights over every weight in id order, chunk by chunk.
+        double total = 0.0;
+        for (int c = 0; c < chunks; ++c) {
+            total = __dadd_rn(total, (double)chunk_sum[c]);
+        }
+        const double target = __dmul_rn(r.uniform, total);
+        double cum = 0.0;
+        int last_chunk = -1;
+        int found = -1;
+        for (int c = 0; c < chunks && found < 0; ++c) {
+            const double cs = (double)chunk_sum[c];
+            if (cs <= 0.0) {
+                continue;
+            }
+            if (__dadd_rn(cum, cs) > target) {
+                double inner = cum;
+                int last_positive = -1;
+                for (int i = c * DENSE_CHUNK; i < n && i < (c + 1) * DENSE_CHUNK; ++i) {
+                    if (w[i] > 0.0f) {
+                        last_positive = i;
+                        inner = __dadd_rn(inner, (double)w[i]);
+                        if (inner > target) {
+                            found = i;
+                            break;
+                        }
+                    }
+                }
+                // Rounding (f32 chunk sum against the f64 walk): the chunk's last token.
+                if (found < 0) {
+                    found = last_positive;
+                }
+                break;
+            }
+            cum = __dadd_rn(cum, cs);
+            last_chunk = c;
+        }
+        if (found < 0 && last_chunk >= 0) {
+            for (int i = last_chunk * DENSE_CHUNK; i < n && i < (last_chunk + 1) * DENSE_CHUNK;
+                 ++i) {
+                if (w[i] > 0.0f) {
+                    found = i;
+                }
+            }
+        }
+        token = found >= 0 ? found : max_id;
+    }
+    if (threadIdx.x == 0) {
+        write_sample(out, r, lse, needs_host ? 0 : token, needs_host ? 0 : 1, needs_host);
     }
 }

@@ -1,11 +1,13 @@
 //! [`Backend::sample`](pd_engine::backend::Backend::sample) on the device: the `sample_rows`
-//! kernel (`sample.cu`) chooses each row's token where the logits are, so a step copies
-//! three words per sequence to the host instead of a row of vocabulary size (608 KB for
-//! Qwen3). Rows with logits processors first get an edited copy (`reshape_copy`, then
+//! kernel (greedy, top-k <= 64) and the `sample_dense` kernel (no top-k or a larger one;
+//! `sample.cu`) choose each row's token where the logits are, so a step copies four words
+//! per sequence to the host instead of a row of vocabulary size (608 KB for Qwen3). Rows
+//! with logits processors first get an edited copy (`reshape.cu`: `reshape_copy`, then
 //! `reshape_edit` for their per-id edits). The choice follows
 //! `pd_engine::sampling::device::sample_row` bit for bit.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use pd_engine::sampling::device::MAX_DEVICE_TOP_P_CANDIDATES;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
 
 use super::{CudaBackend, CudaTensor};
@@ -26,14 +28,27 @@ const PARAMS: usize = 7;
 const RESHAPE_ROW: usize = 4;
 const RESHAPE_EDIT: usize = 5;
 
-/// Words per row in the kernel's output (`token`, logprob bits, used draw).
-const OUTPUTS: usize = 3;
+/// Words per row in the kernels' output (`token`, logprob bits, used draw, handed back).
+const OUTPUTS: usize = 4;
+
+/// Weights summed together by `sample_dense` (`DENSE_CHUNK`).
+const DENSE_CHUNK: usize = 64;
+
+/// `sample_dense`'s scratch words per row (`dense_scratch_words` in `sample.cu`).
+fn dense_scratch_words(vocab_limit: usize) -> usize {
+    vocab_limit + vocab_limit.div_ceil(DENSE_CHUNK) + 2 * MAX_DEVICE_TOP_P_CANDIDATES
+}
 
 /// The kernels' inputs for one call.
 #[derive(Debug, Default, PartialEq)]
 struct Encoded {
-    /// [`PARAMS`] per sampled row.
+    /// [`PARAMS`] per row of `sample_rows`, in the order of [`Encoded::small`].
     params: Vec<f64>,
+    /// [`PARAMS`] per row of `sample_dense`, in the order of [`Encoded::dense`].
+    dense_params: Vec<f64>,
+    /// Which of the call's rows each kernel samples.
+    small: Vec<usize>,
+    dense: Vec<usize>,
     /// [`RESHAPE_ROW`] per edited row.
     shaped_rows: Vec<u32>,
     /// [`RESHAPE_EDIT`] per edit.
@@ -114,54 +129,94 @@ impl CudaBackend {
         });
         // No edited rows: the kernel never reads `shaped`, a null pointer stands in.
         let shaped_ptr = shaped.as_ref().map_or(0u64, |s| self.ptr(s));
-        let params = self.upload(&enc.params);
         let out = self.alloc::<u32>(OUTPUTS * rows.len());
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.sample_rows);
-        b.arg(logits.dense())
-            .arg(&cols)
-            .arg(&shaped_ptr)
-            .arg(&limit_i)
-            .arg(&params)
-            .arg(&out);
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, 1, 1),
+        let block = LaunchConfig {
+            grid_dim: (1, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch("sample_rows", b, cfg);
+        // `sample_rows` writes the first rows of `out`, `sample_dense` the rest.
+        let params = (!enc.small.is_empty()).then(|| self.upload(&enc.params));
+        if let Some(params) = &params {
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.sample_rows);
+            b.arg(logits.dense())
+                .arg(&cols)
+                .arg(&shaped_ptr)
+                .arg(&limit_i)
+                .arg(params)
+                .arg(&out);
+            let cfg = LaunchConfig {
+                grid_dim: (enc.small.len() as u32, 1, 1),
+                ..block
+            };
+            self.launch("sample_rows", b, cfg);
+        }
+        let dense = (!enc.dense.is_empty()).then(|| {
+            let params = self.upload(&enc.dense_params);
+            let scratch = self.alloc::<f32>(enc.dense.len() * dense_scratch_words(limit));
+            let out_ptr = self.ptr(&out) + (OUTPUTS * enc.small.len() * 4) as u64;
+            let mut b = self
+                .dev
+                .stream
+                .launch_builder(&self.dev.kernels.sample_dense);
+            b.arg(logits.dense())
+                .arg(&cols)
+                .arg(&shaped_ptr)
+                .arg(&limit_i)
+                .arg(&params)
+                .arg(&scratch)
+                .arg(&out_ptr);
+            let cfg = LaunchConfig {
+                grid_dim: (enc.dense.len() as u32, 1, 1),
+                ..block
+            };
+            self.launch("sample_dense", b, cfg);
+            (params, scratch)
+        });
         let mut host = vec![0u32; OUTPUTS * rows.len()];
         self.dev
             .stream
             .memcpy_dtoh(&*out, &mut host)
             .unwrap_or_else(|e| self.fail("copy sampled tokens to host", e));
         self.synchronize();
-        drop(shaped);
-        decode(&host)
+        drop((shaped, params, dense));
+        let mut samples = vec![DeviceSample::NEEDS_HOST; rows.len()];
+        for (&i, s) in enc.small.iter().chain(&enc.dense).zip(decode(&host)) {
+            samples[i] = s;
+        }
+        samples
     }
 }
 
-/// The kernels' parameters: per row its index, k (0 = greedy), 1/temperature, top_p, the
-/// uniform draw, the min-p margin and its edited row (-1: none), all exact as f64; per
-/// edited row and per edit their words. Edits of ids at or past `limit` are dropped (the
-/// reference cuts the row there first).
+/// The kernels' parameters: per row its index, k (0 = greedy for `sample_rows`, no top-k
+/// for `sample_dense`), 1/temperature, top_p, the uniform draw, the min-p margin and its
+/// edited row (-1: none), all exact as f64; per edited row and per edit their words. Edits
+/// of ids at or past `limit` are dropped (the reference cuts the row there first).
 fn encode(rows: &[DeviceSampleRow], limit: usize) -> Encoded {
     let mut enc = Encoded {
         params: Vec::with_capacity(PARAMS * rows.len()),
         ..Default::default()
     };
-    for r in rows {
-        let (k, inv_t, top_p, margin, uniform) = match r.method {
-            DeviceSampling::Greedy => (0, 1.0, 1.0, f32::NEG_INFINITY, 0.0),
+    for (i, r) in rows.iter().enumerate() {
+        let (dense, k, inv_t, top_p, margin, uniform) = match r.method {
+            DeviceSampling::Greedy => (false, 0, 1.0, 1.0, f32::NEG_INFINITY, 0.0),
             DeviceSampling::TopK {
                 k,
                 inv_temperature,
                 top_p,
                 min_p_margin,
                 uniform,
-            } => (k, inv_temperature, top_p, min_p_margin, uniform),
+            } => (false, k, inv_temperature, top_p, min_p_margin, uniform),
+            DeviceSampling::Dense {
+                top_k,
+                inv_temperature,
+                top_p,
+                min_p_margin,
+                uniform,
+            } => (true, top_k, inv_temperature, top_p, min_p_margin, uniform),
         };
         let shaped_row = match r.reshape {
             Some(reshape) => {
@@ -180,7 +235,14 @@ fn encode(rows: &[DeviceSampleRow], limit: usize) -> Encoded {
             }
             None => -1.0,
         };
-        enc.params.extend([
+        let params = if dense {
+            enc.dense.push(i);
+            &mut enc.dense_params
+        } else {
+            enc.small.push(i);
+            &mut enc.params
+        };
+        params.extend([
             r.row as f64,
             f64::from(k),
             f64::from(inv_t),
@@ -199,6 +261,7 @@ fn decode(out: &[u32]) -> Vec<DeviceSample> {
             token_id: o[0],
             logprob: f32::from_bits(o[1]),
             used_draw: o[2] != 0,
+            needs_host: o[3] != 0,
         })
         .collect()
 }
@@ -266,15 +329,53 @@ mod tests {
         );
         // Id 500 is past the 100 candidate columns.
         assert_eq!(enc.edits, [0, 9, 3, 2.5f32.to_bits(), 0]);
-        let s = decode(&[7, (-1.5f32).to_bits(), 1, 0, 0, 0]);
+        assert_eq!(
+            (enc.small.as_slice(), enc.dense.as_slice()),
+            (&[0, 1][..], &[][..])
+        );
+        let s = decode(&[7, (-1.5f32).to_bits(), 1, 0, 0, 0, 0, 1]);
         assert_eq!(
             s[0],
             DeviceSample {
                 token_id: 7,
                 logprob: -1.5,
-                used_draw: true
+                used_draw: true,
+                needs_host: false,
             }
         );
-        assert!(!s[1].used_draw);
+        assert!(!s[1].used_draw && s[1].needs_host);
+    }
+
+    #[test]
+    fn dense_rows_go_to_their_own_kernel_in_order() {
+        let dense = DeviceSampling::Dense {
+            top_k: 0,
+            inv_temperature: 1.25,
+            top_p: 0.9,
+            min_p_margin: f32::NEG_INFINITY,
+            uniform: 0.25,
+        };
+        let row = |row, method| DeviceSampleRow {
+            row,
+            method,
+            reshape: None,
+        };
+        let rows = [row(4, dense), row(2, DeviceSampling::Greedy), row(0, dense)];
+        let enc = encode(&rows, 10);
+        assert_eq!((enc.small, enc.dense), (vec![1], vec![0, 2]));
+        assert_eq!(enc.params[0], 2.0);
+        assert_eq!(
+            enc.dense_params[..PARAMS],
+            [
+                4.0,
+                0.0,
+                1.25,
+                f64::from(0.9f32),
+                0.25,
+                f64::NEG_INFINITY,
+                -1.0
+            ]
+        );
+        assert_eq!(enc.dense_params[PARAMS], 0.0);
     }
 }

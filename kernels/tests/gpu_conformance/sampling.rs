@@ -99,7 +99,38 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
     ];
     let mut requests = Vec::new();
     for row in 0..rows.len() {
-        for shape in std::iter::once(None).chain(reshapes.iter().map(Some)) {
+        for (s_i, shape) in std::iter::once(None)
+            .chain(reshapes.iter().map(Some))
+            .enumerate()
+        {
+            // The dense path (no top-k, or above 64): the raw rows and one allowed list.
+            if s_i == 0 || s_i == 3 {
+                for top_k in [0u32, 100, 1000] {
+                    for (t, top_p, min_p) in [
+                        (1.0f32, 1.0f32, 0.0f32),
+                        (0.7, 0.9, 0.0),
+                        (0.05, 0.95, 0.0),
+                        (1.5, 0.5, 0.05),
+                        (2.0, 1.0, 0.1),
+                    ] {
+                        requests.push(DeviceSampleRow {
+                            row,
+                            method: DeviceSampling::Dense {
+                                top_k,
+                                inv_temperature: 1.0 / t,
+                                top_p,
+                                min_p_margin: if min_p > 0.0 {
+                                    t * min_p.ln()
+                                } else {
+                                    f32::NEG_INFINITY
+                                },
+                                uniform: unit(&mut s),
+                            },
+                            reshape: shape,
+                        });
+                    }
+                }
+            }
             requests.push(DeviceSampleRow {
                 row,
                 method: DeviceSampling::Greedy,
@@ -134,21 +165,34 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
         }
     }
     let cpu = CpuBackend::new();
+    let mut handed_back = 0;
     for limit in [vocab, 151_669] {
         let c = cpu.sample(&cpu_logits, &requests, limit);
         let g = gpu.sample(&gpu_logits, &requests, limit);
         for ((req, c), g) in requests.iter().zip(&c).zip(&g) {
             assert_eq!(
-                (c.token_id, c.used_draw),
-                (g.token_id, g.used_draw),
+                (c.token_id, c.used_draw, c.needs_host),
+                (g.token_id, g.used_draw, g.needs_host),
                 "{req:?} limit {limit}"
             );
-            let same = c.logprob == g.logprob
+            // A row handed back carries no log-probability.
+            let same = c.needs_host
+                || c.logprob == g.logprob
                 || (c.logprob.is_nan() && g.logprob.is_nan())
                 || (c.logprob - g.logprob).abs() <= 1e-4;
             assert!(same, "{req:?}: logprob {} vs {}", c.logprob, g.logprob);
+            handed_back += usize::from(c.needs_host);
         }
     }
+    let dense = requests
+        .iter()
+        .filter(|r| matches!(r.method, DeviceSampling::Dense { .. }))
+        .count();
+    // Both outcomes of a dense top-p occur: the flat rows come back, peaked ones do not.
+    assert!(
+        handed_back > 0 && handed_back < dense,
+        "{handed_back} of {dense}"
+    );
 }
 
 #[test]
@@ -177,6 +221,18 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
             frequency_penalty: 0.5,
             logit_bias: vec![(77, 3.0)],
             bad_words_token_ids: vec![vec![5]],
+            ..Default::default()
+        },
+        // The dense path: top-p without a top-k, and a top-k above 64.
+        SamplingParams {
+            temperature: 0.6,
+            top_p: 0.9,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 200,
+            min_p: 0.05,
             ..Default::default()
         },
     ];
@@ -220,7 +276,8 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                 let t = match out {
                     StepOutput::Sampled(s) => samplers[i].accept(s),
                     StepOutput::Logits(m) => {
-                        assert!(!on_device, "every request qualifies for the device");
+                        // Only a dense top-p over more than 8,192 tokens comes back.
+                        assert!(!on_device || i == 3, "request {i} qualifies for the device");
                         let (prompt, output) = tokens[i].split_at(10);
                         samplers[i].sample(m.row(0), prompt, output)
                     }
