@@ -2,12 +2,14 @@
 //! (on the GPU for the CUDA backend), so a step copies a token id per sequence to the host
 //! instead of a `[sequences, vocab]` matrix of logits.
 //!
-//! Which requests qualify is decided by [`super::Sampler::device_plan`]: greedy requests and
-//! temperature sampling with a top-k in `1..=`[`MAX_DEVICE_TOP_K`] (then min-p and top-p over
-//! those k), with or without penalties, a logit bias, allowed ids, bad words and the
-//! `min_tokens` mask (a [`Reshape`]), and without `logprobs > 0`. Everything else (min-p or
-//! top-p over the whole vocabulary without a top-k, the top alternatives of `logprobs`) keeps
-//! the host sampler.
+//! Which requests qualify is decided by [`super::Sampler::device_plan`]: all of them —
+//! greedy, temperature sampling with a top-k in `1..=`[`MAX_DEVICE_TOP_K`] (then min-p and
+//! top-p over those k, [`DeviceSampling::TopK`]) and without one or with a larger one (the
+//! host's dense path, [`DeviceSampling::Dense`]), with or without penalties, a logit bias,
+//! allowed ids, bad words and the `min_tokens` mask (a [`Reshape`]) and top log-probabilities
+//! — except a step whose edits would touch more than a quarter of the vocabulary. A dense
+//! top-p over more than [`MAX_DEVICE_TOP_P_CANDIDATES`] tokens comes back to the host
+//! ([`DeviceSample::needs_host`]).
 //!
 //! A [`Reshape`] carries the logits processors as *edits*: the host, which knows the token
 //! history, turns the penalties, bias, masks and allowed ids into one [`TokenEdit`] per token
@@ -24,6 +26,7 @@
 //! [`super::Sampler::sample`]). The reported log-probability must match it to floating-point
 //! accuracy (a GPU sums the softmax denominator in another order).
 
+use super::sampler::{TokenLogprob, top_logprobs};
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, TOP_P_SORT_MAX, Weights, argmax, dense_weights,
     draw_candidates, draw_weights, log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
@@ -171,6 +174,9 @@ pub struct SamplePlan {
     pub method: DeviceSampling,
     /// The logits processors, when any applies this step.
     pub reshape: Option<Reshape>,
+    /// How many of the most likely raw tokens to report with theirs log-probabilities
+    /// (`logprobs`, at most [`super::MAX_LOGPROBS`]); 0 for none.
+    pub top_logprobs: u32,
 }
 
 /// One row of a step's logits to sample.
@@ -182,6 +188,8 @@ pub struct DeviceSampleRow<'a> {
     /// Edits to make to (a copy of) the row before choosing; the log-probability is still
     /// that of the raw row.
     pub reshape: Option<&'a Reshape>,
+    /// How many of the most likely raw tokens to report ([`DeviceSample::top`]).
+    pub top_logprobs: u32,
 }
 
 impl<'a> DeviceSampleRow<'a> {
@@ -191,12 +199,13 @@ impl<'a> DeviceSampleRow<'a> {
             row,
             method: plan.method,
             reshape: plan.reshape.as_ref(),
+            top_logprobs: plan.top_logprobs,
         }
     }
 }
 
 /// What a backend chose for one row.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DeviceSample {
     pub token_id: u32,
     /// The token's log-probability under the raw logits (`log_softmax`, no temperature).
@@ -207,6 +216,9 @@ pub struct DeviceSample {
     /// [`MAX_DEVICE_TOP_P_CANDIDATES`] tokens): the host samples this row from its logits.
     /// `token_id` and `logprob` mean nothing then, and the draw is unused.
     pub needs_host: bool,
+    /// The [`DeviceSampleRow::top_logprobs`] most likely tokens by raw logit, as
+    /// [`super::SampledToken::top`] lists them.
+    pub top: Vec<TokenLogprob>,
 }
 
 impl DeviceSample {
@@ -216,19 +228,18 @@ impl DeviceSample {
         logprob: 0.0,
         used_draw: false,
         needs_host: true,
+        top: Vec::new(),
     };
 }
 
 /// The reference: the token [`DeviceSampling`] chooses from `logits` (one row, already cut to
-/// the columns that are real tokens) after `reshape`'s edits.
+/// the columns that are real tokens) after `row.reshape`'s edits, with `row.top_logprobs`
+/// alternatives (`row.row` is not read).
 ///
 /// # Panics
 /// If `logits` is empty.
-pub fn sample_row(
-    logits: &[f32],
-    method: DeviceSampling,
-    reshape: Option<&Reshape>,
-) -> DeviceSample {
+pub fn sample_row(logits: &[f32], row: &DeviceSampleRow<'_>) -> DeviceSample {
+    let (method, reshape) = (row.method, row.reshape);
     assert!(!logits.is_empty(), "sample_row: empty logits row");
     let shaped = reshape.map(|r| r.apply(logits));
     let work = shaped.as_deref().unwrap_or(logits);
@@ -283,11 +294,17 @@ pub fn sample_row(
             (token.unwrap_or(max_id), true)
         }
     };
+    let lse = log_sum_exp(logits);
     DeviceSample {
         token_id,
-        logprob: raw_logprob(logits[token_id as usize], log_sum_exp(logits)),
+        logprob: raw_logprob(logits[token_id as usize], lse),
         used_draw,
         needs_host: false,
+        top: if row.top_logprobs > 0 {
+            top_logprobs(logits, row.top_logprobs, lse)
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -314,6 +331,15 @@ mod tests {
     }
 
     const PROMPT: [u32; 6] = [1, 2, 3, 2, 40, 1100];
+
+    fn plain<'a>(method: DeviceSampling, reshape: Option<&'a Reshape>) -> DeviceSampleRow<'a> {
+        DeviceSampleRow {
+            row: 0,
+            method,
+            reshape,
+            top_logprobs: 0,
+        }
+    }
 
     /// Runs `steps` steps of one request both ways: the host sampler alone, and the device
     /// plan + [`sample_row`] + accept (falling back to the host where there is no plan), the
@@ -351,7 +377,7 @@ mod tests {
             let plan = dev.device_plan(&PROMPT, &output, vocab_limit);
             let sample = plan
                 .as_ref()
-                .map(|p| sample_row(&row[..vocab_limit], p.method, p.reshape.as_ref()));
+                .map(|p| sample_row(&row[..vocab_limit], &DeviceSampleRow::planned(0, p)));
             let got = match sample {
                 Some(s) if !s.needs_host => {
                     planned += 1;
@@ -466,6 +492,21 @@ mod tests {
                 repetition_penalty: 1.1,
                 ..sampling(0.7, 0)
             },
+            // The most likely alternatives, on every path.
+            SamplingParams {
+                logprobs: Some(5),
+                ..Default::default()
+            },
+            SamplingParams {
+                logprobs: Some(20),
+                top_p: 0.8,
+                ..sampling(1.0, 20)
+            },
+            SamplingParams {
+                logprobs: Some(1),
+                frequency_penalty: 1.0,
+                ..sampling(0.9, 0)
+            },
             SamplingParams {
                 repetition_penalty: 1.3,
                 presence_penalty: 0.5,
@@ -490,37 +531,28 @@ mod tests {
     }
 
     #[test]
-    fn host_only_features_get_no_plan() {
-        let host_only = [
-            // The top alternatives.
-            SamplingParams {
-                logprobs: Some(3),
-                ..Default::default()
-            },
-            // Edits for more than a quarter of the vocabulary.
-            SamplingParams {
-                allowed_token_ids: (0..400).collect(),
-                ..Default::default()
-            },
-        ];
-        for params in &host_only {
-            assert_eq!(
-                Sampler::new(params, 1, &[]).device_plan(&PROMPT, &[], 1200),
-                None,
-                "{params:?}"
-            );
-            // They still produce the same tokens through the shared driver above.
-            assert_eq!(same_stream(params, 1200, false), 0, "{params:?}");
-        }
-        let zero_logprobs = SamplingParams {
-            logprobs: Some(0),
+    fn only_edits_past_a_quarter_of_the_vocabulary_keep_the_host() {
+        // Edits for more than a quarter of the vocabulary: the only request left to the host.
+        let long_allowed = SamplingParams {
+            allowed_token_ids: (0..400).collect(),
             ..Default::default()
         };
         assert_eq!(
-            Sampler::new(&zero_logprobs, 1, &[]).device_plan(&PROMPT, &[], 1200),
+            Sampler::new(&long_allowed, 1, &[]).device_plan(&PROMPT, &[], 1200),
+            None
+        );
+        // It still produces the same tokens through the shared driver above.
+        assert_eq!(same_stream(&long_allowed, 1200, false), 0);
+        let logprobs = SamplingParams {
+            logprobs: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            Sampler::new(&logprobs, 1, &[]).device_plan(&PROMPT, &[], 1200),
             Some(SamplePlan {
                 method: DeviceSampling::Greedy,
-                reshape: None
+                reshape: None,
+                top_logprobs: 3,
             })
         );
     }
@@ -537,14 +569,14 @@ mod tests {
             uniform: 0.5,
         };
         assert_eq!(
-            sample_row(&flat, dense(0.99), None),
+            sample_row(&flat, &plain(dense(0.99), None)),
             DeviceSample::NEEDS_HOST
         );
         // Without top-p, or over a peaked row, the backend draws itself.
-        assert!(!sample_row(&flat, dense(1.0), None).needs_host);
+        assert!(!sample_row(&flat, &plain(dense(1.0), None)).needs_host);
         let mut peaked = flat.clone();
         peaked[77] = 40.0;
-        let s = sample_row(&peaked, dense(0.99), None);
+        let s = sample_row(&peaked, &plain(dense(0.99), None));
         assert_eq!((s.token_id, s.used_draw, s.needs_host), (77, true, false));
     }
 
@@ -618,18 +650,21 @@ mod tests {
             min_p_margin: f32::NEG_INFINITY,
             uniform: 0.5,
         };
-        let s = sample_row(&[f32::NEG_INFINITY; 5], method, None);
+        let s = sample_row(&[f32::NEG_INFINITY; 5], &plain(method, None));
         assert_eq!((s.token_id, s.used_draw), (0, false));
-        let s = sample_row(&[1.0, f32::INFINITY, f32::NAN], method, None);
+        let s = sample_row(&[1.0, f32::INFINITY, f32::NAN], &plain(method, None));
         assert_eq!((s.token_id, s.used_draw), (1, false));
-        let s = sample_row(&[1.0, 3.0, 3.0, f32::NAN], DeviceSampling::Greedy, None);
+        let s = sample_row(
+            &[1.0, 3.0, 3.0, f32::NAN],
+            &plain(DeviceSampling::Greedy, None),
+        );
         assert_eq!((s.token_id, s.used_draw), (1, false));
         // Everything masked by the edits: id 0, and the raw row's log-probability.
         let all_out = Reshape {
             allowed_only: true,
             ..Default::default()
         };
-        let s = sample_row(&[1.0, 3.0], method, Some(&all_out));
+        let s = sample_row(&[1.0, 3.0], &plain(method, Some(&all_out)));
         assert_eq!((s.token_id, s.used_draw), (0, false));
         assert!((s.logprob - (1.0 - (1f32.exp() + 3f32.exp()).ln())).abs() < 1e-6);
     }
@@ -644,7 +679,13 @@ mod tests {
             min_p_margin: f32::NEG_INFINITY,
             uniform: 0.99,
         };
-        assert_eq!(sample_row(&[-0.0, 0.0, -1.0], method, None).token_id, 0);
-        assert_eq!(sample_row(&[-1.0, 0.0, -0.0], method, None).token_id, 1);
+        assert_eq!(
+            sample_row(&[-0.0, 0.0, -1.0], &plain(method, None)).token_id,
+            0
+        );
+        assert_eq!(
+            sample_row(&[-1.0, 0.0, -0.0], &plain(method, None)).token_id,
+            1
+        );
     }
 }

@@ -6,9 +6,9 @@
 //!   row of logits into a [`SampledToken`] (repetition penalty → greedy or temperature →
 //!   min-p → top-k → top-p → draw), reporting raw log-probabilities. [`prompt_logprobs`]
 //!   scores prompt positions.
-//! - [`device`]: the part of the sampler a backend runs where the logits are (greedy, and
-//!   top-k ≤ 64 then min-p / top-p, with the penalties, bias and masks as per-id edits; not
-//!   `logprobs > 0`), with the same tokens for the same seeds ([`Sampler::device_plan`] /
+//! - [`device`]: the sampler as a backend runs it where the logits are (greedy, top-k then
+//!   min-p / top-p, the dense path, top log-probabilities, with the penalties, bias and masks
+//!   as per-id edits), with the same tokens for the same seeds ([`Sampler::device_plan`] /
 //!   [`Sampler::accept`]).
 //! - [`StopChecker`]: one per request, fed each generated token and its text; decides
 //!   [`FinishReason`] (EOS / stop token / stop string / `max_tokens`) and withholds text

@@ -189,9 +189,9 @@ impl Sampler {
 
     /// How a backend may choose this request's next token where the logits are (see
     /// [`super::device`]), given the request's tokens so far and the number of logits columns
-    /// that are real tokens, or `None` when it needs the host: `logprobs > 0`, or logits
-    /// processors that touch more than a quarter of the vocabulary this step (their edits
-    /// would then weigh more than the row of logits). (A dense top-p may still come back,
+    /// that are real tokens, or `None` when it needs the host: logits processors that touch
+    /// more than a quarter of the vocabulary this step (their edits would then weigh more
+    /// than the row of logits). (A dense top-p may still come back,
     /// see [`super::DeviceSample::needs_host`].) The uniform draw is *peeked* from the request's RNG;
     /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
     /// one [`Sampler::sample`] would have used.
@@ -201,9 +201,6 @@ impl Sampler {
         output_tokens: &[u32],
         vocab_limit: usize,
     ) -> Option<SamplePlan> {
-        if self.logprobs.is_some_and(|k| k > 0) {
-            return None;
-        }
         // The host's threshold is `lmax + temperature * ln(min_p)`, in this order.
         let min_p_margin = if self.min_p > 0.0 {
             self.temperature * self.min_p.ln()
@@ -236,7 +233,11 @@ impl Sampler {
         {
             return None;
         }
-        Some(SamplePlan { method, reshape })
+        Some(SamplePlan {
+            method,
+            reshape,
+            top_logprobs: self.logprobs.unwrap_or(0),
+        })
     }
 
     /// The logits processors of the next step as one edit per touched id (the host's
@@ -325,7 +326,7 @@ impl Sampler {
         SampledToken {
             token_id: sample.token_id,
             logprob: sample.logprob,
-            top: Vec::new(),
+            top: sample.top,
         }
     }
 
@@ -580,7 +581,7 @@ impl EditBuilder<'_> {
 }
 
 /// The `k` best ids by raw logit (descending, ties by lower id) with their logprobs.
-fn top_logprobs(logits: &[f32], k: u32, lse: f64) -> Vec<TokenLogprob> {
+pub(super) fn top_logprobs(logits: &[f32], k: u32, lse: f64) -> Vec<TokenLogprob> {
     let mut ids = Vec::with_capacity((k as usize).min(logits.len()));
     top_k_sorted(logits, k as usize, f32::NEG_INFINITY, &mut ids);
     ids.into_iter()

@@ -368,9 +368,9 @@ impl<B: Backend> Engine<B> {
         }
         let planned = Instant::now();
 
-        // 3. Forward. Sequences that finish their tokens this step and whose sampling the
-        // backend can do (greedy, top-k <= 64, penalties and masks as edits; not logprobs)
-        // get their token chosen where the logits are; the others get logits for the host
+        // 3. Forward. Sequences that finish their tokens this step get their token chosen
+        // where the logits are when they have a plan (all but edits past a quarter of the
+        // vocabulary); the others, and rows the backend hands back, get logits for the host
         // sampler.
         let outputs = {
             let limit = self.vocab_limit;

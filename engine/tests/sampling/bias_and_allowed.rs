@@ -114,6 +114,7 @@ fn bad_words_are_never_completed() {
 }
 
 mod properties {
+    use pd_engine::sampling::DeviceSampleRow;
     use pd_engine::sampling::device::sample_row;
     use pd_engine::sampling::{Sampler, SamplingParams};
     use proptest::prelude::*;
@@ -206,9 +207,11 @@ mod properties {
             min_p in prop_oneof![Just(0.0f32), 0.001f32..1.0],
             output in prop::collection::vec(0u32..130, 0..12),
             min_tokens in 0u32..4,
+            logprobs in prop_oneof![Just(None), (0u32..=20).prop_map(Some)],
             seed in any::<u64>(),
         ) {
             let p = SamplingParams {
+                logprobs,
                 temperature,
                 top_k,
                 top_p,
@@ -243,10 +246,11 @@ mod properties {
             prop_assert!(plan.is_some(), "a plan for {p:?}");
             let plan = plan.unwrap();
             let expect = host.sample(&logits, &prompt, &output);
-            let sample = sample_row(&logits, plan.method, plan.reshape.as_ref());
+            let sample = sample_row(&logits, &DeviceSampleRow::planned(0, &plan));
             prop_assert!(!sample.needs_host, "fewer than 8,192 tokens");
             let got = dev.accept(sample);
             prop_assert_eq!(got.token_id, expect.token_id);
+            prop_assert_eq!(&got.top, &expect.top);
             prop_assert!(
                 got.logprob == expect.logprob
                     || (got.logprob.is_nan() && expect.logprob.is_nan()),

@@ -75,6 +75,7 @@ impl DecodeBatch {
                 Some(SamplePlan {
                     method: DeviceSampling::Greedy,
                     reshape: None,
+                    top_logprobs: 0,
                 });
                 batch
             ],

@@ -13,10 +13,14 @@
 
 #define SAMPLE_MAX_K 64
 // Per row: row index, k (0 = none / greedy), inv_temperature, top_p, uniform, min-p margin
-// (-inf: none), row of the edited logits (-1: choose from the raw row); all exact in f64.
-#define SAMPLE_PARAMS 7
-// Words per row of output: token, logprob bits, draw used, handed back to the host.
-#define SAMPLE_OUTPUTS 4
+// (-inf: none), row of the edited logits (-1: choose from the raw row), how many top
+// log-probabilities to report; all exact in f64.
+#define SAMPLE_PARAMS 8
+// Most top log-probabilities a row reports (pd_engine's MAX_LOGPROBS).
+#define SAMPLE_MAX_LOGPROBS 20
+// Words per row of output: token, logprob bits, draw used, handed back to the host, the
+// number of top log-probabilities, then (id, logprob bits) for each.
+#define SAMPLE_OUTPUTS (5 + 2 * SAMPLE_MAX_LOGPROBS)
 // sample_dense: most tokens its top-p sorts (pd_engine's MAX_DEVICE_TOP_P_CANDIDATES); more
 // and the row goes back to the host, which histograms them.
 #define DENSE_MAX_CANDIDATES 8192
@@ -134,6 +138,7 @@ struct SampleRow {
     float top_p;
     double uniform;
     float min_p_margin;
+    int top_logprobs;
 };
 
 __device__ SampleRow sample_row_at(const float* logits, int cols, const float* shaped,
@@ -148,6 +153,7 @@ __device__ SampleRow sample_row_at(const float* logits, int cols, const float* s
     r.top_p = (float)p[3];
     r.uniform = p[4];
     r.min_p_margin = (float)p[5];
+    r.top_logprobs = (int)p[7];
     return r;
 }
 
@@ -244,6 +250,114 @@ __device__ unsigned int select_kth(const float* x, const float* w, float thresho
     return desired;
 }
 
+// Shared memory of collect_top_k.
+struct TopKShared {
+    unsigned int* hist;  // 256 entries
+    unsigned int* desired;
+    int* rank;
+    int* equal;
+    int* idx;      // WARP entries
+    double* sum;   // WARP entries
+};
+
+// The k best ids among the candidates (sample_candidate with `threshold`), logit descending
+// then id ascending, into cand[0..*n_cand) unsorted: every key above the k-th best and the
+// lowest ids among those equal to it; *n_cand = min(k, candidates). Every thread calls it.
+__device__ void collect_top_k(const float* x, int n, int k, float threshold, int* cand,
+                              int* n_cand, const TopKShared& sh) {
+    int valid = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        valid += sample_candidate(x[i], threshold) ? 1 : 0;
+    }
+    valid = (int)(block_sum_f64((double)valid, sh.sum) + 0.5);
+    if (threadIdx.x == 0) {
+        *n_cand = 0;
+    }
+    __syncthreads();
+    if (valid <= k) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (sample_candidate(x[i], threshold)) {
+                cand[atomicAdd(n_cand, 1)] = i;
+            }
+        }
+    } else {
+        int rank;
+        int equal;
+        const unsigned int desired = select_kth(x, nullptr, threshold, n, k, rank, equal,
+                                                sh.hist, sh.desired, sh.rank, sh.equal);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float l = x[i];
+            if (sample_candidate(l, threshold)) {
+                const unsigned int key = order_key(l);
+                if (key > desired || (key == desired && equal == rank)) {
+                    cand[atomicAdd(n_cand, 1)] = i;
+                }
+            }
+        }
+        if (equal != rank) {
+            // Ties straddle the k-th place: walk the ids in order, taking the first `rank`
+            // equal ones.
+            const int above = k - rank;
+            int taken = 0;
+            for (int base = 0; base < n && taken < rank; base += blockDim.x) {
+                const int i = base + threadIdx.x;
+                const bool eq =
+                    i < n && sample_candidate(x[i], threshold) && order_key(x[i]) == desired;
+                const int before = block_prefix_count(eq, sh.idx);
+                if (eq && taken + before < rank) {
+                    cand[above + taken + before] = i;
+                }
+                taken += __syncthreads_count(eq);
+            }
+            if (threadIdx.x == 0) {
+                *n_cand = k;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Sorts cand[0..m) by logit descending, then id ascending (one thread; m is small).
+__device__ void sort_candidates(const float* x, int* cand, int m) {
+    for (int a = 1; a < m; ++a) {
+        const int id = cand[a];
+        const float l = x[id];
+        int b = a - 1;
+        while (b >= 0 && (x[cand[b]] < l || (x[cand[b]] == l && cand[b] > id))) {
+            cand[b + 1] = cand[b];
+            --b;
+        }
+        cand[b + 1] = id;
+    }
+}
+
+// The row's top log-probabilities (its `top_logprobs` best raw logits, as the host's
+// top_logprobs ranks them) into the output after the first five words. Every thread calls
+// it; `top` holds SAMPLE_MAX_LOGPROBS ids.
+__device__ void write_top_logprobs(unsigned int* out, const SampleRow& r, int n, double lse,
+                                   int* top, int* n_top, const TopKShared& sh) {
+    unsigned int* o = out + (unsigned long long)SAMPLE_OUTPUTS * blockIdx.x;
+    if (r.top_logprobs <= 0) {
+        if (threadIdx.x == 0) {
+            o[4] = 0;
+        }
+        return;
+    }
+    __syncthreads();
+    collect_top_k(r.raw, n, min(r.top_logprobs, SAMPLE_MAX_LOGPROBS), -INFINITY, top, n_top,
+                  sh);
+    if (threadIdx.x == 0) {
+        const int m = *n_top;
+        sort_candidates(r.raw, top, m);
+        o[4] = (unsigned int)m;
+        for (int j = 0; j < m; ++j) {
+            const float l = r.raw[top[j]];
+            o[5 + 2 * j] = (unsigned int)top[j];
+            o[6 + 2 * j] = __float_as_uint((float)((double)l - lse));
+        }
+    }
+}
+
 __device__ void write_sample(unsigned int* out, const SampleRow& r, double lse, int token,
                              int used, int needs_host) {
     const float l = r.raw[token];
@@ -272,6 +386,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
     __shared__ unsigned int s_desired;
     __shared__ int s_rank;
     __shared__ int s_equal;
+    const TopKShared sh = {hist, &s_desired, &s_rank, &s_equal, s_idx, s_sum};
 
     const SampleRow r = sample_row_at(logits, cols, shaped, vocab_limit, params);
     const float* x = r.x;
@@ -291,72 +406,13 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
         used = 1;
         // min-p: the host's `lmax + temperature * ln(min_p)`, the product made on the host.
         const float threshold = __fadd_rn(lmax, r.min_p_margin);
-        // 3. The k best candidates (logit descending, id ascending): every key above the
-        //    k-th best and the lowest ids among those equal to it.
-        int valid = 0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            valid += sample_candidate(x[i], threshold) ? 1 : 0;
-        }
-        valid = (int)(block_sum_f64((double)valid, s_sum) + 0.5);
-        if (threadIdx.x == 0) {
-            n_cand = 0;
-        }
-        __syncthreads();
-        if (valid <= k) {
-            for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                if (sample_candidate(x[i], threshold)) {
-                    cand[atomicAdd(&n_cand, 1)] = i;
-                }
-            }
-        } else {
-            int rank;
-            int equal;
-            const unsigned int desired = select_kth(x, nullptr, threshold, n, k, rank, equal,
-                                                    hist, &s_desired, &s_rank, &s_equal);
-            for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const float l = x[i];
-                if (sample_candidate(l, threshold)) {
-                    const unsigned int key = order_key(l);
-                    if (key > desired || (key == desired && equal == rank)) {
-                        cand[atomicAdd(&n_cand, 1)] = i;
-                    }
-                }
-            }
-            if (equal != rank) {
-                // Ties straddle the k-th place: walk the ids in order, taking the first
-                // `rank` equal ones.
-                const int above = k - rank;
-                int taken = 0;
-                for (int base = 0; base < n && taken < rank; base += blockDim.x) {
-                    const int i = base + threadIdx.x;
-                    const bool eq = i < n && sample_candidate(x[i], threshold) &&
-                                    order_key(x[i]) == desired;
-                    const int before = block_prefix_count(eq, s_idx);
-                    if (eq && taken + before < rank) {
-                        cand[above + taken + before] = i;
-                    }
-                    taken += __syncthreads_count(eq);
-                }
-                if (threadIdx.x == 0) {
-                    n_cand = k;
-                }
-            }
-        }
-        __syncthreads();
+        // 3. The k best candidates (logit descending, id ascending).
+        collect_top_k(x, n, k, threshold, cand, &n_cand, sh);
         // 4. Sort, weights, top-p and the draw: at most 64 candidates, one thread, in the
         //    host's order.
         if (threadIdx.x == 0) {
             const int m = n_cand;
-            for (int a = 1; a < m; ++a) {
-                const int id = cand[a];
-                const float l = x[id];
-                int b = a - 1;
-                while (b >= 0 && (x[cand[b]] < l || (x[cand[b]] == l && cand[b] > id))) {
-                    cand[b + 1] = cand[b];
-                    --b;
-                }
-                cand[b + 1] = id;
-            }
+            sort_candidates(x, cand, m);
             double total = 0.0;
             for (int j = 0; j < m; ++j) {
                 cand_w[j] = exp_nonpos(__fmul_rn(__fsub_rn(x[cand[j]], lmax), r.inv_t));
@@ -395,6 +451,8 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
     if (threadIdx.x == 0) {
         write_sample(out, r, lse, token, used, 0);
     }
+    // `cand` is free again: it holds the top log-probabilities' ids.
+    write_top_logprobs(out, r, n, lse, cand, &n_cand, sh);
 }
 
 // Per sampled row of sample_dense, its scratch: the weights (vocab_limit floats), the chunk
@@ -441,6 +499,9 @@ extern "C" __global__ void sample_dense(const float* logits, int cols, const flo
     __shared__ int s_equal;
     __shared__ int s_kth_id;
     __shared__ int n_cand;
+    __shared__ int top[SAMPLE_MAX_LOGPROBS];
+    __shared__ int n_top;
+    const TopKShared sh = {hist, &s_desired, &s_rank, &s_equal, s_idx, s_sum};
 
     const SampleRow r = sample_row_at(logits, cols, shaped, vocab_limit, params);
     const float* x = r.x;
@@ -459,6 +520,7 @@ extern "C" __global__ void sample_dense(const float* logits, int cols, const flo
         if (threadIdx.x == 0) {
             write_sample(out, r, lse, max_id, 0, 0);
         }
+        write_top_logprobs(out, r, n, lse, top, &n_top, sh);
         return;
     }
 
@@ -640,7 +702,16 @@ extern "C" __global__ void sample_dense(const float* logits, int cols, const flo
         }
         token = found >= 0 ? found : max_id;
     }
+    __shared__ int s_needs_host;
     if (threadIdx.x == 0) {
         write_sample(out, r, lse, needs_host ? 0 : token, needs_host ? 0 : 1, needs_host);
+        s_needs_host = needs_host;
+    }
+    __syncthreads();
+    // A row handed back gets its log-probabilities on the host too.
+    if (!s_needs_host) {
+        write_top_logprobs(out, r, n, lse, top, &n_top, sh);
+    } else if (threadIdx.x == 0) {
+        out[(unsigned long long)SAMPLE_OUTPUTS * blockIdx.x + 4] = 0;
     }
 }

@@ -1,14 +1,17 @@
 //! [`Backend::sample`](pd_engine::backend::Backend::sample) on the device: the `sample_rows`
 //! kernel (greedy, top-k <= 64) and the `sample_dense` kernel (no top-k or a larger one;
-//! `sample.cu`) choose each row's token where the logits are, so a step copies four words
-//! per sequence to the host instead of a row of vocabulary size (608 KB for Qwen3). Rows
+//! `sample.cu`) choose each row's token (and its top log-probabilities) where the logits
+//! are, so a step copies 45 words per sequence to the host instead of a row of vocabulary
+//! size (608 KB for Qwen3). Rows
 //! with logits processors first get an edited copy (`reshape.cu`: `reshape_copy`, then
 //! `reshape_edit` for their per-id edits). The choice follows
 //! `pd_engine::sampling::device::sample_row` bit for bit.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use pd_engine::sampling::device::MAX_DEVICE_TOP_P_CANDIDATES;
-use pd_engine::sampling::{DeviceSample, DeviceSampleRow, DeviceSampling};
+use pd_engine::sampling::{
+    DeviceSample, DeviceSampleRow, DeviceSampling, MAX_LOGPROBS, TokenLogprob,
+};
 
 use super::{CudaBackend, CudaTensor};
 
@@ -22,14 +25,18 @@ const RESHAPE_THREADS: u32 = 256;
 const RESHAPE_COPY_BLOCKS: u32 = 64;
 
 /// Doubles per row in the kernel's parameter array (`SAMPLE_PARAMS` in `sample.cu`).
-const PARAMS: usize = 7;
+const PARAMS: usize = 8;
 
 /// Words per edited row (`RESHAPE_ROW`) and per edit (`RESHAPE_EDIT`) in `sample.cu`.
 const RESHAPE_ROW: usize = 4;
 const RESHAPE_EDIT: usize = 5;
 
-/// Words per row in the kernels' output (`token`, logprob bits, used draw, handed back).
-const OUTPUTS: usize = 4;
+/// Most top log-probabilities per row (`SAMPLE_MAX_LOGPROBS`).
+const MAX_TOP: usize = MAX_LOGPROBS as usize;
+
+/// Words per row in the kernels' output (`SAMPLE_OUTPUTS`): token, logprob bits, used draw,
+/// handed back, the number of top log-probabilities and an (id, logprob bits) pair each.
+const OUTPUTS: usize = 5 + 2 * MAX_TOP;
 
 /// Weights summed together by `sample_dense` (`DENSE_CHUNK`).
 const DENSE_CHUNK: usize = 64;
@@ -250,6 +257,7 @@ fn encode(rows: &[DeviceSampleRow], limit: usize) -> Encoded {
             uniform,
             f64::from(margin),
             shaped_row,
+            f64::from(r.top_logprobs.min(MAX_LOGPROBS)),
         ]);
     }
     enc
@@ -262,6 +270,14 @@ fn decode(out: &[u32]) -> Vec<DeviceSample> {
             logprob: f32::from_bits(o[1]),
             used_draw: o[2] != 0,
             needs_host: o[3] != 0,
+            top: o[5..]
+                .chunks_exact(2)
+                .take((o[4] as usize).min(MAX_TOP))
+                .map(|p| TokenLogprob {
+                    token_id: p[0],
+                    logprob: f32::from_bits(p[1]),
+                })
+                .collect(),
         })
         .collect()
 }
@@ -298,6 +314,7 @@ mod tests {
                 row: 3,
                 method: DeviceSampling::Greedy,
                 reshape: None,
+                top_logprobs: 0,
             },
             DeviceSampleRow {
                 row: 0,
@@ -309,6 +326,7 @@ mod tests {
                     uniform: 0.123_456_789_012_345_67,
                 },
                 reshape: Some(&reshape),
+                top_logprobs: 3,
             },
         ];
         let enc = encode(&rows, 100);
@@ -323,6 +341,7 @@ mod tests {
         assert_eq!(p[PARAMS + 4], 0.123_456_789_012_345_67);
         assert_eq!(p[PARAMS + 5] as f32, 0.7 * 0.05f32.ln());
         assert_eq!(p[PARAMS + 6], 0.0, "edited row 0");
+        assert_eq!((p[7], p[PARAMS + 7]), (0.0, 3.0), "top log-probabilities");
         assert_eq!(
             enc.shaped_rows,
             [0, 1, 1.3f32.to_bits(), (-0.5f32).to_bits()]
@@ -333,7 +352,10 @@ mod tests {
             (enc.small.as_slice(), enc.dense.as_slice()),
             (&[0, 1][..], &[][..])
         );
-        let s = decode(&[7, (-1.5f32).to_bits(), 1, 0, 0, 0, 0, 1]);
+        let mut out = vec![0u32; 2 * OUTPUTS];
+        out[..7].copy_from_slice(&[7, (-1.5f32).to_bits(), 1, 0, 1, 9, (-2.0f32).to_bits()]);
+        out[OUTPUTS + 3] = 1;
+        let s = decode(&out);
         assert_eq!(
             s[0],
             DeviceSample {
@@ -341,6 +363,10 @@ mod tests {
                 logprob: -1.5,
                 used_draw: true,
                 needs_host: false,
+                top: vec![TokenLogprob {
+                    token_id: 9,
+                    logprob: -2.0
+                }],
             }
         );
         assert!(!s[1].used_draw && s[1].needs_host);
@@ -359,6 +385,7 @@ mod tests {
             row,
             method,
             reshape: None,
+            top_logprobs: 0,
         };
         let rows = [row(4, dense), row(2, DeviceSampling::Greedy), row(0, dense)];
         let enc = encode(&rows, 10);
@@ -373,7 +400,8 @@ mod tests {
                 f64::from(0.9f32),
                 0.25,
                 f64::NEG_INFINITY,
-                -1.0
+                -1.0,
+                0.0
             ]
         );
         assert_eq!(enc.dense_params[PARAMS], 0.0);

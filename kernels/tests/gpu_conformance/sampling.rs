@@ -97,6 +97,8 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
         reshape(true, 1.0, 0.0, 3),
         reshape(false, 2.0, 0.0, 4),
     ];
+    // Top log-probabilities on some requests: none, one, a few, the most allowed.
+    let top_n = |i: usize| [0u32, 0, 1, 5, 20][i % 5];
     let mut requests = Vec::new();
     for row in 0..rows.len() {
         for (s_i, shape) in std::iter::once(None)
@@ -127,6 +129,7 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                                 uniform: unit(&mut s),
                             },
                             reshape: shape,
+                            top_logprobs: top_n(requests.len()),
                         });
                     }
                 }
@@ -135,6 +138,7 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                 row,
                 method: DeviceSampling::Greedy,
                 reshape: shape,
+                top_logprobs: top_n(requests.len()),
             });
             for k in [1u32, 2, 20, 64] {
                 for (t, top_p, min_p) in [
@@ -159,6 +163,7 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                             uniform: unit(&mut s),
                         },
                         reshape: shape,
+                        top_logprobs: top_n(requests.len()),
                     });
                 }
             }
@@ -181,6 +186,18 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                 || (c.logprob.is_nan() && g.logprob.is_nan())
                 || (c.logprob - g.logprob).abs() <= 1e-4;
             assert!(same, "{req:?}: logprob {} vs {}", c.logprob, g.logprob);
+            if !c.needs_host {
+                let ids = |s: &pd_engine::sampling::DeviceSample| {
+                    s.top.iter().map(|t| t.token_id).collect::<Vec<_>>()
+                };
+                assert_eq!(ids(c), ids(g), "{req:?}: top log-probabilities");
+                for (a, b) in c.top.iter().zip(&g.top) {
+                    let close = (a.logprob.is_nan() && b.logprob.is_nan())
+                        || a.logprob == b.logprob
+                        || (a.logprob - b.logprob).abs() <= 1e-4;
+                    assert!(close, "{req:?}: {a:?} vs {b:?}");
+                }
+            }
             handed_back += usize::from(c.needs_host);
         }
     }
@@ -210,6 +227,7 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
             temperature: 0.8,
             top_k: 20,
             top_p: 0.9,
+            logprobs: Some(4),
             ..Default::default()
         },
         SamplingParams {

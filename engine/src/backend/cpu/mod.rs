@@ -423,7 +423,7 @@ impl Backend for CpuBackend {
         let limit = vocab_limit.min(logits.cols);
         // Rows are independent: one per core, as the engine samples on the host.
         rows.par_iter()
-            .map(|r| sample_row(&logits.row(r.row)[..limit], r.method, r.reshape))
+            .map(|r| sample_row(&logits.row(r.row)[..limit], r))
             .collect()
     }
 
