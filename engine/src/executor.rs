@@ -9,7 +9,7 @@ use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::kv::host_buffer::{HostAllocator, HostBuffer};
 use crate::model::Qwen3;
-use crate::sampling::{DeviceSample, DeviceSampleRow, SamplePlan};
+use crate::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, SamplePlan};
 
 /// One sequence's part of a forward pass.
 #[derive(Debug, Clone, Copy)]
@@ -90,85 +90,139 @@ impl<B: Backend> Executor<B> {
     /// One forward pass. Returns, per item, the logits of its last new token (or of every
     /// new token with `all_logits`), and writes the new tokens' K/V into their blocks.
     pub fn execute(&mut self, items: &[ExecItem<'_>]) -> Vec<HostMatrix> {
-        let (logits, spans) = self.forward(items);
+        let first_rows: Vec<usize> = items
+            .iter()
+            .map(|i| if i.all_logits { 0 } else { i.tokens.len() - 1 })
+            .collect();
+        let (logits, spans) = self.forward(items, &first_rows);
         split_rows(&self.backend.to_host(&logits), &spans)
     }
 
-    /// [`Executor::execute`], choosing the next token on the backend for every item with a
-    /// plan (`plans[i]`, from [`crate::sampling::Sampler::device_plan`]) instead of copying
-    /// its logits to the host. Items without a plan, items with `all_logits` (their prompt
-    /// logprobs need the rows) and rows the backend hands back
-    /// ([`DeviceSample::needs_host`]) get their logits as before. Only the first
-    /// `vocab_limit` columns are candidate tokens.
+    /// One forward pass of a serving step: per item, what `wants[i]` asks for. The next
+    /// token is chosen on the backend for items with a plan (from
+    /// [`crate::sampling::Sampler::device_plan`]), so only its id travels; items sampled on
+    /// the host, and rows the backend hands back ([`DeviceSample::needs_host`]), get their
+    /// last row of logits. Prompt positions are scored on the backend
+    /// ([`Backend::prompt_logprobs`]). Only the first `vocab_limit` columns are candidate
+    /// tokens, and scores are taken over them.
     ///
     /// # Panics
-    /// If `plans` and `items` differ in length.
+    /// If `wants` and `items` differ in length, an item sets `all_logits` (scoring comes
+    /// through `wants`), or a scored range runs past the item's new tokens.
     pub fn execute_sampling(
         &mut self,
         items: &[ExecItem<'_>],
-        plans: &[Option<SamplePlan>],
+        wants: &[ItemWants<'_>],
         vocab_limit: usize,
-    ) -> Vec<StepOutput> {
-        assert_eq!(plans.len(), items.len(), "one plan (or None) per item");
-        let (logits, spans) = self.forward(items);
+    ) -> Vec<ItemOutput> {
+        assert_eq!(wants.len(), items.len(), "one ItemWants per item");
+        // Each item's logits rows run from its first scored position (or its last token) to
+        // its last token.
+        let first_rows: Vec<usize> = items
+            .iter()
+            .zip(wants)
+            .map(|(item, w)| {
+                assert!(
+                    !item.all_logits,
+                    "execute_sampling scores prompts through wants"
+                );
+                let last = item.tokens.len() - 1;
+                match &w.prompt {
+                    Some(p) if !p.next_tokens.is_empty() => {
+                        assert!(
+                            p.first + p.next_tokens.len() <= item.tokens.len(),
+                            "scored positions among the item's new tokens"
+                        );
+                        p.first.min(last)
+                    }
+                    _ => last,
+                }
+            })
+            .collect();
+        let (logits, spans) = self.forward(items, &first_rows);
+        let last_row = |i: usize| spans[i].0 + spans[i].1 - 1;
+
+        let mut outputs: Vec<ItemOutput> = wants
+            .iter()
+            .map(|_| ItemOutput {
+                prompt_logprobs: Vec::new(),
+                next: None,
+            })
+            .collect();
+        let mut scored = Vec::new();
+        let mut scored_items = Vec::new();
+        for (i, w) in wants.iter().enumerate() {
+            if let Some(p) = &w.prompt {
+                let base = spans[i].0 + p.first - first_rows[i];
+                for (j, &next_token) in p.next_tokens.iter().enumerate() {
+                    scored.push(PromptLogprobRow {
+                        row: base + j,
+                        next_token,
+                        top: p.top,
+                    });
+                    scored_items.push(i);
+                }
+            }
+        }
+        if !scored.is_empty() {
+            let scores = self.backend.prompt_logprobs(&logits, &scored, vocab_limit);
+            for (&i, score) in scored_items.iter().zip(scores) {
+                outputs[i].prompt_logprobs.push(score);
+            }
+        }
+
         let mut device_rows = Vec::new();
         let mut device_items = Vec::new();
-        for (i, ((item, plan), &(first, _))) in items.iter().zip(plans).zip(&spans).enumerate() {
-            if let Some(plan) = plan
-                && !item.all_logits
-            {
-                device_rows.push(DeviceSampleRow::planned(first, plan));
+        for (i, w) in wants.iter().enumerate() {
+            if let NextToken::Backend(plan) = &w.next {
+                device_rows.push(DeviceSampleRow::planned(last_row(i), plan));
                 device_items.push(i);
             }
         }
-        let mut outputs: Vec<Option<StepOutput>> = (0..items.len()).map(|_| None).collect();
         if !device_rows.is_empty() {
             let sampled = self.backend.sample(&logits, &device_rows, vocab_limit);
             for (&i, sample) in device_items.iter().zip(sampled) {
                 // A row the backend handed back joins the host rows below.
                 if !sample.needs_host {
-                    outputs[i] = Some(StepOutput::Sampled(sample));
+                    outputs[i].next = Some(StepOutput::Sampled(sample));
                 }
             }
         }
-        let mut host_rows = Vec::new();
-        let mut host_spans = Vec::new();
-        let mut host_items = Vec::new();
-        for (i, &(first, n)) in spans.iter().enumerate() {
-            if outputs[i].is_none() {
-                host_spans.push((host_rows.len(), n));
-                host_rows.extend(first..first + n);
-                host_items.push(i);
-            }
-        }
-        if !host_rows.is_empty() {
+        let host_items: Vec<usize> = (0..items.len())
+            .filter(|&i| !matches!(wants[i].next, NextToken::None) && outputs[i].next.is_none())
+            .collect();
+        if !host_items.is_empty() {
+            let rows: Vec<usize> = host_items.iter().map(|&i| last_row(i)).collect();
+            let one_each: Vec<(usize, usize)> = (0..rows.len()).map(|r| (r, 1)).collect();
             let all_rows = spans.iter().map(|&(_, n)| n).sum::<usize>();
-            let host = if host_rows.len() == all_rows {
-                split_rows(&self.backend.to_host(&logits), &host_spans)
+            let host = if rows.len() == all_rows {
+                split_rows(&self.backend.to_host(&logits), &one_each)
             } else {
-                let rows = self.backend.select_rows(&logits, &host_rows);
-                split_rows(&self.backend.to_host(&rows), &host_spans)
+                let selected = self.backend.select_rows(&logits, &rows);
+                split_rows(&self.backend.to_host(&selected), &one_each)
             };
             for (&i, m) in host_items.iter().zip(host) {
-                outputs[i] = Some(StepOutput::Logits(m));
+                outputs[i].next = Some(StepOutput::Logits(m));
             }
         }
         outputs
-            .into_iter()
-            .map(|o| o.expect("every item sampled or given its logits"))
-            .collect()
     }
 
-    /// The forward pass shared by both `execute` variants: logits left on the backend, and
-    /// each item's `(first row, rows)` in them.
-    fn forward(&mut self, items: &[ExecItem<'_>]) -> (B::Tensor, Vec<(usize, usize)>) {
+    /// The forward pass shared by both `execute` variants: logits left on the backend for
+    /// each item's new tokens from `first_rows[i]` on, and each item's `(first row, rows)`
+    /// in them.
+    fn forward(
+        &mut self,
+        items: &[ExecItem<'_>],
+        first_rows: &[usize],
+    ) -> (B::Tensor, Vec<(usize, usize)>) {
         let bs = self.layout.block_size;
         let c = self.model.config();
         let mut tokens = Vec::new();
         let mut seqs = Vec::with_capacity(items.len());
         let mut logit_rows = Vec::new();
         let mut spans = Vec::with_capacity(items.len());
-        for item in items {
+        for (item, &first) in items.iter().zip(first_rows) {
             let start = tokens.len();
             let count = item.tokens.len();
             assert!(count > 0, "an item without tokens");
@@ -183,9 +237,8 @@ impl<B: Backend> Executor<B> {
                 context_len: item.start + count,
                 block_table: item.block_table.to_vec(),
             });
-            let n = if item.all_logits { count } else { 1 };
-            spans.push((logit_rows.len(), n));
-            logit_rows.extend(start + count - n..start + count);
+            spans.push((logit_rows.len(), count - first));
+            logit_rows.extend(start + first..start + count);
         }
         let meta = AttentionMeta {
             seqs,
@@ -194,7 +247,7 @@ impl<B: Backend> Executor<B> {
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
-        if let Some(logits) = self.decode_graph(items, &tokens, &meta) {
+        if let Some(logits) = self.decode_graph(items, first_rows, &tokens, &meta) {
             return (logits, spans);
         }
         let logits =
@@ -208,11 +261,14 @@ impl<B: Backend> Executor<B> {
     fn decode_graph(
         &mut self,
         items: &[ExecItem<'_>],
+        first_rows: &[usize],
         tokens: &[u32],
         meta: &AttentionMeta,
     ) -> Option<B::Tensor> {
         let graphs = self.graphs?;
-        if !is_pure_decode(items.iter().map(|i| (i.tokens.len(), i.all_logits))) {
+        let more_than_last =
+            |(i, &f): (&ExecItem<'_>, &usize)| (i.tokens.len(), f + 1 < i.tokens.len());
+        if !is_pure_decode(items.iter().zip(first_rows).map(more_than_last)) {
             return None;
         }
         let step = DecodeGraphStep {
@@ -278,10 +334,61 @@ impl<B: Backend> Executor<B> {
     }
 }
 
+/// What a serving step wants from one item's logits ([`Executor::execute_sampling`]).
+#[derive(Debug, Clone, Default)]
+pub struct ItemWants<'a> {
+    /// Prompt positions to score, if the request asked for `prompt_logprobs`.
+    pub prompt: Option<PromptScoring<'a>>,
+    /// What the item's last row is for.
+    pub next: NextToken,
+}
+
+impl ItemWants<'_> {
+    /// The next token only: on the backend with `plan`, on the host without one.
+    pub fn next_token(plan: Option<SamplePlan>) -> Self {
+        Self {
+            prompt: None,
+            next: plan.map_or(NextToken::Host, NextToken::Backend),
+        }
+    }
+}
+
+/// Prompt positions of one item to score ([`Backend::prompt_logprobs`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PromptScoring<'a> {
+    /// Index, among the item's new tokens, of the first position scored.
+    pub first: usize,
+    /// The prompt token after each scored position (positions `first..first + len`).
+    pub next_tokens: &'a [u32],
+    /// Alternatives listed per position (`prompt_logprobs = K`).
+    pub top: u32,
+}
+
+/// What an item's last row of logits is for.
+#[derive(Debug, Clone, Default)]
+pub enum NextToken {
+    /// Nothing: the item's prompt continues next step.
+    #[default]
+    None,
+    /// The host sampler: its logits come back.
+    Host,
+    /// The backend chooses the token with this plan (or hands the row back).
+    Backend(SamplePlan),
+}
+
 /// What [`Executor::execute_sampling`] returns for one item.
 #[derive(Debug, Clone, PartialEq)]
+pub struct ItemOutput {
+    /// One score per position of [`ItemWants::prompt`], in order.
+    pub prompt_logprobs: Vec<PromptLogprob>,
+    /// The next token, or the row to choose it from; `None` for [`NextToken::None`].
+    pub next: Option<StepOutput>,
+}
+
+/// The next token of one item, as [`Executor::execute_sampling`] found it.
+#[derive(Debug, Clone, PartialEq)]
 pub enum StepOutput {
-    /// The item's logits rows, on the host, for the host sampler (or prompt logprobs).
+    /// The item's last row of logits, on the host, for the host sampler.
     Logits(HostMatrix),
     /// The token the backend chose; hand it to [`crate::sampling::Sampler::accept`].
     Sampled(DeviceSample),

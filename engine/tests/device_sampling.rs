@@ -1,15 +1,16 @@
 //! Sampling on the backend, routed by the executor: a batch of requests with mixed sampling
 //! parameters generates the same tokens (and log-probabilities) whether each step's tokens
 //! are chosen by the backend ([`Executor::execute_sampling`] + [`Sampler::accept`]) or from
-//! host logits ([`Executor::execute`] + [`Sampler::sample`]), for the same seeds.
+//! host logits ([`Executor::execute`] + [`Sampler::sample`]), for the same seeds, and the
+//! prompt is scored alike by the backend and from host logits.
 
 use std::path::Path;
 
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
-use pd_engine::executor::{ExecItem, Executor, StepOutput};
+use pd_engine::executor::{ExecItem, Executor, ItemWants, NextToken, PromptScoring, StepOutput};
 use pd_engine::model::Qwen3;
-use pd_engine::sampling::{SampledToken, Sampler, SamplingParams};
+use pd_engine::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, prompt_logprobs};
 use pd_engine::weights::Checkpoint;
 
 const BS: usize = 4;
@@ -58,11 +59,17 @@ fn host_sample(seq: &mut Seq, logits: &[f32]) -> SampledToken {
     seq.sampler.sample(&row, prompt, output)
 }
 
+/// Alternatives listed per scored prompt position.
+const PROMPT_TOP: u32 = 3;
+
+/// What one request got: its tokens, and its prompt's scores if it asked for them.
+type Generated = (Vec<SampledToken>, Vec<PromptLogprob>);
+
 /// Generates `steps` tokens for every sequence, batched; `on_backend` picks the path.
-fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Vec<SampledToken>> {
+fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Generated> {
     let mut exec = executor();
     let mut seqs = seqs(params);
-    let mut out = vec![Vec::new(); seqs.len()];
+    let mut out: Vec<Generated> = vec![Default::default(); seqs.len()];
     let mut device_rows = 0;
     for _ in 0..steps {
         let plans: Vec<_> = seqs
@@ -72,22 +79,48 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
                 s.sampler.device_plan(prompt, output, VOCAB_LIMIT)
             })
             .collect();
+        let scoring = |s: &Seq| s.prompt_logprobs && s.computed == 0;
         let items: Vec<ExecItem<'_>> = seqs
             .iter()
             .map(|s| ExecItem {
                 tokens: &s.tokens[s.computed..],
                 start: s.computed,
                 block_table: &s.blocks,
-                all_logits: s.prompt_logprobs && s.computed == 0,
+                all_logits: !on_backend && scoring(s),
             })
             .collect();
         let results: Vec<StepOutput> = if on_backend {
-            exec.execute_sampling(&items, &plans, VOCAB_LIMIT)
-        } else {
-            exec.execute(&items)
+            let wants: Vec<ItemWants<'_>> = seqs
+                .iter()
+                .zip(plans)
+                .map(|(s, plan)| ItemWants {
+                    prompt: scoring(s).then(|| PromptScoring {
+                        first: 0,
+                        next_tokens: &s.tokens[1..s.prompt_len],
+                        top: PROMPT_TOP,
+                    }),
+                    next: plan.map_or(NextToken::Host, NextToken::Backend),
+                })
+                .collect();
+            let outputs = exec.execute_sampling(&items, &wants, VOCAB_LIMIT);
+            outputs
                 .into_iter()
-                .map(StepOutput::Logits)
+                .zip(&mut out)
+                .map(|(o, out)| {
+                    out.1.extend(o.prompt_logprobs);
+                    o.next.expect("every item samples")
+                })
                 .collect()
+        } else {
+            let rows = exec.execute(&items);
+            for ((s, m), out) in seqs.iter().zip(&rows).zip(&mut out) {
+                if scoring(s) {
+                    out.1.extend((0..s.prompt_len - 1).map(|r| {
+                        prompt_logprobs(&m.row(r)[..VOCAB_LIMIT], s.tokens[r + 1], PROMPT_TOP)
+                    }));
+                }
+            }
+            rows.into_iter().map(StepOutput::Logits).collect()
         };
         for ((seq, result), out) in seqs.iter_mut().zip(results).zip(&mut out) {
             seq.computed = seq.tokens.len();
@@ -99,15 +132,15 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
                 StepOutput::Logits(m) => host_sample(seq, m.row(m.rows - 1)),
             };
             seq.tokens.push(token.token_id);
-            out.push(token);
+            out.0.push(token);
         }
     }
     if on_backend {
-        // Greedy, top-k and penalised requests after their first step: the backend chose
-        // them.
-        assert!(
-            device_rows >= 4 * (steps - 1),
-            "{device_rows} rows on the backend"
+        // Every row, the scored prompt's first token included: the backend chose them.
+        assert_eq!(
+            device_rows,
+            seqs.len() * steps,
+            "rows chosen on the backend"
         );
     }
     out
@@ -116,7 +149,7 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ve
 #[test]
 fn backend_sampling_gives_the_host_samplers_tokens_for_the_same_seeds() {
     let params = [
-        // Prompt logprobs on its first step: host logits, then the backend.
+        // Greedy, with its prompt scored on its first step.
         SamplingParams::default(),
         SamplingParams {
             temperature: 0.9,
@@ -158,8 +191,12 @@ fn backend_sampling_gives_the_host_samplers_tokens_for_the_same_seeds() {
     let host = generate(&params, steps, false);
     let device = generate(&params, steps, true);
     assert_eq!(host, device);
+    // The whole prompt was scored, with its alternatives.
+    assert_eq!(host[0].1.len(), 8);
+    assert!(host[0].1.iter().all(|p| p.top.len() == PROMPT_TOP as usize));
+    assert!(host[1..].iter().all(|(_, prompt)| prompt.is_empty()));
     // The sampling requests really sampled (not a constant stream).
-    for seq in &host[1..4] {
+    for (seq, _) in &host[1..4] {
         let first = seq[0].token_id;
         assert!(seq.iter().any(|t| t.token_id != first));
     }

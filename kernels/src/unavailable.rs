@@ -6,7 +6,7 @@
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
-use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
+use pd_engine::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use pd_engine::weights::TensorView;
 
 use crate::CudaError;
@@ -82,6 +82,9 @@ impl Backend for CudaBackend {
         match *self {}
     }
     fn sample(&self, _: &Never, _: &[DeviceSampleRow], _: usize) -> Vec<DeviceSample> {
+        match *self {}
+    }
+    fn prompt_logprobs(&self, _: &Never, _: &[PromptLogprobRow], _: usize) -> Vec<PromptLogprob> {
         match *self {}
     }
     fn read_block(&self, _: &Never, _: u32, _: &mut [u8]) {

@@ -15,7 +15,7 @@ pub mod graph;
 use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::kv::host_buffer::{HostAllocator, HostBuffer, heap_allocator};
-use crate::sampling::{DeviceSample, DeviceSampleRow};
+use crate::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use crate::weights::TensorView;
 use graph::DecodeGraphStep;
 
@@ -314,6 +314,18 @@ pub trait Backend: Send + Sync + 'static {
         rows: &[DeviceSampleRow],
         vocab_limit: usize,
     ) -> Vec<DeviceSample>;
+
+    /// Score prompt positions where the logits are: for each listed row of `logits`, the
+    /// log-probability of its next prompt token and its `top` most likely alternatives, over
+    /// the first `vocab_limit` columns. Must list the ids of
+    /// [`crate::sampling::prompt_logprobs`] of the row cut at `vocab_limit`, in its order (the
+    /// conformance contract; log-probabilities may differ by rounding).
+    fn prompt_logprobs(
+        &self,
+        logits: &Self::Tensor,
+        rows: &[PromptLogprobRow],
+        vocab_limit: usize,
+    ) -> Vec<PromptLogprob>;
 
     /// Run a pure decode step through a graph this backend captured for `step.bucket` rows
     /// (see [`graph`]), staging the step's metadata in the graph's fixed buffers. The first

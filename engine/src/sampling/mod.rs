@@ -4,8 +4,9 @@
 //!   values with a [`SamplingError`] a person can act on.
 //! - [`Sampler`]: one per request, owns a seeded ChaCha RNG and scratch buffers; turns a
 //!   row of logits into a [`SampledToken`] (repetition penalty → greedy or temperature →
-//!   min-p → top-k → top-p → draw), reporting raw log-probabilities. [`prompt_logprobs`]
-//!   scores prompt positions.
+//!   min-p → top-k → top-p → draw), reporting raw log-probabilities.
+//! - [`prompt`]: prompt log-probabilities ([`prompt_logprobs`], and the rows a backend
+//!   scores where the logits are).
 //! - [`device`]: the sampler as a backend runs it where the logits are (greedy, top-k then
 //!   min-p / top-p, the dense path, top log-probabilities, with the penalties, bias and masks
 //!   as per-id edits), with the same tokens for the same seeds ([`Sampler::device_plan`] /
@@ -31,6 +32,7 @@
 pub mod bad_words;
 pub mod device;
 pub mod params;
+pub mod prompt;
 pub mod sampler;
 pub mod stop;
 mod truncation;
@@ -43,5 +45,6 @@ pub use params::{
     GREEDY_TEMPERATURE_EPS, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS,
     MAX_STOP_STRINGS, SamplingError, SamplingParams,
 };
-pub use sampler::{PromptLogprob, SampledToken, Sampler, TokenLogprob, prompt_logprobs};
+pub use prompt::{PromptLogprob, PromptLogprobRow, prompt_logprobs};
+pub use sampler::{SampledToken, Sampler, TokenLogprob};
 pub use stop::{FinishReason, StopChecker, StopDecision, StopReason};

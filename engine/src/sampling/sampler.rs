@@ -42,18 +42,6 @@ pub struct SampledToken {
     pub top: Vec<TokenLogprob>,
 }
 
-/// The log-probability of one prompt token given the prompt before it, see
-/// [`prompt_logprobs`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct PromptLogprob {
-    /// The actual next prompt token.
-    pub token_id: u32,
-    /// Its raw log-probability (`-inf` if the id is outside the logits).
-    pub logprob: f32,
-    /// The `K` most likely tokens, as in [`SampledToken::top`].
-    pub top: Vec<TokenLogprob>,
-}
-
 /// Chooses the tokens of one request.
 ///
 /// Processing order (vLLM v1): ids outside `allowed_token_ids` (when given) get `-inf` →
@@ -590,26 +578,6 @@ pub(super) fn top_logprobs(logits: &[f32], k: u32, lse: f64) -> Vec<TokenLogprob
             logprob: raw_logprob(logits[id as usize], lse),
         })
         .collect()
-}
-
-/// Log-probability of the actual next prompt token plus the `k` most likely alternatives,
-/// from the logits row computed at the position before it (raw logits, no penalties or
-/// temperature). The first prompt token has no logprob; callers skip it.
-pub fn prompt_logprobs(logits: &[f32], next_token: u32, k: u32) -> PromptLogprob {
-    let lse = log_sum_exp(logits);
-    let logprob = logits
-        .get(next_token as usize)
-        .map_or(f32::NEG_INFINITY, |&l| raw_logprob(l, lse));
-    let top = if k > 0 {
-        top_logprobs(logits, k, lse)
-    } else {
-        Vec::new()
-    };
-    PromptLogprob {
-        token_id: next_token,
-        logprob,
-        top,
-    }
 }
 
 #[cfg(test)]

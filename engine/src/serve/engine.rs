@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
-use crate::executor::{ExecItem, Executor, StepOutput};
+use crate::executor::{ExecItem, Executor, ItemWants, NextToken, StepOutput};
 use crate::generate::validate_prompt;
 use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
 use crate::kv::hash::{BlockHash, BlockHasher};
@@ -30,9 +30,7 @@ use crate::kv::reservation::BlockWriter;
 use crate::kv::tier::ExternalTier;
 use rayon::prelude::*;
 
-use crate::sampling::{
-    FinishReason, SamplePlan, SampledToken, Sampler, StopChecker, prompt_logprobs,
-};
+use crate::sampling::{FinishReason, SampledToken, Sampler, StopChecker};
 
 mod blocks;
 mod import;
@@ -371,19 +369,21 @@ impl<B: Backend> Engine<B> {
         // 3. Forward. Sequences that finish their tokens this step get their token chosen
         // where the logits are when they have a plan (all but edits past a quarter of the
         // vocabulary); the others, and rows the backend hands back, get logits for the host
-        // sampler.
+        // sampler. Prompt positions not yet scored are scored where the logits are.
         let outputs = {
             let limit = self.vocab_limit;
-            let plans: Vec<Option<SamplePlan>> = scheduled
+            let next: Vec<NextToken> = scheduled
                 .iter()
                 .map(|(id, n)| {
                     let seq = self.seqs.get_mut(id).expect("scheduled sequence exists");
                     let completes = seq.computed + n == seq.tokens.len();
                     if completes {
                         let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                        seq.sampler.device_plan(prompt, output, limit)
+                        seq.sampler
+                            .device_plan(prompt, output, limit)
+                            .map_or(NextToken::Host, NextToken::Backend)
                     } else {
-                        None
+                        NextToken::None
                     }
                 })
                 .collect();
@@ -395,12 +395,20 @@ impl<B: Backend> Engine<B> {
                         tokens: &seq.tokens[seq.computed..seq.computed + n],
                         start: seq.computed,
                         block_table: &seq.blocks,
-                        all_logits: seq.wants_prompt_logprobs() && seq.computed < seq.prompt_len,
+                        all_logits: false,
                     }
                 })
                 .collect();
+            let wants: Vec<ItemWants<'_>> = scheduled
+                .iter()
+                .zip(next)
+                .map(|((id, n), next)| ItemWants {
+                    prompt: self.seqs[id].prompt_scoring(*n),
+                    next,
+                })
+                .collect();
             self.executor
-                .execute_sampling(&items, &plans, self.vocab_limit)
+                .execute_sampling(&items, &wants, self.vocab_limit)
         };
 
         // 4. Results.
@@ -417,22 +425,9 @@ impl<B: Backend> Engine<B> {
         for ((id, n), output) in scheduled.into_iter().zip(outputs) {
             let caching = self.config.enable_prefix_caching;
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
-            let start = seq.computed;
             seq.computed += n;
-            if let (Some(lp), Some(k), StepOutput::Logits(logits)) = (
-                seq.prompt_logprobs.as_mut(),
-                seq.req.params.prompt_logprobs,
-                &output,
-            ) && logits.rows == n
-            {
-                for r in 0..n {
-                    let p = start + r;
-                    // Row at position p scores prompt token p + 1; each position once, even
-                    // when a preempted request recomputes its prompt.
-                    if p + 1 < seq.prompt_len && lp.len() == p {
-                        lp.push(prompt_logprobs(logits.row(r), seq.tokens[p + 1], k));
-                    }
-                }
+            if let Some(lp) = seq.prompt_logprobs.as_mut() {
+                lp.extend(output.prompt_logprobs);
             }
             if caching {
                 let full = seq.computed / bs;
@@ -446,8 +441,8 @@ impl<B: Backend> Engine<B> {
                         .expect("pool invariant: the engine registers only blocks it holds");
                 }
             }
-            if seq.computed == seq.tokens.len() {
-                to_sample.push((id, output));
+            if let Some(next) = output.next {
+                to_sample.push((id, next));
             } // else: prefill continues next step
         }
 

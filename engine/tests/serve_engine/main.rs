@@ -25,6 +25,8 @@ use pd_engine::serve::{
 use pd_engine::weights::Checkpoint;
 
 const BS: usize = 4;
+/// Ids the engines' tokenizer knows (the model's vocabulary is larger).
+const VOCAB_LIMIT: usize = 400;
 
 fn config() -> EngineConfig {
     EngineConfig {
@@ -44,12 +46,20 @@ fn engine(num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
 }
 
 fn engine_on(backend: CpuBackend, num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
+    let exec = executor_on(backend, num_blocks);
+    Engine::new(exec, cfg, vec![399], VOCAB_LIMIT).unwrap()
+}
+
+fn executor(num_blocks: usize) -> Executor<CpuBackend> {
+    executor_on(CpuBackend::new(), num_blocks)
+}
+
+fn executor_on(backend: CpuBackend, num_blocks: usize) -> Executor<CpuBackend> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/tiny-gqa");
     let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
-    let exec = Executor::new(backend, model, BS, num_blocks).unwrap();
-    Engine::new(exec, cfg, vec![399], 400).unwrap()
+    Executor::new(backend, model, BS, num_blocks).unwrap()
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {

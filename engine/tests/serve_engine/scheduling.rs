@@ -5,10 +5,11 @@
 use std::time::Duration;
 
 use pd_engine::ErrorKind;
-use pd_engine::sampling::FinishReason;
-use pd_engine::serve::{EngineConfig, EngineThread, RequestEvent};
+use pd_engine::executor::ExecItem;
+use pd_engine::sampling::{FinishReason, PromptLogprob, prompt_logprobs};
+use pd_engine::serve::{Engine, EngineConfig, EngineThread, RequestEvent};
 
-use crate::{all_free, check_counters, config, drain, engine, prompt, req, run_one};
+use crate::{all_free, check_counters, config, drain, engine, executor, prompt, req, run_one};
 
 #[test]
 fn batching_chunking_caching_and_preemption_never_change_tokens() {
@@ -66,6 +67,99 @@ fn batching_chunking_caching_and_preemption_never_change_tokens() {
         }
         check_counters(&c);
         all_free(&e);
+    }
+}
+
+#[test]
+fn prompt_logprobs_are_each_positions_once_batched_chunked_and_preempted() {
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(20 + i, 9 + 7 * i as usize)).collect();
+    // Scores are over the ids a tokenizer of 380 knows (the model has 400 columns; prompt
+    // ids past 380 score -inf).
+    const KNOWN: usize = 380;
+    // Reference: every prompt row's logits on the host, scored over the tokenizer's ids.
+    let mut exec = executor(64);
+    let reference: Vec<Vec<PromptLogprob>> = prompts
+        .iter()
+        .map(|p| {
+            let table: Vec<u32> = (0..p.len().div_ceil(4) as u32).collect();
+            let item = ExecItem {
+                tokens: p,
+                start: 0,
+                block_table: &table,
+                all_logits: true,
+            };
+            let m = exec.execute(&[item]).remove(0);
+            (0..p.len() - 1)
+                .map(|r| prompt_logprobs(&m.row(r)[..KNOWN], p[r + 1], 2))
+                .collect()
+        })
+        .collect();
+    let variants: Vec<(&str, usize, EngineConfig)> = vec![
+        ("batched", 256, config()),
+        (
+            "chunked",
+            256,
+            EngineConfig {
+                max_num_batched_tokens: 5,
+                ..config()
+            },
+        ),
+        ("preempting", 14, config()),
+        // Preempted part-way through a chunked prompt: recomputed, scored from where it was.
+        (
+            "chunked-preempting",
+            14,
+            EngineConfig {
+                max_num_batched_tokens: 7,
+                ..config()
+            },
+        ),
+    ];
+    for (name, blocks, cfg) in variants {
+        let mut e = Engine::new(executor(blocks), cfg, vec![399], KNOWN).unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut r = req(&format!("r{i}"), p.clone(), 12);
+            r.params.prompt_logprobs = Some(2);
+            e.submit(r).unwrap();
+        }
+        let out = drain(&mut e);
+        for (i, want) in reference.iter().enumerate() {
+            let finished = out[&format!("r{i}")].finished.as_ref().unwrap();
+            let got = finished.prompt_logprobs.as_ref().expect("prompt logprobs");
+            assert_same_scores(got, want, &format!("{name}: request {i}"));
+        }
+        if name.ends_with("preempting") {
+            assert!(
+                e.counters().preemptions > 0,
+                "{name}: the small pool must preempt"
+            );
+        }
+        all_free(&e);
+    }
+}
+
+/// The same positions, ids and alternatives; log-probabilities equal up to the rounding of
+/// a differently batched forward pass.
+fn assert_same_scores(got: &[PromptLogprob], want: &[PromptLogprob], what: &str) {
+    let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-3 * b.abs().max(1.0);
+    assert_eq!(got.len(), want.len(), "{what}: positions");
+    for (p, (g, w)) in got.iter().zip(want).enumerate() {
+        let ids = |l: &PromptLogprob| l.top.iter().map(|t| t.token_id).collect::<Vec<_>>();
+        assert_eq!(
+            (g.token_id, ids(g)),
+            (w.token_id, ids(w)),
+            "{what}: position {p}"
+        );
+        assert!(
+            close(g.logprob, w.logprob),
+            "{what}: position {p}: {g:?} vs {w:?}"
+        );
+        for (a, b) in g.top.iter().zip(&w.top) {
+            assert!(
+                close(a.logprob, b.logprob),
+                "{what}: position {p}: {g:?} vs {w:?}"
+            );
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use pd_engine::backend::graph::DecodeGraphs;
-use pd_engine::executor::{ExecItem, Executor};
+use pd_engine::executor::{ExecItem, Executor, ItemWants};
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::{DeviceSampling, SamplePlan};
 use pd_kernels::CudaBackend;
@@ -47,7 +47,7 @@ fn open_model(
 struct DecodeBatch {
     tables: Vec<Vec<u32>>,
     tokens: Vec<[u32; 1]>,
-    plans: Vec<Option<SamplePlan>>,
+    wants: Vec<ItemWants<'static>>,
     vocab: usize,
 }
 
@@ -71,12 +71,12 @@ impl DecodeBatch {
             tokens: (0..batch)
                 .map(|s| [(s as u32 * 31 + 7) % vocab as u32])
                 .collect(),
-            plans: vec![
-                Some(SamplePlan {
+            wants: vec![
+                ItemWants::next_token(Some(SamplePlan {
                     method: DeviceSampling::Greedy,
                     reshape: None,
                     top_logprobs: 0,
-                });
+                }));
                 batch
             ],
             vocab,
@@ -96,7 +96,7 @@ impl DecodeBatch {
                 all_logits: false,
             })
             .collect();
-        exec.execute_sampling(&items, &self.plans, self.vocab);
+        exec.execute_sampling(&items, &self.wants, self.vocab);
     }
 }
 

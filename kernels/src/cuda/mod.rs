@@ -1,6 +1,7 @@
 //! The CUDA backend: every [`Backend`] op as a kernel launch or a cuBLAS call on one stream
-//! of one device. Ops are asynchronous; [`Backend::to_host`], [`Backend::sample`] and the
-//! block copies are the only points that wait for the device.
+//! of one device. Ops are asynchronous; [`Backend::to_host`], [`Backend::sample`],
+//! [`Backend::prompt_logprobs`] and the block copies are the only points that wait for the
+//! device.
 //!
 //! The `Backend` ops (other than loading and allocation) cannot return errors: a failed
 //! launch leaves the CUDA context unusable, so it panics with the op's name and the driver's
@@ -9,7 +10,7 @@
 //! Parts: `open` (start-up, memory sizing and KV storage), `elementwise` (the element- and
 //! row-wise ops), `linear` (GEMM operands, stacked projections, cuBLAS through [`gemm`]),
 //! `attention` (paged attention launches, planned by [`plan`]), `weights` (uploads), `graph`
-//! (decode graphs), `sample` (device sampling), `tensor` (what lives on the device), `blocks`
+//! (decode graphs), `sample` (device sampling), `prompt` (prompt log-probabilities), `tensor` (what lives on the device), `blocks`
 //! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `import`
 //! (imports written in from the puller's thread, on a second stream), `gemv`
 //! (the decode-sized product kernel), `device` and [`modules`] (the device, its libraries
@@ -30,6 +31,7 @@ mod pdl;
 mod pinned;
 pub mod plan;
 mod pool;
+mod prompt;
 mod qk;
 mod sample;
 mod settings;
@@ -46,7 +48,7 @@ use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
 use pd_engine::kv::host_buffer::HostAllocator;
 use pd_engine::kv::reservation::BlockWriter;
-use pd_engine::sampling::{DeviceSample, DeviceSampleRow};
+use pd_engine::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use pd_engine::weights::{DType, TensorView};
 
 pub use device::Device;
@@ -500,6 +502,15 @@ impl Backend for CudaBackend {
         vocab_limit: usize,
     ) -> Vec<DeviceSample> {
         self.sample_on_device(logits, rows, vocab_limit)
+    }
+
+    fn prompt_logprobs(
+        &self,
+        logits: &CudaTensor,
+        rows: &[PromptLogprobRow],
+        vocab_limit: usize,
+    ) -> Vec<PromptLogprob> {
+        self.prompt_logprobs_on_device(logits, rows, vocab_limit)
     }
 
     fn decode_graph(

@@ -62,7 +62,7 @@ pub const SOURCES: [KernelSource; 7] = [
     KernelSource {
         name: "sample",
         code: include_str!("sample.cu"),
-        kernels: &["sample_rows", "sample_dense"],
+        kernels: &["sample_rows", "sample_dense", "prompt_logprobs"],
     },
     KernelSource {
         name: "gemv",

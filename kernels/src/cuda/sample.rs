@@ -16,7 +16,7 @@ use pd_engine::sampling::{
 use super::{CudaBackend, CudaTensor};
 
 /// Threads per sampled row: the whole vocabulary is scanned by one block.
-const THREADS: u32 = 1024;
+pub(super) const THREADS: u32 = 1024;
 
 /// Threads per block of the reshape kernels.
 const RESHAPE_THREADS: u32 = 256;
@@ -36,7 +36,7 @@ const MAX_TOP: usize = MAX_LOGPROBS as usize;
 
 /// Words per row in the kernels' output (`SAMPLE_OUTPUTS`): token, logprob bits, used draw,
 /// handed back, the number of top log-probabilities and an (id, logprob bits) pair each.
-const OUTPUTS: usize = 5 + 2 * MAX_TOP;
+pub(super) const OUTPUTS: usize = 5 + 2 * MAX_TOP;
 
 /// Weights summed together by `sample_dense` (`DENSE_CHUNK`).
 const DENSE_CHUNK: usize = 64;
@@ -270,14 +270,19 @@ fn decode(out: &[u32]) -> Vec<DeviceSample> {
             logprob: f32::from_bits(o[1]),
             used_draw: o[2] != 0,
             needs_host: o[3] != 0,
-            top: o[5..]
-                .chunks_exact(2)
-                .take((o[4] as usize).min(MAX_TOP))
-                .map(|p| TokenLogprob {
-                    token_id: p[0],
-                    logprob: f32::from_bits(p[1]),
-                })
-                .collect(),
+            top: decode_top(o),
+        })
+        .collect()
+}
+
+/// The top log-probabilities of one row of output ([`OUTPUTS`] words).
+pub(super) fn decode_top(o: &[u32]) -> Vec<TokenLogprob> {
+    o[5..]
+        .chunks_exact(2)
+        .take((o[4] as usize).min(MAX_TOP))
+        .map(|p| TokenLogprob {
+            token_id: p[0],
+            logprob: f32::from_bits(p[1]),
         })
         .collect()
 }

@@ -1,4 +1,5 @@
-//! Token choice on the device (`sample_rows`) against the CPU backend's sampler.
+//! Token choice on the device (`sample_rows`, `sample_dense`) and prompt scoring
+//! (`prompt_logprobs`) against the CPU backend.
 
 use pd_engine::backend::Backend;
 use pd_engine::backend::cpu::CpuBackend;
@@ -213,9 +214,79 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
 }
 
 #[test]
+fn prompt_logprobs_on_the_device_equal_the_cpu_backends() {
+    use pd_engine::backend::cpu::CpuTensor;
+    use pd_engine::sampling::{PromptLogprob, PromptLogprobRow};
+    use pd_kernels::cuda::CudaTensor;
+
+    if !enabled("prompt_logprobs_on_the_device_equal_the_cpu_backends") {
+        return;
+    }
+    let vocab = 151_936;
+    let rows = sampling_rows(vocab);
+    let data: Vec<f32> = rows.concat();
+    let cpu_logits = CpuTensor::from_vec(rows.len(), vocab, data.clone());
+    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
+    let gpu_logits = CudaTensor::new(
+        rows.len(),
+        vocab,
+        gpu.device().stream.clone_htod(&data).expect("upload"),
+    );
+    // Next tokens: ordinary ids, the hot spots of the rows (the peak, a NaN and a -inf hole,
+    // ±0, +inf), the last column, and ids past the tokenizer's 151,669 and past the row.
+    let next = [
+        5u32,
+        11,
+        17,
+        34,
+        3,
+        7,
+        (vocab / 3) as u32,
+        151_700,
+        151_935,
+        160_000,
+    ];
+    let mut scored = Vec::new();
+    for row in 0..rows.len() {
+        for (j, &next_token) in next.iter().enumerate() {
+            scored.push(PromptLogprobRow {
+                row,
+                next_token,
+                top: [0u32, 1, 5, 20][(row + j) % 4],
+            });
+        }
+    }
+    let cpu = CpuBackend::new();
+    let close = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-4;
+    for limit in [vocab, 151_669] {
+        let c = cpu.prompt_logprobs(&cpu_logits, &scored, limit);
+        let g = gpu.prompt_logprobs(&gpu_logits, &scored, limit);
+        assert_eq!(c.len(), g.len());
+        for ((r, c), g) in scored.iter().zip(&c).zip(&g) {
+            let ids = |p: &PromptLogprob| p.top.iter().map(|t| t.token_id).collect::<Vec<_>>();
+            assert_eq!(
+                (c.token_id, ids(c)),
+                (g.token_id, ids(g)),
+                "{r:?} limit {limit}"
+            );
+            assert!(
+                close(c.logprob, g.logprob),
+                "{r:?} limit {limit}: {c:?} vs {g:?}"
+            );
+            for (a, b) in c.top.iter().zip(&g.top) {
+                assert!(
+                    close(a.logprob, b.logprob),
+                    "{r:?} limit {limit}: {c:?} vs {g:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
-    use pd_engine::executor::StepOutput;
-    use pd_engine::sampling::{Sampler, SamplingParams};
+    use pd_engine::executor::{ItemWants, NextToken, PromptScoring, StepOutput};
+    use pd_engine::sampling::{PromptLogprob, Sampler, SamplingParams, prompt_logprobs};
 
     if !enabled("executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits") {
         return;
@@ -256,7 +327,9 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
     ];
     let n = params.len();
     let steps = 12;
-    let run = |on_device: bool| -> Vec<Vec<u32>> {
+    // Request 1 also has its prompt scored, on the first step.
+    let scored = 1;
+    let run = |on_device: bool| -> (Vec<Vec<u32>>, Vec<PromptLogprob>) {
         let blocks = n * 4 + 1;
         let mut gpu = executor(CudaBackend::open(0, 0.5).expect("cuda:0"), &files, blocks);
         let tables: Vec<Vec<u32>> = (0..n as u32)
@@ -267,6 +340,7 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
             .collect();
         let mut samplers: Vec<Sampler> = params.iter().map(|p| Sampler::new(p, 5, &[])).collect();
         let mut computed = vec![0usize; n];
+        let mut scores = Vec::new();
         for _ in 0..steps {
             let plans: Vec<_> = samplers
                 .iter_mut()
@@ -278,16 +352,37 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                     tokens: &tokens[i][computed[i]..],
                     start: computed[i],
                     block_table: &tables[i],
-                    all_logits: false,
+                    all_logits: !on_device && i == scored && computed[i] == 0,
                 })
                 .collect();
             let outs: Vec<StepOutput> = if on_device {
-                gpu.execute_sampling(&items, &plans, usize::MAX)
-            } else {
-                gpu.execute(&items)
+                let wants: Vec<ItemWants<'_>> = plans
                     .into_iter()
-                    .map(StepOutput::Logits)
+                    .enumerate()
+                    .map(|(i, plan)| ItemWants {
+                        prompt: (i == scored && computed[i] == 0).then(|| PromptScoring {
+                            first: 0,
+                            next_tokens: &tokens[i][1..10],
+                            top: 5,
+                        }),
+                        next: plan.map_or(NextToken::Host, NextToken::Backend),
+                    })
+                    .collect();
+                let outs = gpu.execute_sampling(&items, &wants, usize::MAX);
+                outs.into_iter()
+                    .map(|o| {
+                        scores.extend(o.prompt_logprobs);
+                        o.next.expect("every item samples")
+                    })
                     .collect()
+            } else {
+                let rows = gpu.execute(&items);
+                if computed[scored] == 0 {
+                    let m = &rows[scored];
+                    let t = &tokens[scored];
+                    scores.extend((0..9).map(|r| prompt_logprobs(m.row(r), t[r + 1], 5)));
+                }
+                rows.into_iter().map(StepOutput::Logits).collect()
             };
             for (i, out) in outs.into_iter().enumerate() {
                 computed[i] = tokens[i].len();
@@ -297,13 +392,34 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                         // Only a dense top-p over more than 8,192 tokens comes back.
                         assert!(!on_device || i == 3, "request {i} qualifies for the device");
                         let (prompt, output) = tokens[i].split_at(10);
-                        samplers[i].sample(m.row(0), prompt, output)
+                        samplers[i].sample(m.row(m.rows - 1), prompt, output)
                     }
                 };
                 tokens[i].push(t.token_id);
             }
         }
-        tokens
+        (tokens, scores)
     };
-    assert_eq!(run(false), run(true));
+    let (host_tokens, host_prompt) = run(false);
+    let (device_tokens, device_prompt) = run(true);
+    assert_eq!(host_tokens, device_tokens);
+    assert_eq!(
+        host_prompt.len(),
+        9,
+        "every prompt position after the first"
+    );
+    let ids = |p: &[PromptLogprob]| {
+        p.iter()
+            .map(|l| {
+                (
+                    l.token_id,
+                    l.top.iter().map(|t| t.token_id).collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&host_prompt), ids(&device_prompt));
+    for (h, d) in host_prompt.iter().zip(&device_prompt) {
+        assert!((h.logprob - d.logprob).abs() <= 1e-4, "{h:?} vs {d:?}");
+    }
 }

@@ -18,7 +18,9 @@ use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::kv::placement::{HostKvMemory, HostSegment};
 use crate::sampling::device::sample_row;
-use crate::sampling::{DeviceSample, DeviceSampleRow};
+use crate::sampling::{
+    DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, prompt_logprobs,
+};
 use crate::weights::{DType, TensorView};
 
 pub use kv_arena::KvArena;
@@ -424,6 +426,18 @@ impl Backend for CpuBackend {
         // Rows are independent: one per core, as the engine samples on the host.
         rows.par_iter()
             .map(|r| sample_row(&logits.row(r.row)[..limit], r))
+            .collect()
+    }
+
+    fn prompt_logprobs(
+        &self,
+        logits: &CpuTensor,
+        rows: &[PromptLogprobRow],
+        vocab_limit: usize,
+    ) -> Vec<PromptLogprob> {
+        let limit = vocab_limit.min(logits.cols);
+        rows.par_iter()
+            .map(|r| prompt_logprobs(&logits.row(r.row)[..limit], r.next_token, r.top))
             .collect()
     }
 

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::executor::PromptScoring;
 use crate::kv::hash::BlockHasher;
 use crate::sampling::{PromptLogprob, Sampler, StopChecker};
 use crate::serve::counters::PrefixOutcome;
@@ -41,6 +42,24 @@ pub(super) struct Seq {
 impl Seq {
     pub(super) fn wants_prompt_logprobs(&self) -> bool {
         self.req.params.prompt_logprobs.is_some()
+    }
+
+    /// The positions among this step's `n` new tokens (from `computed`) to score for
+    /// `prompt_logprobs`: position `p` scores prompt token `p + 1`, each position once, in
+    /// order (a preempted request recomputing its prompt scores nothing twice; positions
+    /// whose KV came from elsewhere are never scored, so none after them either).
+    pub(super) fn prompt_scoring(&self, n: usize) -> Option<PromptScoring<'_>> {
+        let top = self.req.params.prompt_logprobs?;
+        let scored = self.prompt_logprobs.as_ref()?.len();
+        if scored < self.computed {
+            return None;
+        }
+        let end = (self.computed + n).min(self.prompt_len.saturating_sub(1));
+        (scored < end).then(|| PromptScoring {
+            first: scored - self.computed,
+            next_tokens: &self.tokens[scored + 1..end + 1],
+            top,
+        })
     }
 
     pub(super) fn usage(&self) -> Usage {
