@@ -236,13 +236,12 @@ impl Sampler {
         output_tokens: &[u32],
         vocab_limit: usize,
     ) -> Option<Reshape> {
-        let repetition = self.repetition_penalty != 1.0
-            && !(prompt_tokens.is_empty() && output_tokens.is_empty());
-        let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
-            && !output_tokens.is_empty();
-        let suppress = self.suppressing(output_tokens.len());
-        let reshaped =
-            !self.allowed.is_empty() || !self.logit_bias.is_empty() || !self.bad_words.is_empty();
+        let Active {
+            repetition,
+            additive,
+            suppress,
+            reshaped,
+        } = self.active(prompt_tokens, output_tokens);
         if !(repetition || additive || suppress || reshaped) {
             return None;
         }
@@ -354,14 +353,28 @@ impl Sampler {
         !self.suppress.is_empty() && output_len < self.min_tokens as usize
     }
 
+    /// Which logits processors act on the next step (the host's and the device's paths
+    /// decide alike).
+    fn active(&self, prompt_tokens: &[u32], output_tokens: &[u32]) -> Active {
+        Active {
+            repetition: self.repetition_penalty != 1.0
+                && !(prompt_tokens.is_empty() && output_tokens.is_empty()),
+            additive: (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
+                && !output_tokens.is_empty(),
+            suppress: self.suppressing(output_tokens.len()),
+            reshaped: !self.allowed.is_empty()
+                || !self.logit_bias.is_empty()
+                || !self.bad_words.is_empty(),
+        }
+    }
+
     fn choose(&mut self, logits: &[f32], prompt_tokens: &[u32], output_tokens: &[u32]) -> u32 {
-        let repetition = self.repetition_penalty != 1.0
-            && !(prompt_tokens.is_empty() && output_tokens.is_empty());
-        let additive = (self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
-            && !output_tokens.is_empty();
-        let suppress = self.suppressing(output_tokens.len());
-        let reshaped =
-            !self.allowed.is_empty() || !self.logit_bias.is_empty() || !self.bad_words.is_empty();
+        let Active {
+            repetition,
+            additive,
+            suppress,
+            reshaped,
+        } = self.active(prompt_tokens, output_tokens);
         let work: &[f32] = if repetition || additive || suppress || reshaped {
             let pen = &mut self.penalty;
             pen.logits.clear();
@@ -566,6 +579,18 @@ impl EditBuilder<'_> {
         }
         self.edits
     }
+}
+
+/// The logits processors that act on one step.
+struct Active {
+    /// The repetition penalty (prompt and output ids).
+    repetition: bool,
+    /// The presence and frequency penalties (output ids).
+    additive: bool,
+    /// The `min_tokens` mask on EOS and the stop token ids.
+    suppress: bool,
+    /// Allowed ids, logit bias or bad words.
+    reshaped: bool,
 }
 
 /// The `k` best ids by raw logit (descending, ties by lower id) with their logprobs.

@@ -2,9 +2,10 @@
 //! (`prompt_logprobs`) against the CPU backend.
 
 use pd_engine::backend::Backend;
-use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::backend::cpu::{CpuBackend, CpuTensor};
 use pd_engine::executor::ExecItem;
 use pd_kernels::CudaBackend;
+use pd_kernels::cuda::CudaTensor;
 
 use super::{enabled, executor, files, unit};
 
@@ -45,26 +46,39 @@ fn sampling_rows(vocab: usize) -> Vec<Vec<f32>> {
     rows
 }
 
+/// Qwen3's logits columns.
+const VOCAB: usize = 151_936;
+
+/// The edge-case rows of [`sampling_rows`] as logits on both backends: (rows, CPU logits,
+/// the GPU backend, GPU logits).
+fn edge_case_logits() -> (Vec<Vec<f32>>, CpuTensor, CudaBackend, CudaTensor) {
+    let rows = sampling_rows(VOCAB);
+    let data: Vec<f32> = rows.concat();
+    let cpu_logits = CpuTensor::from_vec(rows.len(), VOCAB, data.clone());
+    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
+    let gpu_logits = CudaTensor::new(
+        rows.len(),
+        VOCAB,
+        gpu.device().stream.clone_htod(&data).expect("upload"),
+    );
+    (rows, cpu_logits, gpu, gpu_logits)
+}
+
+/// Log-probabilities equal up to the device's summation order (NaN equal to NaN).
+fn close(a: f32, b: f32) -> bool {
+    a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-4
+}
+
 #[test]
 fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
-    use pd_engine::backend::cpu::CpuTensor;
     use pd_engine::sampling::device::edit;
     use pd_engine::sampling::{DeviceSampleRow, DeviceSampling, Reshape, TokenEdit};
-    use pd_kernels::cuda::CudaTensor;
 
     if !enabled("sampling_on_the_device_chooses_the_cpu_backends_tokens") {
         return;
     }
-    let vocab = 151_936;
-    let rows = sampling_rows(vocab);
-    let data: Vec<f32> = rows.concat();
-    let cpu_logits = CpuTensor::from_vec(rows.len(), vocab, data.clone());
-    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
-    let gpu_logits = CudaTensor::new(
-        rows.len(),
-        vocab,
-        gpu.device().stream.clone_htod(&data).expect("upload"),
-    );
+    let vocab = VOCAB;
+    let (rows, cpu_logits, gpu, gpu_logits) = edge_case_logits();
     let mut s = 7u64;
     // Logits processors as edits: penalties on ids around the hot spots of the rows above
     // (3, 7, 11, vocab / 3), a bias lifting an id to the top, masks on the best ids, and an
@@ -182,10 +196,7 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                 "{req:?} limit {limit}"
             );
             // A row handed back carries no log-probability.
-            let same = c.needs_host
-                || c.logprob == g.logprob
-                || (c.logprob.is_nan() && g.logprob.is_nan())
-                || (c.logprob - g.logprob).abs() <= 1e-4;
+            let same = c.needs_host || close(c.logprob, g.logprob);
             assert!(same, "{req:?}: logprob {} vs {}", c.logprob, g.logprob);
             if !c.needs_host {
                 let ids = |s: &pd_engine::sampling::DeviceSample| {
@@ -193,10 +204,7 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
                 };
                 assert_eq!(ids(c), ids(g), "{req:?}: top log-probabilities");
                 for (a, b) in c.top.iter().zip(&g.top) {
-                    let close = (a.logprob.is_nan() && b.logprob.is_nan())
-                        || a.logprob == b.logprob
-                        || (a.logprob - b.logprob).abs() <= 1e-4;
-                    assert!(close, "{req:?}: {a:?} vs {b:?}");
+                    assert!(close(a.logprob, b.logprob), "{req:?}: {a:?} vs {b:?}");
                 }
             }
             handed_back += usize::from(c.needs_host);
@@ -215,23 +223,13 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
 
 #[test]
 fn prompt_logprobs_on_the_device_equal_the_cpu_backends() {
-    use pd_engine::backend::cpu::CpuTensor;
     use pd_engine::sampling::{PromptLogprob, PromptLogprobRow};
-    use pd_kernels::cuda::CudaTensor;
 
     if !enabled("prompt_logprobs_on_the_device_equal_the_cpu_backends") {
         return;
     }
-    let vocab = 151_936;
-    let rows = sampling_rows(vocab);
-    let data: Vec<f32> = rows.concat();
-    let cpu_logits = CpuTensor::from_vec(rows.len(), vocab, data.clone());
-    let gpu = CudaBackend::open(0, 0.5).expect("cuda:0");
-    let gpu_logits = CudaTensor::new(
-        rows.len(),
-        vocab,
-        gpu.device().stream.clone_htod(&data).expect("upload"),
-    );
+    let vocab = VOCAB;
+    let (rows, cpu_logits, gpu, gpu_logits) = edge_case_logits();
     // Next tokens: ordinary ids, the hot spots of the rows (the peak, a NaN and a -inf hole,
     // ±0, +inf), the last column, and ids past the tokenizer's 151,669 and past the row.
     let next = [
@@ -257,7 +255,6 @@ fn prompt_logprobs_on_the_device_equal_the_cpu_backends() {
         }
     }
     let cpu = CpuBackend::new();
-    let close = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-4;
     for limit in [vocab, 151_669] {
         let c = cpu.prompt_logprobs(&cpu_logits, &scored, limit);
         let g = gpu.prompt_logprobs(&gpu_logits, &scored, limit);
