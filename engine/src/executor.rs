@@ -343,16 +343,6 @@ pub struct ItemWants<'a> {
     pub next: NextToken,
 }
 
-impl ItemWants<'_> {
-    /// The next token only: on the backend with `plan`, on the host without one.
-    pub fn next_token(plan: Option<SamplePlan>) -> Self {
-        Self {
-            prompt: None,
-            next: plan.map_or(NextToken::Host, NextToken::Backend),
-        }
-    }
-}
-
 /// Prompt positions of one item to score ([`Backend::prompt_logprobs`]).
 #[derive(Debug, Clone, Copy)]
 pub struct PromptScoring<'a> {
@@ -374,6 +364,14 @@ pub enum NextToken {
     Host,
     /// The backend chooses the token with this plan (or hands the row back).
     Backend(SamplePlan),
+}
+
+impl NextToken {
+    /// Sample the next token: on the backend with `plan` (from
+    /// [`crate::sampling::Sampler::device_plan`]), on the host without one.
+    pub fn sample(plan: Option<SamplePlan>) -> Self {
+        plan.map_or(Self::Host, Self::Backend)
+    }
 }
 
 /// What [`Executor::execute_sampling`] returns for one item.

@@ -99,7 +99,7 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ge
                         next_tokens: &s.tokens[1..s.prompt_len],
                         top: PROMPT_TOP,
                     }),
-                    next: plan.map_or(NextToken::Host, NextToken::Backend),
+                    next: NextToken::sample(plan),
                 })
                 .collect();
             let outputs = exec.execute_sampling(&items, &wants, VOCAB_LIMIT);

@@ -236,13 +236,8 @@ impl Sampler {
         output_tokens: &[u32],
         vocab_limit: usize,
     ) -> Option<Reshape> {
-        let Active {
-            repetition,
-            additive,
-            suppress,
-            reshaped,
-        } = self.active(prompt_tokens, output_tokens);
-        if !(repetition || additive || suppress || reshaped) {
+        let active = self.active(prompt_tokens, output_tokens);
+        if !active.any() {
             return None;
         }
         if self.edit_slots.len() < vocab_limit {
@@ -267,17 +262,17 @@ impl Sampler {
                 b.add(last, edit::MASK);
             }
         }
-        if suppress {
+        if active.suppress {
             for &id in &self.suppress {
                 b.add(id, edit::MASK);
             }
         }
-        if repetition {
+        if active.repetition {
             for &id in prompt_tokens.iter().chain(output_tokens) {
                 b.add(id, edit::REPEAT);
             }
         }
-        if additive {
+        if active.additive {
             // Count first (exact in f32 far past any output length), multiply once: the
             // host's `frequency * count as f32`.
             for &id in output_tokens {
@@ -369,13 +364,8 @@ impl Sampler {
     }
 
     fn choose(&mut self, logits: &[f32], prompt_tokens: &[u32], output_tokens: &[u32]) -> u32 {
-        let Active {
-            repetition,
-            additive,
-            suppress,
-            reshaped,
-        } = self.active(prompt_tokens, output_tokens);
-        let work: &[f32] = if repetition || additive || suppress || reshaped {
+        let active = self.active(prompt_tokens, output_tokens);
+        let work: &[f32] = if active.any() {
             let pen = &mut self.penalty;
             pen.logits.clear();
             if self.allowed.is_empty() {
@@ -394,14 +384,14 @@ impl Sampler {
                 }
             }
             mask_bad_words(&mut pen.logits, &self.bad_words, output_tokens);
-            if suppress {
+            if active.suppress {
                 for &id in &self.suppress {
                     if let Some(l) = pen.logits.get_mut(id as usize) {
                         *l = f32::NEG_INFINITY;
                     }
                 }
             }
-            if repetition {
+            if active.repetition {
                 apply_repetition_penalty(
                     &mut pen.logits,
                     &mut pen.seen,
@@ -411,7 +401,7 @@ impl Sampler {
                     output_tokens,
                 );
             }
-            if additive {
+            if active.additive {
                 apply_output_penalties(
                     &mut pen.logits,
                     &mut pen.counts,
@@ -591,6 +581,12 @@ struct Active {
     suppress: bool,
     /// Allowed ids, logit bias or bad words.
     reshaped: bool,
+}
+
+impl Active {
+    fn any(&self) -> bool {
+        self.repetition || self.additive || self.suppress || self.reshaped
+    }
 }
 
 /// The `k` best ids by raw logit (descending, ties by lower id) with their logprobs.

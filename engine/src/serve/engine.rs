@@ -379,9 +379,7 @@ impl<B: Backend> Engine<B> {
                     let completes = seq.computed + n == seq.tokens.len();
                     if completes {
                         let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                        seq.sampler
-                            .device_plan(prompt, output, limit)
-                            .map_or(NextToken::Host, NextToken::Backend)
+                        NextToken::sample(seq.sampler.device_plan(prompt, output, limit))
                     } else {
                         NextToken::None
                     }

@@ -11,6 +11,24 @@ use pd_engine::serve::{Engine, EngineConfig, EngineThread, RequestEvent};
 
 use crate::{all_free, check_counters, config, drain, engine, executor, prompt, req, run_one};
 
+/// (name, KV blocks, config) of the ways five requests of 9 to 37 tokens are scheduled:
+/// batched, chunked, and preempted (14 blocks cannot hold all five at once: preemption by
+/// recompute).
+fn scheduling_variants() -> Vec<(&'static str, usize, EngineConfig)> {
+    vec![
+        ("batched", 256, config()),
+        (
+            "chunked",
+            256,
+            EngineConfig {
+                max_num_batched_tokens: 5,
+                ..config()
+            },
+        ),
+        ("preempting", 14, config()),
+    ]
+}
+
 #[test]
 fn batching_chunking_caching_and_preemption_never_change_tokens() {
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(10 + i, 9 + 7 * i as usize)).collect();
@@ -24,27 +42,15 @@ fn batching_chunking_caching_and_preemption_never_change_tokens() {
         .map(|(i, p)| run_one(&mut e, req(&format!("r{i}"), p.clone(), 12)).tokens)
         .collect();
 
-    let variants: Vec<(&str, usize, EngineConfig)> = vec![
-        ("batched", 256, config()),
-        (
-            "chunked",
-            256,
-            EngineConfig {
-                max_num_batched_tokens: 5,
-                ..config()
-            },
-        ),
-        (
-            "one-seq",
-            256,
-            EngineConfig {
-                max_num_seqs: 1,
-                ..config()
-            },
-        ),
-        // 14 blocks cannot hold all five at once: preemption by recompute.
-        ("preempting", 14, config()),
-    ];
+    let mut variants = scheduling_variants();
+    variants.push((
+        "one-seq",
+        256,
+        EngineConfig {
+            max_num_seqs: 1,
+            ..config()
+        },
+    ));
     for (name, blocks, cfg) in variants {
         let mut e = engine(blocks, cfg);
         for (i, p) in prompts.iter().enumerate() {
@@ -94,27 +100,16 @@ fn prompt_logprobs_are_each_positions_once_batched_chunked_and_preempted() {
                 .collect()
         })
         .collect();
-    let variants: Vec<(&str, usize, EngineConfig)> = vec![
-        ("batched", 256, config()),
-        (
-            "chunked",
-            256,
-            EngineConfig {
-                max_num_batched_tokens: 5,
-                ..config()
-            },
-        ),
-        ("preempting", 14, config()),
-        // Preempted part-way through a chunked prompt: recomputed, scored from where it was.
-        (
-            "chunked-preempting",
-            14,
-            EngineConfig {
-                max_num_batched_tokens: 7,
-                ..config()
-            },
-        ),
-    ];
+    let mut variants = scheduling_variants();
+    // Preempted part-way through a chunked prompt: recomputed, scored from where it was.
+    variants.push((
+        "chunked-preempting",
+        14,
+        EngineConfig {
+            max_num_batched_tokens: 7,
+            ..config()
+        },
+    ));
     for (name, blocks, cfg) in variants {
         let mut e = Engine::new(executor(blocks), cfg, vec![399], KNOWN).unwrap();
         for (i, p) in prompts.iter().enumerate() {

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use pd_engine::backend::graph::DecodeGraphs;
-use pd_engine::executor::{ExecItem, Executor, ItemWants};
+use pd_engine::executor::{ExecItem, Executor, ItemWants, NextToken};
 use pd_engine::model::{ModelFiles, ModelSource};
 use pd_engine::sampling::{DeviceSampling, SamplePlan};
 use pd_kernels::CudaBackend;
@@ -72,11 +72,14 @@ impl DecodeBatch {
                 .map(|s| [(s as u32 * 31 + 7) % vocab as u32])
                 .collect(),
             wants: vec![
-                ItemWants::next_token(Some(SamplePlan {
-                    method: DeviceSampling::Greedy,
-                    reshape: None,
-                    top_logprobs: 0,
-                }));
+                ItemWants {
+                    prompt: None,
+                    next: NextToken::sample(Some(SamplePlan {
+                        method: DeviceSampling::Greedy,
+                        reshape: None,
+                        top_logprobs: 0,
+                    })),
+                };
                 batch
             ],
             vocab,

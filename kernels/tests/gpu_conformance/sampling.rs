@@ -362,7 +362,7 @@ fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
                             next_tokens: &tokens[i][1..10],
                             top: 5,
                         }),
-                        next: plan.map_or(NextToken::Host, NextToken::Backend),
+                        next: NextToken::sample(plan),
                     })
                     .collect();
                 let outs = gpu.execute_sampling(&items, &wants, usize::MAX);
