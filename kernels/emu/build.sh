@@ -11,7 +11,8 @@ out="${1:?usage: kernels/emu/build.sh OUT_DIR}"
 mkdir -p "$out/src"
 cxx="${CXX:-g++}"
 
-# One translation unit per kernel source (each starts with common.cuh, as under NVRTC),
+# One translation unit per kernel source (each starts with common.cuh, as under NVRTC; the
+# headers it includes, sample.cuh, are found by -I),
 # registering every `extern "C" __global__` function with its __launch_bounds__.
 python3 - "$here" "$out/src" <<'PY'
 import pathlib, re, sys
@@ -40,7 +41,7 @@ for cu in sorted(cuda.glob("*.cu")):
 PY
 
 flags=(-O3 -g1 -std=c++20 -fPIC -fvisibility=hidden -ffp-contract=off -pthread
-       -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -I"$here")
+       -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -I"$here" -I"$here/../src/cuda")
 objs=()
 for src in "$here/runtime.cpp" "$here/driver.cpp" "$here/cublas.cpp" "$out"/src/*.cpp; do
     obj="$out/src/$(basename "${src%.cpp}").o"

@@ -11,6 +11,7 @@
 //!   min-p / top-p, the dense path, top log-probabilities, with the penalties, bias and masks
 //!   as per-id edits), with the same tokens for the same seeds ([`Sampler::device_plan`] /
 //!   [`Sampler::accept`]).
+//! - `processors`: the penalties', bias's and edits' arithmetic both of those paths share.
 //! - [`StopChecker`]: one per request, fed each generated token and its text; decides
 //!   [`FinishReason`] (EOS / stop token / stop string / `max_tokens`) and withholds text
 //!   that may be the start of a stop string until it is disambiguated.
@@ -32,6 +33,7 @@
 pub mod bad_words;
 pub mod device;
 pub mod params;
+mod processors;
 pub mod prompt;
 pub mod sampler;
 pub mod stop;

@@ -11,10 +11,11 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::bad_words::mask_bad_words;
-use super::device::{
-    DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K, Reshape, SamplePlan, TokenEdit, edit,
-};
+use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K, Reshape, SamplePlan, edit};
 use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_range};
+use super::processors::{
+    EditBuilder, apply_output_penalties, apply_repetition_penalty, merge_logit_bias,
+};
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, Weights, argmax, dense_weights, draw_candidates, draw_weights,
     log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
@@ -454,120 +455,6 @@ impl Sampler {
             }
         }
         .unwrap_or(max_id)
-    }
-}
-
-/// vLLM's repetition penalty: every id present in the prompt or the output, counted once,
-/// has its logit divided by `penalty` when positive and multiplied by it otherwise.
-fn apply_repetition_penalty(
-    logits: &mut [f32],
-    seen: &mut Vec<u32>,
-    stamp: &mut u32,
-    penalty: f32,
-    prompt_tokens: &[u32],
-    output_tokens: &[u32],
-) {
-    if seen.len() < logits.len() {
-        seen.resize(logits.len(), 0);
-    }
-    *stamp = stamp.wrapping_add(1);
-    if *stamp == 0 {
-        seen.fill(0);
-        *stamp = 1;
-    }
-    for &t in prompt_tokens.iter().chain(output_tokens) {
-        let i = t as usize;
-        if i < logits.len() && seen[i] != *stamp {
-            seen[i] = *stamp;
-            let l = logits[i];
-            logits[i] = if l > 0.0 { l / penalty } else { l * penalty };
-        }
-    }
-}
-
-/// vLLM's frequency and presence penalties (OpenAI's): every id in the output has
-/// `frequency × its count` and then `presence` subtracted from its logit. `counts` is all
-/// zero on entry and on return.
-fn apply_output_penalties(
-    logits: &mut [f32],
-    counts: &mut Vec<u32>,
-    counted: &mut Vec<u32>,
-    frequency: f32,
-    presence: f32,
-    output_tokens: &[u32],
-) {
-    if counts.len() < logits.len() {
-        counts.resize(logits.len(), 0);
-    }
-    counted.clear();
-    for &t in output_tokens {
-        let i = t as usize;
-        if i < logits.len() {
-            if counts[i] == 0 {
-                counted.push(t);
-            }
-            counts[i] += 1;
-        }
-    }
-    for &t in counted.iter() {
-        let i = t as usize;
-        logits[i] = (logits[i] - frequency * counts[i] as f32) - presence;
-        counts[i] = 0;
-    }
-}
-
-/// `logit_bias` with one entry per id, sorted by id: an id listed twice gets the sum of its
-/// biases in the order given (added once, so the host and a backend's edits round alike).
-/// Non-finite values are dropped.
-fn merge_logit_bias(bias: &[(u32, f32)]) -> Vec<(u32, f32)> {
-    let mut sorted: Vec<(u32, f32)> = bias
-        .iter()
-        .copied()
-        .filter(|(_, b)| b.is_finite())
-        .collect();
-    // Stable: equal ids keep their order, so the sum is the one the list spells.
-    sorted.sort_by_key(|&(id, _)| id);
-    let mut out: Vec<(u32, f32)> = Vec::with_capacity(sorted.len());
-    for (id, b) in sorted {
-        match out.last_mut() {
-            Some((last, sum)) if *last == id => *sum += b,
-            _ => out.push((id, b)),
-        }
-    }
-    out
-}
-
-/// Builds a [`Reshape`]'s edits, one per id, through a dense id → edit index map.
-struct EditBuilder<'a> {
-    /// All `u32::MAX` on entry and after [`EditBuilder::finish`]; ids past its end are not
-    /// real tokens and get no edit.
-    slots: &'a mut [u32],
-    edits: Vec<TokenEdit>,
-}
-
-impl EditBuilder<'_> {
-    /// `id`'s edit with `op` added, or `None` for an id past the vocabulary limit.
-    fn add(&mut self, id: u32, op: u32) -> Option<&mut TokenEdit> {
-        let slot = self.slots.get_mut(id as usize)?;
-        if *slot == u32::MAX {
-            *slot = self.edits.len() as u32;
-            self.edits.push(TokenEdit {
-                id,
-                ops: 0,
-                bias: 0.0,
-                frequency: 0.0,
-            });
-        }
-        let e = &mut self.edits[*slot as usize];
-        e.ops |= op;
-        Some(e)
-    }
-
-    fn finish(self) -> Vec<TokenEdit> {
-        for e in &self.edits {
-            self.slots[e.id as usize] = u32::MAX;
-        }
-        self.edits
     }
 }
 

@@ -12,6 +12,10 @@ use crate::CudaError;
 /// Helpers every source starts with (prepended: NVRTC gets no include path).
 const COMMON: &str = include_str!("common.cuh");
 
+/// Headers a source may `#include "name"`: pasted in place of that line, since NVRTC gets no
+/// include path (the emulator's C++ compiler finds them in this directory).
+const HEADERS: [(&str, &str); 1] = [("sample.cuh", include_str!("sample.cuh"))];
+
 /// One `.cu` file and the kernels it defines.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelSource {
@@ -21,7 +25,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 7] = [
+pub const SOURCES: [KernelSource; 9] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -62,7 +66,17 @@ pub const SOURCES: [KernelSource; 7] = [
     KernelSource {
         name: "sample",
         code: include_str!("sample.cu"),
-        kernels: &["sample_rows", "sample_dense", "prompt_logprobs"],
+        kernels: &["sample_rows"],
+    },
+    KernelSource {
+        name: "sample_dense",
+        code: include_str!("sample_dense.cu"),
+        kernels: &["sample_dense"],
+    },
+    KernelSource {
+        name: "prompt",
+        code: include_str!("prompt.cu"),
+        kernels: &["prompt_logprobs"],
     },
     KernelSource {
         name: "gemv",
@@ -92,10 +106,28 @@ impl ComputeCapability {
 }
 
 impl KernelSource {
-    /// The text NVRTC compiles: the common helpers, then the file (with `#line` so errors
-    /// point into the file itself).
+    /// The text NVRTC compiles: the common helpers, then the file with each header it
+    /// includes pasted in (with `#line` so errors point into the file they are in).
     pub fn full_text(&self) -> String {
-        format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.name, self.code)
+        let file = format!("{}.cu", self.name);
+        let mut text = format!("{COMMON}\n#line 1 \"{file}\"\n");
+        for (n, line) in self.code.lines().enumerate() {
+            let header = line
+                .strip_prefix("#include \"")
+                .and_then(|rest| rest.strip_suffix('"'))
+                .and_then(|name| HEADERS.iter().find(|(known, _)| *known == name));
+            match header {
+                Some((name, code)) => {
+                    text.push_str(&format!("#line 1 \"{name}\"\n{code}\n"));
+                    text.push_str(&format!("#line {} \"{file}\"\n", n + 2));
+                }
+                None => {
+                    text.push_str(line);
+                    text.push('\n');
+                }
+            }
+        }
+        text
     }
 }
 
@@ -156,4 +188,38 @@ fn compile_log(e: nvrtc::CompileError) -> String {
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library's candidate names; no symbol is called.
     unsafe { nvrtc::sys::is_culib_present() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_pasted_in_and_lines_keep_their_files_numbers() {
+        for source in &SOURCES {
+            let text = source.full_text();
+            // NVRTC has no include path: a line left here fails to compile on the GPU host.
+            assert!(
+                !text.lines().any(|l| l.trim_start().starts_with("#include")),
+                "{}: an #include NVRTC cannot resolve",
+                source.name
+            );
+        }
+        let sample = SOURCES.iter().find(|s| s.name == "sample").unwrap();
+        let text = sample.full_text();
+        assert_eq!(text.matches("#define PD_SAMPLE_CUH").count(), 1);
+        let lines: Vec<&str> = text.lines().collect();
+        let file: Vec<&str> = sample.code.lines().collect();
+        let resumed = lines
+            .iter()
+            .position(|l| {
+                l.starts_with("#line ")
+                    && l.ends_with("\"sample.cu\"")
+                    && *l != "#line 1 \"sample.cu\""
+            })
+            .expect("the file resumes after its header");
+        let number: usize = lines[resumed].split(' ').nth(1).unwrap().parse().unwrap();
+        assert_eq!(lines[resumed + 1], file[number - 1]);
+        assert!(file[number - 2].starts_with("#include \"sample.cuh\""));
+    }
 }

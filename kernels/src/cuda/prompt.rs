@@ -1,5 +1,5 @@
 //! [`Backend::prompt_logprobs`](pd_engine::backend::Backend::prompt_logprobs) on the device:
-//! the `prompt_logprobs` kernel (`sample.cu`, sharing the sampling kernels' log-sum-exp and
+//! the `prompt_logprobs` kernel (`prompt.cu`, sharing the sampling kernels' log-sum-exp and
 //! top-k code) scores each prompt position where its logits are, so a chunk of a request with
 //! `prompt_logprobs` copies 180 bytes per position to the host instead of a row of vocabulary
 //! size (608 KB for Qwen3), and the host no longer sums and ranks those rows.

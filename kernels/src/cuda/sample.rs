@@ -1,6 +1,6 @@
 //! [`Backend::sample`](pd_engine::backend::Backend::sample) on the device: the `sample_rows`
-//! kernel (greedy, top-k <= 64) and the `sample_dense` kernel (no top-k or a larger one;
-//! `sample.cu`) choose each row's token (and its top log-probabilities) where the logits
+//! kernel (greedy, top-k <= 64; `sample.cu`) and the `sample_dense` kernel (no top-k or a
+//! larger one; `sample_dense.cu`) choose each row's token (and its top log-probabilities) where the logits
 //! are, so a step copies 45 words per sequence to the host instead of a row of vocabulary
 //! size (608 KB for Qwen3). Rows
 //! with logits processors first get an edited copy (`reshape.cu`: `reshape_copy`, then
@@ -24,10 +24,10 @@ const RESHAPE_THREADS: u32 = 256;
 /// Most blocks along a row in `reshape_copy` (each thread then copies a few columns).
 const RESHAPE_COPY_BLOCKS: u32 = 64;
 
-/// Doubles per row in the kernel's parameter array (`SAMPLE_PARAMS` in `sample.cu`).
+/// Doubles per row in the kernel's parameter array (`SAMPLE_PARAMS` in `sample.cuh`).
 const PARAMS: usize = 8;
 
-/// Words per edited row (`RESHAPE_ROW`) and per edit (`RESHAPE_EDIT`) in `sample.cu`.
+/// Words per edited row (`RESHAPE_ROW`) and per edit (`RESHAPE_EDIT`) in `reshape.cu`.
 const RESHAPE_ROW: usize = 4;
 const RESHAPE_EDIT: usize = 5;
 
@@ -41,7 +41,7 @@ pub(super) const OUTPUTS: usize = 5 + 2 * MAX_TOP;
 /// Weights summed together by `sample_dense` (`DENSE_CHUNK`).
 const DENSE_CHUNK: usize = 64;
 
-/// `sample_dense`'s scratch words per row (`dense_scratch_words` in `sample.cu`).
+/// `sample_dense`'s scratch words per row (`dense_scratch_words` in `sample_dense.cu`).
 fn dense_scratch_words(vocab_limit: usize) -> usize {
     vocab_limit + vocab_limit.div_ceil(DENSE_CHUNK) + 2 * MAX_DEVICE_TOP_P_CANDIDATES
 }
