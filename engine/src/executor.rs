@@ -95,6 +95,7 @@ impl<B: Backend> Executor<B> {
             .map(|i| if i.all_logits { 0 } else { i.tokens.len() - 1 })
             .collect();
         let (logits, spans) = self.forward(items, &first_rows);
+        let logits = logits.expect("every item has a row");
         split_rows(&self.backend.to_host(&logits), &spans)
     }
 
@@ -117,7 +118,7 @@ impl<B: Backend> Executor<B> {
     ) -> Vec<ItemOutput> {
         assert_eq!(wants.len(), items.len(), "one ItemWants per item");
         // Each item's logits rows run from its first scored position (or its last token) to
-        // its last token.
+        // its last token; an item that wants neither has none.
         let first_rows: Vec<usize> = items
             .iter()
             .zip(wants)
@@ -135,13 +136,12 @@ impl<B: Backend> Executor<B> {
                         );
                         p.first.min(last)
                     }
+                    _ if matches!(w.next, NextToken::None) => item.tokens.len(),
                     _ => last,
                 }
             })
             .collect();
         let (logits, spans) = self.forward(items, &first_rows);
-        let last_row = |i: usize| spans[i].0 + spans[i].1 - 1;
-
         let mut outputs: Vec<ItemOutput> = wants
             .iter()
             .map(|_| ItemOutput {
@@ -149,6 +149,11 @@ impl<B: Backend> Executor<B> {
                 next: None,
             })
             .collect();
+        let Some(logits) = logits else {
+            return outputs;
+        };
+        let last_row = |i: usize| spans[i].0 + spans[i].1 - 1;
+
         let mut scored = Vec::new();
         let mut scored_items = Vec::new();
         for (i, w) in wants.iter().enumerate() {
@@ -209,13 +214,14 @@ impl<B: Backend> Executor<B> {
     }
 
     /// The forward pass shared by both `execute` variants: logits left on the backend for
-    /// each item's new tokens from `first_rows[i]` on, and each item's `(first row, rows)`
-    /// in them.
+    /// each item's new tokens from `first_rows[i]` on (none when it is the item's length),
+    /// and each item's `(first row, rows)` in them. No logits at all when no item wants a
+    /// row: the step then only writes its K/V ([`Qwen3::forward_kv_only`]).
     fn forward(
         &mut self,
         items: &[ExecItem<'_>],
         first_rows: &[usize],
-    ) -> (B::Tensor, Vec<(usize, usize)>) {
+    ) -> (Option<B::Tensor>, Vec<(usize, usize)>) {
         let bs = self.layout.block_size;
         let c = self.model.config();
         let mut tokens = Vec::new();
@@ -247,13 +253,18 @@ impl<B: Backend> Executor<B> {
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
+        if logit_rows.is_empty() {
+            self.model
+                .forward_kv_only(&self.backend, &mut self.kv, bs, &tokens, &meta);
+            return (None, spans);
+        }
         if let Some(logits) = self.decode_graph(items, first_rows, &tokens, &meta) {
-            return (logits, spans);
+            return (Some(logits), spans);
         }
         let logits =
             self.model
                 .forward_logits(&self.backend, &mut self.kv, bs, &tokens, &meta, &logit_rows);
-        (logits, spans)
+        (Some(logits), spans)
     }
 
     /// A pure decode step through the backend's graph for its bucket, if graphs are on and
@@ -266,9 +277,10 @@ impl<B: Backend> Executor<B> {
         meta: &AttentionMeta,
     ) -> Option<B::Tensor> {
         let graphs = self.graphs?;
-        let more_than_last =
-            |(i, &f): (&ExecItem<'_>, &usize)| (i.tokens.len(), f + 1 < i.tokens.len());
-        if !is_pure_decode(items.iter().zip(first_rows).map(more_than_last)) {
+        // The graph's logits rows are one per item: each must want exactly its last row.
+        let not_just_last =
+            |(i, &f): (&ExecItem<'_>, &usize)| (i.tokens.len(), f + 1 != i.tokens.len());
+        if !is_pure_decode(items.iter().zip(first_rows).map(not_just_last)) {
             return None;
         }
         let step = DecodeGraphStep {

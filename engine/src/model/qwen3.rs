@@ -200,6 +200,42 @@ impl<B: Backend> Qwen3<B> {
         logit_rows: &[usize],
     ) -> B::Tensor {
         let c = &self.config;
+        let x = self
+            .layers_forward(backend, kv, block_size, tokens, meta, Tail::Whole)
+            .expect("the whole last layer returns the residual stream");
+        let x = backend.select_rows(&x, logit_rows);
+        let lm_head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let [logits] =
+            backend.norm_linear_shared(&x, &self.norm, c.hidden_size, c.rms_norm_eps, [lm_head]);
+        logits
+    }
+
+    /// Write a batch's K/V into the cache and compute nothing else: for a step no row of
+    /// which wants logits (prompt chunks that do not finish their prompt). The last layer
+    /// stops once its K/V are written — its attention, MLP and the LM head only feed logits.
+    pub fn forward_kv_only(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStorage,
+        block_size: usize,
+        tokens: &[u32],
+        meta: &AttentionMeta,
+    ) {
+        self.layers_forward(backend, kv, block_size, tokens, meta, Tail::KvOnly);
+    }
+
+    /// The decoder layers over a batch; the residual stream after them, or `None` when
+    /// `tail` stops the last layer after its K/V write.
+    fn layers_forward(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStorage,
+        block_size: usize,
+        tokens: &[u32],
+        meta: &AttentionMeta,
+        tail: Tail,
+    ) -> Option<B::Tensor> {
+        let c = &self.config;
         let positions = meta.positions();
         let slots = meta.slot_mapping(block_size);
         assert_eq!(positions.len(), tokens.len(), "meta covers every batch row");
@@ -222,6 +258,9 @@ impl<B: Backend> Qwen3<B> {
                 theta: c.rope_theta,
             };
             let q = backend.qk_norm_rope_write_kv(&q, &k, &v, &norm_rope, kv, i, &slots);
+            if tail == Tail::KvOnly && i + 1 == self.layers.len() {
+                return None;
+            }
             backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
             let mlp = NormMlp {
@@ -234,9 +273,15 @@ impl<B: Backend> Qwen3<B> {
             };
             backend.norm_mlp_add(&mut x, &mlp);
         }
-        let x = backend.select_rows(&x, logit_rows);
-        let lm_head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let [logits] = backend.norm_linear_shared(&x, &self.norm, c.hidden_size, eps, [lm_head]);
-        logits
+        Some(x)
     }
+}
+
+/// How far [`Qwen3`]'s last layer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tail {
+    /// To the residual stream the final norm and the LM head read.
+    Whole,
+    /// To its K/V write: no row wants logits.
+    KvOnly,
 }
