@@ -36,6 +36,7 @@ use clap::Parser;
 use pd_engine::generate::validate_prompt;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
+use pd_engine::sampling::GuideCache;
 use pd_engine::serve::{EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestId, Role};
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
@@ -115,6 +116,7 @@ struct DecodeNodeService {
     importer: KvImporter,
     stats: Arc<TransferStats>,
     metrics: Arc<NodeMetrics>,
+    guides: Arc<GuideCache>,
 }
 
 impl DecodeNodeService {
@@ -154,6 +156,7 @@ impl DecodeNodeService {
                 cache_salt: req.cache_salt,
                 imported: None,
                 lease_kv: false,
+                guide: None,
             },
             first_token: req.first_token,
             kv: req.kv,
@@ -422,6 +425,7 @@ impl DecodeService for DecodeNodeService {
         } = self.validate(request.into_inner())?;
         // Dropped before the end (the call cancelled, the stream dropped): aborts the request.
         let guard = self.requests.begin(&request.id)?;
+        request.guide = pd_node::guide::compile(&self.guides, &request.params).await?;
         if let Some(kv) = &kv {
             let imported = self.pull(&request, kv, first_token).await?;
             if guard.is_aborted() {
@@ -522,6 +526,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         importer,
         stats: Arc::clone(&stats),
         metrics: Arc::clone(&metrics),
+        guides: started.guides,
     };
     let server = NodeServer {
         listener,

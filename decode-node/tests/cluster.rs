@@ -163,6 +163,7 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
                     cache_salt: None,
                     imported: None,
                     lease_kv: false,
+                    guide: None,
                 })
                 .unwrap();
             let mut tokens = Vec::new();

@@ -52,6 +52,7 @@ fn main() {
                 cache_salt: None,
                 imported: None,
                 lease_kv: false,
+                guide: None,
             })
             .expect("submit");
     }

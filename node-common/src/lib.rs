@@ -21,6 +21,7 @@
 
 pub mod args;
 pub mod check;
+pub mod guide;
 pub mod info;
 pub mod kv_transport;
 pub mod metrics;

@@ -12,6 +12,7 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::cli::Device;
 use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
+use pd_engine::sampling::GuideCache;
 use pd_engine::serve::{EngineThread, Role};
 use pd_engine::synthetic;
 use pd_engine::weights::DType;
@@ -173,6 +174,8 @@ pub struct StartedEngine {
     pub thread: EngineThread,
     /// The histograms the engine thread feeds with every request's end and every step.
     pub histograms: Arc<RequestHistograms>,
+    /// Structured outputs compiled over the model's vocabulary (`crate::guide`).
+    pub guides: Arc<GuideCache>,
 }
 
 /// Load the model onto `backend`, size its KV cache and start its engine thread.
@@ -204,10 +207,15 @@ fn start_on<B: Backend>(
         .context("building the engine")?;
     let histograms = Arc::new(RequestHistograms::new(max_model_len));
     let (finished, step) = histograms.observers();
+    let guides = Arc::new(GuideCache::new(
+        files.tokenizer.clone(),
+        files.eos_token_ids(),
+    ));
     Ok(StartedEngine {
         facts,
         thread: EngineThread::spawn_observed(engine, finished, step),
         histograms,
+        guides,
     })
 }
 

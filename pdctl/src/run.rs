@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
@@ -15,8 +16,8 @@ use pd_engine::cli::EngineArgs;
 use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
-    FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
-    bad_words_token_ids,
+    FinishReason, Guide, GuideCache, PromptLogprob, SampledToken, SamplingParams, StopReason,
+    StructuredOutput, TokenLogprob, bad_words_token_ids,
 };
 use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
 use pd_engine::text::TextStream;
@@ -125,6 +126,15 @@ pub struct SamplingArgs {
     /// Keep only the last N prompt tokens (after the chat template), 1 to the context length.
     #[arg(long)]
     pub(crate) truncate_prompt_tokens: Option<u32>,
+    /// Structured output: the whole output text matches this regex (Rust syntax).
+    #[arg(long, group = "structured")]
+    regex: Option<String>,
+    /// Structured output: the output is exactly one of these strings (repeatable).
+    #[arg(long, group = "structured")]
+    choice: Vec<String>,
+    /// Structured output: the output is JSON this JSON schema (its text) accepts.
+    #[arg(long, group = "structured")]
+    json_schema: Option<String>,
 }
 
 impl SamplingArgs {
@@ -150,6 +160,15 @@ impl SamplingArgs {
             logprobs: self.logprobs,
             prompt_logprobs: self.prompt_logprobs,
             include_stop_str_in_output: false,
+            structured_output: if let Some(regex) = &self.regex {
+                Some(StructuredOutput::Regex(regex.clone()))
+            } else if let Some(schema) = &self.json_schema {
+                Some(StructuredOutput::JsonSchema(schema.clone()))
+            } else if !self.choice.is_empty() {
+                Some(StructuredOutput::Choice(self.choice.clone()))
+            } else {
+                None
+            },
         }
     }
 }
@@ -175,6 +194,8 @@ struct Job {
     prompt: Vec<u32>,
     params: SamplingParams,
     cache_salt: Option<String>,
+    /// The compiled structured output, if the request has one.
+    guide: Option<Arc<Guide>>,
 }
 
 /// What a request produced, as printed.
@@ -196,6 +217,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let max_model_len = args.engine.max_model_len(config)?;
     let mut jobs = jobs(&args, &files)?;
     let bad_words = bad_words_token_ids(&files.tokenizer, &args.sampling.bad_words)?;
+    let guides = GuideCache::new(files.tokenizer.clone(), files.eos_token_ids());
     let many = jobs.len() > 1;
     for (i, job) in jobs.iter_mut().enumerate() {
         job.params.bad_words_token_ids = bad_words.clone();
@@ -209,6 +231,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         job.params
             .validate(config.vocab_size, max_model_len as u32)
             .map_err(|e| at(e.into()))?;
+        if let Some(spec) = &job.params.structured_output {
+            job.guide = Some(guides.get(spec).map_err(|e| at(e.into()))?);
+        }
         if let Some(keep) = args.sampling.truncate_prompt_tokens {
             truncate_prompt(&mut job.prompt, keep, max_model_len).map_err(|e| at(e.into()))?;
         }
@@ -240,6 +265,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             cache_salt: job.cache_salt.clone(),
             imported: None,
             lease_kv: false,
+            guide: job.guide.clone(),
         })
     };
     let stdout = std::io::stdout();
@@ -336,6 +362,7 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
         prompt,
         params: params.clone(),
         cache_salt: args.cache_salt.clone(),
+        guide: None,
     };
     if let Some(ids) = &args.token_ids {
         return Ok(vec![one(ids.clone())]);
@@ -436,6 +463,7 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
             prompt,
             params: p,
             cache_salt,
+            guide: None,
         });
     }
     anyhow::ensure!(!jobs.is_empty(), "{}: no prompts", path.display());

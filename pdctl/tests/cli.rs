@@ -597,3 +597,75 @@ fn chat_tools_are_rendered_into_the_prompt() {
     );
     assert_refused(&out, "not a JSON array of tools");
 }
+
+#[test]
+fn structured_outputs_shape_every_sample() {
+    let c = cache();
+    let run = |seed: u32, extra: &[&str]| {
+        let seed = seed.to_string();
+        let mut args = vec![
+            "run",
+            "--model",
+            "synthetic:tiny",
+            "--prompt",
+            "Answer:",
+            "--temperature",
+            "1",
+            "--seed",
+            &seed,
+            "--max-tokens",
+            "40",
+        ];
+        args.extend_from_slice(extra);
+        args.push("--json");
+        json_of(&pdctl(c, &args))
+    };
+    let text = |v: &serde_json::Value| v["text"].as_str().unwrap().to_string();
+    for seed in 0..3 {
+        // The random model would write anything; the regex decides, and where it ends.
+        let v = run(seed, &["--regex", "[0-9]{3}"]);
+        let digits = text(&v);
+        assert!(
+            digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{v}"
+        );
+        assert_eq!(v["finish_reason"], "stop", "{v}");
+
+        let v = run(
+            seed,
+            &["--choice", "yes", "--choice", "no", "--choice", "maybe so"],
+        );
+        assert!(
+            ["yes", "no", "maybe so"].contains(&text(&v).as_str()),
+            "{v}"
+        );
+
+        let schema = r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}}, "required": ["name", "age"]}"#;
+        let v = run(seed, &["--json-schema", schema]);
+        if v["finish_reason"] == "stop" {
+            let doc: serde_json::Value = serde_json::from_str(&text(&v)).expect("JSON");
+            assert!(doc["name"].as_str().unwrap().chars().count() <= 6, "{v}");
+            assert!(doc["age"].is_i64(), "{v}");
+        } else {
+            // Cut by max_tokens: still a prefix of such a document.
+            assert!(text(&v).starts_with("{\"name\":"), "{v}");
+        }
+    }
+
+    let base = ["run", "--model", "synthetic:tiny", "--prompt", "x"];
+    let refused = |extra: &[&str], needle: &str| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        assert_refused(&pdctl(c, &args), needle);
+    };
+    refused(&["--regex", "[0-9"], "invalid regex");
+    refused(&["--json-schema", "{\"type\": "], "invalid JSON schema");
+    refused(
+        &["--regex", "a", "--ignore-eos"],
+        "cannot be combined with ignore_eos",
+    );
+    // Only one kind per request (clap's refusal).
+    let out = pdctl(c, &[&base[..], &["--regex", "a", "--choice", "b"]].concat());
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+}

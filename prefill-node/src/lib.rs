@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use clap::Parser;
 use pd_engine::generate::validate_prompt;
-use pd_engine::sampling::SampledToken;
+use pd_engine::sampling::{GuideCache, SampledToken};
 use pd_engine::serve::{
     EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
     Role,
@@ -135,6 +135,7 @@ struct PrefillNodeService {
     metrics: Arc<NodeMetrics>,
     /// Leases registered for RDMA reads (`--kv-transport rdma|auto` with a device).
     rdma: Option<Arc<RdmaExporter>>,
+    guides: Arc<GuideCache>,
 }
 
 impl PrefillNodeService {
@@ -238,6 +239,7 @@ impl PrefillNodeService {
             cache_salt: req.cache_salt,
             imported: None,
             lease_kv: !req.skip_kv_lease,
+            guide: None,
         })
     }
 }
@@ -254,7 +256,8 @@ impl PrefillService for PrefillNodeService {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
-        let req = self.validate(request.into_inner())?;
+        let mut req = self.validate(request.into_inner())?;
+        req.guide = pd_node::guide::compile(&self.guides, &req.params).await?;
         let id = req.id.clone();
         let lease_kv = req.lease_kv;
         // Dropped before the end (the client cancelled the call): aborts the engine request.
@@ -473,6 +476,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         leases: Arc::clone(&leases),
         metrics: Arc::clone(&metrics),
         rdma,
+        guides: started.guides,
     };
     let server = NodeServer {
         listener,

@@ -2,7 +2,8 @@
 
 use pd_engine::ErrorKind;
 use pd_engine::sampling::{
-    FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, TokenLogprob,
+    FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, StructuredOutput,
+    TokenLogprob,
 };
 use pd_engine::serve::Usage;
 use tonic::{Code, Status};
@@ -62,6 +63,28 @@ pub fn sampling_params(
         logprobs: w.logprobs,
         prompt_logprobs: w.prompt_logprobs,
         include_stop_str_in_output,
+        structured_output: w.structured_output.as_ref().and_then(structured_output),
+    }
+}
+
+/// The wire's structured output; `None` when its `kind` is unset (as if absent).
+fn structured_output(w: &pb::StructuredOutput) -> Option<StructuredOutput> {
+    use pb::structured_output::Kind;
+    Some(match w.kind.as_ref()? {
+        Kind::Regex(r) => StructuredOutput::Regex(r.clone()),
+        Kind::Choice(c) => StructuredOutput::Choice(c.choices.clone()),
+        Kind::JsonSchema(s) => StructuredOutput::JsonSchema(s.clone()),
+    })
+}
+
+fn wire_structured_output(s: &StructuredOutput) -> pb::StructuredOutput {
+    use pb::structured_output::Kind;
+    pb::StructuredOutput {
+        kind: Some(match s {
+            StructuredOutput::Regex(r) => Kind::Regex(r.clone()),
+            StructuredOutput::Choice(c) => Kind::Choice(pb::Choices { choices: c.clone() }),
+            StructuredOutput::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        }),
     }
 }
 
@@ -92,6 +115,7 @@ pub fn wire_sampling(p: &SamplingParams) -> pb::SamplingParams {
             .iter()
             .map(|ids| pb::TokenSequence { ids: ids.clone() })
             .collect(),
+        structured_output: p.structured_output.as_ref().map(wire_structured_output),
     }
 }
 

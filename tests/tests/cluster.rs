@@ -321,3 +321,73 @@ async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
     let (ids, _) = collect(&mut c, greedy(vec![1, 2, 3], 4)).await.unwrap();
     assert_eq!(ids.len(), 4);
 }
+
+/// A structured output through the router, prefill node and decode node: the first token is
+/// chosen under the guide on the prefill node, the rest on the decode node, which walks the
+/// guide over that first token; bad specifications are refused at the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_hold_across_the_prefill_decode_handoff() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &[]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    let request = |seed: u64, kind: pb::structured_output::Kind| {
+        let mut r = greedy((1..20).collect(), 48);
+        r.ignore_eos = false;
+        let s = r.sampling.as_mut().unwrap();
+        s.temperature = Some(1.0);
+        s.seed = Some(seed);
+        s.structured_output = Some(pb::StructuredOutput { kind: Some(kind) });
+        r
+    };
+    use pb::structured_output::Kind;
+    let schema = r#"{"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]}"#;
+    let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
+    let re = regex::Regex::new("^[0-9]{2}-[a-z]{2}$").unwrap();
+    for seed in 0..4 {
+        let (ids, last) = collect(
+            &mut c,
+            request(seed, Kind::Regex("[0-9]{2}-[a-z]{2}".into())),
+        )
+        .await
+        .unwrap();
+        let text = tokenizer.decode(&ids, true).unwrap();
+        assert!(re.is_match(&text), "seed {seed}: {text:?}");
+        assert_eq!(last.finish_reason(), pb::FinishReason::Stop, "seed {seed}");
+
+        let (ids, last) = collect(&mut c, request(seed, Kind::JsonSchema(schema.into())))
+            .await
+            .unwrap();
+        let text = tokenizer.decode(&ids, true).unwrap();
+        if last.finish_reason() == pb::FinishReason::Stop {
+            let doc: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+            assert!(
+                doc["ok"].is_boolean() && doc["n"].is_i64(),
+                "seed {seed}: {text}"
+            );
+        } else {
+            assert!(text.starts_with("{\"ok\":"), "seed {seed}: {text}");
+        }
+    }
+    for (name, req) in [
+        ("regex", request(0, Kind::Regex("(".into()))),
+        ("schema", request(0, Kind::JsonSchema("[".into()))),
+        (
+            "choices",
+            request(0, Kind::Choice(pb::Choices { choices: vec![] })),
+        ),
+        ("ignore_eos", {
+            let mut r = request(0, Kind::Regex("a".into()));
+            r.ignore_eos = true;
+            r
+        }),
+    ] {
+        let err = collect(&mut c, req).await.expect_err(name);
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
+        assert!(
+            err.message().contains("structured output"),
+            "{name}: {err:?}"
+        );
+    }
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop());
+}

@@ -61,6 +61,7 @@ fn request(id: &str, prompt: Vec<u32>, imported: Option<ImportedKv>) -> EngineRe
         cache_salt: None,
         imported,
         lease_kv: true,
+        guide: None,
     }
 }
 

@@ -37,6 +37,7 @@ mod processors;
 pub mod prompt;
 pub mod sampler;
 pub mod stop;
+pub mod structured;
 mod truncation;
 
 pub use bad_words::{MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_words_token_ids};
@@ -50,3 +51,4 @@ pub use params::{
 pub use prompt::{PromptLogprob, PromptLogprobRow, prompt_logprobs};
 pub use sampler::{SampledToken, Sampler, TokenLogprob};
 pub use stop::{FinishReason, StopChecker, StopDecision, StopReason};
+pub use structured::{Guide, GuideCache, GuideVocabulary, StructuredError, StructuredOutput};

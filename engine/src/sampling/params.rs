@@ -84,6 +84,10 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<u32>,
     /// Keep the matched stop string (or the stop token's text) in the output text.
     pub include_stop_str_in_output: bool,
+    /// The output must match a regex, be one of a list of strings, or be JSON a schema
+    /// accepts (vLLM's `structured_outputs`); EOS is then allowed exactly where the text is
+    /// a whole match. Cannot be combined with `ignore_eos` or `min_tokens`.
+    pub structured_output: Option<super::StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -108,6 +112,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             include_stop_str_in_output: false,
+            structured_output: None,
         }
     }
 }
@@ -232,6 +237,13 @@ pub enum SamplingError {
         /// The model's vocabulary size.
         vocab_size: usize,
     },
+    /// The structured output cannot be used (see [`super::StructuredError`]).
+    #[error(transparent)]
+    Structured(#[from] super::StructuredError),
+    /// A structured output with `ignore_eos` or `min_tokens`, which would move where it
+    /// ends.
+    #[error("a structured output decides where the output ends: it cannot be combined with {0}")]
+    StructuredWith(&'static str),
 }
 
 impl SamplingParams {
@@ -357,6 +369,15 @@ impl SamplingParams {
                 token_id,
                 vocab_size,
             });
+        }
+        if let Some(spec) = &self.structured_output {
+            if self.ignore_eos {
+                return Err(SamplingError::StructuredWith("ignore_eos"));
+            }
+            if self.min_tokens > 0 {
+                return Err(SamplingError::StructuredWith("min_tokens"));
+            }
+            spec.regex()?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! Cost per token for a 151,936-entry vocabulary is a few linear passes.
 
 use std::fmt;
+use std::sync::Arc;
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -16,6 +17,7 @@ use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_
 use super::processors::{
     EditBuilder, apply_output_penalties, apply_repetition_penalty, merge_logit_bias,
 };
+use super::structured::{Guide, GuideState};
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, Weights, argmax, dense_weights, draw_candidates, draw_weights,
     log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
@@ -76,6 +78,10 @@ pub struct Sampler {
     logit_bias: Vec<(u32, f32)>,
     /// Sorted, without repeats; empty allows every id.
     allowed: Vec<u32>,
+    /// The structured output's walk, if the request has one.
+    guide: Option<GuideState>,
+    /// With a guide: the ids this step allows (the guide's, within `allowed`), sorted.
+    guided: Vec<u32>,
     bad_words: Vec<Vec<u32>>,
     logprobs: Option<u32>,
     rng: ChaCha8Rng,
@@ -162,6 +168,8 @@ impl Sampler {
             min_tokens: params.min_tokens,
             logit_bias: merge_logit_bias(&params.logit_bias),
             allowed,
+            guide: None,
+            guided: Vec::new(),
             bad_words: params.bad_words_token_ids.clone(),
             logprobs: params.logprobs,
             rng: ChaCha8Rng::seed_from_u64(seed),
@@ -169,6 +177,14 @@ impl Sampler {
             edit_slots: Vec::new(),
             bufs: Buffers::default(),
         }
+    }
+
+    /// Constrain the output to `guide` (the request's compiled
+    /// [`SamplingParams::structured_output`]): each step allows only the tokens that keep
+    /// the text a prefix of a match, and EOS where it is a whole one.
+    pub fn with_guide(mut self, guide: Arc<Guide>) -> Self {
+        self.guide = Some(GuideState::new(guide));
+        self
     }
 
     /// Whether this sampler decodes greedily (it then never touches its RNG).
@@ -241,6 +257,7 @@ impl Sampler {
         if !active.any() {
             return None;
         }
+        let restricted = self.step_allowed(output_tokens);
         if self.edit_slots.len() < vocab_limit {
             self.edit_slots.resize(vocab_limit, u32::MAX);
         }
@@ -248,7 +265,12 @@ impl Sampler {
             slots: &mut self.edit_slots[..vocab_limit],
             edits: Vec::new(),
         };
-        for &id in &self.allowed {
+        let allowed = if self.guide.is_some() {
+            &self.guided
+        } else {
+            &self.allowed
+        };
+        for &id in allowed {
             b.add(id, edit::ALLOWED);
         }
         for &(id, bias) in &self.logit_bias {
@@ -289,7 +311,7 @@ impl Sampler {
             }
         }
         Some(Reshape {
-            allowed_only: !self.allowed.is_empty(),
+            allowed_only: restricted,
             repetition_penalty: self.repetition_penalty,
             presence_penalty: self.presence_penalty,
             edits,
@@ -359,21 +381,43 @@ impl Sampler {
                 && !output_tokens.is_empty(),
             suppress: self.suppressing(output_tokens.len()),
             reshaped: !self.allowed.is_empty()
+                || self.guide.is_some()
                 || !self.logit_bias.is_empty()
                 || !self.bad_words.is_empty(),
         }
     }
 
+    /// Whether this step samples among a subset of the ids, and with a guide the subset
+    /// into `guided`: the guide's ids after `output_tokens`, narrowed to `allowed_token_ids`
+    /// when the request has those too. (Without a guide the subset is `allowed`.)
+    fn step_allowed(&mut self, output_tokens: &[u32]) -> bool {
+        let Some(guide) = &mut self.guide else {
+            return !self.allowed.is_empty();
+        };
+        guide.allowed(output_tokens, &mut self.guided);
+        if !self.allowed.is_empty() {
+            let allowed = &self.allowed;
+            self.guided.retain(|id| allowed.binary_search(id).is_ok());
+        }
+        true
+    }
+
     fn choose(&mut self, logits: &[f32], prompt_tokens: &[u32], output_tokens: &[u32]) -> u32 {
         let active = self.active(prompt_tokens, output_tokens);
         let work: &[f32] = if active.any() {
+            let restricted = self.step_allowed(output_tokens);
+            let allowed = if self.guide.is_some() {
+                &self.guided
+            } else {
+                &self.allowed
+            };
             let pen = &mut self.penalty;
             pen.logits.clear();
-            if self.allowed.is_empty() {
+            if !restricted {
                 pen.logits.extend_from_slice(logits);
             } else {
                 pen.logits.resize(logits.len(), f32::NEG_INFINITY);
-                for &id in &self.allowed {
+                for &id in allowed {
                     if let Some(&l) = logits.get(id as usize) {
                         pen.logits[id as usize] = l;
                     }

@@ -228,6 +228,13 @@ impl<B: Backend> Engine<B> {
         req.params
             .validate(c.vocab_size, self.config.max_model_len as u32)
             .map_err(|e| invalid(e.to_string()))?;
+        if req.params.structured_output.is_some() != req.guide.is_some() {
+            return Err(invalid(
+                "a structured output comes with its compiled guide, and a guide with its \
+                 structured output"
+                    .into(),
+            ));
+        }
         let bs = self.block_size();
         let need = (req.prompt.len() + req.params.max_tokens as usize).div_ceil(bs);
         if need > self.num_blocks() {
@@ -279,7 +286,12 @@ impl<B: Backend> Engine<B> {
             blocks: Vec::new(),
             computed: 0,
             registered: 0,
-            sampler: Sampler::new(&req.params, seed, &self.eos_token_ids),
+            sampler: match &req.guide {
+                Some(guide) => {
+                    Sampler::new(&req.params, seed, &self.eos_token_ids).with_guide(guide.clone())
+                }
+                None => Sampler::new(&req.params, seed, &self.eos_token_ids),
+            },
             stop,
             admitted: false,
             imported: req.imported.take(),

@@ -1,13 +1,14 @@
 //! What goes into the serving engine and what comes out of it, per request.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::reservation::ReservedBlocks;
-use crate::sampling::{FinishReason, PromptLogprob, SampledToken, SamplingParams};
+use crate::sampling::{FinishReason, Guide, PromptLogprob, SampledToken, SamplingParams};
 
 /// A request's id, unique among the engine's open requests (the router's request id).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,6 +42,11 @@ pub struct EngineRequest {
     /// ends (false: nobody will pull it; its blocks are freed, their full ones staying in the
     /// prefix cache). Ignored by the other roles.
     pub lease_kv: bool,
+    /// `params.structured_output` compiled over the model's vocabulary (a [`GuideCache`]
+    /// does it, off the engine's thread: it may take seconds); `None` without one.
+    ///
+    /// [`GuideCache`]: crate::sampling::GuideCache
+    pub guide: Option<Arc<Guide>>,
 }
 
 /// KV of a prompt computed by another node (a prefill node), already pulled, plus the first

@@ -268,16 +268,37 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value,
     };
     let cannot =
         |e| Error::new(ErrorKind::InvalidOperation, "tojson: cannot serialize").with_source(e);
-    // Maps are written in their insertion order, as Python does; `sort_keys=True` sorts them
-    // (serde_json's own maps are ordered by key).
+    // Maps are written in their insertion order, as Python does; `sort_keys=True` sorts them.
     let text = if sort_keys == Some(true) {
-        let sorted = serde_json::to_value(value).map_err(cannot)?;
+        let sorted = sorted_keys(serde_json::to_value(value).map_err(cannot)?);
         python_json(&sorted, indent)
     } else {
         python_json(value, indent)
     }
     .map_err(cannot)?;
     Ok(Value::from_safe_string(text))
+}
+
+/// `value` with every object's keys in order, at every depth. Built explicitly: whether
+/// serde_json's maps keep insertion order depends on a cargo feature any crate in the build
+/// may turn on (outlines-core does).
+fn sorted_keys(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(sorted_keys).collect())
+        }
+        other => other,
+    }
 }
 
 /// `value` as Python's `json.dumps(value, ensure_ascii=False, indent=indent)` writes it.

@@ -281,6 +281,19 @@ impl Tokenizer {
         self.inner.hf.token_to_id(token)
     }
 
+    /// Every id that is not a special token, with its bytes (what a structured output's
+    /// guide may spell text with).
+    pub fn ordinary_tokens(&self) -> impl Iterator<Item = (u32, &[u8])> {
+        self.inner
+            .table
+            .iter()
+            .enumerate()
+            .filter_map(|(id, token)| match token {
+                Some(t) if !t.special => Some((id as u32, &t.bytes[..])),
+                _ => None,
+            })
+    }
+
     /// The id of the config's `eos_token` (`<|im_end|>` for Qwen3); `None` without a config
     /// or without that field.
     pub fn eos_token_id(&self) -> Option<u32> {

@@ -32,6 +32,7 @@ fn validate_accepts_defaults_and_boundaries() {
         logprobs: Some(MAX_LOGPROBS),
         prompt_logprobs: Some(MAX_LOGPROBS),
         include_stop_str_in_output: true,
+        structured_output: None,
     };
     edge.validate(VOCAB, 4096).unwrap();
     SamplingParams {
@@ -304,4 +305,45 @@ fn params_deserialize_with_defaults_and_roundtrip() {
     assert!(!p.is_greedy());
     let back: SamplingParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
     assert_eq!(back, p);
+}
+
+#[test]
+fn a_structured_output_is_checked_and_refused_with_what_moves_its_end() {
+    use pd_engine::sampling::{StructuredError, StructuredOutput};
+    let with = |s: StructuredOutput| SamplingParams {
+        structured_output: Some(s),
+        ..params()
+    };
+    with(StructuredOutput::Regex("[a-z]+".into()))
+        .validate(VOCAB, 4096)
+        .unwrap();
+    with(StructuredOutput::JsonSchema(r#"{"type": "string"}"#.into()))
+        .validate(VOCAB, 4096)
+        .unwrap();
+    assert!(matches!(
+        with(StructuredOutput::Regex("[a-z".into())).validate(VOCAB, 4096),
+        Err(SamplingError::Structured(StructuredError::Regex(_)))
+    ));
+    assert!(matches!(
+        with(StructuredOutput::Choice(vec![])).validate(VOCAB, 4096),
+        Err(SamplingError::Structured(StructuredError::Empty(_)))
+    ));
+    let e = SamplingParams {
+        ignore_eos: true,
+        ..with(StructuredOutput::Regex("a".into()))
+    }
+    .validate(VOCAB, 4096)
+    .unwrap_err();
+    assert_eq!(e, SamplingError::StructuredWith("ignore_eos"));
+    assert!(
+        e.to_string().contains("cannot be combined with ignore_eos"),
+        "{e}"
+    );
+    let e = SamplingParams {
+        min_tokens: 1,
+        ..with(StructuredOutput::Regex("a".into()))
+    }
+    .validate(VOCAB, 4096)
+    .unwrap_err();
+    assert_eq!(e, SamplingError::StructuredWith("min_tokens"));
 }

@@ -80,6 +80,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
         cache_salt: None,
         imported: None,
         lease_kv: true,
+        guide: None,
     }
 }
 
