@@ -80,7 +80,8 @@ pub struct Sampler {
     allowed: Vec<u32>,
     /// The structured output's walk, if the request has one.
     guide: Option<GuideState>,
-    /// With a guide: the ids this step allows (the guide's, within `allowed`), sorted.
+    /// With a guide and `allowed_token_ids`: the guide's ids this step that are also in
+    /// `allowed`.
     guided: Vec<u32>,
     bad_words: Vec<Vec<u32>>,
     logprobs: Option<u32>,
@@ -265,11 +266,7 @@ impl Sampler {
             slots: &mut self.edit_slots[..vocab_limit],
             edits: Vec::new(),
         };
-        let allowed = if self.guide.is_some() {
-            &self.guided
-        } else {
-            &self.allowed
-        };
+        let allowed = step_ids(&self.guide, &self.allowed, &self.guided);
         for &id in allowed {
             b.add(id, edit::ALLOWED);
         }
@@ -387,17 +384,18 @@ impl Sampler {
         }
     }
 
-    /// Whether this step samples among a subset of the ids, and with a guide the subset
-    /// into `guided`: the guide's ids after `output_tokens`, narrowed to `allowed_token_ids`
-    /// when the request has those too. (Without a guide the subset is `allowed`.)
+    /// Whether this step samples among a subset of the ids ([`step_ids`] then lists it),
+    /// advancing the guide, if any, over `output_tokens`.
     fn step_allowed(&mut self, output_tokens: &[u32]) -> bool {
         let Some(guide) = &mut self.guide else {
             return !self.allowed.is_empty();
         };
-        guide.allowed(output_tokens, &mut self.guided);
+        let ids = guide.allowed(output_tokens);
         if !self.allowed.is_empty() {
             let allowed = &self.allowed;
-            self.guided.retain(|id| allowed.binary_search(id).is_ok());
+            self.guided.clear();
+            self.guided
+                .extend(ids.iter().filter(|id| allowed.binary_search(id).is_ok()));
         }
         true
     }
@@ -406,11 +404,7 @@ impl Sampler {
         let active = self.active(prompt_tokens, output_tokens);
         let work: &[f32] = if active.any() {
             let restricted = self.step_allowed(output_tokens);
-            let allowed = if self.guide.is_some() {
-                &self.guided
-            } else {
-                &self.allowed
-            };
+            let allowed = step_ids(&self.guide, &self.allowed, &self.guided);
             let pen = &mut self.penalty;
             pen.logits.clear();
             if !restricted {
@@ -499,6 +493,18 @@ impl Sampler {
             }
         }
         .unwrap_or(max_id)
+    }
+}
+
+/// The ids a step may choose among once [`Sampler::step_allowed`] said there is a subset:
+/// the guide's, narrowed to `allowed` (`guided`) when there are both, else whichever there
+/// is. A function of the fields, not a method, so the caller may write other fields while
+/// it reads the list.
+fn step_ids<'a>(guide: &'a Option<GuideState>, allowed: &'a [u32], guided: &'a [u32]) -> &'a [u32] {
+    match guide {
+        Some(g) if allowed.is_empty() => g.ids(),
+        Some(_) => guided,
+        None => allowed,
     }
 }
 

@@ -159,9 +159,14 @@ impl GuideVocabulary {
                     .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
             }
         }
-        let mut eos_token_ids = eos_token_ids.to_vec();
-        eos_token_ids.sort_unstable();
-        eos_token_ids.dedup();
+        // Each once, the index's own EOS id first (`Guide::allowed` relies on it).
+        let mut unique = Vec::with_capacity(eos_token_ids.len());
+        for &id in eos_token_ids {
+            if !unique.contains(&id) {
+                unique.push(id);
+            }
+        }
+        let eos_token_ids = unique;
         Ok(Self {
             vocabulary,
             eos_token_ids,
@@ -208,18 +213,27 @@ impl Guide {
         })
     }
 
-    /// The sorted ids allowed after `state`: the tokens that keep the text a prefix of a
-    /// match, and every EOS id where it is a whole match.
+    /// The ids allowed after `state`, each once, in the index's order (unsorted: inside a
+    /// JSON string nearly the whole vocabulary is allowed, and sorting it every step would
+    /// cost more than the mask): the tokens that keep the text a prefix of a match, and
+    /// every EOS id where it is a whole match.
     fn allowed(&self, state: u32, out: &mut Vec<u32>) {
         out.clear();
         if let Some(tokens) = self.index.allowed_tokens_iter(&state) {
             out.extend(tokens.copied());
         }
         if self.index.is_final_state(&state) {
-            out.extend_from_slice(&self.eos_token_ids);
+            // The index lists the first EOS id itself.
+            out.extend(
+                self.eos_token_ids
+                    .iter()
+                    .filter(|&&id| id != self.index_eos()),
+            );
         }
-        out.sort_unstable();
-        out.dedup();
+    }
+
+    fn index_eos(&self) -> u32 {
+        self.eos_token_ids[0]
     }
 }
 
@@ -232,6 +246,11 @@ pub(crate) struct GuideState {
     state: Option<u32>,
     /// Output tokens walked so far.
     consumed: usize,
+    /// The ids `state` allows, and the state they were listed for (`Some(state)`; `None`
+    /// before the first listing): a step asks twice (the backend's plan, then the host's
+    /// sampler when the plan is refused), and listing is a pass over up to the vocabulary.
+    ids: Vec<u32>,
+    ids_for: Option<Option<u32>>,
 }
 
 impl GuideState {
@@ -241,13 +260,20 @@ impl GuideState {
             guide,
             state,
             consumed: 0,
+            ids: Vec::new(),
+            ids_for: None,
         }
     }
 
-    /// The ids allowed after `output_tokens` (sorted), into `out`. Walks only the tokens not
-    /// walked before; an output shorter than before (a request restarted from scratch) is
-    /// walked again from the start.
-    pub(crate) fn allowed(&mut self, output_tokens: &[u32], out: &mut Vec<u32>) {
+    /// The ids the last [`GuideState::allowed`] listed.
+    pub(crate) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The ids allowed after `output_tokens`, each once (unsorted). Walks only the tokens
+    /// not walked before; an output shorter than before (a request restarted from scratch)
+    /// is walked again from the start.
+    pub(crate) fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
         if output_tokens.len() < self.consumed {
             self.state = Some(self.guide.index.initial_state());
             self.consumed = 0;
@@ -256,13 +282,17 @@ impl GuideState {
             self.state = self.state.and_then(|s| self.guide.index.next_state(&s, &t));
         }
         self.consumed = output_tokens.len();
-        match self.state {
-            Some(s) => self.guide.allowed(s, out),
-            None => {
-                out.clear();
-                out.extend_from_slice(&self.guide.eos_token_ids);
+        if self.ids_for != Some(self.state) {
+            match self.state {
+                Some(s) => self.guide.allowed(s, &mut self.ids),
+                None => {
+                    self.ids.clear();
+                    self.ids.extend_from_slice(&self.guide.eos_token_ids);
+                }
             }
+            self.ids_for = Some(self.state);
         }
+        &self.ids
     }
 }
 
@@ -365,8 +395,8 @@ mod tests {
     fn walk(spec: StructuredOutput, output: &[u32]) -> Vec<u32> {
         let guide = Arc::new(Guide::compile(&spec, &vocabulary()).unwrap());
         let mut state = GuideState::new(guide);
-        let mut out = Vec::new();
-        state.allowed(output, &mut out);
+        let mut out = state.allowed(output).to_vec();
+        out.sort_unstable();
         out
     }
 
@@ -399,13 +429,16 @@ mod tests {
             Guide::compile(&StructuredOutput::Regex("1+0".into()), &vocabulary()).unwrap(),
         );
         let mut state = GuideState::new(guide);
-        let mut out = Vec::new();
-        state.allowed(&[1], &mut out);
-        assert_eq!(out, vec![0, 1]);
-        state.allowed(&[1, 1, 0], &mut out);
-        assert_eq!(out, vec![EOS, EOS2]);
-        state.allowed(&[], &mut out);
-        assert_eq!(out, vec![1]);
+        let mut sorted = |output: &[u32]| {
+            let mut ids = state.allowed(output).to_vec();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(sorted(&[1]), vec![0, 1]);
+        assert_eq!(sorted(&[1, 1, 0]), vec![EOS, EOS2]);
+        assert_eq!(sorted(&[]), vec![1]);
+        // Asked again for the same output: the same list.
+        assert_eq!(sorted(&[]), vec![1]);
     }
 
     #[test]
