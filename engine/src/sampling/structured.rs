@@ -25,6 +25,14 @@ pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
 pub const MAX_CHOICES: usize = 256;
 /// Compiled guides a [`GuideCache`] keeps (the least recently used goes first).
 const GUIDE_CACHE_ENTRIES: usize = 64;
+/// Most states a guide's automaton may have. Compiling walks the whole vocabulary from each
+/// state (about 6 ms per state for Qwen3's 151k tokens on a 2-core build machine), and a
+/// bounded repetition of an alternation multiplies states (`[ab]*a[ab]{10}` has 4,097): the
+/// cap keeps one request from holding a node's compile thread for minutes.
+pub const MAX_GUIDE_STATES: usize = 1024;
+/// Memory the regex's determinization may use before it is refused (its own cap, before the
+/// states are counted).
+const DFA_BUILD_LIMIT: usize = 32 << 20;
 
 /// What the output must look like.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,8 +70,11 @@ pub enum StructuredError {
     /// The regex does not parse.
     #[error("structured output: invalid regex: {0}")]
     Regex(String),
+    /// The expression's automaton is larger than [`MAX_GUIDE_STATES`] allows.
+    #[error("structured output: {0}")]
+    TooComplex(String),
     /// The expression cannot be compiled over this vocabulary (for example a character no
-    /// token can spell, or an automaton too large).
+    /// token can spell).
     #[error("structured output: cannot be generated with this model's vocabulary: {0}")]
     Vocabulary(String),
 }
@@ -117,6 +128,44 @@ impl StructuredOutput {
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
         Ok(regex)
     }
+}
+
+/// Refuses a regex whose automaton has more than [`MAX_GUIDE_STATES`] states (counted over
+/// bytes from the anchored start, as the index walks it), before the costly index is built.
+fn check_states(regex: &str) -> Result<(), StructuredError> {
+    use regex_automata::Anchored;
+    use regex_automata::dfa::{Automaton, dense};
+    let too_complex = || {
+        StructuredError::TooComplex(format!(
+            "the expression's automaton has more than {MAX_GUIDE_STATES} states (a bounded \
+             repetition such as {{20}} of an alternation multiplies them); simplify it"
+        ))
+    };
+    let dfa = dense::Builder::new()
+        .configure(
+            dense::Config::new()
+                .determinize_size_limit(Some(DFA_BUILD_LIMIT))
+                .dfa_size_limit(Some(DFA_BUILD_LIMIT)),
+        )
+        .build(regex)
+        .map_err(|_| too_complex())?;
+    let start = dfa
+        .universal_start_state(Anchored::Yes)
+        .ok_or_else(|| StructuredError::Regex("the expression has no single start".into()))?;
+    let mut seen = std::collections::HashSet::from([start]);
+    let mut todo = vec![start];
+    while let Some(state) = todo.pop() {
+        for byte in 0..=255u8 {
+            let next = dfa.next_state(state, byte);
+            if !dfa.is_dead_state(next) && !dfa.is_quit_state(next) && seen.insert(next) {
+                if seen.len() > MAX_GUIDE_STATES {
+                    return Err(too_complex());
+                }
+                todo.push(next);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A regex error on one line (regex-syntax draws the pattern and a caret over several): what
@@ -205,6 +254,7 @@ impl Guide {
         vocabulary: &GuideVocabulary,
     ) -> Result<Self, StructuredError> {
         let regex = spec.regex()?;
+        check_states(&regex)?;
         let index = Index::new(&regex, &vocabulary.vocabulary)
             .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
         Ok(Self {
@@ -476,6 +526,19 @@ mod tests {
             ))
             .contains("invalid JSON schema")
         );
+        // A state explosion is refused before the vocabulary is walked.
+        let e = Guide::compile(
+            &StructuredOutput::Regex("[ab]*a[ab]{10}".into()),
+            &vocabulary(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, StructuredError::TooComplex(_)), "{e}");
+        assert!(e.to_string().contains("more than 1024 states"), "{e}");
+        Guide::compile(
+            &StructuredOutput::Regex("[ab]*a[ab]{7}".into()),
+            &vocabulary(),
+        )
+        .unwrap();
         // Parses, but no token spells a "z".
         let e = Guide::compile(&StructuredOutput::Regex("z".into()), &vocabulary()).unwrap_err();
         assert!(matches!(e, StructuredError::Vocabulary(_)), "{e}");
