@@ -23,8 +23,12 @@ use serde::{Deserialize, Serialize};
 pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
 /// Most choices a request may list.
 pub const MAX_CHOICES: usize = 256;
-/// Compiled guides a [`GuideCache`] keeps (the least recently used goes first).
+/// Compiled guides a [`GuideCache`] keeps (the least recently used goes first)...
 const GUIDE_CACHE_ENTRIES: usize = 64;
+/// ...and the (state, token) transitions they may hold together, about 16 bytes each: a state
+/// inside a JSON string allows nearly every token, 151k transitions for Qwen3. The newest
+/// guide stays whatever its size.
+const GUIDE_CACHE_TRANSITIONS: usize = 16 << 20;
 /// Most states a guide's automaton may have. Compiling walks the whole vocabulary from each
 /// state (about 6 ms per state for Qwen3's 151k tokens on a 2-core build machine), and a
 /// bounded repetition of an alternation multiplies states (`[ab]*a[ab]{10}` has 4,097): the
@@ -237,12 +241,15 @@ impl GuideVocabulary {
 pub struct Guide {
     index: Index,
     eos_token_ids: Vec<u32>,
+    /// (state, token) pairs in the index: what it weighs.
+    transitions: usize,
 }
 
 impl std::fmt::Debug for Guide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Guide")
             .field("states", &self.index.transitions().len())
+            .field("transitions", &self.transitions)
             .finish_non_exhaustive()
     }
 }
@@ -257,9 +264,11 @@ impl Guide {
         check_states(&regex)?;
         let index = Index::new(&regex, &vocabulary.vocabulary)
             .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
+        let transitions = index.transitions().values().map(|m| m.len()).sum();
         Ok(Self {
             index,
             eos_token_ids: vocabulary.eos_token_ids.clone(),
+            transitions,
         })
     }
 
@@ -401,10 +410,16 @@ impl GuideCache {
         let guide = Arc::new(Guide::compile(spec, vocabulary)?);
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         if !entries.iter().any(|(s, _)| s == spec) {
-            if entries.len() == GUIDE_CACHE_ENTRIES {
+            entries.push((spec.clone(), guide.clone()));
+            let weight = |entries: &[(StructuredOutput, Arc<Guide>)]| {
+                entries.iter().map(|(_, g)| g.transitions).sum::<usize>()
+            };
+            while entries.len() > 1
+                && (entries.len() > GUIDE_CACHE_ENTRIES
+                    || weight(&entries) > GUIDE_CACHE_TRANSITIONS)
+            {
                 entries.remove(0);
             }
-            entries.push((spec.clone(), guide.clone()));
         }
         Ok(guide)
     }
@@ -603,5 +618,20 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b));
         let c = cache.get(&StructuredOutput::Regex("0+".into())).unwrap();
         assert!(!Arc::ptr_eq(&a, &c));
+        // The least recently used goes once the cache is full; the one just used stays.
+        for n in 0..GUIDE_CACHE_ENTRIES {
+            cache
+                .get(&StructuredOutput::Regex(format!("1{{{}}}", n + 1)))
+                .unwrap();
+            cache.get(&StructuredOutput::Regex("0+".into())).unwrap();
+        }
+        assert!(Arc::ptr_eq(
+            &c,
+            &cache.get(&StructuredOutput::Regex("0+".into())).unwrap()
+        ));
+        assert!(!Arc::ptr_eq(
+            &a,
+            &cache.get(&StructuredOutput::Regex("1+".into())).unwrap()
+        ));
     }
 }
