@@ -232,6 +232,18 @@ impl Sampler {
                 uniform: self.rng.clone().random::<f64>(),
             }
         };
+        // An allowed set that alone is past the limit (a guide inside a JSON string allows
+        // nearly every token) goes to the host before its edits are built and thrown away.
+        if self.step_allowed(output_tokens) {
+            let ids = step_ids(&self.guide, &self.allowed, &self.guided);
+            let real = ids
+                .iter()
+                .filter(|&&id| (id as usize) < vocab_limit)
+                .count();
+            if real > vocab_limit / 4 {
+                return None;
+            }
+        }
         let reshape = self.reshape(prompt_tokens, output_tokens, vocab_limit);
         if reshape
             .as_ref()
