@@ -225,9 +225,7 @@ impl GuideVocabulary {
             eos_token_ids,
         })
     }
-}
 
-impl GuideVocabulary {
     /// A tokenizer's ordinary tokens, ended by the model's EOS ids.
     pub fn from_tokenizer(
         tokenizer: &crate::tokenizer::Tokenizer,
