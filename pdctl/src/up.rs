@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! {"router": "127.0.0.1:P", "router_metrics": "http://127.0.0.1:P/metrics",
+//!  "openai": "http://127.0.0.1:P/v1",
 //!  "prefill": [{"addr": "127.0.0.1:P", "kv": "127.0.0.1:P", "metrics": "http://127.0.0.1:P/metrics"}],
 //!  "decode": [{"addr": "...", "kv": null, "metrics": "http://..."}],
 //!  "prefill_metrics": ["127.0.0.1:P"], "decode_metrics": ["127.0.0.1:P"]}
@@ -12,7 +13,8 @@
 //! Every process serves Prometheus `/metrics` on an ephemeral port (`--metrics-port 0`,
 //! unless the node flags after `--` set one): `router_metrics` and each node's `metrics` are
 //! the URLs to scrape (`curl` them as they are); `prefill_metrics` / `decode_metrics` list
-//! the nodes' HOST:PORT, the form Prometheus targets take.
+//! the nodes' HOST:PORT, the form Prometheus targets take. `openai` is the base URL of the
+//! router's OpenAI-compatible API (what OpenAI clients take as `base_url`).
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -55,6 +57,9 @@ pub struct UpArgs {
     /// unless the node flags after `--` set one.
     #[arg(long, default_value_t = 0)]
     metrics_port: u16,
+    /// The router's OpenAI-compatible HTTP port (0: ephemeral).
+    #[arg(long, default_value_t = 0)]
+    http_port: u16,
     /// How KV moves from prefill to decode nodes (`auto`: RDMA where the nodes have a
     /// device and were built with it, TCP otherwise).
     #[arg(long, value_enum, default_value = "auto")]
@@ -187,6 +192,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         args.port.to_string(),
         "--metrics-port".into(),
         args.metrics_port.to_string(),
+        "--http-port".into(),
+        args.http_port.to_string(),
     ];
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
@@ -221,6 +228,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     };
     let router_addr = field(&router, "grpc")?;
     let router_metrics = field(&router, "metrics_addr")?;
+    let router_http = field(&router, "http")?;
     parts.push(router);
     if let Err(e) = wait_serving(&router_addr).await {
         stop(&mut parts).await;
@@ -231,6 +239,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         json!({
             "router": router_addr,
             "router_metrics": metrics_url(&router_metrics),
+            "openai": format!("http://{router_http}/v1"),
             "prefill": prefill,
             "decode": decode,
             "prefill_metrics": prefill_metrics,

@@ -114,6 +114,17 @@ pub struct RouterArgs {
     )]
     pub metrics_port: u16,
 
+    /// Port of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+    /// `/v1/models`, `/health`, and `/metrics` again), on --host; 0: an ephemeral port,
+    /// printed in the ready line as `http`.
+    #[arg(
+        long,
+        env = "PD_HTTP_PORT",
+        default_value_t = 0,
+        help_heading = "Server"
+    )]
+    pub http_port: u16,
+
     /// Largest client message accepted, in bytes; a larger one is refused with
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "PD_MAX_MESSAGE_BYTES", default_value_t = 4 << 20, help_heading = "Server")]

@@ -9,6 +9,9 @@
 //! Every node's counters, client-perceived latencies and node health are exported under
 //! `pd_router_*` on `/metrics` ([`metrics`]).
 //!
+//! The same requests are served over HTTP in OpenAI's shape ([`openai`]: completions and
+//! chat completions, streamed as server-sent events), through the same service.
+//!
 //! The library is what the `router` binary runs, and what tests embed:
 //! [`serve`]`(config, listener, shutdown)`.
 //!
@@ -20,6 +23,7 @@ pub mod discovery;
 pub mod error;
 mod flow;
 pub mod metrics;
+pub mod openai;
 pub mod policy;
 pub mod registry;
 mod server;

@@ -1,6 +1,6 @@
 //! The `router` binary: parses flags, loads the model's metadata, binds, prints the ready
-//! line `{"role":"router","grpc":"HOST:PORT","metrics_addr":"HOST:PORT"}` on stdout, serves
-//! until SIGTERM or Ctrl-C.
+//! line `{"role":"router","grpc":"HOST:PORT","metrics_addr":"HOST:PORT","http":"HOST:PORT"}`
+//! on stdout, serves until SIGTERM or Ctrl-C.
 
 use std::io::Write as _;
 
@@ -103,18 +103,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         let metrics_bound = metrics_listener
             .local_addr()
             .context("metrics listener address")?;
+        let http_port = cli.router.http_port;
+        let http_listener = tokio::net::TcpListener::bind((host, http_port))
+            .await
+            .with_context(|| format!("cannot listen on {host} port {http_port} (HTTP API)"))?;
+        let http_bound = http_listener
+            .local_addr()
+            .context("HTTP listener address")?;
         let shutdown = shutdown_signal().context("installing the SIGTERM / Ctrl-C handlers")?;
         let ready = serde_json::json!({
             "role": "router",
             "grpc": bound.to_string(),
             "metrics_addr": metrics_bound.to_string(),
+            "http": http_bound.to_string(),
         });
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{ready}").context("writing the ready line")?;
         stdout.flush().context("writing the ready line")?;
         drop(stdout);
         router
-            .serve_with_metrics(listener, Some(metrics_listener), shutdown)
+            .serve_with_http(
+                listener,
+                Some(metrics_listener),
+                Some(http_listener),
+                shutdown,
+            )
             .await
             .context("router failed")
     })

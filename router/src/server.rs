@@ -1,5 +1,5 @@
 //! Serving: `pd.v1.Generation`, `grpc.health.v1.Health` and server reflection on one listener,
-//! `/metrics` on another (optional), health checks of the nodes in the background, graceful
+//! `/metrics` on another and the OpenAI-compatible HTTP API on a third (both optional), health checks of the nodes in the background, graceful
 //! shutdown.
 
 use std::convert::Infallible;
@@ -22,6 +22,7 @@ use crate::config::RouterConfig;
 use crate::discovery;
 use crate::error::RouterError;
 use crate::metrics::{self, MeteredGeneration, RouterMetrics};
+use crate::openai;
 use crate::policy::{self, LeastLoaded};
 use crate::registry::{DnsRoles, Registry};
 use crate::service::{GenerationService, IdGen, InflightTable, Shared};
@@ -144,15 +145,17 @@ impl Router {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RouterError> {
-        self.serve_with_metrics(listener, None, shutdown).await
+        self.serve_with_http(listener, None, None, shutdown).await
     }
 
-    /// [`Router::serve`], and `GET /metrics` on `metrics_listener` when given (until the
-    /// router stops).
-    pub async fn serve_with_metrics(
+    /// [`Router::serve`], and `GET /metrics` on `metrics_listener` (until the router stops)
+    /// and the OpenAI-compatible HTTP API on `http_listener` (drained with the gRPC API),
+    /// when given.
+    pub async fn serve_with_http(
         self,
         listener: TcpListener,
         metrics_listener: Option<TcpListener>,
+        http_listener: Option<TcpListener>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RouterError> {
         let Router { config, shared } = self;
@@ -224,12 +227,27 @@ impl Router {
             .build_v1alpha()
             .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
 
+        let metered = MeteredGeneration::new(
+            GenerationService::new(shared.clone()),
+            shared.metrics.clone(),
+        );
+        // The HTTP API stops taking requests with the gRPC API and drains on its own.
+        let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
+        let http = http_listener.map(|listener| {
+            let api = openai::Api::new(metered.clone(), shared.clone());
+            let mut stopped = http_stopped.clone();
+            let max_body = config.max_message_bytes;
+            tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                };
+                if let Err(e) = openai::serve(listener, api, max_body, shutdown).await {
+                    tracing::error!(error = %e, "the HTTP API server stopped");
+                }
+            })
+        });
         let generation = OversizeIsResourceExhausted(
-            GenerationServer::new(MeteredGeneration::new(
-                GenerationService::new(shared.clone()),
-                shared.metrics.clone(),
-            ))
-            .max_decoding_message_size(config.max_message_bytes),
+            GenerationServer::new(metered).max_decoding_message_size(config.max_message_bytes),
         );
 
         let addr = listener.local_addr().ok();
@@ -239,6 +257,7 @@ impl Router {
             shutdown.await;
             tracing::info!("shutting down: draining requests in flight");
             let _ = stop_health.send(true);
+            let _ = stop_http.send(true);
             for name in HEALTH_SERVICES {
                 reporter
                     .set_service_status(name, ServingStatus::NotServing)
@@ -260,6 +279,9 @@ impl Router {
             .add_service(generation)
             .serve_with_incoming_shutdown(incoming, drain)
             .await;
+        if let Some(http) = http {
+            let _ = http.await;
+        }
         background.shutdown().await;
         tracing::info!(in_flight = shared.inflight.len(), "router stopped");
         result.map_err(RouterError::from)

@@ -281,6 +281,13 @@ impl Tokenizer {
         self.inner.hf.token_to_id(token)
     }
 
+    /// The bytes a token id stands for (special tokens' text included); `None` for an id
+    /// outside the table. Exact where `decode` of one id would show U+FFFD for a piece of a
+    /// UTF-8 character (logprobs' `bytes`).
+    pub fn bytes_of(&self, id: u32) -> Option<&[u8]> {
+        self.token_bytes(id).ok().map(|t| &t.bytes[..])
+    }
+
     /// Every id that is not a special token, with its bytes (what a structured output's
     /// guide may spell text with).
     pub fn ordinary_tokens(&self) -> impl Iterator<Item = (u32, &[u8])> {

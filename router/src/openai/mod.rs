@@ -1,0 +1,205 @@
+//! The OpenAI-compatible HTTP API (`--http-port`): `POST /v1/completions`,
+//! `POST /v1/chat/completions` (both streamed as server-sent events with `"stream": true`),
+//! `GET /v1/models`, `GET /health`, and `GET /metrics` as on `--metrics-port`.
+//!
+//! A request here becomes one `pd.v1.GenerateRequest` per prompt and choice ([`request`]),
+//! each run through the very service the gRPC API runs (validation, routing, the
+//! prefill/decode flow, the request metrics), so the two APIs accept, refuse, count and
+//! cancel alike. A client that disconnects cancels its generations, as a gRPC client that
+//! drops its stream does.
+//!
+//! Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}` with the HTTP status
+//! of the gRPC code ([`http_status`]); an error after a stream started is one `data:` event
+//! carrying that object, followed by `data: [DONE]`.
+//!
+//! Not here: tool-call and reasoning parsing (the model's `<tool_call>` and `<think>` blocks
+//! stay in the text), `tool_calls` in request messages, images and audio.
+
+pub mod request;
+pub mod response;
+mod run;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tonic::Code;
+
+use self::request::{BadRequest, Endpoint};
+use crate::metrics::MeteredGeneration;
+use crate::service::Shared;
+
+/// Prometheus's text format.
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub(crate) struct Api {
+    generation: MeteredGeneration,
+    shared: Arc<Shared>,
+}
+
+impl Api {
+    pub fn new(generation: MeteredGeneration, shared: Arc<Shared>) -> Self {
+        Self { generation, shared }
+    }
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then lets the requests in flight
+/// finish. Bodies above `max_body_bytes` are refused with 413.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    api: Api,
+    max_body_bytes: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(api);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// A body the server could not read (too large, cut off): its status, as OpenAI's error.
+type BodyResult = Result<Bytes, BytesRejection>;
+
+async fn completions(State(api): State<Api>, headers: HeaderMap, body: BodyResult) -> Response {
+    match body {
+        Ok(body) => run::handle(api, Endpoint::Completions, &headers, &body).await,
+        Err(e) => error(e.status(), &e.body_text()),
+    }
+}
+
+async fn chat_completions(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    body: BodyResult,
+) -> Response {
+    match body {
+        Ok(body) => run::handle(api, Endpoint::ChatCompletions, &headers, &body).await,
+        Err(e) => error(e.status(), &e.body_text()),
+    }
+}
+
+async fn models(State(api): State<Api>) -> Response {
+    let model = &api.shared.model;
+    let context = api
+        .shared
+        .registry
+        .context_len(model.max_position_embeddings());
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": [{
+                "id": model.name,
+                "object": "model",
+                "created": run::unix_now(),
+                "owned_by": "pd-cluster",
+                "root": model.name,
+                "max_model_len": context,
+            }],
+        }),
+    )
+}
+
+/// 200 while the router can serve (a healthy prefill/decode path), 503 otherwise: the same
+/// answer as its gRPC health check.
+async fn health(State(api): State<Api>) -> Response {
+    if *api.shared.registry.serving().borrow() {
+        StatusCode::OK.into_response()
+    } else {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy path through the cluster's nodes yet",
+        )
+    }
+}
+
+async fn metrics(State(api): State<Api>) -> Response {
+    match api.shared.metrics.render(&api.shared.registry) {
+        Ok(text) => ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+async fn not_found() -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "no such route: the API is POST /v1/completions, POST /v1/chat/completions, \
+         GET /v1/models, GET /health and GET /metrics",
+    )
+}
+
+/// The HTTP status of a gRPC code.
+pub fn http_status(code: Code) -> StatusCode {
+    match code {
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
+            StatusCode::BAD_REQUEST
+        }
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        Code::Ok | Code::Cancelled | Code::Unknown | Code::Internal | Code::DataLoss => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+/// OpenAI's error object.
+pub fn error_body(status: StatusCode, message: &str) -> serde_json::Value {
+    let kind = match status.as_u16() {
+        400 | 413 => "invalid_request_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        503 => "service_unavailable_error",
+        504 => "timeout_error",
+        _ => "server_error",
+    };
+    json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": null,
+            "code": status.as_u16(),
+        }
+    })
+}
+
+pub fn error(status: StatusCode, message: &str) -> Response {
+    json_response(status, &error_body(status, message))
+}
+
+pub fn json_response(status: StatusCode, value: &serde_json::Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
+}
+
+impl IntoResponse for BadRequest {
+    fn into_response(self) -> Response {
+        error(StatusCode::BAD_REQUEST, &self.0)
+    }
+}

@@ -1,0 +1,432 @@
+//! One API request from body to response: its generations started together through the
+//! gRPC service, then either collected into one response or streamed as server-sent events
+//! in the order their chunks arrive.
+
+use std::convert::Infallible;
+
+use axum::body::{Body as HttpBody, Bytes};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use pd_engine::tokenizer::Tokenizer;
+use pd_proto::pb;
+use pd_proto::pb::generation_server::Generation;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{StreamExt, StreamMap};
+use tonic::Status;
+
+use super::request::{Body, Endpoint, Plan, Prompt};
+use super::response::{self, Header, Scored, UsageSum};
+use super::{Api, error, error_body, http_status, json_response};
+use crate::metrics::MeteredGeneration;
+
+/// One generation's chunks, as the gRPC service streams them.
+type Generations = <MeteredGeneration as Generation>::GenerateStream;
+
+/// Stream events buffered between the request's task and the client's connection.
+const EVENT_BUFFER: usize = 16;
+
+/// The stream's last event.
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub(super) async fn handle(
+    api: Api,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let body = match Body::parse(body) {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let header_id = match headers.get("x-request-id").map(HeaderValue::to_str) {
+        None => None,
+        Some(Ok(id)) => Some(id.to_string()),
+        Some(Err(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "x-request-id must be visible ASCII",
+            );
+        }
+    };
+    let mut plan = match body.plan(endpoint, header_id, || api.shared.ids.request_id()) {
+        Ok(plan) => plan,
+        Err(e) => return e.into_response(),
+    };
+    if plan.echo {
+        // The echoed prompt shows every token, the first one's included: tokenize here.
+        let shared = api.shared.clone();
+        let prompts = std::mem::take(&mut plan.prompts);
+        let tokenized = tokio::task::spawn_blocking(move || {
+            prompts
+                .into_iter()
+                .map(|p| match p {
+                    Prompt::Text(t) => shared.validator.tokenize(&t).map(Prompt::Ids),
+                    ids => Ok(ids),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await;
+        match tokenized {
+            Ok(Ok(prompts)) => plan.set_prompts(prompts),
+            Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(e) => {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &format!("tokenizing the prompt panicked: {e}"),
+                );
+            }
+        }
+    }
+    let streams = match start(&api.generation, std::mem::take(&mut plan.requests)).await {
+        Ok(streams) => streams,
+        Err(status) => return error(http_status(status.code()), status.message()),
+    };
+    let output = Output {
+        header: Header {
+            id: match endpoint {
+                Endpoint::Completions => format!("cmpl-{}", plan.id),
+                Endpoint::ChatCompletions => format!("chatcmpl-{}", plan.id),
+            },
+            created: unix_now(),
+            model: api.shared.model.name.clone(),
+            endpoint,
+        },
+        tokenizer: api.shared.model.tokenizer().clone(),
+        echo: plan
+            .prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Ids(ids) if plan.echo => ids.clone(),
+                _ => Vec::new(),
+            })
+            .collect(),
+        plan,
+    };
+    let request_id = HeaderValue::from_str(&output.plan.id).ok();
+    let mut response = if output.plan.stream {
+        stream(output, streams)
+    } else {
+        collect(output, streams).await
+    };
+    if let Some(id) = request_id {
+        response.headers_mut().insert("x-request-id", id);
+    }
+    response
+}
+
+/// Starts every generation at once (each prefills on its own) and returns their streams in
+/// order, or the first refusal. Dropping this future, or returning an error, cancels those
+/// already started.
+async fn start(
+    generation: &MeteredGeneration,
+    requests: Vec<pb::GenerateRequest>,
+) -> Result<Vec<Generations>, Status> {
+    let mut tasks = JoinSet::new();
+    let count = requests.len();
+    for (i, req) in requests.into_iter().enumerate() {
+        let generation = generation.clone();
+        tasks.spawn(async move { (i, generation.generate(tonic::Request::new(req)).await) });
+    }
+    let mut streams: Vec<Option<Generations>> = (0..count).map(|_| None).collect();
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((i, Ok(response))) => streams[i] = Some(response.into_inner()),
+            Ok((_, Err(status))) => return Err(status),
+            Err(e) => return Err(Status::internal(format!("a generation task failed: {e}"))),
+        }
+    }
+    Ok(streams.into_iter().flatten().collect())
+}
+
+/// What shapes the response, besides the chunks.
+struct Output {
+    header: Header,
+    tokenizer: Tokenizer,
+    /// Per prompt, the token ids to echo (empty without echo).
+    echo: Vec<Vec<u32>>,
+    plan: Plan,
+}
+
+/// One choice as its chunks arrive.
+#[derive(Debug, Default)]
+struct Choice {
+    text: String,
+    logprobs: Vec<pb::Logprob>,
+    prompt_logprobs: Vec<pb::Logprob>,
+    finish: Option<(&'static str, Value)>,
+    /// Characters of text before the next token (completions' `text_offset`).
+    offset: usize,
+    started: bool,
+}
+
+impl Output {
+    fn prompt_of(&self, choice: usize) -> usize {
+        choice / self.plan.n
+    }
+
+    fn echo_text(&self, choice: usize) -> String {
+        match self.echo.get(self.prompt_of(choice)) {
+            Some(ids) if !ids.is_empty() => self.tokenizer.decode(ids, false).unwrap_or_default(),
+            _ => String::new(),
+        }
+    }
+
+    /// Completions' logprobs of a piece of a choice: the echoed prompt's (on its first
+    /// piece) and the new tokens'.
+    fn completion_logprobs(
+        &self,
+        index: usize,
+        first: bool,
+        prompt: &[pb::Logprob],
+        tokens: &[pb::Logprob],
+        offset: usize,
+    ) -> (Value, usize) {
+        let mut entries = Vec::new();
+        if first && let Some(&head) = self.echo[self.prompt_of(index)].first() {
+            entries.push(Scored::Unscored(head));
+            entries.extend(prompt.iter().map(Scored::Scored));
+        }
+        entries.extend(tokens.iter().map(Scored::Scored));
+        response::completion_logprobs(&self.tokenizer, &entries, offset)
+    }
+
+    /// A choice of a whole response.
+    fn whole_choice(&self, index: usize, c: &Choice) -> Value {
+        let (reason, stop_reason) = c.finish.clone().unwrap_or(("stop", Value::Null));
+        let mut value = match self.plan.endpoint {
+            Endpoint::Completions => {
+                let logprobs = if self.plan.logprobs.is_some() {
+                    self.completion_logprobs(index, true, &c.prompt_logprobs, &c.logprobs, 0)
+                        .0
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "index": index,
+                    "text": format!("{}{}", self.echo_text(index), c.text),
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                })
+            }
+            Endpoint::ChatCompletions => json!({
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.chat_logprobs(&c.logprobs),
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }),
+        };
+        if self.plan.prompt_logprobs {
+            value["prompt_logprobs"] =
+                response::prompt_logprobs(&self.tokenizer, &c.prompt_logprobs);
+        }
+        value
+    }
+
+    fn chat_logprobs(&self, entries: &[pb::Logprob]) -> Value {
+        if self.plan.logprobs.is_some() {
+            response::chat_logprobs(&self.tokenizer, entries)
+        } else {
+            Value::Null
+        }
+    }
+
+    /// The stream chunk of one piece of choice `index`, or `None` when it carries nothing.
+    fn piece(&self, index: usize, c: &mut Choice, chunk: &pb::GenerateResponse) -> Option<Value> {
+        let first = !c.started;
+        c.started = true;
+        let finish = response::finish(chunk);
+        let mut text = if first {
+            self.echo_text(index)
+        } else {
+            String::new()
+        };
+        text.push_str(&chunk.text);
+        let (reason, stop_reason) = match &finish {
+            Some((r, s)) => (json!(r), s.clone()),
+            None => (Value::Null, Value::Null),
+        };
+        let mut value = match self.plan.endpoint {
+            Endpoint::Completions => {
+                let echoes = first && self.plan.echo;
+                if text.is_empty() && chunk.logprobs.is_empty() && finish.is_none() && !echoes {
+                    return None;
+                }
+                let logprobs = if self.plan.logprobs.is_some() {
+                    let (v, end) = self.completion_logprobs(
+                        index,
+                        first,
+                        &chunk.prompt_logprobs,
+                        &chunk.logprobs,
+                        c.offset,
+                    );
+                    c.offset = end;
+                    v
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                })
+            }
+            Endpoint::ChatCompletions => {
+                if text.is_empty() && chunk.logprobs.is_empty() && finish.is_none() {
+                    return None;
+                }
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": if chunk.logprobs.is_empty() {
+                        Value::Null
+                    } else {
+                        self.chat_logprobs(&chunk.logprobs)
+                    },
+                    "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                })
+            }
+        };
+        if first && self.plan.prompt_logprobs {
+            value["prompt_logprobs"] =
+                response::prompt_logprobs(&self.tokenizer, &chunk.prompt_logprobs);
+        }
+        Some(value)
+    }
+}
+
+fn merged(streams: Vec<Generations>) -> StreamMap<usize, Generations> {
+    let mut map = StreamMap::with_capacity(streams.len());
+    for (i, s) in streams.into_iter().enumerate() {
+        map.insert(i, s);
+    }
+    map
+}
+
+/// Waits for every generation and answers with the whole response (or the first error).
+async fn collect(output: Output, streams: Vec<Generations>) -> Response {
+    let mut choices: Vec<Choice> = (0..streams.len()).map(|_| Choice::default()).collect();
+    let mut usage = UsageSum::default();
+    let mut map = merged(streams);
+    while let Some((i, item)) = map.next().await {
+        let chunk = match item {
+            Ok(chunk) => chunk,
+            Err(status) => return error(http_status(status.code()), status.message()),
+        };
+        let c = &mut choices[i];
+        c.text.push_str(&chunk.text);
+        c.logprobs.extend(chunk.logprobs.iter().cloned());
+        c.prompt_logprobs
+            .extend(chunk.prompt_logprobs.iter().cloned());
+        if let Some(f) = response::finish(&chunk) {
+            c.finish = Some(f);
+        }
+        if let Some(u) = &chunk.usage {
+            usage.add(u, i % output.plan.n == 0);
+        }
+    }
+    let values = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| output.whole_choice(i, c))
+        .collect();
+    json_response(StatusCode::OK, &output.header.response(values, usage))
+}
+
+/// Answers at once with an event stream that a task of its own fills as chunks arrive.
+fn stream(output: Output, streams: Vec<Generations>) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(EVENT_BUFFER);
+    tokio::spawn(send_events(output, streams, tx));
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        HttpBody::from_stream(ReceiverStream::new(rx)),
+    )
+        .into_response()
+}
+
+fn event(value: &Value) -> Result<Bytes, Infallible> {
+    Ok(Bytes::from(format!("data: {value}\n\n")))
+}
+
+/// Fills the event stream. A client gone (the channel closed) ends it, which drops the
+/// generations: each is cancelled on its nodes as a gRPC stream dropped by its client is.
+async fn send_events(
+    output: Output,
+    streams: Vec<Generations>,
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+) {
+    let count = streams.len();
+    let mut choices: Vec<Choice> = (0..count).map(|_| Choice::default()).collect();
+    let mut usage = UsageSum::default();
+    if output.plan.endpoint == Endpoint::ChatCompletions {
+        let roles = (0..count)
+            .map(|i| {
+                json!({
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                })
+            })
+            .collect();
+        if tx.send(event(&output.header.chunk(roles))).await.is_err() {
+            return;
+        }
+    }
+    let mut map = merged(streams);
+    while let Some((i, item)) = map.next().await {
+        let chunk = match item {
+            Ok(chunk) => chunk,
+            Err(status) => {
+                let body = error_body(http_status(status.code()), status.message());
+                if tx.send(event(&body)).await.is_ok() {
+                    let _ = tx.send(Ok(Bytes::from_static(DONE))).await;
+                }
+                return;
+            }
+        };
+        if let Some(u) = &chunk.usage {
+            usage.add(u, i % output.plan.n == 0);
+        }
+        if let Some(piece) = output.piece(i, &mut choices[i], &chunk)
+            && tx
+                .send(event(&output.header.chunk(vec![piece])))
+                .await
+                .is_err()
+        {
+            return;
+        }
+    }
+    drop(map);
+    if output.plan.include_usage
+        && tx
+            .send(event(&output.header.usage_chunk(usage)))
+            .await
+            .is_err()
+    {
+        return;
+    }
+    let _ = tx.send(Ok(Bytes::from_static(DONE))).await;
+}
