@@ -575,3 +575,55 @@ impl Counts {
         }
     }
 }
+
+/// The router's OpenAI-compatible API (`openai` in `pdctl up`'s ready line: `http://HOST:PORT/v1`).
+impl Cluster {
+    pub fn openai(&self) -> String {
+        self.ready["openai"]
+            .as_str()
+            .expect("openai in the ready line")
+            .to_string()
+    }
+}
+
+/// Sends `method` `{base}{path}` (base: an `http://HOST:PORT/PREFIX` URL) with `body` and
+/// returns the response with its body unread.
+pub async fn http_open(
+    method: &str,
+    base: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
+    let rest = base.strip_prefix("http://").unwrap_or(base);
+    let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .with_context(|| format!("connecting to {authority}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(format!("{prefix}{path}"))
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))?;
+    Ok(sender.send_request(request).await?)
+}
+
+/// `POST {base}{path}` with a JSON body: the status and the whole body as text.
+pub async fn http_post(base: &str, path: &str, body: &Value) -> anyhow::Result<(u16, String)> {
+    use http_body_util::BodyExt as _;
+    let response = http_open("POST", base, path, body.to_string().into_bytes()).await?;
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8(bytes.to_vec())?))
+}
+
+/// The `data:` payloads of a server-sent event stream's text, in order.
+pub fn sse_data(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}

@@ -1,0 +1,254 @@
+//! The router's OpenAI-compatible HTTP API on a real cluster (`pdctl up`): it serves what
+//! the gRPC API serves for the same request, streams what it would answer whole, refuses bad
+//! bodies with OpenAI's error object, and a client that hangs up mid-stream cancels its
+//! generation and frees every block.
+
+use http_body_util::BodyExt as _;
+use pd_proto::pb;
+use pd_tests::{
+    Cluster, all_blocks_free, client, exposition, greedy, http_open, http_post, spread_prompts,
+    sse_data,
+};
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+type Grpc = pb::generation_client::GenerationClient<Channel>;
+
+/// The whole text a gRPC request streams.
+async fn grpc_text(grpc: &mut Grpc, req: pb::GenerateRequest) -> String {
+    let mut stream = grpc
+        .generate(req)
+        .await
+        .expect("gRPC generate")
+        .into_inner();
+    let mut text = String::new();
+    while let Some(chunk) = stream.message().await.expect("gRPC stream") {
+        text.push_str(&chunk.text);
+    }
+    text
+}
+
+/// A successful response's JSON.
+async fn post_ok(base: &str, path: &str, body: Value) -> Value {
+    let (status, text) = http_post(base, path, &body).await.expect("HTTP request");
+    assert_eq!(status, 200, "{path} {body}: {text}");
+    serde_json::from_str(&text).expect("a JSON response")
+}
+
+/// A refusal: its status and message.
+async fn post_err(base: &str, path: &str, body: Value) -> (u16, String) {
+    let (status, text) = http_post(base, path, &body).await.expect("HTTP request");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("JSON error: {text}"));
+    let message = v["error"]["message"].as_str().expect("error.message");
+    assert_eq!(v["error"]["code"], status, "{text}");
+    (status, message.to_string())
+}
+
+fn sampled(ids: Vec<u32>, max_tokens: u32, seed: u64) -> pb::GenerateRequest {
+    let mut req = greedy(ids, max_tokens);
+    req.sampling = Some(pb::SamplingParams {
+        temperature: Some(1.0),
+        seed: Some(seed),
+        ..Default::default()
+    });
+    req
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &["--prefill", "1", "--decode", "1"]).unwrap();
+    let base = cluster.openai();
+    let mut grpc = client(&cluster.router()).await;
+    let mut prompts = spread_prompts(2, 40, 9, 71);
+    let (a, b) = (prompts.remove(0), prompts.remove(0));
+
+    // Completions, whole: the text of the same gRPC request; usage counts; the prompt again
+    // shows the prefill node's cache hits as cached tokens.
+    let want_a = grpc_text(&mut grpc, greedy(a.clone(), 12)).await;
+    let body = json!({"prompt": a, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let v = post_ok(&base, "/completions", body.clone()).await;
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want_a.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], a.len());
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["usage"]["total_tokens"], a.len() + 12);
+    let whole_blocks = (a.len() - 1) / 16 * 16;
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], whole_blocks,
+        "the gRPC request computed this prompt first: {v}"
+    );
+
+    // Completions, streamed: the same text in pieces, one finish, the usage, [DONE].
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, text) = http_post(&base, "/completions", &streamed).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let pieces: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(pieces, want_a);
+    let finishes = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["finish_reason"] == "length")
+        .count();
+    assert_eq!(finishes, 1, "{text}");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+
+    // Chat: the text of the same conversation over gRPC.
+    let messages = [("system", "Answer briefly."), ("user", "Name a colour.")];
+    let wire = pb::ChatInput {
+        messages: messages
+            .iter()
+            .map(|(role, content)| pb::ChatMessage {
+                role: role.to_string(),
+                content: content.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let mut chat_req = greedy(Vec::new(), 8);
+    chat_req.input = Some(pb::generate_request::Input::Chat(wire));
+    let want_chat = grpc_text(&mut grpc, chat_req).await;
+    let v = post_ok(
+        &base,
+        "/chat/completions",
+        json!({
+            "messages": messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect::<Vec<_>>(),
+            "max_tokens": 8, "temperature": 0, "ignore_eos": true,
+        }),
+    )
+    .await;
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want_chat.as_str());
+
+    // n choices with a seed: choice i is the seed + i generation; two prompts are
+    // prompt-major.
+    let v = post_ok(
+        &base,
+        "/completions",
+        json!({"prompt": b, "n": 3, "seed": 5, "temperature": 1, "max_tokens": 6, "ignore_eos": true}),
+    )
+    .await;
+    for i in 0..3 {
+        let want = grpc_text(&mut grpc, sampled(b.clone(), 6, 5 + i)).await;
+        assert_eq!(
+            v["choices"][i as usize]["text"],
+            want.as_str(),
+            "choice {i}"
+        );
+        assert_eq!(v["choices"][i as usize]["index"], i);
+    }
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        b.len(),
+        "n counts the prompt once"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 18);
+    let want_b = grpc_text(&mut grpc, greedy(b.clone(), 5)).await;
+    let v = post_ok(
+        &base,
+        "/completions",
+        json!({"prompt": [a, b], "n": 2, "temperature": 0, "max_tokens": 5, "ignore_eos": true}),
+    )
+    .await;
+    let texts: Vec<&str> = (0..4)
+        .map(|i| v["choices"][i]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts[0], texts[1]);
+    assert_eq!(texts[2], want_b);
+    assert_eq!(texts[3], want_b);
+    assert_eq!(v["usage"]["prompt_tokens"], a.len() + b.len());
+
+    // Refusals: OpenAI's error object with the status of what went wrong.
+    let (status, _) = post_err(&base, "/completions", json!("not an object")).await;
+    assert_eq!(status, 400);
+    let (status, message) = post_err(
+        &base,
+        "/completions",
+        json!({"prompt": "x", "temprature": 0.5}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(message.contains("temprature"), "{message}");
+    let (status, message) = post_err(
+        &base,
+        "/completions",
+        json!({"messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(message.contains("/v1/chat/completions"), "{message}");
+    // The same words as the gRPC API's for the same value.
+    let mut bad = greedy(vec![1, 2, 3], 4);
+    bad.sampling.as_mut().unwrap().temperature = Some(-1.0);
+    let grpc_message = grpc.generate(bad).await.unwrap_err().message().to_string();
+    let (status, message) = post_err(
+        &base,
+        "/completions",
+        json!({"prompt": [1, 2, 3], "temperature": -1}),
+    )
+    .await;
+    assert_eq!((status, message), (400, grpc_message));
+    let (status, _) = post_err(&base, "/embeddings", json!({"input": "x"})).await;
+    assert_eq!(status, 404);
+    let huge = json!({"prompt": "a".repeat(5 << 20)});
+    let (status, _) = post_err(&base, "/completions", huge).await;
+    assert_eq!(status, 413);
+    let models = http_open("GET", &base, "/models", Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    let models: Value =
+        serde_json::from_slice(&models.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(models["data"][0]["id"], "synthetic:tiny");
+
+    // A client that hangs up mid-stream: the router counts it cancelled and every block on
+    // the nodes is free again, long before its 4,000 tokens could have been generated.
+    let long = json!({
+        "prompt": spread_prompts(1, 30, 0, 5).remove(0),
+        "max_tokens": 4000, "ignore_eos": true, "stream": true,
+    });
+    let response = http_open("POST", &base, "/completions", long.to_string().into_bytes())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a first event").unwrap();
+    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
+    drop(body);
+    let metrics = cluster.router_metrics();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let e = exposition(&metrics).await.unwrap();
+        if e.sum("pd_router_requests_total", &[("outcome", "cancelled")]) >= 1.0 {
+            assert_eq!(
+                e.sum("pd_router_requests_total", &[("outcome", "length")]),
+                // Every finished request above, gRPC and HTTP (each choice is one request):
+                // a ×3, chat ×2, n=3 and its 3 gRPC twins, b, 2 prompts × n=2. Not the long one.
+                16.0,
+                "{}",
+                e.text
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hang-up was never counted"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    all_blocks_free(&cluster).await;
+}
