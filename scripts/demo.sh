@@ -24,6 +24,19 @@ prompt="$(printf 'A shared system prompt that many requests start with. %.0s' 1 
 echo "--- the same long prompt twice: the second reuses the prefill node's cache"
 gen --prompt "$prompt Question one?" --max-tokens 8 --json
 gen --prompt "$prompt Question two?" --max-tokens 8 --json
+echo "--- the same cluster through its OpenAI-compatible HTTP API (docs/openai.md)"
+openai=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["openai"])' "$dir/ready.json")
+python3 - "$openai" <<'PY'
+import json, sys, urllib.request
+body = {"messages": [{"role": "user", "content": "Write a haiku about caches"}],
+        "max_tokens": 16, "n": 2, "seed": 7}
+req = urllib.request.Request(sys.argv[1] + "/chat/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+r = json.load(urllib.request.urlopen(req))
+for c in r["choices"]:
+    print(f"choice {c['index']} ({c['finish_reason']}): {c['message']['content']!r}")
+print("usage:", json.dumps(r["usage"]))
+PY
 echo "--- what the router's /metrics says now (pd_router_*: local vs external hits per node and role)"
 # The router applies the nodes' counter reports as they arrive (on responses and its 0.5 s
 # Info polls); give the last one a moment.

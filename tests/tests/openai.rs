@@ -216,7 +216,8 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     assert_eq!(models["data"][0]["id"], "synthetic:tiny");
 
     // A client that hangs up mid-stream: the router counts it cancelled and every block on
-    // the nodes is free again, long before its 4,000 tokens could have been generated.
+    // the nodes is free again, long before its 4,000 tokens could have been generated (a
+    // generation left running would end `length` instead).
     let long = json!({
         "prompt": spread_prompts(1, 30, 0, 5).remove(0),
         "max_tokens": 4000, "ignore_eos": true, "stream": true,
@@ -229,15 +230,31 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     let first = body.frame().await.expect("a first event").unwrap();
     assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
     drop(body);
+    // And one that hangs up while waiting for a whole response.
+    let whole = json!({
+        "prompt": spread_prompts(1, 30, 0, 6).remove(0),
+        "max_tokens": 4000, "ignore_eos": true,
+    });
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        http_open(
+            "POST",
+            &base,
+            "/completions",
+            whole.to_string().into_bytes(),
+        ),
+    )
+    .await;
+    assert!(waited.is_err(), "4,000 tokens came back within 0.5 s");
     let metrics = cluster.router_metrics();
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let e = exposition(&metrics).await.unwrap();
-        if e.sum("pd_router_requests_total", &[("outcome", "cancelled")]) >= 1.0 {
+        if e.sum("pd_router_requests_total", &[("outcome", "cancelled")]) >= 2.0 {
             assert_eq!(
                 e.sum("pd_router_requests_total", &[("outcome", "length")]),
                 // Every finished request above, gRPC and HTTP (each choice is one request):
-                // a ×3, chat ×2, n=3 and its 3 gRPC twins, b, 2 prompts × n=2. Not the long one.
+                // a ×3, chat ×2, n=3 and its 3 gRPC twins, b, 2 prompts × n=2. Not the long ones.
                 16.0,
                 "{}",
                 e.text
@@ -246,7 +263,7 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the hang-up was never counted"
+            "the hang-ups were never both counted"
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
