@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Drive a live local cluster with a third-party client: Python grpcio with stubs generated
-# from proto/. Needs the workspace binaries built (target/debug).
+# Drive a live local cluster with third-party clients: Python grpcio with stubs generated
+# from proto/, and the official `openai` package against the OpenAI-compatible HTTP API.
+# Needs the workspace binaries built (target/debug).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    grpcio==1.85.3 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 >/dev/null
+    grpcio==1.85.3 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+    openai==3.60.0 >/dev/null
 cache="$(mktemp -d)"
 ready="$cache/ready.json"
 PD_CACHE_DIR="$cache" RUST_LOG=warn ./target/debug/pdctl up --model synthetic:tiny >"$ready" &
@@ -15,5 +17,10 @@ for _ in $(seq 1 600); do
     kill -0 $up 2>/dev/null || { echo "pdctl up exited before it was ready" >&2; exit 1; }
     sleep 0.2
 done
-router=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router"])' "$ready")
-python3 tests/python/client_test.py "$router"
+key() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$ready" "$1"; }
+router=$(key router)
+openai=$(key openai)
+failed=0
+python3 tests/python/client_test.py "$router" || failed=1
+python3 tests/python/openai_client_test.py "$openai" || failed=1
+exit $failed

@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use pd_engine::tokenizer::{
-    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, QWEN3_TOKENIZER_JSON, Tokenizer,
-    TokenizerError,
+    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, ChatToolCall, QWEN3_TOKENIZER_JSON,
+    Tokenizer, TokenizerError,
 };
 
 fn conversation() -> Vec<ChatMessage> {
@@ -397,5 +397,68 @@ fn a_model_template_sees_tools_in_their_own_key_order() {
     );
     for bad in ["[1]", "\"f\"", "{", ""] {
         assert!(ChatTool::from_json(bad).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn assistant_tool_calls_render_as_jinja2_renders_them() {
+    // CALLS / CALLS_RENDERED in tools/tokenizer/verify_against_tiktoken.py: the same text
+    // from Python's Jinja2. Arguments as OpenAI's JSON text, then as an object.
+    let tok = Tokenizer::qwen3().unwrap();
+    let mut assistant = ChatMessage::new(ChatRole::Assistant, "");
+    assistant.tool_calls = vec![
+        ChatToolCall::from_json(
+            r#"{"id": "c1", "type": "function", "function": {"name": "get_weather",
+                "arguments": "{\"city\": \"Paris\"}"}}"#,
+        )
+        .unwrap(),
+        ChatToolCall::from_json(
+            r#"{"type": "function", "function": {"name": "get_weather",
+                "arguments": {"city": "Lyon"}}}"#,
+        )
+        .unwrap(),
+    ];
+    let messages = vec![
+        ChatMessage::new(ChatRole::User, "Weather in Paris and Lyon?"),
+        assistant,
+        ChatMessage::new(ChatRole::Tool, "18"),
+    ];
+    assert_eq!(
+        tok.apply_chat_template(&messages, true).unwrap(),
+        "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n<|im_start|>assistant\n\
+         <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
+         </tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \
+         \"Lyon\"}}\n</tool_call><|im_end|>\n<|im_start|>tool\n18<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    // A model's own template sees them as `message.tool_calls`, keys in their order.
+    let template = "{%- for m in messages -%}{%- for c in m.tool_calls or [] -%}\
+        {{ c.function.name }}:{{ c.function.arguments is string }}:{{ c | tojson }};\
+        {%- endfor -%}{%- endfor -%}";
+    let dir = model_dir(&[("tokenizer_config.json", &config_with_template(template))]);
+    let custom = Tokenizer::from_dir(dir.path()).unwrap();
+    assert_eq!(
+        custom.apply_chat_template(&messages, false).unwrap(),
+        "get_weather:True:{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": \
+         \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Paris\\\"}\"}};\
+         get_weather:False:{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \
+         \"arguments\": {\"city\": \"Lyon\"}}};"
+    );
+}
+
+#[test]
+fn malformed_tool_calls_are_refused_with_what_is_missing() {
+    for (json, want) in [
+        ("[1]", "JSON object"),
+        (r#"{"function": {"arguments": "{}"}}"#, "string `name`"),
+        (r#"{"function": {"name": "f"}}"#, "`arguments`"),
+        (
+            r#"{"function": {"name": "f", "arguments": 3}}"#,
+            "`arguments`",
+        ),
+        ("{", "not valid JSON"),
+    ] {
+        let err = ChatToolCall::from_json(json).unwrap_err();
+        assert!(err.contains(want), "{json}: {err}");
     }
 }

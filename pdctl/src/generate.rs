@@ -61,11 +61,13 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
             messages.push(pb::ChatMessage {
                 role: "system".into(),
                 content: system.clone(),
+                ..Default::default()
             });
         }
         messages.push(pb::ChatMessage {
             role: "user".into(),
             content: args.chat.clone().unwrap_or_default(),
+            ..Default::default()
         });
         Input::Chat(pb::ChatInput {
             messages,

@@ -373,15 +373,9 @@ fn jobs(args: &RunArgs, files: &ModelFiles) -> anyhow::Result<Vec<Job>> {
     if let Some(text) = &args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
-            messages.push(ChatMessage {
-                role: ChatRole::System,
-                content: system.clone(),
-            });
+            messages.push(ChatMessage::new(ChatRole::System, system.clone()));
         }
-        messages.push(ChatMessage {
-            role: ChatRole::User,
-            content: text.clone(),
-        });
+        messages.push(ChatMessage::new(ChatRole::User, text.clone()));
         let tools = match &args.tools {
             Some(path) => crate::tools::read(path)?
                 .iter()

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use crate::discovery::DnsTarget;
+pub use crate::openai::parse::{ReasoningParser, ToolCallParser};
 use crate::registry::NodeRole;
 
 /// Which prefill node a request goes to (decode nodes are always chosen by load).
@@ -53,6 +54,10 @@ pub struct RouterConfig {
     /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
     /// `PD_ROUTER_REPORT_FAULTS`, see [`crate::metrics::faults`]).
     pub report_faults: Option<crate::metrics::FaultSpec>,
+    /// The HTTP API's chat answers: reasoning read out as `reasoning_content`.
+    pub reasoning_parser: Option<ReasoningParser>,
+    /// The HTTP API's chat answers: tool calls read out as `tool_calls` (requests with tools).
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl RouterConfig {
@@ -74,6 +79,8 @@ impl RouterConfig {
             node_timeout: Duration::from_secs(120),
             prefix_index_blocks: 65_536,
             report_faults: None,
+            reasoning_parser: None,
+            tool_call_parser: None,
         }
     }
 }
@@ -211,6 +218,27 @@ pub struct RouterArgs {
     /// min(this, context length − prompt length).
     #[arg(long, env = "PD_MAX_TOKENS_CAP", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Requests")]
     pub max_tokens_cap: u32,
+
+    /// HTTP chat completions: read a `<think>` block at the start of the answer out as
+    /// `reasoning_content` (vLLM's `--reasoning-parser qwen3`). Unset: it stays in `content`.
+    #[arg(
+        long,
+        env = "PD_REASONING_PARSER",
+        value_enum,
+        help_heading = "Requests"
+    )]
+    pub reasoning_parser: Option<ReasoningParser>,
+
+    /// HTTP chat completions of requests with tools: read `<tool_call>` blocks out as
+    /// `tool_calls`, finish reason `tool_calls` (vLLM's `--tool-call-parser hermes`). Unset:
+    /// they stay in `content`.
+    #[arg(
+        long,
+        env = "PD_TOOL_CALL_PARSER",
+        value_enum,
+        help_heading = "Requests"
+    )]
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl RouterArgs {
@@ -238,6 +266,8 @@ impl RouterArgs {
             health_interval: Duration::from_millis(self.health_interval_ms),
             health_timeout: Duration::from_millis(self.health_timeout_ms),
             max_message_bytes: self.max_message_bytes,
+            reasoning_parser: self.reasoning_parser,
+            tool_call_parser: self.tool_call_parser,
             request_timeout: self.request_timeout,
             node_timeout: self.node_timeout,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),

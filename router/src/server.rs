@@ -234,7 +234,12 @@ impl Router {
         // The HTTP API stops taking requests with the gRPC API and drains on its own.
         let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
         let http = http_listener.map(|listener| {
-            let api = openai::Api::new(metered.clone(), shared.clone());
+            let api = openai::Api::new(
+                metered.clone(),
+                shared.clone(),
+                config.reasoning_parser,
+                config.tool_call_parser,
+            );
             let mut stopped = http_stopped.clone();
             let max_body = config.max_message_bytes;
             tokio::spawn(async move {

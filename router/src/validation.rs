@@ -11,8 +11,9 @@
 //!   when the request is registered (`crate::service`), also as INVALID_ARGUMENT.
 //! - Exactly one input: `text` (tokenized raw), `chat` (rendered with the model's chat
 //!   template with the generation prompt, then tokenized; roles must be system / user /
-//!   assistant / tool, tools at most [`MAX_CHAT_TOOLS`] JSON objects, and the template may
-//!   refuse a conversation) or `token_ids`.
+//!   assistant / tool, tools at most [`MAX_CHAT_TOOLS`] JSON objects, a message's tool calls
+//!   at most [`MAX_TOOL_CALLS`] JSON objects with a function name and arguments, and the
+//!   template may refuse a conversation) or `token_ids`.
 //! - `truncate_prompt_tokens`, when set, is 1 to the context length; the prompt keeps its
 //!   last that many tokens.
 //! - `bad_words` (at most [`MAX_BAD_WORDS`]) are tokenized into the sampling parameters'
@@ -32,7 +33,8 @@ use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{MAX_BAD_WORDS, SamplingError, SamplingParams, bad_words_token_ids};
 use pd_engine::tokenizer::{
-    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, MAX_CHAT_TOOLS, Tokenizer,
+    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, ChatToolCall, MAX_CHAT_TOOLS,
+    MAX_TOOL_CALLS, Tokenizer,
 };
 use pd_proto::pb;
 use tonic::Status;
@@ -110,6 +112,17 @@ pub enum ValidationError {
     BadTool { index: usize, message: String },
     #[error("chat.tools has {0} tools; at most {max} are accepted", max = MAX_CHAT_TOOLS)]
     TooManyTools(usize),
+    #[error("chat.messages[{index}].tool_calls[{call}]: {message}")]
+    BadToolCall {
+        index: usize,
+        call: usize,
+        message: String,
+    },
+    #[error(
+        "chat.messages[{index}] has {count} tool calls; at most {max} are accepted",
+        max = MAX_TOOL_CALLS
+    )]
+    TooManyToolCalls { index: usize, count: usize },
     #[error("the chat template refused the conversation: {0}")]
     ChatTemplate(String),
     #[error("cannot tokenize the prompt: {0}")]
@@ -269,12 +282,36 @@ impl Validator {
                     .messages
                     .into_iter()
                     .enumerate()
-                    .map(|(index, m)| match m.role.parse::<ChatRole>() {
-                        Ok(role) => Ok(ChatMessage::new(role, m.content)),
-                        Err(_) => Err(ValidationError::UnknownChatRole {
-                            index,
-                            role: m.role,
-                        }),
+                    .map(|(index, m)| {
+                        let role = m.role.parse::<ChatRole>().map_err(|_| {
+                            ValidationError::UnknownChatRole {
+                                index,
+                                role: m.role.clone(),
+                            }
+                        })?;
+                        if m.tool_calls.len() > MAX_TOOL_CALLS {
+                            return Err(ValidationError::TooManyToolCalls {
+                                index,
+                                count: m.tool_calls.len(),
+                            });
+                        }
+                        let tool_calls = m
+                            .tool_calls
+                            .iter()
+                            .enumerate()
+                            .map(|(call, json)| {
+                                ChatToolCall::from_json(json).map_err(|message| {
+                                    ValidationError::BadToolCall {
+                                        index,
+                                        call,
+                                        message,
+                                    }
+                                })
+                            })
+                            .collect::<Result<Vec<_>, _>>()?;
+                        let mut message = ChatMessage::new(role, m.content);
+                        message.tool_calls = tool_calls;
+                        Ok(message)
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 if chat.tools.len() > MAX_CHAT_TOOLS {

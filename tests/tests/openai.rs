@@ -114,6 +114,7 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
             .map(|(role, content)| pb::ChatMessage {
                 role: role.to_string(),
                 content: content.to_string(),
+                ..Default::default()
             })
             .collect(),
         ..Default::default()

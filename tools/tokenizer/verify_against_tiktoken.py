@@ -424,6 +424,23 @@ TOOLS_RENDERED = (
     "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
 )
 
+# An assistant turn's tool calls (arguments as OpenAI's JSON text, then as an object), and the
+# tool's answer (engine/tests/chat_template.rs expects the same text).
+CALLS = [
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}},
+    ]},
+    {"role": "tool", "content": "18"},
+]
+CALLS_RENDERED = (
+    "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n<|im_start|>assistant\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n'
+    "<|im_start|>tool\n18<|im_end|>\n<|im_start|>assistant\n"
+)
+
 
 def check_chat_template(config_path: Path) -> int:
     """Render the committed chat template with Jinja2 (as transformers would)."""
@@ -457,6 +474,13 @@ def check_chat_template(config_path: Path) -> int:
         ),
         # With tools (engine/tests/chat_template.rs expects the same text).
         (dict(messages=msgs, add_generation_prompt=True, tools=[TOOL]), TOOLS_RENDERED),
+        (dict(messages=CALLS, add_generation_prompt=True), CALLS_RENDERED),
+        # Content before the calls: a newline between them.
+        (
+            dict(messages=[{"role": "assistant", "content": "Checking.", "tool_calls": CALLS[1]["tool_calls"][1:]}]),
+            '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}'
+            "\n</tool_call><|im_end|>\n",
+        ),
     ]
     failures = 0
     for kwargs, expected in cases:

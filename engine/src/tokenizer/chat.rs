@@ -77,10 +77,14 @@ impl FromStr for ChatRole {
 }
 
 /// One message of a conversation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatMessage {
     pub role: ChatRole,
     pub content: String,
+    /// The calls an assistant turn made (`message.tool_calls` in the template; absent when
+    /// there are none, as in transformers' messages).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ChatToolCall>,
 }
 
 impl ChatMessage {
@@ -88,7 +92,48 @@ impl ChatMessage {
         ChatMessage {
             role,
             content: content.into(),
+            tool_calls: Vec::new(),
         }
+    }
+}
+
+/// Most tool calls one message may carry.
+pub const MAX_TOOL_CALLS: usize = 128;
+
+/// One call an assistant turn made, as OpenAI's API carries it back in a conversation:
+/// `{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}`, the
+/// arguments a JSON text (OpenAI's shape) or an object (transformers'), kept in its own key
+/// order for the template.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct ChatToolCall(Value);
+
+impl ChatToolCall {
+    /// Parses one call: a JSON object whose `function` (or, flat, itself) has a string
+    /// `name` and `arguments` that are a string or an object.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("not valid JSON: {e}"))?;
+        let call = value
+            .get("function")
+            .unwrap_or(&value)
+            .as_object()
+            .ok_or("a tool call must be a JSON object with a `function` object")?;
+        if !call.get("name").is_some_and(serde_json::Value::is_string) {
+            return Err("a tool call's function needs a string `name`".into());
+        }
+        match call.get("arguments") {
+            Some(serde_json::Value::String(_) | serde_json::Value::Object(_)) => {}
+            _ => {
+                return Err(
+                    "a tool call's function needs `arguments`: a JSON object or its text".into(),
+                );
+            }
+        }
+        // Parsed again as the template's value, the way tools are, to keep the key order.
+        let value: Value =
+            serde_json::from_str(json).map_err(|e| format!("not valid JSON: {e}"))?;
+        Ok(ChatToolCall(value))
     }
 }
 

@@ -21,7 +21,10 @@ mod config;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-pub use chat::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, MAX_CHAT_TOOLS};
+pub use chat::{
+    ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, ChatToolCall, MAX_CHAT_TOOLS,
+    MAX_TOOL_CALLS,
+};
 use chat::{ChatTemplate, TemplateOrigin};
 use config::TokenizerConfig;
 

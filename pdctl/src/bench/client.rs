@@ -106,6 +106,7 @@ pub fn wire_request(
                 .map(|m| pb::ChatMessage {
                     role: m.role.as_str().into(),
                     content: m.content.clone(),
+                    ..Default::default()
                 })
                 .collect(),
             enable_thinking: None,

@@ -12,9 +12,10 @@
 //! of the gRPC code ([`http_status`]); an error after a stream started is one `data:` event
 //! carrying that object, followed by `data: [DONE]`.
 //!
-//! Not here: tool-call and reasoning parsing (the model's `<tool_call>` and `<think>` blocks
-//! stay in the text), `tool_calls` in request messages, images and audio.
+//! Chat answers are read for reasoning and tool calls when the router runs with
+//! `--reasoning-parser` / `--tool-call-parser` ([`parse`]). Not here: images and audio.
 
+pub mod parse;
 pub mod request;
 pub mod response;
 mod run;
@@ -44,11 +45,25 @@ const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 pub(crate) struct Api {
     generation: MeteredGeneration,
     shared: Arc<Shared>,
+    /// `--reasoning-parser` is set.
+    reasoning: bool,
+    /// `--tool-call-parser` is set.
+    tools: bool,
 }
 
 impl Api {
-    pub fn new(generation: MeteredGeneration, shared: Arc<Shared>) -> Self {
-        Self { generation, shared }
+    pub fn new(
+        generation: MeteredGeneration,
+        shared: Arc<Shared>,
+        reasoning: Option<parse::ReasoningParser>,
+        tools: Option<parse::ToolCallParser>,
+    ) -> Self {
+        Self {
+            generation,
+            shared,
+            reasoning: reasoning.is_some(),
+            tools: tools.is_some(),
+        }
     }
 }
 

@@ -115,8 +115,14 @@ struct Message {
     /// for it).
     #[allow(dead_code)]
     name: Option<String>,
-    tool_calls: Option<Value>,
+    tool_calls: Option<Vec<Value>>,
+    /// Which call a tool message answers: accepted, not rendered (Qwen3's template answers
+    /// calls in order).
     tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as this API returned it: accepted and not rendered
+    /// (Qwen3's template drops earlier turns' reasoning).
+    #[allow(dead_code)]
+    reasoning_content: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -185,6 +191,8 @@ pub struct Plan {
     pub logprobs: Option<u32>,
     /// The client asked for `prompt_logprobs` (vLLM's field on each choice).
     pub prompt_logprobs: bool,
+    /// Chat with tools the model may call (`tool_choice` not `none`).
+    pub tools: bool,
     /// The generations, prompt-major: generation `i` is choice `i` (prompt `i / n`).
     pub requests: Vec<pb::GenerateRequest>,
 }
@@ -330,6 +338,9 @@ impl Body {
             echo,
             logprobs,
             prompt_logprobs: self.prompt_logprobs.is_some(),
+            tools: chat
+                && self.tools.as_ref().is_some_and(|t| !t.is_empty())
+                && self.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
             requests,
         })
     }
@@ -640,10 +651,15 @@ impl Message {
         } else {
             self.role.clone()
         };
-        if self.tool_calls.as_ref().is_some_and(|c| !c.is_null()) {
+        let tool_calls: Vec<String> = self
+            .tool_calls
+            .iter()
+            .flatten()
+            .map(Value::to_string)
+            .collect();
+        if !tool_calls.is_empty() && role != "assistant" {
             return Err(bad(format!(
-                "messages[{index}].tool_calls is not supported yet: send the model's calls back \
-                 as the assistant's content, as it wrote them"
+                "messages[{index}].tool_calls is only for role \"assistant\""
             )));
         }
         if self.tool_call_id.is_some() && role != "tool" {
@@ -682,7 +698,11 @@ impl Message {
                 )));
             }
         };
-        Ok(pb::ChatMessage { role, content })
+        Ok(pb::ChatMessage {
+            role,
+            content,
+            tool_calls,
+        })
     }
 }
 
@@ -886,8 +906,18 @@ mod tests {
         );
         let image = json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]});
         assert!(refused(chat(image)).contains("only text"));
-        let calls = json!({"messages": [{"role": "assistant", "tool_calls": [{}]}]});
-        assert!(refused(chat(calls)).contains("tool_calls"));
+        let calls = json!({"messages": [{"role": "user", "tool_calls": [{}]}]});
+        assert!(refused(chat(calls)).contains("only for role \"assistant\""));
+        let call =
+            json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}});
+        let calls = json!({"messages": [
+            {"role": "assistant", "content": null, "tool_calls": [call], "reasoning_content": "r"},
+        ]});
+        let Some(pb::generate_request::Input::Chat(c)) = &chat(calls).unwrap().requests[0].input
+        else {
+            panic!("chat input");
+        };
+        assert_eq!(c.messages[0].tool_calls, [call.to_string()]);
         let required = json!({"messages": [], "tool_choice": "required"});
         assert!(refused(chat(required)).contains("tool_choice"));
         let kwargs = json!({"messages": [], "chat_template_kwargs": {"foo": 1}});

@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
+use super::parse::{AnswerParser, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
@@ -102,6 +103,8 @@ pub(super) async fn handle(
             endpoint,
         },
         tokenizer: api.shared.model.tokenizer().clone(),
+        reasoning: endpoint == Endpoint::ChatCompletions && api.reasoning,
+        tools: api.tools && plan.tools,
         echo: plan
             .prompts
             .iter()
@@ -152,6 +155,10 @@ async fn start(
 struct Output {
     header: Header,
     tokenizer: Tokenizer,
+    /// Chat answers are read for reasoning (`--reasoning-parser`).
+    reasoning: bool,
+    /// Chat answers are read for tool calls (`--tool-call-parser` and tools in the request).
+    tools: bool,
     /// Per prompt, the token ids to echo (empty without echo).
     echo: Vec<Vec<u32>>,
     plan: Plan,
@@ -161,6 +168,8 @@ struct Output {
 #[derive(Debug, Default)]
 struct Choice {
     text: String,
+    /// Streamed chat answers read for reasoning or tool calls.
+    parser: Option<AnswerParser>,
     logprobs: Vec<pb::Logprob>,
     prompt_logprobs: Vec<pb::Logprob>,
     finish: Option<(&'static str, Value)>,
@@ -219,19 +228,80 @@ impl Output {
                     "stop_reason": stop_reason,
                 })
             }
-            Endpoint::ChatCompletions => json!({
-                "index": index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.chat_logprobs(&c.logprobs),
-                "finish_reason": reason,
-                "stop_reason": stop_reason,
-            }),
+            Endpoint::ChatCompletions => {
+                let (message, reason) = if self.parses() {
+                    let parsed = AnswerParser::parse_all(self.reasoning, self.tools, &c.text);
+                    let reason = self.chat_finish(reason, !parsed.calls.is_empty());
+                    let mut message = json!({
+                        "role": "assistant",
+                        "content": if parsed.content.is_empty() && !parsed.calls.is_empty() {
+                            Value::Null
+                        } else {
+                            json!(parsed.content)
+                        },
+                    });
+                    if self.reasoning {
+                        message["reasoning_content"] = if parsed.reasoning.is_empty() {
+                            Value::Null
+                        } else {
+                            json!(parsed.reasoning)
+                        };
+                    }
+                    if !parsed.calls.is_empty() {
+                        message["tool_calls"] = self.tool_calls(index, 0, &parsed.calls, false);
+                    }
+                    (message, reason)
+                } else {
+                    (json!({"role": "assistant", "content": c.text}), reason)
+                };
+                json!({
+                    "index": index,
+                    "message": message,
+                    "logprobs": self.chat_logprobs(&c.logprobs),
+                    "finish_reason": reason,
+                    "stop_reason": stop_reason,
+                })
+            }
         };
         if self.plan.prompt_logprobs {
             value["prompt_logprobs"] =
                 response::prompt_logprobs(&self.tokenizer, &c.prompt_logprobs);
         }
         value
+    }
+
+    /// Whether chat answers are parsed at all.
+    fn parses(&self) -> bool {
+        self.reasoning || self.tools
+    }
+
+    /// A chat answer that stopped by itself after calling tools finishes with `tool_calls`.
+    fn chat_finish(&self, reason: &'static str, called: bool) -> &'static str {
+        if called && reason == "stop" {
+            "tool_calls"
+        } else {
+            reason
+        }
+    }
+
+    /// OpenAI's `tool_calls` of choice `index`, numbered from `first`; a stream's carry their
+    /// `index`.
+    fn tool_calls(&self, index: usize, first: usize, calls: &[ToolCall], streamed: bool) -> Value {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| {
+                let mut value = json!({
+                    "id": format!("call-{}-{index}.{}", self.plan.id, first + k),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                });
+                if streamed {
+                    value["index"] = json!(first + k);
+                }
+                value
+            })
+            .collect()
     }
 
     fn chat_logprobs(&self, entries: &[pb::Logprob]) -> Value {
@@ -285,14 +355,41 @@ impl Output {
                 })
             }
             Endpoint::ChatCompletions => {
-                if text.is_empty() && chunk.logprobs.is_empty() && finish.is_none() {
+                let mut delta = serde_json::Map::new();
+                let mut reason = reason;
+                if self.parses() {
+                    let parser = c
+                        .parser
+                        .get_or_insert_with(|| AnswerParser::new(self.reasoning, self.tools));
+                    let before = parser.calls();
+                    let mut parsed = parser.push(&text);
+                    if finish.is_some() {
+                        let rest = parser.finish();
+                        parsed.reasoning.push_str(&rest.reasoning);
+                        parsed.content.push_str(&rest.content);
+                        parsed.calls.extend(rest.calls);
+                    }
+                    if !parsed.reasoning.is_empty() {
+                        delta.insert("reasoning_content".into(), json!(parsed.reasoning));
+                    }
+                    if !parsed.content.is_empty() {
+                        delta.insert("content".into(), json!(parsed.content));
+                    }
+                    if !parsed.calls.is_empty() {
+                        delta.insert(
+                            "tool_calls".into(),
+                            self.tool_calls(index, before, &parsed.calls, true),
+                        );
+                    }
+                    if let Some((r, _)) = &finish {
+                        reason = json!(self.chat_finish(r, parser.calls() > 0));
+                    }
+                } else if !text.is_empty() {
+                    delta.insert("content".into(), json!(text));
+                }
+                if delta.is_empty() && chunk.logprobs.is_empty() && finish.is_none() {
                     return None;
                 }
-                let delta = if text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": text})
-                };
                 json!({
                     "index": index,
                     "delta": delta,

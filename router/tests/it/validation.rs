@@ -33,6 +33,7 @@ fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
                 .map(|(role, content)| pb::ChatMessage {
                     role: role.to_string(),
                     content: content.to_string(),
+                    ..Default::default()
                 })
                 .collect(),
             enable_thinking: Some(false),

@@ -1,0 +1,396 @@
+//! A chat answer's structure, read out of its text as it streams: Qwen3's reasoning (a
+//! `<think>` … `</think>` block at the very start: `--reasoning-parser qwen3`) and
+//! Hermes-style tool calls (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`, any
+//! number: `--tool-call-parser hermes`), as vLLM's parsers of those names read them.
+//!
+//! Text that may be the start of a tag is held back until the next piece decides it, so a tag
+//! split across chunks is still found; a whole answer parsed at once gives the same result as
+//! the same answer streamed in any pieces. A tool call is reported whole, once its closing
+//! tag (or the end of the answer) arrives; a block whose JSON is not a call stays in the
+//! content as written. Newlines just inside the think block and after it are dropped (the
+//! template writes them), and so is white space next to tool calls.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+const THINK_START: &str = "<think>";
+const THINK_END: &str = "</think>";
+const CALL_START: &str = "<tool_call>";
+const CALL_END: &str = "</tool_call>";
+
+/// `--reasoning-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReasoningParser {
+    /// A `<think>` block at the start is `reasoning_content`.
+    Qwen3,
+}
+
+/// `--tool-call-parser`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToolCallParser {
+    /// `<tool_call>` blocks of JSON `{"name", "arguments"}` are `tool_calls`.
+    Hermes,
+}
+
+/// One call the model made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments' JSON text as the model wrote it.
+    pub arguments: String,
+}
+
+/// What a piece of the answer added.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Parsed {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<ToolCall>,
+}
+
+impl Parsed {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty()
+    }
+
+    fn append(&mut self, other: Parsed) {
+        self.reasoning.push_str(&other.reasoning);
+        self.content.push_str(&other.content);
+        self.calls.extend(other.calls);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Nothing decided yet: the answer may open with `<think>`.
+    Start,
+    Reasoning,
+    Content,
+    Call,
+}
+
+/// One answer's parser.
+#[derive(Debug, Clone)]
+pub struct AnswerParser {
+    tools: bool,
+    mode: Mode,
+    /// Text not yet given out: a possible tag's start, held white space, an open call.
+    pending: String,
+    calls: usize,
+    /// A call ended and no content followed yet: white space here is dropped.
+    after_call: bool,
+    /// Just inside or after the think block: newlines here are dropped.
+    skip_newlines: bool,
+}
+
+/// The call inside a `<tool_call>` block.
+#[derive(Deserialize)]
+struct CallJson<'a> {
+    name: String,
+    #[serde(borrow)]
+    arguments: Option<&'a RawValue>,
+}
+
+/// Length of the longest end of `text` that begins `tag` (and is not all of it).
+fn partial_tag(text: &str, tag: &str) -> usize {
+    (1..tag.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+fn parse_call(body: &str) -> Option<ToolCall> {
+    let call: CallJson<'_> = serde_json::from_str(body.trim()).ok()?;
+    Some(ToolCall {
+        name: call.name,
+        arguments: call
+            .arguments
+            .map_or_else(|| "{}".to_string(), |a| a.get().to_string()),
+    })
+}
+
+impl AnswerParser {
+    /// A parser reading reasoning when `reasoning`, tool calls when `tools`.
+    pub fn new(reasoning: bool, tools: bool) -> Self {
+        Self {
+            tools,
+            mode: if reasoning {
+                Mode::Start
+            } else {
+                Mode::Content
+            },
+            pending: String::new(),
+            calls: 0,
+            after_call: false,
+            skip_newlines: false,
+        }
+    }
+
+    /// Calls found so far.
+    pub fn calls(&self) -> usize {
+        self.calls
+    }
+
+    /// Feeds the next piece of text; returns what it decided.
+    pub fn push(&mut self, text: &str) -> Parsed {
+        self.pending.push_str(text);
+        let mut out = Parsed::default();
+        loop {
+            let before = (self.mode, self.pending.len());
+            self.step(&mut out);
+            if (self.mode, self.pending.len()) == before {
+                return out;
+            }
+        }
+    }
+
+    /// The end of the answer: gives out everything held.
+    pub fn finish(&mut self) -> Parsed {
+        let mut out = Parsed::default();
+        let rest = std::mem::take(&mut self.pending);
+        match self.mode {
+            Mode::Start | Mode::Content => {
+                if self.calls == 0 {
+                    out.content = rest;
+                } else if !rest.trim().is_empty() {
+                    out.content = if self.after_call {
+                        rest.trim_start().to_string()
+                    } else {
+                        rest
+                    };
+                }
+            }
+            Mode::Reasoning => out.reasoning = rest.trim_end_matches('\n').to_string(),
+            // An unclosed call at the end: still a call if its JSON is whole.
+            Mode::Call => match parse_call(&rest) {
+                Some(call) => {
+                    self.calls += 1;
+                    out.calls.push(call);
+                }
+                None => out.content = format!("{CALL_START}{rest}"),
+            },
+        }
+        self.mode = Mode::Content;
+        out
+    }
+
+    /// Moves as far as the pending text allows in the current mode.
+    fn step(&mut self, out: &mut Parsed) {
+        if self.skip_newlines && matches!(self.mode, Mode::Reasoning | Mode::Content) {
+            let cut = self.pending.len() - self.pending.trim_start_matches('\n').len();
+            self.pending.drain(..cut);
+            self.skip_newlines = self.pending.is_empty();
+        }
+        match self.mode {
+            Mode::Start => {
+                if let Some(rest) = self.pending.strip_prefix(THINK_START) {
+                    self.pending = rest.to_string();
+                    self.mode = Mode::Reasoning;
+                    self.skip_newlines = true;
+                } else if !THINK_START.starts_with(self.pending.as_str()) {
+                    self.mode = Mode::Content;
+                }
+            }
+            Mode::Reasoning => {
+                if let Some(at) = self.pending.find(THINK_END) {
+                    out.reasoning
+                        .push_str(self.pending[..at].trim_end_matches('\n'));
+                    self.pending.drain(..at + THINK_END.len());
+                    self.mode = Mode::Content;
+                    self.skip_newlines = true;
+                } else {
+                    // Hold a possible `</think>` start and the newlines before it.
+                    let held = partial_tag(&self.pending, THINK_END);
+                    let keep = self.pending[..self.pending.len() - held]
+                        .trim_end_matches('\n')
+                        .len();
+                    out.reasoning.push_str(&self.pending[..keep]);
+                    self.pending.drain(..keep);
+                }
+            }
+            Mode::Content if !self.tools => {
+                out.content.push_str(&self.pending);
+                self.pending.clear();
+            }
+            Mode::Content => {
+                if let Some(at) = self.pending.find(CALL_START) {
+                    let mut before = self.pending[..at].trim_end();
+                    if self.after_call {
+                        before = before.trim_start();
+                    }
+                    out.content.push_str(before);
+                    self.pending.drain(..at + CALL_START.len());
+                    self.mode = Mode::Call;
+                } else {
+                    // Hold a possible `<tool_call>` start and the white space before it: it
+                    // is dropped if a call follows.
+                    let held = partial_tag(&self.pending, CALL_START);
+                    let keep = self.pending[..self.pending.len() - held].trim_end().len();
+                    if keep > 0 {
+                        let piece = &self.pending[..keep];
+                        out.content.push_str(if self.after_call {
+                            piece.trim_start()
+                        } else {
+                            piece
+                        });
+                        self.after_call = false;
+                        self.pending.drain(..keep);
+                    }
+                }
+            }
+            Mode::Call => {
+                if let Some(at) = self.pending.find(CALL_END) {
+                    let body = self.pending[..at].to_string();
+                    self.pending.drain(..at + CALL_END.len());
+                    self.mode = Mode::Content;
+                    match parse_call(&body) {
+                        Some(call) => {
+                            self.calls += 1;
+                            self.after_call = true;
+                            out.calls.push(call);
+                        }
+                        None => {
+                            self.after_call = false;
+                            out.content
+                                .push_str(&format!("{CALL_START}{body}{CALL_END}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Parses a whole answer.
+    pub fn parse_all(reasoning: bool, tools: bool, text: &str) -> Parsed {
+        let mut parser = Self::new(reasoning, tools);
+        let mut out = parser.push(text);
+        out.append(parser.finish());
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// The answer parsed whole, and streamed one character (and one byte-sized piece) at a
+    /// time: all three agree.
+    fn parse(reasoning: bool, tools: bool, text: &str) -> Parsed {
+        let whole = AnswerParser::parse_all(reasoning, tools, text);
+        let mut parser = AnswerParser::new(reasoning, tools);
+        let mut streamed = Parsed::default();
+        for c in text.chars() {
+            streamed.append(parser.push(&c.to_string()));
+        }
+        streamed.append(parser.finish());
+        assert_eq!(streamed, whole, "streamed by character: {text:?}");
+        for size in [2, 3, 5, 7] {
+            let mut parser = AnswerParser::new(reasoning, tools);
+            let mut pieces = Parsed::default();
+            let chars: Vec<char> = text.chars().collect();
+            for chunk in chars.chunks(size) {
+                pieces.append(parser.push(&chunk.iter().collect::<String>()));
+            }
+            pieces.append(parser.finish());
+            assert_eq!(pieces, whole, "streamed in pieces of {size}: {text:?}");
+        }
+        whole
+    }
+
+    #[test]
+    fn reasoning_is_the_opening_think_block() {
+        let p = parse(
+            true,
+            false,
+            "<think>\nLet me see.\n2+2=4.\n</think>\n\nIt is 4.",
+        );
+        assert_eq!(p.reasoning, "Let me see.\n2+2=4.");
+        assert_eq!(p.content, "It is 4.");
+        // Thinking off (the template wrote an empty block into the prompt): all content.
+        let p = parse(true, false, "It is 4. <think> is a tag.");
+        assert_eq!(
+            (p.reasoning.as_str(), p.content.as_str()),
+            ("", "It is 4. <think> is a tag.")
+        );
+        // Cut off while thinking: all reasoning so far.
+        let p = parse(true, false, "<think>\nStill going\n");
+        assert_eq!(
+            (p.reasoning.as_str(), p.content.as_str()),
+            ("Still going", "")
+        );
+        // Without the parser, the tags are text.
+        let p = parse(false, false, "<think>x</think>y");
+        assert_eq!(p.content, "<think>x</think>y");
+        // A near-tag at the start is content once it stops matching.
+        assert_eq!(parse(true, false, "<thin").content, "<thin");
+        assert_eq!(parse(true, false, "<thinking>").content, "<thinking>");
+    }
+
+    #[test]
+    fn tool_calls_are_read_whole_and_keep_their_arguments_text() {
+        let text = "<think>\nNeed weather.\n</think>\n\nChecking both.\n<tool_call>\n\
+                    {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+                    <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lyon\", \"n\": [1, 2]}}\n\
+                    </tool_call>";
+        let p = parse(true, true, text);
+        assert_eq!(p.reasoning, "Need weather.");
+        assert_eq!(p.content, "Checking both.");
+        assert_eq!(
+            p.calls,
+            [
+                call("get_weather", r#"{"city": "Paris"}"#),
+                call("get_weather", r#"{"city": "Lyon", "n": [1, 2]}"#)
+            ]
+        );
+        // Only calls: no content at all; an unclosed last call whose JSON is whole counts.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>{\"name\": \"g\"}",
+        );
+        assert_eq!(p.content, "");
+        assert_eq!(p.calls, [call("f", "{}"), call("g", "{}")]);
+    }
+
+    #[test]
+    fn blocks_that_are_not_calls_stay_text() {
+        let p = parse(false, true, "a <tool_call>not json</tool_call> b");
+        assert_eq!(p.content, "a<tool_call>not json</tool_call> b");
+        assert!(p.calls.is_empty());
+        let p = parse(false, true, "x <tool_call>{\"name\": \"f\"");
+        assert_eq!(p.content, "x<tool_call>{\"name\": \"f\"");
+        // Without tools in the request, a well-formed block is text too.
+        let p = parse(false, false, "<tool_call>{\"name\": \"f\"}</tool_call>");
+        assert_eq!(p.content, "<tool_call>{\"name\": \"f\"}</tool_call>");
+        // White space is kept when no call follows.
+        assert_eq!(parse(false, true, "a  \n").content, "a  \n");
+        assert_eq!(parse(false, true, "<tool").content, "<tool");
+    }
+
+    #[test]
+    fn held_text_waits_for_the_piece_that_decides_it() {
+        let mut p = AnswerParser::new(true, true);
+        assert!(p.push("<thi").is_empty());
+        assert!(p.push("nk>Hm").reasoning == "Hm");
+        assert!(p.push("</thi").is_empty());
+        let out = p.push("nk>Yes <tool_");
+        assert_eq!(out.content, "Yes");
+        assert!(
+            p.push("call>{\"name\": \"f\", \"arguments\": {}}")
+                .is_empty()
+        );
+        let out = p.push("</tool_call>");
+        assert_eq!(out.calls, [call("f", "{}")]);
+        assert_eq!(p.calls(), 1);
+        assert!(p.finish().is_empty());
+    }
+}
