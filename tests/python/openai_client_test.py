@@ -245,9 +245,6 @@ def main():
     def errors():
         cases = {
             "temperature=-1": lambda: complete(prompt="x", max_tokens=2, temperature=-1),
-            "unknown model": lambda: client.completions.create(
-                model="no-such-model", prompt="x", max_tokens=2
-            ),
             "unknown field": lambda: complete(
                 prompt="x", max_tokens=2, extra_body={"temprature": 1}
             ),
@@ -266,6 +263,14 @@ def main():
                 messages[name] = message
             else:
                 raise AssertionError(f"{name} was accepted: {r}")
+        # An unknown model is 404 (NotFoundError), as OpenAI and vLLM answer it.
+        try:
+            r = client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+        except openai.NotFoundError as e:
+            assert e.status_code == 404, e.status_code
+            assert "no-such-model" in str(e), str(e)
+        else:
+            raise AssertionError(f"an unknown model was accepted: {r}")
         print(f"     e.g. unknown field: {messages['unknown field']}")
 
     def request_id():

@@ -43,9 +43,16 @@ pub struct Cluster {
 impl Cluster {
     /// `pdctl up` with these arguments, synthetic models cached under `cache`.
     pub fn up(cache: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        Self::up_with_env(cache, args, &[])
+    }
+
+    /// [`Cluster::up`] with these environment variables set for every process it starts
+    /// (e.g. `PD_*` router settings that `pdctl up` has no flag for).
+    pub fn up_with_env(cache: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let mut child = Command::new(bin_dir().join("pdctl"))
             .arg("up")
             .args(args)
+            .envs(env.iter().copied())
             .env("PD_CACHE_DIR", cache)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

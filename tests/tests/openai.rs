@@ -205,6 +205,14 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     assert_eq!((status, message), (400, grpc_message));
     let (status, _) = post_err(&base, "/embeddings", json!({"input": "x"})).await;
     assert_eq!(status, 404);
+    let (status, message) = post_err(
+        &base,
+        "/completions",
+        json!({"prompt": "x", "model": "gpt-4"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(message.contains("gpt-4"), "{message}");
     let huge = json!({"prompt": "a".repeat(5 << 20)});
     let (status, _) = post_err(&base, "/completions", huge).await;
     assert_eq!(status, 413);
@@ -268,5 +276,112 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    all_blocks_free(&cluster).await;
+}
+
+/// What a streamed chat choice adds up to: reasoning, content, tool calls, finish reasons.
+fn accumulate(events: &[String]) -> (String, String, Vec<Value>, Vec<String>) {
+    let (mut reasoning, mut content, mut calls, mut finishes) =
+        (String::new(), String::new(), Vec::new(), Vec::new());
+    for e in events.iter().filter(|e| e.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let delta = &choice["delta"];
+            reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(delta["content"].as_str().unwrap_or(""));
+            calls.extend(delta["tool_calls"].as_array().cloned().unwrap_or_default());
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finishes.push(f.to_string());
+            }
+        }
+    }
+    (reasoning, content, calls, finishes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_back() {
+    let cache = tempfile::tempdir().unwrap();
+    // Aggregated mode (decode nodes only), the router reading reasoning and tool calls.
+    let cluster = Cluster::up_with_env(
+        cache.path(),
+        &["--prefill", "0", "--decode", "1"],
+        &[
+            ("PD_REASONING_PARSER", "qwen3"),
+            ("PD_TOOL_CALL_PARSER", "hermes"),
+        ],
+    )
+    .unwrap();
+    let base = cluster.openai();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    // The weights are random: a regex makes the model think, say a word and call a tool.
+    let answer = "<think>\nThe user wants weather\\.\n</think>\n\nLet me check\\.\n<tool_call>\n\
+                  \\{\"name\": \"get_weather\", \"arguments\": \\{\"city\": \"Paris\"\\}\\}\n</tool_call>";
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let request = json!({
+        "messages": [user], "tools": tools, "guided_regex": answer,
+        "max_tokens": 120, "temperature": 0,
+    });
+    let v = post_ok(&base, "/chat/completions", request.clone()).await;
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let message = &choice["message"];
+    assert_eq!(message["reasoning_content"], "The user wants weather.");
+    assert_eq!(message["content"], "Let me check.");
+    let call = &message["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert_eq!(call["function"]["arguments"], r#"{"city": "Paris"}"#);
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1);
+
+    // Streamed: the same pieces, the call whole with its index, one finish.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = http_post(&base, "/chat/completions", &streamed)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let (reasoning, content, calls, finishes) = accumulate(&sse_data(&text));
+    assert_eq!(reasoning, "The user wants weather.");
+    assert_eq!(content, "Let me check.");
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0]["index"], 0);
+    assert_eq!(calls[0]["function"], call["function"]);
+    assert_eq!(finishes, ["tool_calls"]);
+
+    // tool_choice "none": the block stays text and the answer just stops.
+    let mut none = request.clone();
+    none["tool_choice"] = json!("none");
+    let v = post_ok(&base, "/chat/completions", none).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        content.starts_with("Let me check.\n<tool_call>\n{\"name\""),
+        "{content}"
+    );
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+
+    // The call goes back with the conversation: rendered as the template writes a call, so
+    // the prompt counts exactly the tokens of that text written as the assistant's content.
+    let follow_up = |assistant: Value| {
+        json!({
+            "messages": [user, assistant, {"role": "tool", "tool_call_id": call["id"], "content": "18C"}],
+            "tools": tools, "max_tokens": 1, "temperature": 0,
+        })
+    };
+    let mut returned = message.clone();
+    returned["content"] = Value::Null;
+    let v = post_ok(&base, "/chat/completions", follow_up(returned)).await;
+    let written = json!({"role": "assistant", "content":
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"});
+    let w = post_ok(&base, "/chat/completions", follow_up(written)).await;
+    assert_eq!(
+        v["usage"]["prompt_tokens"], w["usage"]["prompt_tokens"],
+        "{v}\n{w}"
+    );
+    let bad = json!({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]});
+    let (status, message) = post_err(&base, "/chat/completions", follow_up(bad)).await;
+    assert_eq!(status, 400);
+    assert!(message.contains("tool_calls[0]"), "{message}");
     all_blocks_free(&cluster).await;
 }

@@ -212,7 +212,21 @@ impl Plan {
 impl Body {
     /// Parses a JSON body; the message says what is wrong and where.
     pub fn parse(bytes: &[u8]) -> Result<Self, BadRequest> {
-        serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid request body: {e}")))
+        serde_json::from_slice(bytes).map_err(|e| {
+            let mut text = e.to_string();
+            // serde lists every known field after an unknown one: 40-odd names hide the point.
+            if let (Some(from), Some(to)) = (text.find(", expected one of"), text.rfind(" at line"))
+                && from < to
+            {
+                text.replace_range(from..to, " (the fields: docs/openai.md)");
+            }
+            bad(format!("invalid request body: {text}"))
+        })
+    }
+
+    /// The model the body names, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
     }
 
     /// The generations this body asks for. They are named by the `X-Request-Id` header, else
