@@ -1,0 +1,141 @@
+//! The chat side of a body: its messages (roles, content parts, tool calls) and the chat
+//! input they become, with tools and template options.
+
+use pd_proto::pb;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{BadRequest, Body, bad};
+
+/// One entry of `messages`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Message {
+    role: String,
+    content: Option<Value>,
+    /// OpenAI's participant name: accepted and not rendered (Qwen3's template has no place
+    /// for it).
+    #[allow(dead_code)]
+    name: Option<String>,
+    tool_calls: Option<Vec<Value>>,
+    /// Which call a tool message answers: accepted, not rendered (Qwen3's template answers
+    /// calls in order).
+    tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as this API returned it: accepted and not rendered
+    /// (Qwen3's template drops earlier turns' reasoning).
+    #[allow(dead_code)]
+    reasoning_content: Option<String>,
+}
+
+impl Body {
+    /// `messages` (and tools, template options) as the router's chat input.
+    pub(super) fn chat_input(&self) -> Result<pb::generate_request::Input, BadRequest> {
+        let messages = self.messages.as_deref().unwrap_or_default();
+        let messages = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| m.to_wire(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        match self.tool_choice.as_ref() {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "auto" || s == "none" => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "tool_choice {other} is not supported: only \"auto\" and \"none\" (the \
+                     model decides; its calls come back as text)"
+                )));
+            }
+        }
+        let tools = self
+            .tools
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .map(Value::to_string)
+            .collect();
+        let mut enable_thinking = None;
+        for (key, value) in self.chat_template_kwargs.iter().flatten() {
+            match (key.as_str(), value) {
+                ("enable_thinking", Value::Bool(b)) => enable_thinking = Some(*b),
+                ("enable_thinking", other) => {
+                    return Err(bad(format!(
+                        "chat_template_kwargs.enable_thinking must be a boolean, got {other}"
+                    )));
+                }
+                (other, _) => {
+                    return Err(bad(format!(
+                        "chat_template_kwargs.{other} is not supported: only enable_thinking"
+                    )));
+                }
+            }
+        }
+        Ok(pb::generate_request::Input::Chat(pb::ChatInput {
+            messages,
+            enable_thinking,
+            tools,
+        }))
+    }
+}
+
+impl Message {
+    fn to_wire(&self, index: usize) -> Result<pb::ChatMessage, BadRequest> {
+        // OpenAI's newer name for the system role.
+        let role = if self.role == "developer" {
+            "system".to_string()
+        } else {
+            self.role.clone()
+        };
+        let tool_calls: Vec<String> = self
+            .tool_calls
+            .iter()
+            .flatten()
+            .map(Value::to_string)
+            .collect();
+        if !tool_calls.is_empty() && role != "assistant" {
+            return Err(bad(format!(
+                "messages[{index}].tool_calls is only for role \"assistant\""
+            )));
+        }
+        if self.tool_call_id.is_some() && role != "tool" {
+            return Err(bad(format!(
+                "messages[{index}].tool_call_id is only for role \"tool\""
+            )));
+        }
+        let content = match &self.content {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (p, part) in parts.iter().enumerate() {
+                    let kind = part.get("type").and_then(Value::as_str);
+                    match (kind, part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (Some("text"), None) => {
+                            return Err(bad(format!(
+                                "messages[{index}].content[{p}] has type text and no text"
+                            )));
+                        }
+                        (other, _) => {
+                            return Err(bad(format!(
+                                "messages[{index}].content[{p}] has type {}: only text is \
+                                 supported",
+                                other.unwrap_or("(none)")
+                            )));
+                        }
+                    }
+                }
+                text
+            }
+            Some(_) => {
+                return Err(bad(format!(
+                    "messages[{index}].content must be a string or a list of text parts"
+                )));
+            }
+        };
+        Ok(pb::ChatMessage {
+            role,
+            content,
+            tool_calls,
+        })
+    }
+}
