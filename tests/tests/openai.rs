@@ -6,8 +6,8 @@
 use http_body_util::BodyExt as _;
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, all_blocks_free, client, exposition, greedy, http_open, http_post, spread_prompts,
-    sse_data,
+    Cluster, all_blocks_free, client, exposition, greedy, http_open, http_post, nodes_sum,
+    spread_prompts, sse_data,
 };
 use serde_json::{Value, json};
 use tonic::transport::Channel;
@@ -136,7 +136,10 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     assert_eq!(v["choices"][0]["message"]["content"], want_chat.as_str());
 
     // n choices with a seed: choice i is the seed + i generation; two prompts are
-    // prompt-major.
+    // prompt-major. Choices after the first start once its first token is out, so they find
+    // the prompt in the prefill node's cache.
+    let hits = || nodes_sum(&cluster, "prefill", "vllm:prefix_cache_hits_total", &[]);
+    let hits_before = hits().await;
     let v = post_ok(
         &base,
         "/completions",

@@ -97,7 +97,8 @@ pub(super) async fn handle(
             }
         }
     }
-    let streams = match start(&api.generation, std::mem::take(&mut plan.requests)).await {
+    let requests = std::mem::take(&mut plan.requests);
+    let streams = match start(&api.generation, requests, plan.n).await {
         Ok(streams) => streams,
         Err(status) => return error(http_status(status.code()), status.message()),
     };
@@ -136,28 +137,60 @@ pub(super) async fn handle(
     response
 }
 
-/// Starts every generation at once (each prefills on its own) and returns their streams in
-/// order, or the first refusal. Dropping this future, or returning an error, cancels those
-/// already started.
+/// Starts the generations and returns their streams in order, or the first refusal.
+/// Prompts start at once; a prompt's first choice goes alone, and its other `n - 1` start
+/// when its first token is out: the prompt's KV is then in the prefix cache, so they compute
+/// only its last, partial block, where starting together could put them in one engine step
+/// that computes the whole prompt `n` times. Dropping this future, or returning an error,
+/// cancels those already started.
 async fn start(
     generation: &MeteredGeneration,
     requests: Vec<pb::GenerateRequest>,
+    n: usize,
 ) -> Result<Vec<Generations>, Status> {
-    let mut tasks = JoinSet::new();
     let count = requests.len();
-    for (i, req) in requests.into_iter().enumerate() {
+    let mut prompts = JoinSet::new();
+    let mut requests = requests.into_iter().enumerate().peekable();
+    while requests.peek().is_some() {
+        let choices: Vec<_> = requests.by_ref().take(n.max(1)).collect();
         let generation = generation.clone();
-        tasks.spawn(async move { (i, generation.generate(tonic::Request::new(req)).await) });
+        prompts.spawn(async move { start_prompt(generation, choices).await });
     }
     let mut streams: Vec<Option<Generations>> = (0..count).map(|_| None).collect();
-    while let Some(joined) = tasks.join_next().await {
+    while let Some(joined) = prompts.join_next().await {
+        let started =
+            joined.map_err(|e| Status::internal(format!("a generation task failed: {e}")))??;
+        for (i, stream) in started {
+            streams[i] = Some(stream);
+        }
+    }
+    Ok(streams.into_iter().flatten().collect())
+}
+
+/// One prompt's choices: the first, then the rest together once its first token is out.
+async fn start_prompt(
+    generation: MeteredGeneration,
+    choices: Vec<(usize, pb::GenerateRequest)>,
+) -> Result<Vec<(usize, Generations)>, Status> {
+    let mut choices = choices.into_iter();
+    let Some((first, req)) = choices.next() else {
+        return Ok(Vec::new());
+    };
+    let stream = generation.generate(tonic::Request::new(req)).await?;
+    let mut started = vec![(first, stream.into_inner())];
+    let mut rest = JoinSet::new();
+    for (i, req) in choices {
+        let generation = generation.clone();
+        rest.spawn(async move { (i, generation.generate(tonic::Request::new(req)).await) });
+    }
+    while let Some(joined) = rest.join_next().await {
         match joined {
-            Ok((i, Ok(response))) => streams[i] = Some(response.into_inner()),
+            Ok((i, Ok(response))) => started.push((i, response.into_inner())),
             Ok((_, Err(status))) => return Err(status),
             Err(e) => return Err(Status::internal(format!("a generation task failed: {e}"))),
         }
     }
-    Ok(streams.into_iter().flatten().collect())
+    Ok(started)
 }
 
 /// What shapes the response, besides the chunks.
