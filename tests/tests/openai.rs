@@ -146,6 +146,11 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         json!({"prompt": b, "n": 3, "seed": 5, "temperature": 1, "max_tokens": 6, "ignore_eos": true}),
     )
     .await;
+    assert_eq!(
+        hits().await - hits_before,
+        (2 * ((b.len() - 1) / 16 * 16)) as f64,
+        "choices 1 and 2 reuse choice 0's prompt"
+    );
     for i in 0..3 {
         let want = grpc_text(&mut grpc, sampled(b.clone(), 6, 5 + i)).await;
         assert_eq!(

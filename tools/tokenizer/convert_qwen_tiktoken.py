@@ -85,11 +85,16 @@ MODEL_MAX_LENGTH = 131_072
 # ChatML as Qwen3 expects it. Written for this project: each message is
 # "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt is
 # "<|im_start|>assistant\n", followed by an empty think block when the caller
-# sets enable_thinking to false. Unknown roles are refused through
-# raise_exception, which HF's renderer and ours both provide.
+# sets enable_thinking to false. An assistant turn's tool_calls follow its content,
+# one <tool_call> block each ({"name": ..., "arguments": ...}, arguments written as
+# given when they are JSON text, else through tojson), newline-separated, as Qwen3's
+# own template writes them. Unknown roles are refused through raise_exception, which
+# HF's renderer and ours both provide.
 CHAT_TEMPLATE = (
     "{#- ChatML for Qwen3 (pd-cluster). Roles: system, user, assistant, tool. With tools, a"
-    " system turn lists them first (after the caller's own system message, if any). -#}\n"
+    " system turn lists them first (after the caller's own system message, if any); an"
+    " assistant turn's tool_calls follow its content, one <tool_call> block each, as Qwen3's"
+    " own template writes them. -#}\n"
     "{%- set known_roles = ['system', 'user', 'assistant', 'tool'] -%}\n"
     "{%- if tools -%}\n"
     "{{- '<|im_start|>system\\n' -}}\n"
@@ -112,7 +117,14 @@ CHAT_TEMPLATE = (
     " ~ loop.index0 ~ '; expected one of: system, user, assistant, tool') -}}\n"
     "{%- endif -%}\n"
     "{%- if not (tools and loop.first and message['role'] == 'system') -%}\n"
-    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ message['content'] ~ '<|im_end|>\\n' -}}\n"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ message['content'] -}}\n"
+    "{%- for call in message['tool_calls'] or [] -%}\n"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}\n"
+    "{{- ('\\n' if (message['content'] or not loop.first) else '') ~ '<tool_call>\\n{\"name\": \"'"
+    " ~ fn['name'] ~ '\", \"arguments\": ' ~ (fn['arguments'] if fn['arguments'] is string"
+    " else (fn['arguments'] | tojson)) ~ '}\\n</tool_call>' -}}\n"
+    "{%- endfor -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
     "{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"
