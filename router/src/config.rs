@@ -122,8 +122,8 @@ pub struct RouterArgs {
     pub metrics_port: u16,
 
     /// Port of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
-    /// `/v1/models`, `/health`, and `/metrics` again), on --host; 0: an ephemeral port,
-    /// printed in the ready line as `http`.
+    /// `/v1/models`, `/tokenize`, `/detokenize`, `/health`, and `/metrics` again), on --host;
+    /// 0: an ephemeral port, printed in the ready line as `http`.
     #[arg(
         long,
         env = "PD_HTTP_PORT",

@@ -265,7 +265,9 @@ impl Validator {
             .map_err(|e| ValidationError::Tokenize(e.to_string()))
     }
 
-    fn prompt(
+    /// An input's token ids: text tokenized, a chat rendered with the template (generation
+    /// prompt added) and tokenized, ids as given (not checked against the vocabulary here).
+    pub fn prompt(
         &self,
         input: Option<pb::generate_request::Input>,
     ) -> Result<Vec<u32>, ValidationError> {

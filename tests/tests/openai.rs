@@ -135,6 +135,34 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], want_chat.as_str());
 
+    let root = base.trim_end_matches("/v1");
+    // /tokenize counts a conversation as the chat request was counted, and text as the gRPC
+    // Tokenize does; /detokenize gives the text back.
+    let chat_prompt_tokens = v["usage"]["prompt_tokens"].clone();
+    let t = post_ok(
+        root,
+        "/tokenize",
+        json!({"messages": messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect::<Vec<_>>()}),
+    )
+    .await;
+    assert_eq!(t["count"], chat_prompt_tokens);
+    assert_eq!(t["max_model_len"], 4096);
+    let t = post_ok(root, "/tokenize", json!({"prompt": "Hello world"})).await;
+    let ids = grpc
+        .tokenize(pb::TokenizeRequest {
+            model: String::new(),
+            text: "Hello world".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .ids;
+    assert_eq!(t["tokens"], json!(ids));
+    let d = post_ok(root, "/detokenize", json!({"tokens": ids})).await;
+    assert_eq!(d["prompt"], "Hello world");
+    let (status, _) = post_err(root, "/tokenize", json!({"prompt": "x", "messages": []})).await;
+    assert_eq!(status, 400);
+
     // n choices with a seed: choice i is the seed + i generation; two prompts are
     // prompt-major. Choices after the first start once its first token is out, so they find
     // the prompt in the prefill node's cache.

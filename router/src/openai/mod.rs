@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API (`--http-port`): `POST /v1/completions`,
 //! `POST /v1/chat/completions` (both streamed as server-sent events with `"stream": true`),
-//! `GET /v1/models`, `GET /health`, and `GET /metrics` as on `--metrics-port`.
+//! `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`, `GET /health`, and
+//! `GET /metrics` as on `--metrics-port`.
 //!
 //! A request here becomes one `pd.v1.GenerateRequest` per prompt and choice ([`request`]),
 //! each run through the very service the gRPC API runs (validation, routing, the
@@ -19,6 +20,7 @@ pub mod parse;
 pub mod request;
 pub mod response;
 mod run;
+mod tokens;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -79,6 +81,8 @@ pub(crate) async fn serve(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -106,6 +110,20 @@ async fn chat_completions(
 ) -> Response {
     match body {
         Ok(body) => run::handle(api, Endpoint::ChatCompletions, &headers, &body).await,
+        Err(e) => error(e.status(), &e.body_text()),
+    }
+}
+
+async fn tokenize(State(api): State<Api>, body: BodyResult) -> Response {
+    match body {
+        Ok(body) => tokens::tokenize(api, &body).await,
+        Err(e) => error(e.status(), &e.body_text()),
+    }
+}
+
+async fn detokenize(State(api): State<Api>, body: BodyResult) -> Response {
+    match body {
+        Ok(body) => tokens::detokenize(api, &body).await,
         Err(e) => error(e.status(), &e.body_text()),
     }
 }
@@ -156,7 +174,7 @@ async fn not_found() -> Response {
     error(
         StatusCode::NOT_FOUND,
         "no such route: the API is POST /v1/completions, POST /v1/chat/completions, \
-         GET /v1/models, GET /health and GET /metrics",
+         GET /v1/models, POST /tokenize, POST /detokenize, GET /health and GET /metrics",
     )
 }
 

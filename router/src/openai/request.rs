@@ -18,7 +18,7 @@ mod sampling;
 #[cfg(test)]
 mod tests;
 
-use self::chat::Message;
+pub use self::chat::{Message, chat_messages};
 use self::sampling::{ResponseFormat, StructuredOutputs};
 
 /// Most choices one request may ask for (`n`).

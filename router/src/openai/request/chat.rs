@@ -10,7 +10,7 @@ use super::{BadRequest, Body, bad};
 /// One entry of `messages`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct Message {
+pub struct Message {
     role: String,
     content: Option<Value>,
     /// OpenAI's participant name: accepted and not rendered (Qwen3's template has no place
@@ -30,51 +30,62 @@ pub(super) struct Message {
 impl Body {
     /// `messages` (and tools, template options) as the router's chat input.
     pub(super) fn chat_input(&self) -> Result<pb::generate_request::Input, BadRequest> {
-        let messages = self.messages.as_deref().unwrap_or_default();
-        let messages = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| m.to_wire(i))
-            .collect::<Result<Vec<_>, _>>()?;
         match self.tool_choice.as_ref() {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s == "auto" || s == "none" => {}
             Some(other) => {
                 return Err(bad(format!(
                     "tool_choice {other} is not supported: only \"auto\" and \"none\" (the \
-                     model decides; its calls come back as text)"
+                     model decides whether to call)"
                 )));
             }
         }
-        let tools = self
-            .tools
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .map(Value::to_string)
-            .collect();
-        let mut enable_thinking = None;
-        for (key, value) in self.chat_template_kwargs.iter().flatten() {
-            match (key.as_str(), value) {
-                ("enable_thinking", Value::Bool(b)) => enable_thinking = Some(*b),
-                ("enable_thinking", other) => {
-                    return Err(bad(format!(
-                        "chat_template_kwargs.enable_thinking must be a boolean, got {other}"
-                    )));
-                }
-                (other, _) => {
-                    return Err(bad(format!(
-                        "chat_template_kwargs.{other} is not supported: only enable_thinking"
-                    )));
-                }
+        let chat = chat_messages(
+            self.messages.as_deref().unwrap_or_default(),
+            self.tools.as_deref(),
+            self.chat_template_kwargs.as_ref(),
+        )?;
+        Ok(pb::generate_request::Input::Chat(chat))
+    }
+}
+
+/// Messages, tools and template options as the router's chat input (also `/tokenize`'s).
+pub fn chat_messages(
+    messages: &[Message],
+    tools: Option<&[Value]>,
+    template_kwargs: Option<&serde_json::Map<String, Value>>,
+) -> Result<pb::ChatInput, BadRequest> {
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| m.to_wire(i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tools = tools
+        .unwrap_or_default()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let mut enable_thinking = None;
+    for (key, value) in template_kwargs.into_iter().flatten() {
+        match (key.as_str(), value) {
+            ("enable_thinking", Value::Bool(b)) => enable_thinking = Some(*b),
+            ("enable_thinking", other) => {
+                return Err(bad(format!(
+                    "chat_template_kwargs.enable_thinking must be a boolean, got {other}"
+                )));
+            }
+            (other, _) => {
+                return Err(bad(format!(
+                    "chat_template_kwargs.{other} is not supported: only enable_thinking"
+                )));
             }
         }
-        Ok(pb::generate_request::Input::Chat(pb::ChatInput {
-            messages,
-            enable_thinking,
-            tools,
-        }))
     }
+    Ok(pb::ChatInput {
+        messages,
+        enable_thinking,
+        tools,
+    })
 }
 
 impl Message {
