@@ -11,6 +11,10 @@
 //! Several binaries may be given, separated by commas (`BASELINE_ROUTER=/tmp/a,/tmp/b`).
 //! `N` sets the number of timed requests of each kind (default 300).
 //!
+//! The same request through the router's OpenAI-compatible HTTP API (`POST /v1/completions`
+//! with the prompt's token ids, on one kept-alive HTTP/1.1 connection) is timed in the same
+//! rounds too: what the HTTP front end costs over the gRPC API.
+//!
 //! A bare gRPC forwarder (`router_overhead/forwarder.rs`: this executable re-run as its own
 //! process) is timed in the same rounds: the floor of any router hop on this machine, so that
 //! the router's own cost is its added latency minus the forwarder's.
@@ -73,6 +77,53 @@ async fn through(router: &mut GenerationClient<Channel>, prompt: &[u32]) -> Dura
         .await
         .expect("router request");
     t.elapsed()
+}
+
+/// One kept-alive HTTP/1.1 connection to the router's HTTP API.
+struct Http {
+    sender: hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
+    authority: String,
+}
+
+impl Http {
+    async fn connect(authority: &str) -> Self {
+        let stream = tokio::net::TcpStream::connect(authority)
+            .await
+            .expect("the router's HTTP port");
+        stream.set_nodelay(true).expect("nodelay");
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .expect("HTTP handshake");
+        tokio::spawn(conn);
+        Self {
+            sender,
+            authority: authority.to_string(),
+        }
+    }
+}
+
+/// One 1-token completion through the router's HTTP API.
+async fn through_http(http: &mut Http, prompt: &[u32]) -> Duration {
+    use http_body_util::BodyExt as _;
+    let body = format!(r#"{{"prompt": {prompt:?}, "max_tokens": 1, "temperature": 0}}"#);
+    let request = hyper::Request::post("/v1/completions")
+        .header(hyper::header::HOST, &http.authority)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+        .expect("request");
+    let t = Instant::now();
+    http.sender.ready().await.expect("connection ready");
+    let response = http
+        .sender
+        .send_request(request)
+        .await
+        .expect("HTTP request");
+    let status = response.status();
+    let bytes = response.into_body().collect().await.expect("HTTP body");
+    let d = t.elapsed();
+    assert_eq!(status, 200, "{:?}", bytes.to_bytes());
+    d
 }
 
 /// One Prefill straight to the node, as the router sends it for a 1-token request.
@@ -178,6 +229,12 @@ async fn bench() {
     // benchmark started more processes measured 40-160 us slower at p50 than another
     // connected after them, against the same router binary (2026-12-02).
     let mut forwarder = client(&forwarder_addr).await;
+    let mut http = Http::connect(
+        routers[0].ready["http"]
+            .as_str()
+            .expect("the router's HTTP address"),
+    )
+    .await;
     let mut routers: Vec<_> = {
         let mut connected = Vec::new();
         for process in routers {
@@ -191,10 +248,10 @@ async fn bench() {
             .await
             .expect("prefill node");
     let prompt: Vec<u32> = (1..9).collect();
-    // Target 0 is the node itself, 1 the bare forwarder, 2 this build's router, 3.. the
-    // baseline routers. Each round times every target once, in a fresh random order: what a
-    // request follows then weighs on all targets alike.
-    let targets = 2 + routers.len();
+    // Target 0 is the node itself, 1 the bare forwarder, 2 this build's router over HTTP,
+    // 3 the same router over gRPC, 4.. the baseline routers. Each round times every target
+    // once, in a fresh random order: what a request follows then weighs on all targets alike.
+    let targets = 3 + routers.len();
     let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
     let mut order: Vec<usize> = (0..targets).collect();
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
@@ -204,7 +261,8 @@ async fn bench() {
             let t = match target {
                 0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
                 1 => through(&mut forwarder, &prompt).await,
-                r => through(&mut routers[r - 2].1, &prompt).await,
+                2 => through_http(&mut http, &prompt).await,
+                r => through(&mut routers[r - 3].1, &prompt).await,
             };
             if i >= 20 {
                 times[target].push(t);
@@ -213,7 +271,8 @@ async fn bench() {
     }
     let mut via_forwarder = std::mem::take(&mut times[1]);
     let mut direct = std::mem::take(&mut times[0]);
-    for ((_, _, v), t) in routers.iter_mut().zip(times.into_iter().skip(2)) {
+    let mut via_http = std::mem::take(&mut times[2]);
+    for ((_, _, v), t) in routers.iter_mut().zip(times.into_iter().skip(3)) {
         *v = t;
     }
     let mut via_router = std::mem::take(&mut routers[0].2);
@@ -237,6 +296,12 @@ async fn bench() {
     };
     report("through the router", &mut via_router);
     report("through a bare forwarder", &mut via_forwarder);
+    report("through the router's HTTP", &mut via_http);
+    println!(
+        "  HTTP over gRPC through the router: p50 {:.3}x (+{:.0} us)",
+        us(percentile(&mut via_http, 0.5)) / us(percentile(&mut via_router, 0.5)),
+        us(percentile(&mut via_http, 0.5)) - us(percentile(&mut via_router, 0.5))
+    );
     println!(
         "  the router's own cost (router - forwarder) p50 {:6.0} us",
         us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
