@@ -67,6 +67,16 @@ impl Api {
             tools: tools.is_some(),
         }
     }
+
+    /// Refuses a model the cluster does not serve with 404, as OpenAI answers it (the gRPC
+    /// API says INVALID_ARGUMENT, as for every bad value). Absent or empty: the served one.
+    fn refuse_model(&self, model: Option<&str>) -> Option<Response> {
+        self.shared
+            .validator
+            .check_model(model.unwrap_or_default())
+            .err()
+            .map(|e| error(StatusCode::NOT_FOUND, &e.to_string()))
+    }
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets the requests in flight

@@ -157,6 +157,20 @@ pub struct Plan {
     pub requests: Vec<pb::GenerateRequest>,
 }
 
+/// Parses a JSON body of any of the API's routes; the message says what is wrong and where.
+pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, BadRequest> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        let mut text = e.to_string();
+        // serde lists every known field after an unknown one: 40-odd names hide the point.
+        if let (Some(from), Some(to)) = (text.find(", expected one of"), text.rfind(" at line"))
+            && from < to
+        {
+            text.replace_range(from..to, " (the fields: docs/openai.md)");
+        }
+        bad(format!("invalid request body: {text}"))
+    })
+}
+
 impl Plan {
     /// Replaces the prompts (the same ones, tokenized) and the generations' inputs with them.
     pub fn set_prompts(&mut self, prompts: Vec<Prompt>) {
@@ -172,16 +186,7 @@ impl Plan {
 impl Body {
     /// Parses a JSON body; the message says what is wrong and where.
     pub fn parse(bytes: &[u8]) -> Result<Self, BadRequest> {
-        serde_json::from_slice(bytes).map_err(|e| {
-            let mut text = e.to_string();
-            // serde lists every known field after an unknown one: 40-odd names hide the point.
-            if let (Some(from), Some(to)) = (text.find(", expected one of"), text.rfind(" at line"))
-                && from < to
-            {
-                text.replace_range(from..to, " (the fields: docs/openai.md)");
-            }
-            bad(format!("invalid request body: {text}"))
-        })
+        parse_json(bytes)
     }
 
     /// The model the body names, if any.

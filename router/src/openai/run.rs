@@ -49,14 +49,8 @@ pub(super) async fn handle(
         Ok(body) => body,
         Err(e) => return e.into_response(),
     };
-    // OpenAI's answer to a model it does not serve is 404 (the gRPC API says
-    // INVALID_ARGUMENT, as for every bad value).
-    if let Err(e) = api
-        .shared
-        .validator
-        .check_model(body.model().unwrap_or_default())
-    {
-        return error(StatusCode::NOT_FOUND, &e.to_string());
+    if let Some(refused) = api.refuse_model(body.model()) {
+        return refused;
     }
     let header_id = match headers.get("x-request-id").map(HeaderValue::to_str) {
         None => None,

@@ -7,7 +7,9 @@ use pd_proto::pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::request::{BadRequest, Message, chat_messages};
+use axum::response::IntoResponse;
+
+use super::request::{Message, chat_messages, parse_json};
 use super::{Api, error, json_response};
 
 #[derive(Debug, Deserialize)]
@@ -29,22 +31,14 @@ struct DetokenizeBody {
     tokens: Vec<u32>,
 }
 
-fn parse<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, BadRequest> {
-    serde_json::from_slice(bytes).map_err(|e| BadRequest(format!("invalid request body: {e}")))
-}
-
 /// `{"count", "max_model_len", "tokens"}` of a prompt or a conversation.
 pub(super) async fn tokenize(api: Api, bytes: &[u8]) -> Response {
-    let body: TokenizeBody = match parse(bytes) {
+    let body: TokenizeBody = match parse_json(bytes) {
         Ok(body) => body,
-        Err(e) => return error(StatusCode::BAD_REQUEST, &e.0),
+        Err(e) => return e.into_response(),
     };
-    if let Err(e) = api
-        .shared
-        .validator
-        .check_model(body.model.as_deref().unwrap_or_default())
-    {
-        return error(StatusCode::NOT_FOUND, &e.to_string());
+    if let Some(refused) = api.refuse_model(body.model.as_deref()) {
+        return refused;
     }
     let input = match (body.prompt, body.messages) {
         (Some(text), None) => pb::generate_request::Input::Text(text),
@@ -86,16 +80,12 @@ pub(super) async fn tokenize(api: Api, bytes: &[u8]) -> Response {
 
 /// `{"prompt"}`: the text of token ids (special tokens included).
 pub(super) async fn detokenize(api: Api, bytes: &[u8]) -> Response {
-    let body: DetokenizeBody = match parse(bytes) {
+    let body: DetokenizeBody = match parse_json(bytes) {
         Ok(body) => body,
-        Err(e) => return error(StatusCode::BAD_REQUEST, &e.0),
+        Err(e) => return e.into_response(),
     };
-    if let Err(e) = api
-        .shared
-        .validator
-        .check_model(body.model.as_deref().unwrap_or_default())
-    {
-        return error(StatusCode::NOT_FOUND, &e.to_string());
+    if let Some(refused) = api.refuse_model(body.model.as_deref()) {
+        return refused;
     }
     match api.shared.model.tokenizer().decode(&body.tokens, false) {
         Ok(text) => json_response(StatusCode::OK, &json!({"prompt": text})),
