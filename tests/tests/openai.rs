@@ -239,6 +239,18 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     )
     .await;
     assert_eq!((status, message), (400, grpc_message));
+    // Refused by the node, not the router (an automaton over the node's 1,024-state cap):
+    // streamed or not, the request's own status and OpenAI's error object, not a 200 stream.
+    for stream in [false, true] {
+        let (status, message) = post_err(
+            &base,
+            "/completions",
+            json!({"prompt": "x", "guided_regex": "[ab]*a[ab]{10}", "stream": stream}),
+        )
+        .await;
+        assert_eq!(status, 400, "stream {stream}: {message}");
+        assert!(message.contains("1024 states"), "{message}");
+    }
     let (status, _) = post_err(&base, "/embeddings", json!({"input": "x"})).await;
     assert_eq!(status, 404);
     let (status, message) = post_err(
@@ -419,5 +431,67 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     let (status, message) = post_err(&base, "/chat/completions", follow_up(bad)).await;
     assert_eq!(status, 400);
     assert!(message.contains("tool_calls[0]"), "{message}");
+
+    // Aggregated mode sends a prompt's logprobs on the last message: a streamed echo with
+    // logprobs still starts with the prompt's tokens and adds up to the whole response.
+    let echo = json!({"prompt": "Hello world, this is a test", "echo": true, "logprobs": 1,
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let whole = post_ok(&base, "/completions", echo.clone()).await;
+    let mut streamed = echo.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = http_post(&base, "/completions", &streamed).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let (mut text_sum, mut tokens) = (String::new(), Vec::new());
+    for e in sse_data(&text).iter().filter(|e| e.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        let choice = &chunk["choices"][0];
+        text_sum.push_str(choice["text"].as_str().unwrap());
+        tokens.extend(
+            choice["logprobs"]["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .cloned(),
+        );
+    }
+    let choice = &whole["choices"][0];
+    assert_eq!(text_sum, choice["text"].as_str().unwrap());
+    assert_eq!(json!(tokens), choice["logprobs"]["tokens"]);
+    let prompt_tokens = whole["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(tokens.len(), prompt_tokens + 4, "{whole}");
+
+    // A client that hangs up while the parser holds an open tool call (nothing is sent for
+    // thousands of tokens) still cancels at once, not when the answer ends.
+    let open_call = json!({
+        "messages": [user], "tools": tools, "guided_regex": "<tool_call>[a-z]*",
+        "max_tokens": 3000, "temperature": 0, "stream": true,
+    });
+    let response = http_open(
+        "POST",
+        &base,
+        "/chat/completions",
+        open_call.to_string().into_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let roles = body.frame().await.expect("the role chunk").unwrap();
+    assert!(roles.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
+    drop(body);
+    let metrics = cluster.router_metrics();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while exposition(&metrics)
+        .await
+        .unwrap()
+        .sum("pd_router_requests_total", &[("outcome", "cancelled")])
+        < 1.0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hang-up was not noticed while the parser held the call"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     all_blocks_free(&cluster).await;
 }

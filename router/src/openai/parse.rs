@@ -81,6 +81,9 @@ pub struct AnswerParser {
     after_call: bool,
     /// Just inside or after the think block: newlines here are dropped.
     skip_newlines: bool,
+    /// The white space before the open `<tool_call>`: dropped if it is a call, given back
+    /// with the block if it is not.
+    gap: String,
 }
 
 /// The call inside a `<tool_call>` block.
@@ -125,6 +128,7 @@ impl AnswerParser {
             calls: 0,
             after_call: false,
             skip_newlines: false,
+            gap: String::new(),
         }
     }
 
@@ -169,7 +173,7 @@ impl AnswerParser {
                     self.calls += 1;
                     out.calls.push(call);
                 }
-                None => out.content = format!("{CALL_START}{rest}"),
+                None => out.content = format!("{}{CALL_START}{rest}", self.gap),
             },
         }
         self.mode = Mode::Content;
@@ -216,11 +220,19 @@ impl AnswerParser {
             }
             Mode::Content => {
                 if let Some(at) = self.pending.find(CALL_START) {
-                    let mut before = self.pending[..at].trim_end();
-                    if self.after_call {
-                        before = before.trim_start();
-                    }
+                    let text = &self.pending[..at];
+                    let kept = text.trim_end();
+                    let before = if self.after_call {
+                        kept.trim_start()
+                    } else {
+                        kept
+                    };
                     out.content.push_str(before);
+                    self.gap = if self.after_call && before.is_empty() {
+                        String::new()
+                    } else {
+                        text[kept.len()..].to_string()
+                    };
                     self.pending.drain(..at + CALL_START.len());
                     self.mode = Mode::Call;
                 } else {
@@ -249,12 +261,14 @@ impl AnswerParser {
                         Some(call) => {
                             self.calls += 1;
                             self.after_call = true;
+                            self.gap.clear();
                             out.calls.push(call);
                         }
                         None => {
                             self.after_call = false;
+                            let gap = std::mem::take(&mut self.gap);
                             out.content
-                                .push_str(&format!("{CALL_START}{body}{CALL_END}"));
+                                .push_str(&format!("{gap}{CALL_START}{body}{CALL_END}"));
                         }
                     }
                 }
@@ -364,10 +378,10 @@ mod tests {
     #[test]
     fn blocks_that_are_not_calls_stay_text() {
         let p = parse(false, true, "a <tool_call>not json</tool_call> b");
-        assert_eq!(p.content, "a<tool_call>not json</tool_call> b");
+        assert_eq!(p.content, "a <tool_call>not json</tool_call> b");
         assert!(p.calls.is_empty());
         let p = parse(false, true, "x <tool_call>{\"name\": \"f\"");
-        assert_eq!(p.content, "x<tool_call>{\"name\": \"f\"");
+        assert_eq!(p.content, "x <tool_call>{\"name\": \"f\"");
         // Without tools in the request, a well-formed block is text too.
         let p = parse(false, false, "<tool_call>{\"name\": \"f\"}</tool_call>");
         assert_eq!(p.content, "<tool_call>{\"name\": \"f\"}</tool_call>");

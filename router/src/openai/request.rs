@@ -18,7 +18,7 @@ mod sampling;
 #[cfg(test)]
 mod tests;
 
-pub use self::chat::{Message, chat_messages};
+pub use self::chat::chat_messages;
 use self::sampling::{ResponseFormat, StructuredOutputs};
 
 /// Most choices one request may ask for (`n`).
@@ -63,7 +63,7 @@ pub struct Body {
     suffix: Option<String>,
     best_of: Option<u32>,
     // Chat.
-    messages: Option<Vec<Message>>,
+    messages: Option<Vec<Value>>,
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<bool>,
@@ -159,16 +159,22 @@ pub struct Plan {
 
 /// Parses a JSON body of any of the API's routes; the message says what is wrong and where.
 pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, BadRequest> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        let mut text = e.to_string();
-        // serde lists every known field after an unknown one: 40-odd names hide the point.
-        if let (Some(from), Some(to)) = (text.find(", expected one of"), text.rfind(" at line"))
-            && from < to
-        {
-            text.replace_range(from..to, " (the fields: docs/openai.md)");
-        }
-        bad(format!("invalid request body: {text}"))
-    })
+    serde_json::from_slice(bytes)
+        .map_err(|e| bad(format!("invalid request body: {}", serde_message(&e))))
+}
+
+/// A serde error's message without the list of every known field that follows an unknown
+/// one: 40-odd names hide the point.
+fn serde_message(e: &serde_json::Error) -> String {
+    let mut text = e.to_string();
+    if let Some(from) = text.find(", expected one of") {
+        let to = text
+            .rfind(" at line")
+            .filter(|&to| to > from)
+            .unwrap_or(text.len());
+        text.replace_range(from..to, " (the fields: docs/openai.md)");
+    }
+    text
 }
 
 impl Plan {

@@ -130,15 +130,18 @@ pub fn chat_logprobs(tokenizer: &Tokenizer, entries: &[pb::Logprob]) -> Value {
 }
 
 /// vLLM's `prompt_logprobs` of a choice: null for the first position, then per position a
-/// map from token id (as a string) to its logprob, rank and decoded text.
+/// map from token id (as a string) to its logprob, rank and decoded text. The prompt's own
+/// token ranks where it is among the top ones, else its rank is null (not computed).
 pub fn prompt_logprobs(tokenizer: &Tokenizer, entries: &[pb::Logprob]) -> Value {
     let mut out = vec![Value::Null];
     for lp in entries {
         let mut map = Map::new();
+        let rank = lp.top.iter().position(|t| t.token_id == lp.token_id);
         map.insert(
             lp.token_id.to_string(),
             json!({
                 "logprob": logprob_value(lp.logprob),
+                "rank": rank.map(|r| r + 1),
                 "decoded_token": token_text(tokenizer, lp.token_id),
             }),
         );
@@ -286,6 +289,27 @@ mod tests {
         assert_eq!(e["logprob"], json!(-9999.0));
         assert_eq!(e["bytes"], json!("é".as_bytes()));
         assert_eq!(e["top_logprobs"][0]["logprob"], json!(-2.0));
+    }
+
+    #[test]
+    fn prompt_logprobs_rank_every_entry() {
+        let t = tok();
+        let v = prompt_logprobs(
+            &t,
+            &[
+                lp(5, -1.0, &[(7, -0.5), (5, -1.0)]),
+                lp(9, -3.0, &[(7, -0.1)]),
+            ],
+        );
+        assert_eq!(v[0], Value::Null);
+        assert_eq!(v[1]["5"]["rank"], 2);
+        assert_eq!(v[1]["7"]["rank"], 1);
+        assert_eq!(
+            v[2]["9"]["rank"],
+            Value::Null,
+            "outside the top: not computed"
+        );
+        assert_eq!(v[2]["9"]["logprob"], json!(-3.0));
     }
 
     #[test]

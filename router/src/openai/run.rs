@@ -13,6 +13,7 @@ use pd_proto::pb::generation_server::Generation;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
+use tokio_stream::adapters::Peekable;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
@@ -23,8 +24,21 @@ use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
 use crate::metrics::MeteredGeneration;
 
-/// One generation's chunks, as the gRPC service streams them.
-type Generations = <MeteredGeneration as Generation>::GenerateStream;
+/// One generation's chunks, as the gRPC service streams them; its first already looked at.
+type Generations = Peekable<<MeteredGeneration as Generation>::GenerateStream>;
+
+/// A started generation's stream, or the error its first message is: a request that fails
+/// before its first token (no healthy node, out of capacity, its deadline) answers with that
+/// error's status, streamed or not, as when it is refused outright.
+async fn opened(
+    response: Result<tonic::Response<<MeteredGeneration as Generation>::GenerateStream>, Status>,
+) -> Result<Generations, Status> {
+    let mut stream = response?.into_inner().peekable();
+    if let Some(Err(status)) = stream.peek().await {
+        return Err(status.clone());
+    }
+    Ok(stream)
+}
 
 /// Stream events buffered between the request's task and the client's connection.
 const EVENT_BUFFER: usize = 16;
@@ -170,16 +184,19 @@ async fn start_prompt(
     let Some((first, req)) = choices.next() else {
         return Ok(Vec::new());
     };
-    let stream = generation.generate(tonic::Request::new(req)).await?;
-    let mut started = vec![(first, stream.into_inner())];
+    let stream = opened(generation.generate(tonic::Request::new(req)).await).await?;
+    let mut started = vec![(first, stream)];
     let mut rest = JoinSet::new();
     for (i, req) in choices {
         let generation = generation.clone();
-        rest.spawn(async move { (i, generation.generate(tonic::Request::new(req)).await) });
+        rest.spawn(async move {
+            let response = generation.generate(tonic::Request::new(req)).await;
+            (i, opened(response).await)
+        });
     }
     while let Some(joined) = rest.join_next().await {
         match joined {
-            Ok((i, Ok(response))) => started.push((i, response.into_inner())),
+            Ok((i, Ok(stream))) => started.push((i, stream)),
             Ok((_, Err(status))) => return Err(status),
             Err(e) => return Err(Status::internal(format!("a generation task failed: {e}"))),
         }
@@ -206,6 +223,8 @@ struct Choice {
     text: String,
     /// Streamed chat answers read for reasoning or tool calls.
     parser: Option<AnswerParser>,
+    /// Streamed chunks that wait for the prompt's logprobs (see [`Output::ready_chunk`]).
+    held: Vec<pb::GenerateResponse>,
     logprobs: Vec<pb::Logprob>,
     prompt_logprobs: Vec<pb::Logprob>,
     finish: Option<(&'static str, Value)>,
@@ -304,6 +323,43 @@ impl Output {
                 response::prompt_logprobs(&self.tokenizer, &c.prompt_logprobs);
         }
         value
+    }
+
+    /// Whether the response shows the prompt's logprobs (echo with logprobs, or vLLM's
+    /// `prompt_logprobs`).
+    fn shows_prompt_logprobs(&self) -> bool {
+        self.plan.prompt_logprobs || (self.plan.echo && self.plan.logprobs.is_some())
+    }
+
+    /// A streamed chunk ready to go out, or `None` while it waits. The prompt's logprobs come
+    /// on the first chunk from a prefill node but on the last from a decode node serving the
+    /// whole request (aggregated mode); a choice that shows them holds its chunks until they
+    /// are in and sends them as one, so the echoed prompt's tokens come first as in a whole
+    /// response.
+    fn ready_chunk(
+        &self,
+        c: &mut Choice,
+        chunk: pb::GenerateResponse,
+    ) -> Option<pb::GenerateResponse> {
+        if !self.shows_prompt_logprobs() || c.started {
+            return Some(chunk);
+        }
+        if chunk.prompt_logprobs.is_empty() && response::finish(&chunk).is_none() {
+            c.held.push(chunk);
+            return None;
+        }
+        let mut merged = pb::GenerateResponse::default();
+        for piece in c.held.drain(..).chain(std::iter::once(chunk)) {
+            merged.request_id = piece.request_id;
+            merged.token_ids.extend(piece.token_ids);
+            merged.text.push_str(&piece.text);
+            merged.logprobs.extend(piece.logprobs);
+            merged.prompt_logprobs.extend(piece.prompt_logprobs);
+            merged.finish_reason = piece.finish_reason;
+            merged.usage = piece.usage;
+            merged.stop_reason = piece.stop_reason;
+        }
+        Some(merged)
     }
 
     /// Whether chat answers are parsed at all.
@@ -529,7 +585,14 @@ async fn send_events(
         }
     }
     let mut map = merged(streams);
-    while let Some((i, item)) = map.next().await {
+    loop {
+        // A client gone is noticed at once, not at the next event: the parser may hold text
+        // (an open tool call) for many tokens, which must not run on for nobody.
+        let next = tokio::select! {
+            next = map.next() => next,
+            () = tx.closed() => return,
+        };
+        let Some((i, item)) = next else { break };
         let chunk = match item {
             Ok(chunk) => chunk,
             Err(status) => {
@@ -543,6 +606,9 @@ async fn send_events(
         if let Some(u) = &chunk.usage {
             usage.add(u, i % output.plan.n == 0);
         }
+        let Some(chunk) = output.ready_chunk(&mut choices[i], chunk) else {
+            continue;
+        };
         if let Some(piece) = output.piece(i, &mut choices[i], &chunk)
             && tx
                 .send(event(&output.header.chunk(vec![piece])))

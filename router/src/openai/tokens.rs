@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use axum::response::IntoResponse;
 
-use super::request::{Message, chat_messages, parse_json};
+use super::request::{chat_messages, parse_json};
 use super::{Api, error, json_response};
 
 #[derive(Debug, Deserialize)]
@@ -19,7 +19,7 @@ struct TokenizeBody {
     /// Raw text (no template, no special tokens added)…
     prompt: Option<String>,
     /// …or a conversation, rendered as a chat request's would be.
-    messages: Option<Vec<Message>>,
+    messages: Option<Vec<Value>>,
     tools: Option<Vec<Value>>,
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }

@@ -5,12 +5,14 @@ use pd_proto::pb;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{BadRequest, Body, bad};
+use super::{BadRequest, Body, bad, serde_message};
 
-/// One entry of `messages`.
+/// One entry of `messages`. OpenAI's client sends back an answer's whole message object
+/// (`message.model_dump()`), so its other fields are accepted too: `refusal` and
+/// `annotations` (not rendered), `audio` and `function_call` when null.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Message {
+struct Message {
     role: String,
     content: Option<Value>,
     /// OpenAI's participant name: accepted and not rendered (Qwen3's template has no place
@@ -25,6 +27,12 @@ pub struct Message {
     /// (Qwen3's template drops earlier turns' reasoning).
     #[allow(dead_code)]
     reasoning_content: Option<String>,
+    #[allow(dead_code)]
+    refusal: Option<String>,
+    #[allow(dead_code)]
+    annotations: Option<Value>,
+    audio: Option<Value>,
+    function_call: Option<Value>,
 }
 
 impl Body {
@@ -50,15 +58,20 @@ impl Body {
 }
 
 /// Messages, tools and template options as the router's chat input (also `/tokenize`'s).
+/// Each message is read on its own, so an error names the one at fault.
 pub fn chat_messages(
-    messages: &[Message],
+    messages: &[Value],
     tools: Option<&[Value]>,
     template_kwargs: Option<&serde_json::Map<String, Value>>,
 ) -> Result<pb::ChatInput, BadRequest> {
     let messages = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| m.to_wire(i))
+        .map(|(i, m)| {
+            Message::deserialize(m)
+                .map_err(|e| bad(format!("messages[{i}]: {}", serde_message(&e))))?
+                .to_wire(i)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let tools = tools
         .unwrap_or_default()
@@ -90,6 +103,17 @@ pub fn chat_messages(
 
 impl Message {
     fn to_wire(&self, index: usize) -> Result<pb::ChatMessage, BadRequest> {
+        for (field, value) in [
+            ("audio", &self.audio),
+            ("function_call", &self.function_call),
+        ] {
+            if value.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(bad(format!(
+                    "messages[{index}].{field} is not supported (text only; calls go in \
+                     tool_calls)"
+                )));
+            }
+        }
         // OpenAI's newer name for the system role.
         let role = if self.role == "developer" {
             "system".to_string()

@@ -268,3 +268,25 @@ fn the_header_id_names_the_request_before_the_body_id() {
     let p = body.plan(Endpoint::Completions, None, || unreachable!());
     assert_eq!(p.unwrap().id, "body");
 }
+
+#[test]
+fn an_answer_sent_back_whole_is_accepted_and_bad_messages_are_named() {
+    // What the `openai` client's `message.model_dump()` gives for an answer.
+    let answer = json!({"role": "assistant", "content": "Hi", "refusal": null, "annotations": [],
+        "audio": null, "function_call": null, "tool_calls": null});
+    let p = chat(json!({"messages": [{"role": "user", "content": "x"}, answer]})).unwrap();
+    let Some(pb::generate_request::Input::Chat(c)) = &p.requests[0].input else {
+        panic!("chat input");
+    };
+    assert_eq!(c.messages[1].content, "Hi");
+    let audio = json!({"messages": [{"role": "assistant", "audio": {"id": "a"}}]});
+    assert!(refused(chat(audio)).contains("messages[0].audio"));
+    let unknown =
+        json!({"messages": [{"role": "user", "content": "x"}, {"role": "user", "colour": 1}]});
+    let message = refused(chat(unknown));
+    assert!(
+        message.contains("messages[1]: unknown field `colour`"),
+        "{message}"
+    );
+    assert!(!message.contains("expected one of"), "{message}");
+}
