@@ -208,14 +208,64 @@ fn reports_agree_with_usage_and_with_the_router_counters_over_the_window() {
         );
     }
 
+    // The same workload through the router's OpenAI-compatible HTTP API: every request
+    // succeeds, and the cached tokens the clients read in the HTTP usage are again exactly
+    // the prefill node's hits.
+    let openai = cluster.openai();
+    let h = dir.path().join("h.json");
+    ok(&pdctl_bench(
+        cache_dir.path(),
+        &[
+            "--router",
+            &router,
+            "--router-metrics",
+            &metrics,
+            "--backend",
+            "openai",
+            "--openai-url",
+            &openai,
+            "--workload",
+            "prefix-repetition",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "8",
+            "--output-len",
+            "6",
+            "--num-prompts",
+            "8",
+            "--json",
+            h.to_str().unwrap(),
+        ],
+    ));
+    let r = read_json(&h);
+    assert_eq!(r["config"]["backend"], "openai");
+    assert_eq!(r["summary"]["successful"], 8);
+    assert_eq!(column(&r, "completion_tokens").iter().sum::<u64>(), 8 * 6);
+    assert_eq!(column(&r, "prompt_tokens").iter().sum::<u64>(), 8 * 72);
+    assert_ordered(&r, "ttft_ms");
+    let c = &r["router_prefix_cache"];
+    assert!(c["usage_cached_tokens"].as_f64().unwrap() > 0.0, "{c}");
+    assert_eq!(
+        c["prefill_hits"].as_f64().unwrap(),
+        c["usage_cached_tokens"].as_f64().unwrap()
+    );
+
     // Warm-up requests are sent first and left out; the conversation workload sends every
-    // turn after the previous one, with its history.
+    // turn after the previous one, with its history (here through the HTTP API's chat
+    // completions).
     let b = dir.path().join("b.json");
     ok(&pdctl_bench(
         cache_dir.path(),
         &[
             "--router",
             &router,
+            "--backend",
+            "openai",
+            "--openai-url",
+            &openai,
             "--workload",
             "conversation",
             "--output-len",

@@ -36,6 +36,24 @@ pub enum PromptFormat {
     Text,
 }
 
+/// Which of the router's APIs the requests go through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// `pd.v1.Generation` over gRPC.
+    Grpc,
+    /// The OpenAI-compatible HTTP API: streamed `/v1/completions` and `/v1/chat/completions`.
+    Openai,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Grpc => "grpc",
+            Backend::Openai => "openai",
+        }
+    }
+}
+
 /// The router's prefill-node policy for `--up` (passed to it as `PD_POLICY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -181,6 +199,15 @@ pub struct BenchArgs {
     /// Start a local cluster with `pdctl up` for the benchmark and stop it afterwards.
     #[arg(long, help_heading = "Cluster")]
     pub up: bool,
+    /// Which API the requests go through: `grpc`, or `openai` (the router's OpenAI-compatible
+    /// HTTP API, streamed; the model card still comes over gRPC).
+    #[arg(long, value_enum, default_value = "grpc", help_heading = "Cluster")]
+    pub backend: Backend,
+    /// --backend openai against a running cluster: the API's base URL
+    /// (`http://HOST:PORT/v1`, `openai` in `pdctl up`'s ready line). With --up it is found
+    /// there.
+    #[arg(long, conflicts_with = "up", help_heading = "Cluster")]
+    pub openai_url: Option<String>,
     /// --up: model directory or `synthetic:NAME`.
     #[arg(
         long,

@@ -1,5 +1,6 @@
 //! One benchmark request over gRPC, timed as the client sees it: time to the first token,
-//! the gap before every later chunk, the end, and the usage the router reported.
+//! the gap before every later chunk, the end, and the usage the router reported; and which
+//! API a session's requests go through ([`Target`]; the HTTP one is in `openai.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -7,6 +8,7 @@ use pd_proto::pb;
 use pd_proto::pb::generation_client::GenerationClient;
 use tonic::transport::Channel;
 
+use super::openai::OpenaiClient;
 use super::workload::{Prompt, Session};
 
 /// How one request ended.
@@ -81,6 +83,24 @@ pub struct RequestRecord {
 }
 
 impl RequestRecord {
+    /// A request sent `start` after the window opened, not yet answered.
+    pub fn new(session: usize, turn: usize, start: Duration) -> Self {
+        Self {
+            session,
+            turn,
+            start,
+            ttft: None,
+            itl: Vec::new(),
+            e2e: Duration::ZERO,
+            outcome: Outcome::Incomplete,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            local_cached_tokens: 0,
+            external_cached_tokens: 0,
+        }
+    }
+
     /// Time per output token after the first; None with fewer than two tokens.
     pub fn tpot(&self) -> Option<Duration> {
         let ttft = self.ttft?;
@@ -134,20 +154,8 @@ pub async fn send(
     turn: usize,
 ) -> RequestRecord {
     let sent = Instant::now();
-    let mut record = RequestRecord {
-        session,
-        turn,
-        start: sent.saturating_duration_since(window_start),
-        ttft: None,
-        itl: Vec::new(),
-        e2e: Duration::ZERO,
-        outcome: Outcome::Incomplete,
-        prompt_tokens: 0,
-        completion_tokens: 0,
-        cached_tokens: 0,
-        local_cached_tokens: 0,
-        external_cached_tokens: 0,
-    };
+    let mut record =
+        RequestRecord::new(session, turn, sent.saturating_duration_since(window_start));
     let fail = |record: &mut RequestRecord, status: tonic::Status| {
         record.outcome = Outcome::Failed {
             code: status.code(),
@@ -198,11 +206,36 @@ pub async fn send(
     record
 }
 
+/// Where the benchmark's requests go: the gRPC API, or the OpenAI-compatible HTTP API at a
+/// base URL (`--backend openai`).
+#[derive(Debug, Clone)]
+pub enum Target {
+    Grpc(Channel),
+    Openai(String),
+}
+
+impl Target {
+    /// A session's own client (gRPC clients share the channel; HTTP ones keep a connection).
+    pub fn client(&self) -> Client {
+        match self {
+            Target::Grpc(channel) => Client::Grpc(GenerationClient::new(channel.clone())),
+            Target::Openai(base) => Client::Openai(OpenaiClient::new(base)),
+        }
+    }
+}
+
+/// One session's client.
+#[derive(Debug)]
+pub enum Client {
+    Grpc(GenerationClient<Channel>),
+    Openai(OpenaiClient),
+}
+
 /// Send a session's turns one after another (a conversation's next turn waits for the
 /// previous answer). `max_tokens[t]` is turn t's resolved output length.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_session(
-    mut client: GenerationClient<Channel>,
+    mut client: Client,
     session: &Session,
     max_tokens: &[u32],
     temperature: f32,
@@ -213,7 +246,12 @@ pub async fn run_session(
 ) {
     for (turn, req) in session.turns.iter().enumerate() {
         let wire = wire_request(&req.prompt, max_tokens[turn], temperature, ignore_eos);
-        let record = send(&mut client, wire, window_start, index, turn).await;
+        let record = match &mut client {
+            Client::Grpc(grpc) => send(grpc, wire, window_start, index, turn).await,
+            Client::Openai(http) => {
+                super::openai::send(http, wire, window_start, index, turn).await
+            }
+        };
         let failed = !record.outcome.is_success();
         on_done(record);
         if failed {

@@ -16,6 +16,8 @@ pub struct LocalCluster {
     child: Child,
     pub router: String,
     pub router_metrics: Option<String>,
+    /// The OpenAI-compatible API's base URL.
+    pub openai: Option<String>,
     /// `1P+1D prefix-aware` (for the report).
     pub description: String,
 }
@@ -76,6 +78,7 @@ impl LocalCluster {
             child,
             router,
             router_metrics: ready["router_metrics"].as_str().map(str::to_string),
+            openai: ready["openai"].as_str().map(str::to_string),
             description,
         })
     }

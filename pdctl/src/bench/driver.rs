@@ -8,14 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use pd_proto::pb::generation_client::GenerationClient;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tokio::sync::{Semaphore, mpsc};
-use tonic::transport::Channel;
 
 use super::args::RequestRate;
-use super::client::{RequestRecord, run_session};
+use super::client::{RequestRecord, Target, run_session};
 use super::scrape::{CacheCounters, MetricsEndpoint, ScrapeError};
 use super::workload::Session;
 
@@ -101,7 +99,7 @@ fn progress(hidden: bool, total: Option<u64>) -> ProgressBar {
 /// records. Shared by the warm-up and the measured window.
 #[allow(clippy::too_many_arguments)]
 async fn run_sessions(
-    channel: &Channel,
+    target: &Target,
     plan: &Arc<Plan>,
     shape: &LoadShape,
     first: usize,
@@ -140,7 +138,7 @@ async fn run_sessions(
         }
         let index = (first + started) % plan.sessions.len();
         let plan = plan.clone();
-        let client = GenerationClient::new(channel.clone());
+        let client = target.client();
         let tx = tx.clone();
         let bar = bar.clone();
         let session_no = started;
@@ -188,7 +186,7 @@ async fn settled(endpoint: &MetricsEndpoint) -> Result<CacheCounters, ScrapeErro
 
 /// Warm up, then run the measured window.
 pub async fn run(
-    channel: Channel,
+    target: Target,
     plan: Plan,
     shape: LoadShape,
     metrics: Option<MetricsEndpoint>,
@@ -201,7 +199,7 @@ pub async fn run(
         let bar = progress(hide_progress, None);
         bar.set_message("warm-up");
         let warm = run_sessions(
-            &channel,
+            &target,
             &plan,
             &LoadShape {
                 rate: RequestRate::Infinite,
@@ -266,7 +264,7 @@ pub async fn run(
     });
 
     let records = run_sessions(
-        &channel,
+        &target,
         &plan,
         &shape,
         shape.warmup,

@@ -14,6 +14,7 @@ mod cluster;
 mod compare;
 mod dataset;
 mod driver;
+mod openai;
 mod plot;
 mod report;
 /// Also what `pdctl metrics` reads the router's `/metrics` with.
@@ -317,8 +318,17 @@ async fn bench_async(
         seed: args.seed,
     };
     let metrics_url = metrics.as_ref().map(|m| m.url().to_string());
+    let target = match args.backend {
+        args::Backend::Grpc => client::Target::Grpc(channel.clone()),
+        args::Backend::Openai => client::Target::Openai(
+            cluster
+                .and_then(|c| c.openai.clone())
+                .or_else(|| args.openai_url.clone())
+                .context("--backend openai needs --openai-url http://HOST:PORT/v1 (or --up)")?,
+        ),
+    };
     let out = driver::run(
-        channel,
+        target,
         plan,
         shape,
         metrics,
@@ -328,6 +338,7 @@ async fn bench_async(
     .await?;
     let config = report::RunConfig {
         router: router.to_string(),
+        backend: args.backend.as_str().to_string(),
         model: card.name.clone(),
         workload: workload_name(args.workload),
         dataset: args.dataset.as_ref().map(|p| p.display().to_string()),

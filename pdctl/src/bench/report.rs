@@ -21,10 +21,18 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+fn grpc() -> String {
+    "grpc".into()
+}
+
 /// What was run (echoed so a report explains itself).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunConfig {
     pub router: String,
+    /// The API the requests went through: `grpc` or `openai` (reports from before it say
+    /// nothing: gRPC).
+    #[serde(default = "grpc")]
+    pub backend: String,
     pub model: String,
     pub workload: String,
     pub dataset: Option<String>,
@@ -440,9 +448,10 @@ pub fn table(report: &Report) -> String {
     let mut head = format!("{title:=^60}\n");
     let _ = writeln!(
         head,
-        "{} on {}  ({}, rate {}, concurrency {})",
+        "{} on {} via {}  ({}, rate {}, concurrency {})",
         report.config.workload,
         report.config.model,
+        report.config.backend,
         report.config.shape,
         report.config.request_rate,
         report
