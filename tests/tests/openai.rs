@@ -251,6 +251,11 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         assert_eq!(status, 400, "stream {stream}: {message}");
         assert!(message.contains("1024 states"), "{message}");
     }
+    let forced = json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f"}}]});
+    let (status, message) = post_err(&base, "/chat/completions", forced).await;
+    assert_eq!(status, 400);
+    assert!(message.contains("--tool-call-parser"), "{message}");
     let (status, _) = post_err(&base, "/embeddings", json!({"input": "x"})).await;
     assert_eq!(status, 404);
     let (status, message) = post_err(
@@ -396,6 +401,20 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     assert_eq!(calls[0]["index"], 0);
     assert_eq!(calls[0]["function"], call["function"]);
     assert_eq!(finishes, ["tool_calls"]);
+
+    // A named tool_choice makes the answer one call of that tool, with arguments its
+    // parameters accept (random weights: only the guide makes it a call).
+    let forced = json!({
+        "messages": [user], "tools": tools, "max_tokens": 60, "temperature": 1, "seed": 3,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    });
+    let v = post_ok(&base, "/chat/completions", forced).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(forced_call["name"], "get_weather");
+    let arguments: Value =
+        serde_json::from_str(forced_call["arguments"].as_str().unwrap()).expect("JSON arguments");
+    assert!(arguments.is_object(), "{arguments}");
 
     // tool_choice "none": the block stays text and the answer just stops.
     let mut none = request.clone();

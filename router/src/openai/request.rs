@@ -17,6 +17,7 @@ mod chat;
 mod sampling;
 #[cfg(test)]
 mod tests;
+mod tool_choice;
 
 pub use self::chat::chat_messages;
 use self::sampling::{ResponseFormat, StructuredOutputs};
@@ -153,6 +154,9 @@ pub struct Plan {
     pub prompt_logprobs: bool,
     /// Chat with tools the model may call (`tool_choice` not `none`).
     pub tools: bool,
+    /// `tool_choice` forces a call (`required` or a named function): the answer is guided into
+    /// one, which only the tool-call parser turns into `tool_calls`.
+    pub forced_tool: bool,
     /// The generations, prompt-major: generation `i` is choice `i` (prompt `i / n`).
     pub requests: Vec<pb::GenerateRequest>,
 }
@@ -268,6 +272,16 @@ impl Body {
 
         let mut sampling = self.sampling()?;
         sampling.logprobs = logprobs;
+        let forced_tool = if chat { self.forced_tool_call()? } else { None };
+        if let Some(call) = &forced_tool {
+            if sampling.structured_output.is_some() {
+                return Err(bad(
+                    "tool_choice \"required\" or a named function already constrains the \
+                     answer: leave out the structured output",
+                ));
+            }
+            sampling.structured_output = Some(call.clone());
+        }
         if echo && logprobs.is_some() {
             // The echoed prompt's tokens carry their logprobs too (lm-eval's loglikelihood).
             sampling.prompt_logprobs = Some(
@@ -326,6 +340,7 @@ impl Body {
             tools: chat
                 && self.tools.as_ref().is_some_and(|t| !t.is_empty())
                 && self.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
+            forced_tool: forced_tool.is_some(),
             requests,
         })
     }

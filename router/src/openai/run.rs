@@ -80,6 +80,13 @@ pub(super) async fn handle(
         Ok(plan) => plan,
         Err(e) => return e.into_response(),
     };
+    if plan.forced_tool && !api.tools {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "tool_choice \"required\" or a named function needs the router's \
+             --tool-call-parser hermes (the forced call is read out of the answer by it)",
+        );
+    }
     if plan.echo {
         // The echoed prompt shows every token, the first one's included: tokenize here.
         let shared = api.shared.clone();

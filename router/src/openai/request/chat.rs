@@ -38,16 +38,6 @@ struct Message {
 impl Body {
     /// `messages` (and tools, template options) as the router's chat input.
     pub(super) fn chat_input(&self) -> Result<pb::generate_request::Input, BadRequest> {
-        match self.tool_choice.as_ref() {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "auto" || s == "none" => {}
-            Some(other) => {
-                return Err(bad(format!(
-                    "tool_choice {other} is not supported: only \"auto\" and \"none\" (the \
-                     model decides whether to call)"
-                )));
-            }
-        }
         let chat = chat_messages(
             self.messages.as_deref().unwrap_or_default(),
             self.tools.as_deref(),

@@ -290,3 +290,47 @@ fn an_answer_sent_back_whole_is_accepted_and_bad_messages_are_named() {
     );
     assert!(!message.contains("expected one of"), "{message}");
 }
+
+#[test]
+fn a_forcing_tool_choice_guides_the_answer_into_one_call() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters":
+            {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "now"}},
+    ]);
+    let regex_of = |choice: Value| -> String {
+        let p = chat(json!({"messages": [], "tools": tools, "tool_choice": choice})).unwrap();
+        assert!(p.forced_tool && p.tools);
+        match sampling(&p, 0)
+            .structured_output
+            .clone()
+            .and_then(|s| s.kind)
+        {
+            Some(pb::structured_output::Kind::Regex(r)) => r,
+            other => panic!("a regex, got {other:?}"),
+        }
+    };
+    let named = regex_of(json!({"type": "function", "function": {"name": "get_weather"}}));
+    let re = regex::Regex::new(&format!("^{named}$")).unwrap();
+    assert!(re.is_match(
+        "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>"
+    ));
+    assert!(!re.is_match("<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>"));
+    assert!(!re.is_match("{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}"));
+    let any = regex::Regex::new(&format!("^{}$", regex_of(json!("required")))).unwrap();
+    assert!(any.is_match("<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>"));
+    assert!(any.is_match(
+        "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"x\"}}\n</tool_call>"
+    ));
+    for choice in [json!("auto"), json!("none")] {
+        let p = chat(json!({"messages": [], "tools": tools, "tool_choice": choice})).unwrap();
+        assert!(!p.forced_tool && sampling(&p, 0).structured_output.is_none());
+    }
+    let unknown = json!({"messages": [], "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}});
+    assert!(refused(chat(unknown)).contains("`nope`, which is not in tools"));
+    let both =
+        json!({"messages": [], "tools": tools, "tool_choice": "required", "guided_regex": "a"});
+    assert!(refused(chat(both)).contains("leave out the structured output"));
+    assert!(refused(chat(json!({"messages": [], "tool_choice": 3}))).contains("tool_choice"));
+}

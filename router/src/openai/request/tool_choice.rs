@@ -1,0 +1,90 @@
+//! `tool_choice` `"required"` or a named function: the answer is made to be one call, in the
+//! form the model writes calls (`<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`),
+//! by a structured output over it: the call's JSON follows a schema built from the tool's
+//! own `parameters` (a tool without them takes no arguments). The tool-call parser then reads
+//! it out as `tool_calls`.
+
+use pd_engine::sampling::StructuredOutput;
+use pd_proto::pb;
+use serde_json::{Value, json};
+
+use super::{BadRequest, Body, bad};
+
+/// A function tool's name and parameters schema.
+fn function(tool: &Value) -> Option<(&str, Value)> {
+    let f = tool.get("function")?;
+    let name = f.get("name")?.as_str()?;
+    let parameters = f.get("parameters").cloned().unwrap_or_else(
+        || json!({"type": "object", "properties": {}, "additionalProperties": false}),
+    );
+    Some((name, parameters))
+}
+
+/// The regex of one call of `name` with arguments that `parameters` accepts.
+fn call_regex(name: &str, parameters: &Value) -> Result<String, BadRequest> {
+    let schema = json!({
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+    });
+    StructuredOutput::JsonSchema(schema.to_string())
+        .regex()
+        .map_err(|e| {
+            bad(format!(
+                "tool `{name}`: its parameters cannot guide a call: {e}"
+            ))
+        })
+}
+
+impl Body {
+    /// The structured output a forcing `tool_choice` stands for; `None` for `auto`, `none`
+    /// or no choice.
+    pub(super) fn forced_tool_call(&self) -> Result<Option<pb::StructuredOutput>, BadRequest> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let wanted: Vec<(&str, Value)> = match self.tool_choice.as_ref() {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::String(s)) if s == "auto" || s == "none" => return Ok(None),
+            Some(Value::String(s)) if s == "required" => {
+                let all: Vec<_> = tools.iter().filter_map(function).collect();
+                if all.is_empty() {
+                    return Err(bad(
+                        "tool_choice \"required\" needs at least one function tool",
+                    ));
+                }
+                all
+            }
+            Some(choice @ Value::Object(_)) => {
+                let name = choice
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        bad("tool_choice must be \"auto\", \"none\", \"required\" or \
+                             {\"type\": \"function\", \"function\": {\"name\": ...}}")
+                    })?;
+                let tool = tools
+                    .iter()
+                    .filter_map(function)
+                    .find(|(n, _)| *n == name)
+                    .ok_or_else(|| {
+                        bad(format!("tool_choice names `{name}`, which is not in tools"))
+                    })?;
+                vec![tool]
+            }
+            Some(other) => {
+                return Err(bad(format!(
+                    "tool_choice must be \"auto\", \"none\", \"required\" or a named function, \
+                     got {other}"
+                )));
+            }
+        };
+        let calls = wanted
+            .iter()
+            .map(|(name, parameters)| call_regex(name, parameters))
+            .collect::<Result<Vec<_>, _>>()?;
+        let regex = format!("<tool_call>\\n({})\\n</tool_call>", calls.join("|"));
+        Ok(Some(pb::StructuredOutput {
+            kind: Some(pb::structured_output::Kind::Regex(regex)),
+        }))
+    }
+}
