@@ -9,36 +9,18 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use pd_engine::tokenizer::Tokenizer;
 use pd_proto::pb;
-use pd_proto::pb::generation_server::Generation;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
-use tokio_stream::adapters::Peekable;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
-use tonic::Status;
 
+use self::start::{Generations, start};
 use super::parse::{AnswerParser, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
-use crate::metrics::MeteredGeneration;
 
-/// One generation's chunks, as the gRPC service streams them; its first already looked at.
-type Generations = Peekable<<MeteredGeneration as Generation>::GenerateStream>;
-
-/// A started generation's stream, or the error its first message is: a request that fails
-/// before its first token (no healthy node, out of capacity, its deadline) answers with that
-/// error's status, streamed or not, as when it is refused outright.
-async fn opened(
-    response: Result<tonic::Response<<MeteredGeneration as Generation>::GenerateStream>, Status>,
-) -> Result<Generations, Status> {
-    let mut stream = response?.into_inner().peekable();
-    if let Some(Err(status)) = stream.peek().await {
-        return Err(status.clone());
-    }
-    Ok(stream)
-}
+mod start;
 
 /// Stream events buffered between the request's task and the client's connection.
 const EVENT_BUFFER: usize = 16;
@@ -150,65 +132,6 @@ pub(super) async fn handle(
         response.headers_mut().insert("x-request-id", id);
     }
     response
-}
-
-/// Starts the generations and returns their streams in order, or the first refusal.
-/// Prompts start at once; a prompt's first choice goes alone, and its other `n - 1` start
-/// when its first token is out: the prompt's KV is then in the prefix cache, so they compute
-/// only its last, partial block, where starting together could put them in one engine step
-/// that computes the whole prompt `n` times. Dropping this future, or returning an error,
-/// cancels those already started.
-async fn start(
-    generation: &MeteredGeneration,
-    requests: Vec<pb::GenerateRequest>,
-    n: usize,
-) -> Result<Vec<Generations>, Status> {
-    let count = requests.len();
-    let mut prompts = JoinSet::new();
-    let mut requests = requests.into_iter().enumerate().peekable();
-    while requests.peek().is_some() {
-        let choices: Vec<_> = requests.by_ref().take(n.max(1)).collect();
-        let generation = generation.clone();
-        prompts.spawn(async move { start_prompt(generation, choices).await });
-    }
-    let mut streams: Vec<Option<Generations>> = (0..count).map(|_| None).collect();
-    while let Some(joined) = prompts.join_next().await {
-        let started =
-            joined.map_err(|e| Status::internal(format!("a generation task failed: {e}")))??;
-        for (i, stream) in started {
-            streams[i] = Some(stream);
-        }
-    }
-    Ok(streams.into_iter().flatten().collect())
-}
-
-/// One prompt's choices: the first, then the rest together once its first token is out.
-async fn start_prompt(
-    generation: MeteredGeneration,
-    choices: Vec<(usize, pb::GenerateRequest)>,
-) -> Result<Vec<(usize, Generations)>, Status> {
-    let mut choices = choices.into_iter();
-    let Some((first, req)) = choices.next() else {
-        return Ok(Vec::new());
-    };
-    let stream = opened(generation.generate(tonic::Request::new(req)).await).await?;
-    let mut started = vec![(first, stream)];
-    let mut rest = JoinSet::new();
-    for (i, req) in choices {
-        let generation = generation.clone();
-        rest.spawn(async move {
-            let response = generation.generate(tonic::Request::new(req)).await;
-            (i, opened(response).await)
-        });
-    }
-    while let Some(joined) = rest.join_next().await {
-        match joined {
-            Ok((i, Ok(stream))) => started.push((i, stream)),
-            Ok((_, Err(status))) => return Err(status),
-            Err(e) => return Err(Status::internal(format!("a generation task failed: {e}"))),
-        }
-    }
-    Ok(started)
 }
 
 /// What shapes the response, besides the chunks.
