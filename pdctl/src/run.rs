@@ -135,6 +135,9 @@ pub struct SamplingArgs {
     /// Structured output: the output is JSON this JSON schema (its text) accepts.
     #[arg(long, group = "structured")]
     json_schema: Option<String>,
+    /// Structured output: the output is one JSON object, any (OpenAI's `json_object`).
+    #[arg(long, group = "structured")]
+    json_object: bool,
 }
 
 impl SamplingArgs {
@@ -166,6 +169,8 @@ impl SamplingArgs {
                 Some(StructuredOutput::JsonSchema(schema.clone()))
             } else if !self.choice.is_empty() {
                 Some(StructuredOutput::Choice(self.choice.clone()))
+            } else if self.json_object {
+                Some(StructuredOutput::JsonObject)
             } else {
                 None
             },

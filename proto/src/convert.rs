@@ -74,6 +74,9 @@ fn structured_output(w: &pb::StructuredOutput) -> Option<StructuredOutput> {
         Kind::Regex(r) => StructuredOutput::Regex(r.clone()),
         Kind::Choice(c) => StructuredOutput::Choice(c.choices.clone()),
         Kind::JsonSchema(s) => StructuredOutput::JsonSchema(s.clone()),
+        // `false` asks for nothing; as if unset.
+        Kind::JsonObject(true) => StructuredOutput::JsonObject,
+        Kind::JsonObject(false) => return None,
     })
 }
 
@@ -84,6 +87,7 @@ fn wire_structured_output(s: &StructuredOutput) -> pb::StructuredOutput {
             StructuredOutput::Regex(r) => Kind::Regex(r.clone()),
             StructuredOutput::Choice(c) => Kind::Choice(pb::Choices { choices: c.clone() }),
             StructuredOutput::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+            StructuredOutput::JsonObject => Kind::JsonObject(true),
         }),
     }
 }

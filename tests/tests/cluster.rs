@@ -343,6 +343,8 @@ async fn structured_outputs_hold_across_the_prefill_decode_handoff() {
     let schema = r#"{"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]}"#;
     let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
     let re = regex::Regex::new("^[0-9]{2}-[a-z]{2}$").unwrap();
+    let [quote, brace] = ["\"", "}"].map(|t| tokenizer.encode(t).unwrap()[0]);
+    let mut objects = 0;
     for seed in 0..4 {
         let (ids, last) = collect(
             &mut c,
@@ -367,7 +369,24 @@ async fn structured_outputs_hold_across_the_prefill_decode_handoff() {
         } else {
             assert!(text.starts_with("{\"ok\":"), "seed {seed}: {text}");
         }
+
+        // Any JSON object: the grammar's stack is walked again on the decode node. Quotes
+        // and closing braces are favoured so that the random model closes its object.
+        let mut r = request(seed, Kind::JsonObject(true));
+        let s = r.sampling.as_mut().unwrap();
+        s.logit_bias = [(quote, 8.0), (brace, 6.0)].into_iter().collect();
+        let (ids, last) = collect(&mut c, r).await.unwrap();
+        let text = tokenizer.decode(&ids, true).unwrap();
+        if last.finish_reason() == pb::FinishReason::Stop {
+            serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&text)
+                .unwrap_or_else(|e| panic!("seed {seed}: {e}: {text}"));
+            // Closed on the decode node: more than the prefill node's first token.
+            objects += usize::from(tokenizer.decode(&ids[..1], true).unwrap() != text);
+        } else {
+            assert!(text.starts_with('{'), "seed {seed}: {text}");
+        }
     }
+    assert!(objects > 0, "no JSON object was closed");
     for (name, req) in [
         ("regex", request(0, Kind::Regex("(".into()))),
         ("schema", request(0, Kind::JsonSchema("[".into()))),

@@ -377,7 +377,7 @@ impl SamplingParams {
             if self.min_tokens > 0 {
                 return Err(SamplingError::StructuredWith("min_tokens"));
             }
-            spec.regex()?;
+            spec.validate()?;
         }
         Ok(())
     }

@@ -1,11 +1,13 @@
 //! Structured outputs (vLLM's `structured_outputs` / guided decoding): a request may ask that
-//! its text match a regular expression, be one of a list of choices, or be JSON that a schema
-//! accepts. Each becomes a regular expression ([`StructuredOutput::regex`]; JSON schemas
-//! through outlines-core's converter), compiled once into an index over the tokenizer's
-//! vocabulary ([`Guide`]: for every state of the expression's automaton, the tokens that keep
-//! the text a prefix of a match and the state each leads to). The sampler then allows only
-//! those tokens each step, and EOS only where the text is a whole match
-//! (`GuideState`).
+//! its text match a regular expression, be one of a list of choices, be JSON that a schema
+//! accepts, or be any JSON object. The first three become a regular expression
+//! ([`StructuredOutput::regex`]; JSON schemas through outlines-core's converter), compiled
+//! once into an index over the tokenizer's vocabulary ([`Guide`]: for every state of the
+//! expression's automaton, the tokens that keep the text a prefix of a match and the state
+//! each leads to). Any JSON object is no regular language; it is a pushdown recognizer
+//! (`json`) whose masks are read from a vocabulary trie when a state is first met (`trie`).
+//! The sampler then allows only those tokens each step, and EOS only where the text is a
+//! whole match (`GuideState`).
 //!
 //! Owns the specification, its compilation and the per-request walk; not the masking itself
 //! (the sampler applies the allowed ids as it applies `allowed_token_ids`, on the host or as
@@ -13,11 +15,18 @@
 //! (a large schema over Qwen3's 151k tokens), so nodes compile off their async threads and
 //! keep compiled guides in a [`GuideCache`].
 
+mod json;
+mod trie;
+
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use outlines_core::index::Index;
 use outlines_core::vocabulary::Vocabulary;
 use serde::{Deserialize, Serialize};
+
+use json::JsonState;
+pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
+use trie::{JsonMasks, TokenTrie};
 
 /// Longest regex or JSON schema a request may carry (bytes).
 pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
@@ -49,6 +58,10 @@ pub enum StructuredOutput {
     /// The output text is JSON accepted by this JSON schema (the subset outlines supports:
     /// types, properties, required, enum, const, arrays, nesting, `$ref` within the schema).
     JsonSchema(String),
+    /// The output text is one JSON object, any (OpenAI's `json_object`): nothing before its
+    /// `{` or after its `}`, whitespace runs of at most [`MAX_JSON_WHITESPACE_RUN`] bytes,
+    /// at most [`MAX_JSON_DEPTH`] levels of nesting.
+    JsonObject,
 }
 
 /// Why a structured output cannot be used.
@@ -77,6 +90,9 @@ pub enum StructuredError {
     /// The expression's automaton is larger than [`MAX_GUIDE_STATES`] allows.
     #[error("structured output: {0}")]
     TooComplex(String),
+    /// Any JSON object is no regular expression (asked of [`StructuredOutput::regex`]).
+    #[error("structured output: any JSON object is not a regular expression")]
+    NotRegular,
     /// The expression cannot be compiled over this vocabulary (for example a character no
     /// token can spell).
     #[error("structured output: cannot be generated with this model's vocabulary: {0}")]
@@ -84,8 +100,17 @@ pub enum StructuredError {
 }
 
 impl StructuredOutput {
-    /// The regular expression the output must match. Checks sizes and syntax (cheap: what
-    /// the router checks before routing); compiling over a vocabulary is [`Guide::compile`].
+    /// Checks sizes and syntax (cheap: what the router checks before routing); compiling
+    /// over a vocabulary is [`Guide::compile`].
+    pub fn validate(&self) -> Result<(), StructuredError> {
+        match self {
+            Self::JsonObject => Ok(()),
+            _ => self.regex().map(drop),
+        }
+    }
+
+    /// The regular expression the output must match, checked as [`StructuredOutput::validate`]
+    /// checks it; [`StructuredError::NotRegular`] for any JSON object.
     pub fn regex(&self) -> Result<String, StructuredError> {
         let check_len = |what, len| {
             if len == 0 {
@@ -126,6 +151,7 @@ impl StructuredOutput {
                 outlines_core::json_schema::regex_from_str(schema, None, None)
                     .map_err(|e| StructuredError::Schema(e.to_string()))?
             }
+            Self::JsonObject => return Err(StructuredError::NotRegular),
         };
         regex_syntax::Parser::new()
             .parse(&regex)
@@ -192,6 +218,8 @@ fn regex_error(e: &regex_syntax::Error) -> String {
 /// are never part of a structured output), and the ids that end a sequence.
 pub struct GuideVocabulary {
     vocabulary: Vocabulary,
+    /// The same tokens as a trie, for the JSON grammar's masks.
+    trie: Arc<TokenTrie>,
     eos_token_ids: Vec<u32>,
 }
 
@@ -205,11 +233,13 @@ impl GuideVocabulary {
             StructuredError::Vocabulary("the model has no EOS token to end a match".into())
         })?;
         let mut vocabulary = Vocabulary::new(first_eos);
+        let mut spellings = Vec::new();
         for (id, bytes) in tokens {
             if !bytes.is_empty() && !eos_token_ids.contains(&id) {
                 vocabulary
                     .try_insert(bytes.to_vec(), id)
                     .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
+                spellings.push((id, bytes.to_vec()));
             }
         }
         // Each once, the index's own EOS id first (`Guide::allowed` relies on it).
@@ -222,6 +252,7 @@ impl GuideVocabulary {
         let eos_token_ids = unique;
         Ok(Self {
             vocabulary,
+            trie: Arc::new(TokenTrie::new(&spellings)),
             eos_token_ids,
         })
     }
@@ -237,17 +268,27 @@ impl GuideVocabulary {
 
 /// A structured output compiled over a vocabulary.
 pub struct Guide {
-    index: Index,
+    kind: GuideKind,
     eos_token_ids: Vec<u32>,
-    /// (state, token) pairs in the index: what it weighs.
+    /// What it weighs in a [`GuideCache`], in (state, token) transitions of about 16 bytes.
     transitions: usize,
+}
+
+enum GuideKind {
+    /// A regular expression's index: every state's tokens listed ahead of time.
+    Regex(Index),
+    /// Any JSON object: masks computed per grammar state when first met.
+    Json(JsonMasks),
 }
 
 impl std::fmt::Debug for Guide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Guide")
-            .field("states", &self.index.transitions().len())
-            .field("transitions", &self.transitions)
+        let mut d = f.debug_struct("Guide");
+        match &self.kind {
+            GuideKind::Regex(index) => d.field("states", &index.transitions().len()),
+            GuideKind::Json(_) => d.field("grammar", &"json_object"),
+        };
+        d.field("transitions", &self.transitions)
             .finish_non_exhaustive()
     }
 }
@@ -258,64 +299,124 @@ impl Guide {
         spec: &StructuredOutput,
         vocabulary: &GuideVocabulary,
     ) -> Result<Self, StructuredError> {
-        let regex = spec.regex()?;
-        check_states(&regex)?;
-        let index = Index::new(&regex, &vocabulary.vocabulary)
-            .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
-        let transitions = index.transitions().values().map(|m| m.len()).sum();
+        let (kind, transitions) = match spec {
+            StructuredOutput::JsonObject => {
+                let masks = JsonMasks::new(vocabulary.trie.clone());
+                // An object must be able to start and end.
+                let mut open = Vec::new();
+                masks.trie().allowed(JsonState::START, &mut open);
+                if open.is_empty() || JsonState::START.walk(b"{}").is_none() {
+                    return Err(StructuredError::Vocabulary(
+                        "no token starts a JSON object".into(),
+                    ));
+                }
+                (GuideKind::Json(masks), trie::MASK_CACHE_IDS / 4)
+            }
+            _ => {
+                let regex = spec.regex()?;
+                check_states(&regex)?;
+                let index = Index::new(&regex, &vocabulary.vocabulary)
+                    .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
+                let transitions = index.transitions().values().map(|m| m.len()).sum();
+                (GuideKind::Regex(index), transitions)
+            }
+        };
         Ok(Self {
-            index,
+            kind,
             eos_token_ids: vocabulary.eos_token_ids.clone(),
             transitions,
         })
     }
 
-    /// The ids allowed after `state`, each once, in the index's order (unsorted: inside a
-    /// JSON string nearly the whole vocabulary is allowed, and sorting it every step would
-    /// cost more than the mask): the tokens that keep the text a prefix of a match, and
-    /// every EOS id where it is a whole match.
-    fn allowed(&self, state: u32, out: &mut Vec<u32>) {
-        out.clear();
-        if let Some(tokens) = self.index.allowed_tokens_iter(&state) {
-            out.extend(tokens.copied());
-        }
-        if self.index.is_final_state(&state) {
-            // The index lists the first EOS id itself.
-            out.extend(
-                self.eos_token_ids
-                    .iter()
-                    .filter(|&&id| id != self.index_eos()),
-            );
+    fn start(&self) -> Walk {
+        match &self.kind {
+            GuideKind::Regex(index) => Walk::Regex(Some(index.initial_state())),
+            GuideKind::Json(_) => Walk::Json(Some(JsonState::START)),
         }
     }
 
-    fn index_eos(&self) -> u32 {
-        self.eos_token_ids[0]
+    /// The walk after one more token (`None` inside once the token was not allowed).
+    fn next(&self, walk: Walk, token: u32) -> Walk {
+        match (&self.kind, walk) {
+            (GuideKind::Regex(index), Walk::Regex(state)) => {
+                Walk::Regex(state.and_then(|s| index.next_state(&s, &token)))
+            }
+            (GuideKind::Json(masks), Walk::Json(state)) => {
+                let spelling = masks.trie().spelling(token);
+                // An id with no ordinary token (EOS, a special token) leaves the grammar.
+                Walk::Json(
+                    state
+                        .filter(|_| !spelling.is_empty())
+                        .and_then(|s| s.walk(spelling)),
+                )
+            }
+            _ => unreachable!("a walk is started by its own guide"),
+        }
     }
+
+    /// The ids allowed after `walk`, each once (unsorted: inside a JSON string nearly the
+    /// whole vocabulary is allowed, and sorting it every step would cost more than the
+    /// mask): the tokens that keep the text a prefix of a match, and every EOS id where it
+    /// is a whole match. Off the guide (`None`), or where nothing can follow (a vocabulary
+    /// that cannot spell what the grammar needs next), only EOS.
+    fn allowed(&self, walk: Walk, out: &mut Vec<u32>) {
+        out.clear();
+        match (&self.kind, walk) {
+            (GuideKind::Regex(index), Walk::Regex(Some(state))) => {
+                if let Some(tokens) = index.allowed_tokens_iter(&state) {
+                    out.extend(tokens.copied());
+                }
+                if index.is_final_state(&state) {
+                    // The index lists the first EOS id itself.
+                    let first = self.eos_token_ids[0];
+                    out.extend(self.eos_token_ids.iter().filter(|&&id| id != first));
+                }
+            }
+            (GuideKind::Json(masks), Walk::Json(Some(state))) => {
+                if state.is_complete() {
+                    out.extend_from_slice(&self.eos_token_ids);
+                } else {
+                    out.extend_from_slice(&masks.allowed(state));
+                }
+            }
+            _ => {}
+        }
+        if out.is_empty() {
+            out.extend_from_slice(&self.eos_token_ids);
+        }
+    }
+}
+
+/// Where a request's output stands in its guide: a regex index's state or the JSON
+/// grammar's, `None` once the output left the guide (a token it did not allow: only
+/// possible when other processors masked every allowed one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    Regex(Option<u32>),
+    Json(Option<JsonState>),
 }
 
 /// One request's walk through its guide: the state after the output so far.
 #[derive(Debug)]
 pub(crate) struct GuideState {
     guide: Arc<Guide>,
-    /// `None` once the output left the guide (a token it did not allow: only possible when
-    /// other processors masked every allowed one). Then only EOS is allowed.
-    state: Option<u32>,
+    /// Off the guide, only EOS is allowed.
+    walk: Walk,
     /// Output tokens walked so far.
     consumed: usize,
-    /// The ids `state` allows, and the state they were listed for (`Some(state)`; `None`
-    /// before the first listing): a step asks twice (the backend's plan, then the host's
-    /// sampler when the plan is refused), and listing is a pass over up to the vocabulary.
+    /// The ids `walk` allows, and the walk they were listed for (`None` before the first
+    /// listing): a step asks twice (the backend's plan, then the host's sampler when the
+    /// plan is refused), and listing is a pass over up to the vocabulary.
     ids: Vec<u32>,
-    ids_for: Option<Option<u32>>,
+    ids_for: Option<Walk>,
 }
 
 impl GuideState {
     pub(crate) fn new(guide: Arc<Guide>) -> Self {
-        let state = Some(guide.index.initial_state());
+        let walk = guide.start();
         Self {
             guide,
-            state,
+            walk,
             consumed: 0,
             ids: Vec::new(),
             ids_for: None,
@@ -332,22 +433,16 @@ impl GuideState {
     /// is walked again from the start.
     pub(crate) fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
         if output_tokens.len() < self.consumed {
-            self.state = Some(self.guide.index.initial_state());
+            self.walk = self.guide.start();
             self.consumed = 0;
         }
         for &t in &output_tokens[self.consumed..] {
-            self.state = self.state.and_then(|s| self.guide.index.next_state(&s, &t));
+            self.walk = self.guide.next(self.walk, t);
         }
         self.consumed = output_tokens.len();
-        if self.ids_for != Some(self.state) {
-            match self.state {
-                Some(s) => self.guide.allowed(s, &mut self.ids),
-                None => {
-                    self.ids.clear();
-                    self.ids.extend_from_slice(&self.guide.eos_token_ids);
-                }
-            }
-            self.ids_for = Some(self.state);
+        if self.ids_for != Some(self.walk) {
+            self.guide.allowed(self.walk, &mut self.ids);
+            self.ids_for = Some(self.walk);
         }
         &self.ids
     }
@@ -424,212 +519,4 @@ impl GuideCache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const EOS: u32 = 100;
-    const EOS2: u32 = 101;
-
-    fn vocabulary() -> GuideVocabulary {
-        let tokens: Vec<(u32, &[u8])> = vec![
-            (0, b"0"),
-            (1, b"1"),
-            (2, b"2"),
-            (3, b"12"),
-            (4, b"a"),
-            (5, b"yes"),
-            (6, b"no"),
-            (7, b"y"),
-            (8, b"es"),
-            (9, b"{"),
-            (10, b"}"),
-            (11, b"\""),
-            (12, b":"),
-            (13, b" "),
-            (14, b"n"),
-            (15, b"x"),
-            (16, b","),
-            (17, b"+"),
-            (18, b"o"),
-        ];
-        GuideVocabulary::new(tokens, &[EOS, EOS2]).unwrap()
-    }
-
-    fn walk(spec: StructuredOutput, output: &[u32]) -> Vec<u32> {
-        let guide = Arc::new(Guide::compile(&spec, &vocabulary()).unwrap());
-        let mut state = GuideState::new(guide);
-        let mut out = state.allowed(output).to_vec();
-        out.sort_unstable();
-        out
-    }
-
-    #[test]
-    fn a_regex_allows_the_tokens_that_continue_a_match_and_eos_only_at_a_whole_one() {
-        let digits = || StructuredOutput::Regex("[0-9]{2}".into());
-        assert_eq!(walk(digits(), &[]), vec![0, 1, 2, 3]);
-        // One digit out: one more, and "12" would overshoot.
-        assert_eq!(walk(digits(), &[1]), vec![0, 1, 2]);
-        assert_eq!(walk(digits(), &[3]), vec![EOS, EOS2]);
-        assert_eq!(walk(digits(), &[1, 2]), vec![EOS, EOS2]);
-        // A token the guide did not allow (other processors masked the rest): only EOS.
-        assert_eq!(walk(digits(), &[4]), vec![EOS, EOS2]);
-    }
-
-    #[test]
-    fn choices_are_spelled_whole_in_any_tokenization_and_literally() {
-        let spec = || StructuredOutput::Choice(vec!["yes".into(), "no".into(), "1+".into()]);
-        assert_eq!(walk(spec(), &[]), vec![1, 5, 6, 7, 14]);
-        assert_eq!(walk(spec(), &[7]), vec![8]);
-        assert_eq!(walk(spec(), &[7, 8]), vec![EOS, EOS2]);
-        assert_eq!(walk(spec(), &[5]), vec![EOS, EOS2]);
-        // "1+" is the two characters, not "one or more 1".
-        assert_eq!(walk(spec(), &[1]), vec![17]);
-    }
-
-    #[test]
-    fn a_walk_resumes_where_it_stopped_and_restarts_on_a_shorter_output() {
-        let guide = Arc::new(
-            Guide::compile(&StructuredOutput::Regex("1+0".into()), &vocabulary()).unwrap(),
-        );
-        let mut state = GuideState::new(guide);
-        let mut sorted = |output: &[u32]| {
-            let mut ids = state.allowed(output).to_vec();
-            ids.sort_unstable();
-            ids
-        };
-        assert_eq!(sorted(&[1]), vec![0, 1]);
-        assert_eq!(sorted(&[1, 1, 0]), vec![EOS, EOS2]);
-        assert_eq!(sorted(&[]), vec![1]);
-        // Asked again for the same output: the same list.
-        assert_eq!(sorted(&[]), vec![1]);
-    }
-
-    #[test]
-    fn a_json_schema_becomes_a_regex_the_guide_walks() {
-        let schema =
-            r#"{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}"#;
-        let spec = StructuredOutput::JsonSchema(schema.into());
-        let regex = spec.regex().unwrap();
-        let matcher = regex::Regex::new(&format!("^(?:{regex})$")).unwrap();
-        assert!(matcher.is_match(r#"{"n":12}"#));
-        assert!(!matcher.is_match(r#"{"m":12}"#));
-        assert_eq!(walk(spec, &[]), vec![9]);
-    }
-
-    #[test]
-    fn bad_specifications_are_refused_with_what_is_wrong() {
-        let err = |s: StructuredOutput| s.regex().unwrap_err().to_string();
-        assert!(err(StructuredOutput::Regex(String::new())).contains("regex is empty"));
-        assert_eq!(
-            err(StructuredOutput::Regex("ab[0-9".into())),
-            "structured output: invalid regex: unclosed character class at byte 2"
-        );
-        assert!(
-            err(StructuredOutput::Regex(
-                "a".repeat(MAX_STRUCTURED_SPEC_BYTES + 1)
-            ))
-            .contains("more than")
-        );
-        assert!(err(StructuredOutput::Choice(vec![])).contains("choice list is empty"));
-        assert!(err(StructuredOutput::Choice(vec!["".into()])).contains("empty string"));
-        assert!(err(StructuredOutput::JsonSchema("{".into())).contains("invalid JSON schema"));
-        assert!(
-            err(StructuredOutput::JsonSchema(
-                r#"{"type": "no-such-type"}"#.into()
-            ))
-            .contains("invalid JSON schema")
-        );
-        // A state explosion is refused before the vocabulary is walked.
-        let e = Guide::compile(
-            &StructuredOutput::Regex("[ab]*a[ab]{10}".into()),
-            &vocabulary(),
-        )
-        .unwrap_err();
-        assert!(matches!(e, StructuredError::TooComplex(_)), "{e}");
-        assert!(e.to_string().contains("more than 1024 states"), "{e}");
-        Guide::compile(
-            &StructuredOutput::Regex("[ab]*a[ab]{7}".into()),
-            &vocabulary(),
-        )
-        .unwrap();
-        // Parses, but no token spells a "z".
-        let e = Guide::compile(&StructuredOutput::Regex("z".into()), &vocabulary()).unwrap_err();
-        assert!(matches!(e, StructuredError::Vocabulary(_)), "{e}");
-    }
-
-    #[test]
-    fn the_sampler_chooses_only_what_the_guide_allows_on_the_host_and_on_a_backend() {
-        use crate::sampling::device::{DeviceSampleRow, sample_row};
-        use crate::sampling::{Sampler, SamplingParams};
-
-        let guide = Arc::new(
-            Guide::compile(&StructuredOutput::Regex("[0-9]{2}".into()), &vocabulary()).unwrap(),
-        );
-        let params = SamplingParams {
-            temperature: 1.0,
-            ..SamplingParams::default()
-        };
-        // What the model would rather say: "a", "yes" and EOS.
-        let mut logits = vec![0.0f32; 102];
-        for id in [4, 5, EOS] {
-            logits[id as usize] = 12.0;
-        }
-        let mut lengths = [0usize; 3];
-        for seed in 0..24 {
-            let mut host = Sampler::new(&params, seed, &[EOS, EOS2]).with_guide(guide.clone());
-            let mut dev = Sampler::new(&params, seed, &[EOS, EOS2]).with_guide(guide.clone());
-            let mut output = Vec::new();
-            loop {
-                let token = host.sample(&logits, &[], &output).token_id;
-                let plan = dev.device_plan(&[], &output, logits.len()).expect("a plan");
-                let reshape = plan.reshape.as_ref().expect("the guide's edits");
-                assert!(reshape.allowed_only);
-                let sample = sample_row(&logits, &DeviceSampleRow::planned(0, &plan));
-                assert_eq!(
-                    dev.accept(sample).token_id,
-                    token,
-                    "seed {seed}: same token"
-                );
-                if token == EOS || token == EOS2 {
-                    break;
-                }
-                assert!(
-                    [0, 1, 2, 3].contains(&token),
-                    "seed {seed}: {token} is no digit"
-                );
-                output.push(token);
-            }
-            // Two digits, spelt as "1" "2" or as "12": then EOS, never before.
-            let digits: usize = output.iter().map(|&t| if t == 3 { 2 } else { 1 }).sum();
-            assert_eq!(digits, 2, "seed {seed}: {output:?}");
-            lengths[output.len()] += 1;
-        }
-        // Both spellings were drawn.
-        assert!(lengths[1] > 0 && lengths[2] > 0, "{lengths:?}");
-    }
-
-    #[test]
-    fn a_cache_compiles_each_specification_once() {
-        let cache = GuideCache::with_vocabulary(|| Ok(vocabulary()));
-        let a = cache.get(&StructuredOutput::Regex("1+".into())).unwrap();
-        let b = cache.get(&StructuredOutput::Regex("1+".into())).unwrap();
-        assert!(Arc::ptr_eq(&a, &b));
-        let c = cache.get(&StructuredOutput::Regex("0+".into())).unwrap();
-        assert!(!Arc::ptr_eq(&a, &c));
-        // The least recently used goes once the cache is full; the one just used stays.
-        for n in 0..GUIDE_CACHE_ENTRIES {
-            cache
-                .get(&StructuredOutput::Regex(format!("1{{{}}}", n + 1)))
-                .unwrap();
-            cache.get(&StructuredOutput::Regex("0+".into())).unwrap();
-        }
-        assert!(Arc::ptr_eq(
-            &c,
-            &cache.get(&StructuredOutput::Regex("0+".into())).unwrap()
-        ));
-        assert!(!Arc::ptr_eq(
-            &a,
-            &cache.get(&StructuredOutput::Regex("1+".into())).unwrap()
-        ));
-    }
-}
+mod tests;

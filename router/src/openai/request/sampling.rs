@@ -34,6 +34,7 @@ pub(super) struct StructuredOutputs {
     regex: Option<String>,
     choice: Option<Vec<String>>,
     json: Option<Value>,
+    json_object: Option<bool>,
 }
 
 impl Body {
@@ -124,17 +125,14 @@ impl Body {
                     Kind::JsonSchema(schema_text(j, "structured_outputs.json")?),
                 ));
             }
+            if s.json_object == Some(true) {
+                found.push(("structured_outputs.json_object", Kind::JsonObject(true)));
+            }
         }
         match &self.response_format {
             None | Some(ResponseFormat::Text) => {}
             Some(ResponseFormat::JsonObject) => {
-                // Any JSON object nests without bound: a regex (what guides are) cannot hold
-                // it, and its bounded unrolling passes the guides' state cap.
-                return Err(bad(
-                    "response_format json_object is not supported: give a json_schema \
-                     (response_format {\"type\": \"json_schema\", ...}) whose shape the output \
-                     must take",
-                ));
+                found.push(("response_format", Kind::JsonObject(true)));
             }
             Some(ResponseFormat::JsonSchema { json_schema }) => {
                 let schema = json_schema

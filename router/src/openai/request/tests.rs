@@ -243,8 +243,21 @@ fn one_structured_output_from_any_of_its_spellings() {
         ),
         Some(Kind::JsonSchema(schema.to_string()))
     );
-    let object = json!({"messages": [], "response_format": {"type": "json_object"}});
-    assert!(refused(chat(object)).contains("json_object is not supported"));
+    assert_eq!(
+        kind(json!({"messages": [], "response_format": {"type": "json_object"}})),
+        Some(Kind::JsonObject(true))
+    );
+    assert_eq!(
+        kind(json!({"messages": [], "structured_outputs": {"json_object": true}})),
+        Some(Kind::JsonObject(true))
+    );
+    assert_eq!(
+        kind(json!({"messages": [], "structured_outputs": {"json_object": false}})),
+        None
+    );
+    let two = json!({"messages": [], "guided_regex": "a",
+        "response_format": {"type": "json_object"}});
+    assert!(refused(chat(two)).contains("guided_regex and response_format"));
     assert_eq!(
         kind(json!({"messages": [], "response_format": {"type": "text"}})),
         None

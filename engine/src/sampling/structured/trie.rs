@@ -1,0 +1,248 @@
+//! The vocabulary as a byte trie, and the token masks of the JSON grammar read from it.
+//!
+//! A regex guide lists each state's tokens ahead of time (outlines' index). The JSON
+//! grammar's states are unbounded (its stack), so its masks are computed when a state is
+//! first met: one walk down the trie, carrying the grammar's state byte by byte and pruning
+//! every subtree whose prefix the grammar refuses, so tokens that share a prefix share its
+//! work. A walk visits up to every node (inside a string nearly every token is allowed:
+//! milliseconds for Qwen3's 151k tokens), so masks are kept per state ([`JsonMasks`]): a
+//! JSON text meets few distinct states, and requests share them. Owns the trie and the mask
+//! cache; not the grammar (`super::json`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::json::JsonState;
+
+/// Every ordinary token's bytes, as a trie laid out in depth-first order.
+pub(crate) struct TokenTrie {
+    /// Per node: the byte on the edge into it...
+    bytes: Vec<u8>,
+    /// ...its depth (1 for a first byte)...
+    depth: Vec<u16>,
+    /// ...the index just past its subtree...
+    end: Vec<u32>,
+    /// ...and where its tokens start in `ids` (one more entry than nodes: node i's tokens
+    /// are `ids[ids_at[i]..ids_at[i + 1]]`).
+    ids_at: Vec<u32>,
+    ids: Vec<u32>,
+    /// Each token's bytes by id (`text[spans[id]]`); ids with no ordinary token are empty.
+    spans: Vec<(u32, u32)>,
+    text: Vec<u8>,
+}
+
+impl TokenTrie {
+    /// From `(id, bytes)` of each token (non-empty bytes).
+    pub(crate) fn new(tokens: &[(u32, Vec<u8>)]) -> Self {
+        let mut sorted: Vec<&(u32, Vec<u8>)> = tokens.iter().collect();
+        sorted.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)));
+        let mut trie = Self {
+            bytes: Vec::new(),
+            depth: Vec::new(),
+            end: Vec::new(),
+            ids_at: Vec::new(),
+            ids: Vec::with_capacity(sorted.len()),
+            spans: Vec::new(),
+            text: Vec::new(),
+        };
+        let mut path: Vec<u8> = Vec::new();
+        for (id, bytes) in sorted {
+            // Sorted, so a token shares with the previous one exactly the prefix it shares
+            // with the trie built so far, and its remaining bytes are new nodes.
+            let shared = path.iter().zip(bytes).take_while(|(a, b)| a == b).count();
+            path.truncate(shared);
+            for (d, &b) in bytes.iter().enumerate().skip(shared) {
+                trie.bytes.push(b);
+                trie.depth.push(d as u16 + 1);
+                trie.ids_at.push(trie.ids.len() as u32);
+                path.push(b);
+            }
+            // A token with the same bytes as the previous one lands on its node.
+            trie.ids.push(*id);
+            let at = *id as usize;
+            if trie.spans.len() <= at {
+                trie.spans.resize(at + 1, (0, 0));
+            }
+            trie.spans[at] = (trie.text.len() as u32, bytes.len() as u32);
+            trie.text.extend_from_slice(bytes);
+        }
+        trie.ids_at.push(trie.ids.len() as u32);
+        // A subtree ends at the next node no deeper than its root.
+        let nodes = trie.bytes.len();
+        trie.end = vec![nodes as u32; nodes];
+        let mut open: Vec<usize> = Vec::new();
+        for i in 0..nodes {
+            while let Some(&j) = open.last() {
+                if trie.depth[j] >= trie.depth[i] {
+                    trie.end[j] = i as u32;
+                    open.pop();
+                } else {
+                    break;
+                }
+            }
+            open.push(i);
+        }
+        trie
+    }
+
+    /// The bytes of token `id`; empty for an id that is no ordinary token.
+    pub(crate) fn spelling(&self, id: u32) -> &[u8] {
+        match self.spans.get(id as usize) {
+            Some(&(start, len)) => &self.text[start as usize..(start + len) as usize],
+            None => &[],
+        }
+    }
+
+    /// The tokens whose bytes the grammar accepts after `start`, in byte order.
+    pub(crate) fn allowed(&self, start: JsonState, out: &mut Vec<u32>) {
+        out.clear();
+        let mut states = vec![start; 1];
+        let mut i = 0;
+        while i < self.bytes.len() {
+            let depth = self.depth[i] as usize;
+            // Depth-first: the last node seen one level up is this node's parent.
+            match states[depth - 1].step(self.bytes[i]) {
+                Some(next) => {
+                    states.truncate(depth);
+                    states.push(next);
+                    out.extend_from_slice(
+                        &self.ids[self.ids_at[i] as usize..self.ids_at[i + 1] as usize],
+                    );
+                    i += 1;
+                }
+                None => i = self.end[i] as usize,
+            }
+        }
+    }
+}
+
+/// Most token ids the masks of one JSON guide keep together (4 bytes each): about 50 masks
+/// of a state inside a string, where nearly all of Qwen3's tokens are allowed. Past it the
+/// cache starts over.
+pub(super) const MASK_CACHE_IDS: usize = 8 << 20;
+
+/// The JSON grammar's masks over one vocabulary, computed on first use per state and kept.
+pub(crate) struct JsonMasks {
+    trie: Arc<TokenTrie>,
+    cache: Mutex<MaskCache>,
+}
+
+#[derive(Default)]
+struct MaskCache {
+    masks: HashMap<JsonState, Arc<[u32]>>,
+    ids: usize,
+}
+
+impl JsonMasks {
+    pub(crate) fn new(trie: Arc<TokenTrie>) -> Self {
+        Self {
+            trie,
+            cache: Mutex::new(MaskCache::default()),
+        }
+    }
+
+    pub(crate) fn trie(&self) -> &TokenTrie {
+        &self.trie
+    }
+
+    /// The ids that `state` allows (not EOS: the caller adds it where the object is whole).
+    pub(crate) fn allowed(&self, state: JsonState) -> Arc<[u32]> {
+        if let Some(mask) = self.lock().masks.get(&state) {
+            return mask.clone();
+        }
+        // Not under the lock: other requests' states are served meanwhile.
+        let mut ids = Vec::new();
+        self.trie.allowed(state, &mut ids);
+        let mask: Arc<[u32]> = ids.into();
+        let mut cache = self.lock();
+        if cache.ids + mask.len() > MASK_CACHE_IDS {
+            cache.masks.clear();
+            cache.ids = 0;
+        }
+        if cache.masks.insert(state, mask.clone()).is_none() {
+            cache.ids += mask.len();
+        }
+        mask
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MaskCache> {
+        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(spellings: &[&str]) -> Vec<(u32, Vec<u8>)> {
+        spellings
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i as u32 * 3 + 1, s.as_bytes().to_vec()))
+            .collect()
+    }
+
+    /// The trie walk lists exactly the tokens whose bytes the grammar accepts one by one.
+    #[test]
+    fn the_walk_allows_exactly_what_the_grammar_accepts_token_by_token() {
+        let vocab = tokens(&[
+            "{", "}", "{\"", "\"", "\":", "a", "ab", "abc", "b", " ", "  ", "\n", "1", "12", "1.",
+            "-", "true", "tr", "ue", "}}", "}]", "]", "[", ",", ",\"", "\\", "\\u", "e9", "00",
+            "é", "\u{e9}\"", "n", "null", "{}", "\":[", "x",
+        ]);
+        let trie = TokenTrie::new(&vocab);
+        let mut states = vec![JsonState::START];
+        let mut seen = 0;
+        // Walk a few texts and compare the mask at every token boundary.
+        for text in [
+            vec![
+                "{\"", "ab", "\":", "[", "1", ",", "true", ",", "{}", "]", "}",
+            ],
+            vec!["{", " ", "\"", "\\u", "00", "e9", "\":[", "-", "12", "]}"],
+            vec![
+                "{", "\"", "é", "\"", ":", "null", ",\"", "x", "\":", "{}", "}",
+            ],
+        ] {
+            let mut state = JsonState::START;
+            for piece in text {
+                states.push(state);
+                let id = vocab.iter().find(|(_, b)| b == piece.as_bytes());
+                state = match id {
+                    Some((id, _)) => state.walk(trie.spelling(*id)),
+                    None => state.walk(piece.as_bytes()),
+                }
+                .unwrap_or_else(|| panic!("{piece:?} refused"));
+            }
+            assert!(state.is_complete());
+            states.push(state);
+        }
+        for state in states {
+            let mut walked = Vec::new();
+            trie.allowed(state, &mut walked);
+            walked.sort_unstable();
+            let mut brute: Vec<u32> = vocab
+                .iter()
+                .filter(|(_, b)| state.walk(b).is_some())
+                .map(|&(id, _)| id)
+                .collect();
+            brute.sort_unstable();
+            assert_eq!(walked, brute, "{state:?}");
+            seen += usize::from(!brute.is_empty());
+        }
+        assert!(seen > 20);
+        assert_eq!(trie.spelling(4), b"}");
+        assert_eq!(trie.spelling(0), b"");
+        assert_eq!(trie.spelling(10_000), b"");
+    }
+
+    #[test]
+    fn tokens_with_the_same_bytes_are_both_listed() {
+        let trie = TokenTrie::new(&[(5, b"{".to_vec()), (2, b"{".to_vec()), (9, b"[".to_vec())]);
+        let mut ids = Vec::new();
+        trie.allowed(JsonState::START, &mut ids);
+        assert_eq!(ids, vec![2, 5]);
+        let masks = JsonMasks::new(Arc::new(trie));
+        let first = masks.allowed(JsonState::START);
+        assert!(Arc::ptr_eq(&first, &masks.allowed(JsonState::START)));
+    }
+}
