@@ -9,6 +9,7 @@ failure.
 import json
 import sys
 import traceback
+import urllib.request
 
 import openai
 
@@ -28,6 +29,14 @@ def main():
 
     def chat(**kw):
         return client.chat.completions.create(model=model, **kw)
+
+    def tokenize(text):
+        # vLLM's /tokenize sits beside /v1, not under it.
+        url = base_url.rstrip("/").removesuffix("/v1") + "/tokenize"
+        body = json.dumps({"model": model, "prompt": text}).encode()
+        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.load(response)["tokens"]
 
     def greedy_text(prompt, max_tokens):
         r = complete(prompt=prompt, max_tokens=max_tokens, temperature=0)
@@ -223,6 +232,34 @@ def main():
         c = r.choices[0]
         assert c.message.content in ("yes", "no"), f"guided_choice gave {c.message.content!r}"
         assert c.finish_reason == "stop", f"finish_reason {c.finish_reason!r}"
+        # Any JSON object, streamed. Quotes and braces favoured so that the random model
+        # closes its object.
+        quote, brace = (tokenize(t)[0] for t in ('"', "}"))
+        closed = 0
+        for seed in range(4):
+            stream = chat(
+                messages=[USER],
+                max_tokens=48,
+                temperature=1,
+                seed=seed,
+                stream=True,
+                response_format={"type": "json_object"},
+                logit_bias={str(quote): 8, str(brace): 6},
+            )
+            text, finish = "", None
+            for chunk in stream:
+                for ch in chunk.choices:
+                    text += ch.delta.content or ""
+                    finish = ch.finish_reason or finish
+            assert text.startswith("{"), f"json_object gave {text!r}"
+            if finish == "stop":
+                try:
+                    value = json.loads(text)
+                except ValueError as e:
+                    raise AssertionError(f"json_object: not JSON ({e}): {text!r}")
+                assert isinstance(value, dict), value
+                closed += 1
+        assert closed > 0, "json_object: no object was closed in 4 tries"
 
     def stop():
         text = greedy_text(PROMPT, 12)

@@ -329,6 +329,36 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    // Any JSON object: response_format json_object, or a schema that asks for nothing more
+    // (as a regex it would pass the same cap). Quotes and braces are favoured so the random
+    // model closes its object.
+    let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
+    let [quote, brace] = ["\"", "}"].map(|t| tokenizer.encode(t).unwrap()[0].to_string());
+    let mut objects = 0;
+    for (seed, format) in [
+        json!({"type": "json_object"}),
+        json!({"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}),
+    ]
+    .into_iter()
+    .cycle()
+    .take(6)
+    .enumerate()
+    {
+        let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 48,
+            "temperature": 1, "seed": seed, "response_format": format,
+            "logit_bias": {quote.clone(): 8, brace.clone(): 6}});
+        let whole = post_ok(&base, "/chat/completions", body).await;
+        let choice = &whole["choices"][0];
+        let content = choice["message"]["content"].as_str().unwrap();
+        if choice["finish_reason"] == "stop" {
+            serde_json::from_str::<serde_json::Map<String, Value>>(content)
+                .unwrap_or_else(|e| panic!("seed {seed}: {e}: {content}"));
+            objects += usize::from(content != "{}");
+        } else {
+            assert!(content.starts_with('{'), "seed {seed}: {content}");
+        }
+    }
+    assert!(objects > 0, "no JSON object with members was closed");
     all_blocks_free(&cluster).await;
 }
 

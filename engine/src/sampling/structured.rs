@@ -104,8 +104,26 @@ impl StructuredOutput {
     /// over a vocabulary is [`Guide::compile`].
     pub fn validate(&self) -> Result<(), StructuredError> {
         match self {
-            Self::JsonObject => Ok(()),
+            Self::JsonSchema(schema) if schema.len() > MAX_STRUCTURED_SPEC_BYTES => {
+                Err(StructuredError::TooLong {
+                    what: "JSON schema",
+                    len: schema.len(),
+                })
+            }
+            _ if self.is_any_json_object() => Ok(()),
             _ => self.regex().map(drop),
+        }
+    }
+
+    /// Any JSON object is accepted: [`StructuredOutput::JsonObject`], or a JSON schema that
+    /// asks for an object and nothing of it (`{"type": "object"}`, with no properties or
+    /// none required and additional ones allowed; titles and descriptions aside). Such a
+    /// schema is guided by the JSON grammar: as a regex it would nest without bound.
+    pub fn is_any_json_object(&self) -> bool {
+        match self {
+            Self::JsonObject => true,
+            Self::JsonSchema(schema) => any_object_schema(schema),
+            _ => false,
         }
     }
 
@@ -158,6 +176,26 @@ impl StructuredOutput {
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
         Ok(regex)
     }
+}
+
+/// `schema` is `{"type": "object"}` with nothing that narrows it (see
+/// [`StructuredOutput::is_any_json_object`]).
+fn any_object_schema(schema: &str) -> bool {
+    use serde_json::Value;
+    let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(schema) else {
+        return false;
+    };
+    fields.get("type") == Some(&Value::String("object".into()))
+        && fields.iter().all(|(key, value)| match key.as_str() {
+            "type" | "title" | "description" | "$schema" | "$id" | "$comment" | "examples"
+            | "default" => true,
+            "properties" => value.as_object().is_some_and(|p| p.is_empty()),
+            "required" => value.as_array().is_some_and(|r| r.is_empty()),
+            "additionalProperties" => {
+                value == &Value::Bool(true) || value.as_object().is_some_and(|a| a.is_empty())
+            }
+            _ => false,
+        })
 }
 
 /// Refuses a regex whose automaton has more than [`MAX_GUIDE_STATES`] states (counted over
@@ -299,8 +337,9 @@ impl Guide {
         spec: &StructuredOutput,
         vocabulary: &GuideVocabulary,
     ) -> Result<Self, StructuredError> {
+        spec.validate()?;
         let (kind, transitions) = match spec {
-            StructuredOutput::JsonObject => {
+            _ if spec.is_any_json_object() => {
                 let masks = JsonMasks::new(vocabulary.trie.clone());
                 // An object must be able to start and end.
                 let mut open = Vec::new();

@@ -313,3 +313,42 @@ fn sampled_outputs_are_json_objects() {
     // Not only `{}`: objects with members were drawn.
     assert!(closed > 0);
 }
+
+/// A schema that asks for an object and nothing of it is guided as any JSON object (as a
+/// regex it nests past the state cap); one that narrows it stays a regex.
+#[test]
+fn a_schema_of_any_object_is_guided_by_the_json_grammar() {
+    for schema in [
+        r#"{"type": "object"}"#,
+        r#"{"type": "object", "title": "T", "description": "d", "properties": {}}"#,
+        r#"{"type": "object", "additionalProperties": true, "required": []}"#,
+    ] {
+        let spec = StructuredOutput::JsonSchema(schema.into());
+        assert!(spec.is_any_json_object(), "{schema}");
+        spec.validate().unwrap();
+        let guide = Arc::new(Guide::compile(&spec, &vocabulary()).unwrap());
+        let mut state = GuideState::new(guide);
+        // "{" then "}" then EOS: tokens 9 and 10 of the small vocabulary.
+        assert_eq!(state.allowed(&[]), &[9]);
+        assert!(state.allowed(&[9]).contains(&10));
+        let mut end = state.allowed(&[9, 10]).to_vec();
+        end.sort_unstable();
+        assert_eq!(end, vec![EOS, EOS2]);
+    }
+    for schema in [
+        r#"{}"#,
+        r#"{"type": "object", "properties": {"a": {"type": "string"}}}"#,
+        r#"{"type": "object", "additionalProperties": false}"#,
+        r#"{"type": "object", "minProperties": 1}"#,
+        r#"{"type": "array"}"#,
+    ] {
+        let spec = StructuredOutput::JsonSchema(schema.into());
+        assert!(!spec.is_any_json_object(), "{schema}");
+    }
+    let long = format!(
+        r#"{{"type": "object", "description": "{}"}}"#,
+        "x".repeat(MAX_STRUCTURED_SPEC_BYTES)
+    );
+    let e = StructuredOutput::JsonSchema(long).validate().unwrap_err();
+    assert!(matches!(e, StructuredError::TooLong { .. }), "{e}");
+}

@@ -310,6 +310,8 @@ fn a_forcing_tool_choice_guides_the_answer_into_one_call() {
         {"type": "function", "function": {"name": "get_weather", "parameters":
             {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
         {"type": "function", "function": {"name": "now"}},
+        {"type": "function", "function": {"name": "ping", "parameters":
+            {"type": "object", "properties": {}}}},
     ]);
     let regex_of = |choice: Value| -> String {
         let p = chat(json!({"messages": [], "tools": tools, "tool_choice": choice})).unwrap();
@@ -335,6 +337,13 @@ fn a_forcing_tool_choice_guides_the_answer_into_one_call() {
     assert!(any.is_match(
         "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"x\"}}\n</tool_call>"
     ));
+    // A tool declared with empty properties takes no arguments: its call is small enough
+    // for a guide (any object would not be).
+    let ping = regex_of(json!({"type": "function", "function": {"name": "ping"}}));
+    let re = regex::Regex::new(&format!("^{ping}$")).unwrap();
+    assert!(re.is_match("<tool_call>\n{\"name\":\"ping\",\"arguments\":{}}\n</tool_call>"));
+    assert!(!re.is_match("<tool_call>\n{\"name\":\"ping\",\"arguments\":{\"a\":1}}\n</tool_call>"));
+    assert!(ping.len() < 500, "{ping}");
     for choice in [json!("auto"), json!("none")] {
         let p = chat(json!({"messages": [], "tools": tools, "tool_choice": choice})).unwrap();
         assert!(!p.forced_tool && sampling(&p, 0).structured_output.is_none());

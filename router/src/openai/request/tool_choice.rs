@@ -14,9 +14,20 @@ use super::{BadRequest, Body, bad};
 fn function(tool: &Value) -> Option<(&str, Value)> {
     let f = tool.get("function")?;
     let name = f.get("name")?.as_str()?;
-    let parameters = f.get("parameters").cloned().unwrap_or_else(
+    let mut parameters = f.get("parameters").cloned().unwrap_or_else(
         || json!({"type": "object", "properties": {}, "additionalProperties": false}),
     );
+    // `"properties": {}` is how clients (LangChain, the OpenAI SDK's helpers) declare a tool
+    // that takes no arguments; as a schema it would allow any object, which a forced call's
+    // regex cannot hold. Read it as the declaration it is: the arguments are `{}`.
+    if let Some(fields) = parameters.as_object_mut()
+        && fields
+            .get("properties")
+            .is_some_and(|p| p.as_object().is_some_and(|p| p.is_empty()))
+        && !fields.contains_key("additionalProperties")
+    {
+        fields.insert("additionalProperties".into(), Value::Bool(false));
+    }
     Some((name, parameters))
 }
 
