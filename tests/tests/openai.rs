@@ -359,6 +359,25 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         }
     }
     assert!(objects > 0, "no JSON object with members was closed");
+    // A schema with a free-form part (pydantic's `dict[str, Any]`): guided, not refused.
+    let schema = json!({"type": "object", "properties": {"meta": {"type": "object",
+        "additionalProperties": true}, "id": {"type": "integer"}}, "required": ["meta", "id"]});
+    let mut closed = 0;
+    for seed in 0..4 {
+        let body = json!({"prompt": "x", "max_tokens": 48, "temperature": 1, "seed": seed,
+            "guided_json": schema, "logit_bias": {quote.clone(): 8, brace.clone(): 6}});
+        let whole = post_ok(&base, "/completions", body).await;
+        let choice = &whole["choices"][0];
+        let text = choice["text"].as_str().unwrap();
+        assert!(text.starts_with("{"), "seed {seed}: {text}");
+        if choice["finish_reason"] == "stop" {
+            let value: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text}"));
+            assert!(value["meta"].is_object() && value["id"].is_i64(), "{text}");
+            closed += 1;
+        }
+    }
+    assert!(closed > 0, "no output of the free-form schema was closed");
     all_blocks_free(&cluster).await;
 }
 

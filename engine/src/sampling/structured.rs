@@ -15,6 +15,7 @@
 //! (a large schema over Qwen3's 151k tokens), so nodes compile off their async threads and
 //! keep compiled guides in a [`GuideCache`].
 
+mod free;
 mod json;
 mod trie;
 
@@ -24,9 +25,10 @@ use outlines_core::index::Index;
 use outlines_core::vocabulary::Vocabulary;
 use serde::{Deserialize, Serialize};
 
+use free::{FreeJson, FreeState};
 use json::JsonState;
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
-use trie::{JsonMasks, TokenTrie};
+use trie::{Masks, TokenTrie};
 
 /// Longest regex or JSON schema a request may carry (bytes).
 pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
@@ -111,6 +113,10 @@ impl StructuredOutput {
                 })
             }
             _ if self.is_any_json_object() => Ok(()),
+            // Checked as it will be compiled: the free-form parts marked (`free`).
+            Self::JsonSchema(schema) if let Some(marked) = free::mark(schema) => {
+                Self::JsonSchema(marked).regex().map(drop)
+            }
             _ => self.regex().map(drop),
         }
     }
@@ -181,8 +187,13 @@ impl StructuredOutput {
 /// `schema` is `{"type": "object"}` with nothing that narrows it (see
 /// [`StructuredOutput::is_any_json_object`]).
 fn any_object_schema(schema: &str) -> bool {
+    serde_json::from_str(schema).is_ok_and(|schema| any_object_value(&schema))
+}
+
+/// [`any_object_schema`] of a parsed schema.
+fn any_object_value(schema: &serde_json::Value) -> bool {
     use serde_json::Value;
-    let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(schema) else {
+    let Value::Object(fields) = schema else {
         return false;
     };
     fields.get("type") == Some(&Value::String("object".into()))
@@ -220,6 +231,18 @@ fn check_states(regex: &str) -> Result<(), StructuredError> {
     let start = dfa
         .universal_start_state(Anchored::Yes)
         .ok_or_else(|| StructuredError::Regex("the expression has no single start".into()))?;
+    if !within_state_cap(&dfa, start) {
+        return Err(too_complex());
+    }
+    Ok(())
+}
+
+/// At most [`MAX_GUIDE_STATES`] states of `dfa` are reachable from `start` (over all bytes).
+fn within_state_cap(
+    dfa: &regex_automata::dfa::dense::DFA<Vec<u32>>,
+    start: regex_automata::util::primitives::StateID,
+) -> bool {
+    use regex_automata::dfa::Automaton;
     let mut seen = std::collections::HashSet::from([start]);
     let mut todo = vec![start];
     while let Some(state) = todo.pop() {
@@ -227,13 +250,13 @@ fn check_states(regex: &str) -> Result<(), StructuredError> {
             let next = dfa.next_state(state, byte);
             if !dfa.is_dead_state(next) && !dfa.is_quit_state(next) && seen.insert(next) {
                 if seen.len() > MAX_GUIDE_STATES {
-                    return Err(too_complex());
+                    return false;
                 }
                 todo.push(next);
             }
         }
     }
-    Ok(())
+    true
 }
 
 /// A regex error on one line (regex-syntax draws the pattern and a caret over several): what
@@ -316,7 +339,10 @@ enum GuideKind {
     /// A regular expression's index: every state's tokens listed ahead of time.
     Regex(Index),
     /// Any JSON object: masks computed per grammar state when first met.
-    Json(JsonMasks),
+    Json(Masks<JsonState>),
+    /// A JSON schema with free-form parts: its regex's automaton, entering the JSON grammar
+    /// at those parts; masks computed per state when first met.
+    Free(Box<FreeJson>, Masks<FreeState>),
 }
 
 impl std::fmt::Debug for Guide {
@@ -325,6 +351,7 @@ impl std::fmt::Debug for Guide {
         match &self.kind {
             GuideKind::Regex(index) => d.field("states", &index.transitions().len()),
             GuideKind::Json(_) => d.field("grammar", &"json_object"),
+            GuideKind::Free(..) => d.field("grammar", &"json_schema with free-form parts"),
         };
         d.field("transitions", &self.transitions)
             .finish_non_exhaustive()
@@ -340,16 +367,30 @@ impl Guide {
         spec.validate()?;
         let (kind, transitions) = match spec {
             _ if spec.is_any_json_object() => {
-                let masks = JsonMasks::new(vocabulary.trie.clone());
-                // An object must be able to start and end.
-                let mut open = Vec::new();
-                masks.trie().allowed(JsonState::START, &mut open);
-                if open.is_empty() || JsonState::START.walk(b"{}").is_none() {
+                let masks = Masks::new(vocabulary.trie.clone());
+                // An object must be able to start.
+                if masks.allowed(JsonState::START, JsonState::step).is_empty() {
                     return Err(StructuredError::Vocabulary(
                         "no token starts a JSON object".into(),
                     ));
                 }
                 (GuideKind::Json(masks), trie::MASK_CACHE_IDS / 4)
+            }
+            StructuredOutput::JsonSchema(schema) if let Some(marked) = free::mark(schema) => {
+                let free = FreeJson::new(&StructuredOutput::JsonSchema(marked).regex()?)?;
+                let masks = Masks::new(vocabulary.trie.clone());
+                if masks
+                    .allowed(free.start(), |s, b| free.step(s, b))
+                    .is_empty()
+                {
+                    return Err(StructuredError::Vocabulary(
+                        "no token starts the schema's JSON".into(),
+                    ));
+                }
+                (
+                    GuideKind::Free(Box::new(free), masks),
+                    trie::MASK_CACHE_IDS / 4,
+                )
             }
             _ => {
                 let regex = spec.regex()?;
@@ -371,6 +412,7 @@ impl Guide {
         match &self.kind {
             GuideKind::Regex(index) => Walk::Regex(Some(index.initial_state())),
             GuideKind::Json(_) => Walk::Json(Some(JsonState::START)),
+            GuideKind::Free(free, _) => Walk::Free(Some(free.start())),
         }
     }
 
@@ -387,6 +429,14 @@ impl Guide {
                     state
                         .filter(|_| !spelling.is_empty())
                         .and_then(|s| s.walk(spelling)),
+                )
+            }
+            (GuideKind::Free(free, masks), Walk::Free(state)) => {
+                let spelling = masks.trie().spelling(token);
+                Walk::Free(
+                    state
+                        .filter(|_| !spelling.is_empty())
+                        .and_then(|s| spelling.iter().try_fold(s, |s, &b| free.step(s, b))),
                 )
             }
             _ => unreachable!("a walk is started by its own guide"),
@@ -415,7 +465,13 @@ impl Guide {
                 if state.is_complete() {
                     out.extend_from_slice(&self.eos_token_ids);
                 } else {
-                    out.extend_from_slice(&masks.allowed(state));
+                    out.extend_from_slice(&masks.allowed(state, JsonState::step));
+                }
+            }
+            (GuideKind::Free(free, masks), Walk::Free(Some(state))) => {
+                out.extend_from_slice(&masks.allowed(state, |s, b| free.step(s, b)));
+                if free.is_match(state) {
+                    out.extend_from_slice(&self.eos_token_ids);
                 }
             }
             _ => {}
@@ -433,6 +489,7 @@ impl Guide {
 enum Walk {
     Regex(Option<u32>),
     Json(Option<JsonState>),
+    Free(Option<FreeState>),
 }
 
 /// One request's walk through its guide: the state after the output so far.

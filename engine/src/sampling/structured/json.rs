@@ -36,6 +36,8 @@ pub(crate) struct JsonState {
 enum Lex {
     /// Nothing yet: only `{`.
     Start,
+    /// Nothing yet: any value, no whitespace before it ([`JsonState::VALUE`]).
+    StartValue,
     /// After `{`: a key or `}`.
     ObjectFirst,
     /// After `,` in an object: a key.
@@ -59,7 +61,7 @@ enum Lex {
         word: u8,
         at: u8,
     },
-    /// The object is closed: only the end of the text.
+    /// The object (or the value) is closed: only the end of the text.
     Done,
 }
 
@@ -150,9 +152,28 @@ impl JsonState {
         lex: Lex::Start,
     };
 
-    /// The text so far is one whole JSON object.
+    /// Before the first byte of any JSON value (a free-form part of a schema), not only an
+    /// object.
+    pub(crate) const VALUE: Self = Self {
+        containers: 0,
+        depth: 0,
+        whitespace: 0,
+        lex: Lex::StartValue,
+    };
+
+    /// The text so far is one whole JSON object (or value), closed: nothing may follow.
     pub(crate) fn is_complete(&self) -> bool {
         self.lex == Lex::Done
+    }
+
+    /// The text so far is one whole value, though it may go on (a number at the top
+    /// level: `1` may become `12`).
+    pub(crate) fn can_end(&self) -> bool {
+        match self.lex {
+            Lex::Done => true,
+            Lex::Number(n) => self.depth == 0 && n.whole(),
+            _ => false,
+        }
     }
 
     /// The state after `bytes`, or `None` if the text can no longer become a JSON object.
@@ -168,14 +189,14 @@ impl JsonState {
             Lex::Number(n) => match n.next(b) {
                 Some(n) => Some(self.with(Lex::Number(n))),
                 // The byte that ends a number belongs to what follows it.
-                None if n.whole() => self.with(Lex::AfterValue).structural(b),
+                None if n.whole() => self.ended().structural(b),
                 None => None,
             },
             Lex::Literal { word, at } => {
                 let spelling = LITERALS[word as usize];
                 (spelling[at as usize] == b).then(|| {
                     if at as usize + 1 == spelling.len() {
-                        self.with(Lex::AfterValue)
+                        self.ended()
                     } else {
                         self.with(Lex::Literal { word, at: at + 1 })
                     }
@@ -190,6 +211,15 @@ impl JsonState {
         self
     }
 
+    /// A value just ended: what follows it in its container, or nothing at the top level.
+    fn ended(self) -> Self {
+        self.with(if self.depth == 0 {
+            Lex::Done
+        } else {
+            Lex::AfterValue
+        })
+    }
+
     fn top_is_object(&self) -> bool {
         self.depth > 0 && self.containers & (1 << (self.depth - 1)) != 0
     }
@@ -197,7 +227,9 @@ impl JsonState {
     /// A byte between tokens: whitespace, punctuation or the first byte of a value.
     fn structural(mut self, b: u8) -> Option<Self> {
         if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
-            if matches!(self.lex, Lex::Start | Lex::Done) || self.whitespace >= MAX_WHITESPACE_RUN {
+            if matches!(self.lex, Lex::Start | Lex::StartValue | Lex::Done)
+                || self.whitespace >= MAX_WHITESPACE_RUN
+            {
                 return None;
             }
             self.whitespace += 1;
@@ -218,7 +250,7 @@ impl JsonState {
             } else {
                 Lex::Value
             })),
-            (Lex::Value | Lex::ArrayFirst, _) => self.value(b),
+            (Lex::Value | Lex::ArrayFirst | Lex::StartValue, _) => self.value(b),
             _ => None,
         }
     }
@@ -264,11 +296,7 @@ impl JsonState {
         }
         self.depth -= 1;
         self.containers &= !(1 << self.depth);
-        Some(self.with(if self.depth == 0 {
-            Lex::Done
-        } else {
-            Lex::AfterValue
-        }))
+        Some(self.ended())
     }
 
     fn string(self, key: bool, part: StringPart, b: u8) -> Option<Self> {
@@ -277,7 +305,11 @@ impl JsonState {
         let part = match part {
             Plain => match b {
                 b'"' => {
-                    return Some(self.with(if key { Lex::Colon } else { Lex::AfterValue }));
+                    return Some(if key {
+                        self.with(Lex::Colon)
+                    } else {
+                        self.ended()
+                    });
                 }
                 b'\\' => Escape,
                 0x20..=0x7F => Plain,
@@ -445,6 +477,24 @@ mod tests {
         ] {
             assert!(!alive(bad), "{bad:x?}");
         }
+    }
+
+    #[test]
+    fn any_value_may_stand_alone_and_a_number_may_end_or_go_on() {
+        let value = |text: &str| JsonState::VALUE.walk(text.as_bytes());
+        for text in ["\"a\"", "true", "null", "[1, {}]", "{\"a\": 2}"] {
+            let s = value(text).unwrap_or_else(|| panic!("{text}"));
+            assert!(s.is_complete() && s.can_end(), "{text}");
+            assert!(s.step(b' ').is_none() && s.step(b',').is_none(), "{text}");
+        }
+        let one = value("-1").unwrap();
+        assert!(one.can_end() && !one.is_complete());
+        assert!(one.step(b'2').is_some_and(|s| s.can_end()));
+        // What ends a top-level number is not the value's: the caller takes it.
+        assert!(one.step(b',').is_none() && one.step(b' ').is_none());
+        assert!(!value("-").unwrap().can_end() && !value("1.").unwrap().can_end());
+        assert!(!value("[1").unwrap().can_end());
+        assert!(value(" 1").is_none() && value("}").is_none());
     }
 
     #[test]

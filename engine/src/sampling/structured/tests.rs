@@ -208,16 +208,20 @@ fn a_cache_compiles_each_specification_once() {
     ));
 }
 
-/// Qwen3's vocabulary, its guide of any JSON object, and its EOS ids.
-fn qwen3_json() -> (crate::tokenizer::Tokenizer, Arc<Guide>, Vec<u32>) {
+/// Qwen3's vocabulary, its guide of `spec`, and its EOS ids.
+fn qwen3_guide(spec: &StructuredOutput) -> (crate::tokenizer::Tokenizer, Arc<Guide>, Vec<u32>) {
     let tokenizer = crate::tokenizer::Tokenizer::qwen3().unwrap();
     let eos = vec![
         tokenizer.token_id("<|im_end|>").unwrap(),
         tokenizer.token_id("<|endoftext|>").unwrap(),
     ];
     let vocabulary = GuideVocabulary::from_tokenizer(&tokenizer, &eos).unwrap();
-    let guide = Guide::compile(&StructuredOutput::JsonObject, &vocabulary).unwrap();
+    let guide = Guide::compile(spec, &vocabulary).unwrap();
     (tokenizer, Arc::new(guide), eos)
+}
+
+fn qwen3_json() -> (crate::tokenizer::Tokenizer, Arc<Guide>, Vec<u32>) {
+    qwen3_guide(&StructuredOutput::JsonObject)
 }
 
 /// Along Qwen3's own tokenization of JSON texts, every step allows exactly the tokens whose
@@ -351,4 +355,99 @@ fn a_schema_of_any_object_is_guided_by_the_json_grammar() {
     );
     let e = StructuredOutput::JsonSchema(long).validate().unwrap_err();
     assert!(matches!(e, StructuredError::TooLong { .. }), "{e}");
+}
+
+/// A schema with free-form parts (pydantic's `dict[str, Any]` and `Any` fields) is guided,
+/// not refused: along Qwen3's tokenization of matching texts every step allows exactly the
+/// tokens the recognizer takes one by one, EOS exactly at the end, and sampled outputs
+/// keep the schema's fixed parts.
+#[test]
+fn a_schema_with_free_form_parts_is_guided_over_qwen3() {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "meta": {"type": "object", "additionalProperties": true, "title": "Meta"},
+            "payload": {"title": "Payload"},
+        },
+        "required": ["name", "meta", "payload"],
+    });
+    let spec = StructuredOutput::JsonSchema(schema.to_string());
+    spec.validate().unwrap();
+    let (tokenizer, guide, eos) = qwen3_guide(&spec);
+    assert!(matches!(guide.kind, GuideKind::Free(..)), "{guide:?}");
+    let ordinary: Vec<u32> = tokenizer
+        .ordinary_tokens()
+        .map(|(id, _)| id)
+        .filter(|id| !eos.contains(id))
+        .collect();
+    let mut state = GuideState::new(guide.clone());
+    for text in [
+        r#"{"name":"Ada","meta":{"k":[1,{"x":null}]},"payload":12}"#,
+        r#"{ "name": "b", "meta": {}, "payload": "caf\u00e9 \ud83d\ude00" }"#,
+    ] {
+        let ids = tokenizer.encode(text).unwrap();
+        for end in 0..=ids.len() {
+            let mut allowed = state.allowed(&ids[..end]).to_vec();
+            allowed.sort_unstable();
+            let walk = state.walk;
+            let mut expected: Vec<u32> = ordinary
+                .iter()
+                .copied()
+                .filter(|&t| guide.next(walk, t) != Walk::Free(None))
+                .collect();
+            if end == ids.len() {
+                assert!(
+                    expected.is_empty(),
+                    "{text}: nothing after the end: {:?}",
+                    expected
+                        .iter()
+                        .take(5)
+                        .map(|&t| String::from_utf8_lossy(tokenizer.bytes_of(t).unwrap())
+                            .to_string())
+                        .collect::<Vec<_>>()
+                );
+                expected.extend(&eos);
+            }
+            expected.sort_unstable();
+            assert_eq!(allowed, expected, "{text:?} after {end} tokens");
+        }
+    }
+    // Sampled under noise, favouring closers: what ends is the schema's shape.
+    use crate::sampling::{Sampler, SamplingParams};
+    use rand::{RngExt, SeedableRng};
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let mut logits: Vec<f32> = (0..tokenizer.vocab_size())
+        .map(|_| rng.random::<f32>() * 4.0)
+        .collect();
+    for (id, bytes) in tokenizer.ordinary_tokens() {
+        if bytes.contains(&b'}') || bytes.contains(&b'"') || bytes.contains(&b']') {
+            logits[id as usize] += 3.0;
+        }
+    }
+    for &id in &eos {
+        logits[id as usize] = 30.0;
+    }
+    for seed in 0..8 {
+        let mut sampler = Sampler::new(&params, seed, &eos).with_guide(guide.clone());
+        let mut output = Vec::new();
+        loop {
+            let token = sampler.sample(&logits, &[], &output).token_id;
+            if eos.contains(&token) {
+                break;
+            }
+            output.push(token);
+            assert!(output.len() < 2_000, "seed {seed}: no end in sight");
+        }
+        let text = tokenizer.decode(&output, false).unwrap();
+        let value: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(value["name"].is_string(), "{text}");
+        assert!(value["meta"].is_object(), "{text}");
+        assert!(value.get("payload").is_some(), "{text}");
+    }
 }

@@ -1,18 +1,16 @@
-//! The vocabulary as a byte trie, and the token masks of the JSON grammar read from it.
+//! The vocabulary as a byte trie, and the token masks of byte-level recognizers read from it.
 //!
 //! A regex guide lists each state's tokens ahead of time (outlines' index). The JSON
 //! grammar's states are unbounded (its stack), so its masks are computed when a state is
-//! first met: one walk down the trie, carrying the grammar's state byte by byte and pruning
-//! every subtree whose prefix the grammar refuses, so tokens that share a prefix share its
+//! first met: one walk down the trie, carrying the recognizer's state byte by byte and
+//! pruning every subtree whose prefix it refuses, so tokens that share a prefix share its
 //! work. A walk visits up to every node (inside a string nearly every token is allowed:
-//! milliseconds for Qwen3's 151k tokens), so masks are kept per state ([`JsonMasks`]): a
-//! JSON text meets few distinct states, and requests share them. Owns the trie and the mask
-//! cache; not the grammar (`super::json`).
+//! milliseconds for Qwen3's 151k tokens), so masks are kept per state ([`Masks`]): a JSON
+//! text meets few distinct states, and requests share them. Owns the trie and the mask
+//! cache; not the recognizers (`super::json`, `super::free`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-
-use super::json::JsonState;
 
 /// Every ordinary token's bytes, as a trie laid out in depth-first order.
 pub(crate) struct TokenTrie {
@@ -93,15 +91,20 @@ impl TokenTrie {
         }
     }
 
-    /// The tokens whose bytes the grammar accepts after `start`, in byte order.
-    pub(crate) fn allowed(&self, start: JsonState, out: &mut Vec<u32>) {
+    /// The tokens whose bytes `step` accepts one by one from `start`, in byte order.
+    pub(crate) fn allowed<S: Copy>(
+        &self,
+        start: S,
+        step: impl Fn(S, u8) -> Option<S>,
+        out: &mut Vec<u32>,
+    ) {
         out.clear();
         let mut states = vec![start; 1];
         let mut i = 0;
         while i < self.bytes.len() {
             let depth = self.depth[i] as usize;
             // Depth-first: the last node seen one level up is this node's parent.
-            match states[depth - 1].step(self.bytes[i]) {
+            match step(states[depth - 1], self.bytes[i]) {
                 Some(next) => {
                     states.truncate(depth);
                     states.push(next);
@@ -116,28 +119,30 @@ impl TokenTrie {
     }
 }
 
-/// Most token ids the masks of one JSON guide keep together (4 bytes each): about 50 masks
-/// of a state inside a string, where nearly all of Qwen3's tokens are allowed. Past it the
-/// cache starts over.
+/// Most token ids the masks of one guide keep together (4 bytes each): about 50 masks of a
+/// state inside a string, where nearly all of Qwen3's tokens are allowed. Past it the cache
+/// starts over.
 pub(super) const MASK_CACHE_IDS: usize = 8 << 20;
 
-/// The JSON grammar's masks over one vocabulary, computed on first use per state and kept.
-pub(crate) struct JsonMasks {
+/// A recognizer's masks over one vocabulary, computed on first use per state `S` and kept.
+pub(crate) struct Masks<S> {
     trie: Arc<TokenTrie>,
-    cache: Mutex<MaskCache>,
+    cache: Mutex<MaskCache<S>>,
 }
 
-#[derive(Default)]
-struct MaskCache {
-    masks: HashMap<JsonState, Arc<[u32]>>,
+struct MaskCache<S> {
+    masks: HashMap<S, Arc<[u32]>>,
     ids: usize,
 }
 
-impl JsonMasks {
+impl<S: Copy + Eq + std::hash::Hash> Masks<S> {
     pub(crate) fn new(trie: Arc<TokenTrie>) -> Self {
         Self {
             trie,
-            cache: Mutex::new(MaskCache::default()),
+            cache: Mutex::new(MaskCache {
+                masks: HashMap::new(),
+                ids: 0,
+            }),
         }
     }
 
@@ -145,14 +150,15 @@ impl JsonMasks {
         &self.trie
     }
 
-    /// The ids that `state` allows (not EOS: the caller adds it where the object is whole).
-    pub(crate) fn allowed(&self, state: JsonState) -> Arc<[u32]> {
+    /// The ids whose bytes `step` accepts from `state` (not EOS: the caller adds it where
+    /// the text is whole).
+    pub(crate) fn allowed(&self, state: S, step: impl Fn(S, u8) -> Option<S>) -> Arc<[u32]> {
         if let Some(mask) = self.lock().masks.get(&state) {
             return mask.clone();
         }
         // Not under the lock: other requests' states are served meanwhile.
         let mut ids = Vec::new();
-        self.trie.allowed(state, &mut ids);
+        self.trie.allowed(state, step, &mut ids);
         let mask: Arc<[u32]> = ids.into();
         let mut cache = self.lock();
         if cache.ids + mask.len() > MASK_CACHE_IDS {
@@ -165,14 +171,19 @@ impl JsonMasks {
         mask
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, MaskCache> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MaskCache<S>> {
         self.cache.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::json::JsonState;
     use super::*;
+
+    fn step(s: JsonState, b: u8) -> Option<JsonState> {
+        s.step(b)
+    }
 
     fn tokens(spellings: &[&str]) -> Vec<(u32, Vec<u8>)> {
         spellings
@@ -218,7 +229,7 @@ mod tests {
         }
         for state in states {
             let mut walked = Vec::new();
-            trie.allowed(state, &mut walked);
+            trie.allowed(state, step, &mut walked);
             walked.sort_unstable();
             let mut brute: Vec<u32> = vocab
                 .iter()
@@ -239,10 +250,10 @@ mod tests {
     fn tokens_with_the_same_bytes_are_both_listed() {
         let trie = TokenTrie::new(&[(5, b"{".to_vec()), (2, b"{".to_vec()), (9, b"[".to_vec())]);
         let mut ids = Vec::new();
-        trie.allowed(JsonState::START, &mut ids);
+        trie.allowed(JsonState::START, step, &mut ids);
         assert_eq!(ids, vec![2, 5]);
-        let masks = JsonMasks::new(Arc::new(trie));
-        let first = masks.allowed(JsonState::START);
-        assert!(Arc::ptr_eq(&first, &masks.allowed(JsonState::START)));
+        let masks = Masks::new(Arc::new(trie));
+        let first = masks.allowed(JsonState::START, step);
+        assert!(Arc::ptr_eq(&first, &masks.allowed(JsonState::START, step)));
     }
 }
