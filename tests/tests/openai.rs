@@ -465,6 +465,50 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
         serde_json::from_str(forced_call["arguments"].as_str().unwrap()).expect("JSON arguments");
     assert!(arguments.is_object(), "{arguments}");
 
+    // tool_choice "required": one call or more, of any tool, free-form parameters too
+    // (`data` is any object). Quotes and braces are favoured so the random model closes its
+    // strings and objects.
+    let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
+    let [quote, brace, end] =
+        ["\"", "}", "<|im_end|>"].map(|t| tokenizer.encode(t).unwrap()[0].to_string());
+    let both = json!([tools[0], {"type": "function", "function": {"name": "store",
+        "parameters": {"type": "object", "properties": {"data": {"type": "object"}},
+        "required": ["data"]}}}]);
+    let (mut finished, mut several, mut stored) = (0, 0, 0);
+    for seed in 0..6 {
+        let required = json!({
+            "messages": [user], "tools": both, "max_tokens": 200, "temperature": 1,
+            "seed": seed, "tool_choice": "required",
+            "logit_bias": {quote.clone(): 12, brace.clone(): 10, end.clone(): -2},
+        });
+        let v = post_ok(&base, "/chat/completions", required).await;
+        let choice = &v["choices"][0];
+        // Every call read out, whole or before the length cut, is one the tools allow.
+        let calls = choice["message"]["tool_calls"].as_array().cloned();
+        for call in calls.iter().flatten() {
+            let arguments: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            match call["function"]["name"].as_str().unwrap() {
+                "store" => {
+                    assert!(arguments["data"].is_object(), "{arguments}");
+                    stored += 1;
+                }
+                name => assert_eq!(name, "get_weather"),
+            }
+        }
+        if choice["finish_reason"] == "tool_calls" {
+            assert!(choice["message"]["content"].is_null(), "{v}");
+            finished += 1;
+            several += usize::from(calls.is_some_and(|c| c.len() > 1));
+        } else {
+            assert_eq!(choice["finish_reason"], "length", "{v}");
+        }
+    }
+    assert!(
+        finished > 0 && several > 0 && stored > 0,
+        "{finished} {several} {stored}"
+    );
+
     // tool_choice "none": the block stays text and the answer just stops.
     let mut none = request.clone();
     none["tool_choice"] = json!("none");

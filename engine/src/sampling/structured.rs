@@ -133,6 +133,15 @@ impl StructuredOutput {
         }
     }
 
+    /// The regex of JSON that `schema` accepts, to be part of a larger regex (a forced tool
+    /// call's, between its tags). Its free-form parts (any value, any object) are written
+    /// as marks that the guide of that regex reads with the JSON grammar, as it reads a
+    /// schema's own (`free`); as plain regexes they would nest past the state cap.
+    pub fn json_schema_regex(schema: &str) -> Result<String, StructuredError> {
+        let marked = free::mark(schema);
+        Self::JsonSchema(marked.unwrap_or_else(|| schema.to_string())).regex()
+    }
+
     /// The regular expression the output must match, checked as [`StructuredOutput::validate`]
     /// checks it; [`StructuredError::NotRegular`] for any JSON object.
     pub fn regex(&self) -> Result<String, StructuredError> {
@@ -181,6 +190,21 @@ impl StructuredOutput {
             .parse(&regex)
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
         Ok(regex)
+    }
+}
+
+/// The regex of `spec` when it has free-form JSON parts (a schema's, or marks a regex holds
+/// from [`StructuredOutput::json_schema_regex`]); `None` when it has none.
+fn free_regex(spec: &StructuredOutput) -> Result<Option<String>, StructuredError> {
+    match spec {
+        StructuredOutput::JsonSchema(schema) => free::mark(schema)
+            .map(|marked| StructuredOutput::JsonSchema(marked).regex())
+            .transpose(),
+        StructuredOutput::Regex(regex) if free::has_marks(regex) => {
+            spec.validate()?;
+            Ok(Some(regex.clone()))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -376,8 +400,10 @@ impl Guide {
                 }
                 (GuideKind::Json(masks), trie::MASK_CACHE_IDS / 4)
             }
-            StructuredOutput::JsonSchema(schema) if let Some(marked) = free::mark(schema) => {
-                let free = FreeJson::new(&StructuredOutput::JsonSchema(marked).regex()?)?;
+            StructuredOutput::JsonSchema(_) | StructuredOutput::Regex(_)
+                if let Some(regex) = free_regex(spec)? =>
+            {
+                let free = FreeJson::new(&regex)?;
                 let masks = Masks::new(vocabulary.trie.clone());
                 if masks
                     .allowed(free.start(), |s, b| free.step(s, b))

@@ -88,6 +88,13 @@ fn free_form(schema: &Value) -> Option<&'static str> {
     }
 }
 
+/// The regex (outlines' of a marked schema, or one holding such a regex) has marks.
+pub(super) fn has_marks(regex: &str) -> bool {
+    [VALUE_MARK, OBJECT_MARK]
+        .iter()
+        .any(|mark| regex.contains(&regex_syntax::escape(mark)))
+}
+
 /// A marked schema's regex over bytes, each free-form part one reserved byte.
 pub(crate) struct FreeJson {
     dfa: dense::DFA<Vec<u32>>,

@@ -451,3 +451,30 @@ fn a_schema_with_free_form_parts_is_guided_over_qwen3() {
         assert!(value.get("payload").is_some(), "{text}");
     }
 }
+
+/// A schema's regex embedded in a larger regex (a forced tool call's) keeps its free-form
+/// parts: the regex's guide reads them with the JSON grammar.
+#[test]
+fn a_regex_holding_a_schema_with_free_form_parts_guides_them() {
+    let schema = r#"{"type": "object", "properties": {"a": {}}, "required": ["a"]}"#;
+    let inner = StructuredOutput::json_schema_regex(schema).unwrap();
+    let spec = StructuredOutput::Regex(format!("x({inner})"));
+    spec.validate().unwrap();
+    let guide = Arc::new(Guide::compile(&spec, &vocabulary()).unwrap());
+    assert!(matches!(guide.kind, GuideKind::Free(..)), "{guide:?}");
+    // x{"a":{"a":12,"no":0}} then EOS: any value where the schema says so.
+    let text: &[u32] = &[
+        15, 9, 11, 4, 11, 12, 9, 11, 4, 11, 12, 1, 2, 16, 11, 6, 11, 12, 0, 10, 10,
+    ];
+    let mut state = GuideState::new(guide);
+    for end in 0..text.len() {
+        assert!(state.allowed(&text[..end]).contains(&text[end]), "{end}");
+    }
+    let mut last = state.allowed(text).to_vec();
+    last.sort_unstable();
+    assert_eq!(last, vec![EOS, EOS2]);
+    // Without free-form parts the regex is outlines' own, as before.
+    let plain = StructuredOutput::json_schema_regex(r#"{"type": "integer"}"#).unwrap();
+    let guide = Guide::compile(&StructuredOutput::Regex(plain), &vocabulary()).unwrap();
+    assert!(matches!(guide.kind, GuideKind::Regex(_)));
+}

@@ -334,6 +334,16 @@ fn a_forcing_tool_choice_guides_the_answer_into_one_call() {
     assert!(!re.is_match("{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}"));
     let any = regex::Regex::new(&format!("^{}$", regex_of(json!("required")))).unwrap();
     assert!(any.is_match("<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>"));
+    // `required`: one call or more, a newline after each; a named function: once.
+    let two = "<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>\n\
+               <tool_call>\n{\"name\":\"ping\",\"arguments\":{}}\n</tool_call>";
+    assert!(any.is_match(two));
+    let now = regex_of(json!({"type": "function", "function": {"name": "now"}}));
+    assert!(
+        !regex::Regex::new(&format!("^{now}$"))
+            .unwrap()
+            .is_match(two)
+    );
     assert!(any.is_match(
         "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"x\"}}\n</tool_call>"
     ));

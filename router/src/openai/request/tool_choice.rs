@@ -1,5 +1,6 @@
-//! `tool_choice` `"required"` or a named function: the answer is made to be one call, in the
-//! form the model writes calls (`<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`),
+//! `tool_choice` `"required"` or a named function: the answer is made to be calls (one or
+//! more for `required`, one of the named function), in the form the model writes them
+//! (`<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`),
 //! by a structured output over it: the call's JSON follows a schema built from the tool's
 //! own `parameters` (a tool without them takes no arguments). The tool-call parser then reads
 //! it out as `tool_calls`.
@@ -31,20 +32,19 @@ fn function(tool: &Value) -> Option<(&str, Value)> {
     Some((name, parameters))
 }
 
-/// The regex of one call of `name` with arguments that `parameters` accepts.
+/// The regex of one call of `name` with arguments that `parameters` accepts (free-form parts
+/// of them included: the node's guide reads those with its JSON grammar).
 fn call_regex(name: &str, parameters: &Value) -> Result<String, BadRequest> {
     let schema = json!({
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": parameters},
         "required": ["name", "arguments"],
     });
-    StructuredOutput::JsonSchema(schema.to_string())
-        .regex()
-        .map_err(|e| {
-            bad(format!(
-                "tool `{name}`: its parameters cannot guide a call: {e}"
-            ))
-        })
+    StructuredOutput::json_schema_regex(&schema.to_string()).map_err(|e| {
+        bad(format!(
+            "tool `{name}`: its parameters cannot guide a call: {e}"
+        ))
+    })
 }
 
 impl Body {
@@ -52,6 +52,7 @@ impl Body {
     /// or no choice.
     pub(super) fn forced_tool_call(&self) -> Result<Option<pb::StructuredOutput>, BadRequest> {
         let tools = self.tools.as_deref().unwrap_or_default();
+        let named = matches!(self.tool_choice, Some(Value::Object(_)));
         let wanted: Vec<(&str, Value)> = match self.tool_choice.as_ref() {
             None | Some(Value::Null) => return Ok(None),
             Some(Value::String(s)) if s == "auto" || s == "none" => return Ok(None),
@@ -93,7 +94,15 @@ impl Body {
             .iter()
             .map(|(name, parameters)| call_regex(name, parameters))
             .collect::<Result<Vec<_>, _>>()?;
-        let regex = format!("<tool_call>\\n({})\\n</tool_call>", calls.join("|"));
+        let call = format!("<tool_call>\\n({})\\n</tool_call>", calls.join("|"));
+        // `required` is one call or more, one block each, a newline after each as Qwen3's
+        // template writes them (written as a loop: the calls' states once, not twice); a
+        // named function is called once.
+        let regex = if named {
+            call
+        } else {
+            format!("({call}\\n?)+")
+        };
         Ok(Some(pb::StructuredOutput {
             kind: Some(pb::structured_output::Kind::Regex(regex)),
         }))
