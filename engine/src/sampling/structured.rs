@@ -473,8 +473,9 @@ impl Guide {
     /// whole vocabulary is allowed, and sorting it every step would cost more than the
     /// mask): the tokens that keep the text a prefix of a match, and every EOS id where it
     /// is a whole match. Off the guide (`None`), or where nothing can follow (a vocabulary
-    /// that cannot spell what the grammar needs next), only EOS.
-    fn allowed(&self, walk: Walk, out: &mut Vec<u32>) {
+    /// that cannot spell what the grammar needs next), only EOS. A kept mask is lent, not
+    /// copied (up to the whole vocabulary, every step).
+    fn allowed(&self, walk: Walk, out: &mut Vec<u32>) -> Option<Arc<[u32]>> {
         out.clear();
         match (&self.kind, walk) {
             (GuideKind::Regex(index), Walk::Regex(Some(state))) => {
@@ -491,20 +492,26 @@ impl Guide {
                 if state.is_complete() {
                     out.extend_from_slice(&self.eos_token_ids);
                 } else {
-                    out.extend_from_slice(&masks.allowed(state, JsonState::step));
+                    let mask = masks.allowed(state, JsonState::step);
+                    if !mask.is_empty() {
+                        return Some(mask);
+                    }
                 }
             }
             (GuideKind::Free(free, masks), Walk::Free(Some(state))) => {
-                out.extend_from_slice(&masks.allowed(state, |s, b| free.step(s, b)));
-                if free.is_match(state) {
-                    out.extend_from_slice(&self.eos_token_ids);
+                let mask = masks.allowed(state, |s, b| free.step(s, b));
+                if !free.is_match(state) && !mask.is_empty() {
+                    return Some(mask);
                 }
+                out.extend_from_slice(&mask);
+                out.extend_from_slice(&self.eos_token_ids);
             }
             _ => {}
         }
         if out.is_empty() {
             out.extend_from_slice(&self.eos_token_ids);
         }
+        None
     }
 }
 
@@ -526,10 +533,12 @@ pub(crate) struct GuideState {
     walk: Walk,
     /// Output tokens walked so far.
     consumed: usize,
-    /// The ids `walk` allows, and the walk they were listed for (`None` before the first
-    /// listing): a step asks twice (the backend's plan, then the host's sampler when the
-    /// plan is refused), and listing is a pass over up to the vocabulary.
+    /// The ids `walk` allows (a kept mask when `lent`, else `ids`), and the walk they were
+    /// listed for (`None` before the first listing): a step asks twice (the backend's plan,
+    /// then the host's sampler when the plan is refused), and listing is a pass over up to
+    /// the vocabulary.
     ids: Vec<u32>,
+    lent: Option<Arc<[u32]>>,
     ids_for: Option<Walk>,
 }
 
@@ -541,13 +550,14 @@ impl GuideState {
             walk,
             consumed: 0,
             ids: Vec::new(),
+            lent: None,
             ids_for: None,
         }
     }
 
     /// The ids the last [`GuideState::allowed`] listed.
     pub(crate) fn ids(&self) -> &[u32] {
-        &self.ids
+        self.lent.as_deref().unwrap_or(&self.ids)
     }
 
     /// The ids allowed after `output_tokens`, each once (unsorted). Walks only the tokens
@@ -563,10 +573,10 @@ impl GuideState {
         }
         self.consumed = output_tokens.len();
         if self.ids_for != Some(self.walk) {
-            self.guide.allowed(self.walk, &mut self.ids);
+            self.lent = self.guide.allowed(self.walk, &mut self.ids);
             self.ids_for = Some(self.walk);
         }
-        &self.ids
+        self.ids()
     }
 }
 
