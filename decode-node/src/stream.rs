@@ -1,7 +1,7 @@
 //! The response stream of one `Decode`: the engine's events for the request turned into
-//! `DecodeResponse` messages (tokens batched when several are waiting, the finish reason,
-//! usage and the node's counters on the last), an engine failure reported after the tokens
-//! before it. Validating and admitting the request is the service's (lib.rs).
+//! `DecodeResponse` messages (tokens batched when several are waiting, the prompt's logprobs
+//! with the first token, the finish reason, usage and the node's counters on the last), an
+//! engine failure reported after the tokens before it. Validating and admitting the request is the service's (lib.rs).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,6 +25,9 @@ pub struct DecodeStream {
     metrics: Arc<NodeMetrics>,
     /// An engine failure to report after the tokens that came before it.
     pending_error: Option<Status>,
+    /// The prompt's logprobs, held for the message of the first token (the engine sends them
+    /// just before it).
+    prompt_logprobs: Vec<pb::Logprob>,
     done: bool,
 }
 
@@ -40,6 +43,7 @@ impl DecodeStream {
             guard,
             metrics,
             pending_error: None,
+            prompt_logprobs: Vec::new(),
             done: false,
         }
     }
@@ -65,26 +69,36 @@ impl Stream for DecodeStream {
         if this.done {
             return Poll::Ready(None);
         }
-        let Some(mut event) = std::task::ready!(this.events.poll_recv(cx)) else {
-            this.done = true;
-            this.guard.finished();
-            return Poll::Ready(Some(Err(engine_gone())));
+        let mut event = loop {
+            let Some(event) = std::task::ready!(this.events.poll_recv(cx)) else {
+                this.done = true;
+                this.guard.finished();
+                return Poll::Ready(Some(Err(engine_gone())));
+            };
+            match event {
+                RequestEvent::PromptLogprobs(scores) => {
+                    this.prompt_logprobs = scores.iter().map(convert::prompt_logprob).collect();
+                }
+                event => break event,
+            }
         };
-        let mut msg = pb::DecodeResponse::default();
+        let mut msg = pb::DecodeResponse {
+            // Only a prompt computed here (no KV handle) has them.
+            prompt_logprobs: std::mem::take(&mut this.prompt_logprobs),
+            ..Default::default()
+        };
         // Events already queued travel in one message; none is waited for.
         loop {
             match event {
                 RequestEvent::Token(t) => msg.tokens.push(convert::logprob(&t)),
+                // Before any token: only the first event can be these (taken above).
+                RequestEvent::PromptLogprobs(scores) => {
+                    this.prompt_logprobs = scores.iter().map(convert::prompt_logprob).collect();
+                    break;
+                }
                 RequestEvent::Finished(f) => {
                     msg.finish_reason = convert::finish_reason(f.reason) as i32;
                     msg.usage = Some(convert::usage(&f.usage));
-                    // Only a prompt computed here (no KV handle) has them.
-                    msg.prompt_logprobs = f
-                        .prompt_logprobs
-                        .iter()
-                        .flatten()
-                        .map(convert::prompt_logprob)
-                        .collect();
                     // The engine publishes its counters before delivering the end: this
                     // request's counts are in.
                     msg.counters = Some(this.metrics.counter_report());

@@ -171,7 +171,7 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
                 for (_, event) in engine.step() {
                     match event {
                         RequestEvent::Token(t) => tokens.push(t.token_id),
-                        RequestEvent::Finished(_) => {}
+                        RequestEvent::Finished(_) | RequestEvent::PromptLogprobs(_) => {}
                         RequestEvent::Failed(e) => panic!("{e}"),
                     }
                 }

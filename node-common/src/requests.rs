@@ -165,7 +165,7 @@ pub fn forward_events(rx: mpsc::Receiver<RequestEvent>) -> UnboundedReceiver<Req
     let (tx, out) = unbounded_channel();
     tokio::task::spawn_blocking(move || {
         while let Ok(event) = rx.recv() {
-            let terminal = !matches!(event, RequestEvent::Token(_));
+            let terminal = event.is_terminal();
             if tx.send(event).is_err() || terminal {
                 break;
             }

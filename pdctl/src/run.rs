@@ -316,12 +316,14 @@ fn collect(
     let mut text = TextStream::new(&files.tokenizer, &job.params, eos.to_vec());
     let mut token_ids = Vec::new();
     let mut logprobs = Vec::new();
+    let mut prompt_logprobs = None;
     let mut text_finish: Option<FinishReason> = None;
     loop {
         let event = rx
             .recv()
             .context("the engine stopped without finishing the request")?;
         match event {
+            RequestEvent::PromptLogprobs(scores) => prompt_logprobs = Some(scores),
             RequestEvent::Token(t) => {
                 if text_finish.is_some() {
                     continue; // generated before the abort reached the engine
@@ -352,7 +354,7 @@ fn collect(
                     stop_reason: text.stop_reason().cloned(),
                     usage,
                     logprobs: job.params.logprobs.map(|_| logprobs),
-                    prompt_logprobs: f.prompt_logprobs,
+                    prompt_logprobs,
                 });
             }
             RequestEvent::Failed(e) => bail!("request {} failed: {e}", index + 1),

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use clap::Parser;
 use pd_engine::generate::validate_prompt;
-use pd_engine::sampling::{GuideCache, SampledToken};
+use pd_engine::sampling::{GuideCache, PromptLogprob, SampledToken};
 use pd_engine::serve::{
     EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
     Role,
@@ -78,10 +78,11 @@ pub struct PrefillArgs {
 
 /// How a prefill ended.
 enum Outcome {
-    /// The first token, the engine's result, and the lease (guarded until handed out;
-    /// `None` when the request asked for none).
+    /// The first token, the prompt's logprobs (empty unless asked for), the engine's result,
+    /// and the lease (guarded until handed out; `None` when the request asked for none).
     Prefilled {
         first_token: SampledToken,
+        prompt_logprobs: Vec<PromptLogprob>,
         finished: Box<Finished>,
         lease: Option<Box<LeaseGuard>>,
     },
@@ -95,8 +96,10 @@ enum Outcome {
 /// request asked for a lease.
 fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>, lease_kv: bool) -> Outcome {
     let mut first_token = None;
+    let mut prompt_logprobs = Vec::new();
     loop {
         match rx.recv() {
+            Ok(RequestEvent::PromptLogprobs(scores)) => prompt_logprobs = scores,
             Ok(RequestEvent::Token(t)) => {
                 first_token.get_or_insert(t);
             }
@@ -111,6 +114,7 @@ fn collect(engine: EngineHandle, rx: mpsc::Receiver<RequestEvent>, lease_kv: boo
                     (Some(first_token), lease) if lease.is_some() == lease_kv => {
                         Outcome::Prefilled {
                             first_token,
+                            prompt_logprobs,
                             finished,
                             lease,
                         }
@@ -271,12 +275,13 @@ impl PrefillService for PrefillNodeService {
             .await
             .map_err(|e| Status::internal(format!("prefill task failed: {e}")))?;
         guard.finished();
-        let (first_token, finished, lease) = match outcome {
+        let (first_token, prompt_logprobs, finished, lease) = match outcome {
             Outcome::Prefilled {
                 first_token,
+                prompt_logprobs,
                 finished,
                 lease,
-            } => (first_token, finished, lease),
+            } => (first_token, prompt_logprobs, finished, lease),
             Outcome::Aborted => {
                 return Err(Status::aborted(format!("request {id} was aborted")));
             }
@@ -298,10 +303,8 @@ impl PrefillService for PrefillNodeService {
             first_token: Some(convert::logprob(&first_token)),
             usage: Some(convert::usage(&finished.usage)),
             kv,
-            prompt_logprobs: finished
-                .prompt_logprobs
+            prompt_logprobs: prompt_logprobs
                 .iter()
-                .flatten()
                 .map(convert::prompt_logprob)
                 .collect(),
             // Taken after the engine delivered the end, which it publishes the counters

@@ -74,11 +74,18 @@ async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_ca
     assert_eq!(usage.local_cached_tokens, whole_blocks);
     assert_eq!(usage.completion_tokens as usize, got.len());
 
-    // Prompt logprobs come from the node that computed the prompt.
-    let mut req = greedy(long.clone(), 2);
+    // Prompt logprobs come from the node that computed the prompt, on the first chunk (with
+    // the first token), as in PD mode.
+    let mut req = greedy(long.clone(), 3);
     req.sampling.as_mut().unwrap().prompt_logprobs = Some(2);
-    let (_, last) = collect(&mut c, req).await.unwrap();
-    let logprobs = &last.prompt_logprobs;
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let mut chunks = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        chunks.push(chunk);
+    }
+    assert!(!chunks[0].token_ids.is_empty());
+    assert!(chunks[1..].iter().all(|c| c.prompt_logprobs.is_empty()));
+    let logprobs = &chunks[0].prompt_logprobs;
     assert_eq!(logprobs.len(), long.len() - 1);
     for (i, lp) in logprobs.iter().enumerate() {
         assert_eq!(lp.token_id, long[i + 1], "position {}", i + 1);

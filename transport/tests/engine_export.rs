@@ -73,7 +73,7 @@ fn run(engine: &mut Engine<CpuBackend>, r: EngineRequest) -> Vec<u32> {
         for (_, event) in engine.step() {
             match event {
                 RequestEvent::Token(t) => tokens.push(t.token_id),
-                RequestEvent::Finished(_) => {}
+                RequestEvent::Finished(_) | RequestEvent::PromptLogprobs(_) => {}
                 RequestEvent::Failed(e) => panic!("{e}"),
             }
         }
@@ -108,6 +108,7 @@ async fn leased(prompt: &[u32], fp: LayoutFingerprint, kv: DType) -> Leased {
                 RequestEvent::Token(t) => first = Some(t.token_id),
                 RequestEvent::Finished(f) => break (first.unwrap(), f.lease.unwrap()),
                 RequestEvent::Failed(e) => panic!("{e}"),
+                RequestEvent::PromptLogprobs(_) => {}
             }
         }
     })

@@ -365,7 +365,7 @@ fn run<B: Backend>(
                 events.iter().for_each(|(_, event)| observe(event));
                 publish(&engine);
                 for (id, event) in events {
-                    let terminal = !matches!(event, RequestEvent::Token(_));
+                    let terminal = event.is_terminal();
                     let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
                     if terminal {
                         streams.remove(&id);

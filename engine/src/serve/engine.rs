@@ -494,6 +494,11 @@ impl<B: Backend> Engine<B> {
             }
             seq.last_token = Some(now);
             self.counters.generation_tokens += 1;
+            // The prompt is all computed: its logprobs go out before its first token (taken,
+            // so a recomputed prompt is not scored again).
+            if let Some(scores) = seq.prompt_logprobs.take() {
+                events.push((id.clone(), RequestEvent::PromptLogprobs(scores)));
+            }
             let decision = seq.stop.on_token(token, "");
             self.seqs.insert(id.clone(), seq);
             events.push((id.clone(), RequestEvent::Token(sampled)));
@@ -595,7 +600,6 @@ impl<B: Backend> Engine<B> {
             reason,
             usage: seq.usage(),
             timings: seq.timings(now),
-            prompt_logprobs: seq.prompt_logprobs.take(),
             lease,
             max_tokens: seq.req.params.max_tokens,
             sampled_tokens: seq.tokens.len() - seq.sampled_from,

@@ -156,6 +156,9 @@ impl fmt::Display for RequestError {
 /// `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RequestEvent {
+    /// The prompt's logprobs (`params.prompt_logprobs`), once all of the prompt is computed:
+    /// right before the first token, in the same step.
+    PromptLogprobs(Vec<PromptLogprob>),
     /// One new token.
     Token(SampledToken),
     /// The request ended (normally, or aborted with reason `Abort`).
@@ -164,12 +167,18 @@ pub enum RequestEvent {
     Failed(RequestError),
 }
 
+impl RequestEvent {
+    /// `Finished` or `Failed`: the request's last event.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Self::Finished(_) | Self::Failed(_))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finished {
     pub reason: FinishReason,
     pub usage: Usage,
     pub timings: RequestTimings,
-    pub prompt_logprobs: Option<Vec<PromptLogprob>>,
     /// Set on a prefill-role node: the KV stays allocated under this lease.
     pub lease: Option<KvLease>,
     /// The request's `max_tokens` as this engine was given it (1 on a prefill node).

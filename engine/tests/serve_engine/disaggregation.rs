@@ -364,6 +364,7 @@ fn kv_pulled_into_buffers_is_placed_once_the_pool_has_room() {
         for event in h.submit(r) {
             match event {
                 RequestEvent::Token(t) => tokens.push(t.token_id),
+                RequestEvent::PromptLogprobs(_) => panic!("not asked for"),
                 RequestEvent::Finished(f) => {
                     let u = f.usage;
                     return (tokens, (u.local_cached_tokens, u.external_cached_tokens));

@@ -18,7 +18,7 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
 use pd_engine::model::Qwen3;
-use pd_engine::sampling::SamplingParams;
+use pd_engine::sampling::{PromptLogprob, SamplingParams};
 use pd_engine::serve::{
     Engine, EngineConfig, EngineCounters, EngineRequest, Finished, RequestEvent, RequestId, Role,
 };
@@ -87,6 +87,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
 #[derive(Debug, Default, Clone)]
 struct Outcome {
     tokens: Vec<u32>,
+    prompt_logprobs: Option<Vec<PromptLogprob>>,
     finished: Option<Finished>,
 }
 
@@ -102,6 +103,11 @@ fn drain(engine: &mut Engine<CpuBackend>) -> HashMap<String, Outcome> {
             assert!(o.finished.is_none(), "an event after the terminal one");
             match event {
                 RequestEvent::Token(t) => o.tokens.push(t.token_id),
+                RequestEvent::PromptLogprobs(scores) => {
+                    // Once, before the first token.
+                    assert!(o.tokens.is_empty() && o.prompt_logprobs.is_none());
+                    o.prompt_logprobs = Some(scores);
+                }
                 RequestEvent::Finished(f) => o.finished = Some(*f),
                 RequestEvent::Failed(e) => panic!("request failed: {e}"),
             }

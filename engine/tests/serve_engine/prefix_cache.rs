@@ -80,7 +80,7 @@ fn disabled_cache_and_prompt_logprobs_count_no_queries() {
     let f = r.finished.unwrap();
     assert_eq!(f.usage.cached_tokens(), 0);
     assert_eq!(
-        f.prompt_logprobs.unwrap().len(),
+        r.prompt_logprobs.unwrap().len(),
         12,
         "every prompt position after the first"
     );

@@ -119,8 +119,10 @@ fn prompt_logprobs_are_each_positions_once_batched_chunked_and_preempted() {
         }
         let out = drain(&mut e);
         for (i, want) in reference.iter().enumerate() {
-            let finished = out[&format!("r{i}")].finished.as_ref().unwrap();
-            let got = finished.prompt_logprobs.as_ref().expect("prompt logprobs");
+            let got = out[&format!("r{i}")]
+                .prompt_logprobs
+                .as_ref()
+                .expect("prompt logprobs");
             assert_same_scores(got, want, &format!("{name}: request {i}"));
         }
         if name.ends_with("preempting") {
@@ -187,6 +189,7 @@ fn driver_streams_events_and_aborts_when_the_receiver_is_dropped() {
             .expect("events arrive")
         {
             RequestEvent::Token(_) => tokens += 1,
+            RequestEvent::PromptLogprobs(_) => panic!("not asked for"),
             RequestEvent::Finished(f) => break f,
             RequestEvent::Failed(e) => panic!("{e}"),
         }

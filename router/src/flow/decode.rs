@@ -163,7 +163,7 @@ impl Job {
                 .run(tokio::time::timeout(timeout, stream.message()))
                 .await
                 .map_err(DecodeEnd::End)?;
-            let message = match next {
+            let mut message = match next {
                 Ok(Ok(Some(m))) => m,
                 Ok(Ok(None)) => {
                     return Err(node_error(
@@ -187,6 +187,9 @@ impl Job {
                 }
             }
             let mut chunk = self.chunk();
+            // Aggregated mode: the node computed the prompt, and its logprobs come with the
+            // first token.
+            chunk.prompt_logprobs = std::mem::take(&mut message.prompt_logprobs);
             let ours = self
                 .feed(text, &mut chunk, &message.tokens, NodeRole::Decode)
                 .map_err(DecodeEnd::End)?;
@@ -209,14 +212,14 @@ impl Job {
                             stream,
                         ));
                     }
-                    self.take_compute_usage(handoff, &mut chunk, last);
+                    self.take_compute_usage(handoff, last);
                     return Ok(self.finish(chunk, reason));
                 }
                 (None, Some(reason)) => {
                     // The node ended it (context length, its own abort): flush held-back text.
                     chunk.text.push_str(&text.flush());
                     self.held.decoding = None;
-                    self.take_compute_usage(handoff, &mut chunk, last);
+                    self.take_compute_usage(handoff, last);
                     return Ok(self.finish(chunk, reason));
                 }
                 (None, None) => {
@@ -253,11 +256,10 @@ impl Job {
     }
 
     /// Aggregated mode: the decode node computed the prompt, so its last message's usage is
-    /// the one the client gets, and its prompt logprobs go out on the last chunk.
+    /// the one the client gets.
     fn take_compute_usage(
         &mut self,
         handoff: Option<Handoff<'_>>,
-        chunk: &mut pb::GenerateResponse,
         last: Option<pb::DecodeResponse>,
     ) {
         if handoff.is_some() {
@@ -268,7 +270,6 @@ impl Job {
             return;
         };
         self.compute_usage = last.usage.unwrap_or_default();
-        chunk.prompt_logprobs = last.prompt_logprobs;
     }
 }
 

@@ -153,8 +153,6 @@ struct Choice {
     text: String,
     /// Streamed chat answers read for reasoning or tool calls.
     parser: Option<AnswerParser>,
-    /// Streamed chunks that wait for the prompt's logprobs (see [`Output::ready_chunk`]).
-    held: Vec<pb::GenerateResponse>,
     logprobs: Vec<pb::Logprob>,
     prompt_logprobs: Vec<pb::Logprob>,
     finish: Option<(&'static str, Value)>,
@@ -253,43 +251,6 @@ impl Output {
                 response::prompt_logprobs(&self.tokenizer, &c.prompt_logprobs);
         }
         value
-    }
-
-    /// Whether the response shows the prompt's logprobs (echo with logprobs, or vLLM's
-    /// `prompt_logprobs`).
-    fn shows_prompt_logprobs(&self) -> bool {
-        self.plan.prompt_logprobs || (self.plan.echo && self.plan.logprobs.is_some())
-    }
-
-    /// A streamed chunk ready to go out, or `None` while it waits. The prompt's logprobs come
-    /// on the first chunk from a prefill node but on the last from a decode node serving the
-    /// whole request (aggregated mode); a choice that shows them holds its chunks until they
-    /// are in and sends them as one, so the echoed prompt's tokens come first as in a whole
-    /// response.
-    fn ready_chunk(
-        &self,
-        c: &mut Choice,
-        chunk: pb::GenerateResponse,
-    ) -> Option<pb::GenerateResponse> {
-        if !self.shows_prompt_logprobs() || c.started {
-            return Some(chunk);
-        }
-        if chunk.prompt_logprobs.is_empty() && response::finish(&chunk).is_none() {
-            c.held.push(chunk);
-            return None;
-        }
-        let mut merged = pb::GenerateResponse::default();
-        for piece in c.held.drain(..).chain(std::iter::once(chunk)) {
-            merged.request_id = piece.request_id;
-            merged.token_ids.extend(piece.token_ids);
-            merged.text.push_str(&piece.text);
-            merged.logprobs.extend(piece.logprobs);
-            merged.prompt_logprobs.extend(piece.prompt_logprobs);
-            merged.finish_reason = piece.finish_reason;
-            merged.usage = piece.usage;
-            merged.stop_reason = piece.stop_reason;
-        }
-        Some(merged)
     }
 
     /// Whether chat answers are parsed at all.
@@ -536,9 +497,6 @@ async fn send_events(
         if let Some(u) = &chunk.usage {
             usage.add(u, i % output.plan.n == 0);
         }
-        let Some(chunk) = output.ready_chunk(&mut choices[i], chunk) else {
-            continue;
-        };
         if let Some(piece) = output.piece(i, &mut choices[i], &chunk)
             && tx
                 .send(event(&output.header.chunk(vec![piece])))
