@@ -113,10 +113,6 @@ impl StructuredOutput {
                 })
             }
             _ if self.is_any_json_object() => Ok(()),
-            // Checked as it will be compiled: the free-form parts marked (`free`).
-            Self::JsonSchema(schema) if let Some(marked) = free::mark(schema) => {
-                Self::JsonSchema(marked).regex().map(drop)
-            }
             _ => self.regex().map(drop),
         }
     }
@@ -138,8 +134,7 @@ impl StructuredOutput {
     /// as marks that the guide of that regex reads with the JSON grammar, as it reads a
     /// schema's own (`free`); as plain regexes they would nest past the state cap.
     pub fn json_schema_regex(schema: &str) -> Result<String, StructuredError> {
-        let marked = free::mark(schema);
-        Self::JsonSchema(marked.unwrap_or_else(|| schema.to_string())).regex()
+        Self::JsonSchema(schema.to_string()).regex()
     }
 
     /// The regular expression the output must match, checked as [`StructuredOutput::validate`]
@@ -181,8 +176,14 @@ impl StructuredOutput {
             }
             Self::JsonSchema(schema) => {
                 check_len("JSON schema", schema.len())?;
-                outlines_core::json_schema::regex_from_str(schema, None, None)
-                    .map_err(|e| StructuredError::Schema(e.to_string()))?
+                // Free-form parts marked (`free`): the guide reads them with the JSON grammar.
+                let marked = free::mark(schema);
+                outlines_core::json_schema::regex_from_str(
+                    marked.as_deref().unwrap_or(schema),
+                    None,
+                    None,
+                )
+                .map_err(|e| StructuredError::Schema(e.to_string()))?
             }
             Self::JsonObject => return Err(StructuredError::NotRegular),
         };
@@ -197,9 +198,9 @@ impl StructuredOutput {
 /// from [`StructuredOutput::json_schema_regex`]); `None` when it has none.
 fn free_regex(spec: &StructuredOutput) -> Result<Option<String>, StructuredError> {
     match spec {
-        StructuredOutput::JsonSchema(schema) => free::mark(schema)
-            .map(|marked| StructuredOutput::JsonSchema(marked).regex())
-            .transpose(),
+        StructuredOutput::JsonSchema(schema) if free::mark(schema).is_some() => {
+            spec.regex().map(Some)
+        }
         StructuredOutput::Regex(regex) if free::has_marks(regex) => {
             spec.validate()?;
             Ok(Some(regex.clone()))

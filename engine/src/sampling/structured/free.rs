@@ -1,15 +1,18 @@
 //! JSON schemas with free-form parts: a property, an item or an alternative that accepts any
-//! value (`{}`, `true`, only a title) or any object (`{"type": "object"}`, pydantic's
-//! `dict[str, Any]`). As a regex such a part nests without bound: outlines unrolls it a few
-//! levels deep and the automaton passes the guides' state cap. Instead each free-form part
-//! is marked in the schema, outlines writes the regex of the rest, each mark becomes one byte
-//! that no UTF-8 text holds (`0xFF` any value, `0xFE` any object), and the recognizer
-//! ([`FreeJson`]) walks that regex's automaton until it reaches such a byte, where the JSON
-//! grammar (`super::json`) reads the free-form value and hands back at its end.
+//! value (`{}`, `true`, only a title), any object (`{"type": "object"}`, pydantic's
+//! `dict[str, Any]`) or any array (`{"type": "array"}`). As a regex such a part nests without
+//! bound: outlines unrolls it a few levels deep and the automaton passes the guides' state
+//! cap. Instead each free-form part is marked in the schema, outlines writes the regex of the
+//! rest, each mark becomes one byte that no UTF-8 text holds (`0xFF` any value, `0xFE` any
+//! object, `0xFC` any array), and the recognizer ([`FreeJson`]) walks that regex's automaton
+//! until it reaches such a byte, where the JSON grammar (`super::json`) reads the free-form
+//! value and hands back at its end.
 //!
-//! Where the automaton could both go on by itself and enter a free-form part (an `anyOf` of
-//! a string and anything), the automaton goes on: the free-form part is entered only where
-//! nothing else can. Owns the marking and the recognizer; not the masks (`super::trie`).
+//! Where the automaton could both go on by itself and enter a free-form part, the automaton
+//! goes on: the free-form part is entered only where nothing else can. So that this loses no
+//! text, an `anyOf` / `oneOf` with a member of any value is any value, and a member of any
+//! object (array) drops its object (array) siblings (`narrow_alternatives`). Owns the marking
+//! and the recognizer; not the masks (`super::trie`).
 
 use regex_automata::dfa::{Automaton, dense};
 use regex_automata::util::primitives::StateID;
@@ -24,6 +27,8 @@ use super::{MAX_GUIDE_STATES, StructuredError};
 const ANY_VALUE: u8 = 0xFF;
 /// The byte standing for a free-form object.
 const ANY_OBJECT: u8 = 0xFE;
+/// The byte standing for a free-form array.
+const ANY_ARRAY: u8 = 0xFC;
 /// The byte that ends every text in the automaton. A DFA reports a match one byte late, so
 /// a byte that leads into a match state may not continue the text at all; with this end
 /// byte only it can, and whether the text is whole is asked by stepping it.
@@ -32,18 +37,21 @@ const END: u8 = 0xFD;
 /// user's schema; one that holds them is left unmarked).
 const VALUE_MARK: &str = "pd-free-json-value-1d7c5e";
 const OBJECT_MARK: &str = "pd-free-json-object-1d7c5e";
+const ARRAY_MARK: &str = "pd-free-json-array-1d7c5e";
 
 /// The schema with every free-form part marked, or `None` when it has none (or is not JSON).
 pub(super) fn mark(schema: &str) -> Option<String> {
-    if schema.contains(VALUE_MARK) || schema.contains(OBJECT_MARK) {
+    if schema.contains(VALUE_MARK) || schema.contains(OBJECT_MARK) || schema.contains(ARRAY_MARK) {
         return None;
     }
     let mut value: Value = serde_json::from_str(schema).ok()?;
-    mark_schema(&mut value).then(|| value.to_string())
+    let root = value.clone();
+    mark_schema(&mut value, &root).then(|| value.to_string())
 }
 
-/// Replaces free-form parts at and below `schema`; true if any was.
-fn mark_schema(schema: &mut Value) -> bool {
+/// Replaces free-form parts at and below `schema` (`root` resolves `$ref`s); true if any was.
+fn mark_schema(schema: &mut Value, root: &Value) -> bool {
+    narrow_alternatives(schema, root);
     if let Some(mark) = free_form(schema) {
         *schema = serde_json::json!({ "const": mark });
         return true;
@@ -54,12 +62,14 @@ fn mark_schema(schema: &mut Value) -> bool {
     let mut marked = false;
     for (key, value) in fields.iter_mut() {
         marked |= match (key.as_str(), value) {
-            ("properties" | "$defs" | "definitions", Value::Object(map)) => {
-                map.values_mut().fold(false, |m, v| mark_schema(v) | m)
-            }
-            ("items", v @ Value::Object(_)) => mark_schema(v),
+            ("properties" | "$defs" | "definitions", Value::Object(map)) => map
+                .values_mut()
+                .fold(false, |m, v| mark_schema(v, root) | m),
+            // A map's values (outlines honours them where there are no properties).
+            ("additionalProperties", v @ Value::Object(_)) => mark_schema(v, root),
+            ("items", v @ (Value::Object(_) | Value::Bool(true))) => mark_schema(v, root),
             ("items" | "prefixItems" | "anyOf" | "oneOf", Value::Array(list)) => {
-                list.iter_mut().fold(false, |m, v| mark_schema(v) | m)
+                list.iter_mut().fold(false, |m, v| mark_schema(v, root) | m)
             }
             _ => false,
         };
@@ -67,30 +77,91 @@ fn mark_schema(schema: &mut Value) -> bool {
     marked
 }
 
-/// Which mark stands for `schema`, if it accepts any value or any object.
+/// An `anyOf` / `oneOf` with a free-form member: the regex would go its other members' way
+/// wherever they can start (`FreeJson::step`), so a text only the free-form member takes
+/// could not be written. A member of any value makes the whole choice any value; one of any
+/// object (or array) takes over the other object (array) members, which it holds.
+fn narrow_alternatives(schema: &mut Value, root: &Value) {
+    let Value::Object(fields) = schema else {
+        return;
+    };
+    for key in ["anyOf", "oneOf"] {
+        let Some(Value::Array(members)) = fields.get_mut(key) else {
+            continue;
+        };
+        if members.iter().any(|m| free_form(m) == Some(VALUE_MARK)) {
+            fields.remove(key);
+            if fields.keys().all(|k| ANNOTATIONS.contains(&k.as_str())) {
+                *schema = Value::Bool(true);
+                return;
+            }
+            continue;
+        }
+        for (mark, kind) in [(OBJECT_MARK, "object"), (ARRAY_MARK, "array")] {
+            if members.iter().any(|m| free_form(m) == Some(mark)) {
+                members.retain(|m| free_form(m) == Some(mark) || json_type(m, root) != Some(kind));
+            }
+        }
+    }
+}
+
+/// The JSON type a schema's values have, where it says (through one `$ref`).
+fn json_type<'a>(schema: &'a Value, root: &'a Value) -> Option<&'a str> {
+    let schema = match schema.get("$ref").and_then(Value::as_str) {
+        Some(reference) => root.pointer(reference.strip_prefix('#')?)?,
+        None => schema,
+    };
+    match schema.get("type").and_then(Value::as_str) {
+        Some(t) => Some(t),
+        None if schema.get("properties").is_some() => Some("object"),
+        None if schema.get("items").is_some() || schema.get("prefixItems").is_some() => {
+            Some("array")
+        }
+        None => None,
+    }
+}
+
+/// Keys that say nothing about a value.
+const ANNOTATIONS: [&str; 7] = [
+    "title",
+    "description",
+    "$comment",
+    "examples",
+    "default",
+    "$schema",
+    "$id",
+];
+
+/// Which mark stands for `schema`, if it accepts any value, any object or any array.
 fn free_form(schema: &Value) -> Option<&'static str> {
-    const ANNOTATIONS: [&str; 7] = [
-        "title",
-        "description",
-        "$comment",
-        "examples",
-        "default",
-        "$schema",
-        "$id",
-    ];
+    let only = |fields: &serde_json::Map<String, Value>, extra: &[(&str, &Value)]| {
+        fields.iter().all(|(k, v)| {
+            ANNOTATIONS.contains(&k.as_str()) || extra.iter().any(|(ek, ev)| ek == k && *ev == v)
+        })
+    };
     match schema {
         Value::Bool(true) => Some(VALUE_MARK),
-        Value::Object(fields) if fields.keys().all(|k| ANNOTATIONS.contains(&k.as_str())) => {
-            Some(VALUE_MARK)
-        }
+        Value::Object(fields) if only(fields, &[]) => Some(VALUE_MARK),
         Value::Object(_) if super::any_object_value(schema) => Some(OBJECT_MARK),
+        Value::Object(fields)
+            if only(
+                fields,
+                &[
+                    ("type", &Value::String("array".into())),
+                    ("items", &Value::Bool(true)),
+                    ("items", &serde_json::json!({})),
+                ],
+            ) && fields.get("type") == Some(&Value::String("array".into())) =>
+        {
+            Some(ARRAY_MARK)
+        }
         _ => None,
     }
 }
 
 /// The regex (outlines' of a marked schema, or one holding such a regex) has marks.
 pub(super) fn has_marks(regex: &str) -> bool {
-    [VALUE_MARK, OBJECT_MARK]
+    [VALUE_MARK, OBJECT_MARK, ARRAY_MARK]
         .iter()
         .any(|mark| regex.contains(&regex_syntax::escape(mark)))
 }
@@ -113,7 +184,11 @@ impl FreeJson {
     /// From the regex outlines wrote for a marked schema.
     pub(super) fn new(regex: &str) -> Result<Self, StructuredError> {
         let mut bytes_regex = regex.to_string();
-        for (mark, byte) in [(VALUE_MARK, ANY_VALUE), (OBJECT_MARK, ANY_OBJECT)] {
+        for (mark, byte) in [
+            (VALUE_MARK, ANY_VALUE),
+            (OBJECT_MARK, ANY_OBJECT),
+            (ARRAY_MARK, ANY_ARRAY),
+        ] {
             let literal = format!("\"{}\"", regex_syntax::escape(mark));
             bytes_regex = bytes_regex.replace(&literal, &format!("(?-u:\\x{byte:02X})"));
         }
@@ -190,7 +265,7 @@ impl FreeJson {
         }
         // The reserved bytes stand for parts of the text; no UTF-8 text holds them (but a
         // byte-level vocabulary has a token of each).
-        if b >= END {
+        if b >= ANY_ARRAY {
             return None;
         }
         if let Some(dfa) = self.go(s.dfa, b) {
@@ -199,6 +274,7 @@ impl FreeJson {
         [
             (ANY_VALUE, JsonState::VALUE),
             (ANY_OBJECT, JsonState::START),
+            (ANY_ARRAY, JsonState::ARRAY),
         ]
         .into_iter()
         .find_map(|(byte, start)| {
@@ -297,6 +373,58 @@ mod tests {
         let g = guide(&serde_json::json!({"anyOf": [{"type": "string"}, true]}));
         for ok in ["\"s\"", "[1]", "{}", "-1"] {
             assert!(matches(&g, ok), "{ok}");
+        }
+    }
+
+    /// What pydantic writes for `Union[int, Any]`, `Union[Model, dict[str, Any]]`,
+    /// `dict[str, dict[str, Any]]`, `dict[str, list[Any]]` and a bare `list`: every text
+    /// the schema accepts can be written, nothing else.
+    #[test]
+    fn alternatives_maps_and_arrays_with_free_form_parts() {
+        let cases = [
+            (
+                serde_json::json!({"anyOf": [{"type": "integer"}, {}]}),
+                vec!["1", "1.5", "-1e3", "\"x\"", "[]"],
+                vec!["1 ", "{"],
+            ),
+            (
+                serde_json::json!({
+                    "$defs": {"M": {"type": "object", "properties": {"k": {"type": "integer"}},
+                        "required": ["k"]}},
+                    "anyOf": [{"$ref": "#/$defs/M"},
+                        {"type": "object", "additionalProperties": true}],
+                }),
+                vec!["{}", "{\"z\":1}", "{\"k\":1}", "{\"k\":\"s\"}"],
+                vec!["[]", "1"],
+            ),
+            (
+                serde_json::json!({"type": "object", "additionalProperties":
+                    {"type": "object", "additionalProperties": true}}),
+                vec!["{}", "{\"a\":{\"b\":[1]}}", "{\"a\":{},\"b\":{\"c\":null}}"],
+                vec!["{\"a\":1}", "{\"a\":[]}"],
+            ),
+            (
+                serde_json::json!({"type": "object", "additionalProperties":
+                    {"type": "array", "items": {}}}),
+                vec!["{\"a\":[1,{}]}", "{\"a\":[],\"b\":[\"x\"]}"],
+                vec!["{\"a\":1}", "{\"a\":{}}"],
+            ),
+            (
+                serde_json::json!({"type": "object", "properties":
+                    {"l": {"type": "array"}, "m": {"type": "array", "items": true}},
+                    "required": ["l", "m"]}),
+                vec!["{\"l\":[[1],{}],\"m\":[]}", "{\"l\":[],\"m\":[null,\"s\"]}"],
+                vec!["{\"l\":{},\"m\":[]}", "{\"l\":[],\"m\":1}"],
+            ),
+        ];
+        for (schema, good, bad) in cases {
+            let g = guide(&schema);
+            for text in good {
+                assert!(matches(&g, text), "{schema}: {text}");
+            }
+            for text in bad {
+                assert!(!matches(&g, text), "{schema}: {text}");
+            }
         }
     }
 

@@ -13,8 +13,9 @@
 //! forever), and nesting is at most [`MAX_DEPTH`] levels. Strings are valid UTF-8 and `\u`
 //! escapes pair their surrogates, so the text always parses as Rust's and Python's JSON does.
 
-/// Deepest nesting of objects and arrays (one bit each in [`JsonState`]).
-pub const MAX_DEPTH: u8 = 128;
+/// Deepest nesting of objects and arrays (one bit each in [`JsonState`]; serde_json reads
+/// at most 127).
+pub const MAX_DEPTH: u8 = 127;
 /// Longest run of whitespace between two tokens of the JSON text: room for indentation 30
 /// levels deep, not for an endless run of blank lines.
 pub const MAX_WHITESPACE_RUN: u8 = 64;
@@ -38,6 +39,8 @@ enum Lex {
     Start,
     /// Nothing yet: any value, no whitespace before it ([`JsonState::VALUE`]).
     StartValue,
+    /// Nothing yet: only `[` ([`JsonState::ARRAY`]).
+    StartArray,
     /// After `{`: a key or `}`.
     ObjectFirst,
     /// After `,` in an object: a key.
@@ -161,6 +164,14 @@ impl JsonState {
         lex: Lex::StartValue,
     };
 
+    /// Before the first byte of any JSON array (a free-form array of a schema).
+    pub(crate) const ARRAY: Self = Self {
+        containers: 0,
+        depth: 0,
+        whitespace: 0,
+        lex: Lex::StartArray,
+    };
+
     /// The text so far is one whole JSON object (or value), closed: nothing may follow.
     pub(crate) fn is_complete(&self) -> bool {
         self.lex == Lex::Done
@@ -227,8 +238,10 @@ impl JsonState {
     /// A byte between tokens: whitespace, punctuation or the first byte of a value.
     fn structural(mut self, b: u8) -> Option<Self> {
         if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
-            if matches!(self.lex, Lex::Start | Lex::StartValue | Lex::Done)
-                || self.whitespace >= MAX_WHITESPACE_RUN
+            if matches!(
+                self.lex,
+                Lex::Start | Lex::StartValue | Lex::StartArray | Lex::Done
+            ) || self.whitespace >= MAX_WHITESPACE_RUN
             {
                 return None;
             }
@@ -238,6 +251,7 @@ impl JsonState {
         self.whitespace = 0;
         match (self.lex, b) {
             (Lex::Start, b'{') => self.push(true),
+            (Lex::StartArray, b'[') => self.push(false),
             (Lex::ObjectFirst | Lex::AfterValue, b'}') => self.pop(true),
             (Lex::ArrayFirst | Lex::AfterValue, b']') => self.pop(false),
             (Lex::ObjectFirst | Lex::ObjectKey, b'"') => Some(self.with(Lex::String {
@@ -370,6 +384,19 @@ impl JsonState {
                     (4, _) => Surrogate::No,
                     (_, class) => class,
                 };
+                // Refused at the first digit that rules the escape out, never later: a
+                // sampler must not be led into an escape that no digit can finish.
+                let wrong = match (low, left) {
+                    // The low half of a pair: DC00-DFFF.
+                    (true, 4) => class != Surrogate::MaybeD,
+                    (true, 3) => class != Surrogate::Low,
+                    // A low half alone.
+                    (false, 3) => class == Surrogate::Low,
+                    _ => false,
+                };
+                if wrong {
+                    return None;
+                }
                 if left > 1 {
                     Hex {
                         left: left - 1,
@@ -452,9 +479,9 @@ mod tests {
             ("{\"\\x\":1}", 3),
             ("{\"\\u12g4\":1}", 6),
             // A low surrogate alone; a high one not followed by a low one.
-            ("{\"\\udc00\":1}", 7),
+            ("{\"\\udc00\":1}", 5),
             ("{\"\\ud800x\":1}", 8),
-            ("{\"\\ud800\\u0041\":1}", 13),
+            ("{\"\\ud800\\u0041\":1}", 10),
             // Overlong, surrogate and out-of-range UTF-8.
             ("{\"\u{0}", 2),
         ] {
@@ -548,6 +575,31 @@ mod tests {
         )
     }
 
+    /// Some bytes lead from `state` to a whole object (a search over the bytes that close
+    /// things and finish escapes, numbers and literals).
+    fn completable(state: JsonState) -> bool {
+        let alphabet = b"{\"}]:0dDcC\\u,truefalsn".as_slice();
+        let mut seen = std::collections::HashSet::from([state]);
+        let mut frontier = vec![state];
+        for _ in 0..64 {
+            let mut next = Vec::new();
+            for s in frontier {
+                if s.is_complete() {
+                    return true;
+                }
+                for &b in alphabet.iter().chain(&[0x80, 0x90, 0xA0]) {
+                    if let Some(t) = s.step(b)
+                        && seen.insert(t)
+                    {
+                        next.push(t);
+                    }
+                }
+            }
+            frontier = next;
+        }
+        false
+    }
+
     /// Every object serde_json writes (compact and pretty, UTF-8 and Python's ASCII-escaped
     /// spelling) is accepted, and mutated texts are accepted exactly when serde_json reads
     /// them as an object.
@@ -586,6 +638,18 @@ mod tests {
                     _ => bytes.insert(at, rng.random()),
                 }
             }
+            // Wherever the text is still alive, a JSON object can still be finished from
+            // there: a sampler is never led into a dead end.
+            let alive_for = (0..=bytes.len())
+                .rev()
+                .find(|&n| alive(&bytes[..n]))
+                .unwrap();
+            let state = JsonState::START.walk(&bytes[..alive_for]).unwrap();
+            assert!(
+                completable(state),
+                "stuck after {:?}",
+                String::from_utf8_lossy(&bytes[..alive_for])
+            );
             let ours = complete(&bytes);
             // serde_json also reads whitespace around the object (the guide ends the text at
             // its `}`), and refuses numbers past f64 (JSON's grammar has no such limit).
