@@ -394,7 +394,10 @@ impl Guide {
             _ if spec.is_any_json_object() => {
                 let masks = Masks::new(vocabulary.trie.clone());
                 // An object must be able to start.
-                if masks.allowed(JsonState::START, JsonState::step).is_empty() {
+                if masks
+                    .allowed(JsonState::START, JsonState::step, None)
+                    .is_empty()
+                {
                     return Err(StructuredError::Vocabulary(
                         "no token starts a JSON object".into(),
                     ));
@@ -407,7 +410,7 @@ impl Guide {
                 let free = FreeJson::new(&regex)?;
                 let masks = Masks::new(vocabulary.trie.clone());
                 if masks
-                    .allowed(free.start(), |s, b| free.step(s, b))
+                    .allowed(free.start(), |s, b| free.step(s, b), None)
                     .is_empty()
                 {
                     return Err(StructuredError::Vocabulary(
@@ -493,14 +496,20 @@ impl Guide {
                 if state.is_complete() {
                     out.extend_from_slice(&self.eos_token_ids);
                 } else {
-                    let mask = masks.allowed(state, JsonState::step);
+                    let in_string = state
+                        .in_plain_string()
+                        .then_some(json::stays_in_string as _);
+                    let mask = masks.allowed(state, JsonState::step, in_string);
                     if !mask.is_empty() {
                         return Some(mask);
                     }
                 }
             }
             (GuideKind::Free(free, masks), Walk::Free(Some(state))) => {
-                let mask = masks.allowed(state, |s, b| free.step(s, b));
+                let in_string = state
+                    .in_plain_string()
+                    .then_some(json::stays_in_string as _);
+                let mask = masks.allowed(state, |s, b| free.step(s, b), in_string);
                 if !free.is_match(state) && !mask.is_empty() {
                     return Some(mask);
                 }

@@ -180,6 +180,14 @@ pub(crate) struct FreeState {
     part: Option<JsonState>,
 }
 
+impl FreeState {
+    /// Inside a string of a free-form part, between characters (what the automaton's own
+    /// strings are is its business: those are walked).
+    pub(crate) fn in_plain_string(&self) -> bool {
+        self.part.is_some_and(|p| p.in_plain_string())
+    }
+}
+
 impl FreeJson {
     /// From the regex outlines wrote for a marked schema.
     pub(super) fn new(regex: &str) -> Result<Self, StructuredError> {

@@ -172,6 +172,18 @@ impl JsonState {
         lex: Lex::StartArray,
     };
 
+    /// Inside a string, between characters: what may follow depends on the surroundings
+    /// only through a closing quote or an escape ([`stays_in_string`]).
+    pub(crate) fn in_plain_string(&self) -> bool {
+        matches!(
+            self.lex,
+            Lex::String {
+                part: StringPart::Plain,
+                ..
+            }
+        )
+    }
+
     /// The text so far is one whole JSON object (or value), closed: nothing may follow.
     pub(crate) fn is_complete(&self) -> bool {
         self.lex == Lex::Done
@@ -418,6 +430,24 @@ impl JsonState {
         };
         Some(self.with(Lex::String { key, part }))
     }
+}
+
+/// `bytes` stay inside any JSON string from between two of its characters: no byte closes
+/// it or is refused there, whatever the string belongs to. A string state allows these
+/// without a walk (`super::trie`).
+pub(crate) fn stays_in_string(bytes: &[u8]) -> bool {
+    let inside = Lex::String {
+        key: false,
+        part: StringPart::Plain,
+    };
+    let mut state = JsonState::VALUE.with(inside);
+    bytes.iter().all(|&b| match state.step(b) {
+        Some(next) if matches!(next.lex, Lex::String { .. }) => {
+            state = next;
+            true
+        }
+        _ => false,
+    })
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! cache; not the recognizers (`super::json`, `super::free`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 /// Every ordinary token's bytes, as a trie laid out in depth-first order.
 pub(crate) struct TokenTrie {
@@ -27,6 +27,18 @@ pub(crate) struct TokenTrie {
     /// Each token's bytes by id (`text[spans[id]]`); ids with no ordinary token are empty.
     spans: Vec<(u32, u32)>,
     text: Vec<u8>,
+    /// The tokens that stay inside a JSON string, apart (built at the first string state).
+    string_split: OnceLock<Box<StringSplit>>,
+}
+
+/// The vocabulary split for a state inside a JSON string, between characters: `inside`
+/// tokens stay in any such string whatever surrounds it (no closing quote, nothing refused),
+/// so every such state allows all of them (nearly the whole vocabulary); only the `edge`
+/// tokens (a quote, a backslash, a control or stray UTF-8 byte) depend on the state and are
+/// walked.
+struct StringSplit {
+    inside: Vec<u32>,
+    edge: TokenTrie,
 }
 
 impl TokenTrie {
@@ -42,6 +54,7 @@ impl TokenTrie {
             ids: Vec::with_capacity(sorted.len()),
             spans: Vec::new(),
             text: Vec::new(),
+            string_split: OnceLock::new(),
         };
         let mut path: Vec<u8> = Vec::new();
         for (id, bytes) in sorted {
@@ -89,6 +102,35 @@ impl TokenTrie {
             Some(&(start, len)) => &self.text[start as usize..(start + len) as usize],
             None => &[],
         }
+    }
+
+    /// The tokens whose bytes `step` accepts from `start`, where `start` is inside a JSON
+    /// string between characters and `stays_inside` says which spellings stay in any such
+    /// string: those without a walk, the others walked.
+    fn allowed_in_string<S: Copy>(
+        &self,
+        start: S,
+        step: impl Fn(S, u8) -> Option<S>,
+        stays_inside: impl Fn(&[u8]) -> bool,
+        out: &mut Vec<u32>,
+    ) {
+        let split = self.string_split.get_or_init(|| {
+            let (mut inside, mut edge) = (Vec::new(), Vec::new());
+            for &id in &self.ids {
+                let spelling = self.spelling(id);
+                if stays_inside(spelling) {
+                    inside.push(id);
+                } else {
+                    edge.push((id, spelling.to_vec()));
+                }
+            }
+            Box::new(StringSplit {
+                inside,
+                edge: TokenTrie::new(&edge),
+            })
+        });
+        split.edge.allowed(start, step, out);
+        out.extend_from_slice(&split.inside);
     }
 
     /// The tokens whose bytes `step` accepts one by one from `start`, in byte order.
@@ -151,14 +193,25 @@ impl<S: Copy + Eq + std::hash::Hash> Masks<S> {
     }
 
     /// The ids whose bytes `step` accepts from `state` (not EOS: the caller adds it where
-    /// the text is whole).
-    pub(crate) fn allowed(&self, state: S, step: impl Fn(S, u8) -> Option<S>) -> Arc<[u32]> {
+    /// the text is whole). `in_string`: `state` is inside a JSON string between characters,
+    /// and `stays_inside` tells the spellings that stay in any such string.
+    pub(crate) fn allowed(
+        &self,
+        state: S,
+        step: impl Fn(S, u8) -> Option<S>,
+        in_string: Option<fn(&[u8]) -> bool>,
+    ) -> Arc<[u32]> {
         if let Some(mask) = self.lock().masks.get(&state) {
             return mask.clone();
         }
         // Not under the lock: other requests' states are served meanwhile.
         let mut ids = Vec::new();
-        self.trie.allowed(state, step, &mut ids);
+        match in_string {
+            Some(stays_inside) => self
+                .trie
+                .allowed_in_string(state, step, stays_inside, &mut ids),
+            None => self.trie.allowed(state, step, &mut ids),
+        }
         let mask: Arc<[u32]> = ids.into();
         let mut cache = self.lock();
         if cache.ids + mask.len() > MASK_CACHE_IDS {
@@ -246,6 +299,38 @@ mod tests {
         assert_eq!(trie.spelling(10_000), b"");
     }
 
+    /// Inside a string, the split (the tokens that stay inside listed whole, the rest
+    /// walked) lists what the full walk lists, in keys and values, at any depth.
+    #[test]
+    fn a_string_state_lists_the_same_tokens_through_the_split() {
+        let vocab = tokens(&[
+            "a", "ab", "\"", "\":", "\"}", "\"]}", "\"},", "\\", "\\n", "\\u00", "é", "\u{e9}\"",
+            "\n", " ", "x\"", "\u{1}", "}", "\"}}}",
+        ]);
+        let mut spellings = vocab.clone();
+        // A character split across two tokens, as byte-level vocabularies do.
+        spellings.push((1000, vec![0xC3]));
+        spellings.push((1001, vec![0xA9, b'"']));
+        let trie = TokenTrie::new(&spellings);
+        for prefix in [
+            "{\"",
+            "{\"k\":\"",
+            "{\"k\":[\"",
+            "{\"k\":[{\"a\":\"x",
+            "{\"k\":[[[{\"",
+        ] {
+            let state = JsonState::START.walk(prefix.as_bytes()).unwrap();
+            assert!(state.in_plain_string(), "{prefix}");
+            let (mut full, mut split) = (Vec::new(), Vec::new());
+            trie.allowed(state, step, &mut full);
+            trie.allowed_in_string(state, step, super::super::json::stays_in_string, &mut split);
+            full.sort_unstable();
+            split.sort_unstable();
+            assert_eq!(full, split, "{prefix}");
+            assert!(full.contains(&1000), "{prefix}");
+        }
+    }
+
     #[test]
     fn tokens_with_the_same_bytes_are_both_listed() {
         let trie = TokenTrie::new(&[(5, b"{".to_vec()), (2, b"{".to_vec()), (9, b"[".to_vec())]);
@@ -253,7 +338,10 @@ mod tests {
         trie.allowed(JsonState::START, step, &mut ids);
         assert_eq!(ids, vec![2, 5]);
         let masks = Masks::new(Arc::new(trie));
-        let first = masks.allowed(JsonState::START, step);
-        assert!(Arc::ptr_eq(&first, &masks.allowed(JsonState::START, step)));
+        let first = masks.allowed(JsonState::START, step, None);
+        assert!(Arc::ptr_eq(
+            &first,
+            &masks.allowed(JsonState::START, step, None)
+        ));
     }
 }
