@@ -13,7 +13,7 @@
 //! forever), and nesting is at most [`MAX_DEPTH`] levels. Strings are valid UTF-8 and `\u`
 //! escapes pair their surrogates, so the text always parses as Rust's and Python's JSON does.
 
-/// Deepest nesting of objects and arrays (one bit each in [`JsonState`]; serde_json reads
+/// Deepest nesting of objects and arrays (one bit each in `JsonState`; serde_json reads
 /// at most 127).
 pub const MAX_DEPTH: u8 = 127;
 /// Longest run of whitespace between two tokens of the JSON text: room for indentation 30

@@ -224,6 +224,46 @@ fn qwen3_json() -> (crate::tokenizer::Tokenizer, Arc<Guide>, Vec<u32>) {
     qwen3_guide(&StructuredOutput::JsonObject)
 }
 
+/// Noisy logits over Qwen3's vocabulary with closing brackets and quotes drawn more often,
+/// so guided outputs end within a few hundred tokens, and EOS the most likely token of all,
+/// so it is taken wherever it is allowed.
+fn closing_logits(tokenizer: &crate::tokenizer::Tokenizer, eos: &[u32], seed: u64) -> Vec<f32> {
+    use rand::{RngExt, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut logits: Vec<f32> = (0..tokenizer.vocab_size())
+        .map(|_| rng.random::<f32>() * 4.0)
+        .collect();
+    for (id, bytes) in tokenizer.ordinary_tokens() {
+        if bytes.contains(&b'}') || bytes.contains(&b'"') || bytes.contains(&b']') {
+            logits[id as usize] += 3.0;
+        }
+    }
+    for &id in eos {
+        logits[id as usize] = 30.0;
+    }
+    logits
+}
+
+/// A sampler guided by `guide` at temperature 1, drawing from `logits` until EOS: the
+/// tokens before it.
+fn sample_until_eos(guide: &Arc<Guide>, eos: &[u32], logits: &[f32], seed: u64) -> Vec<u32> {
+    use crate::sampling::{Sampler, SamplingParams};
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
+    };
+    let mut sampler = Sampler::new(&params, seed, eos).with_guide(guide.clone());
+    let mut output = Vec::new();
+    loop {
+        let token = sampler.sample(logits, &[], &output).token_id;
+        if eos.contains(&token) {
+            return output;
+        }
+        output.push(token);
+        assert!(output.len() < 2_000, "seed {seed}: no end in sight");
+    }
+}
+
 /// Along Qwen3's own tokenization of JSON texts, every step allows exactly the tokens whose
 /// bytes continue a JSON object (checked against each of the 151k tokens walked alone), and
 /// EOS exactly at the end.
@@ -275,44 +315,15 @@ fn any_json_object_allows_exactly_the_qwen3_tokens_that_continue_one() {
 /// ends every output with EOS right after a whole JSON object, never before.
 #[test]
 fn sampled_outputs_are_json_objects() {
-    use crate::sampling::{Sampler, SamplingParams};
-    use rand::{RngExt, SeedableRng};
-
     let (tokenizer, guide, eos) = qwen3_json();
-    let params = SamplingParams {
-        temperature: 1.0,
-        ..SamplingParams::default()
-    };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    // Closing brackets and quotes drawn more often, so outputs end within a few hundred
-    // tokens; EOS the most likely token of all, so it is taken wherever it is allowed.
-    let mut logits: Vec<f32> = (0..tokenizer.vocab_size())
-        .map(|_| rng.random::<f32>() * 4.0)
-        .collect();
-    for (id, bytes) in tokenizer.ordinary_tokens() {
-        if bytes.contains(&b'}') || bytes.contains(&b'"') || bytes.contains(&b']') {
-            logits[id as usize] += 3.0;
-        }
-    }
-    for &id in &eos {
-        logits[id as usize] = 30.0;
-    }
+    let logits = closing_logits(&tokenizer, &eos, 3);
     let mut closed = 0;
     for seed in 0..12 {
-        let mut sampler = Sampler::new(&params, seed, &eos).with_guide(guide.clone());
-        let mut output = Vec::new();
-        loop {
-            let token = sampler.sample(&logits, &[], &output).token_id;
-            let text = tokenizer.decode(&output, false).unwrap();
-            if eos.contains(&token) {
-                let object: serde_json::Map<String, serde_json::Value> =
-                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-                closed += usize::from(!object.is_empty());
-                break;
-            }
-            output.push(token);
-            assert!(output.len() < 2_000, "seed {seed}: no end in sight: {text}");
-        }
+        let output = sample_until_eos(&guide, &eos, &logits, seed);
+        let text = tokenizer.decode(&output, false).unwrap();
+        let object: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        closed += usize::from(!object.is_empty());
     }
     // Not only `{}`: objects with members were drawn.
     assert!(closed > 0);
@@ -414,35 +425,9 @@ fn a_schema_with_free_form_parts_is_guided_over_qwen3() {
         }
     }
     // Sampled under noise, favouring closers: what ends is the schema's shape.
-    use crate::sampling::{Sampler, SamplingParams};
-    use rand::{RngExt, SeedableRng};
-    let params = SamplingParams {
-        temperature: 1.0,
-        ..SamplingParams::default()
-    };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    let mut logits: Vec<f32> = (0..tokenizer.vocab_size())
-        .map(|_| rng.random::<f32>() * 4.0)
-        .collect();
-    for (id, bytes) in tokenizer.ordinary_tokens() {
-        if bytes.contains(&b'}') || bytes.contains(&b'"') || bytes.contains(&b']') {
-            logits[id as usize] += 3.0;
-        }
-    }
-    for &id in &eos {
-        logits[id as usize] = 30.0;
-    }
+    let logits = closing_logits(&tokenizer, &eos, 5);
     for seed in 0..8 {
-        let mut sampler = Sampler::new(&params, seed, &eos).with_guide(guide.clone());
-        let mut output = Vec::new();
-        loop {
-            let token = sampler.sample(&logits, &[], &output).token_id;
-            if eos.contains(&token) {
-                break;
-            }
-            output.push(token);
-            assert!(output.len() < 2_000, "seed {seed}: no end in sight");
-        }
+        let output = sample_until_eos(&guide, &eos, &logits, seed);
         let text = tokenizer.decode(&output, false).unwrap();
         let value: serde_json::Value =
             serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
