@@ -162,8 +162,8 @@ impl TokenTrie {
 }
 
 /// Most token ids the masks of one guide keep together (4 bytes each): about 50 masks of a
-/// state inside a string, where nearly all of Qwen3's tokens are allowed. Past it the cache
-/// starts over.
+/// state inside a string, where nearly all of Qwen3's tokens are allowed. Past it the least
+/// recently used masks go.
 pub(super) const MASK_CACHE_IDS: usize = 8 << 20;
 
 /// A recognizer's masks over one vocabulary, computed on first use per state `S` and kept.
@@ -173,17 +173,27 @@ pub(crate) struct Masks<S> {
 }
 
 struct MaskCache<S> {
-    masks: HashMap<S, Arc<[u32]>>,
+    /// Each state's mask and when it was last used (`clock` then).
+    masks: HashMap<S, (Arc<[u32]>, u64)>,
     ids: usize,
+    budget: usize,
+    clock: u64,
 }
 
 impl<S: Copy + Eq + std::hash::Hash> Masks<S> {
     pub(crate) fn new(trie: Arc<TokenTrie>) -> Self {
+        Self::with_budget(trie, MASK_CACHE_IDS)
+    }
+
+    /// Keeping masks of at most `budget` ids together (the newest whatever its size).
+    fn with_budget(trie: Arc<TokenTrie>, budget: usize) -> Self {
         Self {
             trie,
             cache: Mutex::new(MaskCache {
                 masks: HashMap::new(),
                 ids: 0,
+                budget,
+                clock: 0,
             }),
         }
     }
@@ -201,8 +211,14 @@ impl<S: Copy + Eq + std::hash::Hash> Masks<S> {
         step: impl Fn(S, u8) -> Option<S>,
         in_string: Option<fn(&[u8]) -> bool>,
     ) -> Arc<[u32]> {
-        if let Some(mask) = self.lock().masks.get(&state) {
-            return mask.clone();
+        {
+            let mut cache = self.lock();
+            cache.clock += 1;
+            let now = cache.clock;
+            if let Some((mask, used)) = cache.masks.get_mut(&state) {
+                *used = now;
+                return mask.clone();
+            }
         }
         // Not under the lock: other requests' states are served meanwhile.
         let mut ids = Vec::new();
@@ -214,12 +230,23 @@ impl<S: Copy + Eq + std::hash::Hash> Masks<S> {
         }
         let mask: Arc<[u32]> = ids.into();
         let mut cache = self.lock();
-        if cache.ids + mask.len() > MASK_CACHE_IDS {
-            cache.masks.clear();
-            cache.ids = 0;
+        cache.clock += 1;
+        let now = cache.clock;
+        if let Some((old, _)) = cache.masks.insert(state, (mask.clone(), now)) {
+            // Computed twice at once (two requests met the state together): one kept.
+            cache.ids -= old.len();
         }
-        if cache.masks.insert(state, mask.clone()).is_none() {
-            cache.ids += mask.len();
+        cache.ids += mask.len();
+        while cache.ids > cache.budget && cache.masks.len() > 1 {
+            let oldest = cache
+                .masks
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(s, _)| *s)
+                .expect("more than one mask");
+            if let Some((gone, _)) = cache.masks.remove(&oldest) {
+                cache.ids -= gone.len();
+            }
         }
         mask
     }
@@ -343,5 +370,37 @@ mod tests {
             &first,
             &masks.allowed(JsonState::START, step, None)
         ));
+    }
+
+    /// Past its budget the cache lets the least recently used masks go, not all of them.
+    #[test]
+    fn the_least_recently_used_masks_go_first() {
+        let trie = Arc::new(TokenTrie::new(&tokens(&[
+            "{", "}", "\"", "a", "1", " ", "[",
+        ])));
+        let states: Vec<JsonState> = ["{", "{\"", "{\"a\":", "{\"a\":[", "{\"a\":1"]
+            .iter()
+            .map(|t| JsonState::START.walk(t.as_bytes()).unwrap())
+            .collect();
+        let sizes: Vec<usize> = states
+            .iter()
+            .map(|&s| Masks::new(trie.clone()).allowed(s, step, None).len())
+            .collect();
+        // Room for the first three masks, not for a fourth.
+        let masks = Masks::with_budget(trie, sizes[..3].iter().sum());
+        let kept: Vec<_> = states[..3]
+            .iter()
+            .map(|&s| masks.allowed(s, step, None))
+            .collect();
+        // State 0 used again: state 1 is now the least recently used.
+        assert!(Arc::ptr_eq(&kept[0], &masks.allowed(states[0], step, None)));
+        masks.allowed(states[3], step, None);
+        assert!(Arc::ptr_eq(&kept[0], &masks.allowed(states[0], step, None)));
+        assert!(Arc::ptr_eq(&kept[2], &masks.allowed(states[2], step, None)));
+        assert!(!Arc::ptr_eq(
+            &kept[1],
+            &masks.allowed(states[1], step, None)
+        ));
+        assert!(masks.lock().ids <= sizes[..3].iter().sum::<usize>());
     }
 }
