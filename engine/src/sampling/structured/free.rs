@@ -51,6 +51,7 @@ pub(super) fn mark(schema: &str) -> Option<String> {
 
 /// Replaces free-form parts at and below `schema` (`root` resolves `$ref`s); true if any was.
 fn mark_schema(schema: &mut Value, root: &Value) -> bool {
+    split_types(schema);
     narrow_alternatives(schema, root);
     if let Some(mark) = free_form(schema) {
         *schema = serde_json::json!({ "const": mark });
@@ -75,6 +76,38 @@ fn mark_schema(schema: &mut Value, root: &Value) -> bool {
         };
     }
     marked
+}
+
+/// A list of types (`"type": ["object", "null"]`, or OpenAPI's `"nullable": true`) as an
+/// `anyOf` of one type each, the other keywords with every one (a keyword of another type
+/// is ignored there, as JSON Schema says), so that an any-object or any-array member is
+/// found. Applied to marked schemas only: one without free-form parts goes to outlines as
+/// written.
+fn split_types(schema: &mut Value) {
+    let Value::Object(fields) = schema else {
+        return;
+    };
+    let nullable = fields.get("nullable") == Some(&Value::Bool(true));
+    let types: Vec<Value> = match fields.get("type") {
+        Some(Value::Array(list)) => list.clone(),
+        Some(t @ Value::String(_)) if nullable => vec![t.clone(), Value::String("null".into())],
+        _ => return,
+    };
+    if types.len() < 2 {
+        return;
+    }
+    let mut rest = fields.clone();
+    rest.remove("type");
+    rest.remove("nullable");
+    let members: Vec<Value> = types
+        .into_iter()
+        .map(|t| {
+            let mut member = rest.clone();
+            member.insert("type".into(), t);
+            Value::Object(member)
+        })
+        .collect();
+    *schema = serde_json::json!({ "anyOf": members });
 }
 
 /// An `anyOf` / `oneOf` with a free-form member: the regex would go its other members' way
@@ -416,6 +449,21 @@ mod tests {
                     {"type": "array", "items": {}}}),
                 vec!["{\"a\":[1,{}]}", "{\"a\":[],\"b\":[\"x\"]}"],
                 vec!["{\"a\":1}", "{\"a\":{}}"],
+            ),
+            (
+                serde_json::json!({"type": "object", "properties": {
+                    "a": {"type": ["object", "null"]},
+                    "b": {"type": "object", "nullable": true, "title": "B"},
+                    "c": {"type": ["integer", "array"]}},
+                    "required": ["a", "b", "c"]}),
+                vec![
+                    "{\"a\":null,\"b\":null,\"c\":1}",
+                    "{\"a\":{\"x\":[1]},\"b\":{},\"c\":[\"s\",{}]}",
+                ],
+                vec![
+                    "{\"a\":1,\"b\":null,\"c\":1}",
+                    "{\"a\":null,\"b\":null,\"c\":\"s\"}",
+                ],
             ),
             (
                 serde_json::json!({"type": "object", "properties":
