@@ -90,6 +90,8 @@ pub struct Sampler {
     /// `edit_slots[id]`: the index of `id`'s edit while [`Sampler::device_plan`] builds a
     /// [`Reshape`]; `u32::MAX` otherwise.
     edit_slots: Vec<u32>,
+    /// Which ids the step allows, while a large allowed set is turned into masks of the rest.
+    allowed_bits: Vec<bool>,
     bufs: Buffers,
 }
 
@@ -176,6 +178,7 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             penalty: Penalty::default(),
             edit_slots: Vec::new(),
+            allowed_bits: Vec::new(),
             bufs: Buffers::default(),
         }
     }
@@ -232,15 +235,16 @@ impl Sampler {
                 uniform: self.rng.clone().random::<f64>(),
             }
         };
-        // An allowed set that alone is past the limit (a guide inside a JSON string allows
-        // nearly every token) goes to the host before its edits are built and thrown away.
+        // An allowed set whose edits alone are past the limit goes to the host before they
+        // are built and thrown away: one that holds a quarter of the vocabulary or more, and
+        // leaves out a quarter or more (a set larger than that travels as masks of the ids it
+        // leaves out: a guide inside a JSON string allows nearly every token).
         if self.step_allowed(output_tokens) {
-            let ids = step_ids(&self.guide, &self.allowed, &self.guided);
-            let real = ids
-                .iter()
-                .filter(|&&id| (id as usize) < vocab_limit)
-                .count();
-            if real > vocab_limit / 4 {
+            let real = allowed_within(
+                step_ids(&self.guide, &self.allowed, &self.guided),
+                vocab_limit,
+            );
+            if real > vocab_limit / 4 && vocab_limit - real > vocab_limit / 4 {
                 return None;
             }
         }
@@ -279,8 +283,24 @@ impl Sampler {
             edits: Vec::new(),
         };
         let allowed = step_ids(&self.guide, &self.allowed, &self.guided);
-        for &id in allowed {
-            b.add(id, edit::ALLOWED);
+        // More than half the vocabulary allowed: the ids left out are fewer, and masking them
+        // (`-inf`, as `allowed_only` would) gives every logit the same value.
+        let complement = restricted && allowed_within(allowed, vocab_limit) > vocab_limit / 2;
+        if complement {
+            self.allowed_bits.clear();
+            self.allowed_bits.resize(vocab_limit, false);
+            for &id in allowed {
+                if let Some(bit) = self.allowed_bits.get_mut(id as usize) {
+                    *bit = true;
+                }
+            }
+            for (id, _) in self.allowed_bits.iter().enumerate().filter(|(_, a)| !**a) {
+                b.add(id as u32, edit::MASK);
+            }
+        } else {
+            for &id in allowed {
+                b.add(id, edit::ALLOWED);
+            }
         }
         for &(id, bias) in &self.logit_bias {
             if let Some(e) = b.add(id, edit::BIAS) {
@@ -320,7 +340,7 @@ impl Sampler {
             }
         }
         Some(Reshape {
-            allowed_only: restricted,
+            allowed_only: restricted && !complement,
             repetition_penalty: self.repetition_penalty,
             presence_penalty: self.presence_penalty,
             edits,
@@ -512,6 +532,13 @@ impl Sampler {
 /// the guide's, narrowed to `allowed` (`guided`) when there are both, else whichever there
 /// is. A function of the fields, not a method, so the caller may write other fields while
 /// it reads the list.
+/// How many of `ids` (each once) are real tokens, below `vocab_limit`.
+fn allowed_within(ids: &[u32], vocab_limit: usize) -> usize {
+    ids.iter()
+        .filter(|&&id| (id as usize) < vocab_limit)
+        .count()
+}
+
 fn step_ids<'a>(guide: &'a Option<GuideState>, allowed: &'a [u32], guided: &'a [u32]) -> &'a [u32] {
     match guide {
         Some(g) if allowed.is_empty() => g.ids(),

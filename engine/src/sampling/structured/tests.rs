@@ -463,3 +463,53 @@ fn a_regex_holding_a_schema_with_free_form_parts_guides_them() {
     let guide = Guide::compile(&StructuredOutput::Regex(plain), &vocabulary()).unwrap();
     assert!(matches!(guide.kind, GuideKind::Regex(_)));
 }
+
+/// Inside a JSON string a guide allows nearly every token: a backend gets the few it leaves
+/// out as masks (not a quarter of the vocabulary's worth of edits, which would send the row
+/// to the host), and draws what the host draws.
+#[test]
+fn a_guide_allowing_most_tokens_travels_as_masks_of_the_rest() {
+    use crate::sampling::device::{DeviceSampleRow, sample_row};
+    use crate::sampling::{Sampler, SamplingParams};
+
+    let (tokenizer, guide, eos) = qwen3_json();
+    let limit = tokenizer.vocab_size();
+    let logits = closing_logits(&tokenizer, &eos, 9);
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        ..SamplingParams::default()
+    };
+    let output = tokenizer.encode("{\"k\": \"some text").unwrap();
+    let mut masked = 0;
+    for seed in 0..16 {
+        let mut host = Sampler::new(&params, seed, &eos).with_guide(guide.clone());
+        let mut dev = Sampler::new(&params, seed, &eos).with_guide(guide.clone());
+        for end in 0..=output.len() {
+            let token = host.sample(&logits, &[], &output[..end]).token_id;
+            let plan = dev
+                .device_plan(&[], &output[..end], limit)
+                .expect("a backend plan, at every step");
+            let reshape = plan.reshape.as_ref().expect("the guide's edits");
+            if !reshape.allowed_only {
+                // Masks of the ids left out: few, and nothing else.
+                assert!(reshape.edits.len() < limit / 20, "{}", reshape.edits.len());
+                assert!(
+                    reshape
+                        .edits
+                        .iter()
+                        .all(|e| e.ops == crate::sampling::device::edit::MASK)
+                );
+                masked += 1;
+            }
+            let sample = sample_row(&logits, &DeviceSampleRow::planned(0, &plan));
+            assert_eq!(
+                dev.accept(sample).token_id,
+                token,
+                "seed {seed}, step {end}"
+            );
+        }
+    }
+    // The string's steps went as masks.
+    assert!(masked >= 16, "{masked}");
+}
