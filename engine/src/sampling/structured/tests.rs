@@ -1,6 +1,7 @@
 //! The guides' tests: regexes, choices and schemas over a small vocabulary, any JSON object
 //! over Qwen3's.
 
+use super::cache::GUIDE_CACHE_ENTRIES;
 use super::*;
 
 const EOS: u32 = 100;
