@@ -1,7 +1,8 @@
 //! The response stream of one `Decode`: the engine's events for the request turned into
 //! `DecodeResponse` messages (tokens batched when several are waiting, the prompt's logprobs
 //! with the first token, the finish reason, usage and the node's counters on the last), an
-//! engine failure reported after the tokens before it. Validating and admitting the request is the service's (lib.rs).
+//! engine failure reported after the tokens before it. Validating and admitting the request
+//! is the service's (lib.rs).
 
 use std::pin::Pin;
 use std::sync::Arc;

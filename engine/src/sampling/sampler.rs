@@ -532,19 +532,19 @@ impl Sampler {
 /// the guide's, narrowed to `allowed` (`guided`) when there are both, else whichever there
 /// is. A function of the fields, not a method, so the caller may write other fields while
 /// it reads the list.
-/// How many of `ids` (each once) are real tokens, below `vocab_limit`.
-fn allowed_within(ids: &[u32], vocab_limit: usize) -> usize {
-    ids.iter()
-        .filter(|&&id| (id as usize) < vocab_limit)
-        .count()
-}
-
 fn step_ids<'a>(guide: &'a Option<GuideState>, allowed: &'a [u32], guided: &'a [u32]) -> &'a [u32] {
     match guide {
         Some(g) if allowed.is_empty() => g.ids(),
         Some(_) => guided,
         None => allowed,
     }
+}
+
+/// How many of `ids` (each once) are real tokens, below `vocab_limit`.
+fn allowed_within(ids: &[u32], vocab_limit: usize) -> usize {
+    ids.iter()
+        .filter(|&&id| (id as usize) < vocab_limit)
+        .count()
 }
 
 /// The logits processors that act on one step.

@@ -5,7 +5,9 @@
 //! once into an index over the tokenizer's vocabulary ([`Guide`]: for every state of the
 //! expression's automaton, the tokens that keep the text a prefix of a match and the state
 //! each leads to). Any JSON object is no regular language; it is a pushdown recognizer
-//! (`json`) whose masks are read from a vocabulary trie when a state is first met (`trie`).
+//! (`json`), entered from a regex's automaton wherever a schema (or `json_object`, alone)
+//! leaves JSON free (`free`), with masks read from a vocabulary trie when a state is first
+//! met (`trie`).
 //! The sampler then allows only those tokens each step, and EOS only where the text is a
 //! whole match (`GuideState`).
 //!
@@ -28,7 +30,6 @@ use serde::{Deserialize, Serialize};
 
 pub use cache::GuideCache;
 use free::{FreeJson, FreeState};
-use json::JsonState;
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
 use trie::{Masks, TokenTrie};
 
@@ -190,21 +191,6 @@ impl StructuredOutput {
     }
 }
 
-/// The regex of `spec` when it has free-form JSON parts (a schema's, or marks a regex holds
-/// from [`StructuredOutput::json_schema_regex`]); `None` when it has none.
-fn free_regex(spec: &StructuredOutput) -> Result<Option<String>, StructuredError> {
-    match spec {
-        StructuredOutput::JsonSchema(schema) if free::mark(schema).is_some() => {
-            spec.regex().map(Some)
-        }
-        StructuredOutput::Regex(regex) if free::has_marks(regex) => {
-            spec.validate()?;
-            Ok(Some(regex.clone()))
-        }
-        _ => Ok(None),
-    }
-}
-
 /// `schema` is `{"type": "object"}` with nothing that narrows it (see
 /// [`StructuredOutput::is_any_json_object`]).
 fn any_object_schema(schema: &str) -> bool {
@@ -359,10 +345,9 @@ pub struct Guide {
 enum GuideKind {
     /// A regular expression's index: every state's tokens listed ahead of time.
     Regex(Index),
-    /// Any JSON object: masks computed per grammar state when first met.
-    Json(Masks<JsonState>),
-    /// A JSON schema with free-form parts: its regex's automaton, entering the JSON grammar
-    /// at those parts; masks computed per state when first met.
+    /// JSON with free-form parts (any JSON object is one such part alone): the regex's
+    /// automaton, entering the JSON grammar at those parts; masks computed per state when
+    /// first met.
     Free(Box<FreeJson>, Masks<FreeState>),
 }
 
@@ -371,8 +356,7 @@ impl std::fmt::Debug for Guide {
         let mut d = f.debug_struct("Guide");
         match &self.kind {
             GuideKind::Regex(index) => d.field("states", &index.transitions().len()),
-            GuideKind::Json(_) => d.field("grammar", &"json_object"),
-            GuideKind::Free(..) => d.field("grammar", &"json_schema with free-form parts"),
+            GuideKind::Free(..) => d.field("grammar", &"JSON with free-form parts"),
         };
         d.field("transitions", &self.transitions)
             .finish_non_exhaustive()
@@ -385,47 +369,35 @@ impl Guide {
         spec: &StructuredOutput,
         vocabulary: &GuideVocabulary,
     ) -> Result<Self, StructuredError> {
-        spec.validate()?;
-        let (kind, transitions) = match spec {
-            _ if spec.is_any_json_object() => {
-                let masks = Masks::new(vocabulary.trie.clone());
-                // An object must be able to start.
-                if masks
-                    .allowed(JsonState::START, JsonState::step, None)
-                    .is_empty()
-                {
-                    return Err(StructuredError::Vocabulary(
-                        "no token starts a JSON object".into(),
-                    ));
-                }
-                (GuideKind::Json(masks), trie::MASK_CACHE_IDS / 4)
-            }
-            StructuredOutput::JsonSchema(_) | StructuredOutput::Regex(_)
-                if let Some(regex) = free_regex(spec)? =>
+        // Any JSON object is a regex of one free-form part; a schema's free-form parts are
+        // marks in its regex (`free`), as are those of a regex holding a schema's.
+        let regex = if spec.is_any_json_object() {
+            spec.validate()?;
+            free::any_object_regex()
+        } else {
+            spec.regex()?
+        };
+        let (kind, transitions) = if free::has_marks(&regex) {
+            let free = FreeJson::new(&regex)?;
+            let masks = Masks::new(vocabulary.trie.clone());
+            if masks
+                .allowed(free.start(), |s, b| free.step(s, b), None)
+                .is_empty()
             {
-                let free = FreeJson::new(&regex)?;
-                let masks = Masks::new(vocabulary.trie.clone());
-                if masks
-                    .allowed(free.start(), |s, b| free.step(s, b), None)
-                    .is_empty()
-                {
-                    return Err(StructuredError::Vocabulary(
-                        "no token starts the schema's JSON".into(),
-                    ));
-                }
-                (
-                    GuideKind::Free(Box::new(free), masks),
-                    trie::MASK_CACHE_IDS / 4,
-                )
+                return Err(StructuredError::Vocabulary(
+                    "no token starts the JSON".into(),
+                ));
             }
-            _ => {
-                let regex = spec.regex()?;
-                check_states(&regex)?;
-                let index = Index::new(&regex, &vocabulary.vocabulary)
-                    .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
-                let transitions = index.transitions().values().map(|m| m.len()).sum();
-                (GuideKind::Regex(index), transitions)
-            }
+            (
+                GuideKind::Free(Box::new(free), masks),
+                trie::MASK_CACHE_IDS / 4,
+            )
+        } else {
+            check_states(&regex)?;
+            let index = Index::new(&regex, &vocabulary.vocabulary)
+                .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
+            let transitions = index.transitions().values().map(|m| m.len()).sum();
+            (GuideKind::Regex(index), transitions)
         };
         Ok(Self {
             kind,
@@ -437,7 +409,6 @@ impl Guide {
     fn start(&self) -> Walk {
         match &self.kind {
             GuideKind::Regex(index) => Walk::Regex(Some(index.initial_state())),
-            GuideKind::Json(_) => Walk::Json(Some(JsonState::START)),
             GuideKind::Free(free, _) => Walk::Free(Some(free.start())),
         }
     }
@@ -447,15 +418,6 @@ impl Guide {
         match (&self.kind, walk) {
             (GuideKind::Regex(index), Walk::Regex(state)) => {
                 Walk::Regex(state.and_then(|s| index.next_state(&s, &token)))
-            }
-            (GuideKind::Json(masks), Walk::Json(state)) => {
-                let spelling = masks.trie().spelling(token);
-                // An id with no ordinary token (EOS, a special token) leaves the grammar.
-                Walk::Json(
-                    state
-                        .filter(|_| !spelling.is_empty())
-                        .and_then(|s| s.walk(spelling)),
-                )
             }
             (GuideKind::Free(free, masks), Walk::Free(state)) => {
                 let spelling = masks.trie().spelling(token);
@@ -488,19 +450,6 @@ impl Guide {
                     out.extend(self.eos_token_ids.iter().filter(|&&id| id != first));
                 }
             }
-            (GuideKind::Json(masks), Walk::Json(Some(state))) => {
-                if state.is_complete() {
-                    out.extend_from_slice(&self.eos_token_ids);
-                } else {
-                    let in_string = state
-                        .in_plain_string()
-                        .then_some(json::stays_in_string as _);
-                    let mask = masks.allowed(state, JsonState::step, in_string);
-                    if !mask.is_empty() {
-                        return Some(mask);
-                    }
-                }
-            }
             (GuideKind::Free(free, masks), Walk::Free(Some(state))) => {
                 let in_string = state
                     .in_plain_string()
@@ -521,13 +470,12 @@ impl Guide {
     }
 }
 
-/// Where a request's output stands in its guide: a regex index's state or the JSON
-/// grammar's, `None` once the output left the guide (a token it did not allow: only
+/// Where a request's output stands in its guide: a regex index's state or the free-form
+/// JSON recognizer's, `None` once the output left the guide (a token it did not allow: only
 /// possible when other processors masked every allowed one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Walk {
     Regex(Option<u32>),
-    Json(Option<JsonState>),
     Free(Option<FreeState>),
 }
 

@@ -192,6 +192,11 @@ fn free_form(schema: &Value) -> Option<&'static str> {
     }
 }
 
+/// The regex of any JSON object: one free-form part alone.
+pub(super) fn any_object_regex() -> String {
+    format!("\"{}\"", regex_syntax::escape(OBJECT_MARK))
+}
+
 /// The regex (outlines' of a marked schema, or one holding such a regex) has marks.
 pub(super) fn has_marks(regex: &str) -> bool {
     [VALUE_MARK, OBJECT_MARK, ARRAY_MARK]

@@ -185,6 +185,7 @@ impl JsonState {
     }
 
     /// The text so far is one whole JSON object (or value), closed: nothing may follow.
+    #[cfg(test)]
     pub(crate) fn is_complete(&self) -> bool {
         self.lex == Lex::Done
     }
@@ -200,6 +201,7 @@ impl JsonState {
     }
 
     /// The state after `bytes`, or `None` if the text can no longer become a JSON object.
+    #[cfg(test)]
     pub(crate) fn walk(self, bytes: &[u8]) -> Option<Self> {
         bytes.iter().try_fold(self, |s, &b| s.step(b))
     }

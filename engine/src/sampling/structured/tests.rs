@@ -2,6 +2,7 @@
 //! over Qwen3's.
 
 use super::cache::GUIDE_CACHE_ENTRIES;
+use super::json::JsonState;
 use super::*;
 
 const EOS: u32 = 100;
