@@ -9,7 +9,7 @@ python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ig
     openai==3.60.0 >/dev/null
 cache="$(mktemp -d)"
 ready="$cache/ready.json"
-PD_CACHE_DIR="$cache" RUST_LOG=warn ./target/debug/pdctl up --model synthetic:tiny >"$ready" &
+PD_CACHE_DIR="$cache" PD_TOOL_CALL_PARSER=hermes RUST_LOG=warn ./target/debug/pdctl up --model synthetic:tiny >"$ready" &
 up=$!
 trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null || true; rm -rf "$cache"' EXIT
 for _ in $(seq 1 600); do

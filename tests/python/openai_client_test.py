@@ -261,6 +261,48 @@ def main():
                 closed += 1
         assert closed > 0, "json_object: no object was closed in 4 tries"
 
+    def tool_call_stream():
+        # A named tool_choice forces one call (the router runs with --tool-call-parser hermes).
+        # Streamed, the call comes in parts the client joins by index: the first names it,
+        # the rest add to its arguments; they add up to the unstreamed answer's call.
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    },
+                },
+            }
+        ]
+        forced = {"type": "function", "function": {"name": "get_weather"}}
+        kw = dict(messages=[USER], tools=tools, tool_choice=forced, max_tokens=40, temperature=0)
+        whole = chat(**kw).choices[0]
+        assert whole.message.tool_calls, f"no tool call in {whole.message}"
+        want = whole.message.tool_calls[0].function
+        calls, parts, finish = {}, 0, None
+        for chunk in chat(stream=True, **kw):
+            for ch in chunk.choices:
+                for part in ch.delta.tool_calls or []:
+                    parts += 1
+                    if part.index not in calls:
+                        assert part.id and part.type == "function", part
+                        assert part.function.name == "get_weather", part
+                        calls[part.index] = ""
+                    else:
+                        assert part.id is None and part.function.name is None, part
+                    calls[part.index] += part.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert list(calls) == [0], f"calls {calls}"
+        assert calls[0] == want.arguments, f"streamed {calls[0]!r}, whole {want.arguments!r}"
+        assert calls[0].startswith('{"city":'), calls[0]
+        assert parts > 1, f"the call came in {parts} part(s)"
+        assert finish == whole.finish_reason, f"finish {finish!r} vs {whole.finish_reason!r}"
+        print(f"     {parts} parts, finish {finish}")
+
     def stop():
         text = greedy_text(PROMPT, 12)
         # A stop string from the middle of the text: no whitespace, no replacement character.
@@ -331,6 +373,7 @@ def main():
         logprobs,
         echo,
         structured,
+        tool_call_stream,
         stop,
         errors,
         request_id,

@@ -381,17 +381,44 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     all_blocks_free(&cluster).await;
 }
 
-/// What a streamed chat choice adds up to: reasoning, content, tool calls, finish reasons.
+/// What a streamed chat choice adds up to: reasoning, content, tool calls (their parts joined
+/// as OpenAI's clients join them: by `index`, the first part naming the call, the arguments'
+/// text added up), finish reasons.
 fn accumulate(events: &[String]) -> (String, String, Vec<Value>, Vec<String>) {
-    let (mut reasoning, mut content, mut calls, mut finishes) =
-        (String::new(), String::new(), Vec::new(), Vec::new());
+    let (mut reasoning, mut content, mut calls, mut finishes) = (
+        String::new(),
+        String::new(),
+        Vec::<Value>::new(),
+        Vec::new(),
+    );
     for e in events.iter().filter(|e| e.as_str() != "[DONE]") {
         let chunk: Value = serde_json::from_str(e).unwrap();
         for choice in chunk["choices"].as_array().unwrap() {
             let delta = &choice["delta"];
             reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
             content.push_str(delta["content"].as_str().unwrap_or(""));
-            calls.extend(delta["tool_calls"].as_array().cloned().unwrap_or_default());
+            for part in delta["tool_calls"].as_array().into_iter().flatten() {
+                let index = part["index"].as_u64().unwrap() as usize;
+                let arguments = part["function"]["arguments"].as_str().unwrap();
+                if index == calls.len() {
+                    // A call's first part: id, type and name, and arguments (maybe "").
+                    assert!(
+                        part["id"].is_string() && part["type"] == "function",
+                        "{part}"
+                    );
+                    assert!(part["function"]["name"].is_string(), "{part}");
+                    calls.push(part.clone());
+                } else {
+                    // A later part: its call's index and more of the arguments, nothing else.
+                    assert_eq!(index + 1, calls.len(), "{part}");
+                    assert!(part.get("id").is_none() && part["function"].get("name").is_none());
+                    let joined = format!(
+                        "{}{arguments}",
+                        calls[index]["function"]["arguments"].as_str().unwrap()
+                    );
+                    calls[index]["function"]["arguments"] = json!(joined);
+                }
+            }
             if let Some(f) = choice["finish_reason"].as_str() {
                 finishes.push(f.to_string());
             }
@@ -451,6 +478,46 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     assert_eq!(calls[0]["function"], call["function"]);
     assert_eq!(finishes, ["tool_calls"]);
 
+    // The arguments stream as they are written: an answer cut off inside them (`length`)
+    // has the call with the arguments written so far, whole and streamed alike.
+    let tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    let mut cut_inside = 0;
+    for max_tokens in tokens.saturating_sub(10)..tokens {
+        let mut cut = request.clone();
+        cut["max_tokens"] = json!(max_tokens);
+        let v = post_ok(&base, "/chat/completions", cut.clone()).await;
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "length", "{v}");
+        let calls = choice["message"]["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        cut["stream"] = json!(true);
+        let (_, text) = http_post(&base, "/chat/completions", &cut).await.unwrap();
+        let (_, streamed_content, streamed, _) = accumulate(&sse_data(&text));
+        assert_eq!(
+            streamed_content,
+            choice["message"]["content"].as_str().unwrap_or("")
+        );
+        assert_eq!(streamed.len(), calls.len(), "{text}");
+        // Cut inside the block's head: not a call (yet), the block stays text.
+        let Some(part) = calls.first() else {
+            assert!(
+                streamed_content.starts_with("Let me check.\n<tool_call>"),
+                "{v}"
+            );
+            continue;
+        };
+        assert_eq!(choice["message"]["content"], "Let me check.", "{v}");
+        assert_eq!(part["function"]["name"], "get_weather", "{v}");
+        assert_eq!(streamed[0]["function"], part["function"]);
+        let written = part["function"]["arguments"].as_str().unwrap();
+        let whole = r#"{"city": "Paris"}"#;
+        assert!(whole.starts_with(written), "{written:?}");
+        cut_inside += usize::from(!written.is_empty() && written != whole);
+    }
+    assert!(cut_inside > 0, "no cut fell inside the arguments");
+
     // A named tool_choice makes the answer one call of that tool, with arguments its
     // parameters accept (random weights: only the guide makes it a call).
     let forced = json!({
@@ -483,9 +550,12 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
         });
         let v = post_ok(&base, "/chat/completions", required).await;
         let choice = &v["choices"][0];
-        // Every call read out, whole or before the length cut, is one the tools allow.
+        // Every call read out is one the tools allow; the length cut may end the last one
+        // inside its arguments.
         let calls = choice["message"]["tool_calls"].as_array().cloned();
-        for call in calls.iter().flatten() {
+        let cut = usize::from(choice["finish_reason"] == "length");
+        let whole = calls.as_ref().map_or(0, |c| c.len().saturating_sub(cut));
+        for call in calls.iter().flatten().take(whole) {
             let arguments: Value =
                 serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
             match call["function"]["name"].as_str().unwrap() {

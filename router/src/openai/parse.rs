@@ -5,13 +5,20 @@
 //!
 //! Text that may be the start of a tag is held back until the next piece decides it, so a tag
 //! split across chunks is still found; a whole answer parsed at once gives the same result as
-//! the same answer streamed in any pieces. A tool call is reported whole, once its closing
-//! tag (or the end of the answer) arrives; a block whose JSON is not a call stays in the
-//! content as written. Newlines just inside the think block and after it are dropped (the
-//! template writes them), and so is white space next to tool calls.
+//! the same answer streamed in any pieces. A tool call written as Qwen3's template teaches
+//! (`{"name": "…", "arguments": {…}}`) streams: its name once the head is in, then its
+//! arguments' text as it arrives ([`call`]), as OpenAI streams them; the call ends with its
+//! arguments object, and what follows that up to the closing tag is dropped. A block of any
+//! other shape is read whole at its closing tag (or the end of the answer): a call if its JSON
+//! is one, else content as written. Newlines just inside the think block and after it are
+//! dropped (the template writes them), and so is white space next to tool calls.
+
+mod call;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
+
+use call::{Arguments, Head};
 
 const THINK_START: &str = "<think>";
 const THINK_END: &str = "</think>";
@@ -32,11 +39,14 @@ pub enum ToolCallParser {
     Hermes,
 }
 
-/// One call the model made.
+/// A call the model made, or the part of it a piece of the answer added.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {
-    pub name: String,
-    /// The arguments' JSON text as the model wrote it.
+    /// Which call of the answer, from 0.
+    pub index: usize,
+    /// The function's name: on a call's first part, never on the parts after it.
+    pub name: Option<String>,
+    /// The arguments' JSON text as the model wrote it (this part's share of it).
     pub arguments: String,
 }
 
@@ -45,6 +55,7 @@ pub struct ToolCall {
 pub struct Parsed {
     pub reasoning: String,
     pub content: String,
+    /// Parts of calls; parts of one call that came in one piece are joined.
     pub calls: Vec<ToolCall>,
 }
 
@@ -53,10 +64,35 @@ impl Parsed {
         self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty()
     }
 
-    fn append(&mut self, other: Parsed) {
+    /// Adds what a later piece added.
+    pub fn append(&mut self, other: Parsed) {
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
-        self.calls.extend(other.calls);
+        for part in other.calls {
+            self.add_call(part);
+        }
+    }
+
+    fn add_call(&mut self, part: ToolCall) {
+        match self.calls.last_mut() {
+            Some(last) if last.index == part.index => {
+                last.arguments.push_str(&part.arguments);
+                if last.name.is_none() {
+                    last.name = part.name;
+                }
+            }
+            _ => self.calls.push(part),
+        }
+    }
+
+    fn add_arguments(&mut self, index: usize, text: &str) {
+        if !text.is_empty() {
+            self.add_call(ToolCall {
+                index,
+                name: None,
+                arguments: text.to_string(),
+            });
+        }
     }
 }
 
@@ -66,7 +102,20 @@ enum Mode {
     Start,
     Reasoning,
     Content,
-    Call,
+    Call(CallPart),
+}
+
+/// Where in a `<tool_call>` block the answer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallPart {
+    /// Its head is not in yet: it may still stream.
+    Head,
+    /// It does not stream: read whole at its closing tag.
+    Whole,
+    /// Streaming call `calls - 1`'s arguments.
+    Arguments(Arguments),
+    /// The arguments ended; what is left up to the closing tag is dropped.
+    Tail,
 }
 
 /// One answer's parser.
@@ -104,10 +153,11 @@ fn partial_tag(text: &str, tag: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn parse_call(body: &str) -> Option<ToolCall> {
+fn parse_call(index: usize, body: &str) -> Option<ToolCall> {
     let call: CallJson<'_> = serde_json::from_str(body.trim()).ok()?;
     Some(ToolCall {
-        name: call.name,
+        index,
+        name: Some(call.name),
         arguments: call
             .arguments
             .map_or_else(|| "{}".to_string(), |a| a.get().to_string()),
@@ -167,14 +217,17 @@ impl AnswerParser {
                 }
             }
             Mode::Reasoning => out.reasoning = rest.trim_end_matches('\n').to_string(),
-            // An unclosed call at the end: still a call if its JSON is whole.
-            Mode::Call => match parse_call(&rest) {
+            // An unclosed block at the end: still a call if its JSON is whole.
+            Mode::Call(CallPart::Head | CallPart::Whole) => match parse_call(self.calls, &rest) {
                 Some(call) => {
                     self.calls += 1;
                     out.calls.push(call);
                 }
                 None => out.content = format!("{}{CALL_START}{rest}", self.gap),
             },
+            // Cut off inside its arguments: they end here, as OpenAI's do at `length`.
+            Mode::Call(CallPart::Arguments(_)) => out.add_arguments(self.calls - 1, &rest),
+            Mode::Call(CallPart::Tail) => {}
         }
         self.mode = Mode::Content;
         out
@@ -234,7 +287,7 @@ impl AnswerParser {
                         text[kept.len()..].to_string()
                     };
                     self.pending.drain(..at + CALL_START.len());
-                    self.mode = Mode::Call;
+                    self.mode = Mode::Call(CallPart::Head);
                 } else {
                     // Hold a possible `<tool_call>` start and the white space before it: it
                     // is dropped if a call follows.
@@ -252,28 +305,120 @@ impl AnswerParser {
                     }
                 }
             }
-            Mode::Call => {
-                if let Some(at) = self.pending.find(CALL_END) {
-                    let body = self.pending[..at].to_string();
-                    self.pending.drain(..at + CALL_END.len());
-                    self.mode = Mode::Content;
-                    match parse_call(&body) {
-                        Some(call) => {
-                            self.calls += 1;
-                            self.after_call = true;
-                            self.gap.clear();
-                            out.calls.push(call);
-                        }
-                        None => {
-                            self.after_call = false;
-                            let gap = std::mem::take(&mut self.gap);
-                            out.content
-                                .push_str(&format!("{gap}{CALL_START}{body}{CALL_END}"));
+            Mode::Call(part) => self.step_call(part, out),
+        }
+    }
+
+    /// Moves as far as the pending text allows inside a `<tool_call>` block.
+    fn step_call(&mut self, part: CallPart, out: &mut Parsed) {
+        match part {
+            CallPart::Head => {
+                let end = self.pending.find(CALL_END);
+                match call::head(&self.pending[..end.unwrap_or(self.pending.len())]) {
+                    Head::Call { name, args } => {
+                        out.add_call(ToolCall {
+                            index: self.calls,
+                            name: Some(name),
+                            arguments: String::new(),
+                        });
+                        self.calls += 1;
+                        self.gap.clear();
+                        self.pending.drain(..args);
+                        self.mode = Mode::Call(CallPart::Arguments(Arguments::default()));
+                    }
+                    Head::No if end.is_none() => self.mode = Mode::Call(CallPart::Whole),
+                    Head::No | Head::More => {
+                        if let Some(at) = end {
+                            self.close_whole(at, out);
                         }
                     }
                 }
             }
+            CallPart::Whole => {
+                if let Some(at) = self.pending.find(CALL_END) {
+                    self.close_whole(at, out);
+                }
+            }
+            CallPart::Arguments(mut args) => {
+                let index = self.calls - 1;
+                // Up to where the text is given out, and whether the call ended there.
+                let mut cut = (self.pending.len(), None);
+                for (i, c) in self.pending.char_indices() {
+                    if c == '<' && args.outside_strings() {
+                        // A closing tag outside any string ends the call, however cut off
+                        // its arguments are; a possible one waits for the next piece.
+                        let rest = &self.pending[i..];
+                        if rest.starts_with(CALL_END) {
+                            cut = (i, Some(i + CALL_END.len()));
+                            break;
+                        }
+                        if CALL_END.starts_with(rest) {
+                            cut = (i, None);
+                            break;
+                        }
+                    }
+                    if args.take(c) {
+                        let end = i + c.len_utf8();
+                        cut = (end, Some(end));
+                        break;
+                    }
+                }
+                let (given, ended) = cut;
+                out.add_arguments(index, &self.pending[..given]);
+                match ended {
+                    Some(end) if end > given => {
+                        self.pending.drain(..end);
+                        self.end_call();
+                    }
+                    Some(end) => {
+                        self.pending.drain(..end);
+                        self.mode = Mode::Call(CallPart::Tail);
+                    }
+                    None => {
+                        self.pending.drain(..given);
+                        self.mode = Mode::Call(CallPart::Arguments(args));
+                    }
+                }
+            }
+            CallPart::Tail => match self.pending.find(CALL_END) {
+                Some(at) => {
+                    self.pending.drain(..at + CALL_END.len());
+                    self.end_call();
+                }
+                None => {
+                    let held = partial_tag(&self.pending, CALL_END);
+                    self.pending.drain(..self.pending.len() - held);
+                }
+            },
         }
+    }
+
+    /// The closing tag of a block read whole is at `at`: a call if its JSON is one, else
+    /// content as written.
+    fn close_whole(&mut self, at: usize, out: &mut Parsed) {
+        let body = self.pending[..at].to_string();
+        self.pending.drain(..at + CALL_END.len());
+        match parse_call(self.calls, &body) {
+            Some(call) => {
+                self.calls += 1;
+                out.calls.push(call);
+                self.end_call();
+            }
+            None => {
+                self.mode = Mode::Content;
+                self.after_call = false;
+                let gap = std::mem::take(&mut self.gap);
+                out.content
+                    .push_str(&format!("{gap}{CALL_START}{body}{CALL_END}"));
+            }
+        }
+    }
+
+    /// A call ended: back to content, where white space right after it is dropped.
+    fn end_call(&mut self) {
+        self.mode = Mode::Content;
+        self.after_call = true;
+        self.gap.clear();
     }
 
     /// Parses a whole answer.
@@ -289,9 +434,10 @@ impl AnswerParser {
 mod tests {
     use super::*;
 
-    fn call(name: &str, arguments: &str) -> ToolCall {
+    fn call(index: usize, name: &str, arguments: &str) -> ToolCall {
         ToolCall {
-            name: name.into(),
+            index,
+            name: Some(name.into()),
             arguments: arguments.into(),
         }
     }
@@ -361,8 +507,8 @@ mod tests {
         assert_eq!(
             p.calls,
             [
-                call("get_weather", r#"{"city": "Paris"}"#),
-                call("get_weather", r#"{"city": "Lyon", "n": [1, 2]}"#)
+                call(0, "get_weather", r#"{"city": "Paris"}"#),
+                call(1, "get_weather", r#"{"city": "Lyon", "n": [1, 2]}"#)
             ]
         );
         // Only calls: no content at all; an unclosed last call whose JSON is whole counts.
@@ -372,7 +518,7 @@ mod tests {
             "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>{\"name\": \"g\"}",
         );
         assert_eq!(p.content, "");
-        assert_eq!(p.calls, [call("f", "{}"), call("g", "{}")]);
+        assert_eq!(p.calls, [call(0, "f", "{}"), call(1, "g", "{}")]);
     }
 
     #[test]
@@ -398,13 +544,83 @@ mod tests {
         assert!(p.push("</thi").is_empty());
         let out = p.push("nk>Yes <tool_");
         assert_eq!(out.content, "Yes");
-        assert!(
-            p.push("call>{\"name\": \"f\", \"arguments\": {}}")
-                .is_empty()
-        );
-        let out = p.push("</tool_call>");
-        assert_eq!(out.calls, [call("f", "{}")]);
+        assert!(p.push("call>{\"name\": \"f\", \"argu").is_empty());
+        let out = p.push("ments\": {} }");
+        assert_eq!(out.calls, [call(0, "f", "{}")]);
+        assert!(p.push("</tool_call>").is_empty());
         assert_eq!(p.calls(), 1);
         assert!(p.finish().is_empty());
+    }
+
+    #[test]
+    fn a_call_streams_its_name_then_its_arguments_as_they_come() {
+        let mut p = AnswerParser::new(false, true);
+        assert!(p.push("<tool_call>\n{\"name\": \"get_").is_empty());
+        let out = p.push("weather\", \"arguments\": {\"ci");
+        assert_eq!(out.calls, [call(0, "get_weather", "{\"ci")]);
+        let more = |text: &str| ToolCall {
+            index: 0,
+            name: None,
+            arguments: text.into(),
+        };
+        assert_eq!(p.push("ty\": \"Par").calls, [more("ty\": \"Par")]);
+        // A closing tag inside a string is text of the arguments; one that may start outside
+        // a string waits.
+        assert_eq!(p.push("</tool_call>\"").calls, [more("</tool_call>\"")]);
+        assert_eq!(p.push(" </tool_").calls, [more(" ")]);
+        assert_eq!(p.push("x}}\n").calls, [more("</tool_x}")]);
+        // The call ended with its object: the rest of the block is dropped.
+        assert!(p.push("}\n</tool_call>\n\nDone.").content == "Done.");
+        assert_eq!(p.calls(), 1);
+    }
+
+    #[test]
+    fn streamed_calls_are_read_as_their_head_and_arguments_say() {
+        // What follows the arguments object is dropped, JSON or not: the call was given out
+        // as it streamed, whole or streamed alike.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}, \"x\": 2} junk</tool_call> ok",
+        );
+        assert_eq!(
+            (p.calls, p.content.as_str()),
+            (vec![call(0, "f", "{\"a\": 1}")], "ok")
+        );
+        // Cut off inside the arguments (`length`): the call has what was written.
+        let p = parse(
+            true,
+            true,
+            "<think>t</think>Hi<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"x <",
+        );
+        assert_eq!(p.calls, [call(0, "f", "{\"a\": \"x <")]);
+        assert_eq!((p.reasoning.as_str(), p.content.as_str()), ("t", "Hi"));
+        // A closing tag outside any string ends the call where it stands.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1</tool_call> b <tool_call>\
+             {\"name\": \"g\", \"arguments\": {\"s\": \"}\"}}</tool_call>",
+        );
+        assert_eq!(
+            p.calls,
+            [call(0, "f", "{\"a\": 1"), call(1, "g", "{\"s\": \"}\"}")]
+        );
+        assert_eq!(p.content, "b");
+        // Other shapes are read whole: the name after the arguments, no arguments.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"arguments\": {\"a\": [1]}, \"name\": \"f\"}</tool_call>\
+             <tool_call>{\"name\": \"g\"}</tool_call><tool_call>{\"name\": \"h\", \"arguments\": 5}",
+        );
+        assert_eq!(
+            p.calls,
+            [
+                call(0, "f", "{\"a\": [1]}"),
+                call(1, "g", "{}"),
+                call(2, "h", "5")
+            ]
+        );
     }
 }

@@ -231,7 +231,7 @@ impl Output {
                         };
                     }
                     if !parsed.calls.is_empty() {
-                        message["tool_calls"] = self.tool_calls(index, 0, &parsed.calls, false);
+                        message["tool_calls"] = self.tool_calls(index, &parsed.calls, false);
                     }
                     (message, reason)
                 } else {
@@ -267,20 +267,20 @@ impl Output {
         }
     }
 
-    /// OpenAI's `tool_calls` of choice `index`, numbered from `first`; a stream's carry their
-    /// `index`.
-    fn tool_calls(&self, index: usize, first: usize, calls: &[ToolCall], streamed: bool) -> Value {
+    /// OpenAI's `tool_calls` of choice `index`: a call's first part carries its id, type and
+    /// name, each part its arguments' text; a stream's parts carry their call's `index`.
+    fn tool_calls(&self, index: usize, calls: &[ToolCall], streamed: bool) -> Value {
         calls
             .iter()
-            .enumerate()
-            .map(|(k, call)| {
-                let mut value = json!({
-                    "id": format!("call-{}-{index}.{}", self.plan.id, first + k),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                });
+            .map(|call| {
+                let mut value = json!({"function": {"arguments": call.arguments}});
+                if let Some(name) = &call.name {
+                    value["id"] = json!(format!("call-{}-{index}.{}", self.plan.id, call.index));
+                    value["type"] = json!("function");
+                    value["function"]["name"] = json!(name);
+                }
                 if streamed {
-                    value["index"] = json!(first + k);
+                    value["index"] = json!(call.index);
                 }
                 value
             })
@@ -344,13 +344,9 @@ impl Output {
                     let parser = c
                         .parser
                         .get_or_insert_with(|| AnswerParser::new(self.reasoning, self.tools));
-                    let before = parser.calls();
                     let mut parsed = parser.push(&text);
                     if finish.is_some() {
-                        let rest = parser.finish();
-                        parsed.reasoning.push_str(&rest.reasoning);
-                        parsed.content.push_str(&rest.content);
-                        parsed.calls.extend(rest.calls);
+                        parsed.append(parser.finish());
                     }
                     if !parsed.reasoning.is_empty() {
                         delta.insert("reasoning_content".into(), json!(parsed.reasoning));
@@ -361,7 +357,7 @@ impl Output {
                     if !parsed.calls.is_empty() {
                         delta.insert(
                             "tool_calls".into(),
-                            self.tool_calls(index, before, &parsed.calls, true),
+                            self.tool_calls(index, &parsed.calls, true),
                         );
                     }
                     if let Some((r, _)) = &finish {
