@@ -140,7 +140,9 @@ impl DecodeNodeService {
             vec![],
             req.stop_token_ids,
             req.ignore_eos,
+            // Text is the router's: stop strings and special tokens' text do not reach nodes.
             false,
+            true,
         );
         params
             .validate(f.vocab_size, f.max_model_len as u32)

@@ -20,7 +20,7 @@ impl<'t> TextStream<'t> {
     /// `eos_token_ids` as the engine applies them, so both sides agree on where text ends.
     pub fn new(tokenizer: &'t Tokenizer, params: &SamplingParams, eos_token_ids: Vec<u32>) -> Self {
         Self {
-            decoder: tokenizer.incremental_decoder(true),
+            decoder: tokenizer.incremental_decoder(params.skip_special_tokens),
             stop: StopChecker::new(params, eos_token_ids),
         }
     }
@@ -45,5 +45,41 @@ impl<'t> TextStream<'t> {
     /// Which stop token id or stop string ended the stream, once one did.
     pub fn stop_reason(&self) -> Option<&StopReason> {
         self.stop.stop_reason()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The text of `ids` as a stream with these options writes it.
+    fn text(ids: &[u32], skip_special_tokens: bool, include_stop_str_in_output: bool) -> String {
+        let tokenizer = Tokenizer::qwen3().unwrap();
+        let eos = tokenizer.eos_token_id().unwrap();
+        let params = SamplingParams {
+            skip_special_tokens,
+            include_stop_str_in_output,
+            ..SamplingParams::default()
+        };
+        let mut stream = TextStream::new(&tokenizer, &params, vec![eos]);
+        for &id in ids {
+            stream.push(id).unwrap();
+        }
+        stream.flush();
+        stream.text().to_string()
+    }
+
+    #[test]
+    fn special_tokens_are_written_only_when_asked_and_never_the_stop_token() {
+        let tokenizer = Tokenizer::qwen3().unwrap();
+        let mut ids = tokenizer.encode("Hi<|im_start|>there").unwrap();
+        let start = tokenizer.token_id("<|im_start|>").unwrap();
+        assert!(ids.contains(&start), "{ids:?}");
+        ids.push(tokenizer.eos_token_id().unwrap());
+        assert_eq!(text(&ids, true, false), "Hithere");
+        assert_eq!(text(&ids, false, false), "Hi<|im_start|>there");
+        // The stop token's own text only with include_stop_str_in_output, as vLLM writes it.
+        assert_eq!(text(&ids, false, true), "Hi<|im_start|>there<|im_end|>");
+        assert_eq!(text(&ids, true, true), "Hithere");
     }
 }

@@ -89,6 +89,7 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         truncate_prompt_tokens: args.sampling.truncate_prompt_tokens,
         bad_words: args.sampling.bad_words.clone(),
         request_id: None,
+        skip_special_tokens: Some(p.skip_special_tokens),
     }
 }
 

@@ -117,6 +117,10 @@ pub struct SamplingArgs {
     /// Keep generating past EOS.
     #[arg(long)]
     ignore_eos: bool,
+    /// Write special tokens (`<|im_start|>`, ...) into the text (vLLM's
+    /// `skip_special_tokens=false`); the stop token that ends it stays out.
+    #[arg(long)]
+    keep_special_tokens: bool,
     /// Top-K logprobs of each generated token.
     #[arg(long)]
     pub(crate) logprobs: Option<u32>,
@@ -163,6 +167,7 @@ impl SamplingArgs {
             logprobs: self.logprobs,
             prompt_logprobs: self.prompt_logprobs,
             include_stop_str_in_output: false,
+            skip_special_tokens: !self.keep_special_tokens,
             structured_output: if let Some(regex) = &self.regex {
                 Some(StructuredOutput::Regex(regex.clone()))
             } else if let Some(schema) = &self.json_schema {

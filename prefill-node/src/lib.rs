@@ -230,7 +230,9 @@ impl PrefillNodeService {
             vec![],
             req.stop_token_ids,
             req.ignore_eos,
+            // Text is the router's: stop strings and special tokens' text do not reach nodes.
             false,
+            true,
         );
         params.min_tokens = params.min_tokens.min(1);
         params

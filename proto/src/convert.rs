@@ -31,6 +31,7 @@ pub fn sampling_params(
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
     include_stop_str_in_output: bool,
+    skip_special_tokens: bool,
 ) -> SamplingParams {
     let d = pb::SamplingParams::default();
     let w = wire.unwrap_or(&d);
@@ -63,6 +64,7 @@ pub fn sampling_params(
         logprobs: w.logprobs,
         prompt_logprobs: w.prompt_logprobs,
         include_stop_str_in_output,
+        skip_special_tokens,
         structured_output: w.structured_output.as_ref().and_then(structured_output),
     }
 }
@@ -207,7 +209,7 @@ mod tests {
 
     #[test]
     fn unset_fields_take_vllm_defaults_and_zero_is_kept_where_set() {
-        let p = sampling_params(None, 16, vec![], vec![], false, false);
+        let p = sampling_params(None, 16, vec![], vec![], false, false, true);
         assert_eq!(
             (p.temperature, p.top_p, p.top_k, p.min_p),
             (1.0, 1.0, 0, 0.0)
@@ -216,7 +218,7 @@ mod tests {
             temperature: Some(0.0),
             ..Default::default()
         };
-        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
+        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false, true);
         assert_eq!(
             p.temperature, 0.0,
             "an explicit 0 is greedy, not the default"
@@ -230,7 +232,7 @@ mod tests {
             bad_words_token_ids: vec![pb::TokenSequence { ids: vec![5, 6] }],
             ..Default::default()
         };
-        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false);
+        let p = sampling_params(Some(&w), 16, vec![], vec![], false, false, true);
         assert_eq!(
             (p.presence_penalty, p.frequency_penalty, p.min_tokens),
             (-0.5, 1.5, 3)

@@ -237,6 +237,7 @@ impl Validator {
             req.stop_token_ids,
             req.ignore_eos,
             req.include_stop_str_in_output,
+            req.skip_special_tokens.unwrap_or(true),
         );
         if !req.bad_words.is_empty() {
             if req.bad_words.len() > MAX_BAD_WORDS {

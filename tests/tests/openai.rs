@@ -106,6 +106,32 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 12);
 
+    // Special tokens (here `<|im_start|>`, forced by a bias) are left out of the text unless
+    // skip_special_tokens is false, over HTTP and gRPC alike; their ids are there either way.
+    let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
+    let start = tokenizer.token_id("<|im_start|>").unwrap();
+    let forced = json!({"prompt": a, "max_tokens": 3, "temperature": 0,
+        "logit_bias": {start.to_string(): 100}, "logprobs": 1});
+    let v = post_ok(&base, "/completions", forced.clone()).await;
+    assert_eq!(v["choices"][0]["text"], "", "{v}");
+    assert_eq!(
+        v["choices"][0]["logprobs"]["tokens"],
+        json!(vec!["<|im_start|>"; 3])
+    );
+    let mut kept = forced.clone();
+    kept["skip_special_tokens"] = json!(false);
+    let v = post_ok(&base, "/completions", kept).await;
+    assert_eq!(v["choices"][0]["text"], "<|im_start|>".repeat(3), "{v}");
+    let mut wire = greedy(a.clone(), 3);
+    wire.sampling
+        .as_mut()
+        .unwrap()
+        .logit_bias
+        .insert(start, 100.0);
+    assert_eq!(grpc_text(&mut grpc, wire.clone()).await, "");
+    wire.skip_special_tokens = Some(false);
+    assert_eq!(grpc_text(&mut grpc, wire).await, "<|im_start|>".repeat(3));
+
     // Chat: the text of the same conversation over gRPC.
     let messages = [("system", "Answer briefly."), ("user", "Name a colour.")];
     let wire = pb::ChatInput {
@@ -316,8 +342,9 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
             assert_eq!(
                 e.sum("pd_router_requests_total", &[("outcome", "length")]),
                 // Every finished request above, gRPC and HTTP (each choice is one request):
-                // a ×3, chat ×2, n=3 and its 3 gRPC twins, b, 2 prompts × n=2. Not the long ones.
-                16.0,
+                // a ×3, the special tokens ×4, chat ×2, n=3 and its 3 gRPC twins, b, 2 prompts
+                // × n=2. Not the long ones.
+                20.0,
                 "{}",
                 e.text
             );

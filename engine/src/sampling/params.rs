@@ -84,6 +84,10 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<u32>,
     /// Keep the matched stop string (or the stop token's text) in the output text.
     pub include_stop_str_in_output: bool,
+    /// Leave special tokens (`<|im_end|>`, `<|im_start|>`, …) out of the output text, as vLLM
+    /// does by default; their ids are in the output ids either way. False writes them into
+    /// the text, except the stop token that ends it (as `include_stop_str_in_output` says).
+    pub skip_special_tokens: bool,
     /// The output must match a regex, be one of a list of strings, or be JSON a schema
     /// accepts (vLLM's `structured_outputs`); EOS is then allowed exactly where the text is
     /// a whole match. Cannot be combined with `ignore_eos` or `min_tokens`.
@@ -112,6 +116,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             include_stop_str_in_output: false,
+            skip_special_tokens: true,
             structured_output: None,
         }
     }

@@ -32,6 +32,7 @@ fn validate_accepts_defaults_and_boundaries() {
         logprobs: Some(MAX_LOGPROBS),
         prompt_logprobs: Some(MAX_LOGPROBS),
         include_stop_str_in_output: true,
+        skip_special_tokens: false,
         structured_output: None,
     };
     edge.validate(VOCAB, 4096).unwrap();

@@ -100,6 +100,10 @@ pub struct Body {
     cache_salt: Option<String>,
     request_id: Option<String>,
     skip_special_tokens: Option<bool>,
+    /// vLLM's: accepted and not used. Qwen3's tokenizer is a fast one, for which vLLM ignores
+    /// it too (special tokens' text is written as it is).
+    #[allow(dead_code)]
+    spaces_between_special_tokens: Option<bool>,
     guided_regex: Option<String>,
     guided_choice: Option<Vec<String>>,
     guided_json: Option<Value>,
@@ -218,12 +222,6 @@ impl Body {
             .or_else(|| self.request_id.clone())
             .unwrap_or_else(new_id);
         self.check_fields(endpoint)?;
-        if self.skip_special_tokens == Some(false) {
-            return Err(bad(
-                "skip_special_tokens=false is not supported: special tokens are always left out \
-                 of the text (their ids are in the token ids)",
-            ));
-        }
         if let Some(best_of) = self.best_of
             && best_of > 1
         {
@@ -323,6 +321,7 @@ impl Body {
                     request_id: Some(id),
                     truncate_prompt_tokens: self.truncate_prompt_tokens,
                     bad_words: self.bad_words.clone().unwrap_or_default(),
+                    skip_special_tokens: self.skip_special_tokens,
                 });
             }
         }

@@ -84,12 +84,6 @@ fn fields_are_refused_by_name_when_unknown_or_on_the_other_endpoint() {
         ))
         .contains("stream=true")
     );
-    assert!(
-        refused(completions(
-            json!({"prompt": "x", "skip_special_tokens": false})
-        ))
-        .contains("skip_special_tokens")
-    );
     // OpenAI's fields that change nothing here are accepted.
     assert!(completions(json!({"prompt": "x", "user": "u", "best_of": 1})).is_ok());
 }
@@ -102,7 +96,8 @@ fn sampling_fields_reach_the_wire() {
         "min_tokens": 2, "seed": -1, "logit_bias": {"42": -100}, "allowed_token_ids": [1, 42],
         "bad_words": ["no"], "stop": "\n", "stop_token_ids": [7], "ignore_eos": true,
         "include_stop_str_in_output": true, "truncate_prompt_tokens": 5, "cache_salt": "s",
-        "max_tokens": 9, "prompt_logprobs": 2,
+        "max_tokens": 9, "prompt_logprobs": 2, "skip_special_tokens": false,
+        "spaces_between_special_tokens": true,
     }))
     .unwrap();
     let r = &p.requests[0];
@@ -119,6 +114,7 @@ fn sampling_fields_reach_the_wire() {
     assert_eq!(r.stop, ["\n"]);
     assert_eq!(r.stop_token_ids, [7]);
     assert!(r.ignore_eos && r.include_stop_str_in_output);
+    assert_eq!(r.skip_special_tokens, Some(false));
     assert_eq!(r.truncate_prompt_tokens, Some(5));
     assert_eq!(r.cache_salt.as_deref(), Some("s"));
     assert_eq!(r.max_tokens, Some(9));
