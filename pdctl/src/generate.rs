@@ -1,5 +1,6 @@
 //! `pdctl generate`: one request to a running cluster's router, printed like `pdctl run`
-//! (streamed text, or one JSON object with `--json`).
+//! (streamed text, or one JSON object with `--json`); with `--n` several choices, each
+//! printed when it ends (text after `[i] `, or one JSON object per line with its `index`).
 
 use std::io::Write;
 
@@ -36,6 +37,10 @@ pub struct GenerateArgs {
     /// Prefix-cache isolation salt.
     #[arg(long)]
     cache_salt: Option<String>,
+    /// Choices: sample this many sequences for the prompt (1 to 16; with --seed, choice i
+    /// uses seed + i).
+    #[arg(long, default_value_t = 1)]
+    n: u32,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -90,6 +95,7 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         bad_words: args.sampling.bad_words.clone(),
         request_id: None,
         skip_special_tokens: Some(p.skip_special_tokens),
+        n: Some(args.n),
     }
 }
 
@@ -113,65 +119,102 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         .into_inner();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut token_ids = Vec::new();
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    let mut prompt_logprobs = Vec::new();
-    let mut last = None;
+    let mut choices: Vec<Choice> = Vec::new();
     while let Some(chunk) = stream
         .message()
         .await
         .map_err(|s| anyhow::anyhow!("{}: {}", code_name(s.code()), s.message()))?
     {
-        token_ids.extend_from_slice(&chunk.token_ids);
-        text.push_str(&chunk.text);
-        logprobs.extend(chunk.logprobs.iter().cloned());
-        prompt_logprobs.extend(chunk.prompt_logprobs.iter().cloned());
-        if !args.json {
-            out.write_all(chunk.text.as_bytes())?;
-            out.flush()?;
+        let index = chunk.index as usize;
+        if index >= choices.len() {
+            choices.resize_with(index + 1, Choice::default);
         }
-        if chunk.finish_reason != pb::FinishReason::Unspecified as i32 {
-            last = Some(chunk);
+        let choice = &mut choices[index];
+        choice.token_ids.extend_from_slice(&chunk.token_ids);
+        choice.text.push_str(&chunk.text);
+        choice.logprobs.extend(chunk.logprobs.iter().cloned());
+        choice
+            .prompt_logprobs
+            .extend(chunk.prompt_logprobs.iter().cloned());
+        let finished = chunk.finish_reason != pb::FinishReason::Unspecified as i32;
+        if !args.json {
+            if args.n == 1 {
+                out.write_all(chunk.text.as_bytes())?;
+                out.flush()?;
+            } else if finished {
+                writeln!(out, "[{index}] {}", choice.text)?;
+            }
+        }
+        if finished {
+            choice.last = Some(chunk);
         }
     }
-    let last = last.context("the stream ended without a finish reason")?;
+    if choices.len() != args.n as usize || choices.iter().any(|c| c.last.is_none()) {
+        anyhow::bail!("the stream ended before every choice had a finish reason");
+    }
     if !args.json {
-        writeln!(out)?;
+        if args.n == 1 {
+            writeln!(out)?;
+        }
         return Ok(());
     }
-    let reason = pd_proto::convert::engine_finish_reason(last.finish_reason())
-        .map(|r| r.as_str())
-        .unwrap_or("unspecified");
-    let usage = last.usage.unwrap_or_default();
-    let lp = |l: &pb::Logprob| {
-        json!({
-            "token_id": l.token_id,
-            "logprob": l.logprob,
-            "top": l.top.iter().map(|t| json!({"token_id": t.token_id, "logprob": t.logprob})).collect::<Vec<_>>(),
-        })
-    };
-    let object = json!({
-        "token_ids": token_ids,
-        "text": text,
-        "finish_reason": reason,
-        "stop_reason": match &last.stop_reason {
-            Some(pb::generate_response::StopReason::StopTokenId(id)) => json!(id),
-            Some(pb::generate_response::StopReason::StopString(s)) => json!(s),
-            None => serde_json::Value::Null,
-        },
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "local_cached_tokens": usage.local_cached_tokens,
-            "external_cached_tokens": usage.external_cached_tokens,
-        },
-        "logprobs": args.sampling.logprobs.map(|_| logprobs.iter().map(lp).collect::<Vec<_>>()),
-        "prompt_logprobs": args.sampling.prompt_logprobs.map(|_| prompt_logprobs.iter().map(lp).collect::<Vec<_>>()),
-    });
-    writeln!(out, "{object}")?;
+    for (index, choice) in choices.iter().enumerate() {
+        let object = choice.json(&args, index);
+        writeln!(out, "{object}")?;
+    }
     Ok(())
+}
+
+/// One choice's stream, added up.
+#[derive(Default)]
+struct Choice {
+    token_ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<pb::Logprob>,
+    prompt_logprobs: Vec<pb::Logprob>,
+    /// Its last chunk (finish reason, usage).
+    last: Option<pb::GenerateResponse>,
+}
+
+impl Choice {
+    /// The `--json` object of a finished choice.
+    fn json(&self, args: &GenerateArgs, index: usize) -> serde_json::Value {
+        let last = self.last.clone().unwrap_or_default();
+        let reason = pd_proto::convert::engine_finish_reason(last.finish_reason())
+            .map(|r| r.as_str())
+            .unwrap_or("unspecified");
+        let usage = last.usage.unwrap_or_default();
+        let lp = |l: &pb::Logprob| {
+            json!({
+                "token_id": l.token_id,
+                "logprob": l.logprob,
+                "top": l.top.iter().map(|t| json!({"token_id": t.token_id, "logprob": t.logprob})).collect::<Vec<_>>(),
+            })
+        };
+        let mut object = json!({
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": reason,
+            "stop_reason": match &last.stop_reason {
+                Some(pb::generate_response::StopReason::StopTokenId(id)) => json!(id),
+                Some(pb::generate_response::StopReason::StopString(s)) => json!(s),
+                None => serde_json::Value::Null,
+            },
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "local_cached_tokens": usage.local_cached_tokens,
+                "external_cached_tokens": usage.external_cached_tokens,
+            },
+            "logprobs": args.sampling.logprobs.map(|_| self.logprobs.iter().map(lp).collect::<Vec<_>>()),
+            "prompt_logprobs": args.sampling.prompt_logprobs.map(|_| self.prompt_logprobs.iter().map(lp).collect::<Vec<_>>()),
+        });
+        if args.n > 1 {
+            object["index"] = json!(index);
+        }
+        object
+    }
 }
 
 /// The status code as gRPC spells it (INVALID_ARGUMENT, ...), for one-line errors.

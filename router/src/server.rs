@@ -18,6 +18,7 @@ use tonic::server::NamedService;
 use tonic::{Code, Status};
 use tonic_health::ServingStatus;
 
+use crate::choices::ChoicesGeneration;
 use crate::config::RouterConfig;
 use crate::discovery;
 use crate::error::RouterError;
@@ -252,7 +253,8 @@ impl Router {
             })
         });
         let generation = OversizeIsResourceExhausted(
-            GenerationServer::new(metered).max_decoding_message_size(config.max_message_bytes),
+            GenerationServer::new(ChoicesGeneration::new(metered))
+                .max_decoding_message_size(config.max_message_bytes),
         );
 
         let addr = listener.local_addr().ok();

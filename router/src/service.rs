@@ -216,6 +216,11 @@ impl GenerationService {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
         Self { shared }
     }
+
+    /// A new request id, as one a request without its own gets.
+    pub(crate) fn request_id(&self) -> String {
+        self.shared.ids.request_id()
+    }
 }
 
 #[tonic::async_trait]

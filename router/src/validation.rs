@@ -133,6 +133,8 @@ pub enum ValidationError {
         "request_id `{0}` is already in flight: request ids must be unique among open requests"
     )]
     DuplicateRequestId(String),
+    #[error("n must be 1 to {max}, got {0}", max = crate::choices::MAX_N)]
+    Choices(u32),
     #[error("{0}")]
     Sampling(#[from] SamplingError),
     #[error("{0}")]

@@ -274,6 +274,8 @@ async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
             bad(&|r| r.sampling.as_mut().unwrap().top_p = Some(1.5)),
         ),
         ("model", bad(&|r| r.model = "no-such-model".into())),
+        ("n=0", bad(&|r| r.n = Some(0))),
+        ("n=17", bad(&|r| r.n = Some(17))),
     ];
     for (name, req) in cases {
         let err = collect(&mut c, req).await.expect_err(name);
@@ -317,9 +319,78 @@ async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
         }
     }
     all_blocks_free(&cluster).await;
+    // Abort of a request of several choices: every choice ends, and its KV comes back.
+    let mut req = greedy((0..40).collect(), 3000);
+    req.request_id = Some("to-abort-all".into());
+    req.n = Some(2);
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    let abort = pb::AbortRequest {
+        request_id: "to-abort-all".into(),
+    };
+    assert!(c.abort(abort).await.unwrap().into_inner().aborted);
+    let mut aborted = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        if chunk.finish_reason != 0 {
+            assert_eq!(chunk.finish_reason(), pb::FinishReason::Abort);
+            aborted.push(chunk.index);
+        }
+    }
+    aborted.sort_unstable();
+    assert_eq!(aborted, [0, 1]);
+    all_blocks_free(&cluster).await;
     // Other requests are unaffected.
     let (ids, _) = collect(&mut c, greedy(vec![1, 2, 3], 4)).await.unwrap();
     assert_eq!(ids.len(), 4);
+}
+
+/// `n` choices over gRPC: each is the request with `n = 1` and seed + i, on its own chunks
+/// (`index`, `request_id` ID-i), with its own finish and usage; the later choices find the
+/// prompt in the prefix cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_are_the_seeded_single_requests_and_share_the_prompt() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &[]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    let prompt: Vec<u32> = (100..140).collect();
+    let sampled = |seed: u64, n: Option<u32>| {
+        let mut r = greedy(prompt.clone(), 6);
+        let sampling = r.sampling.as_mut().unwrap();
+        sampling.temperature = Some(1.0);
+        sampling.seed = Some(seed);
+        r.n = n;
+        r.request_id = Some(format!("n-{seed}-{n:?}"));
+        r
+    };
+    let mut stream = c.generate(sampled(5, Some(3))).await.unwrap().into_inner();
+    let mut choices: Vec<(Vec<u32>, Option<pb::GenerateResponse>)> = vec![Default::default(); 3];
+    while let Some(chunk) = stream.message().await.unwrap() {
+        let (ids, last) = &mut choices[chunk.index as usize];
+        assert!(last.is_none(), "a chunk after its choice's last: {chunk:?}");
+        assert_eq!(
+            chunk.request_id,
+            format!("n-5-Some(3)-{}", chunk.index),
+            "{chunk:?}"
+        );
+        ids.extend_from_slice(&chunk.token_ids);
+        if chunk.finish_reason != 0 {
+            *last = Some(chunk);
+        }
+    }
+    let whole_blocks = (prompt.len() as u32 - 1) / 16 * 16;
+    for (i, (ids, last)) in choices.iter().enumerate() {
+        let last = last.as_ref().expect("every choice finishes");
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+        let usage = last.usage.unwrap();
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, 6));
+        if i > 0 {
+            assert_eq!(usage.cached_tokens, whole_blocks, "choice {i}: {usage:?}");
+        }
+        let (alone, _) = collect(&mut c, sampled(5 + i as u64, None)).await.unwrap();
+        assert_eq!(ids, &alone, "choice {i} is the request with seed {}", 5 + i);
+    }
+    assert_ne!(choices[0].0, choices[1].0, "choices sample apart");
+    all_blocks_free(&cluster).await;
 }
 
 /// A structured output through the router, prefill node and decode node: the first token is

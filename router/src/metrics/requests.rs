@@ -35,6 +35,11 @@ impl MeteredGeneration {
     pub fn new(inner: GenerationService, metrics: Arc<RouterMetrics>) -> Self {
         Self { inner, metrics }
     }
+
+    /// A new request id, as one a request without its own gets.
+    pub(crate) fn request_id(&self) -> String {
+        self.inner.request_id()
+    }
 }
 
 #[tonic::async_trait]

@@ -22,8 +22,7 @@ mod tool_choice;
 pub use self::chat::chat_messages;
 use self::sampling::{ResponseFormat, StructuredOutputs};
 
-/// Most choices one request may ask for (`n`).
-pub const MAX_N: u32 = 16;
+pub use crate::choices::MAX_N;
 
 /// Most generations one request may start: prompts × `n`.
 pub const MAX_GENERATIONS: usize = 64;
@@ -322,6 +321,8 @@ impl Body {
                     truncate_prompt_tokens: self.truncate_prompt_tokens,
                     bad_words: self.bad_words.clone().unwrap_or_default(),
                     skip_special_tokens: self.skip_special_tokens,
+                    // Each choice is a request of its own here (started by `choices::start`).
+                    n: None,
                 });
             }
         }

@@ -13,14 +13,13 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
+use tonic::metadata::MetadataMap;
 
-use self::start::{Generations, start};
 use super::parse::{AnswerParser, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
-
-mod start;
+use crate::choices::start::{Generations, start};
 
 /// Stream events buffered between the request's task and the client's connection.
 const EVENT_BUFFER: usize = 16;
@@ -95,7 +94,7 @@ pub(super) async fn handle(
         }
     }
     let requests = std::mem::take(&mut plan.requests);
-    let streams = match start(&api.generation, requests, plan.n).await {
+    let streams = match start(&api.generation, requests, plan.n, MetadataMap::new()).await {
         Ok(streams) => streams,
         Err(status) => return error(http_status(status.code()), status.message()),
     };

@@ -1,6 +1,7 @@
 //! Starting a request's generations through the gRPC service: prompts at once, a prompt's
 //! other choices once its first choice's first token is out, each stream's first message
-//! looked at before the response starts.
+//! looked at before the response starts. Used by the HTTP API (prompts × `n`) and by the
+//! gRPC API's `n`.
 
 use pd_proto::pb;
 use pd_proto::pb::generation_server::Generation;
@@ -8,11 +9,12 @@ use tokio::task::JoinSet;
 use tokio_stream::StreamExt;
 use tokio_stream::adapters::Peekable;
 use tonic::Status;
+use tonic::metadata::MetadataMap;
 
 use crate::metrics::MeteredGeneration;
 
 /// One generation's chunks, as the gRPC service streams them; its first already looked at.
-pub(super) type Generations = Peekable<<MeteredGeneration as Generation>::GenerateStream>;
+pub(crate) type Generations = Peekable<<MeteredGeneration as Generation>::GenerateStream>;
 
 /// A started generation's stream, or the error its first message is: a request that fails
 /// before its first token (no healthy node, out of capacity, its deadline) answers with that
@@ -27,16 +29,18 @@ async fn opened(
     Ok(stream)
 }
 
-/// Starts the generations and returns their streams in order, or the first refusal.
+/// Starts the generations and returns their streams in order, or the first refusal. Each
+/// goes with `metadata` (the client's `grpc-timeout`).
 /// Prompts start at once; a prompt's first choice goes alone, and its other `n - 1` start
 /// when its first token is out: the prompt's KV is then in the prefix cache, so they compute
 /// only its last, partial block, where starting together could put them in one engine step
 /// that computes the whole prompt `n` times. Dropping this future, or returning an error,
 /// cancels those already started.
-pub(super) async fn start(
+pub(crate) async fn start(
     generation: &MeteredGeneration,
     requests: Vec<pb::GenerateRequest>,
     n: usize,
+    metadata: MetadataMap,
 ) -> Result<Vec<Generations>, Status> {
     let count = requests.len();
     let mut prompts = JoinSet::new();
@@ -44,7 +48,8 @@ pub(super) async fn start(
     while requests.peek().is_some() {
         let choices: Vec<_> = requests.by_ref().take(n.max(1)).collect();
         let generation = generation.clone();
-        prompts.spawn(async move { start_prompt(generation, choices).await });
+        let metadata = metadata.clone();
+        prompts.spawn(async move { start_prompt(generation, choices, metadata).await });
     }
     let mut streams: Vec<Option<Generations>> = (0..count).map(|_| None).collect();
     while let Some(joined) = prompts.join_next().await {
@@ -61,18 +66,21 @@ pub(super) async fn start(
 async fn start_prompt(
     generation: MeteredGeneration,
     choices: Vec<(usize, pb::GenerateRequest)>,
+    metadata: MetadataMap,
 ) -> Result<Vec<(usize, Generations)>, Status> {
+    let request = |req| tonic::Request::from_parts(metadata.clone(), Default::default(), req);
     let mut choices = choices.into_iter();
     let Some((first, req)) = choices.next() else {
         return Ok(Vec::new());
     };
-    let stream = opened(generation.generate(tonic::Request::new(req)).await).await?;
+    let stream = opened(generation.generate(request(req)).await).await?;
     let mut started = vec![(first, stream)];
     let mut rest = JoinSet::new();
     for (i, req) in choices {
         let generation = generation.clone();
+        let req = request(req);
         rest.spawn(async move {
-            let response = generation.generate(tonic::Request::new(req)).await;
+            let response = generation.generate(req).await;
             (i, opened(response).await)
         });
     }
