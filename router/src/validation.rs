@@ -135,6 +135,8 @@ pub enum ValidationError {
     DuplicateRequestId(String),
     #[error("n must be 1 to {max}, got {0}", max = crate::choices::MAX_N)]
     Choices(u32),
+    #[error("request_id of a request with n = {n} must be at most {max} bytes (its choices are `ID-0` ... `ID-{last}`), got {len} bytes", last = n - 1)]
+    ChoicesRequestId { n: u32, max: usize, len: usize },
     #[error("{0}")]
     Sampling(#[from] SamplingError),
     #[error("{0}")]

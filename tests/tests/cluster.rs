@@ -291,6 +291,16 @@ async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
             "{name}: the message says what is wrong"
         );
     }
+    // A request id too long to name every choice (`ID-11`) is refused as such.
+    let mut long_id = greedy(vec![1, 2, 3], 4);
+    long_id.n = Some(12);
+    long_id.request_id = Some("x".repeat(254));
+    let err = collect(&mut c, long_id).await.expect_err("id too long");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("n = 12 must be at most 253 bytes"),
+        "{err:?}"
+    );
     // A client that drops its stream mid-generation: its KV comes back on both nodes.
     let mut stream = c
         .generate(greedy((0..40).collect(), 3000))

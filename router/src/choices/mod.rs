@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 
 use self::start::{Generations, start};
 use crate::metrics::MeteredGeneration;
-use crate::validation::ValidationError;
+use crate::validation::{MAX_REQUEST_ID_BYTES, ValidationError};
 
 /// Most choices one request may ask for (`n`), over gRPC and HTTP.
 pub const MAX_N: u32 = 16;
@@ -86,6 +86,16 @@ impl Generation for ChoicesGeneration {
             .request_id
             .clone()
             .unwrap_or_else(|| self.inner.request_id());
+        // The choices' ids must pass the request id's checks too.
+        let max = MAX_REQUEST_ID_BYTES - 1 - (n - 1).to_string().len();
+        if base.len() > max {
+            return Err(ValidationError::ChoicesRequestId {
+                n,
+                max,
+                len: base.len(),
+            }
+            .into());
+        }
         let open = Open::register(self.open.clone(), &base, n)?;
         let requests = choice_requests(&req, &base, n);
         let streams = start(&self.inner, requests, n as usize, metadata).await?;
