@@ -89,6 +89,36 @@ def main():
         ids = [t for c in stub.Generate(req, timeout=60) for t in c.token_ids]
         assert len(ids) == 6 and set(ids) <= {11, 22, 33}, ids
 
+    def choices():
+        # n choices: chunks tagged by index, each choice the seeded request seed + i.
+        def request(seed, n=None):
+            sampling = common_pb2.SamplingParams(temperature=1.0, seed=seed)
+            return generation_pb2.GenerateRequest(
+                text="Choices from Python", sampling=sampling, max_tokens=5, ignore_eos=True, n=n
+            )
+
+        ids = {}
+        finished = []
+        for c in stub.Generate(request(9, n=3), timeout=60):
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.finish_reason:
+                finished.append(c.index)
+                assert c.usage.completion_tokens == 5, c.usage
+        assert sorted(finished) == [0, 1, 2], finished
+        for i in range(3):
+            alone = [t for c in stub.Generate(request(9 + i), timeout=60) for t in c.token_ids]
+            assert ids[i] == alone, (i, ids[i], alone)
+        # Special tokens' text only when asked (a bias forces <|im_start|>).
+        start = stub.Tokenize(generation_pb2.TokenizeRequest(text="<|im_start|>")).ids
+        assert len(start) == 1, start
+        biased = common_pb2.SamplingParams(temperature=0.0, logit_bias={start[0]: 100.0})
+        for skip, want in [(None, ""), (False, "<|im_start|>" * 2)]:
+            req = generation_pb2.GenerateRequest(
+                text="x", sampling=biased, max_tokens=2, skip_special_tokens=skip
+            )
+            text = "".join(c.text for c in stub.Generate(req, timeout=60))
+            assert text == want, (skip, text)
+
     def abort():
         req = generation_pb2.GenerateRequest(
             token_ids=generation_pb2.TokenIds(ids=list(range(1, 40))),
@@ -162,7 +192,7 @@ def main():
         assert "pd.v1.Generation" in names, names
         assert "grpc.health.v1.Health" in names, names
 
-    checks = [stream_text, abort, bad_input_codes, tokenize_and_models, health, reflection]
+    checks = [stream_text, choices, abort, bad_input_codes, tokenize_and_models, health, reflection]
     passed = failed = 0
     for check in checks:
         try:
