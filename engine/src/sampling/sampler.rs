@@ -1,7 +1,8 @@
 //! Per-request token sampler: allowed ids, logit bias, the min-tokens mask, repetition /
 //! frequency / presence penalties, greedy / temperature, min-p, top-k, top-p, seeded draw, and raw
 //! log-probabilities. Owns a request's parameters, RNG and
-//! scratch buffers; the arithmetic over a row of logits is `truncation`'s.
+//! scratch buffers; the arithmetic over a row of logits is `truncation`'s, the plan a
+//! backend samples by is `plan`'s.
 //!
 //! Cost per token for a 151,936-entry vocabulary is a few linear passes.
 
@@ -12,12 +13,11 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::bad_words::mask_bad_words;
-use super::device::{DeviceSample, DeviceSampling, MAX_DEVICE_TOP_K, Reshape, SamplePlan, edit};
 use super::params::{GREEDY_TEMPERATURE_EPS, SamplingParams, additive_penalty_in_range};
-use super::processors::{
-    EditBuilder, apply_output_penalties, apply_repetition_penalty, merge_logit_bias,
-};
+use super::processors::{apply_output_penalties, apply_repetition_penalty, merge_logit_bias};
 use super::structured::{Guide, GuideState};
+
+mod plan;
 use super::truncation::{
     Buffers, SMALL_TOP_K, Survivors, Weights, argmax, dense_weights, draw_candidates, draw_weights,
     log_sum_exp, raw_logprob, top_k_sorted, top_p_sorted,
@@ -194,174 +194,6 @@ impl Sampler {
     /// Whether this sampler decodes greedily (it then never touches its RNG).
     pub fn is_greedy(&self) -> bool {
         self.greedy
-    }
-
-    /// How a backend may choose this request's next token where the logits are (see
-    /// [`super::device`]), given the request's tokens so far and the number of logits columns
-    /// that are real tokens, or `None` when it needs the host: logits processors that touch
-    /// more than a quarter of the vocabulary this step (their edits would then weigh more
-    /// than the row of logits). (A dense top-p may still come back,
-    /// see [`super::DeviceSample::needs_host`].) The uniform draw is *peeked* from the request's RNG;
-    /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
-    /// one [`Sampler::sample`] would have used.
-    pub fn device_plan(
-        &mut self,
-        prompt_tokens: &[u32],
-        output_tokens: &[u32],
-        vocab_limit: usize,
-    ) -> Option<SamplePlan> {
-        // The host's threshold is `lmax + temperature * ln(min_p)`, in this order.
-        let min_p_margin = if self.min_p > 0.0 {
-            self.temperature * self.min_p.ln()
-        } else {
-            f32::NEG_INFINITY
-        };
-        let method = if self.greedy {
-            DeviceSampling::Greedy
-        } else if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
-            DeviceSampling::Dense {
-                top_k: self.top_k,
-                inv_temperature: 1.0 / self.temperature,
-                top_p: self.top_p,
-                min_p_margin,
-                uniform: self.rng.clone().random::<f64>(),
-            }
-        } else {
-            DeviceSampling::TopK {
-                k: self.top_k,
-                inv_temperature: 1.0 / self.temperature,
-                top_p: self.top_p,
-                min_p_margin,
-                uniform: self.rng.clone().random::<f64>(),
-            }
-        };
-        // An allowed set whose edits alone are past the limit goes to the host before they
-        // are built and thrown away: one that holds a quarter of the vocabulary or more, and
-        // leaves out a quarter or more (a set larger than that travels as masks of the ids it
-        // leaves out: a guide inside a JSON string allows nearly every token).
-        if self.step_allowed(output_tokens) {
-            let real = allowed_within(
-                step_ids(&self.guide, &self.allowed, &self.guided),
-                vocab_limit,
-            );
-            if real > vocab_limit / 4 && vocab_limit - real > vocab_limit / 4 {
-                return None;
-            }
-        }
-        let reshape = self.reshape(prompt_tokens, output_tokens, vocab_limit);
-        if reshape
-            .as_ref()
-            .is_some_and(|r| r.edits.len() > vocab_limit / 4)
-        {
-            return None;
-        }
-        Some(SamplePlan {
-            method,
-            reshape,
-            top_logprobs: self.logprobs.unwrap_or(0),
-        })
-    }
-
-    /// The logits processors of the next step as one edit per touched id (the host's
-    /// [`Sampler::sample`] applies the same operations, in the same order, to a dense copy).
-    fn reshape(
-        &mut self,
-        prompt_tokens: &[u32],
-        output_tokens: &[u32],
-        vocab_limit: usize,
-    ) -> Option<Reshape> {
-        let active = self.active(prompt_tokens, output_tokens);
-        if !active.any() {
-            return None;
-        }
-        let restricted = self.step_allowed(output_tokens);
-        if self.edit_slots.len() < vocab_limit {
-            self.edit_slots.resize(vocab_limit, u32::MAX);
-        }
-        let mut b = EditBuilder {
-            slots: &mut self.edit_slots[..vocab_limit],
-            edits: Vec::new(),
-        };
-        let allowed = step_ids(&self.guide, &self.allowed, &self.guided);
-        // More than half the vocabulary allowed: the ids left out are fewer, and masking them
-        // (`-inf`, as `allowed_only` would) gives every logit the same value.
-        let complement = restricted && allowed_within(allowed, vocab_limit) > vocab_limit / 2;
-        if complement {
-            self.allowed_bits.clear();
-            self.allowed_bits.resize(vocab_limit, false);
-            for &id in allowed {
-                if let Some(bit) = self.allowed_bits.get_mut(id as usize) {
-                    *bit = true;
-                }
-            }
-            for (id, _) in self.allowed_bits.iter().enumerate().filter(|(_, a)| !**a) {
-                b.add(id as u32, edit::MASK);
-            }
-        } else {
-            for &id in allowed {
-                b.add(id, edit::ALLOWED);
-            }
-        }
-        for &(id, bias) in &self.logit_bias {
-            if let Some(e) = b.add(id, edit::BIAS) {
-                e.bias = bias;
-            }
-        }
-        for seq in &self.bad_words {
-            if let Some((&last, prefix)) = seq.split_last()
-                && output_tokens.ends_with(prefix)
-            {
-                b.add(last, edit::MASK);
-            }
-        }
-        if active.suppress {
-            for &id in &self.suppress {
-                b.add(id, edit::MASK);
-            }
-        }
-        if active.repetition {
-            for &id in prompt_tokens.iter().chain(output_tokens) {
-                b.add(id, edit::REPEAT);
-            }
-        }
-        if active.additive {
-            // Count first (exact in f32 far past any output length), multiply once: the
-            // host's `frequency * count as f32`.
-            for &id in output_tokens {
-                if let Some(e) = b.add(id, edit::OUTPUT) {
-                    e.frequency += 1.0;
-                }
-            }
-        }
-        let mut edits = b.finish();
-        for e in &mut edits {
-            if e.ops & edit::OUTPUT != 0 {
-                e.frequency *= self.frequency_penalty;
-            }
-        }
-        Some(Reshape {
-            allowed_only: restricted && !complement,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            edits,
-        })
-    }
-
-    /// The token a backend chose for this request following [`Sampler::device_plan`]. Advances
-    /// the RNG by the one draw the backend used, if it used it.
-    pub fn accept(&mut self, sample: DeviceSample) -> SampledToken {
-        debug_assert!(
-            !sample.needs_host,
-            "a row handed back is sampled on the host"
-        );
-        if sample.used_draw {
-            let _: f64 = self.rng.random();
-        }
-        SampledToken {
-            token_id: sample.token_id,
-            logprob: sample.logprob,
-            top: sample.top,
-        }
     }
 
     /// Chooses the next token from one row of logits (`vocab_size` entries).
@@ -578,85 +410,4 @@ pub(super) fn top_logprobs(logits: &[f32], k: u32, lse: f64) -> Vec<TokenLogprob
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::truncation::tests::{logits, sorted_desc};
-    use super::*;
-
-    #[test]
-    fn top_k_paths_keep_exactly_k_best() {
-        let l = logits(3000, 42);
-        for k in [1u32, 50, 64, 65, 500] {
-            let mut s = Sampler::new(
-                &SamplingParams {
-                    temperature: 1.0,
-                    top_k: k,
-                    ..Default::default()
-                },
-                1,
-                &[],
-            );
-            let best: Vec<u32> = sorted_desc(&l)[..k as usize].to_vec();
-            for _ in 0..50 {
-                let t = s.sample(&l, &[], &[]).token_id;
-                assert!(best.contains(&t));
-            }
-            if k as usize <= SMALL_TOP_K {
-                assert_eq!(s.bufs.candidates, best, "k {k}");
-            } else {
-                let kept: Vec<u32> = (0..l.len() as u32)
-                    .filter(|&i| s.bufs.dense[i as usize] > 0.0)
-                    .collect();
-                let mut sorted_best = best.clone();
-                sorted_best.sort();
-                assert_eq!(kept, sorted_best, "k {k}");
-            }
-        }
-    }
-
-    #[test]
-    fn repetition_penalty_stamp_wraps() {
-        let mut seen = Vec::new();
-        let mut stamp = u32::MAX;
-        let mut l = vec![2.0f32, -2.0, 1.0];
-        apply_repetition_penalty(&mut l, &mut seen, &mut stamp, 2.0, &[0, 0, 9], &[1, 0]);
-        assert_eq!(stamp, 1);
-        assert_eq!(l, vec![1.0, -4.0, 1.0]);
-    }
-
-    #[test]
-    fn no_allocation_growth_after_first_step() {
-        let l = logits(10_000, 3);
-        let mut s = Sampler::new(
-            &SamplingParams {
-                temperature: 0.8,
-                top_p: 0.9,
-                repetition_penalty: 1.1,
-                frequency_penalty: 0.5,
-                presence_penalty: -0.5,
-                min_tokens: 4,
-                stop_token_ids: vec![7],
-                ..Default::default()
-            },
-            9,
-            &[8],
-        );
-        let caps = |s: &Sampler| {
-            (
-                s.penalty.logits.capacity(),
-                s.penalty.seen.capacity(),
-                s.penalty.counts.capacity(),
-                s.penalty.counted.capacity(),
-                s.bufs.dense.capacity(),
-                s.bufs.candidates.capacity(),
-                s.bufs.hist.capacity(),
-                s.bufs.boundary.capacity(),
-            )
-        };
-        s.sample(&l, &[1, 2, 3], &[4]);
-        let first = caps(&s);
-        for _ in 0..20 {
-            s.sample(&l, &[1, 2, 3], &[4]);
-        }
-        assert_eq!(first, caps(&s));
-    }
-}
+mod tests;

@@ -7,7 +7,7 @@
 //! split across chunks is still found; a whole answer parsed at once gives the same result as
 //! the same answer streamed in any pieces. A tool call written as Qwen3's template teaches
 //! (`{"name": "…", "arguments": {…}}`) streams: its name once the head is in, then its
-//! arguments' text as it arrives ([`call`]), as OpenAI streams them; the call ends with its
+//! arguments' text as it arrives (`call`), as OpenAI streams them; the call ends with its
 //! arguments object, and what follows that up to the closing tag is dropped. A block of any
 //! other shape is read whole at its closing tag (or the end of the answer): a call if its JSON
 //! is one, else content as written. Newlines just inside the think block and after it are

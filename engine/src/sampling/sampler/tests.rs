@@ -1,0 +1,80 @@
+use super::super::truncation::tests::{logits, sorted_desc};
+use super::*;
+
+#[test]
+fn top_k_paths_keep_exactly_k_best() {
+    let l = logits(3000, 42);
+    for k in [1u32, 50, 64, 65, 500] {
+        let mut s = Sampler::new(
+            &SamplingParams {
+                temperature: 1.0,
+                top_k: k,
+                ..Default::default()
+            },
+            1,
+            &[],
+        );
+        let best: Vec<u32> = sorted_desc(&l)[..k as usize].to_vec();
+        for _ in 0..50 {
+            let t = s.sample(&l, &[], &[]).token_id;
+            assert!(best.contains(&t));
+        }
+        if k as usize <= SMALL_TOP_K {
+            assert_eq!(s.bufs.candidates, best, "k {k}");
+        } else {
+            let kept: Vec<u32> = (0..l.len() as u32)
+                .filter(|&i| s.bufs.dense[i as usize] > 0.0)
+                .collect();
+            let mut sorted_best = best.clone();
+            sorted_best.sort();
+            assert_eq!(kept, sorted_best, "k {k}");
+        }
+    }
+}
+
+#[test]
+fn repetition_penalty_stamp_wraps() {
+    let mut seen = Vec::new();
+    let mut stamp = u32::MAX;
+    let mut l = vec![2.0f32, -2.0, 1.0];
+    apply_repetition_penalty(&mut l, &mut seen, &mut stamp, 2.0, &[0, 0, 9], &[1, 0]);
+    assert_eq!(stamp, 1);
+    assert_eq!(l, vec![1.0, -4.0, 1.0]);
+}
+
+#[test]
+fn no_allocation_growth_after_first_step() {
+    let l = logits(10_000, 3);
+    let mut s = Sampler::new(
+        &SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            repetition_penalty: 1.1,
+            frequency_penalty: 0.5,
+            presence_penalty: -0.5,
+            min_tokens: 4,
+            stop_token_ids: vec![7],
+            ..Default::default()
+        },
+        9,
+        &[8],
+    );
+    let caps = |s: &Sampler| {
+        (
+            s.penalty.logits.capacity(),
+            s.penalty.seen.capacity(),
+            s.penalty.counts.capacity(),
+            s.penalty.counted.capacity(),
+            s.bufs.dense.capacity(),
+            s.bufs.candidates.capacity(),
+            s.bufs.hist.capacity(),
+            s.bufs.boundary.capacity(),
+        )
+    };
+    s.sample(&l, &[1, 2, 3], &[4]);
+    let first = caps(&s);
+    for _ in 0..20 {
+        s.sample(&l, &[1, 2, 3], &[4]);
+    }
+    assert_eq!(first, caps(&s));
+}
