@@ -545,6 +545,38 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     }
     assert!(cut_inside > 0, "no cut fell inside the arguments");
 
+    // parallel_tool_calls: false keeps the first call of an answer that made two, whole and
+    // streamed.
+    let twice = format!(
+        "{answer}\n{}",
+        &answer[answer.find("<tool_call>").unwrap()..]
+    );
+    let mut single = request.clone();
+    single["guided_regex"] = json!(twice);
+    let v = post_ok(&base, "/chat/completions", single.clone()).await;
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2,
+        "{v}"
+    );
+    single["parallel_tool_calls"] = json!(false);
+    let v = post_ok(&base, "/chat/completions", single.clone()).await;
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(message["tool_calls"][0]["function"], call["function"]);
+    assert_eq!(message["content"], "Let me check.");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    single["stream"] = json!(true);
+    let (_, text) = http_post(&base, "/chat/completions", &single)
+        .await
+        .unwrap();
+    let (_, _, calls, _) = accumulate(&sse_data(&text));
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0]["function"], call["function"]);
+
     // A named tool_choice makes the answer one call of that tool, with arguments its
     // parameters accept (random weights: only the guide makes it a call).
     let forced = json!({

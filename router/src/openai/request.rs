@@ -160,6 +160,9 @@ pub struct Plan {
     /// `tool_choice` forces a call (`required` or a named function): the answer is guided into
     /// one, which only the tool-call parser turns into `tool_calls`.
     pub forced_tool: bool,
+    /// `parallel_tool_calls` (default true): false keeps an answer's first call only, and
+    /// `tool_choice: "required"` guides the answer into exactly one.
+    pub parallel_tool_calls: bool,
     /// The generations, prompt-major: generation `i` is choice `i` (prompt `i / n`).
     pub requests: Vec<pb::GenerateRequest>,
 }
@@ -341,6 +344,7 @@ impl Body {
                 && self.tools.as_ref().is_some_and(|t| !t.is_empty())
                 && self.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
             forced_tool: forced_tool.is_some(),
+            parallel_tool_calls: self.parallel_tool_calls != Some(false),
             requests,
         })
     }

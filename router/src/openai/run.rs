@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::metadata::MetadataMap;
 
-use super::parse::{AnswerParser, ToolCall};
+use super::parse::{AnswerParser, Parsed, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
@@ -212,7 +212,8 @@ impl Output {
             }
             Endpoint::ChatCompletions => {
                 let (message, reason) = if self.parses() {
-                    let parsed = AnswerParser::parse_all(self.reasoning, self.tools, &c.text);
+                    let mut parsed = AnswerParser::parse_all(self.reasoning, self.tools, &c.text);
+                    self.keep_calls(&mut parsed);
                     let reason = self.chat_finish(reason, !parsed.calls.is_empty());
                     let mut message = json!({
                         "role": "assistant",
@@ -250,6 +251,14 @@ impl Output {
                 response::prompt_logprobs(&self.tokenizer, &c.prompt_logprobs);
         }
         value
+    }
+
+    /// `parallel_tool_calls: false`: the answer's first call only (its later blocks are
+    /// neither calls nor content).
+    fn keep_calls(&self, parsed: &mut Parsed) {
+        if !self.plan.parallel_tool_calls {
+            parsed.calls.retain(|call| call.index == 0);
+        }
     }
 
     /// Whether chat answers are parsed at all.
@@ -347,6 +356,7 @@ impl Output {
                     if finish.is_some() {
                         parsed.append(parser.finish());
                     }
+                    self.keep_calls(&mut parsed);
                     if !parsed.reasoning.is_empty() {
                         delta.insert("reasoning_content".into(), json!(parsed.reasoning));
                     }

@@ -343,6 +343,23 @@ fn a_forcing_tool_choice_guides_the_answer_into_one_call() {
     assert!(any.is_match(
         "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"x\"}}\n</tool_call>"
     ));
+    // `parallel_tool_calls: false`: `required` is exactly one call, of any tool.
+    let p = chat(
+        json!({"messages": [], "tools": tools, "tool_choice": "required",
+        "parallel_tool_calls": false}),
+    )
+    .unwrap();
+    assert!(!p.parallel_tool_calls);
+    let Some(pb::structured_output::Kind::Regex(single)) = sampling(&p, 0)
+        .structured_output
+        .clone()
+        .and_then(|s| s.kind)
+    else {
+        panic!("a regex")
+    };
+    let single = regex::Regex::new(&format!("^{single}$")).unwrap();
+    assert!(single.is_match("<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>"));
+    assert!(!single.is_match(two));
     // A tool declared with empty properties takes no arguments: its call is small enough
     // for a guide (any object would not be).
     let ping = regex_of(json!({"type": "function", "function": {"name": "ping"}}));

@@ -97,8 +97,8 @@ impl Body {
         let call = format!("<tool_call>\\n({})\\n</tool_call>", calls.join("|"));
         // `required` is one call or more, one block each, a newline after each as Qwen3's
         // template writes them (written as a loop: the calls' states once, not twice); a
-        // named function is called once.
-        let regex = if named {
+        // named function is called once, and so is any with `parallel_tool_calls: false`.
+        let regex = if named || self.parallel_tool_calls == Some(false) {
             call
         } else {
             format!("({call}\\n?)+")
