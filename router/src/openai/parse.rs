@@ -8,12 +8,15 @@
 //! the same answer streamed in any pieces. A tool call written as Qwen3's template teaches
 //! (`{"name": "…", "arguments": {…}}`) streams: its name once the head is in, then its
 //! arguments' text as it arrives (`call`), as OpenAI streams them; the call ends with its
-//! arguments object, and what follows that up to the closing tag is dropped. A block of any
+//! arguments object, the rest of its object and the closing tag are dropped, and anything
+//! else after it (a next call of a model that left the tag out, prose) is read on. A block of any
 //! other shape is read whole at its closing tag (or the end of the answer): a call if its JSON
 //! is one, else content as written. Newlines just inside the think block and after it are
 //! dropped (the template writes them), and so is white space next to tool calls.
 
 mod call;
+#[cfg(test)]
+mod fuzz;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -114,8 +117,11 @@ enum CallPart {
     Whole,
     /// Streaming call `calls - 1`'s arguments.
     Arguments(Arguments),
-    /// The arguments ended; what is left up to the closing tag is dropped.
-    Tail,
+    /// The arguments ended; the rest of the call's object is dropped.
+    Tail(Arguments),
+    /// The call's object ended: white space and the closing tag are dropped; anything else
+    /// (a next `<tool_call>` without this one's closing tag, prose) is content again.
+    After,
 }
 
 /// One answer's parser.
@@ -227,7 +233,7 @@ impl AnswerParser {
             },
             // Cut off inside its arguments: they end here, as OpenAI's do at `length`.
             Mode::Call(CallPart::Arguments(_)) => out.add_arguments(self.calls - 1, &rest),
-            Mode::Call(CallPart::Tail) => {}
+            Mode::Call(CallPart::Tail(_) | CallPart::After) => {}
         }
         self.mode = Mode::Content;
         out
@@ -314,7 +320,8 @@ impl AnswerParser {
         match part {
             CallPart::Head => {
                 let end = self.pending.find(CALL_END);
-                match call::head(&self.pending[..end.unwrap_or(self.pending.len())]) {
+                // The whole pending text: a closing tag inside the name's string is text.
+                match call::head(&self.pending) {
                     Head::Call { name, args } => {
                         out.add_call(ToolCall {
                             index: self.calls,
@@ -326,12 +333,11 @@ impl AnswerParser {
                         self.pending.drain(..args);
                         self.mode = Mode::Call(CallPart::Arguments(Arguments::default()));
                     }
-                    Head::No if end.is_none() => self.mode = Mode::Call(CallPart::Whole),
-                    Head::No | Head::More => {
-                        if let Some(at) = end {
-                            self.close_whole(at, out);
-                        }
-                    }
+                    Head::No => match end {
+                        Some(at) => self.close_whole(at, out),
+                        None => self.mode = Mode::Call(CallPart::Whole),
+                    },
+                    Head::More => {}
                 }
             }
             CallPart::Whole => {
@@ -340,31 +346,8 @@ impl AnswerParser {
                 }
             }
             CallPart::Arguments(mut args) => {
-                let index = self.calls - 1;
-                // Up to where the text is given out, and whether the call ended there.
-                let mut cut = (self.pending.len(), None);
-                for (i, c) in self.pending.char_indices() {
-                    if c == '<' && args.outside_strings() {
-                        // A closing tag outside any string ends the call, however cut off
-                        // its arguments are; a possible one waits for the next piece.
-                        let rest = &self.pending[i..];
-                        if rest.starts_with(CALL_END) {
-                            cut = (i, Some(i + CALL_END.len()));
-                            break;
-                        }
-                        if CALL_END.starts_with(rest) {
-                            cut = (i, None);
-                            break;
-                        }
-                    }
-                    if args.take(c) {
-                        let end = i + c.len_utf8();
-                        cut = (end, Some(end));
-                        break;
-                    }
-                }
-                let (given, ended) = cut;
-                out.add_arguments(index, &self.pending[..given]);
+                let (given, ended) = self.scan(&mut args);
+                out.add_arguments(self.calls - 1, &self.pending[..given]);
                 match ended {
                     Some(end) if end > given => {
                         self.pending.drain(..end);
@@ -372,7 +355,8 @@ impl AnswerParser {
                     }
                     Some(end) => {
                         self.pending.drain(..end);
-                        self.mode = Mode::Call(CallPart::Tail);
+                        let rest = Arguments::inside_object();
+                        self.mode = Mode::Call(CallPart::Tail(rest));
                     }
                     None => {
                         self.pending.drain(..given);
@@ -380,17 +364,57 @@ impl AnswerParser {
                     }
                 }
             }
-            CallPart::Tail => match self.pending.find(CALL_END) {
-                Some(at) => {
-                    self.pending.drain(..at + CALL_END.len());
+            CallPart::Tail(mut rest) => {
+                let (given, ended) = self.scan(&mut rest);
+                match ended {
+                    Some(end) if end > given => {
+                        self.pending.drain(..end);
+                        self.end_call();
+                    }
+                    Some(end) => {
+                        self.pending.drain(..end);
+                        self.mode = Mode::Call(CallPart::After);
+                    }
+                    None => {
+                        self.pending.drain(..given);
+                        self.mode = Mode::Call(CallPart::Tail(rest));
+                    }
+                }
+            }
+            CallPart::After => {
+                let white = self.pending.len() - self.pending.trim_start().len();
+                self.pending.drain(..white);
+                if self.pending.starts_with(CALL_END) {
+                    self.pending.drain(..CALL_END.len());
+                    self.end_call();
+                } else if !self.pending.is_empty() && !CALL_END.starts_with(self.pending.as_str()) {
                     self.end_call();
                 }
-                None => {
-                    let held = partial_tag(&self.pending, CALL_END);
-                    self.pending.drain(..self.pending.len() - held);
-                }
-            },
+            }
         }
+    }
+
+    /// Reads the pending text of a call's object with `lexer`: up to where it can be given
+    /// out, and where the call's part ends, if it does there: just past the object's closing
+    /// brace, or past a closing tag outside any string (the part cut off), which lies past
+    /// the first number. A possible closing tag waits for the next piece.
+    fn scan(&self, lexer: &mut Arguments) -> (usize, Option<usize>) {
+        for (i, c) in self.pending.char_indices() {
+            if c == '<' && lexer.outside_strings() {
+                let rest = &self.pending[i..];
+                if rest.starts_with(CALL_END) {
+                    return (i, Some(i + CALL_END.len()));
+                }
+                if CALL_END.starts_with(rest) {
+                    return (i, None);
+                }
+            }
+            if lexer.take(c) {
+                let end = i + c.len_utf8();
+                return (end, Some(end));
+            }
+        }
+        (self.pending.len(), None)
     }
 
     /// The closing tag of a block read whole is at `at`: a call if its JSON is one, else
@@ -569,15 +593,15 @@ mod tests {
         assert_eq!(p.push("</tool_call>\"").calls, [more("</tool_call>\"")]);
         assert_eq!(p.push(" </tool_").calls, [more(" ")]);
         assert_eq!(p.push("x}}\n").calls, [more("</tool_x}")]);
-        // The call ended with its object: the rest of the block is dropped.
-        assert!(p.push("}\n</tool_call>\n\nDone.").content == "Done.");
+        // The call ended with its object: white space and the closing tag are dropped.
+        assert!(p.push("</tool_call>\n\nDone.").content == "Done.");
         assert_eq!(p.calls(), 1);
     }
 
     #[test]
     fn streamed_calls_are_read_as_their_head_and_arguments_say() {
-        // What follows the arguments object is dropped, JSON or not: the call was given out
-        // as it streamed, whole or streamed alike.
+        // The rest of the call's object is dropped; text after it is content again (the
+        // call was given out as it streamed, whole or streamed alike).
         let p = parse(
             false,
             true,
@@ -585,8 +609,29 @@ mod tests {
         );
         assert_eq!(
             (p.calls, p.content.as_str()),
-            (vec![call(0, "f", "{\"a\": 1}")], "ok")
+            (vec![call(0, "f", "{\"a\": 1}")], "junk</tool_call> ok")
         );
+        // A call without its closing tag: a next call, or prose, still comes through.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"name\":\"f\",\"arguments\":{}}\n<tool_call>{\"name\":\"g\",\"arguments\":{}}</tool_call>",
+        );
+        assert_eq!(p.calls, [call(0, "f", "{}"), call(1, "g", "{}")]);
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"name\":\"f\",\"arguments\":{\"a\":1}} The weather is nice.",
+        );
+        assert_eq!(p.calls, [call(0, "f", "{\"a\":1}")]);
+        assert_eq!(p.content, "The weather is nice.");
+        // A closing tag inside the name's string is part of the name.
+        let p = parse(
+            false,
+            true,
+            "<tool_call>{\"name\": \"a</tool_call>b\", \"arguments\": {}}</tool_call>",
+        );
+        assert_eq!(p.calls, [call(0, "a</tool_call>b", "{}")]);
         // Cut off inside the arguments (`length`): the call has what was written.
         let p = parse(
             true,

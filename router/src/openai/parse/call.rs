@@ -105,6 +105,14 @@ pub(super) struct Arguments {
 }
 
 impl Arguments {
+    /// Inside an object already open: the rest of a call's object after its arguments.
+    pub(super) fn inside_object() -> Self {
+        Self {
+            depth: 1,
+            ..Self::default()
+        }
+    }
+
     /// Whether the next character would be read outside any string.
     pub(super) fn outside_strings(&self) -> bool {
         !self.in_string

@@ -1,0 +1,416 @@
+//! Seeded random answers through the parser: parsed whole and streamed in random pieces
+//! alike, well-formed calls keeping their arguments' text, and `call::head` deciding nothing
+//! that more text would change. `SEED=n` runs other cases, `CASES=n` more of them.
+use super::call::{self, Head};
+use super::*;
+
+/// `CASES`, else `default`.
+fn cases(default: usize) -> usize {
+    std::env::var("CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[self.below(xs.len())]
+    }
+    fn chance(&mut self, p: u32) -> bool {
+        self.below(100) < p as usize
+    }
+}
+
+fn ws(r: &mut Rng) -> String {
+    let n = if r.chance(50) { 0 } else { r.below(3) };
+    (0..n).map(|_| r.pick(&[" ", "\n", "\t", "\r"])).collect()
+}
+
+fn json_string(r: &mut Rng) -> String {
+    let mut s = String::from("\"");
+    for _ in 0..r.below(6) {
+        s.push_str(r.pick(&[
+            "a",
+            "é",
+            "日本",
+            "😀",
+            " ",
+            "\\\"",
+            "\\\\",
+            "\\n",
+            "\\u00e9",
+            "\\ud83d\\ude00",
+            "\\/",
+            "}",
+            "]",
+            "{",
+            "<",
+            "</tool_call>",
+            "<tool_call>",
+            "</think>",
+            ",",
+            ":",
+            "'",
+        ]));
+    }
+    s.push('"');
+    s
+}
+
+fn json_value(r: &mut Rng, depth: u32) -> String {
+    match if depth > 2 { r.below(4) } else { r.below(6) } {
+        0 => json_string(r),
+        1 => r
+            .pick(&["1", "-2.5e3", "true", "false", "null", "0"])
+            .into(),
+        2 | 3 => json_string(r),
+        4 => {
+            let items: Vec<String> = (0..r.below(3))
+                .map(|_| format!("{}{}{}", ws(r), json_value(r, depth + 1), ws(r)))
+                .collect();
+            format!("[{}]", items.join(","))
+        }
+        _ => json_object(r, depth + 1),
+    }
+}
+
+fn json_object(r: &mut Rng, depth: u32) -> String {
+    let items: Vec<String> = (0..r.below(4))
+        .map(|_| {
+            format!(
+                "{}{}{}:{}{}{}",
+                ws(r),
+                json_string(r),
+                ws(r),
+                ws(r),
+                json_value(r, depth),
+                ws(r)
+            )
+        })
+        .collect();
+    if items.is_empty() {
+        format!("{{{}}}", ws(r))
+    } else {
+        format!("{{{}}}", items.join(","))
+    }
+}
+
+/// A well-formed streamed call block: (text, name, arguments text).
+fn good_call(r: &mut Rng) -> (String, String, String) {
+    let mut name_json = json_string(r);
+    while name_json.contains("</tool_call>") {
+        name_json = json_string(r);
+    }
+    let name: String = serde_json::from_str(&name_json).unwrap();
+    let args = json_object(r, 0);
+    let text = format!(
+        "<tool_call>{}{{{}\"name\"{}:{}{}{},{}\"arguments\"{}:{}{}{}}}{}</tool_call>",
+        ws(r),
+        ws(r),
+        ws(r),
+        ws(r),
+        name_json,
+        ws(r),
+        ws(r),
+        ws(r),
+        ws(r),
+        args,
+        ws(r),
+        ws(r)
+    );
+    (text, name, args)
+}
+
+fn noise(r: &mut Rng) -> String {
+    (0..1 + r.below(4))
+        .map(|_| {
+            r.pick(&[
+                "a",
+                "b c",
+                "é",
+                "日本",
+                "😀",
+                " ",
+                "\n",
+                "\n\n",
+                "\t",
+                "<",
+                ">",
+                "/",
+                "<tool",
+                "</tool_",
+                "<tool_call",
+                "<think",
+                "</thi",
+                "x}",
+                "{",
+                "}",
+                "\"",
+                "\\",
+                ":",
+                ",",
+                "\"name\"",
+                "\"arguments\"",
+                "\"f\"",
+                "null",
+                "[",
+                "]",
+                "\u{a0}",
+                "\u{3000}",
+            ])
+        })
+        .collect()
+}
+
+fn answer(r: &mut Rng) -> String {
+    let mut s = String::new();
+    if r.chance(40) {
+        s.push_str(r.pick(&["<think>", "<think>\n", "<thi", "\n<think>"]));
+        s.push_str(&noise(r));
+        if r.chance(80) {
+            s.push_str(r.pick(&["</think>", "\n</think>\n\n"]));
+        }
+    }
+    for _ in 0..r.below(5) {
+        match r.below(9) {
+            0 | 1 => s.push_str(&noise(r)),
+            2 | 3 => s.push_str(&good_call(r).0),
+            4 => s.push_str(&format!(
+                "<tool_call>{}{}{}</tool_call>",
+                ws(r),
+                r.pick(&[
+                    "{\"arguments\": {\"a\": 1}, \"name\": \"f\"}",
+                    "{\"name\": \"g\"}",
+                    "{\"name\": \"h\", \"arguments\": null}",
+                    "{\"name\": \"h\", \"arguments\": [1, \"</tool_call>\"]}",
+                    "not json",
+                    "[{\"name\": \"f\", \"arguments\": {}}]",
+                    "{\"name\": \"a</tool_call>b\", \"arguments\": {}}",
+                    "{\"n\\u0061me\": \"f\", \"arguments\": {}}",
+                    "{\"name\": \"f\", \"arguments\": {\"a\": \"x</tool_call>\"}, \"x\": 2} junk",
+                    "{\"name\": \"f\", \"arguments\": {\"a\": 1</tool_call>",
+                    "{\"name\": \"f\", \"arguments\": {}} <tool_call>{\"name\":\"g\",\"arguments\":{}}",
+                    "",
+                ]),
+                ws(r)
+            )),
+            5 => s.push_str(r.pick(&["<tool_call>", "</tool_call>", "<think>", "</think>"])),
+            6 => s.push_str(&ws(r)),
+            7 => s.push_str(&json_object(r, 0)),
+            _ => {
+                // a call block with random garbage mixed into its body
+                let (t, _, _) = good_call(r);
+                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
+                let at = cut[r.below(cut.len())];
+                s.push_str(&t[..at]);
+                s.push_str(&noise(r));
+                s.push_str(&t[at..]);
+            }
+        }
+    }
+    if r.chance(30) {
+        let cut: Vec<usize> = s.char_indices().map(|(i, _)| i).chain([s.len()]).collect();
+        let at = cut[r.below(cut.len())];
+        s.truncate(at);
+    }
+    s
+}
+
+fn streamed(reasoning: bool, tools: bool, pieces: &[&str]) -> (Parsed, Vec<Parsed>) {
+    let mut parser = AnswerParser::new(reasoning, tools);
+    let mut all = Parsed::default();
+    let mut parts = Vec::new();
+    for p in pieces {
+        let out = parser.push(p);
+        parts.push(out.clone());
+        all.append(out);
+    }
+    let out = parser.finish();
+    parts.push(out.clone());
+    all.append(out);
+    (all, parts)
+}
+
+/// Streamed parts as run.rs sends them: each call index's first part has the name, later
+/// ones none; indices go 0, 1, 2 … in order.
+fn check_parts(parts: &[Parsed], text: &str) {
+    let mut seen = 0usize;
+    for p in parts {
+        for c in &p.calls {
+            if c.index == seen {
+                assert!(
+                    c.name.is_some(),
+                    "first part without name {text:?} {parts:?}"
+                );
+                seen += 1;
+            } else {
+                assert_eq!(c.index + 1, seen, "index order {text:?} {parts:?}");
+                assert!(c.name.is_none(), "name twice {text:?} {parts:?}");
+            }
+        }
+    }
+}
+
+fn chunkings(r: &mut Rng, text: &str) -> Vec<Vec<String>> {
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = vec![chars.iter().map(|c| c.to_string()).collect()];
+    for _ in 0..6 {
+        let mut pieces = Vec::new();
+        let mut i = 0;
+        while i < chars.len() {
+            let m = if r.chance(50) { 3 } else { 15 };
+            let n = 1 + r.below(m);
+            let end = (i + n).min(chars.len());
+            pieces.push(chars[i..end].iter().collect());
+            if r.chance(10) {
+                pieces.push(String::new());
+            }
+            i = end;
+        }
+        out.push(pieces);
+    }
+    out
+}
+
+#[test]
+fn fuzz_whole_equals_streamed() {
+    let mut r = Rng(std::env::var("SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed));
+    let mut fails = Vec::new();
+    for case in 0..cases(6_000) {
+        let text = answer(&mut r);
+        let (reasoning, tools) = (r.chance(70), r.chance(85));
+        let res = std::panic::catch_unwind(|| AnswerParser::parse_all(reasoning, tools, &text));
+        let Ok(whole) = res else {
+            fails.push(format!("PANIC whole {case}: {text:?}"));
+            continue;
+        };
+        for pieces in chunkings(&mut r, &text) {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let res = std::panic::catch_unwind(|| streamed(reasoning, tools, &refs));
+            match res {
+                Err(_) => fails.push(format!("PANIC stream {case}: {text:?} {pieces:?}")),
+                Ok((all, parts)) => {
+                    if all != whole {
+                        fails.push(format!(
+                            "DIFF {case} r={reasoning} t={tools}: {text:?}\n pieces {pieces:?}\n whole {whole:?}\n streamed {all:?}"
+                        ));
+                        break;
+                    }
+                    check_parts(&parts, &text);
+                }
+            }
+        }
+        if fails.len() > 5 {
+            break;
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n\n"));
+}
+
+#[test]
+fn fuzz_well_formed_calls_keep_their_arguments_text() {
+    let mut r = Rng(std::env::var("SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7));
+    for _ in 0..cases(3_000) {
+        let mut text = String::new();
+        let mut want = Vec::new();
+        for _ in 0..1 + r.below(3) {
+            if r.chance(50) {
+                text.push_str(r.pick(&["Sure.", "a b", "日本 ", "\n"]));
+            }
+            let (t, name, args) = good_call(&mut r);
+            text.push_str(&t);
+            want.push((name, args));
+        }
+        let whole = parse_stream_checked(&mut r, &text);
+        let got: Vec<(String, String)> = whole
+            .calls
+            .iter()
+            .map(|c| (c.name.clone().unwrap(), c.arguments.clone()))
+            .collect();
+        assert_eq!(got, want, "{text:?}");
+        assert!(whole.calls.iter().enumerate().all(|(i, c)| c.index == i));
+    }
+}
+
+fn parse_stream_checked(r: &mut Rng, text: &str) -> Parsed {
+    let whole = AnswerParser::parse_all(false, true, text);
+    for pieces in chunkings(r, text) {
+        let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        assert_eq!(streamed(false, true, &refs).0, whole, "{text:?} {pieces:?}");
+    }
+    whole
+}
+
+#[test]
+fn fuzz_head_is_prefix_stable() {
+    let mut r = Rng(std::env::var("SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(99));
+    for _ in 0..cases(4_000) {
+        let body = if r.chance(50) {
+            let (t, name, _) = good_call(&mut r);
+            {
+                let body = &t["<tool_call>".len()..t.len() - "</tool_call>".len()];
+                match call::head(body) {
+                    Head::Call { name: n, args } => {
+                        assert_eq!(n, name, "{body:?}");
+                        for end in (0..=args).filter(|&e| body.is_char_boundary(e)) {
+                            assert_eq!(call::head(&body[..end]), Head::More, "{:?}", &body[..end]);
+                        }
+                    }
+                    h => panic!("valid head not a call: {h:?} {body:?}"),
+                }
+            }
+            let t = &t["<tool_call>".len()..t.len() - "</tool_call>".len()];
+            let mut t = t.to_string();
+            if r.chance(50) {
+                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
+                let at = cut[r.below(cut.len())];
+                t.insert_str(at, &noise(&mut r));
+            }
+            t
+        } else {
+            format!(
+                "{}{{{}{}{}:{}{}{},{}{}:{}{}",
+                ws(&mut r),
+                ws(&mut r),
+                r.pick(&["\"name\"", "\"nam\"", "\"name", "\"arguments\""]),
+                ws(&mut r),
+                ws(&mut r),
+                json_value(&mut r, 1),
+                ws(&mut r),
+                ws(&mut r),
+                r.pick(&["\"arguments\"", "\"args\"", "\"name\""]),
+                ws(&mut r),
+                json_value(&mut r, 0)
+            )
+        };
+        let full = call::head(&body);
+        for end in (0..=body.len()).filter(|&e| body.is_char_boundary(e)) {
+            let p = call::head(&body[..end]);
+            match &p {
+                Head::More => {}
+                _ => assert_eq!(&p, &full, "prefix {:?} of {body:?}", &body[..end]),
+            }
+        }
+    }
+}
