@@ -221,6 +221,15 @@ impl GenerationService {
     pub(crate) fn request_id(&self) -> String {
         self.shared.ids.request_id()
     }
+
+    /// Holds `id` among the requests in flight (refused if a request holds it) until the
+    /// entry drops; the receiver turns true when an `Abort` names it.
+    pub(crate) fn hold_id(
+        &self,
+        id: &str,
+    ) -> Result<(InflightEntry, watch::Receiver<bool>), ValidationError> {
+        self.shared.inflight.register(id)
+    }
 }
 
 #[tonic::async_trait]

@@ -149,6 +149,14 @@ impl From<ValidationError> for Status {
     }
 }
 
+/// A client's request id: 1 to [`MAX_REQUEST_ID_BYTES`] bytes, no control characters.
+pub fn check_request_id(id: &str) -> Result<(), ValidationError> {
+    if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES || id.chars().any(char::is_control) {
+        return Err(ValidationError::BadRequestId { len: id.len() });
+    }
+    Ok(())
+}
+
 /// The input of a request, resolved to what the nodes need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidRequest {
@@ -207,12 +215,7 @@ impl Validator {
         self.check_model(&req.model)?;
         let request_id = match req.request_id {
             Some(id) => {
-                if id.is_empty()
-                    || id.len() > MAX_REQUEST_ID_BYTES
-                    || id.chars().any(char::is_control)
-                {
-                    return Err(ValidationError::BadRequestId { len: id.len() });
-                }
+                check_request_id(&id)?;
                 id
             }
             None => new_id(),

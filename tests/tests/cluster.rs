@@ -349,6 +349,37 @@ async fn bad_input_gets_invalid_argument_and_cancellation_frees_kv() {
     aborted.sort_unstable();
     assert_eq!(aborted, [0, 1]);
     all_blocks_free(&cluster).await;
+    // A request of several choices holds its own id: a request with that id is refused while
+    // it runs, either way round; an empty id is refused as with one choice.
+    let mut single = greedy((0..40).collect(), 3000);
+    single.request_id = Some("held".into());
+    let mut stream = c.generate(single.clone()).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    let mut several = single.clone();
+    several.n = Some(2);
+    let err = collect(&mut c, several.clone())
+        .await
+        .expect_err("id in flight");
+    assert!(
+        err.message().contains("`held` is already in flight"),
+        "{err:?}"
+    );
+    drop(stream);
+    all_blocks_free(&cluster).await;
+    let mut stream = c.generate(several).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    let err = collect(&mut c, single).await.expect_err("id in flight");
+    assert!(
+        err.message().contains("`held` is already in flight"),
+        "{err:?}"
+    );
+    drop(stream);
+    let mut empty = greedy(vec![1, 2, 3], 4);
+    empty.n = Some(2);
+    empty.request_id = Some(String::new());
+    let err = collect(&mut c, empty).await.expect_err("empty id");
+    assert!(err.message().contains("request_id must be 1 to"), "{err:?}");
+    all_blocks_free(&cluster).await;
     // Other requests are unaffected.
     let (ids, _) = collect(&mut c, greedy(vec![1, 2, 3], 4)).await.unwrap();
     assert_eq!(ids.len(), 4);

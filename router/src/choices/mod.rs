@@ -1,16 +1,16 @@
 //! `n` choices of one request (`GenerateRequest.n`): the gRPC service the router serves wraps
 //! the metered one and runs a request of `n > 1` as `n` requests of one choice each (ids
 //! `ID-i`, seeds `seed + i`), started as [`start`] does and merged into one stream whose
-//! chunks carry their choice's `index`. An `Abort` of `ID` aborts every choice.
+//! chunks carry their choice's `index`. `ID` itself is held among the requests in flight
+//! while the choices run, so no other request takes it and an `Abort` of it aborts every
+//! choice.
 //!
 //! Not here: what one choice does (the metered service and the flow behind it), and the HTTP
 //! API's `n`, which starts its generations with [`start`] itself (they are also its prompts).
 
 pub(crate) mod start;
 
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use pd_proto::pb;
@@ -20,7 +20,8 @@ use tonic::{Request, Response, Status};
 
 use self::start::{Generations, start};
 use crate::metrics::MeteredGeneration;
-use crate::validation::{MAX_REQUEST_ID_BYTES, ValidationError};
+use crate::service::InflightEntry;
+use crate::validation::{MAX_REQUEST_ID_BYTES, ValidationError, check_request_id};
 
 /// Most choices one request may ask for (`n`), over gRPC and HTTP.
 pub const MAX_N: u32 = 16;
@@ -31,21 +32,23 @@ type ChunkResult = Result<pb::GenerateResponse, Status>;
 #[derive(Debug, Clone)]
 pub(crate) struct ChoicesGeneration {
     inner: MeteredGeneration,
-    /// Requests of several choices in flight: their id and `n`.
-    open: Arc<Mutex<HashMap<String, u32>>>,
 }
 
 impl ChoicesGeneration {
     pub fn new(inner: MeteredGeneration) -> Self {
-        Self {
-            inner,
-            open: Arc::default(),
-        }
+        Self { inner }
     }
+}
 
-    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
-        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+/// Aborts each of `ids` that is in flight.
+async fn abort_all(generation: &MeteredGeneration, ids: &[String]) -> Result<(), Status> {
+    for id in ids {
+        let abort = Request::new(pb::AbortRequest {
+            request_id: id.clone(),
+        });
+        generation.abort(abort).await?;
     }
+    Ok(())
 }
 
 /// The choices' requests: ids `base-i`, seeds `seed + i`, one choice each.
@@ -82,10 +85,13 @@ impl Generation for ChoicesGeneration {
             return Err(ValidationError::Choices(n).into());
         }
         let (metadata, _, req) = request.into_parts();
-        let base = req
-            .request_id
-            .clone()
-            .unwrap_or_else(|| self.inner.request_id());
+        let base = match &req.request_id {
+            Some(id) => {
+                check_request_id(id)?;
+                id.clone()
+            }
+            None => self.inner.request_id(),
+        };
         // The choices' ids must pass the request id's checks too.
         let max = MAX_REQUEST_ID_BYTES - 1 - (n - 1).to_string().len();
         if base.len() > max {
@@ -96,9 +102,26 @@ impl Generation for ChoicesGeneration {
             }
             .into());
         }
-        let open = Open::register(self.open.clone(), &base, n)?;
+        let (held, mut aborted) = self.inner.hold_id(&base)?;
         let requests = choice_requests(&req, &base, n);
+        let ids: Vec<String> = requests
+            .iter()
+            .filter_map(|r| r.request_id.clone())
+            .collect();
+        // An Abort of the request's id aborts the choices in flight then; it ends when the
+        // request does (the held id's switch is dropped).
+        let (generation, choice_ids, mut switch) =
+            (self.inner.clone(), ids.clone(), aborted.clone());
+        tokio::spawn(async move {
+            if switch.wait_for(|&a| a).await.is_ok() {
+                let _ = abort_all(&generation, &choice_ids).await;
+            }
+        });
         let streams = start(&self.inner, requests, n as usize, metadata).await?;
+        // Choices that started after an Abort came are aborted now.
+        if *aborted.borrow_and_update() {
+            abort_all(&self.inner, &ids).await?;
+        }
         let mut merged = StreamMap::with_capacity(streams.len());
         for (i, stream) in streams.into_iter().enumerate() {
             merged.insert(i as u32, stream);
@@ -106,7 +129,7 @@ impl Generation for ChoicesGeneration {
         Ok(Response::new(Box::pin(Choices {
             merged,
             failed: false,
-            _open: open,
+            _held: held,
         })))
     }
 
@@ -114,19 +137,7 @@ impl Generation for ChoicesGeneration {
         &self,
         request: Request<pb::AbortRequest>,
     ) -> Result<Response<pb::AbortResponse>, Status> {
-        let id = &request.get_ref().request_id;
-        let n = self.open().get(id).copied();
-        let Some(n) = n else {
-            return self.inner.abort(request).await;
-        };
-        let mut aborted = false;
-        for i in 0..n {
-            let choice = Request::new(pb::AbortRequest {
-                request_id: format!("{id}-{i}"),
-            });
-            aborted |= self.inner.abort(choice).await?.into_inner().aborted;
-        }
-        Ok(Response::new(pb::AbortResponse { aborted }))
+        self.inner.abort(request).await
     }
 
     async fn tokenize(
@@ -144,41 +155,13 @@ impl Generation for ChoicesGeneration {
     }
 }
 
-/// A request of several choices in [`ChoicesGeneration::open`]; removed on drop.
-struct Open {
-    table: Arc<Mutex<HashMap<String, u32>>>,
-    id: String,
-}
-
-impl Open {
-    fn register(table: Arc<Mutex<HashMap<String, u32>>>, id: &str, n: u32) -> Result<Self, Status> {
-        {
-            let mut map = table.lock().unwrap_or_else(PoisonError::into_inner);
-            if map.contains_key(id) {
-                return Err(ValidationError::DuplicateRequestId(id.to_string()).into());
-            }
-            map.insert(id.to_string(), n);
-        }
-        Ok(Self {
-            table,
-            id: id.to_string(),
-        })
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        let mut map = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        map.remove(&self.id);
-    }
-}
-
 /// The choices' chunks as they come, each with its `index`; after an error, nothing more
 /// (dropping the rest cancels them).
 struct Choices {
     merged: StreamMap<u32, Generations>,
     failed: bool,
-    _open: Open,
+    /// The request's own id, held while its choices run.
+    _held: InflightEntry,
 }
 
 impl Stream for Choices {
@@ -237,15 +220,5 @@ mod tests {
                 .iter()
                 .all(|c| c.sampling.is_none())
         );
-    }
-
-    #[test]
-    fn an_open_request_id_is_taken_until_its_choices_end() {
-        let table = Arc::default();
-        let open = Open::register(Arc::clone(&table), "a", 2).unwrap();
-        assert!(Open::register(Arc::clone(&table), "a", 3).is_err());
-        drop(open);
-        assert!(table.lock().unwrap().is_empty());
-        assert!(Open::register(table, "a", 3).is_ok());
     }
 }

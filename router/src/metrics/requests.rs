@@ -40,6 +40,20 @@ impl MeteredGeneration {
     pub(crate) fn request_id(&self) -> String {
         self.inner.request_id()
     }
+
+    /// See [`GenerationService::hold_id`].
+    pub(crate) fn hold_id(
+        &self,
+        id: &str,
+    ) -> Result<
+        (
+            crate::service::InflightEntry,
+            tokio::sync::watch::Receiver<bool>,
+        ),
+        crate::validation::ValidationError,
+    > {
+        self.inner.hold_id(id)
+    }
 }
 
 #[tonic::async_trait]
