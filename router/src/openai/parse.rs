@@ -345,39 +345,35 @@ impl AnswerParser {
                     self.close_whole(at, out);
                 }
             }
-            CallPart::Arguments(mut args) => {
-                let (given, ended) = self.scan(&mut args);
-                out.add_arguments(self.calls - 1, &self.pending[..given]);
-                match ended {
-                    Some(end) if end > given => {
-                        self.pending.drain(..end);
-                        self.end_call();
-                    }
-                    Some(end) => {
-                        self.pending.drain(..end);
-                        let rest = Arguments::inside_object();
-                        self.mode = Mode::Call(CallPart::Tail(rest));
-                    }
-                    None => {
-                        self.pending.drain(..given);
-                        self.mode = Mode::Call(CallPart::Arguments(args));
-                    }
+            // Both read on with their lexer: the arguments, given out, then the rest of the
+            // call's object, dropped.
+            CallPart::Arguments(mut lexer) | CallPart::Tail(mut lexer) => {
+                let arguments = matches!(part, CallPart::Arguments(_));
+                let (given, ended) = self.scan(&mut lexer);
+                if arguments {
+                    out.add_arguments(self.calls - 1, &self.pending[..given]);
                 }
-            }
-            CallPart::Tail(mut rest) => {
-                let (given, ended) = self.scan(&mut rest);
                 match ended {
+                    // Cut off by a closing tag.
                     Some(end) if end > given => {
                         self.pending.drain(..end);
                         self.end_call();
                     }
                     Some(end) => {
                         self.pending.drain(..end);
-                        self.mode = Mode::Call(CallPart::After);
+                        self.mode = Mode::Call(if arguments {
+                            CallPart::Tail(Arguments::inside_object())
+                        } else {
+                            CallPart::After
+                        });
                     }
                     None => {
                         self.pending.drain(..given);
-                        self.mode = Mode::Call(CallPart::Tail(rest));
+                        self.mode = Mode::Call(if arguments {
+                            CallPart::Arguments(lexer)
+                        } else {
+                            CallPart::Tail(lexer)
+                        });
                     }
                 }
             }

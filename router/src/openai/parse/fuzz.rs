@@ -4,6 +4,14 @@
 use super::call::{self, Head};
 use super::*;
 
+/// `SEED`, else `default`.
+fn seed(default: u64) -> u64 {
+    std::env::var("SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// `CASES`, else `default`.
 fn cases(default: usize) -> usize {
     std::env::var("CASES")
@@ -286,10 +294,7 @@ fn chunkings(r: &mut Rng, text: &str) -> Vec<Vec<String>> {
 
 #[test]
 fn fuzz_whole_equals_streamed() {
-    let mut r = Rng(std::env::var("SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed));
+    let mut r = Rng(seed(0x5eed));
     let mut fails = Vec::new();
     for case in 0..cases(6_000) {
         let text = answer(&mut r);
@@ -324,10 +329,7 @@ fn fuzz_whole_equals_streamed() {
 
 #[test]
 fn fuzz_well_formed_calls_keep_their_arguments_text() {
-    let mut r = Rng(std::env::var("SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7));
+    let mut r = Rng(seed(7));
     for _ in 0..cases(3_000) {
         let mut text = String::new();
         let mut want = Vec::new();
@@ -361,10 +363,7 @@ fn parse_stream_checked(r: &mut Rng, text: &str) -> Parsed {
 
 #[test]
 fn fuzz_head_is_prefix_stable() {
-    let mut r = Rng(std::env::var("SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(99));
+    let mut r = Rng(seed(99));
     for _ in 0..cases(4_000) {
         let body = if r.chance(50) {
             let (t, name, _) = good_call(&mut r);
