@@ -10,7 +10,8 @@
 //! - `json_object`: any JSON object (the pushdown grammar, masks read from the trie when a
 //!   state is first met, then kept: `warm` replays with the masks kept, `cold` compiles a
 //!   new guide per replay, so every state's first mask is paid);
-//! - `free-form schema`: a schema with an any-object part (DFA + grammar, masks as above).
+//! - `free-form schema`: a schema with an any-object part (DFA + grammar, masks as above);
+//! - `gbnf json`: JSON written as a GBNF grammar (the stack recognizer, masks as above).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -45,6 +46,12 @@ fn main() {
     let json_schema = compile(&StructuredOutput::JsonSchema(fixed.into()));
     let json_object = compile(&StructuredOutput::JsonObject);
     let free_form = compile(&StructuredOutput::JsonSchema(schema.into()));
+    let gbnf = || {
+        StructuredOutput::Grammar(
+            include_str!("../src/sampling/structured/grammar/json.gbnf").into(),
+        )
+    };
+    let grammar = compile(&gbnf());
 
     // One replay of the text's tokens: the time of its sampling steps.
     let replay = |guide: Option<Arc<Guide>>| {
@@ -84,6 +91,18 @@ fn main() {
         "free-form schema (warm)",
         tokens.len(),
         || replay(Some(free_form.clone())),
+        Some(base),
+    );
+    report(
+        "gbnf json (warm)",
+        tokens.len(),
+        || replay(Some(grammar.clone())),
+        Some(base),
+    );
+    report(
+        "gbnf json (cold)",
+        tokens.len(),
+        || replay(Some(compile(&gbnf()))),
         Some(base),
     );
 }

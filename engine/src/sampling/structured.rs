@@ -1,6 +1,7 @@
 //! Structured outputs (vLLM's `structured_outputs` / guided decoding): a request may ask that
 //! its text match a regular expression, be one of a list of choices, be JSON that a schema
-//! accepts, or be any JSON object. The first three become a regular expression
+//! accepts, be any JSON object, or match a grammar (GBNF: `grammar`, read by a stack
+//! recognizer with masks from the same trie). The first three become a regular expression
 //! ([`StructuredOutput::regex`]; JSON schemas through outlines-core's converter), compiled
 //! once into an index over the tokenizer's vocabulary ([`Guide`]: for every state of the
 //! expression's automaton, the tokens that keep the text a prefix of a match and the state
@@ -19,6 +20,7 @@
 
 mod cache;
 mod free;
+mod grammar;
 mod json;
 mod trie;
 
@@ -30,10 +32,12 @@ use serde::{Deserialize, Serialize};
 
 pub use cache::GuideCache;
 use free::{FreeJson, FreeState};
+use grammar::{Grammar, GrammarGuide, GrammarState};
+pub use grammar::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_ELEMENTS, MAX_GRAMMAR_STACKS};
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
 use trie::{Masks, TokenTrie};
 
-/// Longest regex or JSON schema a request may carry (bytes).
+/// Longest regex, JSON schema or grammar a request may carry (bytes).
 pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
 /// Most choices a request may list.
 pub const MAX_CHOICES: usize = 256;
@@ -61,6 +65,9 @@ pub enum StructuredOutput {
     /// `{` or after its `}`, whitespace runs of at most [`MAX_JSON_WHITESPACE_RUN`] bytes,
     /// at most [`MAX_JSON_DEPTH`] levels of nesting.
     JsonObject,
+    /// The whole output text matches this GBNF grammar (llama.cpp's format, from its `root`
+    /// rule), nesting at most [`MAX_GRAMMAR_DEPTH`] rules deep.
+    Grammar(String),
 }
 
 /// Why a structured output cannot be used.
@@ -89,9 +96,14 @@ pub enum StructuredError {
     /// The expression's automaton is larger than [`MAX_GUIDE_STATES`] allows.
     #[error("structured output: {0}")]
     TooComplex(String),
-    /// Any JSON object is no regular expression (asked of [`StructuredOutput::regex`]).
-    #[error("structured output: any JSON object is not a regular expression")]
-    NotRegular,
+    /// Any JSON object or a grammar is no regular expression (asked of
+    /// [`StructuredOutput::regex`]).
+    #[error("structured output: {0} is not a regular expression")]
+    NotRegular(&'static str),
+    /// The grammar does not parse, or cannot be used (an undefined rule, no `root`, left
+    /// recursion, too large).
+    #[error("structured output: invalid grammar: {0}")]
+    Grammar(String),
     /// The expression cannot be compiled over this vocabulary (for example a character no
     /// token can spell).
     #[error("structured output: cannot be generated with this model's vocabulary: {0}")]
@@ -110,6 +122,7 @@ impl StructuredOutput {
                 })
             }
             _ if self.is_any_json_object() => Ok(()),
+            Self::Grammar(text) => grammar(text).map(drop),
             _ => self.regex().map(drop),
         }
     }
@@ -135,7 +148,7 @@ impl StructuredOutput {
     }
 
     /// The regular expression the output must match, checked as [`StructuredOutput::validate`]
-    /// checks it; [`StructuredError::NotRegular`] for any JSON object.
+    /// checks it; [`StructuredError::NotRegular`] for any JSON object or a grammar.
     pub fn regex(&self) -> Result<String, StructuredError> {
         let check_len = |what, len| {
             if len == 0 {
@@ -182,13 +195,28 @@ impl StructuredOutput {
                 )
                 .map_err(|e| StructuredError::Schema(e.to_string()))?
             }
-            Self::JsonObject => return Err(StructuredError::NotRegular),
+            Self::JsonObject => return Err(StructuredError::NotRegular("any JSON object")),
+            Self::Grammar(_) => return Err(StructuredError::NotRegular("a grammar")),
         };
         regex_syntax::Parser::new()
             .parse(&regex)
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
         Ok(regex)
     }
+}
+
+/// The grammar of GBNF `text`, checked for size, syntax and use.
+fn grammar(text: &str) -> Result<Grammar, StructuredError> {
+    if text.trim().is_empty() {
+        return Err(StructuredError::Empty("grammar"));
+    }
+    if text.len() > MAX_STRUCTURED_SPEC_BYTES {
+        return Err(StructuredError::TooLong {
+            what: "grammar",
+            len: text.len(),
+        });
+    }
+    Grammar::parse(text)
 }
 
 /// `schema` is `{"type": "object"}` with nothing that narrows it (see
@@ -349,6 +377,8 @@ enum GuideKind {
     /// automaton, entering the JSON grammar at those parts; masks computed per state when
     /// first met.
     Free(Box<FreeJson>, Masks<FreeState>),
+    /// A grammar's stack recognizer; masks computed per state when first met.
+    Grammar(Box<GrammarGuide>, Masks<GrammarState>),
 }
 
 impl std::fmt::Debug for Guide {
@@ -357,6 +387,7 @@ impl std::fmt::Debug for Guide {
         match &self.kind {
             GuideKind::Regex(index) => d.field("states", &index.transitions().len()),
             GuideKind::Free(..) => d.field("grammar", &"JSON with free-form parts"),
+            GuideKind::Grammar(g, _) => d.field("grammar", g),
         };
         d.field("transitions", &self.transitions)
             .finish_non_exhaustive()
@@ -369,6 +400,27 @@ impl Guide {
         spec: &StructuredOutput,
         vocabulary: &GuideVocabulary,
     ) -> Result<Self, StructuredError> {
+        if let StructuredOutput::Grammar(text) = spec {
+            let guide = GrammarGuide::new(grammar(text)?)?;
+            let masks = Masks::new(vocabulary.trie.clone());
+            let start = guide.start();
+            let walker = std::cell::RefCell::new(guide.walker());
+            if !walker.borrow().is_match(start)
+                && masks
+                    .allowed(start, |s, b| walker.borrow_mut().step(s, b), None)
+                    .is_empty()
+            {
+                return Err(StructuredError::Vocabulary(
+                    "no token starts the grammar's text".into(),
+                ));
+            }
+            drop(walker);
+            return Ok(Self {
+                kind: GuideKind::Grammar(Box::new(guide), masks),
+                eos_token_ids: vocabulary.eos_token_ids.clone(),
+                transitions: trie::MASK_CACHE_IDS / 4,
+            });
+        }
         // Any JSON object is a regex of one free-form part; a schema's free-form parts are
         // marks in its regex (`free`), as are those of a regex holding a schema's.
         let regex = if spec.is_any_json_object() {
@@ -410,6 +462,7 @@ impl Guide {
         match &self.kind {
             GuideKind::Regex(index) => Walk::Regex(Some(index.initial_state())),
             GuideKind::Free(free, _) => Walk::Free(Some(free.start())),
+            GuideKind::Grammar(guide, _) => Walk::Grammar(Some(guide.start())),
         }
     }
 
@@ -425,6 +478,15 @@ impl Guide {
                     state
                         .filter(|_| !spelling.is_empty())
                         .and_then(|s| spelling.iter().try_fold(s, |s, &b| free.step(s, b))),
+                )
+            }
+            (GuideKind::Grammar(guide, masks), Walk::Grammar(state)) => {
+                let spelling = masks.trie().spelling(token);
+                let mut walker = guide.walker();
+                Walk::Grammar(
+                    state
+                        .filter(|_| !spelling.is_empty())
+                        .and_then(|s| spelling.iter().try_fold(s, |s, &b| walker.step(s, b))),
                 )
             }
             _ => unreachable!("a walk is started by its own guide"),
@@ -461,6 +523,15 @@ impl Guide {
                 out.extend_from_slice(&mask);
                 out.extend_from_slice(&self.eos_token_ids);
             }
+            (GuideKind::Grammar(guide, masks), Walk::Grammar(Some(state))) => {
+                let walker = std::cell::RefCell::new(guide.walker());
+                let mask = masks.allowed(state, |s, b| walker.borrow_mut().step(s, b), None);
+                if !walker.borrow().is_match(state) && !mask.is_empty() {
+                    return Some(mask);
+                }
+                out.extend_from_slice(&mask);
+                out.extend_from_slice(&self.eos_token_ids);
+            }
             _ => {}
         }
         if out.is_empty() {
@@ -470,13 +541,14 @@ impl Guide {
     }
 }
 
-/// Where a request's output stands in its guide: a regex index's state or the free-form
-/// JSON recognizer's, `None` once the output left the guide (a token it did not allow: only
+/// Where a request's output stands in its guide: a regex index's state, the free-form JSON
+/// recognizer's or a grammar's, `None` once the output left the guide (a token it did not allow: only
 /// possible when other processors masked every allowed one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Walk {
     Regex(Option<u32>),
     Free(Option<FreeState>),
+    Grammar(Option<GrammarState>),
 }
 
 /// One request's walk through its guide: the state after the output so far.

@@ -515,3 +515,5 @@ fn a_guide_allowing_most_tokens_travels_as_masks_of_the_rest() {
     // The string's steps went as masks.
     assert!(masked >= 16, "{masked}");
 }
+
+mod grammar;

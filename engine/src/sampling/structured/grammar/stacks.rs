@@ -1,0 +1,228 @@
+//! The grammar's recognizer: a set of parse stacks, as llama.cpp's grammar sampler keeps them.
+//! A stack is where the text stands in the rules it is inside: its top is the next byte set to
+//! read, each entry below it where to go on once the rule above ends. Reading a byte advances
+//! every stack whose top accepts it and expands what follows (a rule's alternatives pushed, an
+//! ended rule popped) until every top is a byte set again; the text is whole where some stack
+//! emptied.
+//!
+//! Stacks share their tails, so they are interned lists (a node is a position and the node
+//! below it), and a set of stacks is interned too: a state is one `u32`, which the mask cache
+//! and the walks of every request hold, and each step from a state by a byte is computed
+//! once and kept. A rule called last in an alternative pushes nothing to come back to, so
+//! `x*` (`R ::= x R | ε`) keeps the stack as deep as it was. Owns the stacks and their
+//! interning; not the grammar (`super`) or the masks (`super::super::trie`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use super::{Elem, Grammar};
+use crate::sampling::structured::StructuredError;
+
+/// Deepest a stack may grow (rules open inside each other): text nesting deeper is refused,
+/// as the JSON grammar refuses JSON nested past its depth.
+pub const MAX_GRAMMAR_DEPTH: usize = 256;
+/// Most stacks one state may hold (an ambiguous grammar reads one text in many ways at
+/// once); a byte that would make more is refused.
+pub const MAX_GRAMMAR_STACKS: usize = 1024;
+/// Most nodes and stack entries one grammar interns over its life (about 12 bytes each, its
+/// steps' memo aside); past it, bytes that would need new ones are refused.
+const MAX_INTERNED: usize = 4 << 20;
+
+/// The node below the bottom of every stack.
+const EMPTY: u32 = u32::MAX;
+
+/// A set of stacks: where a text stands in the grammar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct GrammarState(u32);
+
+/// A grammar with its interned stacks, shared by every request that uses it.
+pub(crate) struct GrammarGuide {
+    grammar: Grammar,
+    start: GrammarState,
+    stacks: Mutex<Stacks>,
+}
+
+impl std::fmt::Debug for GrammarGuide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarGuide")
+            .field("elements", &self.grammar.elems.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GrammarGuide {
+    pub(crate) fn new(grammar: Grammar) -> Result<Self, StructuredError> {
+        let mut stacks = Stacks::default();
+        stacks.todo.extend(
+            grammar.alternatives[grammar.root as usize]
+                .iter()
+                .map(|&start| (start, EMPTY)),
+        );
+        let start = stacks.settle(&grammar).ok_or_else(|| {
+            StructuredError::Grammar("the rule `root` cannot start within the limits".into())
+        })?;
+        Ok(Self {
+            grammar,
+            start,
+            stacks: Mutex::new(stacks),
+        })
+    }
+
+    pub(crate) fn start(&self) -> GrammarState {
+        self.start
+    }
+
+    /// The stacks, locked: a mask's walk steps hundreds of thousands of times, so it locks
+    /// once for all of them.
+    pub(crate) fn walker(&self) -> Walker<'_> {
+        Walker {
+            grammar: &self.grammar,
+            stacks: self.stacks.lock().unwrap_or_else(PoisonError::into_inner),
+        }
+    }
+}
+
+/// The grammar's stacks, held for a walk.
+pub(crate) struct Walker<'a> {
+    grammar: &'a Grammar,
+    stacks: MutexGuard<'a, Stacks>,
+}
+
+impl Walker<'_> {
+    /// The state after `byte`, or `None` where the grammar refuses it.
+    pub(crate) fn step(&mut self, state: GrammarState, byte: u8) -> Option<GrammarState> {
+        self.stacks.step(self.grammar, state, byte)
+    }
+
+    /// The text that led to `state` is whole.
+    pub(crate) fn is_match(&self, state: GrammarState) -> bool {
+        self.stacks.states[state.0 as usize].1
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    pos: u32,
+    below: u32,
+    depth: u32,
+}
+
+#[derive(Default)]
+struct Stacks {
+    nodes: Vec<Node>,
+    node_ids: HashMap<(u32, u32), u32>,
+    /// Each state's stacks (their top nodes, sorted) and whether some stack emptied.
+    states: Vec<(Box<[u32]>, bool)>,
+    state_ids: HashMap<(Box<[u32]>, bool), u32>,
+    /// Steps computed: (state, byte) → the next state (`EMPTY` where refused).
+    next: HashMap<(u32, u8), u32>,
+    interned: usize,
+    // Scratch of one step: (position, node below) still to expand, those expanded, the tops
+    // found.
+    todo: Vec<(u32, u32)>,
+    seen: HashSet<(u32, u32)>,
+    tops: Vec<u32>,
+}
+
+impl Stacks {
+    fn step(&mut self, grammar: &Grammar, state: GrammarState, byte: u8) -> Option<GrammarState> {
+        if let Some(&next) = self.next.get(&(state.0, byte)) {
+            return (next != EMPTY).then_some(GrammarState(next));
+        }
+        let stacks = &self.states[state.0 as usize].0;
+        for &top in stacks.iter() {
+            let node = self.nodes[top as usize];
+            if let Elem::Bytes(set) = grammar.elems[node.pos as usize]
+                && grammar.sets[usize::from(set)].contains(byte)
+            {
+                self.todo.push((node.pos + 1, node.below));
+            }
+        }
+        let next = self.settle(grammar);
+        if self.interned <= MAX_INTERNED {
+            self.next
+                .insert((state.0, byte), next.map_or(EMPTY, |s| s.0));
+        }
+        next
+    }
+
+    /// Expands `todo` until every stack's top is a byte set, and interns the set of them
+    /// (`None` when there is none and no stack emptied, or past a limit).
+    fn settle(&mut self, grammar: &Grammar) -> Option<GrammarState> {
+        self.seen.clear();
+        self.tops.clear();
+        let mut emptied = false;
+        while let Some((pos, below)) = self.todo.pop() {
+            if !self.seen.insert((pos, below)) {
+                continue;
+            }
+            match grammar.elems[pos as usize] {
+                Elem::Bytes(_) => {
+                    if let Some(node) = self.node(pos, below) {
+                        self.tops.push(node);
+                    }
+                }
+                Elem::End if below == EMPTY => emptied = true,
+                Elem::End => {
+                    let node = self.nodes[below as usize];
+                    self.todo.push((node.pos, node.below));
+                }
+                Elem::Rule(rule) => {
+                    // Called last: nothing to come back to but what is below.
+                    let back = if grammar.elems[pos as usize + 1] == Elem::End {
+                        Some(below)
+                    } else {
+                        self.node(pos + 1, below)
+                    };
+                    if let Some(back) = back {
+                        self.todo.extend(
+                            grammar.alternatives[rule as usize]
+                                .iter()
+                                .map(|&start| (start, back)),
+                        );
+                    }
+                }
+            }
+        }
+        if self.tops.is_empty() && !emptied {
+            return None;
+        }
+        self.tops.sort_unstable();
+        self.tops.dedup();
+        if self.tops.len() > MAX_GRAMMAR_STACKS {
+            return None;
+        }
+        let key = (Box::<[u32]>::from(self.tops.as_slice()), emptied);
+        if let Some(&id) = self.state_ids.get(&key) {
+            return Some(GrammarState(id));
+        }
+        if self.interned > MAX_INTERNED {
+            return None;
+        }
+        self.interned += key.0.len() + 1;
+        let id = self.states.len() as u32;
+        self.states.push(key.clone());
+        self.state_ids.insert(key, id);
+        Some(GrammarState(id))
+    }
+
+    /// The node of `pos` above `below`, interned (`None` past [`MAX_GRAMMAR_DEPTH`] or the
+    /// interning limit).
+    fn node(&mut self, pos: u32, below: u32) -> Option<u32> {
+        if let Some(&id) = self.node_ids.get(&(pos, below)) {
+            return Some(id);
+        }
+        let depth = match below {
+            EMPTY => 1,
+            b => self.nodes[b as usize].depth + 1,
+        };
+        if depth as usize > MAX_GRAMMAR_DEPTH || self.interned > MAX_INTERNED {
+            return None;
+        }
+        self.interned += 1;
+        let id = self.nodes.len() as u32;
+        self.nodes.push(Node { pos, below, depth });
+        self.node_ids.insert((pos, below), id);
+        Some(id)
+    }
+}
