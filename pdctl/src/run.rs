@@ -142,6 +142,10 @@ pub struct SamplingArgs {
     /// Structured output: the output is one JSON object, any (OpenAI's `json_object`).
     #[arg(long, group = "structured")]
     json_object: bool,
+    /// Structured output: the whole output text matches this GBNF grammar (its text, from
+    /// its `root` rule; `--grammar "$(cat file.gbnf)"`).
+    #[arg(long, group = "structured")]
+    grammar: Option<String>,
 }
 
 impl SamplingArgs {
@@ -176,6 +180,8 @@ impl SamplingArgs {
                 Some(StructuredOutput::Choice(self.choice.clone()))
             } else if self.json_object {
                 Some(StructuredOutput::JsonObject)
+            } else if let Some(grammar) = &self.grammar {
+                Some(StructuredOutput::Grammar(grammar.clone()))
             } else {
                 None
             },

@@ -76,6 +76,7 @@ fn structured_output(w: &pb::StructuredOutput) -> Option<StructuredOutput> {
         Kind::Regex(r) => StructuredOutput::Regex(r.clone()),
         Kind::Choice(c) => StructuredOutput::Choice(c.choices.clone()),
         Kind::JsonSchema(s) => StructuredOutput::JsonSchema(s.clone()),
+        Kind::Grammar(g) => StructuredOutput::Grammar(g.clone()),
         // `false` asks for nothing; as if unset.
         Kind::JsonObject(true) => StructuredOutput::JsonObject,
         Kind::JsonObject(false) => return None,
@@ -90,6 +91,7 @@ fn wire_structured_output(s: &StructuredOutput) -> pb::StructuredOutput {
             StructuredOutput::Choice(c) => Kind::Choice(pb::Choices { choices: c.clone() }),
             StructuredOutput::JsonSchema(s) => Kind::JsonSchema(s.clone()),
             StructuredOutput::JsonObject => Kind::JsonObject(true),
+            StructuredOutput::Grammar(g) => Kind::Grammar(g.clone()),
         }),
     }
 }

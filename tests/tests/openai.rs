@@ -405,6 +405,77 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
         }
     }
     assert!(closed > 0, "no output of the free-form schema was closed");
+    // A grammar (GBNF; nested parentheses, which no regex holds), over HTTP and gRPC alike:
+    // every output a prefix of a text it matches, a whole one where it stopped by itself.
+    let grammar = "root ::= \"(\" inner \")\"\ninner ::= ([a-z] | \"(\" inner \")\")*";
+    let close = tokenizer.encode(")").unwrap()[0];
+    // The depth of parentheses open at the end; `None` past a whole match or off the grammar.
+    let depth = |text: &str| -> Option<u32> {
+        let mut depth = 0u32;
+        for (i, c) in text.char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth = depth.checked_sub(1)?;
+                    if depth == 0 && i + 1 < text.len() {
+                        return None;
+                    }
+                }
+                'a'..='z' if depth > 0 => {}
+                _ => return None,
+            }
+        }
+        (!text.is_empty()).then_some(depth)
+    };
+    let mut matched = 0;
+    for seed in 0..4 {
+        let body = json!({"prompt": [1, 2, 3], "max_tokens": 40, "temperature": 1,
+            "seed": seed, "structured_outputs": {"grammar": grammar},
+            "logit_bias": {close.to_string(): 8}});
+        let whole = post_ok(&base, "/completions", body).await;
+        let choice = &whole["choices"][0];
+        let text = choice["text"].as_str().unwrap();
+        let open = depth(text).unwrap_or_else(|| panic!("seed {seed}: {text:?}"));
+        if choice["finish_reason"] == "stop" {
+            assert_eq!(open, 0, "seed {seed}: {text:?}");
+            matched += 1;
+        }
+        let mut req = sampled(vec![1, 2, 3], 40, seed);
+        req.ignore_eos = false;
+        let sampling = req.sampling.as_mut().unwrap();
+        sampling.logit_bias = [(close, 8.0)].into();
+        sampling.structured_output = Some(pb::StructuredOutput {
+            kind: Some(pb::structured_output::Kind::Grammar(grammar.into())),
+        });
+        assert_eq!(grpc_text(&mut grpc, req).await, text, "seed {seed}");
+    }
+    assert!(matched > 0, "no output of the grammar was closed");
+    // A grammar that cannot be used: refused by the router with what is wrong, in the words
+    // the gRPC API uses.
+    let (status, message) = post_err(
+        &base,
+        "/completions",
+        json!({"prompt": "x", "guided_grammar": "root ::= \"a\" item"}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        message.contains("the rule `item` at byte 13 is not defined"),
+        "{message}"
+    );
+    let mut bad = greedy(vec![1, 2, 3], 4);
+    bad.ignore_eos = false;
+    bad.sampling = Some(pb::SamplingParams {
+        structured_output: Some(pb::StructuredOutput {
+            kind: Some(pb::structured_output::Kind::Grammar(
+                "root ::= \"a\" item".into(),
+            )),
+        }),
+        ..Default::default()
+    });
+    let status = grpc.generate(bad).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(status.message(), message);
     all_blocks_free(&cluster).await;
 }
 

@@ -106,6 +106,9 @@ pub struct Body {
     guided_regex: Option<String>,
     guided_choice: Option<Vec<String>>,
     guided_json: Option<Value>,
+    guided_grammar: Option<String>,
+    /// SGLang's name for a grammar.
+    ebnf: Option<String>,
     structured_outputs: Option<StructuredOutputs>,
     /// OpenAI's end-user id: accepted and not used.
     #[allow(dead_code)]

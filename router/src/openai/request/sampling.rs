@@ -1,5 +1,6 @@
 //! The sampling side of a body: sampling fields on the wire, and the one structured output
-//! among vLLM's `guided_*` fields, `structured_outputs` and OpenAI's `response_format`.
+//! among vLLM's `guided_*` fields, `structured_outputs`, SGLang's `ebnf` and OpenAI's
+//! `response_format`.
 
 use pd_proto::pb;
 use serde::Deserialize;
@@ -35,6 +36,7 @@ pub(super) struct StructuredOutputs {
     choice: Option<Vec<String>>,
     json: Option<Value>,
     json_object: Option<bool>,
+    grammar: Option<String>,
 }
 
 impl Body {
@@ -80,8 +82,8 @@ impl Body {
         })
     }
 
-    /// The one structured output among vLLM's `guided_*` fields, `structured_outputs` and
-    /// `response_format`.
+    /// The one structured output among vLLM's `guided_*` fields, `structured_outputs`,
+    /// SGLang's `ebnf` and `response_format`.
     fn structured_output(&self) -> Result<Option<pb::StructuredOutput>, BadRequest> {
         use pb::structured_output::Kind;
         let schema_text = |v: &Value, field: &str| -> Result<String, BadRequest> {
@@ -128,6 +130,15 @@ impl Body {
             if s.json_object == Some(true) {
                 found.push(("structured_outputs.json_object", Kind::JsonObject(true)));
             }
+            if let Some(g) = &s.grammar {
+                found.push(("structured_outputs.grammar", Kind::Grammar(g.clone())));
+            }
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push(("guided_grammar", Kind::Grammar(g.clone())));
+        }
+        if let Some(g) = &self.ebnf {
+            found.push(("ebnf", Kind::Grammar(g.clone())));
         }
         match &self.response_format {
             None | Some(ResponseFormat::Text) => {}

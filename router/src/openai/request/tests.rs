@@ -260,6 +260,20 @@ fn one_structured_output_from_any_of_its_spellings() {
     );
     let both = json!({"messages": [], "guided_regex": "a", "guided_choice": ["b"]});
     assert!(refused(chat(both)).contains("guided_regex and guided_choice"));
+    let gbnf = "root ::= [a-z]+";
+    for field in [
+        json!({"structured_outputs": {"grammar": gbnf}}),
+        json!({"guided_grammar": gbnf}),
+        json!({"ebnf": gbnf}),
+    ] {
+        let mut body = json!({"messages": []});
+        body.as_object_mut()
+            .unwrap()
+            .extend(field.as_object().unwrap().clone());
+        assert_eq!(kind(body), Some(Kind::Grammar(gbnf.into())));
+    }
+    let two = json!({"messages": [], "guided_grammar": gbnf, "ebnf": gbnf});
+    assert!(refused(chat(two)).contains("guided_grammar and ebnf"));
     let unknown = json!({"messages": [], "response_format": {"type": "grammar"}});
     assert!(refused(chat(unknown)).contains("grammar"));
 }
