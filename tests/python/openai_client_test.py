@@ -7,6 +7,7 @@ failure.
 """
 
 import json
+import re
 import sys
 import traceback
 import urllib.request
@@ -232,6 +233,21 @@ def main():
         c = r.choices[0]
         assert c.message.content in ("yes", "no"), f"guided_choice gave {c.message.content!r}"
         assert c.finish_reason == "stop", f"finish_reason {c.finish_reason!r}"
+        # A GBNF grammar, as vLLM takes it: a date or a short list of words.
+        grammar = 'root ::= date | words\ndate ::= [0-9]{4} "-" [0-9]{2}\nwords ::= [a-z]+ ("," [a-z]+){0,2}'
+        r = chat(
+            messages=[USER],
+            max_tokens=30,
+            temperature=1,
+            seed=2,
+            extra_body={"structured_outputs": {"grammar": grammar}},
+        )
+        c = r.choices[0]
+        text = c.message.content
+        if c.finish_reason == "stop":
+            assert re.fullmatch(r"[0-9]{4}-[0-9]{2}|[a-z]+(,[a-z]+){0,2}", text), text
+        else:
+            assert re.fullmatch(r"[0-9-]*|[a-z,]*", text), text
         # Any JSON object, streamed. Quotes and braces favoured so that the random model
         # closes its object.
         quote, brace = (tokenize(t)[0] for t in ('"', "}"))
