@@ -10,6 +10,8 @@
 //! present and able to end; no rule that reaches itself before reading a byte, which a
 //! top-down recognizer would expand forever) and the lowering; not the recognizer's walk.
 
+#[cfg(test)]
+mod fuzz;
 mod parse;
 mod stacks;
 #[cfg(test)]
