@@ -44,6 +44,14 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Read the answer's `<think>` block out of its text (the router's Qwen3 reasoning
+    /// parser): streamed to stderr, or `reasoning` in `--json`.
+    #[arg(long)]
+    parse_reasoning: bool,
+    /// Read the answer's `<tool_call>` blocks out of its text (the router's Hermes parser):
+    /// printed as `[call] NAME ARGUMENTS` at the end, or `tool_calls` in `--json`.
+    #[arg(long)]
+    parse_tool_calls: bool,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -96,6 +104,8 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         request_id: None,
         skip_special_tokens: Some(p.skip_special_tokens),
         n: Some(args.n),
+        parse_reasoning: args.parse_reasoning,
+        parse_tool_calls: args.parse_tool_calls,
     }
 }
 
@@ -132,6 +142,21 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let choice = &mut choices[index];
         choice.token_ids.extend_from_slice(&chunk.token_ids);
         choice.text.push_str(&chunk.text);
+        choice.reasoning.push_str(&chunk.reasoning);
+        for part in &chunk.tool_calls {
+            let at = part.index as usize;
+            if at >= choice.calls.len() {
+                choice.calls.resize_with(at + 1, Call::default);
+            }
+            let call = &mut choice.calls[at];
+            if let Some(id) = &part.id {
+                call.id.clone_from(id);
+            }
+            if let Some(name) = &part.name {
+                call.name.clone_from(name);
+            }
+            call.arguments.push_str(&part.arguments);
+        }
         choice.logprobs.extend(chunk.logprobs.iter().cloned());
         choice
             .prompt_logprobs
@@ -139,10 +164,24 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let finished = chunk.finish_reason != pb::FinishReason::Unspecified as i32;
         if !args.json {
             if args.n == 1 {
+                if !chunk.reasoning.is_empty() {
+                    let mut err = std::io::stderr().lock();
+                    err.write_all(chunk.reasoning.as_bytes())?;
+                    err.flush()?;
+                }
                 out.write_all(chunk.text.as_bytes())?;
                 out.flush()?;
             } else if finished {
                 writeln!(out, "[{index}] {}", choice.text)?;
+            }
+            if finished && !choice.calls.is_empty() {
+                if args.n == 1 {
+                    // The streamed text's line ends first.
+                    writeln!(out)?;
+                }
+                for call in &choice.calls {
+                    writeln!(out, "[call] {} {}", call.name, call.arguments)?;
+                }
             }
         }
         if finished {
@@ -153,7 +192,7 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         anyhow::bail!("the stream ended before every choice had a finish reason");
     }
     if !args.json {
-        if args.n == 1 {
+        if args.n == 1 && choices[0].calls.is_empty() {
             writeln!(out)?;
         }
         return Ok(());
@@ -170,10 +209,20 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
 struct Choice {
     token_ids: Vec<u32>,
     text: String,
+    reasoning: String,
+    calls: Vec<Call>,
     logprobs: Vec<pb::Logprob>,
     prompt_logprobs: Vec<pb::Logprob>,
     /// Its last chunk (finish reason, usage).
     last: Option<pb::GenerateResponse>,
+}
+
+/// A tool call's pieces, joined.
+#[derive(Default)]
+struct Call {
+    id: String,
+    name: String,
+    arguments: String,
 }
 
 impl Choice {
@@ -212,6 +261,16 @@ impl Choice {
         });
         if args.n > 1 {
             object["index"] = json!(index);
+        }
+        if args.parse_reasoning {
+            object["reasoning"] = json!(self.reasoning);
+        }
+        if args.parse_tool_calls {
+            object["tool_calls"] = self
+                .calls
+                .iter()
+                .map(|c| json!({"id": c.id, "name": c.name, "arguments": c.arguments}))
+                .collect();
         }
         object
     }

@@ -180,10 +180,8 @@ impl SamplingArgs {
                 Some(StructuredOutput::Choice(self.choice.clone()))
             } else if self.json_object {
                 Some(StructuredOutput::JsonObject)
-            } else if let Some(grammar) = &self.grammar {
-                Some(StructuredOutput::Grammar(grammar.clone()))
             } else {
-                None
+                self.grammar.clone().map(StructuredOutput::Grammar)
             },
         }
     }

@@ -21,6 +21,9 @@
 //! - The client going away (its stream dropped), `Generation.Abort` or the deadline cancel the
 //!   request: `Abort` on the prefill node if it was still prefilling, on the decode node if it
 //!   was decoding, and `ReleaseKv` if a lease is held. Every node call has a deadline.
+//!   A choice of a request of `n` (see [`crate::choices`]) is also cancelled by its parent's
+//!   `Abort` (its switch), at once if that came before the choice started: nothing is sent to
+//!   a node then.
 //!
 //! **Aggregated mode** (decode nodes only, see [`crate::registry`]): no prefill step. The
 //! decode node is chosen by the routing policy (it computes the prompt, so prefix affinity
@@ -76,21 +79,34 @@ enum End {
     Failed(Status),
 }
 
+/// Waits until `switch` is on (at once if it is); forever if it never will be.
+async fn switched_on(switch: Option<watch::Receiver<bool>>) {
+    if let Some(mut switch) = switch
+        && switch.wait_for(|on| *on).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await;
+}
+
 /// Races a request's steps against its cancellation.
 struct Watch {
     cancel: watch::Receiver<bool>,
+    /// The switch of the request this one is a choice of: an `Abort` of that request.
+    parent: Option<watch::Receiver<bool>>,
     tx: ChunkTx,
     deadline: Option<Instant>,
 }
 
 impl Watch {
+    /// Whether the request, or the one it is a choice of, is aborted already.
+    fn aborted(&self) -> bool {
+        *self.cancel.borrow() || self.parent.as_ref().is_some_and(|p| *p.borrow())
+    }
+
     async fn run<F: Future>(&self, fut: F) -> Result<F::Output, End> {
-        let mut cancel = self.cancel.clone();
-        let aborted = async move {
-            if cancel.wait_for(|c| *c).await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        };
+        let aborted = switched_on(Some(self.cancel.clone()));
+        let parent_aborted = switched_on(self.parent.clone());
         let deadline = async {
             match self.deadline {
                 Some(d) => tokio::time::sleep_until(d).await,
@@ -99,7 +115,8 @@ impl Watch {
         };
         tokio::select! {
             biased;
-            _ = aborted => Err(End::Aborted),
+            () = aborted => Err(End::Aborted),
+            () = parent_aborted => Err(End::Aborted),
             _ = self.tx.closed() => Err(End::ClientGone),
             _ = deadline => Err(End::Deadline),
             out = fut => Ok(out),
@@ -131,12 +148,14 @@ struct Job {
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
 /// before the last message goes out, so the client may reuse its request id right away, and
 /// the client's stream ends before the release (a 1-token request does not wait for
-/// `ReleaseKv`).
+/// `ReleaseKv`). `parent` is the switch of the request this one is a choice of, if any;
+/// `deadline` is the earlier of this request's and that request's.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     req: ValidRequest,
     entry: InflightEntry,
     cancel: watch::Receiver<bool>,
+    parent: Option<watch::Receiver<bool>>,
     tx: ChunkTx,
     deadline: Option<Instant>,
 ) {
@@ -147,6 +166,7 @@ pub(crate) async fn run(
         req,
         watch: Watch {
             cancel,
+            parent,
             tx: tx.clone(),
             deadline,
         },
@@ -194,6 +214,11 @@ pub(crate) async fn run(
 
 impl Job {
     async fn drive(&mut self, text: &mut TextStream<'_>) -> Result<pb::GenerateResponse, End> {
+        // A choice started after its request's `Abort` (or one aborted meanwhile): nothing
+        // goes to a node.
+        if self.watch.aborted() {
+            return Err(End::Aborted);
+        }
         if self.shared.registry.aggregated() {
             return self.decode(text, None).await;
         }

@@ -12,6 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use crate::choices::ChoiceOf;
 use crate::flow;
 
 /// One message of a `Generate` stream.
@@ -230,6 +231,16 @@ impl GenerationService {
     ) -> Result<(InflightEntry, watch::Receiver<bool>), ValidationError> {
         self.shared.inflight.register(id)
     }
+
+    /// The deadline of a request that arrived at `arrival` with `metadata`: the earlier of
+    /// the client's `grpc-timeout` and the router's `--request-timeout`, if either is set.
+    pub(crate) fn deadline(&self, metadata: &MetadataMap, arrival: Instant) -> Option<Instant> {
+        let budget = match (grpc_timeout(metadata), self.shared.request_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        budget.map(|b| arrival + b)
+    }
 }
 
 #[tonic::async_trait]
@@ -242,12 +253,17 @@ impl pb::generation_server::Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Instant::now();
-        let budget = match (
-            grpc_timeout(request.metadata()),
-            self.shared.request_timeout,
-        ) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        let own = self.deadline(request.metadata(), arrival);
+        // A choice of a request of `n`: that request's Abort and deadline hold for it too.
+        let (parent, deadline) = match request.extensions().get::<ChoiceOf>() {
+            Some(of) => (
+                of.abort.clone(),
+                match (own, of.deadline) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                },
+            ),
+            None => (None, own),
         };
         let req = request.into_inner();
         let shared = self.shared.clone();
@@ -281,8 +297,9 @@ impl pb::generation_server::Generation for GenerationService {
             valid,
             entry,
             cancel,
+            parent,
             tx,
-            budget.map(|b| arrival + b),
+            deadline,
         ))));
         // The response goes out with its first message: headers alone would be one more
         // write, and one more wake-up of the client, while the prefill node computes (on

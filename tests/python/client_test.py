@@ -118,6 +118,27 @@ def main():
             )
             text = "".join(c.text for c in stub.Generate(req, timeout=60))
             assert text == want, (skip, text)
+        # Reasoning and tool calls read out of the answer when asked (a regex forces one).
+        answer = (
+            r'<think>\nhm\.\n</think>\n\nOk\.\n<tool_call>\n'
+            r'\{"name": "w", "arguments": \{"c": "P"\}\}\n</tool_call>'
+        )
+        forced = common_pb2.SamplingParams(
+            temperature=0.0, structured_output=common_pb2.StructuredOutput(regex=answer)
+        )
+        req = generation_pb2.GenerateRequest(
+            text="x", sampling=forced, max_tokens=80, parse_reasoning=True, parse_tool_calls=True
+        )
+        reasoning, text, names, arguments = "", "", [], ""
+        for c in stub.Generate(req, timeout=60):
+            reasoning += c.reasoning
+            text += c.text
+            for part in c.tool_calls:
+                if part.HasField("name"):
+                    names.append(part.name)
+                arguments += part.arguments
+        assert (reasoning, text, names) == ("hm.", "Ok.", ["w"]), (reasoning, text, names)
+        assert arguments == '{"c": "P"}', arguments
 
     def abort():
         req = generation_pb2.GenerateRequest(

@@ -576,6 +576,64 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     assert_eq!(calls[0]["function"], call["function"]);
     assert_eq!(finishes, ["tool_calls"]);
 
+    // The gRPC API reads the same answer the same way when the request asks (its own
+    // flags, not the router's): reasoning, content, and the call's pieces joined by index.
+    let mut grpc = client(&cluster.router()).await;
+    let grpc_request = |parse: bool| pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "Weather in Paris?".into(),
+                ..Default::default()
+            }],
+            enable_thinking: None,
+            tools: vec![tools[0].to_string()],
+        })),
+        sampling: Some(pb::SamplingParams {
+            temperature: Some(0.0),
+            structured_output: Some(pb::StructuredOutput {
+                kind: Some(pb::structured_output::Kind::Regex(answer.into())),
+            }),
+            ..Default::default()
+        }),
+        max_tokens: Some(120),
+        parse_reasoning: parse,
+        parse_tool_calls: parse,
+        ..Default::default()
+    };
+    let mut stream = grpc
+        .generate(grpc_request(true))
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut reasoning, mut content, mut arguments) = (String::new(), String::new(), String::new());
+    let mut heads = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        reasoning.push_str(&chunk.reasoning);
+        content.push_str(&chunk.text);
+        for part in chunk.tool_calls {
+            assert_eq!(part.index, 0);
+            if let Some(name) = part.name {
+                heads.push((name, part.id.expect("a call's first piece has its id")));
+            } else {
+                assert!(part.id.is_none());
+            }
+            arguments.push_str(&part.arguments);
+        }
+    }
+    assert_eq!(reasoning, "The user wants weather.");
+    assert_eq!(content, "Let me check.");
+    assert_eq!(heads.len(), 1, "{heads:?}");
+    assert_eq!(heads[0].0, "get_weather");
+    assert!(heads[0].1.starts_with("call-"), "{heads:?}");
+    assert_eq!(arguments, r#"{"city": "Paris"}"#);
+    // Unasked: the text as the model wrote it.
+    let plain = grpc_text(&mut grpc, grpc_request(false)).await;
+    assert!(
+        plain.starts_with("<think>") && plain.contains("</tool_call>"),
+        "{plain}"
+    );
+
     // The arguments stream as they are written: an answer cut off inside them (`length`)
     // has the call with the arguments written so far, whole and streamed alike.
     let tokens = v["usage"]["completion_tokens"].as_u64().unwrap();

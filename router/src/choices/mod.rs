@@ -2,8 +2,12 @@
 //! the metered one and runs a request of `n > 1` as `n` requests of one choice each (ids
 //! `ID-i`, seeds `seed + i`), started as [`start`] does and merged into one stream whose
 //! chunks carry their choice's `index`. `ID` itself is held among the requests in flight
-//! while the choices run, so no other request takes it and an `Abort` of it aborts every
-//! choice.
+//! while the choices run (until the last choice's last chunk, or an error, goes out), so no
+//! other request takes it; an `Abort` of it turns its switch, which every choice watches
+//! ([`ChoiceOf`]): a choice that runs ends with finish reason ABORT, one that starts after it
+//! ends so at once, without reaching a node (so every choice has its last chunk).
+//! Every choice has the request's deadline, counted from its arrival. Each choice's text is
+//! then read for reasoning and tool calls where the request asks (`crate::answer`).
 //!
 //! Not here: what one choice does (the metered service and the flow behind it), and the HTTP
 //! API's `n`, which starts its generations with [`start`] itself (they are also its prompts).
@@ -15,10 +19,13 @@ use std::task::{Context, Poll};
 
 use pd_proto::pb;
 use pd_proto::pb::generation_server::Generation;
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_stream::{Stream, StreamMap};
 use tonic::{Request, Response, Status};
 
 use self::start::{Generations, start};
+use crate::answer::{self, Chunks, Parse};
 use crate::metrics::MeteredGeneration;
 use crate::service::InflightEntry;
 use crate::validation::{MAX_REQUEST_ID_BYTES, ValidationError, check_request_id};
@@ -40,16 +47,18 @@ impl ChoicesGeneration {
     }
 }
 
-/// Aborts each of `ids` that is in flight.
-async fn abort_all(generation: &MeteredGeneration, ids: &[String]) -> Result<(), Status> {
-    for id in ids {
-        let abort = Request::new(pb::AbortRequest {
-            request_id: id.clone(),
-        });
-        generation.abort(abort).await?;
-    }
-    Ok(())
+/// What a generation started by [`start`] has from the request it belongs to, in its
+/// request's extensions (read by the gRPC service before anything else).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ChoiceOf {
+    /// The request's abort switch (on once an `Abort` names the request); none over HTTP,
+    /// whose client cancels by going away.
+    pub abort: Option<watch::Receiver<bool>>,
+    /// The request's deadline, counted from its arrival: the generation's, if earlier than
+    /// the one it would have counted from its own start.
+    pub deadline: Option<Instant>,
 }
+
 
 /// The choices' requests: ids `base-i`, seeds `seed + i`, one choice each.
 fn choice_requests(req: &pb::GenerateRequest, base: &str, n: u32) -> Vec<pb::GenerateRequest> {
@@ -68,22 +77,22 @@ fn choice_requests(req: &pb::GenerateRequest, base: &str, n: u32) -> Vec<pb::Gen
         .collect()
 }
 
-#[tonic::async_trait]
-impl Generation for ChoicesGeneration {
-    type GenerateStream = Pin<Box<dyn Stream<Item = ChunkResult> + Send>>;
-
-    async fn generate(
+impl ChoicesGeneration {
+    /// The request's choices' chunks, merged (its one choice's, for `n = 1`).
+    async fn choices(
         &self,
         request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
+    ) -> Result<Response<Chunks>, Status> {
+        let arrival = Instant::now();
         let n = request.get_ref().n.unwrap_or(1);
         if n == 1 {
             let response = self.inner.generate(request).await?;
-            return Ok(response.map(|s| Box::pin(s) as Self::GenerateStream));
+            return Ok(response.map(|s| Box::pin(s) as Chunks));
         }
         if n == 0 || n > MAX_N {
             return Err(ValidationError::Choices(n).into());
         }
+        let deadline = self.inner.deadline(request.metadata(), arrival);
         let (metadata, _, req) = request.into_parts();
         let base = match &req.request_id {
             Some(id) => {
@@ -102,35 +111,38 @@ impl Generation for ChoicesGeneration {
             }
             .into());
         }
-        let (held, mut aborted) = self.inner.hold_id(&base)?;
+        let (held, abort) = self.inner.hold_id(&base)?;
         let requests = choice_requests(&req, &base, n);
-        let ids: Vec<String> = requests
-            .iter()
-            .filter_map(|r| r.request_id.clone())
-            .collect();
-        // An Abort of the request's id aborts the choices in flight then; it ends when the
-        // request does (the held id's switch is dropped).
-        let (generation, choice_ids, mut switch) =
-            (self.inner.clone(), ids.clone(), aborted.clone());
-        tokio::spawn(async move {
-            if switch.wait_for(|&a| a).await.is_ok() {
-                let _ = abort_all(&generation, &choice_ids).await;
-            }
-        });
-        let streams = start(&self.inner, requests, n as usize, metadata).await?;
-        // Choices that started after an Abort came are aborted now.
-        if *aborted.borrow_and_update() {
-            abort_all(&self.inner, &ids).await?;
-        }
+        let parent = ChoiceOf {
+            abort: Some(abort),
+            deadline,
+        };
+        let streams = start(&self.inner, requests, n as usize, metadata, parent).await?;
         let mut merged = StreamMap::with_capacity(streams.len());
         for (i, stream) in streams.into_iter().enumerate() {
             merged.insert(i as u32, stream);
         }
         Ok(Response::new(Box::pin(Choices {
+            running: merged.len(),
             merged,
             failed: false,
-            _held: held,
+            held: Some(held),
         })))
+    }
+}
+
+#[tonic::async_trait]
+impl Generation for ChoicesGeneration {
+    type GenerateStream = Chunks;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        // Each choice's text read for reasoning and tool calls, when the request asks.
+        let parse = Parse::of(request.get_ref());
+        let response = self.choices(request).await?;
+        Ok(response.map(|chunks| answer::parsed(chunks, parse)))
     }
 
     async fn abort(
@@ -159,9 +171,13 @@ impl Generation for ChoicesGeneration {
 /// (dropping the rest cancels them).
 struct Choices {
     merged: StreamMap<u32, Generations>,
+    /// Choices whose last chunk has not come yet.
+    running: usize,
     failed: bool,
-    /// The request's own id, held while its choices run.
-    _held: InflightEntry,
+    /// The request's own id, held while its choices run: given back before the last choice's
+    /// last chunk or an error goes out (each choice gave back its own already), so that the
+    /// client may reuse it as soon as it sees the end, as with a request of one choice.
+    held: Option<InflightEntry>,
 }
 
 impl Stream for Choices {
@@ -174,14 +190,25 @@ impl Stream for Choices {
         match Pin::new(&mut self.merged).poll_next(cx) {
             Poll::Ready(Some((index, Ok(mut chunk)))) => {
                 chunk.index = index;
+                if chunk.finish_reason != 0 {
+                    self.running = self.running.saturating_sub(1);
+                    if self.running == 0 {
+                        self.held = None;
+                    }
+                }
                 Poll::Ready(Some(Ok(chunk)))
             }
             Poll::Ready(Some((_, Err(status)))) => {
                 self.failed = true;
                 self.merged.clear();
+                self.held = None;
                 Poll::Ready(Some(Err(status)))
             }
-            other => other.map(|_| None),
+            Poll::Ready(None) => {
+                self.held = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
         }
     }
 }

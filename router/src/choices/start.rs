@@ -1,7 +1,9 @@
 //! Starting a request's generations through the gRPC service: prompts at once, a prompt's
 //! other choices once its first choice's first token is out, each stream's first message
 //! looked at before the response starts. Used by the HTTP API (prompts × `n`) and by the
-//! gRPC API's `n`.
+//! gRPC API's `n`. Each generation's request carries a [`ChoiceOf`]: the abort switch of the
+//! request it belongs to (the gRPC API's) and that request's deadline, counted from its
+//! arrival, so that a later choice has no more time than the first.
 
 use pd_proto::pb;
 use pd_proto::pb::generation_server::Generation;
@@ -11,6 +13,7 @@ use tokio_stream::adapters::Peekable;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
+use super::ChoiceOf;
 use crate::metrics::MeteredGeneration;
 
 /// One generation's chunks, as the gRPC service streams them; its first already looked at.
@@ -30,17 +33,20 @@ async fn opened(
 }
 
 /// Starts the generations and returns their streams in order, or the first refusal. Each
-/// goes with `metadata` (the client's `grpc-timeout`).
+/// goes with `metadata` and `parent` (its abort switch and deadline).
 /// Prompts start at once; a prompt's first choice goes alone, and its other `n - 1` start
 /// when its first token is out: the prompt's KV is then in the prefix cache, so they compute
 /// only its last, partial block, where starting together could put them in one engine step
 /// that computes the whole prompt `n` times. Dropping this future, or returning an error,
-/// cancels those already started.
+/// cancels those already started. Once `parent` is aborted, a prompt's other choices still
+/// start, and end with finish reason ABORT at once without reaching a node (the flow looks at
+/// the switch first), so that every choice has its last chunk.
 pub(crate) async fn start(
     generation: &MeteredGeneration,
     requests: Vec<pb::GenerateRequest>,
     n: usize,
     metadata: MetadataMap,
+    parent: ChoiceOf,
 ) -> Result<Vec<Generations>, Status> {
     let count = requests.len();
     let mut prompts = JoinSet::new();
@@ -48,8 +54,8 @@ pub(crate) async fn start(
     while requests.peek().is_some() {
         let choices: Vec<_> = requests.by_ref().take(n.max(1)).collect();
         let generation = generation.clone();
-        let metadata = metadata.clone();
-        prompts.spawn(async move { start_prompt(generation, choices, metadata).await });
+        let (metadata, parent) = (metadata.clone(), parent.clone());
+        prompts.spawn(async move { start_prompt(generation, choices, metadata, parent).await });
     }
     let mut streams: Vec<Option<Generations>> = (0..count).map(|_| None).collect();
     while let Some(joined) = prompts.join_next().await {
@@ -67,8 +73,13 @@ async fn start_prompt(
     generation: MeteredGeneration,
     choices: Vec<(usize, pb::GenerateRequest)>,
     metadata: MetadataMap,
+    parent: ChoiceOf,
 ) -> Result<Vec<(usize, Generations)>, Status> {
-    let request = |req| tonic::Request::from_parts(metadata.clone(), Default::default(), req);
+    let request = |req| {
+        let mut extensions = tonic::Extensions::new();
+        extensions.insert(parent.clone());
+        tonic::Request::from_parts(metadata.clone(), extensions, req)
+    };
     let mut choices = choices.into_iter();
     let Some((first, req)) = choices.next() else {
         return Ok(Vec::new());

@@ -54,6 +54,15 @@ impl MeteredGeneration {
     > {
         self.inner.hold_id(id)
     }
+
+    /// See [`GenerationService::deadline`].
+    pub(crate) fn deadline(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        arrival: Instant,
+    ) -> Option<Instant> {
+        self.inner.deadline(metadata, arrival)
+    }
 }
 
 #[tonic::async_trait]

@@ -329,6 +329,9 @@ impl Body {
                     skip_special_tokens: self.skip_special_tokens,
                     // Each choice is a request of its own here (started by `choices::start`).
                     n: None,
+                    // The HTTP API reads answers itself (`--reasoning-parser`, ...).
+                    parse_reasoning: false,
+                    parse_tool_calls: false,
                 });
             }
         }

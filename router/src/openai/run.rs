@@ -19,6 +19,7 @@ use super::parse::{AnswerParser, Parsed, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
+use crate::choices::ChoiceOf;
 use crate::choices::start::{Generations, start};
 
 /// Stream events buffered between the request's task and the client's connection.
@@ -40,6 +41,7 @@ pub(super) async fn handle(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Response {
+    let arrival = tokio::time::Instant::now();
     let body = match Body::parse(body) {
         Ok(body) => body,
         Err(e) => return e.into_response(),
@@ -94,7 +96,14 @@ pub(super) async fn handle(
         }
     }
     let requests = std::mem::take(&mut plan.requests);
-    let streams = match start(&api.generation, requests, plan.n, MetadataMap::new()).await {
+    // Every generation has the API request's deadline (`--request-timeout`), counted from its
+    // arrival; the client cancels by going away, so there is no abort switch.
+    let metadata = MetadataMap::new();
+    let parent = ChoiceOf {
+        abort: None,
+        deadline: api.generation.deadline(&metadata, arrival),
+    };
+    let streams = match start(&api.generation, requests, plan.n, metadata, parent).await {
         Ok(streams) => streams,
         Err(status) => return error(http_status(status.code()), status.message()),
     };

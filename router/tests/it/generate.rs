@@ -1,7 +1,9 @@
 //! The generate flow: prefill then decode, text, usage, logprobs and stop strings. Cancellation
-//! and deadlines are in [`cancel`]; retries, failures and routing in [`failover`].
+//! and deadlines are in [`cancel`]; retries, failures and routing in [`failover`]; a request
+//! of `n` choices in [`choices`].
 
 mod cancel;
+mod choices;
 mod failover;
 
 use std::sync::atomic::Ordering::SeqCst;

@@ -168,11 +168,12 @@ impl DecodeService for Fake {
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
-        self.0.decodes.lock().unwrap().push(request.into_inner());
+        let req = request.into_inner();
+        let script = self.0.script_for(&req.request_id);
+        self.0.decodes.lock().unwrap().push(req);
         if let Some(status) = self.0.scripted_failure() {
             return Err(status);
         }
-        let script = self.0.script.lock().unwrap().clone();
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             let n = script.messages.len();

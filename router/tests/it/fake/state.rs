@@ -60,6 +60,9 @@ pub struct FakeState {
     pub first_token: AtomicU32,
     pub prefill_delay: Mutex<Duration>,
     pub script: Mutex<Script>,
+    /// One-shot scripts by client request id (the node request id's part before `@`): the
+    /// next Decode of that id takes its first entry here instead of [`FakeState::script`].
+    pub scripts_by_id: Mutex<Vec<(String, Script)>>,
     pub(crate) next_lease: AtomicU64,
     pub prefills: Mutex<Vec<pb::PrefillRequest>>,
     /// Each Prefill's `grpc-timeout` header, as received.
@@ -87,6 +90,7 @@ impl FakeState {
             first_token: AtomicU32::new(100),
             prefill_delay: Mutex::new(Duration::ZERO),
             script: Mutex::new(Script::default()),
+            scripts_by_id: Mutex::default(),
             next_lease: AtomicU64::new(1000),
             prefills: Mutex::default(),
             prefill_timeouts: Mutex::default(),
@@ -123,6 +127,16 @@ impl FakeState {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
         failing.then(|| Status::new(*self.fail_code.lock().unwrap(), "scripted failure"))
+    }
+
+    /// The script of the next Decode of node request id `node_request_id`.
+    pub(crate) fn script_for(&self, node_request_id: &str) -> Script {
+        let client_id = node_request_id.split('@').next().unwrap_or_default();
+        let mut by_id = self.scripts_by_id.lock().unwrap();
+        match by_id.iter().position(|(id, _)| id == client_id) {
+            Some(i) => by_id.remove(i).1,
+            None => self.script.lock().unwrap().clone(),
+        }
     }
 
     pub fn prefill_count(&self) -> usize {

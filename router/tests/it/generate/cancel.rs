@@ -11,7 +11,7 @@ use tonic::transport::Channel;
 
 use crate::fake::*;
 
-fn abort_request(id: &str) -> pb::AbortRequest {
+pub(super) fn abort_request(id: &str) -> pb::AbortRequest {
     pb::AbortRequest {
         request_id: id.into(),
     }
@@ -19,7 +19,7 @@ fn abort_request(id: &str) -> pb::AbortRequest {
 
 /// The request `id` leaves the router's in-flight table within a second (`Abort` no longer
 /// finds it).
-async fn assert_leaves_flight(client: &mut GenerationClient<Channel>, id: &str) {
+pub(super) async fn assert_leaves_flight(client: &mut GenerationClient<Channel>, id: &str) {
     for _ in 0..100 {
         let r = client.abort(abort_request(id)).await.unwrap();
         if !r.into_inner().aborted {
