@@ -59,7 +59,6 @@ pub(crate) struct ChoiceOf {
     pub deadline: Option<Instant>,
 }
 
-
 /// The choices' requests: ids `base-i`, seeds `seed + i`, one choice each.
 fn choice_requests(req: &pb::GenerateRequest, base: &str, n: u32) -> Vec<pb::GenerateRequest> {
     (0..n)

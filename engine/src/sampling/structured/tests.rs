@@ -317,18 +317,25 @@ fn any_json_object_allows_exactly_the_qwen3_tokens_that_continue_one() {
 /// ends every output with EOS right after a whole JSON object, never before.
 #[test]
 fn sampled_outputs_are_json_objects() {
-    let (tokenizer, guide, eos) = qwen3_json();
-    let logits = closing_logits(&tokenizer, &eos, 3);
-    let mut closed = 0;
-    for seed in 0..12 {
-        let output = sample_until_eos(&guide, &eos, &logits, seed);
-        let text = tokenizer.decode(&output, false).unwrap();
-        let object: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-        closed += usize::from(!object.is_empty());
-    }
     // Not only `{}`: objects with members were drawn.
-    assert!(closed > 0);
+    assert!(sampled_object_members(&StructuredOutput::JsonObject, 3, 12) > 0);
+}
+
+/// Samples `count` outputs (seeds 0..count) guided by `spec` over Qwen3's vocabulary from
+/// [`closing_logits`] of `logits_seed`, each of which must be a JSON object that serde_json
+/// reads, ended by EOS; returns their members, counted.
+fn sampled_object_members(spec: &StructuredOutput, logits_seed: u64, count: u64) -> usize {
+    let (tokenizer, guide, eos) = qwen3_guide(spec);
+    let logits = closing_logits(&tokenizer, &eos, logits_seed);
+    (0..count)
+        .map(|seed| {
+            let output = sample_until_eos(&guide, &eos, &logits, seed);
+            let text = tokenizer.decode(&output, false).unwrap();
+            let object: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            object.len()
+        })
+        .sum()
 }
 
 /// A schema that asks for an object and nothing of it is guided as any JSON object (as a
