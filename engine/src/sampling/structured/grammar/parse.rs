@@ -325,10 +325,12 @@ impl Parser<'_> {
         Ok(())
     }
 
-    /// `*`, `+`, `?` and `{…}` after an item, any number of them.
+    /// `*`, `+`, `?` and `{…}` after an item, any number of them, white space before each
+    /// allowed (as llama.cpp reads `x *`).
     fn postfix(&mut self, mut item: Item) -> Result<Item, String> {
         let outer = self.depth;
         let item = loop {
+            self.skip_space();
             let at = self.pos;
             let (min, max) = match self.peek() {
                 Some('*') => (0, None),

@@ -52,6 +52,15 @@ fn literals_alternatives_and_rules() {
 }
 
 #[test]
+fn white_space_may_come_before_a_repetition() {
+    let g = guide("root ::= [0-9] + \"x\" ? (\"y\") {2}");
+    assert!(matches(&g, "12yy"));
+    assert!(matches(&g, "1xyy"));
+    assert!(!matches(&g, "x"));
+    assert!(!matches(&g, "1y"));
+}
+
+#[test]
 fn a_rule_may_span_lines_and_ends_where_the_next_begins() {
     let g = guide("root ::= a\n  | b\nb ::=\n  \"y\"\n  \"z\"\na ::= \"x\"");
     assert!(matches(&g, "x"));
