@@ -23,11 +23,11 @@ mod free;
 mod grammar;
 mod json;
 mod trie;
+mod vocabulary;
 
 use std::sync::Arc;
 
 use outlines_core::index::Index;
-use outlines_core::vocabulary::Vocabulary;
 use serde::{Deserialize, Serialize};
 
 pub use cache::GuideCache;
@@ -35,7 +35,8 @@ use free::{FreeJson, FreeState};
 use grammar::{Grammar, GrammarGuide, GrammarState};
 pub use grammar::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_ELEMENTS, MAX_GRAMMAR_STACKS};
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
-use trie::{Masks, TokenTrie};
+use trie::Masks;
+pub use vocabulary::GuideVocabulary;
 
 /// Longest regex, JSON schema or grammar a request may carry (bytes).
 pub const MAX_STRUCTURED_SPEC_BYTES: usize = 16 * 1024;
@@ -307,58 +308,6 @@ fn regex_error(e: &regex_syntax::Error) -> String {
             .split_whitespace()
             .collect::<Vec<_>>()
             .join(" "),
-    }
-}
-
-/// A tokenizer's vocabulary as guides see it: every ordinary token's bytes (special tokens
-/// are never part of a structured output), and the ids that end a sequence.
-pub struct GuideVocabulary {
-    vocabulary: Vocabulary,
-    /// The same tokens as a trie, for the JSON grammar's masks.
-    trie: Arc<TokenTrie>,
-    eos_token_ids: Vec<u32>,
-}
-
-impl GuideVocabulary {
-    /// From `(id, bytes)` of each ordinary token and the model's EOS ids (at least one).
-    pub fn new<'a>(
-        tokens: impl IntoIterator<Item = (u32, &'a [u8])>,
-        eos_token_ids: &[u32],
-    ) -> Result<Self, StructuredError> {
-        let &first_eos = eos_token_ids.first().ok_or_else(|| {
-            StructuredError::Vocabulary("the model has no EOS token to end a match".into())
-        })?;
-        let mut vocabulary = Vocabulary::new(first_eos);
-        let mut spellings = Vec::new();
-        for (id, bytes) in tokens {
-            if !bytes.is_empty() && !eos_token_ids.contains(&id) {
-                vocabulary
-                    .try_insert(bytes.to_vec(), id)
-                    .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
-                spellings.push((id, bytes.to_vec()));
-            }
-        }
-        // Each once, the index's own EOS id first (`Guide::allowed` relies on it).
-        let mut unique = Vec::with_capacity(eos_token_ids.len());
-        for &id in eos_token_ids {
-            if !unique.contains(&id) {
-                unique.push(id);
-            }
-        }
-        let eos_token_ids = unique;
-        Ok(Self {
-            vocabulary,
-            trie: Arc::new(TokenTrie::new(&spellings)),
-            eos_token_ids,
-        })
-    }
-
-    /// A tokenizer's ordinary tokens, ended by the model's EOS ids.
-    pub fn from_tokenizer(
-        tokenizer: &crate::tokenizer::Tokenizer,
-        eos_token_ids: &[u32],
-    ) -> Result<Self, StructuredError> {
-        Self::new(tokenizer.ordinary_tokens(), eos_token_ids)
     }
 }
 
