@@ -222,6 +222,15 @@ fn qwen3_guide(spec: &StructuredOutput) -> (crate::tokenizer::Tokenizer, Arc<Gui
     (tokenizer, Arc::new(guide), eos)
 }
 
+/// Every ordinary token but the EOS ones, with its bytes: what a mask is checked against.
+fn ordinary_tokens(tokenizer: &crate::tokenizer::Tokenizer, eos: &[u32]) -> Vec<(u32, Vec<u8>)> {
+    tokenizer
+        .ordinary_tokens()
+        .filter(|(id, _)| !eos.contains(id))
+        .map(|(id, b)| (id, b.to_vec()))
+        .collect()
+}
+
 fn qwen3_json() -> (crate::tokenizer::Tokenizer, Arc<Guide>, Vec<u32>) {
     qwen3_guide(&StructuredOutput::JsonObject)
 }
@@ -272,11 +281,7 @@ fn sample_until_eos(guide: &Arc<Guide>, eos: &[u32], logits: &[f32], seed: u64) 
 #[test]
 fn any_json_object_allows_exactly_the_qwen3_tokens_that_continue_one() {
     let (tokenizer, guide, eos) = qwen3_json();
-    let ordinary: Vec<(u32, Vec<u8>)> = tokenizer
-        .ordinary_tokens()
-        .filter(|(id, _)| !eos.contains(id))
-        .map(|(id, b)| (id, b.to_vec()))
-        .collect();
+    let ordinary = ordinary_tokens(&tokenizer, &eos);
     let mut state = GuideState::new(guide.clone());
     for text in [
         "{\"name\": \"Ada\", \"tags\": [\"x\", 1.5e-3, true, null], \"nested\": {\"k\": []}}",

@@ -87,11 +87,7 @@ fn a_grammar_allows_exactly_the_qwen3_tokens_that_continue_its_text() {
     let GuideKind::Grammar(recognizer, _) = &guide.kind else {
         panic!("{guide:?}");
     };
-    let ordinary: Vec<(u32, Vec<u8>)> = tokenizer
-        .ordinary_tokens()
-        .filter(|(id, _)| !eos.contains(id))
-        .map(|(id, b)| (id, b.to_vec()))
-        .collect();
+    let ordinary = ordinary_tokens(&tokenizer, &eos);
     let mut state = GuideState::new(guide.clone());
     let text =
         "{\"name\": \"Ada \\u00e9\", \"tags\": [\"x\", 1.5e-3, true, null],\n  \"n\": {\"k\": []}}";
