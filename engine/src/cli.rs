@@ -163,14 +163,22 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 
 /// Upper bound of the device memory one engine step of `tokens` tokens works in: the live
 /// activations of one layer (residual, normed input, q/k/v, attention output, the MLP's
-/// gate/up/product and a 16-bit GEMM input copy), logits for every token (prompt logprobs)
+/// gate/up/product and a 16-bit GEMM input copy; for Qwen3-MoE also the router's logits and
+/// an expert's rows, no wider than a dense MLP's), logits for every token (prompt logprobs)
 /// and 256 MiB for the GEMM library's workspace and attention partials.
 pub fn step_activation_bytes(config: &ModelConfig, tokens: usize) -> usize {
     let h = config.hidden_size;
     let q = config.num_attention_heads * config.head_dim;
     let kv = config.num_key_value_heads * config.head_dim;
-    let i = config.intermediate_size;
-    let per_token = 4 * (3 * h + 2 * q + 2 * kv + 3 * i) + 2 * i.max(h) + 4 * config.vocab_size;
+    let (i, moe) = match &config.moe {
+        Some(m) => (
+            config.intermediate_size.max(m.intermediate_size),
+            4 * (m.num_experts + 2 * h),
+        ),
+        None => (config.intermediate_size, 0),
+    };
+    let per_token =
+        4 * (3 * h + 2 * q + 2 * kv + 3 * i) + 2 * i.max(h) + 4 * config.vocab_size + moe;
     tokens * per_token + (256 << 20)
 }
 

@@ -1,6 +1,6 @@
-//! `config.json` of a Hugging Face Qwen3 checkpoint: parsed, then validated into a
-//! [`ModelConfig`] the rest of the engine trusts. Anything this engine does not implement
-//! (other architectures, MoE, rope scaling, sliding window, attention bias) is refused here,
+//! `config.json` of a Hugging Face Qwen3 or Qwen3-MoE checkpoint: parsed, then validated into
+//! a [`ModelConfig`] the rest of the engine trusts. Anything this engine does not implement
+//! (other architectures, rope scaling, sliding window, attention bias) is refused here,
 //! naming the field, so a model is never served with silently wrong math.
 
 use std::path::Path;
@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::error::EngineError;
 use crate::weights::DType;
 
-/// A validated Qwen3 dense configuration.
+/// A validated Qwen3 configuration (dense, or Qwen3-MoE when [`ModelConfig::moe`] is set).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub hidden_size: usize,
@@ -28,6 +28,25 @@ pub struct ModelConfig {
     pub dtype: DType,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Qwen3-MoE's sparse MLPs (`Qwen3MoeForCausalLM`); `None` for a dense Qwen3.
+    pub moe: Option<MoeConfig>,
+}
+
+/// Qwen3-MoE's mixture of experts: which layers have one and how tokens are routed to it.
+/// Layers without one have the dense MLP of `intermediate_size`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_experts`).
+    pub num_experts: usize,
+    /// Experts each token is sent to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Each expert's SwiGLU width (`moe_intermediate_size`).
+    pub intermediate_size: usize,
+    /// Renormalise the chosen experts' probabilities to sum to 1 (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// `sparse_layers[i]`: layer `i` has the experts (transformers' rule: not in
+    /// `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`).
+    pub sparse_layers: Vec<bool>,
 }
 
 /// The raw file, as loosely as transformers writes it (4.x and 5.x spellings).
@@ -56,6 +75,13 @@ struct RawConfig {
     layer_types: Option<Vec<String>>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
 }
 
 impl ModelConfig {
@@ -77,18 +103,35 @@ impl ModelConfig {
 
         let arch = raw.architectures.clone().unwrap_or_default();
         let model_type = raw.model_type.clone().unwrap_or_default();
-        if model_type == "qwen3_moe" || arch.iter().any(|a| a.contains("Moe")) {
-            return Err(err(
-                "architectures",
-                format!("{arch:?} is Qwen3-MoE, which this engine does not implement"),
-            ));
-        }
-        if !arch.iter().any(|a| a == "Qwen3ForCausalLM") && model_type != "qwen3" {
+        let is_moe = if arch.is_empty() {
+            match model_type.as_str() {
+                "qwen3" => false,
+                "qwen3_moe" => true,
+                _ => {
+                    return Err(err(
+                        "model_type",
+                        format!("{model_type:?} is not supported; only qwen3 and qwen3_moe are"),
+                    ));
+                }
+            }
+        } else if arch.iter().any(|a| a == "Qwen3ForCausalLM") {
+            false
+        } else if arch.iter().any(|a| a == "Qwen3MoeForCausalLM") {
+            true
+        } else {
             return Err(err(
                 "architectures",
                 format!(
-                    "{arch:?} (model_type {model_type:?}) is not supported; only Qwen3ForCausalLM is"
+                    "{arch:?} (model_type {model_type:?}) is not supported; only \
+                     Qwen3ForCausalLM and Qwen3MoeForCausalLM are"
                 ),
+            ));
+        };
+        let expected_type = if is_moe { "qwen3_moe" } else { "qwen3" };
+        if !model_type.is_empty() && model_type != expected_type {
+            return Err(err(
+                "model_type",
+                format!("{model_type:?} does not match architectures {arch:?} ({expected_type:?})"),
             ));
         }
         if raw.use_sliding_window == Some(true) {
@@ -190,7 +233,8 @@ impl ModelConfig {
         }
         let dtype_name = raw
             .torch_dtype
-            .or(raw.dtype)
+            .clone()
+            .or(raw.dtype.clone())
             .unwrap_or_else(|| "bfloat16".to_string());
         let dtype = DType::from_torch_name(&dtype_name).ok_or_else(|| {
             err(
@@ -214,6 +258,11 @@ impl ModelConfig {
             Some(v) => Some(token_id(v, "bos_token_id")?),
         };
         let eos_token_ids = parse_eos(raw.eos_token_id.as_ref(), &token_id, "eos_token_id")?;
+        let moe = if is_moe {
+            parse_moe(&raw, num_hidden_layers).map_err(|(field, m)| err(field, m))?
+        } else {
+            None
+        };
 
         Ok(ModelConfig {
             hidden_size,
@@ -230,20 +279,99 @@ impl ModelConfig {
             dtype,
             bos_token_id,
             eos_token_ids,
+            moe,
         })
     }
 
-    /// Total parameter count (embedding counted once when tied).
+    /// Whether layer `i` has Qwen3-MoE's experts instead of the dense MLP.
+    pub fn is_sparse_layer(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers[i])
+    }
+
+    /// Total parameter count (embedding counted once when tied; every expert).
     pub fn num_parameters(&self) -> usize {
+        self.parameters(false)
+    }
+
+    /// Parameters one token reads: [`Self::num_parameters`] with only `top_k` experts (and
+    /// the router) of each sparse layer. Equal to it for a dense model.
+    pub fn num_active_parameters(&self) -> usize {
+        self.parameters(true)
+    }
+
+    fn parameters(&self, active_only: bool) -> usize {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let per_layer =
-            h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h + 2 * self.head_dim;
+        let attention = h * q + 2 * h * kv + q * h + 2 * h + 2 * self.head_dim;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|i| match &self.moe {
+                Some(m) if m.sparse_layers[i] => {
+                    let experts = if active_only { m.top_k } else { m.num_experts };
+                    attention + m.num_experts * h + experts * 3 * h * m.intermediate_size
+                }
+                _ => attention + 3 * h * self.intermediate_size,
+            })
+            .sum();
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + head + self.num_hidden_layers * per_layer + h
+        embed + head + layers + h
     }
+}
+
+/// Qwen3-MoE's fields, validated; `None` when `num_experts` is 0 (every layer dense, as
+/// transformers builds it). Errors name the field.
+fn parse_moe(raw: &RawConfig, layers: usize) -> Result<Option<MoeConfig>, (&'static str, String)> {
+    let need = |v: Option<usize>, field: &'static str| match v {
+        Some(0) => Err((field, "must be > 0".to_string())),
+        Some(v) => Ok(v),
+        None => Err((
+            field,
+            "is missing (a Qwen3-MoE config needs it)".to_string(),
+        )),
+    };
+    if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+        return Err((
+            "shared_expert_intermediate_size",
+            "shared experts are not part of Qwen3-MoE and are not supported".into(),
+        ));
+    }
+    let num_experts = match raw.num_experts {
+        None => {
+            return Err((
+                "num_experts",
+                "is missing (a Qwen3-MoE config needs it)".into(),
+            ));
+        }
+        Some(0) => return Ok(None),
+        Some(n) => n,
+    };
+    let top_k = need(raw.num_experts_per_tok, "num_experts_per_tok")?;
+    if top_k > num_experts {
+        return Err((
+            "num_experts_per_tok",
+            format!("{top_k} is more than num_experts {num_experts}"),
+        ));
+    }
+    let intermediate_size = need(raw.moe_intermediate_size, "moe_intermediate_size")?;
+    let step = need(raw.decoder_sparse_step.or(Some(1)), "decoder_sparse_step")?;
+    let dense = raw.mlp_only_layers.clone().unwrap_or_default();
+    if let Some(&bad) = dense.iter().find(|&&i| i >= layers) {
+        return Err((
+            "mlp_only_layers",
+            format!("layer {bad} does not exist (num_hidden_layers is {layers})"),
+        ));
+    }
+    let sparse_layers = (0..layers)
+        .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+        .collect();
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        intermediate_size,
+        norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+        sparse_layers,
+    }))
 }
 
 /// `eos_token_id` may be one id or a list of ids.
@@ -360,6 +488,10 @@ mod tests {
         assert_eq!(refused_field(&v), "architectures");
         let mut v = base();
         v["model_type"] = serde_json::json!("qwen3_moe");
+        assert_eq!(refused_field(&v), "model_type");
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["Qwen2MoeForCausalLM"]);
+        v["model_type"] = serde_json::json!("qwen2_moe");
         assert_eq!(refused_field(&v), "architectures");
         let mut v = base();
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
@@ -395,5 +527,89 @@ mod tests {
         let c = parse(&v).unwrap();
         assert_eq!(c.rope_theta, 1e6);
         assert_eq!(c.dtype, DType::BF16);
+    }
+
+    fn moe() -> Value {
+        let mut v = base();
+        let o = v.as_object_mut().unwrap();
+        o.insert(
+            "architectures".into(),
+            serde_json::json!(["Qwen3MoeForCausalLM"]),
+        );
+        o.insert("model_type".into(), serde_json::json!("qwen3_moe"));
+        o.insert("num_hidden_layers".into(), serde_json::json!(4));
+        o.insert("num_experts".into(), serde_json::json!(8));
+        o.insert("num_experts_per_tok".into(), serde_json::json!(2));
+        o.insert("moe_intermediate_size".into(), serde_json::json!(32));
+        o.insert("norm_topk_prob".into(), serde_json::json!(true));
+        o.insert("decoder_sparse_step".into(), serde_json::json!(1));
+        o.insert("mlp_only_layers".into(), serde_json::json!([]));
+        v
+    }
+
+    #[test]
+    fn parses_a_qwen3_moe_config_and_its_sparse_layers() {
+        let c = parse(&moe()).unwrap();
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.intermediate_size), (8, 2, 32));
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.sparse_layers, vec![true; 4]);
+        // Only the experts a token is routed to count as active.
+        let per_expert = 3 * 64 * 32;
+        assert_eq!(
+            c.num_parameters() - c.num_active_parameters(),
+            4 * 6 * per_expert
+        );
+
+        let mut v = moe();
+        v["mlp_only_layers"] = serde_json::json!([0]);
+        v["decoder_sparse_step"] = serde_json::json!(2);
+        let c = parse(&v).unwrap();
+        assert_eq!(c.moe.unwrap().sparse_layers, vec![false, true, false, true]);
+        assert!(!parse(&base()).unwrap().is_sparse_layer(0));
+
+        // transformers' defaults: no renormalisation, every layer sparse.
+        let mut v = moe();
+        let o = v.as_object_mut().unwrap();
+        o.remove("norm_topk_prob");
+        o.remove("decoder_sparse_step");
+        o.remove("mlp_only_layers");
+        let m = parse(&v).unwrap().moe.unwrap();
+        assert!(!m.norm_topk_prob);
+        assert_eq!(m.sparse_layers, vec![true; 4]);
+
+        // No experts at all: transformers builds every layer dense.
+        let mut v = moe();
+        v["num_experts"] = serde_json::json!(0);
+        assert_eq!(parse(&v).unwrap().moe, None);
+    }
+
+    #[test]
+    fn refuses_a_qwen3_moe_config_it_cannot_serve_naming_the_field() {
+        let cases: [(&str, Value); 6] = [
+            ("num_experts_per_tok", serde_json::json!(9)),
+            ("num_experts_per_tok", serde_json::json!(0)),
+            ("moe_intermediate_size", serde_json::json!(0)),
+            ("decoder_sparse_step", serde_json::json!(0)),
+            ("mlp_only_layers", serde_json::json!([4])),
+            ("shared_expert_intermediate_size", serde_json::json!(64)),
+        ];
+        for (field, value) in cases {
+            let mut v = moe();
+            v[field] = value;
+            assert_eq!(refused_field(&v), field);
+        }
+        for field in [
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+        ] {
+            let mut v = moe();
+            v.as_object_mut().unwrap().remove(field);
+            assert_eq!(refused_field(&v), field);
+        }
+        let mut v = moe();
+        v["model_type"] = serde_json::json!("qwen3");
+        assert_eq!(refused_field(&v), "model_type");
     }
 }

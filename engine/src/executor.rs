@@ -83,7 +83,17 @@ impl<B: Backend> Executor<B> {
     /// Offer pure decode steps (one new token per sequence, no prompt logprobs) of up to
     /// `graphs.max_batch` sequences to the backend's captured graphs; `None`: every step runs
     /// eagerly. A backend without graphs (the CPU) runs them eagerly either way.
+    /// Qwen3-MoE models never use them: each sparse layer reads its routing on the host,
+    /// which a recorded graph cannot replay.
     pub fn set_decode_graphs(&mut self, graphs: Option<DecodeGraphs>) {
+        if graphs.is_some() && self.model.config().moe.is_some() {
+            tracing::warn!(
+                "CUDA graphs are not used for Qwen3-MoE models (each sparse layer routes its \
+                 tokens on the host); decode steps run eagerly"
+            );
+            self.graphs = None;
+            return;
+        }
         self.graphs = graphs;
     }
 

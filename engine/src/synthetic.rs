@@ -37,6 +37,9 @@ const CHUNK: usize = 1 << 20;
 pub enum Preset {
     /// 3 layers, hidden 64, GQA 4:2, head_dim 32 ≠ 64/4, tied embeddings, f32: for tests.
     Tiny,
+    /// [`Preset::Tiny`] as a Qwen3-MoE: layers 0 and 2 sparse (8 experts of width 64, 2 per
+    /// token, renormalised), layer 1 dense (`mlp_only_layers`): for tests.
+    TinyMoe,
     /// The shape of Qwen/Qwen3-0.6B, bf16.
     Qwen3_0_6B,
     /// The shape of Qwen/Qwen3-8B, bf16.
@@ -44,11 +47,17 @@ pub enum Preset {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 3] = [Preset::Tiny, Preset::Qwen3_0_6B, Preset::Qwen3_8B];
+    pub const ALL: [Preset; 4] = [
+        Preset::Tiny,
+        Preset::TinyMoe,
+        Preset::Qwen3_0_6B,
+        Preset::Qwen3_8B,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Preset::Tiny => "tiny",
+            Preset::TinyMoe => "tiny-moe",
             Preset::Qwen3_0_6B => "qwen3-0.6b",
             Preset::Qwen3_8B => "qwen3-8b",
         }
@@ -71,14 +80,54 @@ impl Preset {
     /// `(hidden, intermediate, layers, heads, kv_heads, head_dim, tied, max_positions, dtype)`
     fn shape(self) -> (usize, usize, usize, usize, usize, usize, bool, usize, DType) {
         match self {
-            Preset::Tiny => (64, 192, 3, 4, 2, 32, true, 4096, DType::F32),
+            Preset::Tiny | Preset::TinyMoe => (64, 192, 3, 4, 2, 32, true, 4096, DType::F32),
             Preset::Qwen3_0_6B => (1024, 3072, 28, 16, 8, 128, true, 40960, DType::BF16),
             Preset::Qwen3_8B => (4096, 12288, 36, 32, 8, 128, false, 40960, DType::BF16),
         }
     }
 
-    /// The `config.json` of this preset, as transformers writes a Qwen3 config.
+    /// The Qwen3-MoE part of the shape, for MoE presets.
+    fn moe(self) -> Option<MoeShape> {
+        match self {
+            Preset::TinyMoe => Some(MoeShape {
+                experts: 8,
+                top_k: 2,
+                intermediate: 64,
+                mlp_only_layers: &[1],
+            }),
+            Preset::Tiny | Preset::Qwen3_0_6B | Preset::Qwen3_8B => None,
+        }
+    }
+
+    /// The `config.json` of this preset, as transformers writes a Qwen3 (or Qwen3-MoE) config.
     pub fn config_json(self) -> serde_json::Value {
+        let mut config = self.dense_config_json();
+        if let Some(m) = self.moe() {
+            let o = config.as_object_mut().expect("an object");
+            o.insert(
+                "architectures".into(),
+                serde_json::json!(["Qwen3MoeForCausalLM"]),
+            );
+            o.insert("model_type".into(), serde_json::json!("qwen3_moe"));
+            o.insert("num_experts".into(), serde_json::json!(m.experts));
+            o.insert("num_experts_per_tok".into(), serde_json::json!(m.top_k));
+            o.insert(
+                "moe_intermediate_size".into(),
+                serde_json::json!(m.intermediate),
+            );
+            o.insert("norm_topk_prob".into(), serde_json::json!(true));
+            o.insert("decoder_sparse_step".into(), serde_json::json!(1));
+            o.insert(
+                "mlp_only_layers".into(),
+                serde_json::json!(m.mlp_only_layers),
+            );
+            o.insert("output_router_logits".into(), serde_json::json!(false));
+            o.insert("router_aux_loss_coef".into(), serde_json::json!(0.001));
+        }
+        config
+    }
+
+    fn dense_config_json(self) -> serde_json::Value {
         let (hidden, inter, layers, heads, kv, head_dim, tied, max_pos, dtype) = self.shape();
         serde_json::json!({
             "architectures": ["Qwen3ForCausalLM"],
@@ -108,6 +157,14 @@ impl Preset {
             "vocab_size": 151936,
         })
     }
+}
+
+/// A MoE preset's experts (every layer not in `mlp_only_layers` is sparse).
+struct MoeShape {
+    experts: usize,
+    top_k: usize,
+    intermediate: usize,
+    mlp_only_layers: &'static [usize],
 }
 
 /// Where synthetic models are cached.
@@ -288,24 +345,43 @@ fn tensor_specs(preset: Preset, seed: u64) -> Vec<TensorSpec<'static>> {
             Init::NearOne,
             dtype,
         );
-        add(
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![inter, h],
-            fan_in(h),
-            dtype,
-        );
-        add(
-            format!("{p}.mlp.up_proj.weight"),
-            vec![inter, h],
-            fan_in(h),
-            dtype,
-        );
-        add(
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, inter],
-            fan_in(inter),
-            dtype,
-        );
+        let swiglu =
+            |prefix: String, inter: usize, add: &mut dyn FnMut(String, Vec<usize>, Init, DType)| {
+                add(
+                    format!("{prefix}.gate_proj.weight"),
+                    vec![inter, h],
+                    fan_in(h),
+                    dtype,
+                );
+                add(
+                    format!("{prefix}.up_proj.weight"),
+                    vec![inter, h],
+                    fan_in(h),
+                    dtype,
+                );
+                add(
+                    format!("{prefix}.down_proj.weight"),
+                    vec![h, inter],
+                    fan_in(inter),
+                    dtype,
+                );
+            };
+        match preset.moe() {
+            Some(m) if !m.mlp_only_layers.contains(&i) => {
+                // Router logits of about unit spread: different tokens choose different
+                // experts, and the second choice still weighs.
+                add(
+                    format!("{p}.mlp.gate.weight"),
+                    vec![m.experts, h],
+                    fan_in(h),
+                    dtype,
+                );
+                for e in 0..m.experts {
+                    swiglu(format!("{p}.mlp.experts.{e}"), m.intermediate, &mut add);
+                }
+            }
+            _ => swiglu(format!("{p}.mlp"), inter, &mut add),
+        }
     }
     add("model.norm.weight".into(), vec![h], Init::NearOne, dtype);
     if !tied {

@@ -255,3 +255,59 @@ fn synthetic_models_go_through_the_real_files() {
         Err(EngineError::UnknownSynthetic { .. })
     ));
 }
+
+/// A Qwen3-MoE checkpoint loads its routers and experts where the config says layers are
+/// sparse and dense MLPs elsewhere; a config that disagrees with the files is refused naming
+/// the tensor.
+#[test]
+fn qwen3_moe_checkpoints_load_their_experts_and_refuse_a_mismatch() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = synthetic::materialize(Preset::TinyMoe, 0, cache.path(), &|_, _| {}).unwrap();
+    let files = ModelFiles::open(&dir).unwrap();
+    let moe = files.config.moe.clone().expect("a MoE config");
+    assert_eq!(moe.sparse_layers, vec![true, false, true]);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    // Every tensor of the files is read: none is left over unread.
+    let mut read = 0;
+    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &files.config, &mut |done, _| {
+        read = done
+    })
+    .unwrap();
+    assert_eq!(read, ckpt.total_bytes());
+    // A decode step reads 2 of each sparse layer's 8 experts (and no norm vectors, which
+    // the parameter count includes).
+    let unread_experts = 2 * (8 - 2) * 3 * 64 * 64;
+    let norms = 3 * (2 * 64 + 2 * 32) + 64;
+    assert_eq!(
+        files.config.num_parameters() * 4 - model.weight_bytes_per_step(),
+        (unread_experts + norms) * 4
+    );
+    assert_eq!(
+        files.config.num_parameters() - files.config.num_active_parameters(),
+        unread_experts
+    );
+
+    let refused = |config: &ModelConfig| {
+        Qwen3::load(&CpuBackend::new(), &ckpt, config, &mut |_, _| {})
+            .unwrap_err()
+            .to_string()
+    };
+    // One expert more than the files hold: the router's shape is wrong.
+    let mut more = files.config.clone();
+    more.moe.as_mut().unwrap().num_experts = 9;
+    let err = refused(&more);
+    assert!(
+        err.contains("model.layers.0.mlp.gate.weight") && err.contains("shape"),
+        "{err}"
+    );
+    // Layer 1 declared sparse, but the files hold a dense MLP there.
+    let mut all_sparse = files.config.clone();
+    all_sparse.moe.as_mut().unwrap().sparse_layers = vec![true; 3];
+    let err = refused(&all_sparse);
+    assert!(err.contains("model.layers.1.mlp.gate.weight"), "{err}");
+    // Read as a dense Qwen3, the sparse layers' dense MLP tensors are missing.
+    let mut dense = files.config.clone();
+    dense.moe = None;
+    let err = refused(&dense);
+    assert!(err.contains("model.layers.0.mlp.gate_proj.weight"), "{err}");
+}

@@ -75,6 +75,9 @@ impl Backend for CudaBackend {
     fn add_assign(&self, _: &mut Never, _: &Never) {
         match *self {}
     }
+    fn add_rows_scaled(&self, _: &mut Never, _: &Never, _: &[usize], _: &[f32]) {
+        match *self {}
+    }
     fn select_rows(&self, _: &Never, _: &[usize]) -> Never {
         match *self {}
     }

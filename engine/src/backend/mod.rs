@@ -11,6 +11,7 @@
 pub mod conformance;
 pub mod cpu;
 pub mod graph;
+pub mod moe;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
@@ -18,6 +19,7 @@ use crate::kv::host_buffer::{HostAllocator, HostBuffer, heap_allocator};
 use crate::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use crate::weights::TensorView;
 use graph::DecodeGraphStep;
+use moe::NormMoe;
 
 /// Rows of one sequence inside a batch, for attention.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,6 +214,37 @@ pub trait Backend: Send + Sync + 'static {
             self.norm_linear_shared(x, mlp.norm, mlp.hidden, mlp.eps, [mlp.gate, mlp.up]);
         self.silu_mul_linear_add(x, &gate, &up, mlp.down);
     }
+
+    /// `x += Σₑ wₑ · expertₑ(n)` with `n = rms_norm(x)` over the whole row, each row sent to
+    /// its `top_k` experts by the router ([`moe::route`]): Qwen3-MoE's post-attention norm
+    /// and sparse MLP added to the residual stream. By default the router's logits go to the
+    /// host to be routed, then each chosen expert runs on its rows ([`Self::select_rows`],
+    /// the gate / up / SwiGLU / down ops) and [`Self::add_rows_scaled`] adds its output,
+    /// expert by expert in index order.
+    fn norm_moe_add(&self, x: &mut Self::Tensor, moe: &NormMoe<'_, Self::Weight>) {
+        let n = self.rms_norm(x, moe.norm, moe.hidden, moe.eps);
+        let router_logits = self.to_host(&self.linear(&n, moe.router));
+        let routes = moe::route(&router_logits, moe.top_k, moe.norm_topk_prob);
+        for (expert, route) in moe.experts.iter().zip(&routes) {
+            if route.rows.is_empty() {
+                continue;
+            }
+            let rows = self.select_rows(&n, &route.rows);
+            let [gate, up] = self.linear_shared(&rows, [&expert.gate, &expert.up]);
+            let y = self.linear(&self.silu_mul(&gate, &up), &expert.down);
+            self.add_rows_scaled(x, &y, &route.rows, &route.weights);
+        }
+    }
+
+    /// `x[rows[i]] += scales[i] · y[i]` for each row `i` of `y` (`rows` distinct): an
+    /// expert's output added to the rows routed to it.
+    fn add_rows_scaled(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        rows: &[usize],
+        scales: &[f32],
+    );
 
     /// Rotate-half rotary embedding in place on `[rows, heads * head_dim]`, row `i` at
     /// `positions[i]`, `inv_freq[j] = theta^(-2j/head_dim)`.

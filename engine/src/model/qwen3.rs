@@ -1,8 +1,10 @@
-//! Qwen3 (dense) written once over the op-level [`Backend`]: embedding, per layer RMSNorm →
-//! q/k/v projections → per-head q/k RMSNorm → RoPE → paged GQA attention → output projection
-//! → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm and a tied or separate LM head.
-//! No backend-specific code lives here.
+//! Qwen3 (dense and MoE) written once over the op-level [`Backend`]: embedding, per layer
+//! RMSNorm → q/k/v projections → per-head q/k RMSNorm → RoPE → paged GQA attention → output
+//! projection → residual → RMSNorm → SwiGLU MLP (Qwen3-MoE: the router's top-k experts, each
+//! a SwiGLU MLP, in the sparse layers) → residual; final RMSNorm and a tied or separate LM
+//! head. No backend-specific code lives here.
 
+use crate::backend::moe::{Expert, NormMoe};
 use crate::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
@@ -17,9 +19,16 @@ struct Layer<B: Backend> {
     q_norm: B::Weight,
     k_norm: B::Weight,
     post_norm: B::Weight,
-    gate_proj: B::Weight,
-    up_proj: B::Weight,
-    down_proj: B::Weight,
+    mlp: Mlp<B>,
+}
+
+/// A layer's MLP: Qwen3's dense SwiGLU, or Qwen3-MoE's router and experts.
+enum Mlp<B: Backend> {
+    Dense(Expert<B::Weight>),
+    Sparse {
+        router: B::Weight,
+        experts: Vec<Expert<B::Weight>>,
+    },
 }
 
 /// Qwen3 weights resident on backend `B`.
@@ -83,6 +92,21 @@ impl<B: Backend> Loader<'_, B> {
         self.report();
         Ok(w)
     }
+
+    /// A SwiGLU MLP's `{prefix}.{gate,up,down}_proj.weight` of width `inter`.
+    fn swiglu(
+        &mut self,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Expert<B::Weight>, EngineError> {
+        let [gate, up] = self.stacked([
+            (&format!("{prefix}.gate_proj.weight"), &[inter, hidden]),
+            (&format!("{prefix}.up_proj.weight"), &[inter, hidden]),
+        ])?;
+        let down = self.one(&format!("{prefix}.down_proj.weight"), &[hidden, inter])?;
+        Ok(Expert { gate, up, down })
+    }
 }
 
 impl<B: Backend> Qwen3<B> {
@@ -114,16 +138,17 @@ impl<B: Backend> Qwen3<B> {
                 (&format!("{p}.self_attn.k_proj.weight"), &[kv, h]),
                 (&format!("{p}.self_attn.v_proj.weight"), &[kv, h]),
             ])?;
-            let [gate_proj, up_proj] = loader.stacked([
-                (
-                    &format!("{p}.mlp.gate_proj.weight"),
-                    &[c.intermediate_size, h],
-                ),
-                (
-                    &format!("{p}.mlp.up_proj.weight"),
-                    &[c.intermediate_size, h],
-                ),
-            ])?;
+            let mlp = match &c.moe {
+                Some(moe) if moe.sparse_layers[i] => Mlp::Sparse {
+                    router: loader.one(&format!("{p}.mlp.gate.weight"), &[moe.num_experts, h])?,
+                    experts: (0..moe.num_experts)
+                        .map(|e| {
+                            loader.swiglu(&format!("{p}.mlp.experts.{e}"), h, moe.intermediate_size)
+                        })
+                        .collect::<Result<_, _>>()?,
+                },
+                _ => Mlp::Dense(loader.swiglu(&format!("{p}.mlp"), h, c.intermediate_size)?),
+            };
             layers.push(Layer {
                 input_norm: loader.one(&format!("{p}.input_layernorm.weight"), &[h])?,
                 q_proj,
@@ -133,12 +158,7 @@ impl<B: Backend> Qwen3<B> {
                 q_norm: loader.one(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
                 k_norm: loader.one(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
                 post_norm: loader.one(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_proj,
-                up_proj,
-                down_proj: loader.one(
-                    &format!("{p}.mlp.down_proj.weight"),
-                    &[h, c.intermediate_size],
-                )?,
+                mlp,
             });
         }
         let norm = loader.one("model.norm.weight", &[h])?;
@@ -160,16 +180,25 @@ impl<B: Backend> Qwen3<B> {
         &self.config
     }
 
-    /// Bytes of weights read by one decode step (every matrix once; the embedding row
-    /// gather is negligible unless the LM head is tied to it).
+    /// Bytes of weights read by one decode step of one sequence (every matrix once, of a
+    /// sparse layer the router and `top_k` experts; the embedding row gather is negligible
+    /// unless the LM head is tied to it).
     pub fn weight_bytes_per_step(&self) -> usize {
         let c = &self.config;
         let elem = c.dtype.size_in_bytes();
         let h = c.hidden_size;
         let q = c.num_attention_heads * c.head_dim;
         let kv = c.num_key_value_heads * c.head_dim;
-        let per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size;
-        (c.num_hidden_layers * per_layer + c.vocab_size * h) * elem
+        let attention = 2 * h * q + 2 * h * kv;
+        let layers: usize = (0..c.num_hidden_layers)
+            .map(|i| match &c.moe {
+                Some(m) if m.sparse_layers[i] => {
+                    attention + m.num_experts * h + m.top_k * 3 * h * m.intermediate_size
+                }
+                _ => attention + 3 * h * c.intermediate_size,
+            })
+            .sum();
+        (layers + c.vocab_size * h) * elem
     }
 
     /// Run the model over a batch. `tokens[i]` is batch row `i`; `meta` places rows in their
@@ -263,15 +292,32 @@ impl<B: Backend> Qwen3<B> {
             }
             backend.attention_linear_add(&mut x, &q, kv, i, meta, &layer.o_proj);
 
-            let mlp = NormMlp {
-                hidden: c.hidden_size,
-                norm: &layer.post_norm,
-                eps,
-                gate: &layer.gate_proj,
-                up: &layer.up_proj,
-                down: &layer.down_proj,
-            };
-            backend.norm_mlp_add(&mut x, &mlp);
+            match &layer.mlp {
+                Mlp::Dense(mlp) => {
+                    let mlp = NormMlp {
+                        hidden: c.hidden_size,
+                        norm: &layer.post_norm,
+                        eps,
+                        gate: &mlp.gate,
+                        up: &mlp.up,
+                        down: &mlp.down,
+                    };
+                    backend.norm_mlp_add(&mut x, &mlp);
+                }
+                Mlp::Sparse { router, experts } => {
+                    let moe = c.moe.as_ref().expect("a sparse layer has a MoE config");
+                    let moe = NormMoe {
+                        hidden: c.hidden_size,
+                        norm: &layer.post_norm,
+                        eps,
+                        router,
+                        experts,
+                        top_k: moe.top_k,
+                        norm_topk_prob: moe.norm_topk_prob,
+                    };
+                    backend.norm_moe_add(&mut x, &moe);
+                }
+            }
         }
         Some(x)
     }

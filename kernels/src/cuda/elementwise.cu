@@ -175,6 +175,19 @@ extern "C" __global__ void add_assign(float* x, const float* y, unsigned long lo
     x[i] += y[i];
 }
 
+// x[rows[i], :] += scales[i] * y[i, :]  (one block per row of y; rows distinct): a
+// Qwen3-MoE expert's output added to the rows routed to it.
+extern "C" __global__ void add_rows_scaled(float* x, const float* y, const unsigned int* rows,
+                                           const float* scales, int n, int cols) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned long long dst = (unsigned long long)rows[i] * cols;
+    const float s = scales[i];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        x[dst + c] += s * y[(unsigned long long)i * cols + c];
+    }
+}
+
 // out[i, :] = x[rows[i], :]  (one block per output row)
 extern "C" __global__ void select_rows(const float* x, const unsigned int* rows, float* out,
                                        int n, int cols) {

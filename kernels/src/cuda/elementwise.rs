@@ -192,6 +192,42 @@ impl CudaBackend {
         self.launch("add_assign", b, Self::elements(x.len()));
     }
 
+    /// `x[rows[i]] += scales[i] · y[i]` (a Qwen3-MoE expert's output; never inside a graph:
+    /// the routing is chosen on the host, so MoE models do not capture decode graphs).
+    pub(super) fn launch_add_rows_scaled(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        rows: &[usize],
+        scales: &[f32],
+    ) {
+        assert_eq!((y.rows, y.cols), (rows.len(), x.cols));
+        assert_eq!(rows.len(), scales.len());
+        assert!(
+            rows.iter().all(|&r| r < x.rows),
+            "add_rows_scaled: row in range"
+        );
+        if y.is_empty() {
+            return;
+        }
+        let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let rows_dev = self.upload(&host);
+        let scales_dev = self.upload(scales);
+        let (rows_ptr, scales_ptr) = (self.ptr(&rows_dev), self.ptr(&scales_dev));
+        let (n, cols) = (rows.len() as i32, x.cols as i32);
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.add_rows_scaled);
+        b.arg(x.dense())
+            .arg(y.dense())
+            .arg(&rows_ptr)
+            .arg(&scales_ptr)
+            .arg(&n)
+            .arg(&cols);
+        self.launch("add_rows_scaled", b, Self::per_row(rows.len(), THREADS));
+    }
+
     /// The rows `rows` of `x`, in that order.
     pub(super) fn launch_select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let out = self.tensor(rows.len(), x.cols);

@@ -487,6 +487,10 @@ impl Backend for CudaBackend {
         self.launch_add_assign(x, y)
     }
 
+    fn add_rows_scaled(&self, x: &mut CudaTensor, y: &CudaTensor, rows: &[usize], scales: &[f32]) {
+        self.launch_add_rows_scaled(x, y, rows, scales)
+    }
+
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         self.launch_select_rows(x, rows)
     }

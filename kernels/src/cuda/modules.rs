@@ -38,6 +38,7 @@ pub const SOURCES: [KernelSource; 9] = [
             "rms_norm_16",
             "silu_mul_16",
             "add_assign",
+            "add_rows_scaled",
             "select_rows",
             "cast_bf16",
             "cast_f16",

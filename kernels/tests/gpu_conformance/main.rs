@@ -196,6 +196,15 @@ fn tiny_prefill_and_decode_match_the_cpu() {
     }
 }
 
+/// Qwen3-MoE: the router's choice read on the host, each expert's rows gathered, run and
+/// added back with their weights (`add_rows_scaled`), next to a dense layer.
+#[test]
+fn tiny_moe_prefill_and_decode_match_the_cpu() {
+    if enabled("tiny_moe_prefill_and_decode_match_the_cpu") {
+        conformance("synthetic:tiny-moe", 40, 16);
+    }
+}
+
 #[test]
 fn tiny_long_context_uses_key_splits_and_matches_the_cpu() {
     // 600 keys over 2 KV heads: too few blocks to fill a GPU, so prefill and decode both run

@@ -400,6 +400,19 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn add_rows_scaled(&self, x: &mut CpuTensor, y: &CpuTensor, rows: &[usize], scales: &[f32]) {
+        assert_eq!((y.rows, y.cols), (rows.len(), x.cols));
+        assert_eq!(rows.len(), scales.len());
+        for (i, (&r, &s)) in rows.iter().zip(scales).enumerate() {
+            for (a, b) in x.data[r * x.cols..(r + 1) * x.cols]
+                .iter_mut()
+                .zip(y.row(i))
+            {
+                *a += s * b;
+            }
+        }
+    }
+
     fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
         let mut data = Vec::with_capacity(rows.len() * x.cols);
         for &r in rows {
