@@ -170,12 +170,23 @@ pub fn reference_run(cache: &Path, ids: &[u32], max_tokens: u32) -> Value {
 
 /// [`reference_run`] with engine flags added (e.g. `--kv-cache-dtype f16`).
 pub fn reference_run_with(cache: &Path, ids: &[u32], max_tokens: u32, flags: &[&str]) -> Value {
+    reference_run_on(cache, "synthetic:tiny", ids, max_tokens, flags)
+}
+
+/// [`reference_run_with`] on another model.
+pub fn reference_run_on(
+    cache: &Path,
+    model: &str,
+    ids: &[u32],
+    max_tokens: u32,
+    flags: &[&str],
+) -> Value {
     let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     let max_tokens = max_tokens.to_string();
     let mut args = vec![
         "run",
         "--model",
-        "synthetic:tiny",
+        model,
         "--token-ids",
         &ids,
         "--max-tokens",

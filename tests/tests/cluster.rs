@@ -2,8 +2,8 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, all_blocks_free, client, collect, exposition, greedy, node_info, reference_run_with,
-    reference_tokens, spread_prompts, token_ids,
+    Cluster, all_blocks_free, client, collect, exposition, greedy, node_info, reference_run_on,
+    reference_run_with, reference_tokens, spread_prompts, token_ids,
 };
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
@@ -199,6 +199,48 @@ async fn a_cluster_with_a_16_bit_kv_cache_equals_one_engine_with_it() {
     let imports = "pd_node_kv_imports_total";
     assert!(e.sum(imports, &[("landing", "in_place")]) > 0.0);
     assert_eq!(e.sum(imports, &[("landing", "buffers")]), 0.0);
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
+
+/// Qwen3-MoE served disaggregated: the same tokens and log-probabilities as one mixed
+/// engine (the experts each token is routed to are the same on both nodes), and a repeated
+/// prompt's whole blocks come from the prefill node's prefix cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_moe_cluster_equals_one_engine() {
+    const MODEL: &str = "synthetic:tiny-moe";
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &["--model", MODEL]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    let prompts = spread_prompts(3, 9, 21, 5);
+    for ids in &prompts {
+        let want = reference_run_on(cache.path(), MODEL, ids, 10, &["--logprobs", "0"]);
+        let mut req = greedy(ids.clone(), 10);
+        req.sampling.as_mut().unwrap().logprobs = Some(0);
+        let mut stream = c.generate(req).await.unwrap().into_inner();
+        let (mut got, mut lps) = (Vec::new(), Vec::new());
+        while let Some(chunk) = stream.message().await.unwrap() {
+            got.extend_from_slice(&chunk.token_ids);
+            lps.extend(chunk.logprobs.iter().map(|l| f64::from(l.logprob)));
+        }
+        assert_eq!(got, token_ids(&want), "prompt of {} tokens", ids.len());
+        let off = lps
+            .iter()
+            .zip(logprobs_of(&want))
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0, f64::max);
+        assert!(off <= 1e-6, "logprobs {off} off one engine's");
+    }
+    // A different model than synthetic:tiny: the tokens differ from the dense twin's.
+    assert_ne!(
+        token_ids(&reference_run_on(cache.path(), MODEL, &prompts[0], 10, &[])),
+        reference_tokens(cache.path(), &prompts[0], 10)
+    );
+    let long = prompts.last().unwrap();
+    let (_, last) = collect(&mut c, greedy(long.clone(), 4)).await.unwrap();
+    let usage = last.usage.unwrap();
+    let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
+    assert_eq!(usage.local_cached_tokens, whole_blocks);
     all_blocks_free(&cluster).await;
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }
