@@ -76,6 +76,8 @@ struct RawConfig {
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
     num_experts: Option<usize>,
+    /// transformers 5's name for `num_experts`.
+    num_local_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
@@ -336,7 +338,16 @@ fn parse_moe(raw: &RawConfig, layers: usize) -> Result<Option<MoeConfig>, (&'sta
             "shared experts are not part of Qwen3-MoE and are not supported".into(),
         ));
     }
-    let num_experts = match raw.num_experts {
+    let num_experts = match (raw.num_experts, raw.num_local_experts) {
+        (Some(a), Some(b)) if a != b => {
+            return Err((
+                "num_experts",
+                format!("{a} disagrees with num_local_experts {b}"),
+            ));
+        }
+        (a, b) => a.or(b),
+    };
+    let num_experts = match num_experts {
         None => {
             return Err((
                 "num_experts",
@@ -577,6 +588,14 @@ mod tests {
         let m = parse(&v).unwrap().moe.unwrap();
         assert!(!m.norm_topk_prob);
         assert_eq!(m.sparse_layers, vec![true; 4]);
+
+        // transformers 5 writes `num_local_experts`.
+        let mut v = moe();
+        let experts = v.as_object_mut().unwrap().remove("num_experts").unwrap();
+        v["num_local_experts"] = experts;
+        assert_eq!(parse(&v).unwrap().moe.unwrap().num_experts, 8);
+        v["num_experts"] = serde_json::json!(4);
+        assert_eq!(refused_field(&v), "num_experts");
 
         // No experts at all: transformers builds every layer dense.
         let mut v = moe();

@@ -1,7 +1,8 @@
-//! The CPU forward equals Hugging Face transformers' `Qwen3ForCausalLM` on tiny random
-//! checkpoints (fixtures made by `tools/golden/make_golden.py`): logits at every prompt
-//! position and along 32 greedy steps, through the real loader and the paged KV cache, with
-//! whole-prompt, chunked and batched prefill.
+//! The CPU forward equals Hugging Face transformers' `Qwen3ForCausalLM` and
+//! `Qwen3MoeForCausalLM` on tiny random checkpoints (fixtures made by
+//! `tools/golden/make_golden.py`): logits at every prompt position and along 32 greedy steps,
+//! through the real loader and the paged KV cache, with whole-prompt, chunked and batched
+//! prefill.
 
 use std::path::{Path, PathBuf};
 
@@ -185,15 +186,37 @@ fn bf16_weights_match_transformers() {
     });
 }
 
+/// Qwen3-MoE, renormalised top-2 of 8 experts, a dense layer between two sparse ones.
+#[test]
+fn moe_matches_transformers() {
+    check_fixture("tiny-moe", 16, usize::MAX, &|abs, _| abs <= F32_TOLERANCE);
+}
+
+/// Qwen3-MoE without renormalisation, every second layer sparse (`decoder_sparse_step` 2).
+#[test]
+fn moe_unnormalised_every_second_layer_matches_transformers() {
+    check_fixture("tiny-moe-step2", 16, usize::MAX, &|abs, _| {
+        abs <= F32_TOLERANCE
+    });
+}
+
 #[test]
 fn chunked_prefill_and_small_blocks_change_nothing() {
     check_fixture("tiny-gqa", 4, 5, &|abs, _| abs <= F32_TOLERANCE);
     check_fixture("tiny-kv1", 1, 3, &|abs, _| abs <= F32_TOLERANCE);
+    check_fixture("tiny-moe", 4, 5, &|abs, _| abs <= F32_TOLERANCE);
 }
 
+/// The five prompts in one step equal their goldens: rows of different sequences share the
+/// batch's GEMMs (and, for Qwen3-MoE, each expert's rows come from several sequences).
 #[test]
 fn batched_prefill_equals_one_by_one() {
-    let dir = fixture("tiny-gqa");
+    batched_prefill("tiny-gqa");
+    batched_prefill("tiny-moe");
+}
+
+fn batched_prefill(name: &str) {
+    let dir = fixture(name);
     let golden = load_golden(&dir);
     let mut runner = runner(&dir, 16);
     let vocab = runner.model().config().vocab_size;
@@ -214,7 +237,7 @@ fn batched_prefill_equals_one_by_one() {
         let len = golden.prompts[i].len();
         let want = &golden.logits[i].0[(len - 1) * vocab..len * vocab];
         let d = diff(&logits.data, want);
-        assert!(d.0 <= F32_TOLERANCE, "batched prompt {i}: {d:?}");
+        assert!(d.0 <= F32_TOLERANCE, "{name}: batched prompt {i}: {d:?}");
     }
     for seq in seqs.iter_mut() {
         runner.release(seq);

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the Qwen3 forward pass (no torch, no transformers).
+"""Independent numpy reference of the Qwen3 and Qwen3-MoE forward pass (no torch, no transformers).
 
 It reads a Hugging Face model directory by itself (config.json in either dialect, a
 single model.safetensors with F32 / BF16 / F16 tensors) and computes logits for a
 prompt with plain numpy, written from the math rather than from HF's code, so it can
-cross-check the golden fixtures made by make_golden.py.
+cross-check the golden fixtures made by make_golden.py. Qwen3-MoE experts may be stored
+per expert (the published layout) or fused (experts.gate_up_proj / experts.down_proj).
 
     python numpy_qwen3.py engine/tests/fixtures/golden/tiny-gqa      # check one fixture
     python numpy_qwen3.py engine/tests/fixtures/golden/*             # check all
@@ -73,6 +74,12 @@ class Cfg:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    # Qwen3-MoE (model_type qwen3_moe); num_experts == 0 means every layer is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple = ()
 
     @staticmethod
     def from_json(d: dict) -> "Cfg":
@@ -88,6 +95,23 @@ class Cfg:
         if d.get("attention_bias"):
             raise ValueError("attention_bias not supported by this reference")
         heads = d["num_attention_heads"]
+        moe = {}
+        if d.get("model_type") == "qwen3_moe":
+            # published checkpoints write num_experts; transformers 5 writes num_local_experts
+            n = d.get("num_experts", d.get("num_local_experts", 0))
+            step = d.get("decoder_sparse_step", 1)
+            dense = d.get("mlp_only_layers") or []
+            moe = dict(
+                num_experts=n,
+                num_experts_per_tok=d["num_experts_per_tok"] if n else 0,
+                moe_intermediate_size=d["moe_intermediate_size"] if n else 0,
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                # as Qwen3MoeDecoderLayer decides: a sparse MoE block, else a dense MLP
+                sparse_layers=tuple(i for i in range(d["num_hidden_layers"])
+                                    if i not in dense and n > 0 and (i + 1) % step == 0),
+            )
+        elif d.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"model_type {d.get('model_type')} not supported by this reference")
         return Cfg(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -99,6 +123,7 @@ class Cfg:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **moe,
         )
 
 
@@ -109,7 +134,22 @@ def load_model(model_dir: str | Path) -> tuple[Cfg, dict[str, np.ndarray]]:
     if cfg.tie_word_embeddings:
         # tied checkpoints do not store lm_head.weight at all
         w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
-    return cfg, w
+    return cfg, unfuse_experts(w)
+
+
+def unfuse_experts(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fused experts (transformers 5 in memory): experts.gate_up_proj [E, 2I, H] holds expert e's
+    gate rows then its up rows, experts.down_proj [E, H, I]. Split them, in place, into the
+    published per-expert names experts.{e}.{gate,up,down}_proj.weight."""
+    for name in [n for n in w if n.endswith(".mlp.experts.gate_up_proj")]:
+        p = name[: -len("gate_up_proj")]
+        gate_up, down = w.pop(name), w.pop(p + "down_proj")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            w[f"{p}{e}.gate_proj.weight"] = gate_up[e, :inter]
+            w[f"{p}{e}.up_proj.weight"] = gate_up[e, inter:]
+            w[f"{p}{e}.down_proj.weight"] = down[e]
+    return w
 
 
 # ---------------------------------------------------------------------------
@@ -123,6 +163,33 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def mlp(h: np.ndarray, W: dict[str, np.ndarray], p: str) -> np.ndarray:
+    """SwiGLU: down(silu(gate(h)) * up(h)); p is the prefix up to and including 'mlp.'."""
+    return (silu(h @ W[p + "gate_proj.weight"].T) * (h @ W[p + "up_proj.weight"].T)) @ W[p + "down_proj.weight"].T
+
+
+def moe_mlp(cfg: Cfg, h: np.ndarray, W: dict[str, np.ndarray], p: str) -> np.ndarray:
+    """Qwen3-MoE sparse block over h [T, hidden] (no shared expert):
+    router logits h @ gate.T [T, E]; softmax over ALL experts (in the compute dtype); the k
+    experts of highest probability; their probabilities divided by their sum iff norm_topk_prob;
+    out = sum over the chosen experts, in ascending expert index (as HF's eager loop adds them),
+    of weight * SwiGLU_e(h)."""
+    logits = h @ W[p + "gate.weight"].T
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = z / z.sum(axis=-1, keepdims=True)
+    k = cfg.num_experts_per_tok
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, k]; a tie picks the lower index
+    wts = np.take_along_axis(probs, top, axis=-1)
+    if cfg.norm_topk_prob:
+        wts = wts / wts.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(cfg.num_experts):
+        rows, slot = np.nonzero(top == e)
+        if len(rows):
+            out[rows] += mlp(h[rows], W, f"{p}experts.{e}.") * wts[rows, slot][:, None]
+    return out
 
 
 def rope_cos_sin(cfg: Cfg, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -174,9 +241,10 @@ def forward(cfg: Cfg, w: dict[str, np.ndarray], ids: list[int], dtype=np.float64
         attn = out.transpose(1, 0, 2).reshape(T, nh * hd)  # heads concatenated in order
         x = x + attn @ W[p + "self_attn.o_proj.weight"].T
         h = rms_norm(x, W[p + "post_attention_layernorm.weight"], eps)
-        g = h @ W[p + "mlp.gate_proj.weight"].T
-        u = h @ W[p + "mlp.up_proj.weight"].T
-        x = x + (silu(g) * u) @ W[p + "mlp.down_proj.weight"].T
+        if l in cfg.sparse_layers:
+            x = x + moe_mlp(cfg, h, W, p + "mlp.")
+        else:
+            x = x + mlp(h, W, p + "mlp.")
     x = rms_norm(x, W["model.norm.weight"], eps)
     return x @ W["lm_head.weight"].T
 
