@@ -130,6 +130,24 @@ async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
 }
 
 /// Each sampled token's log-probability from a `pdctl run --json` object.
+/// A greedy request of `max_tokens` tokens with each token's log-probability: (tokens,
+/// log-probabilities).
+async fn greedy_with_logprobs(
+    c: &mut pd_proto::pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    ids: &[u32],
+    max_tokens: u32,
+) -> (Vec<u32>, Vec<f64>) {
+    let mut req = greedy(ids.to_vec(), max_tokens);
+    req.sampling.as_mut().unwrap().logprobs = Some(0);
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let (mut got, mut lps) = (Vec::new(), Vec::new());
+    while let Some(chunk) = stream.message().await.unwrap() {
+        got.extend_from_slice(&chunk.token_ids);
+        lps.extend(chunk.logprobs.iter().map(|l| f64::from(l.logprob)));
+    }
+    (got, lps)
+}
+
 fn logprobs_of(v: &serde_json::Value) -> Vec<f64> {
     let lps = v["logprobs"].as_array().expect("logprobs");
     lps.iter()
@@ -151,14 +169,7 @@ async fn a_cluster_with_a_16_bit_kv_cache_equals_one_engine_with_it() {
     for ids in spread_prompts(3, 20, 23, 7) {
         let want = reference_run_with(cache.path(), &ids, 10, &["--logprobs", "0", f16[0], f16[1]]);
         let f32_run = reference_run_with(cache.path(), &ids, 10, &["--logprobs", "0"]);
-        let mut req = greedy(ids.clone(), 10);
-        req.sampling.as_mut().unwrap().logprobs = Some(0);
-        let mut stream = c.generate(req).await.unwrap().into_inner();
-        let (mut got, mut lps) = (Vec::new(), Vec::new());
-        while let Some(chunk) = stream.message().await.unwrap() {
-            got.extend_from_slice(&chunk.token_ids);
-            lps.extend(chunk.logprobs.iter().map(|l| f64::from(l.logprob)));
-        }
+        let (got, lps) = greedy_with_logprobs(&mut c, &ids, 10).await;
         assert_eq!(got, token_ids(&want), "prompt of {} tokens", ids.len());
         for (g, (w, w32)) in lps
             .iter()
@@ -215,14 +226,7 @@ async fn a_qwen3_moe_cluster_equals_one_engine() {
     let prompts = spread_prompts(3, 9, 21, 5);
     for ids in &prompts {
         let want = reference_run_on(cache.path(), MODEL, ids, 10, &["--logprobs", "0"]);
-        let mut req = greedy(ids.clone(), 10);
-        req.sampling.as_mut().unwrap().logprobs = Some(0);
-        let mut stream = c.generate(req).await.unwrap().into_inner();
-        let (mut got, mut lps) = (Vec::new(), Vec::new());
-        while let Some(chunk) = stream.message().await.unwrap() {
-            got.extend_from_slice(&chunk.token_ids);
-            lps.extend(chunk.logprobs.iter().map(|l| f64::from(l.logprob)));
-        }
+        let (got, lps) = greedy_with_logprobs(&mut c, ids, 10).await;
         assert_eq!(got, token_ids(&want), "prompt of {} tokens", ids.len());
         let off = lps
             .iter()
