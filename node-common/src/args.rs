@@ -70,7 +70,7 @@ pub enum LogFormat {
 /// The flags of both node roles.
 #[derive(Debug, Clone, Args)]
 pub struct NodeArgs {
-    /// Model directory (Hugging Face layout) or `synthetic:tiny|tiny-moe|qwen3-0.6b|qwen3-8b`.
+    /// Model directory (Hugging Face layout) or `synthetic:tiny|tiny-moe|qwen3-0.6b|qwen3-8b|qwen3-30b-a3b`.
     #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny")]
     pub model: String,
     /// Address the gRPC server listens on.

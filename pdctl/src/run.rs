@@ -27,7 +27,7 @@ use serde_json::json;
 #[derive(Debug, Args)]
 #[group(id = "input", required = true, multiple = false, args = ["prompt", "chat", "token_ids", "prompts_file"])]
 pub struct RunArgs {
-    /// Model directory (Hugging Face layout) or `synthetic:tiny|tiny-moe|qwen3-0.6b|qwen3-8b`.
+    /// Model directory (Hugging Face layout) or `synthetic:tiny|tiny-moe|qwen3-0.6b|qwen3-8b|qwen3-30b-a3b`.
     #[arg(long, env = "PD_MODEL", default_value = "synthetic:tiny")]
     model: String,
     /// Raw text prompt (no chat template).
