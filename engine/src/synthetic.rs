@@ -46,7 +46,7 @@ pub enum Preset {
     Qwen3_8B,
     /// The shape of Qwen/Qwen3-30B-A3B (Qwen3-MoE: 48 layers of 128 experts, 8 per token),
     /// bf16: 61 GB written.
-    Qwen3_30B_A3B,
+    Qwen3_30BA3B,
 }
 
 impl Preset {
@@ -55,7 +55,7 @@ impl Preset {
         Preset::TinyMoe,
         Preset::Qwen3_0_6B,
         Preset::Qwen3_8B,
-        Preset::Qwen3_30B_A3B,
+        Preset::Qwen3_30BA3B,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,7 +64,7 @@ impl Preset {
             Preset::TinyMoe => "tiny-moe",
             Preset::Qwen3_0_6B => "qwen3-0.6b",
             Preset::Qwen3_8B => "qwen3-8b",
-            Preset::Qwen3_30B_A3B => "qwen3-30b-a3b",
+            Preset::Qwen3_30BA3B => "qwen3-30b-a3b",
         }
     }
 
@@ -88,7 +88,7 @@ impl Preset {
             Preset::Tiny | Preset::TinyMoe => (64, 192, 3, 4, 2, 32, true, 4096, DType::F32),
             Preset::Qwen3_0_6B => (1024, 3072, 28, 16, 8, 128, true, 40960, DType::BF16),
             Preset::Qwen3_8B => (4096, 12288, 36, 32, 8, 128, false, 40960, DType::BF16),
-            Preset::Qwen3_30B_A3B => (2048, 6144, 48, 32, 4, 128, false, 40960, DType::BF16),
+            Preset::Qwen3_30BA3B => (2048, 6144, 48, 32, 4, 128, false, 40960, DType::BF16),
         }
     }
 
@@ -101,7 +101,7 @@ impl Preset {
                 intermediate: 64,
                 mlp_only_layers: &[1],
             }),
-            Preset::Qwen3_30B_A3B => Some(MoeShape {
+            Preset::Qwen3_30BA3B => Some(MoeShape {
                 experts: 128,
                 top_k: 8,
                 intermediate: 768,

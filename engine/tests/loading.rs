@@ -251,7 +251,7 @@ fn synthetic_models_go_through_the_real_files() {
     let big = cfg(Preset::Qwen3_8B);
     assert!((8_100_000_000..8_300_000_000).contains(&big.num_parameters()));
     // Qwen3-30B-A3B: 30.5B parameters, 3.3B of them active per token (its model card).
-    let moe = cfg(Preset::Qwen3_30B_A3B);
+    let moe = cfg(Preset::Qwen3_30BA3B);
     assert!((30_400_000_000..30_600_000_000).contains(&moe.num_parameters()));
     assert!((3_300_000_000..3_400_000_000).contains(&moe.num_active_parameters()));
     assert!(matches!(

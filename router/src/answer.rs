@@ -2,8 +2,9 @@
 //! `parse_tool_calls`): each choice's text goes through a parser of its own, the same one
 //! the OpenAI-compatible API uses ([`AnswerParser`]: Qwen3's `<think>` block, Hermes-style
 //! `<tool_call>` blocks), and each chunk's `text` becomes what the parser gave out as
-//! content, with `reasoning` and `tool_calls` beside it. Owns only that mapping onto the
-//! wire's chunks; not the parsing.
+//! content, with `reasoning` and `tool_calls` beside it; every other field (`token_ids`,
+//! `prompt_tokens`, usage, ...) passes as it is. Owns only that mapping onto the wire's
+//! chunks; not the parsing.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -139,6 +140,23 @@ mod tests {
         );
         let arguments: String = parts.iter().map(|p| p.arguments.as_str()).collect();
         assert_eq!(arguments, "{\"a\": 1}");
+    }
+
+    #[tokio::test]
+    async fn the_other_fields_pass_through() {
+        let request = pb::GenerateRequest {
+            parse_reasoning: true,
+            parse_tool_calls: true,
+            ..Default::default()
+        };
+        let mut first = chunk(0, "<think>a", false).unwrap();
+        first.prompt_tokens = Some(7);
+        first.token_ids = vec![1, 2];
+        let out = run(&request, vec![Ok(first), chunk(0, "</think>b", true)]).await;
+        let out: Vec<pb::GenerateResponse> = out.into_iter().map(Result::unwrap).collect();
+        assert_eq!(out[0].prompt_tokens, Some(7));
+        assert_eq!(out[0].token_ids, [1, 2]);
+        assert_eq!(out[1].prompt_tokens, None);
     }
 
     #[tokio::test]

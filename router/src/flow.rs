@@ -31,6 +31,10 @@
 //! included. A failure before its first message is retried once on another decode node (the
 //! client has seen nothing); after that it is UNAVAILABLE as above.
 //!
+//! The request's first chunk, whichever path sends it (the prefill node's first token, a
+//! request that ends with it, aggregated mode's first decode message, an abort's last chunk),
+//! carries `prompt_tokens`, the prompt's length as usage counts it; later chunks do not.
+//!
 //! Usage on the last chunk: the prompt's tokens, the tokens streamed to the client, and the
 //! cached tokens **of the node that computed the prompt** (local + external): the computation
 //! its prefix cache saved. In the cluster that is the prefill node; KV that the decode node
@@ -143,6 +147,8 @@ struct Job {
     /// The usage of the node that computed the prompt (its cached tokens reach the client).
     compute_usage: pb::Usage,
     completion_tokens: u32,
+    /// The request's first chunk went out (or is going: it carries `prompt_tokens`).
+    started: bool,
 }
 
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
@@ -173,11 +179,13 @@ pub(crate) async fn run(
         held: Held::default(),
         compute_usage: pb::Usage::default(),
         completion_tokens: 0,
+        started: false,
     };
     let outcome = job.drive(&mut text).await;
     let last = match outcome {
         Ok(mut chunk) => {
             chunk.stop_reason = text.stop_reason().map(stop_reason);
+            job.mark_first(&mut chunk);
             Some(Ok(chunk))
         }
         Err(End::ClientGone) => {
@@ -188,6 +196,7 @@ pub(crate) async fn run(
             tracing::info!(request_id = %job.req.request_id, "request aborted by the client");
             let mut chunk = job.chunk();
             chunk.text = text.flush();
+            job.mark_first(&mut chunk);
             Some(Ok(job.finish(chunk, FinishReason::Abort)))
         }
         Err(End::Deadline) => Some(Err(Status::deadline_exceeded(format!(
@@ -274,13 +283,27 @@ impl Job {
         }
     }
 
+    /// The prompt's length in tokens (after `truncate_prompt_tokens`), as usage counts it.
+    fn prompt_tokens(&self) -> u32 {
+        u32::try_from(self.req.prompt.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Gives `chunk` the prompt's length if it is the request's first: every chunk the
+    /// client gets passes here before it goes out ([`Job::send`], and [`run`] for the last).
+    fn mark_first(&mut self, chunk: &mut pb::GenerateResponse) {
+        if !self.started {
+            self.started = true;
+            chunk.prompt_tokens = Some(self.prompt_tokens());
+        }
+    }
+
     /// Marks `chunk` as the last one.
     fn finish(
         &self,
         mut chunk: pb::GenerateResponse,
         reason: FinishReason,
     ) -> pb::GenerateResponse {
-        let prompt_tokens = u32::try_from(self.req.prompt.len()).unwrap_or(u32::MAX);
+        let prompt_tokens = self.prompt_tokens();
         let local = self.compute_usage.local_cached_tokens;
         let external = self.compute_usage.external_cached_tokens;
         chunk.finish_reason = finish_reason(reason) as i32;
@@ -294,7 +317,8 @@ impl Job {
         chunk
     }
 
-    async fn send(&self, chunk: pb::GenerateResponse) -> Result<(), End> {
+    async fn send(&mut self, mut chunk: pb::GenerateResponse) -> Result<(), End> {
+        self.mark_first(&mut chunk);
         self.watch
             .run(self.watch.tx.send(Ok(chunk)))
             .await?

@@ -56,6 +56,10 @@ def main():
         assert last.WhichOneof("stop_reason") is None, last
         assert last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0, last.usage
         assert all(c.request_id == chunks[0].request_id for c in chunks)
+        # The first chunk tells the prompt's length at once; later ones do not.
+        assert chunks[0].HasField("prompt_tokens"), chunks[0]
+        assert chunks[0].prompt_tokens == last.usage.prompt_tokens, (chunks[0], last.usage)
+        assert not any(c.HasField("prompt_tokens") for c in chunks[1:]), chunks
         # OpenAI-style penalties and a minimum length are accepted and honoured.
         penalised = common_pb2.SamplingParams(
             temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, min_tokens=4
@@ -100,6 +104,8 @@ def main():
         ids = {}
         finished = []
         for c in stub.Generate(request(9, n=3), timeout=60):
+            # Each choice's first chunk carries the prompt's length, and only it.
+            assert c.HasField("prompt_tokens") == (c.index not in ids), c
             ids.setdefault(c.index, []).extend(c.token_ids)
             if c.finish_reason:
                 finished.append(c.index)

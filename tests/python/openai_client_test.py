@@ -99,6 +99,34 @@ def main():
         assert last.usage.completion_tokens == 8, f"usage {last.usage}"
         assert all(ch.usage is None for ch in chunks[:-1]), "usage before the last chunk"
 
+    def continuous_usage():
+        # vLLM's stream_options.continuous_usage_stats: every chunk has its choice's usage so far.
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = list(
+            chat(
+                messages=[SYSTEM, USER],
+                max_tokens=5,
+                n=2,
+                temperature=0,
+                stream=True,
+                stream_options=options,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        final = chunks[-1]
+        assert final.choices == [] and final.usage is not None, f"last chunk {final}"
+        assert final.usage.completion_tokens == 10, f"final usage {final.usage}"
+        so_far = {}
+        for ch in chunks[:-1]:
+            assert ch.usage is not None, f"a chunk without usage: {ch}"
+            (c,) = ch.choices
+            u = ch.usage
+            assert u.prompt_tokens == final.usage.prompt_tokens, f"usage {u} vs {final.usage}"
+            assert u.total_tokens == u.prompt_tokens + u.completion_tokens, f"usage {u}"
+            assert u.completion_tokens >= so_far.get(c.index, 0), f"went down: {u}"
+            so_far[c.index] = u.completion_tokens
+        assert so_far == {0: 5, 1: 5}, f"per-choice counts {so_far}"
+
     def chat_n():
         r = chat(
             messages=[SYSTEM, USER], max_tokens=6, n=3, seed=1, temperature=1, logprobs=True
@@ -384,6 +412,7 @@ def main():
         models,
         completions,
         completions_stream,
+        continuous_usage,
         chat_n,
         chat_stream,
         logprobs,

@@ -119,6 +119,8 @@ pub struct Body {
 #[serde(deny_unknown_fields)]
 struct StreamOptions {
     include_usage: Option<bool>,
+    /// vLLM's: every chunk carries the usage so far (only with `include_usage`).
+    continuous_usage_stats: Option<bool>,
 }
 
 /// A prompt of `/v1/completions`: text, or token ids.
@@ -149,6 +151,9 @@ pub struct Plan {
     pub model: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats` with `include_usage` (vLLM ignores it
+    /// without): every chunk carries its choice's usage so far.
+    pub continuous_usage: bool,
     /// Choices per prompt.
     pub n: usize,
     /// The prompts (completions), for echo; chat has one, unused.
@@ -247,11 +252,11 @@ impl Body {
         if self.stream_options.is_some() && !stream {
             return Err(bad("stream_options is only allowed with stream=true"));
         }
-        let include_usage = self
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
+        let option = |get: fn(&StreamOptions) -> Option<bool>| {
+            self.stream_options.as_ref().and_then(get).unwrap_or(false)
+        };
+        let include_usage = option(|o| o.include_usage);
+        let continuous_usage = include_usage && option(|o| o.continuous_usage_stats);
 
         let logprobs = self.logprobs(endpoint)?;
         let echo = self.echo.unwrap_or(false);
@@ -341,6 +346,7 @@ impl Body {
             model: self.model.clone().filter(|m| !m.is_empty()),
             stream,
             include_usage,
+            continuous_usage,
             n: n as usize,
             prompts,
             echo,

@@ -196,6 +196,16 @@ impl UsageSum {
     }
 }
 
+/// A stream chunk's usage with `stream_options.continuous_usage_stats`: its choice's prompt
+/// and the tokens that choice generated so far (vLLM's shape: no details).
+pub fn running_usage(prompt_tokens: u32, completion_tokens: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": u64::from(prompt_tokens) + u64::from(completion_tokens),
+    })
+}
+
 /// The fields every response object and chunk starts with.
 #[derive(Debug, Clone)]
 pub struct Header {

@@ -167,6 +167,25 @@ struct Choice {
     /// Characters of text before the next token (completions' `text_offset`).
     offset: usize,
     started: bool,
+    /// Streams with continuous usage: the prompt's length (its first chunk's
+    /// `prompt_tokens`) and the tokens generated so far.
+    prompt_tokens: u32,
+    completion_tokens: u32,
+}
+
+impl Choice {
+    /// Counts a chunk's tokens (the last chunk's usage is the exact count).
+    fn count(&mut self, chunk: &pb::GenerateResponse) {
+        if let Some(prompt_tokens) = chunk.prompt_tokens {
+            self.prompt_tokens = prompt_tokens;
+        }
+        let tokens = u32::try_from(chunk.token_ids.len()).unwrap_or(u32::MAX);
+        self.completion_tokens = self.completion_tokens.saturating_add(tokens);
+        if let Some(usage) = &chunk.usage {
+            self.prompt_tokens = usage.prompt_tokens;
+            self.completion_tokens = usage.completion_tokens;
+        }
+    }
 }
 
 impl Output {
@@ -466,16 +485,31 @@ fn event(value: &Value) -> Result<Bytes, Infallible> {
 
 /// Fills the event stream. A client gone (the channel closed) ends it, which drops the
 /// generations: each is cancelled on its nodes as a gRPC stream dropped by its client is.
+///
+/// With continuous usage (`stream_options.continuous_usage_stats`), every chunk carries its
+/// choice's usage so far as vLLM counts it: the choice's prompt, the tokens that choice has
+/// generated up to and with this chunk (chat's role chunks: 0). The last, usage-only chunk
+/// still sums every choice.
 async fn send_events(
     output: Output,
-    streams: Vec<Generations>,
+    mut streams: Vec<Generations>,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
     let count = streams.len();
     let mut choices: Vec<Choice> = (0..count).map(|_| Choice::default()).collect();
     let mut usage = UsageSum::default();
+    let continuous = output.plan.continuous_usage;
+    if continuous {
+        // Each generation's first chunk is in already (`start` looked at it), with its
+        // prompt's length: chat's role chunks carry it before any token.
+        for (stream, c) in streams.iter_mut().zip(&mut choices) {
+            if let Some(Ok(first)) = stream.peek().await {
+                c.prompt_tokens = first.prompt_tokens.unwrap_or_default();
+            }
+        }
+    }
     if output.plan.endpoint == Endpoint::ChatCompletions {
-        let roles = (0..count)
+        let roles: Vec<Value> = (0..count)
             .map(|i| {
                 json!({
                     "index": i,
@@ -485,7 +519,16 @@ async fn send_events(
                 })
             })
             .collect();
-        if tx.send(event(&output.header.chunk(roles))).await.is_err() {
+        if continuous {
+            // One chunk per choice, as vLLM sends them: a usage is one choice's.
+            for (role, c) in roles.into_iter().zip(&choices) {
+                let mut value = output.header.chunk(vec![role]);
+                value["usage"] = response::running_usage(c.prompt_tokens, 0);
+                if tx.send(event(&value)).await.is_err() {
+                    return;
+                }
+            }
+        } else if tx.send(event(&output.header.chunk(roles))).await.is_err() {
             return;
         }
     }
@@ -511,12 +554,16 @@ async fn send_events(
         if let Some(u) = &chunk.usage {
             usage.add(u, i % output.plan.n == 0);
         }
-        if let Some(piece) = output.piece(i, &mut choices[i], &chunk)
-            && tx
-                .send(event(&output.header.chunk(vec![piece])))
-                .await
-                .is_err()
-        {
+        let c = &mut choices[i];
+        c.count(&chunk);
+        let Some(piece) = output.piece(i, c, &chunk) else {
+            continue;
+        };
+        let mut value = output.header.chunk(vec![piece]);
+        if continuous {
+            value["usage"] = response::running_usage(c.prompt_tokens, c.completion_tokens);
+        }
+        if tx.send(event(&value)).await.is_err() {
             return;
         }
     }

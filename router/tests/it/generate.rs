@@ -1,10 +1,11 @@
 //! The generate flow: prefill then decode, text, usage, logprobs and stop strings. Cancellation
 //! and deadlines are in [`cancel`]; retries, failures and routing in [`failover`]; a request
-//! of `n` choices in [`choices`].
+//! of `n` choices in [`choices`]; the first chunk's `prompt_tokens` in [`prompt_tokens`].
 
 mod cancel;
 mod choices;
 mod failover;
+mod prompt_tokens;
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;

@@ -89,6 +89,34 @@ fn fields_are_refused_by_name_when_unknown_or_on_the_other_endpoint() {
 }
 
 #[test]
+fn continuous_usage_stats_needs_include_usage_as_in_vllm() {
+    let options = |o: Value| {
+        let p = chat(json!({"messages": [], "stream": true, "stream_options": o})).unwrap();
+        (p.include_usage, p.continuous_usage)
+    };
+    assert_eq!(
+        options(json!({"include_usage": true, "continuous_usage_stats": true})),
+        (true, true)
+    );
+    assert_eq!(options(json!({"include_usage": true})), (true, false));
+    // Without include_usage it is ignored, as vLLM ignores it.
+    assert_eq!(
+        options(json!({"continuous_usage_stats": true})),
+        (false, false)
+    );
+    assert_eq!(
+        options(json!({"include_usage": false, "continuous_usage_stats": true})),
+        (false, false)
+    );
+    assert!(
+        refused(completions(json!({
+            "prompt": "x", "stream_options": {"continuous_usage_stats": true}
+        })))
+        .contains("stream=true")
+    );
+}
+
+#[test]
 fn sampling_fields_reach_the_wire() {
     let p = completions(json!({
         "prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.1,
