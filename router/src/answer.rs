@@ -1,10 +1,11 @@
 //! The gRPC API's reading of answers (`GenerateRequest.parse_reasoning` /
 //! `parse_tool_calls`): each choice's text goes through a parser of its own, the same one
 //! the OpenAI-compatible API uses ([`AnswerParser`]: Qwen3's `<think>` block, Hermes-style
-//! `<tool_call>` blocks), and each chunk's `text` becomes what the parser gave out as
-//! content, with `reasoning` and `tool_calls` beside it; every other field (`token_ids`,
-//! `prompt_tokens`, usage, ...) passes as it is. Owns only that mapping onto the wire's
-//! chunks; not the parsing.
+//! `<tool_call>` blocks: always Hermes's, whatever the router's `--tool-call-parser`, since
+//! the request has no field to pick Qwen3-Coder's), and each chunk's `text` becomes what the
+//! parser gave out as content, with `reasoning` and `tool_calls` beside it; every other field
+//! (`token_ids`, `prompt_tokens`, usage, ...) passes as it is. Owns only that mapping onto the
+//! wire's chunks; not the parsing.
 
 use std::collections::HashMap;
 use std::pin::Pin;

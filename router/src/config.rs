@@ -230,8 +230,8 @@ pub struct RouterArgs {
     pub reasoning_parser: Option<ReasoningParser>,
 
     /// HTTP chat completions of requests with tools: read `<tool_call>` blocks out as
-    /// `tool_calls`, finish reason `tool_calls` (vLLM's `--tool-call-parser hermes`). Unset:
-    /// they stay in `content`.
+    /// `tool_calls`, finish reason `tool_calls` (vLLM's `--tool-call-parser hermes`, or
+    /// `qwen3_coder` for Qwen3-Coder's `<function=…>` blocks). Unset: they stay in `content`.
     #[arg(
         long,
         env = "PD_TOOL_CALL_PARSER",

@@ -866,6 +866,82 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     all_blocks_free(&cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up_with_env(
+        cache.path(),
+        &["--prefill", "0", "--decode", "1"],
+        &[
+            ("PD_REASONING_PARSER", "qwen3"),
+            ("PD_TOOL_CALL_PARSER", "qwen3_coder"),
+        ],
+    )
+    .unwrap();
+    let base = cluster.openai();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+        "days": {"type": "integer"}, "metric": {"type": "boolean"}}}}}]);
+    // The weights are random: a regex makes the model write Qwen3-Coder's call.
+    let answer = "<think>\nWeather\\.\n</think>\n\nLet me check\\.\n<tool_call>\n\
+                  <function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+                  <parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n\
+                  </function>\n</tool_call>";
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let request = json!({
+        "messages": [user], "tools": tools, "guided_regex": answer,
+        "max_tokens": 150, "temperature": 0,
+    });
+    let want = r#"{"city": "Paris", "days": 3, "metric": true}"#;
+    let v = post_ok(&base, "/chat/completions", request.clone()).await;
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let message = &choice["message"];
+    assert_eq!(message["reasoning_content"], "Weather.");
+    assert_eq!(message["content"], "Let me check.");
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1, "{v}");
+    let call = &message["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert_eq!(call["function"]["arguments"], want);
+
+    // Streamed: the name first, the arguments in pieces that join to the same text.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = http_post(&base, "/chat/completions", &streamed)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let (reasoning, content, calls, finishes) = accumulate(&sse_data(&text));
+    assert_eq!(reasoning, "Weather.");
+    assert_eq!(content, "Let me check.");
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0]["function"], call["function"]);
+    assert_eq!(finishes, ["tool_calls"]);
+    let pieces = sse_data(&text)
+        .iter()
+        .filter(|e| e.contains("\"arguments\""))
+        .count();
+    assert!(pieces > 2, "the arguments came in one piece: {text}");
+
+    // Without tools in the request the block stays text.
+    let mut plain = request.clone();
+    plain.as_object_mut().unwrap().remove("tools");
+    let v = post_ok(&base, "/chat/completions", plain).await;
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.contains("<function=get_weather>"), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // A forced call is guided into a Hermes JSON block and read as one.
+    let forced = json!({
+        "messages": [user], "tools": tools, "max_tokens": 60, "temperature": 1, "seed": 3,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    });
+    let v = post_ok(&base, "/chat/completions", forced).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(forced_call["name"], "get_weather");
+}
+
 /// A stream's chunks (its `data:` events but `[DONE]`), parsed.
 fn stream_chunks(text: &str) -> Vec<Value> {
     let events = sse_data(text);

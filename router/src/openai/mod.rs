@@ -51,6 +51,8 @@ pub(crate) struct Api {
     reasoning: bool,
     /// `--tool-call-parser` is set.
     tools: bool,
+    /// `--tool-call-parser qwen3_coder`.
+    coder: bool,
 }
 
 impl Api {
@@ -65,6 +67,7 @@ impl Api {
             shared,
             reasoning: reasoning.is_some(),
             tools: tools.is_some(),
+            coder: tools == Some(parse::ToolCallParser::Qwen3Coder),
         }
     }
 

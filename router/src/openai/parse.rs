@@ -1,7 +1,9 @@
 //! A chat answer's structure, read out of its text as it streams: Qwen3's reasoning (a
 //! `<think>` … `</think>` block at the very start: `--reasoning-parser qwen3`) and
 //! Hermes-style tool calls (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`, any
-//! number: `--tool-call-parser hermes`), as vLLM's parsers of those names read them.
+//! number: `--tool-call-parser hermes`) or Qwen3-Coder's (`<tool_call><function=NAME>
+//! <parameter=NAME>…</parameter></function></tool_call>`: `--tool-call-parser qwen3_coder`,
+//! [`coder`]), as vLLM's parsers of those names read them.
 //!
 //! Text that may be the start of a tag is held back until the next piece decides it, so a tag
 //! split across chunks is still found; a whole answer parsed at once gives the same result as
@@ -13,15 +15,24 @@
 //! other shape is read whole at its closing tag (or the end of the answer): a call if its JSON
 //! is one, else content as written. Newlines just inside the think block and after it are
 //! dropped (the template writes them), and so is white space next to tool calls.
+//!
+//! A Qwen3-Coder block is read by its whole tags, held until they are in: its call's name and
+//! `{` once `<function=NAME>` is, then each parameter as `"name": value` once it ends, then
+//! `}`; the pieces join to the arguments the whole answer gives. A block with no function is
+//! content as written.
 
 mod call;
+pub mod coder;
 #[cfg(test)]
 mod fuzz;
+
+use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use call::{Arguments, Head};
+use coder::{FUNCTION_END, FUNCTION_START, PARAMETER_END, PARAMETER_START, Schemas};
 
 const THINK_START: &str = "<think>";
 const THINK_END: &str = "</think>";
@@ -40,6 +51,10 @@ pub enum ReasoningParser {
 pub enum ToolCallParser {
     /// `<tool_call>` blocks of JSON `{"name", "arguments"}` are `tool_calls`.
     Hermes,
+    /// Qwen3-Coder's `<tool_call>` blocks of `<function=NAME>` and `<parameter=NAME>` pieces
+    /// are `tool_calls`, the values typed by the request's tool schemas.
+    #[value(name = "qwen3_coder")]
+    Qwen3Coder,
 }
 
 /// A call the model made, or the part of it a piece of the answer added.
@@ -106,6 +121,19 @@ enum Mode {
     Reasoning,
     Content,
     Call(CallPart),
+    /// Inside a Qwen3-Coder `<tool_call>` block.
+    Coder(CoderPart),
+}
+
+/// Where in a Qwen3-Coder `<tool_call>` block the answer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CoderPart {
+    /// Before a `<function=NAME>` (the block's first, or a next one after `</function>`);
+    /// `called`: the block made a call already. The block's text is held: one without a call
+    /// is content as written.
+    Block { called: bool },
+    /// Inside call `calls - 1`'s function, `params` parameters given out.
+    Function { params: usize },
 }
 
 /// Where in a `<tool_call>` block the answer is.
@@ -139,6 +167,10 @@ pub struct AnswerParser {
     /// The white space before the open `<tool_call>`: dropped if it is a call, given back
     /// with the block if it is not.
     gap: String,
+    /// `--tool-call-parser qwen3_coder`: the request's tools' parameter types.
+    coder: Option<Arc<Schemas>>,
+    /// The name of the Qwen3-Coder function being read.
+    function: String,
 }
 
 /// The call inside a `<tool_call>` block.
@@ -185,6 +217,17 @@ impl AnswerParser {
             after_call: false,
             skip_newlines: false,
             gap: String::new(),
+            coder: None,
+            function: String::new(),
+        }
+    }
+
+    /// A parser reading reasoning when `reasoning`, and Qwen3-Coder's tool calls, typed by
+    /// `schemas`.
+    pub fn qwen3_coder(reasoning: bool, schemas: Arc<Schemas>) -> Self {
+        Self {
+            coder: Some(schemas),
+            ..Self::new(reasoning, true)
         }
     }
 
@@ -234,6 +277,23 @@ impl AnswerParser {
             // Cut off inside its arguments: they end here, as OpenAI's do at `length`.
             Mode::Call(CallPart::Arguments(_)) => out.add_arguments(self.calls - 1, &rest),
             Mode::Call(CallPart::Tail(_) | CallPart::After) => {}
+            // An unclosed block without a call is content; after one, the rest is dropped.
+            Mode::Coder(CoderPart::Block { called }) => {
+                if !called {
+                    out.content = format!("{}{CALL_START}{rest}", self.gap);
+                }
+            }
+            // Cut off inside a function: its last parameter runs to the end (vLLM's two `$`
+            // drop up to two newlines more there), and the arguments close.
+            Mode::Coder(CoderPart::Function { params }) => {
+                self.pending = rest;
+                if let Some(at) = self.pending.find(PARAMETER_START) {
+                    let from = at + PARAMETER_START.len();
+                    self.parameter(params, from..self.pending.len(), 2, &mut out);
+                }
+                self.pending.clear();
+                out.add_arguments(self.calls - 1, "}");
+            }
         }
         self.mode = Mode::Content;
         out
@@ -293,7 +353,11 @@ impl AnswerParser {
                         text[kept.len()..].to_string()
                     };
                     self.pending.drain(..at + CALL_START.len());
-                    self.mode = Mode::Call(CallPart::Head);
+                    self.mode = if self.coder.is_some() {
+                        Mode::Coder(CoderPart::Block { called: false })
+                    } else {
+                        Mode::Call(CallPart::Head)
+                    };
                 } else {
                     // Hold a possible `<tool_call>` start and the white space before it: it
                     // is dropped if a call follows.
@@ -312,7 +376,125 @@ impl AnswerParser {
                 }
             }
             Mode::Call(part) => self.step_call(part, out),
+            Mode::Coder(part) => self.step_coder(part, out),
         }
+    }
+
+    /// Moves as far as the pending text allows inside a Qwen3-Coder `<tool_call>` block.
+    /// Everything is decided by whole tags found in the held text, so nothing waits on a
+    /// tag's start.
+    fn step_coder(&mut self, part: CoderPart, out: &mut Parsed) {
+        let find = |tag: &str, from: usize| self.pending[from..].find(tag).map(|at| at + from);
+        match part {
+            CoderPart::Block { called } => {
+                let end = find(CALL_END, 0);
+                let head = find(FUNCTION_START, 0)
+                    .filter(|&f| end.is_none_or(|e| f < e))
+                    .map(|f| (f, find(">", f + FUNCTION_START.len())));
+                match (head, end) {
+                    // `<function=NAME>` inside the block: a call.
+                    (Some((f, Some(gt))), _) if end.is_none_or(|e| gt < e) => {
+                        let name = self.pending[f + FUNCTION_START.len()..gt].to_string();
+                        out.add_call(ToolCall {
+                            index: self.calls,
+                            name: Some(name.clone()),
+                            arguments: "{".into(),
+                        });
+                        self.calls += 1;
+                        self.function = name;
+                        self.gap.clear();
+                        self.pending.drain(..=gt);
+                        self.mode = Mode::Coder(CoderPart::Function { params: 0 });
+                    }
+                    // The block ends without a (whole) function head.
+                    (_, Some(e)) => {
+                        if called {
+                            self.pending.drain(..e + CALL_END.len());
+                            self.end_call();
+                        } else {
+                            let body = self.pending[..e].to_string();
+                            self.pending.drain(..e + CALL_END.len());
+                            self.give_back(&body, CALL_END, out);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            CoderPart::Function { params } => {
+                let first = [PARAMETER_START, FUNCTION_END, CALL_END]
+                    .into_iter()
+                    .filter_map(|tag| find(tag, 0).map(|at| (at, tag)))
+                    .min();
+                match first {
+                    Some((at, PARAMETER_START)) => {
+                        let from = at + PARAMETER_START.len();
+                        let Some((end, tag)) =
+                            [PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END]
+                                .into_iter()
+                                .filter_map(|tag| find(tag, from).map(|at| (at, tag)))
+                                .min()
+                        else {
+                            return;
+                        };
+                        // vLLM's `$` drops one more newline where the function's text ends.
+                        let extra = usize::from(matches!(tag, FUNCTION_END | CALL_END));
+                        let params = params + self.parameter(params, from..end, extra, out);
+                        let drop = if tag == PARAMETER_END {
+                            end + PARAMETER_END.len()
+                        } else {
+                            end
+                        };
+                        self.pending.drain(..drop);
+                        self.mode = Mode::Coder(CoderPart::Function { params });
+                    }
+                    Some((at, tag)) => {
+                        out.add_arguments(self.calls - 1, "}");
+                        self.pending.drain(..at + tag.len());
+                        if tag == CALL_END {
+                            self.end_call();
+                        } else {
+                            self.mode = Mode::Coder(CoderPart::Block { called: true });
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    /// Gives out a parameter of the current function whose text (after `<parameter=`) is
+    /// `region` of the pending text; returns how many it gave out (0 or 1).
+    fn parameter(
+        &self,
+        params: usize,
+        region: std::ops::Range<usize>,
+        extra: usize,
+        out: &mut Parsed,
+    ) -> usize {
+        let schemas = self.coder.as_deref().expect("a Qwen3-Coder parser");
+        match coder::parameter(
+            schemas,
+            &self.function,
+            params == 0,
+            &self.pending[region],
+            extra,
+        ) {
+            Some(piece) => {
+                out.add_arguments(self.calls - 1, &piece);
+                1
+            }
+            None => 0,
+        }
+    }
+
+    /// A `<tool_call>` block that was not a call: content as written, with the white space
+    /// before it.
+    fn give_back(&mut self, body: &str, end: &str, out: &mut Parsed) {
+        self.mode = Mode::Content;
+        self.after_call = false;
+        let gap = std::mem::take(&mut self.gap);
+        out.content
+            .push_str(&format!("{gap}{CALL_START}{body}{end}"));
     }
 
     /// Moves as far as the pending text allows inside a `<tool_call>` block.
@@ -424,13 +606,7 @@ impl AnswerParser {
                 out.calls.push(call);
                 self.end_call();
             }
-            None => {
-                self.mode = Mode::Content;
-                self.after_call = false;
-                let gap = std::mem::take(&mut self.gap);
-                out.content
-                    .push_str(&format!("{gap}{CALL_START}{body}{CALL_END}"));
-            }
+            None => self.give_back(&body, CALL_END, out),
         }
     }
 
@@ -443,9 +619,13 @@ impl AnswerParser {
 
     /// Parses a whole answer.
     pub fn parse_all(reasoning: bool, tools: bool, text: &str) -> Parsed {
-        let mut parser = Self::new(reasoning, tools);
-        let mut out = parser.push(text);
-        out.append(parser.finish());
+        Self::new(reasoning, tools).parse_whole(text)
+    }
+
+    /// Parses a whole answer with this (fresh) parser.
+    pub fn parse_whole(mut self, text: &str) -> Parsed {
+        let mut out = self.push(text);
+        out.append(self.finish());
         out
     }
 }
@@ -663,5 +843,226 @@ mod tests {
                 call(2, "h", "5")
             ]
         );
+    }
+}
+
+#[cfg(test)]
+mod coder_tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn tools() -> Arc<Schemas> {
+        // vLLM's test tools, and one of every type.
+        Arc::new(Schemas::new(&[
+            json!({"type": "function", "function": {"name": "get_current_weather",
+                "parameters": {"type": "object", "properties": {
+                    "city": {"type": "string"}, "state": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["fahrenheit", "celsius"]}}}}}),
+            json!({"type": "function", "function": {"name": "calculate_area",
+                "parameters": {"type": "object", "properties": {
+                    "shape": {"type": "string"}, "dimensions": {"type": "object"},
+                    "precision": {"type": "integer"}}}}}),
+            json!({"type": "function", "function": {"name": "test_types",
+                "parameters": {"type": "object", "properties": {
+                    "int_param": {"type": "integer"}, "float_param": {"type": "float"},
+                    "num_param": {"type": "number"}, "bool_param": {"type": "boolean"},
+                    "str_param": {"type": "string"}, "obj_param": {"type": "object"},
+                    "arr_param": {"type": "array"}}}}}),
+        ]))
+    }
+
+    /// Whole, and streamed by character and in pieces of 2, 3, 5, 7 characters: all agree.
+    fn parse(reasoning: bool, text: &str) -> Parsed {
+        let whole = AnswerParser::qwen3_coder(reasoning, tools()).parse_whole(text);
+        let chars: Vec<char> = text.chars().collect();
+        for size in [1, 2, 3, 5, 7] {
+            let mut parser = AnswerParser::qwen3_coder(reasoning, tools());
+            let mut pieces = Parsed::default();
+            for chunk in chars.chunks(size) {
+                pieces.append(parser.push(&chunk.iter().collect::<String>()));
+            }
+            pieces.append(parser.finish());
+            assert_eq!(pieces, whole, "streamed in pieces of {size}: {text:?}");
+        }
+        whole
+    }
+
+    fn args(call: &ToolCall) -> Value {
+        serde_json::from_str(&call.arguments).expect(&call.arguments)
+    }
+
+    const DALLAS: &str = "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nDallas\n\
+        </parameter>\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n\
+        </parameter>\n</function>\n</tool_call>";
+
+    #[test]
+    fn vllms_cases_read_alike() {
+        // Single call: the arguments as vLLM's json.dumps writes them.
+        let p = parse(false, DALLAS);
+        assert_eq!(p.content, "");
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].name.as_deref(), Some("get_current_weather"));
+        assert_eq!(
+            p.calls[0].arguments,
+            r#"{"city": "Dallas", "state": "TX", "unit": "fahrenheit"}"#
+        );
+        // Content before it.
+        let p = parse(
+            false,
+            &format!("Sure! Let me check the weather for you.{DALLAS}"),
+        );
+        assert_eq!(p.content, "Sure! Let me check the weather for you.");
+        assert_eq!(p.calls.len(), 1);
+        // Parallel calls.
+        let orlando = DALLAS.replace("Dallas", "Orlando").replace("TX", "FL");
+        let p = parse(false, &format!("{DALLAS}\n{orlando}"));
+        assert_eq!(p.content, "");
+        assert_eq!(p.calls.iter().map(|c| c.index).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(args(&p.calls[1])["city"], "Orlando");
+        assert_eq!(args(&p.calls[1])["state"], "FL");
+        // A multi-line object value.
+        let p = parse(
+            false,
+            "<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n</parameter>\n\
+             <parameter=dimensions>\n{\"width\": 10, \n \"height\": 20}\n</parameter>\n\
+             <parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>",
+        );
+        assert_eq!(
+            p.calls[0].arguments,
+            r#"{"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2}"#
+        );
+        // Typed parameters.
+        let p = parse(
+            false,
+            "<tool_call>\n<function=test_types>\n<parameter=int_param>\n42\n</parameter>\n\
+             <parameter=float_param>\n2.75\n</parameter>\n<parameter=num_param>\n2.0\n\
+             </parameter>\n<parameter=bool_param>\ntrue\n</parameter>\n<parameter=str_param>\n\
+             hello world\n</parameter>\n<parameter=obj_param>\n{\"key\": \"value\"}\n</parameter>\n\
+             <parameter=arr_param>\n[1, \"a\"]\n</parameter>\n<parameter=extra>\n7\n</parameter>\n\
+             <parameter=str_param2>\nnull\n</parameter>\n</function>\n</tool_call>",
+        );
+        assert_eq!(
+            args(&p.calls[0]),
+            json!({"int_param": 42, "float_param": 2.75, "num_param": 2, "bool_param": true,
+                   "str_param": "hello world", "obj_param": {"key": "value"},
+                   "arr_param": [1, "a"], "extra": "7", "str_param2": null})
+        );
+        // No calls: all content.
+        let p = parse(false, "This is a test without tools");
+        assert_eq!(p.content, "This is a test without tools");
+        assert!(p.calls.is_empty());
+    }
+
+    #[test]
+    fn values_keep_their_inner_newlines_and_fall_back_to_strings() {
+        let p = parse(
+            false,
+            "<tool_call>\n<function=test_types>\n<parameter=str_param>\n\nline 1\n  line 2\n\n\
+             </parameter>\n<parameter=int_param>\nmany\n</parameter>\n<parameter=obj_param>\n\
+             {broken\n</parameter>\n<parameter=bool_param>\nyes\n</parameter>\n</function>\n\
+             </tool_call>",
+        );
+        assert_eq!(
+            args(&p.calls[0]),
+            json!({"str_param": "\nline 1\n  line 2\n", "int_param": "many",
+                   "obj_param": "{broken", "bool_param": false})
+        );
+        // A tool the request does not have: strings.
+        let p = parse(
+            false,
+            "<tool_call><function=other><parameter=n>5</parameter></function></tool_call>",
+        );
+        assert_eq!(
+            (p.calls[0].name.as_deref(), p.calls[0].arguments.as_str()),
+            (Some("other"), r#"{"n": "5"}"#)
+        );
+    }
+
+    #[test]
+    fn reasoning_then_calls_and_text_around_them() {
+        let p = parse(
+            true,
+            &format!("<think>\nWeather, then.\n</think>\n\nChecking.\n\n{DALLAS}\n\nDone."),
+        );
+        assert_eq!(p.reasoning, "Weather, then.");
+        assert_eq!(p.content, "Checking.Done.");
+        assert_eq!(p.calls.len(), 1);
+        // A block without a function is content as written; so are Hermes blocks.
+        let p = parse(false, "a <tool_call>{\"name\": \"f\"}</tool_call> b");
+        assert_eq!(p.content, "a <tool_call>{\"name\": \"f\"}</tool_call> b");
+        assert!(p.calls.is_empty());
+        // Two functions in one block are two calls; text between them is dropped.
+        let p = parse(
+            false,
+            "<tool_call><function=a></function> x <function=b><parameter=q>1</parameter>\
+             </function></tool_call>",
+        );
+        assert_eq!(p.calls.len(), 2);
+        assert_eq!(
+            (p.calls[0].arguments.as_str(), p.calls[1].arguments.as_str()),
+            ("{}", r#"{"q": "1"}"#)
+        );
+    }
+
+    #[test]
+    fn missing_closing_tags_end_where_vllm_ends_them() {
+        // No `</parameter>`: the next `<parameter=` or `</function>` ends the value; vLLM's
+        // `$` drops one more newline before `</function>`.
+        let p = parse(
+            false,
+            "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nParis\n\
+             <parameter=state>\nIDF\n\n</function>\n</tool_call>",
+        );
+        assert_eq!(p.calls[0].arguments, r#"{"city": "Paris", "state": "IDF"}"#);
+        // No `</function>`: `</tool_call>` ends it.
+        let p = parse(
+            false,
+            "<tool_call>\n<function=calculate_area>\n<parameter=precision>\n3\n</parameter>\n\
+             </tool_call> after",
+        );
+        assert_eq!(p.calls[0].arguments, r#"{"precision": 3}"#);
+        assert_eq!(p.content, "after");
+        // No `</tool_call>`: the end of the answer ends the block; what follows a function
+        // in it is dropped.
+        let p = parse(
+            false,
+            "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nParis\n</parameter>\n\
+             </function>\nThe weather is nice.",
+        );
+        assert_eq!(p.calls[0].arguments, r#"{"city": "Paris"}"#);
+        assert_eq!(p.content, "");
+        // Cut off inside a value: it runs to the end (two more newlines dropped there).
+        let p = parse(
+            false,
+            "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nPar\n\n\n",
+        );
+        assert_eq!(p.calls[0].arguments, r#"{"city": "Par"}"#);
+        // Cut off inside the function's name: the block is content.
+        let p = parse(false, "Hi <tool_call>\n<function=get_cur");
+        assert_eq!(p.content, "Hi <tool_call>\n<function=get_cur");
+        assert!(p.calls.is_empty());
+        // A parameter without a name's end is dropped.
+        let p = parse(
+            false,
+            "<tool_call><function=f><parameter=x</function></tool_call>",
+        );
+        assert_eq!(p.calls[0].arguments, "{}");
+    }
+
+    #[test]
+    fn a_call_streams_its_name_then_each_parameter() {
+        let mut p = AnswerParser::qwen3_coder(false, tools());
+        assert_eq!(p.push("Let me see.\n<tool_").content, "Let me see.");
+        assert!(p.push("call>\n<function=calculate_ar").is_empty());
+        let out = p.push("ea>\n<parameter=shape>\ncir");
+        assert_eq!(out.calls[0].name.as_deref(), Some("calculate_area"));
+        assert_eq!(out.calls[0].arguments, "{");
+        assert!(p.push("cle\n</parameter>").calls[0].arguments == r#""shape": "circle""#);
+        assert!(p.push("\n<parameter=precision>\n3\n</param").is_empty());
+        assert_eq!(p.push("eter>\n").calls[0].arguments, r#", "precision": 3"#);
+        assert_eq!(p.push("</function>\n").calls[0].arguments, "}");
+        assert!(p.push("</tool_call>").is_empty());
+        assert_eq!(p.calls(), 1);
+        assert!(p.finish().is_empty());
     }
 }

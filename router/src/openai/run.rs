@@ -3,6 +3,7 @@
 //! in the order their chunks arrive.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::body::{Body as HttpBody, Bytes};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -15,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::metadata::MetadataMap;
 
+use super::parse::coder::Schemas;
 use super::parse::{AnswerParser, Parsed, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
@@ -67,7 +69,8 @@ pub(super) async fn handle(
         return error(
             StatusCode::BAD_REQUEST,
             "tool_choice \"required\" or a named function needs the router's \
-             --tool-call-parser hermes (the forced call is read out of the answer by it)",
+             --tool-call-parser (hermes or qwen3_coder: the forced call is read out of the \
+             answer by it)",
         );
     }
     if plan.echo {
@@ -95,6 +98,15 @@ pub(super) async fn handle(
             }
         }
     }
+    // Qwen3-Coder's calls are typed by the request's tools. A forced call is guided into a
+    // Hermes JSON block whatever the parser, and read as one.
+    let coder = (api.coder && plan.tools && !plan.forced_tool).then(|| {
+        let tools = match plan.requests.first().and_then(|r| r.input.as_ref()) {
+            Some(pb::generate_request::Input::Chat(chat)) => chat.tools.as_slice(),
+            _ => &[],
+        };
+        Arc::new(Schemas::from_texts(tools.iter().map(String::as_str)))
+    });
     let requests = std::mem::take(&mut plan.requests);
     // Every generation has the API request's deadline (`--request-timeout`), counted from its
     // arrival; the client cancels by going away, so there is no abort switch.
@@ -120,6 +132,7 @@ pub(super) async fn handle(
         tokenizer: api.shared.model.tokenizer().clone(),
         reasoning: endpoint == Endpoint::ChatCompletions && api.reasoning,
         tools: api.tools && plan.tools,
+        coder,
         echo: plan
             .prompts
             .iter()
@@ -150,6 +163,8 @@ struct Output {
     reasoning: bool,
     /// Chat answers are read for tool calls (`--tool-call-parser` and tools in the request).
     tools: bool,
+    /// They are Qwen3-Coder's (`--tool-call-parser qwen3_coder`), typed by these tools.
+    coder: Option<Arc<Schemas>>,
     /// Per prompt, the token ids to echo (empty without echo).
     echo: Vec<Vec<u32>>,
     plan: Plan,
@@ -240,7 +255,7 @@ impl Output {
             }
             Endpoint::ChatCompletions => {
                 let (message, reason) = if self.parses() {
-                    let mut parsed = AnswerParser::parse_all(self.reasoning, self.tools, &c.text);
+                    let mut parsed = self.parser().parse_whole(&c.text);
                     self.keep_calls(&mut parsed);
                     let reason = self.chat_finish(reason, !parsed.calls.is_empty());
                     let mut message = json!({
@@ -286,6 +301,14 @@ impl Output {
     fn keep_calls(&self, parsed: &mut Parsed) {
         if !self.plan.parallel_tool_calls {
             parsed.calls.retain(|call| call.index == 0);
+        }
+    }
+
+    /// A parser for one chat answer.
+    fn parser(&self) -> AnswerParser {
+        match &self.coder {
+            Some(schemas) => AnswerParser::qwen3_coder(self.reasoning, schemas.clone()),
+            None => AnswerParser::new(self.reasoning, self.tools),
         }
     }
 
@@ -377,9 +400,7 @@ impl Output {
                 let mut delta = serde_json::Map::new();
                 let mut reason = reason;
                 if self.parses() {
-                    let parser = c
-                        .parser
-                        .get_or_insert_with(|| AnswerParser::new(self.reasoning, self.tools));
+                    let parser = c.parser.get_or_insert_with(|| self.parser());
                     let mut parsed = parser.push(&text);
                     if finish.is_some() {
                         parsed.append(parser.finish());

@@ -2,6 +2,7 @@
 //! alike, well-formed calls keeping their arguments' text, and `call::head` deciding nothing
 //! that more text would change. `SEED=n` runs other cases, `CASES=n` more of them.
 use super::call::{self, Head};
+use super::coder;
 use super::*;
 
 /// `SEED`, else `default`.
@@ -411,5 +412,199 @@ fn fuzz_head_is_prefix_stable() {
                 _ => assert_eq!(&p, &full, "prefix {:?} of {body:?}", &body[..end]),
             }
         }
+    }
+}
+
+// Qwen3-Coder's calls (`--tool-call-parser qwen3_coder`).
+
+fn coder_tools() -> std::sync::Arc<coder::Schemas> {
+    let tool = serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string"}, "i": {"type": "integer"},
+        "n": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+        "a": {"type": "array"}, "x": {"type": "any"}}}}});
+    std::sync::Arc::new(coder::Schemas::new(&[tool]))
+}
+
+/// Parameter names and value texts: each name with values of its type and others.
+const CODER_PARAMS: &[&str] = &["s", "i", "n", "b", "o", "a", "x", "unknown", "é名"];
+const CODER_VALUES: &[&str] = &[
+    "Paris",
+    "3",
+    "-2.50",
+    "1e-7",
+    "true",
+    "False",
+    "null",
+    "{\"k\": [1, 2.5, \"v\"], \"t\": true}",
+    "[1, {\"a\": null}]",
+    "line 1\nline 2",
+    "\n",
+    "",
+    " 42 ",
+    "\"quoted\" \\ back",
+    "日本 😀",
+    "a < b > c",
+    "<tool_call>",
+    "</think>",
+    "x}",
+];
+
+/// A well-formed Qwen3-Coder call block: (text, name, expected arguments as JSON).
+fn coder_call(r: &mut Rng) -> (String, String, serde_json::Value) {
+    let name = r.pick(&["f", "g", "get_weather", "日本"]).to_string();
+    let tools = coder_tools();
+    let mut text = format!("<tool_call>{}<function={name}>{}", ws(r), ws(r));
+    let mut args = serde_json::Map::new();
+    for _ in 0..r.below(4) {
+        let param = r.pick(CODER_PARAMS);
+        let value = r.pick(CODER_VALUES);
+        text.push_str(&format!(
+            "<parameter={param}>\n{value}\n</parameter>{}",
+            ws(r)
+        ));
+        let converted = tools.convert(&name, param, value);
+        args.insert(param.into(), serde_json::from_str(&converted).unwrap());
+    }
+    text.push_str(r.pick(&[
+        "</function>\n</tool_call>",
+        "</function></tool_call>",
+        "</tool_call>",
+    ]));
+    (text, name, serde_json::Value::Object(args))
+}
+
+fn coder_answer(r: &mut Rng) -> String {
+    let mut s = String::new();
+    if r.chance(40) {
+        s.push_str(r.pick(&["<think>", "<think>\n"]));
+        s.push_str(&noise(r));
+        if r.chance(80) {
+            s.push_str(r.pick(&["</think>", "\n</think>\n\n"]));
+        }
+    }
+    for _ in 0..r.below(5) {
+        match r.below(8) {
+            0 | 1 => s.push_str(&noise(r)),
+            2 | 3 => s.push_str(&coder_call(r).0),
+            4 => s.push_str(r.pick(&[
+                "<tool_call>",
+                "</tool_call>",
+                "<function=",
+                "</function>",
+                "<parameter=",
+                "</parameter>",
+                ">",
+                "<function=f>",
+                "<parameter=i>",
+                "\n",
+            ])),
+            5 => s.push_str(&good_call(r).0),
+            _ => {
+                // A call block with pieces of tags or noise mixed in.
+                let (t, _, _) = coder_call(r);
+                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
+                let at = cut[r.below(cut.len())];
+                s.push_str(&t[..at]);
+                s.push_str(r.pick(&["<parameter=", "</function>", "</tool_call>", ">", "\n"]));
+                s.push_str(&noise(r));
+                s.push_str(&t[at..]);
+            }
+        }
+    }
+    if r.chance(30) {
+        let cut: Vec<usize> = s.char_indices().map(|(i, _)| i).chain([s.len()]).collect();
+        let at = cut[r.below(cut.len())];
+        s.truncate(at);
+    }
+    s
+}
+
+fn coder_streamed(reasoning: bool, pieces: &[&str]) -> (Parsed, Vec<Parsed>) {
+    let mut parser = AnswerParser::qwen3_coder(reasoning, coder_tools());
+    let mut all = Parsed::default();
+    let mut parts = Vec::new();
+    for p in pieces {
+        let out = parser.push(p);
+        parts.push(out.clone());
+        all.append(out);
+    }
+    let out = parser.finish();
+    parts.push(out.clone());
+    all.append(out);
+    (all, parts)
+}
+
+#[test]
+fn fuzz_coder_whole_equals_streamed() {
+    let mut r = Rng(seed(0xc0de));
+    let mut fails = Vec::new();
+    for case in 0..cases(6_000) {
+        let text = coder_answer(&mut r);
+        let reasoning = r.chance(70);
+        let res = std::panic::catch_unwind(|| {
+            AnswerParser::qwen3_coder(reasoning, coder_tools()).parse_whole(&text)
+        });
+        let Ok(whole) = res else {
+            fails.push(format!("PANIC whole {case}: {text:?}"));
+            continue;
+        };
+        // Every call's arguments are a JSON object.
+        for call in &whole.calls {
+            let v: Result<serde_json::Value, _> = serde_json::from_str(&call.arguments);
+            if !v.is_ok_and(|v| v.is_object()) {
+                fails.push(format!("NOT AN OBJECT {case}: {text:?} {call:?}"));
+            }
+        }
+        for pieces in chunkings(&mut r, &text) {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            match std::panic::catch_unwind(|| coder_streamed(reasoning, &refs)) {
+                Err(_) => fails.push(format!("PANIC stream {case}: {text:?} {pieces:?}")),
+                Ok((all, parts)) => {
+                    if all != whole {
+                        fails.push(format!(
+                            "DIFF {case} r={reasoning}: {text:?}\n pieces {pieces:?}\n whole {whole:?}\n streamed {all:?}"
+                        ));
+                        break;
+                    }
+                    check_parts(&parts, &text);
+                }
+            }
+        }
+        if fails.len() > 5 {
+            break;
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n\n"));
+}
+
+#[test]
+fn fuzz_coder_well_formed_calls_keep_their_values() {
+    let mut r = Rng(seed(11));
+    for _ in 0..cases(3_000) {
+        let mut text = String::new();
+        let mut want = Vec::new();
+        for _ in 0..1 + r.below(3) {
+            if r.chance(50) {
+                text.push_str(r.pick(&["Sure.", "a b", "日本 ", "\n"]));
+            }
+            let (t, name, args) = coder_call(&mut r);
+            text.push_str(&t);
+            want.push((name, args));
+        }
+        let whole = AnswerParser::qwen3_coder(false, coder_tools()).parse_whole(&text);
+        for pieces in chunkings(&mut r, &text) {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            assert_eq!(coder_streamed(false, &refs).0, whole, "{text:?} {pieces:?}");
+        }
+        let got: Vec<(String, serde_json::Value)> = whole
+            .calls
+            .iter()
+            .map(|c| {
+                let args = serde_json::from_str(&c.arguments).expect(&c.arguments);
+                (c.name.clone().unwrap(), args)
+            })
+            .collect();
+        assert_eq!(got, want, "{text:?}");
+        assert!(whole.calls.iter().enumerate().all(|(i, c)| c.index == i));
     }
 }
