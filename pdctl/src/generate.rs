@@ -52,6 +52,22 @@ pub struct GenerateArgs {
     /// printed as `[call] NAME ARGUMENTS` at the end, or `tool_calls` in `--json`.
     #[arg(long)]
     parse_tool_calls: bool,
+    /// The blocks `--parse-tool-calls` reads: `hermes` (JSON) or `qwen3-coder` (Qwen3-Coder's
+    /// `<function=…>` blocks, values typed by `--tools`).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "hermes",
+        requires = "parse_tool_calls"
+    )]
+    tool_call_format: ToolCallFormat,
+}
+
+/// `GenerateRequest.tool_call_format`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ToolCallFormat {
+    Hermes = pb::ToolCallFormat::Hermes as isize,
+    Qwen3Coder = pb::ToolCallFormat::Qwen3Coder as isize,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -106,6 +122,7 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         n: Some(args.n),
         parse_reasoning: args.parse_reasoning,
         parse_tool_calls: args.parse_tool_calls,
+        tool_call_format: args.tool_call_format as i32,
     }
 }
 

@@ -1,36 +1,64 @@
 //! The gRPC API's reading of answers (`GenerateRequest.parse_reasoning` /
-//! `parse_tool_calls`): each choice's text goes through a parser of its own, the same one
-//! the OpenAI-compatible API uses ([`AnswerParser`]: Qwen3's `<think>` block, Hermes-style
-//! `<tool_call>` blocks: always Hermes's, whatever the router's `--tool-call-parser`, since
-//! the request has no field to pick Qwen3-Coder's), and each chunk's `text` becomes what the
-//! parser gave out as content, with `reasoning` and `tool_calls` beside it; every other field
-//! (`token_ids`, `prompt_tokens`, usage, ...) passes as it is. Owns only that mapping onto the
-//! wire's chunks; not the parsing.
+//! `parse_tool_calls` / `tool_call_format`): each choice's text goes through a parser of its
+//! own, the same one the OpenAI-compatible API uses ([`AnswerParser`]: Qwen3's `<think>` block,
+//! Hermes-style or Qwen3-Coder's `<tool_call>` blocks, as the request says, whatever the
+//! router's flags), and each chunk's `text` becomes what the parser gave out as content, with
+//! `reasoning` and `tool_calls` beside it; every other field (`token_ids`, `prompt_tokens`,
+//! usage, ...) passes as it is. Owns only that mapping onto the wire's chunks (and the check of
+//! `tool_call_format`); not the parsing.
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use pd_proto::pb;
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
 
 use crate::openai::parse::AnswerParser;
+use crate::openai::parse::coder::Schemas;
+use crate::validation::ValidationError;
 
 /// A response stream of the gRPC API.
 pub(crate) type Chunks = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 /// What a request asks to be read out of its answers' text.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Parse {
     reasoning: bool,
     tools: bool,
+    /// Qwen3-Coder's blocks, typed by the request's tools (`TOOL_CALL_FORMAT_QWEN3_CODER`).
+    coder: Option<Arc<Schemas>>,
 }
 
 impl Parse {
-    pub(crate) fn of(request: &pb::GenerateRequest) -> Self {
-        Self {
+    /// What `request` asks for; a `tool_call_format` that is not one, or is set without
+    /// `parse_tool_calls`, is refused.
+    pub(crate) fn of(request: &pb::GenerateRequest) -> Result<Self, ValidationError> {
+        let format = pb::ToolCallFormat::try_from(request.tool_call_format)
+            .map_err(|_| ValidationError::UnknownToolCallFormat(request.tool_call_format))?;
+        if format != pb::ToolCallFormat::Unspecified && !request.parse_tool_calls {
+            return Err(ValidationError::ToolCallFormatWithoutParsing);
+        }
+        let coder = (format == pb::ToolCallFormat::Qwen3Coder).then(|| {
+            let tools = match &request.input {
+                Some(pb::generate_request::Input::Chat(chat)) => chat.tools.as_slice(),
+                _ => &[],
+            };
+            Arc::new(Schemas::from_texts(tools.iter().map(String::as_str)))
+        });
+        Ok(Self {
             reasoning: request.parse_reasoning,
             tools: request.parse_tool_calls,
+            coder,
+        })
+    }
+
+    /// A parser for one choice's answer.
+    fn parser(&self) -> AnswerParser {
+        match &self.coder {
+            Some(schemas) => AnswerParser::qwen3_coder(self.reasoning, schemas.clone()),
+            None => AnswerParser::new(self.reasoning, self.tools),
         }
     }
 }
@@ -38,16 +66,13 @@ impl Parse {
 /// `chunks` with each choice's text read for reasoning and tool calls as `parse` says
 /// (`chunks` itself when it asks for neither).
 pub(crate) fn parsed(chunks: Chunks, parse: Parse) -> Chunks {
-    let Parse { reasoning, tools } = parse;
-    if !reasoning && !tools {
+    if !parse.reasoning && !parse.tools {
         return chunks;
     }
     let mut parsers: HashMap<u32, AnswerParser> = HashMap::new();
     Box::pin(chunks.map(move |item| {
         let mut chunk = item?;
-        let parser = parsers
-            .entry(chunk.index)
-            .or_insert_with(|| AnswerParser::new(reasoning, tools));
+        let parser = parsers.entry(chunk.index).or_insert_with(|| parse.parser());
         let mut parsed = parser.push(&chunk.text);
         if chunk.finish_reason != pb::FinishReason::Unspecified as i32 {
             parsed.append(parser.finish());
@@ -96,9 +121,12 @@ mod tests {
         request: &pb::GenerateRequest,
         items: Vec<Result<pb::GenerateResponse, Status>>,
     ) -> Vec<Result<pb::GenerateResponse, Status>> {
-        parsed(Box::pin(tokio_stream::iter(items)), Parse::of(request))
-            .collect()
-            .await
+        parsed(
+            Box::pin(tokio_stream::iter(items)),
+            Parse::of(request).unwrap(),
+        )
+        .collect()
+        .await
     }
 
     #[tokio::test]
@@ -141,6 +169,76 @@ mod tests {
         );
         let arguments: String = parts.iter().map(|p| p.arguments.as_str()).collect();
         assert_eq!(arguments, "{\"a\": 1}");
+    }
+
+    #[tokio::test]
+    async fn qwen3_coder_blocks_are_typed_by_the_chat_s_tools() {
+        let tool = r#"{"type": "function", "function": {"name": "f", "parameters":
+            {"type": "object", "properties": {"n": {"type": "integer"}}}}}"#;
+        let request = pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
+                tools: vec![tool.into()],
+                ..Default::default()
+            })),
+            parse_tool_calls: true,
+            tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
+            ..Default::default()
+        };
+        let answer = "ok <tool_call>\n<function=f>\n<parameter=n>\n4";
+        let items = vec![
+            chunk(0, answer, false),
+            chunk(0, "2\n</parameter>\n</function>\n</tool_call>", true),
+        ];
+        let out: Vec<pb::GenerateResponse> = run(&request, items.clone())
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let parts: Vec<&pb::ToolCallPart> = out.iter().flat_map(|c| &c.tool_calls).collect();
+        assert_eq!(parts[0].name.as_deref(), Some("f"));
+        let arguments: String = parts.iter().map(|p| p.arguments.as_str()).collect();
+        assert_eq!(arguments, r#"{"n": 42}"#);
+        assert_eq!(
+            out.iter().map(|c| c.text.as_str()).collect::<String>(),
+            "ok"
+        );
+        // Hermes (the default) leaves the block in the text.
+        let hermes = pb::GenerateRequest {
+            tool_call_format: pb::ToolCallFormat::Hermes as i32,
+            ..request.clone()
+        };
+        let out = run(&hermes, items).await;
+        assert!(
+            out.iter()
+                .all(|c| c.as_ref().unwrap().tool_calls.is_empty())
+        );
+        // Without a chat's tools the values stay strings.
+        let text_input = pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::Text("x".into())),
+            ..request
+        };
+        let out = run(&text_input, vec![chunk(0, answer, true)]).await;
+        let args = &out[0].as_ref().unwrap().tool_calls[0].arguments;
+        assert_eq!(args, r#"{"n": "4"}"#);
+    }
+
+    #[test]
+    fn a_tool_call_format_needs_parsing_and_a_known_value() {
+        let mut request = pb::GenerateRequest {
+            tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
+            ..Default::default()
+        };
+        assert_eq!(
+            Parse::of(&request).unwrap_err(),
+            ValidationError::ToolCallFormatWithoutParsing
+        );
+        request.parse_tool_calls = true;
+        assert!(Parse::of(&request).unwrap().coder.is_some());
+        request.tool_call_format = 3;
+        assert_eq!(
+            Parse::of(&request).unwrap_err(),
+            ValidationError::UnknownToolCallFormat(3)
+        );
     }
 
     #[tokio::test]

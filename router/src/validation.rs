@@ -21,6 +21,8 @@
 //! - Sampling ranges and stop conditions: [`SamplingParams::validate`] with the model's
 //!   vocabulary and `--max-tokens-cap` (max_tokens 0 or above the cap is refused; unset it is
 //!   `min(cap, context − prompt)`).
+//! - `tool_call_format` is a `ToolCallFormat`, set only with `parse_tool_calls`
+//!   (`crate::answer`, which reads the answers).
 //! - The prompt: [`validate_prompt`] (non-empty, every id inside the model's vocabulary,
 //!   shorter than the context, prompt + max_tokens within the context).
 //!
@@ -137,6 +139,14 @@ pub enum ValidationError {
     Choices(u32),
     #[error("request_id of a request with n = {n} must be at most {max} bytes (its choices are `ID-0` ... `ID-{last}`), got {len} bytes", last = n - 1)]
     ChoicesRequestId { n: u32, max: usize, len: usize },
+    #[error(
+        "tool_call_format {0} is not a ToolCallFormat (0 unspecified, 1 HERMES, 2 QWEN3_CODER)"
+    )]
+    UnknownToolCallFormat(i32),
+    #[error(
+        "tool_call_format is set but parse_tool_calls is not: set parse_tool_calls to read calls"
+    )]
+    ToolCallFormatWithoutParsing,
     #[error("{0}")]
     Sampling(#[from] SamplingError),
     #[error("{0}")]

@@ -923,6 +923,44 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
         .count();
     assert!(pieces > 2, "the arguments came in one piece: {text}");
 
+    // The gRPC API reads it alike when the request asks for Qwen3-Coder's format.
+    let mut grpc = client(&cluster.router()).await;
+    let grpc_request = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "Weather in Paris?".into(),
+                ..Default::default()
+            }],
+            enable_thinking: None,
+            tools: vec![tools[0].to_string()],
+        })),
+        sampling: Some(pb::SamplingParams {
+            temperature: Some(0.0),
+            structured_output: Some(pb::StructuredOutput {
+                kind: Some(pb::structured_output::Kind::Regex(answer.into())),
+            }),
+            ..Default::default()
+        }),
+        max_tokens: Some(150),
+        parse_reasoning: true,
+        parse_tool_calls: true,
+        tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
+        ..Default::default()
+    };
+    let mut stream = grpc.generate(grpc_request).await.unwrap().into_inner();
+    let (mut grpc_content, mut arguments, mut names) = (String::new(), String::new(), Vec::new());
+    while let Some(chunk) = stream.message().await.unwrap() {
+        grpc_content.push_str(&chunk.text);
+        for part in chunk.tool_calls {
+            names.extend(part.name);
+            arguments.push_str(&part.arguments);
+        }
+    }
+    assert_eq!(grpc_content, "Let me check.");
+    assert_eq!(names, ["get_weather"]);
+    assert_eq!(arguments, want);
+
     // Without tools in the request the block stays text.
     let mut plain = request.clone();
     plain.as_object_mut().unwrap().remove("tools");

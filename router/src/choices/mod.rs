@@ -139,7 +139,7 @@ impl Generation for ChoicesGeneration {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         // Each choice's text read for reasoning and tool calls, when the request asks.
-        let parse = Parse::of(request.get_ref());
+        let parse = Parse::of(request.get_ref())?;
         let response = self.choices(request).await?;
         Ok(response.map(|chunks| answer::parsed(chunks, parse)))
     }

@@ -337,6 +337,7 @@ impl Body {
                     // The HTTP API reads answers itself (`--reasoning-parser`, ...).
                     parse_reasoning: false,
                     parse_tool_calls: false,
+                    tool_call_format: pb::ToolCallFormat::Unspecified as i32,
                 });
             }
         }

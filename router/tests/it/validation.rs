@@ -280,6 +280,21 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             "request_id must be",
         ),
         (busy.clone(), "request_id `busy` is already in flight"),
+        (
+            pb::GenerateRequest {
+                parse_tool_calls: true,
+                tool_call_format: 7,
+                ..text_request("Hello")
+            },
+            "tool_call_format 7 is not a ToolCallFormat",
+        ),
+        (
+            pb::GenerateRequest {
+                tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
+                ..text_request("Hello")
+            },
+            "tool_call_format is set but parse_tool_calls is not",
+        ),
     ];
     for (request, needle) in cases {
         let status = match collect(&mut client, request.clone()).await {

@@ -42,6 +42,9 @@ impl Generation for Forwarder {
             ));
         }
         let id = format!("fwd-{}", self.next_id.fetch_add(1, Ordering::Relaxed));
+        // The router's first chunk carries the prompt's length; so does this one, so the two
+        // encode the same fields.
+        let prompt_tokens = u32::try_from(ids.ids.len()).ok();
         let answer = self
             .prefill
             .clone()
@@ -62,6 +65,7 @@ impl Generation for Forwarder {
             pb::GenerateResponse {
                 request_id: id,
                 token_ids: vec![first.token_id],
+                prompt_tokens,
                 finish_reason: pb::FinishReason::Length as i32,
                 usage: answer.usage,
                 ..Default::default()
