@@ -132,8 +132,10 @@ enum CoderPart {
     /// `called`: the block made a call already. The block's text is held: one without a call
     /// is content as written.
     Block { called: bool },
-    /// Inside call `calls - 1`'s function, `params` parameters given out.
-    Function { params: usize },
+    /// Inside call `calls - 1`'s function, `params` parameters given out. `scanned`: where in
+    /// the held text (which then starts with `<parameter=`) the search for the value's end
+    /// goes on, so a long value streamed in small pieces is read once, not once per piece.
+    Function { params: usize, scanned: usize },
 }
 
 /// Where in a `<tool_call>` block the answer is.
@@ -285,7 +287,7 @@ impl AnswerParser {
             }
             // Cut off inside a function: its last parameter runs to the end (vLLM's two `$`
             // drop up to two newlines more there), and the arguments close.
-            Mode::Coder(CoderPart::Function { params }) => {
+            Mode::Coder(CoderPart::Function { params, .. }) => {
                 self.pending = rest;
                 if let Some(at) = self.pending.find(PARAMETER_START) {
                     let from = at + PARAMETER_START.len();
@@ -404,7 +406,10 @@ impl AnswerParser {
                         self.function = name;
                         self.gap.clear();
                         self.pending.drain(..=gt);
-                        self.mode = Mode::Coder(CoderPart::Function { params: 0 });
+                        self.mode = Mode::Coder(CoderPart::Function {
+                            params: 0,
+                            scanned: 0,
+                        });
                     }
                     // The block ends without a (whole) function head.
                     (_, Some(e)) => {
@@ -420,44 +425,50 @@ impl AnswerParser {
                     _ => {}
                 }
             }
-            CoderPart::Function { params } => {
-                let first = [PARAMETER_START, FUNCTION_END, CALL_END]
-                    .into_iter()
-                    .filter_map(|tag| find(tag, 0).map(|at| (at, tag)))
-                    .min();
-                match first {
-                    Some((at, PARAMETER_START)) => {
-                        let from = at + PARAMETER_START.len();
-                        let Some((end, tag)) =
-                            [PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END]
-                                .into_iter()
-                                .filter_map(|tag| find(tag, from).map(|at| (at, tag)))
-                                .min()
-                        else {
-                            return;
-                        };
-                        // vLLM's `$` drops one more newline where the function's text ends.
-                        let extra = usize::from(matches!(tag, FUNCTION_END | CALL_END));
-                        let params = params + self.parameter(params, from..end, extra, out);
-                        let drop = if tag == PARAMETER_END {
-                            end + PARAMETER_END.len()
-                        } else {
-                            end
-                        };
-                        self.pending.drain(..drop);
-                        self.mode = Mode::Coder(CoderPart::Function { params });
+            CoderPart::Function { params, scanned } => {
+                let Some((at, tag)) =
+                    first_tag(&self.pending, 0, &[PARAMETER_START, FUNCTION_END, CALL_END])
+                else {
+                    // Text between parameters is dropped: keep only what may be a tag's start.
+                    let keep = tail_start(&self.pending, 0);
+                    self.pending.drain(..keep);
+                    return;
+                };
+                if tag != PARAMETER_START {
+                    out.add_arguments(self.calls - 1, "}");
+                    self.pending.drain(..at + tag.len());
+                    if tag == CALL_END {
+                        self.end_call();
+                    } else {
+                        self.mode = Mode::Coder(CoderPart::Block { called: true });
                     }
-                    Some((at, tag)) => {
-                        out.add_arguments(self.calls - 1, "}");
-                        self.pending.drain(..at + tag.len());
-                        if tag == CALL_END {
-                            self.end_call();
-                        } else {
-                            self.mode = Mode::Coder(CoderPart::Block { called: true });
-                        }
-                    }
-                    None => {}
+                    return;
                 }
+                // The held text starts at the parameter from here on (what was before it is
+                // dropped), which keeps `scanned` meaningful.
+                let scanned = if at > 0 {
+                    self.pending.drain(..at);
+                    0
+                } else {
+                    scanned
+                };
+                let from = PARAMETER_START.len();
+                let ends = [PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END];
+                let Some((end, tag)) = first_tag(&self.pending, scanned.max(from), &ends) else {
+                    let scanned = tail_start(&self.pending, from);
+                    self.mode = Mode::Coder(CoderPart::Function { params, scanned });
+                    return;
+                };
+                // vLLM's `$` drops one more newline where the function's text ends.
+                let extra = usize::from(matches!(tag, FUNCTION_END | CALL_END));
+                let params = params + self.parameter(params, from..end, extra, out);
+                let drop = if tag == PARAMETER_END {
+                    end + PARAMETER_END.len()
+                } else {
+                    end
+                };
+                self.pending.drain(..drop);
+                self.mode = Mode::Coder(CoderPart::Function { params, scanned: 0 });
             }
         }
     }
@@ -628,6 +639,30 @@ impl AnswerParser {
         out.append(self.finish());
         out
     }
+}
+
+/// The first of `tags` in `text` at or after `from` (a char boundary), and where it is.
+fn first_tag(text: &str, from: usize, tags: &[&'static str]) -> Option<(usize, &'static str)> {
+    text[from..].match_indices('<').find_map(|(i, _)| {
+        let at = from + i;
+        let tag = tags.iter().find(|t| text[at..].starts_with(**t))?;
+        Some((at, *tag))
+    })
+}
+
+/// Where the part of `text` that may hold a Qwen3-Coder tag's unfinished start begins: its
+/// last bytes (as many as the longest tag, less one), at a char boundary, not before `from`.
+fn tail_start(text: &str, from: usize) -> usize {
+    let longest = [PARAMETER_START, PARAMETER_END, FUNCTION_END, CALL_END]
+        .iter()
+        .map(|t| t.len())
+        .max()
+        .unwrap_or(0);
+    let mut at = text.len().saturating_sub(longest - 1).max(from);
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 #[cfg(test)]
