@@ -130,8 +130,9 @@ enum Mode {
 enum CoderPart {
     /// Before a `<function=NAME>` (the block's first, or a next one after `</function>`);
     /// `called`: the block made a call already. The block's text is held: one without a call
-    /// is content as written.
-    Block { called: bool },
+    /// is content as written. `scanned`: where the search for the next tag goes on (the held
+    /// text before it has none).
+    Block { called: bool, scanned: usize },
     /// Inside call `calls - 1`'s function, `params` parameters given out. `scanned`: where in
     /// the held text (which then starts with `<parameter=`) the search for the value's end
     /// goes on, so a long value streamed in small pieces is read once, not once per piece.
@@ -143,8 +144,9 @@ enum CoderPart {
 enum CallPart {
     /// Its head is not in yet: it may still stream.
     Head,
-    /// It does not stream: read whole at its closing tag.
-    Whole,
+    /// It does not stream: read whole at its closing tag, searched for from `scanned` on
+    /// (the held text before it has none), so a long block is read once.
+    Whole { scanned: usize },
     /// Streaming call `calls - 1`'s arguments.
     Arguments(Arguments),
     /// The arguments ended; the rest of the call's object is dropped.
@@ -269,18 +271,20 @@ impl AnswerParser {
             }
             Mode::Reasoning => out.reasoning = rest.trim_end_matches('\n').to_string(),
             // An unclosed block at the end: still a call if its JSON is whole.
-            Mode::Call(CallPart::Head | CallPart::Whole) => match parse_call(self.calls, &rest) {
-                Some(call) => {
-                    self.calls += 1;
-                    out.calls.push(call);
+            Mode::Call(CallPart::Head | CallPart::Whole { .. }) => {
+                match parse_call(self.calls, &rest) {
+                    Some(call) => {
+                        self.calls += 1;
+                        out.calls.push(call);
+                    }
+                    None => out.content = format!("{}{CALL_START}{rest}", self.gap),
                 }
-                None => out.content = format!("{}{CALL_START}{rest}", self.gap),
-            },
+            }
             // Cut off inside its arguments: they end here, as OpenAI's do at `length`.
             Mode::Call(CallPart::Arguments(_)) => out.add_arguments(self.calls - 1, &rest),
             Mode::Call(CallPart::Tail(_) | CallPart::After) => {}
             // An unclosed block without a call is content; after one, the rest is dropped.
-            Mode::Coder(CoderPart::Block { called }) => {
+            Mode::Coder(CoderPart::Block { called, .. }) => {
                 if !called {
                     out.content = format!("{}{CALL_START}{rest}", self.gap);
                 }
@@ -356,7 +360,10 @@ impl AnswerParser {
                     };
                     self.pending.drain(..at + CALL_START.len());
                     self.mode = if self.coder.is_some() {
-                        Mode::Coder(CoderPart::Block { called: false })
+                        Mode::Coder(CoderPart::Block {
+                            called: false,
+                            scanned: 0,
+                        })
                     } else {
                         Mode::Call(CallPart::Head)
                     };
@@ -388,14 +395,21 @@ impl AnswerParser {
     fn step_coder(&mut self, part: CoderPart, out: &mut Parsed) {
         let find = |tag: &str, from: usize| self.pending[from..].find(tag).map(|at| at + from);
         match part {
-            CoderPart::Block { called } => {
-                let end = find(CALL_END, 0);
-                let head = find(FUNCTION_START, 0)
-                    .filter(|&f| end.is_none_or(|e| f < e))
-                    .map(|f| (f, find(">", f + FUNCTION_START.len())));
-                match (head, end) {
+            CoderPart::Block { called, scanned } => {
+                let Some((f, tag)) = first_tag(&self.pending, scanned, &[FUNCTION_START, CALL_END])
+                else {
+                    let scanned = tail_start(&self.pending, scanned, CODER_TAG_MAX);
+                    self.mode = Mode::Coder(CoderPart::Block { called, scanned });
+                    return;
+                };
+                let end = find(CALL_END, f);
+                let gt = (tag == FUNCTION_START)
+                    .then(|| find(">", f + FUNCTION_START.len()))
+                    .flatten()
+                    .filter(|&gt| end.is_none_or(|e| gt < e));
+                match (gt, end) {
                     // `<function=NAME>` inside the block: a call.
-                    (Some((f, Some(gt))), _) if end.is_none_or(|e| gt < e) => {
+                    (Some(gt), _) => {
                         let name = self.pending[f + FUNCTION_START.len()..gt].to_string();
                         out.add_call(ToolCall {
                             index: self.calls,
@@ -412,7 +426,7 @@ impl AnswerParser {
                         });
                     }
                     // The block ends without a (whole) function head.
-                    (_, Some(e)) => {
+                    (None, Some(e)) => {
                         if called {
                             self.pending.drain(..e + CALL_END.len());
                             self.end_call();
@@ -422,7 +436,10 @@ impl AnswerParser {
                             self.give_back(&body, CALL_END, out);
                         }
                     }
-                    _ => {}
+                    // A function's head not in yet.
+                    (None, None) => {
+                        self.mode = Mode::Coder(CoderPart::Block { called, scanned: f });
+                    }
                 }
             }
             CoderPart::Function { params, scanned } => {
@@ -430,7 +447,7 @@ impl AnswerParser {
                     first_tag(&self.pending, 0, &[PARAMETER_START, FUNCTION_END, CALL_END])
                 else {
                     // Text between parameters is dropped: keep only what may be a tag's start.
-                    let keep = tail_start(&self.pending, 0);
+                    let keep = tail_start(&self.pending, 0, CODER_TAG_MAX);
                     self.pending.drain(..keep);
                     return;
                 };
@@ -440,7 +457,10 @@ impl AnswerParser {
                     if tag == CALL_END {
                         self.end_call();
                     } else {
-                        self.mode = Mode::Coder(CoderPart::Block { called: true });
+                        self.mode = Mode::Coder(CoderPart::Block {
+                            called: true,
+                            scanned: 0,
+                        });
                     }
                     return;
                 }
@@ -455,7 +475,7 @@ impl AnswerParser {
                 let from = PARAMETER_START.len();
                 let ends = [PARAMETER_END, PARAMETER_START, FUNCTION_END, CALL_END];
                 let Some((end, tag)) = first_tag(&self.pending, scanned.max(from), &ends) else {
-                    let scanned = tail_start(&self.pending, from);
+                    let scanned = tail_start(&self.pending, from, CODER_TAG_MAX);
                     self.mode = Mode::Coder(CoderPart::Function { params, scanned });
                     return;
                 };
@@ -528,16 +548,18 @@ impl AnswerParser {
                     }
                     Head::No => match end {
                         Some(at) => self.close_whole(at, out),
-                        None => self.mode = Mode::Call(CallPart::Whole),
+                        None => self.mode = Mode::Call(CallPart::Whole { scanned: 0 }),
                     },
                     Head::More => {}
                 }
             }
-            CallPart::Whole => {
-                if let Some(at) = self.pending.find(CALL_END) {
-                    self.close_whole(at, out);
+            CallPart::Whole { scanned } => match self.pending[scanned..].find(CALL_END) {
+                Some(at) => self.close_whole(scanned + at, out),
+                None => {
+                    let scanned = tail_start(&self.pending, scanned, CALL_END.len());
+                    self.mode = Mode::Call(CallPart::Whole { scanned });
                 }
-            }
+            },
             // Both read on with their lexer: the arguments, given out, then the rest of the
             // call's object, dropped.
             CallPart::Arguments(mut lexer) | CallPart::Tail(mut lexer) => {
@@ -650,14 +672,12 @@ fn first_tag(text: &str, from: usize, tags: &[&'static str]) -> Option<(usize, &
     })
 }
 
-/// Where the part of `text` that may hold a Qwen3-Coder tag's unfinished start begins: its
-/// last bytes (as many as the longest tag, less one), at a char boundary, not before `from`.
-fn tail_start(text: &str, from: usize) -> usize {
-    let longest = [PARAMETER_START, PARAMETER_END, FUNCTION_END, CALL_END]
-        .iter()
-        .map(|t| t.len())
-        .max()
-        .unwrap_or(0);
+/// The longest of the tags a Qwen3-Coder block is read by.
+const CODER_TAG_MAX: usize = CALL_END.len();
+
+/// Where the part of `text` that may hold the unfinished start of a tag of up to `longest`
+/// bytes begins: its last `longest - 1` bytes, from a char boundary, not before `from` (one).
+fn tail_start(text: &str, from: usize, longest: usize) -> usize {
     let mut at = text.len().saturating_sub(longest - 1).max(from);
     while !text.is_char_boundary(at) {
         at -= 1;
