@@ -580,26 +580,9 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     // flags, not the router's): reasoning, content, and the call's pieces joined by index.
     let mut grpc = client(&cluster.router()).await;
     let grpc_request = |parse: bool| pb::GenerateRequest {
-        input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
-            messages: vec![pb::ChatMessage {
-                role: "user".into(),
-                content: "Weather in Paris?".into(),
-                ..Default::default()
-            }],
-            enable_thinking: None,
-            tools: vec![tools[0].to_string()],
-        })),
-        sampling: Some(pb::SamplingParams {
-            temperature: Some(0.0),
-            structured_output: Some(pb::StructuredOutput {
-                kind: Some(pb::structured_output::Kind::Regex(answer.into())),
-            }),
-            ..Default::default()
-        }),
-        max_tokens: Some(120),
         parse_reasoning: parse,
         parse_tool_calls: parse,
-        ..Default::default()
+        ..weather_by_regex(&tools[0], answer, 120)
     };
     let mut stream = grpc
         .generate(grpc_request(true))
@@ -926,27 +909,10 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     // The gRPC API reads it alike when the request asks for Qwen3-Coder's format.
     let mut grpc = client(&cluster.router()).await;
     let grpc_request = pb::GenerateRequest {
-        input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
-            messages: vec![pb::ChatMessage {
-                role: "user".into(),
-                content: "Weather in Paris?".into(),
-                ..Default::default()
-            }],
-            enable_thinking: None,
-            tools: vec![tools[0].to_string()],
-        })),
-        sampling: Some(pb::SamplingParams {
-            temperature: Some(0.0),
-            structured_output: Some(pb::StructuredOutput {
-                kind: Some(pb::structured_output::Kind::Regex(answer.into())),
-            }),
-            ..Default::default()
-        }),
-        max_tokens: Some(150),
         parse_reasoning: true,
         parse_tool_calls: true,
         tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
-        ..Default::default()
+        ..weather_by_regex(&tools[0], answer, 150)
     };
     let mut stream = grpc.generate(grpc_request).await.unwrap().into_inner();
     let (mut grpc_content, mut arguments, mut names) = (String::new(), String::new(), Vec::new());
@@ -978,6 +944,31 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
     let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
     assert_eq!(forced_call["name"], "get_weather");
+}
+
+/// A gRPC chat request asking for the weather in Paris with `tool`, its answer made `answer`
+/// (a regex: the weights are random), greedy.
+fn weather_by_regex(tool: &Value, answer: &str, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "Weather in Paris?".into(),
+                ..Default::default()
+            }],
+            enable_thinking: None,
+            tools: vec![tool.to_string()],
+        })),
+        sampling: Some(pb::SamplingParams {
+            temperature: Some(0.0),
+            structured_output: Some(pb::StructuredOutput {
+                kind: Some(pb::structured_output::Kind::Regex(answer.into())),
+            }),
+            ..Default::default()
+        }),
+        max_tokens: Some(max_tokens),
+        ..Default::default()
+    }
 }
 
 /// A stream's chunks (its `data:` events but `[DONE]`), parsed.

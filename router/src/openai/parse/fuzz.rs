@@ -1,6 +1,8 @@
 //! Seeded random answers through the parser: parsed whole and streamed in random pieces
 //! alike, well-formed calls keeping their arguments' text, and `call::head` deciding nothing
 //! that more text would change. `SEED=n` runs other cases, `CASES=n` more of them.
+use std::panic::AssertUnwindSafe;
+
 use super::call::{self, Head};
 use super::coder;
 use super::*;
@@ -238,7 +240,11 @@ fn answer(r: &mut Rng) -> String {
 }
 
 fn streamed(reasoning: bool, tools: bool, pieces: &[&str]) -> (Parsed, Vec<Parsed>) {
-    let mut parser = AnswerParser::new(reasoning, tools);
+    streamed_by(AnswerParser::new(reasoning, tools), pieces)
+}
+
+/// `parser` fed `pieces`: everything it gave out, and each push's (and the finish's) part.
+fn streamed_by(mut parser: AnswerParser, pieces: &[&str]) -> (Parsed, Vec<Parsed>) {
     let mut all = Parsed::default();
     let mut parts = Vec::new();
     for p in pieces {
@@ -293,6 +299,40 @@ fn chunkings(r: &mut Rng, text: &str) -> Vec<Vec<String>> {
     out
 }
 
+/// `text` parsed whole by `parser()` and streamed over several chunkings: panics and
+/// disagreements go to `fails` (`label` says which parser); the whole answer's result unless
+/// it panicked.
+fn whole_and_streamed(
+    r: &mut Rng,
+    case: usize,
+    label: &str,
+    text: &str,
+    parser: &dyn Fn() -> AnswerParser,
+    fails: &mut Vec<String>,
+) -> Option<Parsed> {
+    let whole = std::panic::catch_unwind(AssertUnwindSafe(|| parser().parse_whole(text)));
+    let Ok(whole) = whole else {
+        fails.push(format!("PANIC whole {case}: {text:?}"));
+        return None;
+    };
+    for pieces in chunkings(r, text) {
+        let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| streamed_by(parser(), &refs))) {
+            Err(_) => fails.push(format!("PANIC stream {case}: {text:?} {pieces:?}")),
+            Ok((all, parts)) => {
+                if all != whole {
+                    fails.push(format!(
+                        "DIFF {case} {label}: {text:?}\n pieces {pieces:?}\n whole {whole:?}\n streamed {all:?}"
+                    ));
+                    break;
+                }
+                check_parts(&parts, text);
+            }
+        }
+    }
+    Some(whole)
+}
+
 #[test]
 fn fuzz_whole_equals_streamed() {
     let mut r = Rng(seed(0x5eed));
@@ -300,27 +340,9 @@ fn fuzz_whole_equals_streamed() {
     for case in 0..cases(6_000) {
         let text = answer(&mut r);
         let (reasoning, tools) = (r.chance(70), r.chance(85));
-        let res = std::panic::catch_unwind(|| AnswerParser::parse_all(reasoning, tools, &text));
-        let Ok(whole) = res else {
-            fails.push(format!("PANIC whole {case}: {text:?}"));
-            continue;
-        };
-        for pieces in chunkings(&mut r, &text) {
-            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-            let res = std::panic::catch_unwind(|| streamed(reasoning, tools, &refs));
-            match res {
-                Err(_) => fails.push(format!("PANIC stream {case}: {text:?} {pieces:?}")),
-                Ok((all, parts)) => {
-                    if all != whole {
-                        fails.push(format!(
-                            "DIFF {case} r={reasoning} t={tools}: {text:?}\n pieces {pieces:?}\n whole {whole:?}\n streamed {all:?}"
-                        ));
-                        break;
-                    }
-                    check_parts(&parts, &text);
-                }
-            }
-        }
+        let label = format!("r={reasoning} t={tools}");
+        let parser = || AnswerParser::new(reasoning, tools);
+        whole_and_streamed(&mut r, case, &label, &text, &parser, &mut fails);
         if fails.len() > 5 {
             break;
         }
@@ -519,21 +541,6 @@ fn coder_answer(r: &mut Rng) -> String {
     s
 }
 
-fn coder_streamed(reasoning: bool, pieces: &[&str]) -> (Parsed, Vec<Parsed>) {
-    let mut parser = AnswerParser::qwen3_coder(reasoning, coder_tools());
-    let mut all = Parsed::default();
-    let mut parts = Vec::new();
-    for p in pieces {
-        let out = parser.push(p);
-        parts.push(out.clone());
-        all.append(out);
-    }
-    let out = parser.finish();
-    parts.push(out.clone());
-    all.append(out);
-    (all, parts)
-}
-
 #[test]
 fn fuzz_coder_whole_equals_streamed() {
     let mut r = Rng(seed(0xc0de));
@@ -541,11 +548,10 @@ fn fuzz_coder_whole_equals_streamed() {
     for case in 0..cases(6_000) {
         let text = coder_answer(&mut r);
         let reasoning = r.chance(70);
-        let res = std::panic::catch_unwind(|| {
-            AnswerParser::qwen3_coder(reasoning, coder_tools()).parse_whole(&text)
-        });
-        let Ok(whole) = res else {
-            fails.push(format!("PANIC whole {case}: {text:?}"));
+        let parser = || AnswerParser::qwen3_coder(reasoning, coder_tools());
+        let label = format!("r={reasoning}");
+        let Some(whole) = whole_and_streamed(&mut r, case, &label, &text, &parser, &mut fails)
+        else {
             continue;
         };
         // Every call's arguments are a JSON object.
@@ -553,21 +559,6 @@ fn fuzz_coder_whole_equals_streamed() {
             let v: Result<serde_json::Value, _> = serde_json::from_str(&call.arguments);
             if !v.is_ok_and(|v| v.is_object()) {
                 fails.push(format!("NOT AN OBJECT {case}: {text:?} {call:?}"));
-            }
-        }
-        for pieces in chunkings(&mut r, &text) {
-            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-            match std::panic::catch_unwind(|| coder_streamed(reasoning, &refs)) {
-                Err(_) => fails.push(format!("PANIC stream {case}: {text:?} {pieces:?}")),
-                Ok((all, parts)) => {
-                    if all != whole {
-                        fails.push(format!(
-                            "DIFF {case} r={reasoning}: {text:?}\n pieces {pieces:?}\n whole {whole:?}\n streamed {all:?}"
-                        ));
-                        break;
-                    }
-                    check_parts(&parts, &text);
-                }
             }
         }
         if fails.len() > 5 {
@@ -594,7 +585,8 @@ fn fuzz_coder_well_formed_calls_keep_their_values() {
         let whole = AnswerParser::qwen3_coder(false, coder_tools()).parse_whole(&text);
         for pieces in chunkings(&mut r, &text) {
             let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-            assert_eq!(coder_streamed(false, &refs).0, whole, "{text:?} {pieces:?}");
+            let parser = AnswerParser::qwen3_coder(false, coder_tools());
+            assert_eq!(streamed_by(parser, &refs).0, whole, "{text:?} {pieces:?}");
         }
         let got: Vec<(String, serde_json::Value)> = whole
             .calls
