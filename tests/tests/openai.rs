@@ -482,6 +482,22 @@ async fn openai_api_serves_what_grpc_serves_and_a_hang_up_cancels() {
 /// What a streamed chat choice adds up to: reasoning, content, tool calls (their parts joined
 /// as OpenAI's clients join them: by `index`, the first part naming the call, the arguments'
 /// text added up), finish reasons.
+/// `request` sent with `"stream": true`: the stream's text, and what [`accumulate`] makes of
+/// it.
+async fn stream_chat(
+    base: &str,
+    request: &Value,
+) -> (String, (String, String, Vec<Value>, Vec<String>)) {
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = http_post(base, "/chat/completions", &streamed)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let parts = accumulate(&sse_data(&text));
+    (text, parts)
+}
+
 fn accumulate(events: &[String]) -> (String, String, Vec<Value>, Vec<String>) {
     let (mut reasoning, mut content, mut calls, mut finishes) = (
         String::new(),
@@ -528,16 +544,7 @@ fn accumulate(events: &[String]) -> (String, String, Vec<Value>, Vec<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_back() {
     let cache = tempfile::tempdir().unwrap();
-    // Aggregated mode (decode nodes only), the router reading reasoning and tool calls.
-    let cluster = Cluster::up_with_env(
-        cache.path(),
-        &["--prefill", "0", "--decode", "1"],
-        &[
-            ("PD_REASONING_PARSER", "qwen3"),
-            ("PD_TOOL_CALL_PARSER", "hermes"),
-        ],
-    )
-    .unwrap();
+    let cluster = parsing_cluster(cache.path(), "hermes");
     let base = cluster.openai();
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
@@ -562,13 +569,7 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
     assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1);
 
     // Streamed: the same pieces, the call whole with its index, one finish.
-    let mut streamed = request.clone();
-    streamed["stream"] = json!(true);
-    let (status, text) = http_post(&base, "/chat/completions", &streamed)
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{text}");
-    let (reasoning, content, calls, finishes) = accumulate(&sse_data(&text));
+    let (text, (reasoning, content, calls, finishes)) = stream_chat(&base, &request).await;
     assert_eq!(reasoning, "The user wants weather.");
     assert_eq!(content, "Let me check.");
     assert_eq!(calls.len(), 1, "{text}");
@@ -852,15 +853,7 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     let cache = tempfile::tempdir().unwrap();
-    let cluster = Cluster::up_with_env(
-        cache.path(),
-        &["--prefill", "0", "--decode", "1"],
-        &[
-            ("PD_REASONING_PARSER", "qwen3"),
-            ("PD_TOOL_CALL_PARSER", "qwen3_coder"),
-        ],
-    )
-    .unwrap();
+    let cluster = parsing_cluster(cache.path(), "qwen3_coder");
     let base = cluster.openai();
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -888,13 +881,7 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     assert_eq!(call["function"]["arguments"], want);
 
     // Streamed: the name first, the arguments in pieces that join to the same text.
-    let mut streamed = request.clone();
-    streamed["stream"] = json!(true);
-    let (status, text) = http_post(&base, "/chat/completions", &streamed)
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{text}");
-    let (reasoning, content, calls, finishes) = accumulate(&sse_data(&text));
+    let (text, (reasoning, content, calls, finishes)) = stream_chat(&base, &request).await;
     assert_eq!(reasoning, "Weather.");
     assert_eq!(content, "Let me check.");
     assert_eq!(calls.len(), 1, "{text}");
@@ -944,6 +931,20 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
     let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
     assert_eq!(forced_call["name"], "get_weather");
+}
+
+/// Aggregated mode (decode nodes only), the router reading reasoning (qwen3) and tool calls
+/// (`tool_call_parser`).
+fn parsing_cluster(cache: &std::path::Path, tool_call_parser: &str) -> Cluster {
+    Cluster::up_with_env(
+        cache,
+        &["--prefill", "0", "--decode", "1"],
+        &[
+            ("PD_REASONING_PARSER", "qwen3"),
+            ("PD_TOOL_CALL_PARSER", tool_call_parser),
+        ],
+    )
+    .unwrap()
 }
 
 /// A gRPC chat request asking for the weather in Paris with `tool`, its answer made `answer`

@@ -185,15 +185,21 @@ fn noise(r: &mut Rng) -> String {
         .collect()
 }
 
-fn answer(r: &mut Rng) -> String {
+/// An answer's start: often a think block opened by one of `opens` (and mostly closed).
+fn think(r: &mut Rng, opens: &[&str]) -> String {
     let mut s = String::new();
     if r.chance(40) {
-        s.push_str(r.pick(&["<think>", "<think>\n", "<thi", "\n<think>"]));
+        s.push_str(r.pick(opens));
         s.push_str(&noise(r));
         if r.chance(80) {
             s.push_str(r.pick(&["</think>", "\n</think>\n\n"]));
         }
     }
+    s
+}
+
+fn answer(r: &mut Rng) -> String {
+    let mut s = think(r, &["<think>", "<think>\n", "<thi", "\n<think>"]);
     for _ in 0..r.below(5) {
         match r.below(9) {
             0 | 1 => s.push_str(&noise(r)),
@@ -350,20 +356,30 @@ fn fuzz_whole_equals_streamed() {
     assert!(fails.is_empty(), "{}", fails.join("\n\n"));
 }
 
+/// One to three well-formed calls made by `call` (its text, name and arguments), some with
+/// a few words before them: the answer, and each call's name and arguments.
+fn calls_text<T>(
+    r: &mut Rng,
+    call: fn(&mut Rng) -> (String, String, T),
+) -> (String, Vec<(String, T)>) {
+    let mut text = String::new();
+    let mut want = Vec::new();
+    for _ in 0..1 + r.below(3) {
+        if r.chance(50) {
+            text.push_str(r.pick(&["Sure.", "a b", "日本 ", "\n"]));
+        }
+        let (t, name, args) = call(r);
+        text.push_str(&t);
+        want.push((name, args));
+    }
+    (text, want)
+}
+
 #[test]
 fn fuzz_well_formed_calls_keep_their_arguments_text() {
     let mut r = Rng(seed(7));
     for _ in 0..cases(3_000) {
-        let mut text = String::new();
-        let mut want = Vec::new();
-        for _ in 0..1 + r.below(3) {
-            if r.chance(50) {
-                text.push_str(r.pick(&["Sure.", "a b", "日本 ", "\n"]));
-            }
-            let (t, name, args) = good_call(&mut r);
-            text.push_str(&t);
-            want.push((name, args));
-        }
+        let (text, want) = calls_text(&mut r, good_call);
         let whole = parse_stream_checked(&mut r, &text);
         let got: Vec<(String, String)> = whole
             .calls
@@ -496,14 +512,7 @@ fn coder_call(r: &mut Rng) -> (String, String, serde_json::Value) {
 }
 
 fn coder_answer(r: &mut Rng) -> String {
-    let mut s = String::new();
-    if r.chance(40) {
-        s.push_str(r.pick(&["<think>", "<think>\n"]));
-        s.push_str(&noise(r));
-        if r.chance(80) {
-            s.push_str(r.pick(&["</think>", "\n</think>\n\n"]));
-        }
-    }
+    let mut s = think(r, &["<think>", "<think>\n"]);
     for _ in 0..r.below(5) {
         match r.below(8) {
             0 | 1 => s.push_str(&noise(r)),
@@ -572,16 +581,7 @@ fn fuzz_coder_whole_equals_streamed() {
 fn fuzz_coder_well_formed_calls_keep_their_values() {
     let mut r = Rng(seed(11));
     for _ in 0..cases(3_000) {
-        let mut text = String::new();
-        let mut want = Vec::new();
-        for _ in 0..1 + r.below(3) {
-            if r.chance(50) {
-                text.push_str(r.pick(&["Sure.", "a b", "日本 ", "\n"]));
-            }
-            let (t, name, args) = coder_call(&mut r);
-            text.push_str(&t);
-            want.push((name, args));
-        }
+        let (text, want) = calls_text(&mut r, coder_call);
         let whole = AnswerParser::qwen3_coder(false, coder_tools()).parse_whole(&text);
         for pieces in chunkings(&mut r, &text) {
             let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
