@@ -692,17 +692,7 @@ async fn chat_answers_are_read_for_reasoning_and_tool_calls_and_the_calls_go_bac
 
     // A named tool_choice makes the answer one call of that tool, with arguments its
     // parameters accept (random weights: only the guide makes it a call).
-    let forced = json!({
-        "messages": [user], "tools": tools, "max_tokens": 60, "temperature": 1, "seed": 3,
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-    });
-    let v = post_ok(&base, "/chat/completions", forced).await;
-    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
-    let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
-    assert_eq!(forced_call["name"], "get_weather");
-    let arguments: Value =
-        serde_json::from_str(forced_call["arguments"].as_str().unwrap()).expect("JSON arguments");
-    assert!(arguments.is_object(), "{arguments}");
+    forced_weather_call(&base, &user, &tools).await;
 
     // tool_choice "required": one call or more, of any tool, free-form parameters too
     // (`data` is any object). Quotes and braces are favoured so the random model closes its
@@ -923,14 +913,23 @@ async fn qwen3_coder_tool_calls_are_read_typed_by_the_request_s_tools() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 
     // A forced call is guided into a Hermes JSON block and read as one.
+    forced_weather_call(&base, &user, &tools).await;
+}
+
+/// A named `tool_choice` (`get_weather`, sampled): the answer is one call of it, with JSON
+/// object arguments.
+async fn forced_weather_call(base: &str, user: &Value, tools: &Value) {
     let forced = json!({
         "messages": [user], "tools": tools, "max_tokens": 60, "temperature": 1, "seed": 3,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
     });
-    let v = post_ok(&base, "/chat/completions", forced).await;
+    let v = post_ok(base, "/chat/completions", forced).await;
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
     let forced_call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
     assert_eq!(forced_call["name"], "get_weather");
+    let arguments: Value =
+        serde_json::from_str(forced_call["arguments"].as_str().unwrap()).expect("JSON arguments");
+    assert!(arguments.is_object(), "{arguments}");
 }
 
 /// Aggregated mode (decode nodes only), the router reading reasoning (qwen3) and tool calls
