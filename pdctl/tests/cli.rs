@@ -326,11 +326,24 @@ fn broken_model_directories_are_refused_naming_the_problem() {
         "mlp.gate_proj.weight",
     );
 
-    // An architecture this engine does not implement.
+    // A Qwen3-MoE config without its experts' shape.
     let dir = copy("moe");
     cfg["intermediate_size"] = serde_json::json!(192);
     cfg["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
     cfg["model_type"] = serde_json::json!("qwen3_moe");
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_refused(
+        &pdctl(
+            c,
+            &["run", "--model", dir.to_str().unwrap(), "--prompt", "x"],
+        ),
+        "`num_experts`: is missing",
+    );
+
+    // An architecture this engine does not implement.
+    let dir = copy("llama");
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("llama");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     assert_refused(
         &pdctl(
