@@ -47,7 +47,7 @@ fn hermes() -> AnswerParser {
     AnswerParser::new(true, true)
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     Case {
         name: "content",
         parser: hermes,
@@ -76,6 +76,12 @@ const CASES: [Case; 6] = [
         name: "qwen3_coder-no-call",
         parser: coder,
         head: "<tool_call>\n",
+        tail: "\n</tool_call>",
+    },
+    Case {
+        name: "qwen3_coder-open-head",
+        parser: coder,
+        head: "<tool_call>\n<function=",
         tail: "\n</tool_call>",
     },
     Case {

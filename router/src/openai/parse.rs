@@ -135,9 +135,14 @@ enum Mode {
 enum CoderPart {
     /// Before a `<function=NAME>` (the block's first, or a next one after `</function>`);
     /// `called`: the block made a call already. The block's text is held: one without a call
-    /// is content as written. `scanned`: where the search for the next tag goes on (the held
-    /// text before it has none).
-    Block { called: bool, scanned: usize },
+    /// is content as written. `head`: where a `<function=` whose `>` is not in yet starts.
+    /// `scanned`: where the search for the next tag (with `head`: for that `>` or the
+    /// block's end) goes on; the held text before it has none.
+    Block {
+        called: bool,
+        scanned: usize,
+        head: Option<usize>,
+    },
     /// Inside call `calls - 1`'s function, `params` parameters given out. `scanned`: where in
     /// the held text (which then starts with `<parameter=`) the search for the value's end
     /// goes on, so a long value streamed in small pieces is read once, not once per piece.
@@ -368,6 +373,7 @@ impl AnswerParser {
                         Mode::Coder(CoderPart::Block {
                             called: false,
                             scanned: 0,
+                            head: None,
                         })
                     } else {
                         Mode::Call(CallPart::Head)

@@ -15,16 +15,38 @@ impl AnswerParser {
     pub(super) fn step_coder(&mut self, part: CoderPart, out: &mut Parsed) {
         let find = |tag: &str, from: usize| self.pending[from..].find(tag).map(|at| at + from);
         match part {
-            CoderPart::Block { called, scanned } => {
-                let Some((f, tag)) = first_tag(&self.pending, scanned, &[FUNCTION_START, CALL_END])
-                else {
-                    let scanned = tail_start(&self.pending, scanned, CODER_TAG_MAX);
-                    self.mode = Mode::Coder(CoderPart::Block { called, scanned });
-                    return;
+            CoderPart::Block {
+                called,
+                scanned,
+                head,
+            } => {
+                // Where the function's head starts (or the block's end is), and where the
+                // search for what ends the head goes on.
+                let (f, from) = match head {
+                    Some(f) => (f, scanned),
+                    None => {
+                        let tags = [FUNCTION_START, CALL_END];
+                        let Some((f, tag)) = first_tag(&self.pending, scanned, &tags) else {
+                            let scanned = tail_start(&self.pending, scanned, CODER_TAG_MAX);
+                            self.mode = Mode::Coder(CoderPart::Block {
+                                called,
+                                scanned,
+                                head: None,
+                            });
+                            return;
+                        };
+                        let from = if tag == FUNCTION_START {
+                            f + FUNCTION_START.len()
+                        } else {
+                            f
+                        };
+                        (f, from)
+                    }
                 };
-                let end = find(CALL_END, f);
-                let gt = (tag == FUNCTION_START)
-                    .then(|| find(">", f + FUNCTION_START.len()))
+                let end = find(CALL_END, from);
+                let gt = self.pending[f..]
+                    .starts_with(FUNCTION_START)
+                    .then(|| find(">", from))
                     .flatten()
                     .filter(|&gt| end.is_none_or(|e| gt < e));
                 match (gt, end) {
@@ -58,7 +80,12 @@ impl AnswerParser {
                     }
                     // A function's head not in yet.
                     (None, None) => {
-                        self.mode = Mode::Coder(CoderPart::Block { called, scanned: f });
+                        let scanned = tail_start(&self.pending, from, CODER_TAG_MAX);
+                        self.mode = Mode::Coder(CoderPart::Block {
+                            called,
+                            scanned,
+                            head: Some(f),
+                        });
                     }
                 }
             }
@@ -80,6 +107,7 @@ impl AnswerParser {
                         self.mode = Mode::Coder(CoderPart::Block {
                             called: true,
                             scanned: 0,
+                            head: None,
                         });
                     }
                     return;
