@@ -185,6 +185,16 @@ fn noise(r: &mut Rng) -> String {
         .collect()
 }
 
+/// A random char boundary of `s` (its end among them when `end`).
+fn boundary(r: &mut Rng, s: &str, end: bool) -> usize {
+    let cut: Vec<usize> = s
+        .char_indices()
+        .map(|(i, _)| i)
+        .chain(end.then_some(s.len()))
+        .collect();
+    cut[r.below(cut.len())]
+}
+
 /// An answer's start: often a think block opened by one of `opens` (and mostly closed).
 fn think(r: &mut Rng, opens: &[&str]) -> String {
     let mut s = String::new();
@@ -229,8 +239,7 @@ fn answer(r: &mut Rng) -> String {
             _ => {
                 // a call block with random garbage mixed into its body
                 let (t, _, _) = good_call(r);
-                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
-                let at = cut[r.below(cut.len())];
+                let at = boundary(r, &t, false);
                 s.push_str(&t[..at]);
                 s.push_str(&noise(r));
                 s.push_str(&t[at..]);
@@ -238,8 +247,7 @@ fn answer(r: &mut Rng) -> String {
         }
     }
     if r.chance(30) {
-        let cut: Vec<usize> = s.char_indices().map(|(i, _)| i).chain([s.len()]).collect();
-        let at = cut[r.below(cut.len())];
+        let at = boundary(r, &s, true);
         s.truncate(at);
     }
     s
@@ -421,8 +429,7 @@ fn fuzz_head_is_prefix_stable() {
             let t = &t["<tool_call>".len()..t.len() - "</tool_call>".len()];
             let mut t = t.to_string();
             if r.chance(50) {
-                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
-                let at = cut[r.below(cut.len())];
+                let at = boundary(&mut r, &t, false);
                 t.insert_str(at, &noise(&mut r));
             }
             t
@@ -533,8 +540,7 @@ fn coder_answer(r: &mut Rng) -> String {
             _ => {
                 // A call block with pieces of tags or noise mixed in.
                 let (t, _, _) = coder_call(r);
-                let cut: Vec<usize> = t.char_indices().map(|(i, _)| i).collect();
-                let at = cut[r.below(cut.len())];
+                let at = boundary(r, &t, false);
                 s.push_str(&t[..at]);
                 s.push_str(r.pick(&["<parameter=", "</function>", "</tool_call>", ">", "\n"]));
                 s.push_str(&noise(r));
@@ -543,8 +549,7 @@ fn coder_answer(r: &mut Rng) -> String {
         }
     }
     if r.chance(30) {
-        let cut: Vec<usize> = s.char_indices().map(|(i, _)| i).chain([s.len()]).collect();
-        let at = cut[r.below(cut.len())];
+        let at = boundary(r, &s, true);
         s.truncate(at);
     }
     s
