@@ -40,13 +40,8 @@ impl Parse {
         if format != pb::ToolCallFormat::Unspecified && !request.parse_tool_calls {
             return Err(ValidationError::ToolCallFormatWithoutParsing);
         }
-        let coder = (format == pb::ToolCallFormat::Qwen3Coder).then(|| {
-            let tools = match &request.input {
-                Some(pb::generate_request::Input::Chat(chat)) => chat.tools.as_slice(),
-                _ => &[],
-            };
-            Arc::new(Schemas::from_texts(tools.iter().map(String::as_str)))
-        });
+        let coder = (format == pb::ToolCallFormat::Qwen3Coder)
+            .then(|| Arc::new(Schemas::of_request(request)));
         Ok(Self {
             reasoning: request.parse_reasoning,
             tools: request.parse_tool_calls,
@@ -56,10 +51,7 @@ impl Parse {
 
     /// A parser for one choice's answer.
     fn parser(&self) -> AnswerParser {
-        match &self.coder {
-            Some(schemas) => AnswerParser::qwen3_coder(self.reasoning, schemas.clone()),
-            None => AnswerParser::new(self.reasoning, self.tools),
-        }
+        AnswerParser::reading(self.reasoning, self.tools, self.coder.as_ref())
     }
 }
 

@@ -236,6 +236,15 @@ impl AnswerParser {
         }
     }
 
+    /// A parser reading reasoning when `reasoning`, and tool calls when `tools`: Qwen3-Coder's,
+    /// typed by `coder`'s schemas, when it is given, else Hermes's.
+    pub fn reading(reasoning: bool, tools: bool, coder: Option<&Arc<Schemas>>) -> Self {
+        match coder {
+            Some(schemas) => Self::qwen3_coder(reasoning, schemas.clone()),
+            None => Self::new(reasoning, tools),
+        }
+    }
+
     /// A parser reading reasoning when `reasoning`, and Qwen3-Coder's tool calls, typed by
     /// `schemas`.
     pub fn qwen3_coder(reasoning: bool, schemas: Arc<Schemas>) -> Self {

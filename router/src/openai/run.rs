@@ -100,13 +100,11 @@ pub(super) async fn handle(
     }
     // Qwen3-Coder's calls are typed by the request's tools. A forced call is guided into a
     // Hermes JSON block whatever the parser, and read as one.
-    let coder = (api.coder && plan.tools && !plan.forced_tool).then(|| {
-        let tools = match plan.requests.first().and_then(|r| r.input.as_ref()) {
-            Some(pb::generate_request::Input::Chat(chat)) => chat.tools.as_slice(),
-            _ => &[],
-        };
-        Arc::new(Schemas::from_texts(tools.iter().map(String::as_str)))
-    });
+    let coder = plan
+        .requests
+        .first()
+        .filter(|_| api.coder && plan.tools && !plan.forced_tool)
+        .map(|request| Arc::new(Schemas::of_request(request)));
     let requests = std::mem::take(&mut plan.requests);
     // Every generation has the API request's deadline (`--request-timeout`), counted from its
     // arrival; the client cancels by going away, so there is no abort switch.
@@ -306,10 +304,7 @@ impl Output {
 
     /// A parser for one chat answer.
     fn parser(&self) -> AnswerParser {
-        match &self.coder {
-            Some(schemas) => AnswerParser::qwen3_coder(self.reasoning, schemas.clone()),
-            None => AnswerParser::new(self.reasoning, self.tools),
-        }
+        AnswerParser::reading(self.reasoning, self.tools, self.coder.as_ref())
     }
 
     /// Whether chat answers are parsed at all.

@@ -52,6 +52,15 @@ impl Schemas {
         Self { functions }
     }
 
+    /// From a request's tools: its `ChatInput.tools` (none for a text or token-id input).
+    pub fn of_request(request: &pd_proto::pb::GenerateRequest) -> Self {
+        let tools = match &request.input {
+            Some(pd_proto::pb::generate_request::Input::Chat(chat)) => chat.tools.as_slice(),
+            _ => &[],
+        };
+        Self::from_texts(tools.iter().map(String::as_str))
+    }
+
     /// From tools as JSON texts (the gRPC `ChatInput.tools`); texts that are not JSON are
     /// passed over.
     pub fn from_texts<'a>(tools: impl IntoIterator<Item = &'a str>) -> Self {
