@@ -72,11 +72,7 @@ mod tests {
     use super::*;
 
     fn m(rows: &[&[f32]]) -> HostMatrix {
-        HostMatrix {
-            rows: rows.len(),
-            cols: rows[0].len(),
-            data: rows.concat(),
-        }
+        HostMatrix::from_rows(rows)
     }
 
     #[test]

@@ -459,4 +459,14 @@ impl HostMatrix {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }
+
+    /// A matrix of these (equally long) rows.
+    #[cfg(test)]
+    pub(crate) fn from_rows(rows: &[&[f32]]) -> Self {
+        Self {
+            rows: rows.len(),
+            cols: rows[0].len(),
+            data: rows.concat(),
+        }
+    }
 }

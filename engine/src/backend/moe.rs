@@ -79,11 +79,7 @@ mod tests {
     use super::*;
 
     fn logits(rows: &[&[f32]]) -> HostMatrix {
-        HostMatrix {
-            rows: rows.len(),
-            cols: rows[0].len(),
-            data: rows.concat(),
-        }
+        HostMatrix::from_rows(rows)
     }
 
     #[test]
