@@ -19,10 +19,11 @@
 #                                       key splits (32/64/128 keys), prefill of
 #                                       2,048 and 8,192 tokens, one layer's prefill attention
 #                                       on each kernel) on synthetic:qwen3-0.6b and
-#                                       synthetic:qwen3-8b,
+#                                       synthetic:qwen3-8b, then one Qwen3-30B-A3B sparse
+#                                       layer routed on the device against on the host,
 #                                       (c) if time is left and compute-sanitizer is there,
 #                                       memcheck over the tiny model's tests and racecheck
-#                                       over the attention kernels' test,
+#                                       over the attention kernels' test and MoE routing,
 #                                       (d) if time is left and ncu is there, one batch-1
 #                                       decode step of qwen3-0.6b kernel by kernel, through
 #                                       cuBLAS and through the gemv16 kernels.
@@ -103,8 +104,8 @@ run)
     # (c) Memory errors and shared-memory races no emulator shows: compute-sanitizer (in the
     # GPU host's image; it works on a Firecracker machine) over the tiny model's tests
     # (every kernel of a layer, the split-K merge of a long context, a batch) with memcheck,
-    # and over the attention kernels' test with racecheck (shared-memory hazards in
-    # paged_attention and attention_mma). Only if the 8 minutes leave room; a diagnostic,
+    # and over the attention kernels' test and a MoE routing test with racecheck
+    # (shared-memory hazards in paged_attention, attention_mma and moe_route). Only if the 8 minutes leave room; a diagnostic,
     # its exit does not count: read "ERROR SUMMARY" in the logs.
     echo "== (c) compute-sanitizer: memcheck (tiny model), racecheck (attention)"
     sanitizer="$(command -v compute-sanitizer || ls -d /usr/local/cuda*/bin/compute-sanitizer \
@@ -114,7 +115,7 @@ run)
     elif [ "$SECONDS" -gt 270 ]; then
         echo "skipped: $SECONDS s of the 8 minutes used"
     else
-        for check in "memcheck tiny_ batched_sequences" "racecheck attention_kernels"; do
+        for check in "memcheck tiny_ batched_sequences" "racecheck attention_kernels router_ties"; do
             set -- $check
             tool="$1"
             shift

@@ -82,18 +82,10 @@ impl<B: Backend> Executor<B> {
 
     /// Offer pure decode steps (one new token per sequence, no prompt logprobs) of up to
     /// `graphs.max_batch` sequences to the backend's captured graphs; `None`: every step runs
-    /// eagerly. A backend without graphs (the CPU) runs them eagerly either way.
-    /// Qwen3-MoE models never use them: each sparse layer reads its routing on the host,
-    /// which a recorded graph cannot replay.
+    /// eagerly. A backend without graphs (the CPU) runs them eagerly either way, and one that
+    /// cannot record a step (a Qwen3-MoE layer it routes on the host) says so and runs it
+    /// eagerly ([`Backend::decode_graph`] returns `None`).
     pub fn set_decode_graphs(&mut self, graphs: Option<DecodeGraphs>) {
-        if graphs.is_some() && self.model.config().moe.is_some() {
-            tracing::warn!(
-                "CUDA graphs are not used for Qwen3-MoE models (each sparse layer routes its \
-                 tokens on the host); decode steps run eagerly"
-            );
-            self.graphs = None;
-            return;
-        }
         self.graphs = graphs;
     }
 

@@ -217,23 +217,32 @@ pub trait Backend: Send + Sync + 'static {
 
     /// `x += Σₑ wₑ · expertₑ(n)` with `n = rms_norm(x)` over the whole row, each row sent to
     /// its `top_k` experts by the router ([`moe::route`]): Qwen3-MoE's post-attention norm
-    /// and sparse MLP added to the residual stream. By default the router's logits go to the
-    /// host to be routed, then each chosen expert runs on its rows ([`Self::select_rows`],
-    /// the gate / up / SwiGLU / down ops) and [`Self::add_rows_scaled`] adds its output,
-    /// expert by expert in index order.
+    /// and sparse MLP added to the residual stream. By default [`moe::norm_moe_add_on_host`]:
+    /// the router's logits go to the host to be routed, then each chosen expert runs on its
+    /// rows and its output is added, expert by expert in index order. A device backend may
+    /// route on the device (the CUDA backend, for decode-sized batches); each row must still
+    /// add its experts in index order.
     fn norm_moe_add(&self, x: &mut Self::Tensor, moe: &NormMoe<'_, Self::Weight>) {
-        let n = self.rms_norm(x, moe.norm, moe.hidden, moe.eps);
-        let router_logits = self.to_host(&self.linear(&n, moe.router));
-        let routes = moe::route(&router_logits, moe.top_k, moe.norm_topk_prob);
-        for (expert, route) in moe.experts.iter().zip(&routes) {
-            if route.rows.is_empty() {
-                continue;
-            }
-            let rows = self.select_rows(&n, &route.rows);
-            let [gate, up] = self.linear_shared(&rows, [&expert.gate, &expert.up]);
-            let y = self.linear(&self.silu_mul(&gate, &up), &expert.down);
-            self.add_rows_scaled(x, &y, &route.rows, &route.weights);
-        }
+        moe::norm_moe_add_on_host(self, x, moe);
+    }
+
+    /// Make one sparse layer's experts usable, in expert order, each from its `[gate, up,
+    /// down]` matrices (`[inter, hidden]`, `[inter, hidden]`, `[hidden, inter]`). By default
+    /// [`Backend::load_stacked`] for gate / up and [`Backend::load_weight`] for down, expert
+    /// by expert; a backend may place every expert of the layer in one buffer, so that a
+    /// kernel finds an expert by its index (the CUDA backend).
+    fn load_experts(
+        &self,
+        experts: Vec<[(&str, TensorView); 3]>,
+    ) -> Result<Vec<moe::Expert<Self::Weight>>, EngineError> {
+        experts
+            .into_iter()
+            .map(|[gate, up, down]| {
+                let [gate, up] = self.load_stacked([gate, up])?;
+                let down = self.load_weight(down.0, down.1)?;
+                Ok(moe::Expert { gate, up, down })
+            })
+            .collect()
     }
 
     /// `x[rows[i]] += scales[i] · y[i]` for each row `i` of `y` (`rows` distinct): an

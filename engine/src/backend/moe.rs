@@ -1,9 +1,10 @@
 //! Qwen3-MoE's sparse MLP as the backend contract sees it: the weights of one layer's
 //! experts ([`NormMoe`]) and the routing of tokens to experts ([`route`]), computed the way
-//! transformers computes it. The ops that run the experts are [`super::Backend`]'s; this
-//! module owns only which rows go where and with what weight.
+//! transformers computes it, and the host-routed way to run them ([`norm_moe_add_on_host`],
+//! the trait's default). The ops that run the experts are [`super::Backend`]'s; this module
+//! owns which rows go where, with what weight, and in what order their outputs are added.
 
-use super::HostMatrix;
+use super::{Backend, HostMatrix};
 
 /// One expert's SwiGLU MLP: gate / up `[expert_inter, hidden]`, down `[hidden, expert_inter]`.
 pub struct Expert<W> {
@@ -72,6 +73,29 @@ pub fn route(router_logits: &HostMatrix, top_k: usize, norm_topk_prob: bool) -> 
         order.sort_unstable();
     }
     out
+}
+
+/// [`Backend::norm_moe_add`] with the routing on the host: the norm, the router's logits
+/// copied to the host and routed ([`route`]), then each chosen expert run on its rows
+/// ([`Backend::select_rows`], the gate / up / SwiGLU / down ops) and its output added with
+/// [`Backend::add_rows_scaled`], expert by expert in index order.
+pub fn norm_moe_add_on_host<B: Backend + ?Sized>(
+    backend: &B,
+    x: &mut B::Tensor,
+    moe: &NormMoe<'_, B::Weight>,
+) {
+    let n = backend.rms_norm(x, moe.norm, moe.hidden, moe.eps);
+    let router_logits = backend.to_host(&backend.linear(&n, moe.router));
+    let routes = route(&router_logits, moe.top_k, moe.norm_topk_prob);
+    for (expert, route) in moe.experts.iter().zip(&routes) {
+        if route.rows.is_empty() {
+            continue;
+        }
+        let rows = backend.select_rows(&n, &route.rows);
+        let [gate, up] = backend.linear_shared(&rows, [&expert.gate, &expert.up]);
+        let y = backend.linear(&backend.silu_mul(&gate, &up), &expert.down);
+        backend.add_rows_scaled(x, &y, &route.rows, &route.weights);
+    }
 }
 
 #[cfg(test)]

@@ -107,6 +107,31 @@ impl<B: Backend> Loader<'_, B> {
         let down = self.one(&format!("{prefix}.down_proj.weight"), &[hidden, inter])?;
         Ok(Expert { gate, up, down })
     }
+
+    /// A sparse layer's `{prefix}.{e}.{gate,up,down}_proj.weight` for experts `0..count`
+    /// ([`Backend::load_experts`]).
+    fn experts(
+        &mut self,
+        prefix: &str,
+        count: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Vec<Expert<B::Weight>>, EngineError> {
+        let names: Vec<[String; 3]> = (0..count)
+            .map(|e| ["gate", "up", "down"].map(|m| format!("{prefix}.{e}.{m}_proj.weight")))
+            .collect();
+        let mut experts = Vec::with_capacity(count);
+        for [gate, up, down] in &names {
+            experts.push([
+                (gate.as_str(), self.view(gate, &[inter, hidden])?),
+                (up.as_str(), self.view(up, &[inter, hidden])?),
+                (down.as_str(), self.view(down, &[hidden, inter])?),
+            ]);
+        }
+        let experts = self.backend.load_experts(experts)?;
+        self.report();
+        Ok(experts)
+    }
 }
 
 impl<B: Backend> Qwen3<B> {
@@ -141,11 +166,12 @@ impl<B: Backend> Qwen3<B> {
             let mlp = match &c.moe {
                 Some(moe) if moe.sparse_layers[i] => Mlp::Sparse {
                     router: loader.one(&format!("{p}.mlp.gate.weight"), &[moe.num_experts, h])?,
-                    experts: (0..moe.num_experts)
-                        .map(|e| {
-                            loader.swiglu(&format!("{p}.mlp.experts.{e}"), h, moe.intermediate_size)
-                        })
-                        .collect::<Result<_, _>>()?,
+                    experts: loader.experts(
+                        &format!("{p}.mlp.experts"),
+                        moe.num_experts,
+                        h,
+                        moe.intermediate_size,
+                    )?,
                 },
                 _ => Mlp::Dense(loader.swiglu(&format!("{p}.mlp"), h, c.intermediate_size)?),
             };

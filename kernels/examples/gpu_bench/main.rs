@@ -4,7 +4,8 @@
 //! tokens with the fraction of the measured GEMM rate reached, and one layer's prefill
 //! attention alone at those lengths on each kernel (f32 CUDA cores, tensor cores), and the KV
 //! of a 2,048-token lease copied out of and into device memory in batches and one block at a
-//! time (what a prefill node's lease and a decode node's import cost). Prints one table last,
+//! time (what a prefill node's lease and a decode node's import cost); last, one Qwen3-30B-A3B
+//! sparse layer alone, routed on the device against on the host ([`moe`]). Prints one table last,
 //! with issue 6's goals checked under it, and writes every figure to OUT_DIR/gpu_bench.json,
 //! the table to OUT_DIR/table.txt, both after every model ([`report`]).
 //!
@@ -22,7 +23,7 @@
 //! inside a profiler range, for Nsight Compute to break down ([`model::profile_decode`]).
 //!
 //! `PD_GPU_BENCH_SMOKE=1` shrinks every size (a 4 MiB copy, a 128³ GEMM, 48 tokens of
-//! context, 3 steps, prefills of 64 and 200 tokens): CI runs it on pd-cuda-emu (kernels/emu/)
+//! context, 3 steps, prefills of 64 and 200 tokens, a MoE layer of 16 experts of width 64): CI runs it on pd-cuda-emu (kernels/emu/)
 //! so that the whole program has run before a GPU host runs it. Its figures mean nothing.
 
 use std::time::Instant;
@@ -34,6 +35,7 @@ use pd_kernels::cuda::gemm::{self, GemmType, Product};
 
 mod attention;
 mod model;
+mod moe;
 mod report;
 mod transfer;
 
@@ -53,6 +55,7 @@ struct Sizes {
     decode_context: usize,
     decode_steps: usize,
     prefill: [usize; 2],
+    moe_layer: moe::MoeShape,
 }
 
 impl Sizes {
@@ -65,6 +68,12 @@ impl Sizes {
                 decode_context: 48,
                 decode_steps: 3,
                 prefill: [64, 200],
+                moe_layer: moe::MoeShape {
+                    hidden: 256,
+                    experts: 16,
+                    inter: 64,
+                    top_k: 4,
+                },
             };
         }
         Self {
@@ -74,6 +83,7 @@ impl Sizes {
             decode_context: 512,
             decode_steps: 32,
             prefill: [2048, 8192],
+            moe_layer: moe::QWEN3_30B_A3B,
         }
     }
 }
@@ -187,13 +197,15 @@ fn main() {
         bandwidth,
         flops,
     };
-    let (mut results, mut table) = (Vec::new(), String::new());
+    let mut results = Vec::new();
     for m in &models {
         eprintln!("benchmarking {m}");
         results.push(bench_model(m, bandwidth, flops, &sizes));
         // After every model, so that a run the GPU host's time limit cuts short still
         // leaves the models it finished.
-        table = report::write(&out, &ceilings, &results);
+        report::write(&out, &ceilings, &results, None);
     }
-    print!("{table}");
+    eprintln!("benchmarking one Qwen3-MoE sparse layer");
+    let moe = moe::bench_moe_layer(bandwidth, &sizes);
+    print!("{}", report::write(&out, &ceilings, &results, Some(&moe)));
 }

@@ -51,13 +51,15 @@ fn decode_goal(model: &str) -> Option<f64> {
 const PREFILL_GOAL: (u64, f64) = (2048, 0.60);
 
 /// Write `gpu_bench.json` and `table.txt` for the models measured so far; returns the table.
-pub(crate) fn write(out: &Path, c: &Ceilings, results: &[Value]) -> String {
+/// `moe`: the sparse layer's results ([`super::moe`]), once measured.
+pub(crate) fn write(out: &Path, c: &Ceilings, results: &[Value], moe: Option<&Value>) -> String {
     let (gpu, bandwidth, flops) = (&c.gpu, c.bandwidth, c.flops);
     let report = json!({
         "gpu": gpu,
         "copy_bytes_per_s": bandwidth,
         "bf16_gemm_flops": flops,
         "models": results,
+        "moe_layer": moe,
     });
     std::fs::create_dir_all(out).expect("out dir");
     let path = out.join("gpu_bench.json");
@@ -174,6 +176,9 @@ pub(crate) fn write(out: &Path, c: &Ceilings, results: &[Value]) -> String {
             .expect("writing to a String");
         }
     }
+    if let Some(moe) = moe {
+        moe_lines(&mut table, moe);
+    }
     writeln!(
         table,
         "(decode: fraction of the copy bandwidth, linear layers through cuBLAS; \"gemv kernel\": the same steps with PD_CUDA_GEMV=kernel, eager, with graphs, and with graphs and PD_CUDA_PDL=on; prefill: fraction of the GEMM rate, linear FLOPs only; attn: one layer's prefill attention alone, f32 CUDA cores or tensor cores, its FLOPs as a fraction of the GEMM rate; full results in {})",
@@ -183,6 +188,32 @@ pub(crate) fn write(out: &Path, c: &Ceilings, results: &[Value]) -> String {
     goals(&mut table, results);
     std::fs::write(out.join("table.txt"), &table).expect("write the table");
     table
+}
+
+/// A line per batch of the MoE layer benchmark: device against host routing.
+fn moe_lines(table: &mut String, moe: &Value) {
+    for b in moe["batches"].as_array().into_iter().flatten() {
+        let f = |key: &str| b[key].as_f64().unwrap_or(0.0);
+        writeln!(
+            table,
+            "MoE layer ({} experts of width {}, {} per token, hidden {}) b={}: {} experts read ({:.1} MB); routed on the device {:.3} ms ({:.1}% of the copy bandwidth, {} launches), on the host {:.3} ms ({:.1}%, {} launches): {:.2}x",
+            moe["experts"],
+            moe["expert_width"],
+            moe["top_k"],
+            moe["hidden"],
+            b["batch"],
+            b["experts_read"],
+            f("weight_bytes") / 1e6,
+            f("device_ms"),
+            100.0 * f("device_bandwidth_fraction"),
+            b["device_launches"],
+            f("host_ms"),
+            100.0 * f("host_bandwidth_fraction"),
+            b["host_launches"],
+            f("host_ms") / f("device_ms").max(1e-9),
+        )
+        .expect("writing to a String");
+    }
 }
 
 /// The fastest decode variant of a decode entry: (label, fraction of the copy bandwidth).

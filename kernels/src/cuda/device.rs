@@ -52,6 +52,9 @@ pub struct Kernels {
     pub gemv16: CudaFunction,
     pub gemv16_norm: CudaFunction,
     pub gemv16_norm_silu: CudaFunction,
+    pub moe_route: CudaFunction,
+    pub moe_gate_up: CudaFunction,
+    pub moe_down: CudaFunction,
 }
 
 fn driver(ordinal: usize, what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
@@ -222,6 +225,9 @@ impl Kernels {
             gemv16: take("gemv16")?,
             gemv16_norm: take("gemv16_norm")?,
             gemv16_norm_silu: take("gemv16_norm_silu")?,
+            moe_route: take("moe_route")?,
+            moe_gate_up: take("moe_gate_up")?,
+            moe_down: take("moe_down")?,
         })
     }
 }

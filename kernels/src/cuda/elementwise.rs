@@ -5,7 +5,9 @@
 
 use cudarc::driver::PushKernelArg;
 use pd_engine::backend::HostMatrix;
+use pd_engine::weights::DType;
 
+use super::DeviceBuffer;
 use super::tensor::dtype_code;
 use super::weights::weight_vector;
 use super::{CudaBackend, CudaKvStorage, CudaTensor, CudaWeight, THREADS};
@@ -180,6 +182,35 @@ impl CudaBackend {
         out
     }
 
+    /// `rms_norm(x)` over groups of `group` features, written in the 16-bit `dtype` as a
+    /// GEMM's input (rounded as `cast_bf16` / `cast_f16` round the f32 value).
+    pub(super) fn launch_rms_norm_16(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaWeight,
+        group: usize,
+        eps: f32,
+        dtype: DType,
+    ) -> DeviceBuffer<u16> {
+        assert_eq!(x.cols % group, 0, "rms_norm: width is whole groups");
+        let x16 = self.alloc::<u16>(x.len());
+        let groups = x.len() / group;
+        let (groups_i, group_i, code) = (groups as i32, group as i32, dtype_code(dtype));
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.rms_norm_16);
+        b.arg(x.dense())
+            .arg(weight_vector(norm))
+            .arg(&x16)
+            .arg(&groups_i)
+            .arg(&group_i)
+            .arg(&eps)
+            .arg(&code);
+        self.launch("rms_norm_16", b, Self::per_row(groups, norm_threads(group)));
+        x16
+    }
+
     /// `x += y`.
     pub(super) fn launch_add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
         assert_eq!(x.len(), y.len());
@@ -192,8 +223,8 @@ impl CudaBackend {
         self.launch("add_assign", b, Self::elements(x.len()));
     }
 
-    /// `x[rows[i]] += scales[i] · y[i]` (a Qwen3-MoE expert's output; never inside a graph:
-    /// the routing is chosen on the host, so MoE models do not capture decode graphs).
+    /// `x[rows[i]] += scales[i] · y[i]` (a Qwen3-MoE expert's output on the host-routed path,
+    /// which a graph never records: `moe.rs`).
     pub(super) fn launch_add_rows_scaled(
         &self,
         x: &mut CudaTensor,

@@ -30,40 +30,6 @@
 #define GEMV_WARPS 8
 #define GEMV_MAX_ROWS 8
 
-// Eight 16-bit elements, one 16-byte load.
-struct alignas(16) Pack8 {
-    unsigned int v[4];
-};
-
-// A weight load: read once, so it bypasses L1 (`L1::no_allocate`) and leaves L1 to the input
-// rows, which every warp of the SM reads again.
-__device__ __forceinline__ Pack8 load_streamed(const Pack8* p) {
-#ifdef PD_CUDA_EMU
-    return *p;
-#else
-    Pack8 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3])
-        : "l"(p));
-    return v;
-#endif
-}
-
-__device__ __forceinline__ void unpack8(const Pack8& p, int dtype, float* f) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned short lo = (unsigned short)(p.v[i] & 0xffffu);
-        const unsigned short hi = (unsigned short)(p.v[i] >> 16);
-        if (dtype == DTYPE_BF16) {
-            f[2 * i] = bf16_to_f32(lo);
-            f[2 * i + 1] = bf16_to_f32(hi);
-        } else {
-            f[2 * i] = f16_to_f32(lo);
-            f[2 * i + 1] = f16_to_f32(hi);
-        }
-    }
-}
-
 // acc[r] += w8 · (row r's 8 elements at pack p), for every row.
 __device__ __forceinline__ void gemv_pack(const Pack8& wp, const Pack8* x, int rows,
                                           int row_packs, int p, int dtype, float* acc) {

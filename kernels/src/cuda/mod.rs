@@ -13,8 +13,8 @@
 //! (decode graphs), `sample` (device sampling), `prompt` (prompt log-probabilities), `tensor` (what lives on the device), `blocks`
 //! and `pinned` (KV blocks moved to and from host memory, page-locked for leases), `import`
 //! (imports written in from the puller's thread, on a second stream), `gemv`
-//! (the decode-sized product kernel), `device` and [`modules`] (the device, its libraries
-//! and compiled kernels).
+//! (the decode-sized product kernel), `moe` (Qwen3-MoE's sparse layers routed on the
+//! device), `device` and [`modules`] (the device, its libraries and compiled kernels).
 
 mod attention;
 mod blocks;
@@ -26,6 +26,7 @@ mod graph;
 mod import;
 mod linear;
 pub mod modules;
+mod moe;
 mod open;
 mod pdl;
 mod pinned;
@@ -43,6 +44,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 use pd_engine::backend::graph::DecodeGraphStep;
+use pd_engine::backend::moe::{Expert, NormMoe};
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
@@ -65,7 +67,6 @@ use plan::AttentionPlan;
 use pool::BufferPools;
 pub use pool::DeviceBuffer;
 use qk::KOut;
-use weights::weight_vector;
 
 /// Threads per block of the element-wise and row kernels.
 const THREADS: u32 = 256;
@@ -114,6 +115,9 @@ pub struct CudaBackend {
     programmatic_launches: AtomicU64,
     /// The least number of keys a split-K range takes ([`plan::MIN_KEYS_PER_SPLIT`]).
     min_keys_per_split: AtomicUsize,
+    /// Whether Qwen3-MoE layers of decode-sized batches are routed on the device (`moe`; the
+    /// default) or, for the benchmark's comparison, always on the host.
+    moe_on_device: AtomicBool,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.
@@ -333,23 +337,7 @@ impl Backend for CudaBackend {
             return self.linear_shared(&h, weights);
         };
         // The normalised rows go straight into the GEMMs' 16-bit input; `x` has their shape.
-        assert_eq!(x.cols % group, 0, "rms_norm: width is whole groups");
-        let x16 = self.alloc::<u16>(x.len());
-        let groups = x.len() / group;
-        let (groups_i, group_i, code) = (groups as i32, group as i32, dtype_code(dtype));
-        let threads = norm_threads(group);
-        let mut b = self
-            .dev
-            .stream
-            .launch_builder(&self.dev.kernels.rms_norm_16);
-        b.arg(x.dense())
-            .arg(weight_vector(norm))
-            .arg(&x16)
-            .arg(&groups_i)
-            .arg(&group_i)
-            .arg(&eps)
-            .arg(&code);
-        self.launch("rms_norm_16", b, Self::per_row(groups, threads));
+        let x16 = self.launch_rms_norm_16(x, norm, group, eps, dtype);
         self.linear_stacked(Operand::bits16(&x16, x), weights)
     }
 
@@ -485,6 +473,19 @@ impl Backend for CudaBackend {
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
         self.launch_add_assign(x, y)
+    }
+
+    fn norm_moe_add(&self, x: &mut CudaTensor, moe: &NormMoe<'_, CudaWeight>) {
+        if !self.norm_moe_on_device(x, moe) {
+            self.route_moe_on_host(x, moe);
+        }
+    }
+
+    fn load_experts(
+        &self,
+        experts: Vec<[(&str, TensorView); 3]>,
+    ) -> Result<Vec<Expert<CudaWeight>>, EngineError> {
+        self.upload_experts(experts)
     }
 
     fn add_rows_scaled(&self, x: &mut CudaTensor, y: &CudaTensor, rows: &[usize], scales: &[f32]) {

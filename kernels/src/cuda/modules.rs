@@ -25,7 +25,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the backend.
-pub const SOURCES: [KernelSource; 9] = [
+pub const SOURCES: [KernelSource; 10] = [
     KernelSource {
         name: "elementwise",
         code: include_str!("elementwise.cu"),
@@ -83,6 +83,11 @@ pub const SOURCES: [KernelSource; 9] = [
         name: "gemv",
         code: include_str!("gemv.cu"),
         kernels: &["gemv16", "gemv16_norm", "gemv16_norm_silu"],
+    },
+    KernelSource {
+        name: "moe",
+        code: include_str!("moe.cu"),
+        kernels: &["moe_route", "moe_gate_up", "moe_down"],
     },
 ];
 

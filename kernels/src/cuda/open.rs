@@ -70,6 +70,7 @@ impl CudaBackend {
             programmatic: AtomicBool::new(programmatic),
             programmatic_launches: AtomicU64::new(0),
             min_keys_per_split: AtomicUsize::new(plan::MIN_KEYS_PER_SPLIT),
+            moe_on_device: AtomicBool::new(true),
         })
     }
 

@@ -1,6 +1,6 @@
 //! The CUDA backend's run-time choices that benchmarks and tests switch between steps (what
 //! multiplies decode-sized batches, programmatic dependent launch, the least keys of a
-//! split-K range) and its launch counters. The choices' defaults and environment variables
+//! split-K range, where MoE layers are routed) and its launch counters. The choices' defaults and environment variables
 //! are [`super::gemv`]'s and [`super::pdl`]'s; what each one does is in those modules and
 //! [`super::plan`].
 
@@ -49,6 +49,16 @@ impl CudaBackend {
         let keys = keys.max(1);
         if self.min_keys_per_split.swap(keys, Ordering::Relaxed) != keys {
             self.uploads.lock().expect("uploads lock").attention = None;
+            self.drop_captured_graphs();
+        }
+    }
+
+    /// Route Qwen3-MoE layers of up to 128 rows (`MOE_MAX_ROWS`) on the device (`true`,
+    /// the default) or every batch on the host, expert by expert (`false`; decode graphs of
+    /// MoE models then fail to capture and turn themselves off). For the benchmark, which
+    /// measures one against the other; call it between steps.
+    pub fn set_moe_on_device(&self, on: bool) {
+        if self.moe_on_device.swap(on, Ordering::Relaxed) != on {
             self.drop_captured_graphs();
         }
     }

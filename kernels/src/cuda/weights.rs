@@ -1,12 +1,14 @@
 //! Weights on the device: uploading them (norm vectors widened to f32, matrices as stored,
-//! projections that share their input side by side in one buffer) and reading a weight back
-//! as a matrix or a vector. What a weight is: [`super::CudaWeight`].
+//! projections that share their input side by side in one buffer, a sparse layer's experts
+//! one after another) and reading a weight back as a matrix or a vector. What a weight is:
+//! [`super::CudaWeight`].
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::CudaSlice;
 use pd_engine::backend::Backend as _;
+use pd_engine::backend::moe::Expert;
 use pd_engine::error::EngineError;
 use pd_engine::weights::{DType, TensorView};
 
@@ -134,5 +136,82 @@ impl CudaBackend {
             data: data.clone(),
             offset: offsets[i],
         }))
+    }
+
+    /// [`Backend::load_experts`]: every expert's gate and up side by side, expert after
+    /// expert, in one buffer (`[experts, 2 · inter, hidden]`, as vLLM's fused MoE holds them)
+    /// and every down in another (`[experts, hidden, inter]`), so the MoE kernels find expert
+    /// `e` at `e` strides from the start (`moe.rs`). Experts of mixed dtypes or shapes are
+    /// uploaded one by one instead (and then routed on the host).
+    ///
+    /// [`Backend::load_experts`]: pd_engine::backend::Backend::load_experts
+    pub(super) fn upload_experts(
+        &self,
+        experts: Vec<[(&str, TensorView); 3]>,
+    ) -> Result<Vec<Expert<CudaWeight>>, EngineError> {
+        let Some(first) = experts.first() else {
+            return Ok(Vec::new());
+        };
+        let dtype = first[0].1.dtype;
+        let alike = |parts: &[(&str, TensorView); 3]| {
+            parts.iter().zip(first).all(|((_, v), (_, f))| {
+                v.shape.len() == 2 && v.dtype == dtype && v.shape == f.shape
+            })
+        };
+        let [gate, up, down] = [0, 1, 2].map(|i| &first[i].1.shape);
+        let swiglu = gate.len() == 2
+            && gate == up
+            && down.len() == 2
+            && (down[0], down[1]) == (gate[1], gate[0]);
+        if !swiglu || !experts.iter().all(alike) {
+            return experts
+                .into_iter()
+                .map(|[gate, up, down]| {
+                    let [gate, up] = self.upload_stacked([gate, up])?;
+                    let down = self.upload_weight(down.1)?;
+                    Ok(Expert { gate, up, down })
+                })
+                .collect();
+        }
+        let matrix = first[0].1.bytes().len();
+        let count = experts.len();
+        let alloc = |len: usize, view: &TensorView| {
+            // SAFETY: every byte is written by the uploads below before any kernel reads it.
+            unsafe { self.dev.stream.alloc::<u8>(len.max(1)) }
+                .map_err(|e| self.upload_failed(view, e))
+        };
+        let mut gate_up = alloc(count * 2 * matrix, &first[0].1)?;
+        let mut downs = alloc(count * matrix, &first[2].1)?;
+        for (e, parts) in experts.iter().enumerate() {
+            for (i, (_, view)) in parts.iter().enumerate() {
+                let (buffer, at) = match i {
+                    0 | 1 => (&mut gate_up, (2 * e + i) * matrix),
+                    _ => (&mut downs, e * matrix),
+                };
+                self.dev
+                    .stream
+                    .memcpy_htod(view.bytes(), &mut buffer.slice_mut(at..at + matrix))
+                    .map_err(|e| self.upload_failed(view, e))?;
+            }
+        }
+        self.weight_bytes
+            .fetch_add(3 * count * matrix, Ordering::Relaxed);
+        let _ = self.matrix_dtype.set(dtype);
+        let (gate_up, downs) = (Arc::new(gate_up), Arc::new(downs));
+        let (inter, hidden) = (gate[0], gate[1]);
+        let view = |data: &Arc<CudaSlice<u8>>, rows, cols, offset| CudaWeight::Matrix {
+            dtype,
+            rows,
+            cols,
+            data: data.clone(),
+            offset,
+        };
+        Ok((0..count)
+            .map(|e| Expert {
+                gate: view(&gate_up, inter, hidden, 2 * e * matrix),
+                up: view(&gate_up, inter, hidden, (2 * e + 1) * matrix),
+                down: view(&downs, hidden, inter, e * matrix),
+            })
+            .collect())
     }
 }

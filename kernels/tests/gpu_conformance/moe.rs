@@ -1,0 +1,226 @@
+//! Qwen3-MoE's sparse layer routed on the device (`moe.cu`) against the CPU backend's
+//! host-routed one, on a layer written as a real safetensors checkpoint and loaded by both
+//! (`load_experts`): bf16, f16 and f32 experts, with and without renormalised weights, decode
+//! and short-prefill batch sizes (one expert serving more rows than one pass takes), ties in
+//! the router, a batch past the device path's rows (the host path on the GPU), and decode
+//! graphs of a MoE model against eager decode.
+
+use pd_engine::backend::Backend;
+use pd_engine::backend::cpu::{CpuBackend, CpuTensor};
+use pd_engine::backend::moe::{Expert, NormMoe};
+use pd_engine::weights::writer::{TensorSpec, write_checkpoint};
+use pd_engine::weights::{Checkpoint, DType};
+use pd_kernels::CudaBackend;
+use pd_kernels::cuda::CudaTensor;
+
+use super::{enabled, graphs_match_eager, narrow, unit};
+
+const HIDDEN: usize = 256;
+const INTER: usize = 64;
+const EXPERTS: usize = 16;
+const TOP_K: usize = 4;
+
+/// One sparse layer's tensors as a backend holds them.
+struct Layer<W> {
+    norm: W,
+    router: W,
+    experts: Vec<Expert<W>>,
+}
+
+impl<W> Layer<W> {
+    fn moe(&self, norm_topk_prob: bool) -> NormMoe<'_, W> {
+        NormMoe {
+            hidden: HIDDEN,
+            norm: &self.norm,
+            eps: 1e-6,
+            router: &self.router,
+            experts: &self.experts,
+            top_k: TOP_K,
+            norm_topk_prob,
+        }
+    }
+}
+
+/// A layer of random weights in `dtype` (the router all zeros with `flat_router`: every
+/// expert equally likely) written under `dir`, as a checkpoint names them.
+fn write_layer(dir: &std::path::Path, dtype: DType, flat_router: bool) -> Checkpoint {
+    let random = move |n: usize, seed: u64, scale: f32| {
+        let mut state = seed;
+        let values: Vec<f32> = (0..n)
+            .map(|_| (unit(&mut state) as f32 * 2.0 - 1.0) * scale)
+            .collect();
+        narrow(dtype, &values)
+    };
+    let spec = |name: String, shape: Vec<usize>, fill: Box<dyn Fn() -> Vec<u8> + Send + Sync>| {
+        TensorSpec {
+            name,
+            dtype,
+            shape,
+            fill,
+        }
+    };
+    let mut tensors = vec![
+        spec(
+            "norm".into(),
+            vec![HIDDEN],
+            Box::new(move || narrow(dtype, &[1.0; HIDDEN])),
+        ),
+        spec(
+            "router".into(),
+            vec![EXPERTS, HIDDEN],
+            Box::new(move || random(EXPERTS * HIDDEN, 7, if flat_router { 0.0 } else { 0.5 })),
+        ),
+    ];
+    for e in 0..EXPERTS {
+        for (i, (m, shape)) in [
+            ("gate", [INTER, HIDDEN]),
+            ("up", [INTER, HIDDEN]),
+            ("down", [HIDDEN, INTER]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = 100 + (3 * e + i) as u64;
+            tensors.push(spec(
+                format!("experts.{e}.{m}"),
+                shape.to_vec(),
+                Box::new(move || random(INTER * HIDDEN, seed, 0.1)),
+            ));
+        }
+    }
+    write_checkpoint(dir, &tensors, usize::MAX, &|_| {}).expect("write");
+    Checkpoint::open(dir).expect("checkpoint")
+}
+
+fn load<B: Backend>(backend: &B, ckpt: &Checkpoint) -> Layer<B::Weight> {
+    let one = |name: &str, shape: &[usize]| {
+        let view = ckpt.tensor(name, shape).expect("tensor");
+        backend.load_weight(name, view).expect("upload")
+    };
+    let names: Vec<[String; 3]> = (0..EXPERTS)
+        .map(|e| ["gate", "up", "down"].map(|m| format!("experts.{e}.{m}")))
+        .collect();
+    let views = names
+        .iter()
+        .map(|[g, u, d]| {
+            [
+                (g.as_str(), ckpt.tensor(g, &[INTER, HIDDEN]).expect("gate")),
+                (u.as_str(), ckpt.tensor(u, &[INTER, HIDDEN]).expect("up")),
+                (d.as_str(), ckpt.tensor(d, &[HIDDEN, INTER]).expect("down")),
+            ]
+        })
+        .collect();
+    Layer {
+        norm: one("norm", &[HIDDEN]),
+        router: one("router", &[EXPERTS, HIDDEN]),
+        experts: backend.load_experts(views).expect("experts"),
+    }
+}
+
+/// Worst per-row relative error ‖gpu − cpu‖ / ‖cpu‖ of the layer's output.
+fn worst_row_error(cpu: &[f32], gpu: &[f32]) -> f64 {
+    assert!(gpu.iter().all(|v| v.is_finite()), "non-finite output");
+    cpu.chunks(HIDDEN)
+        .zip(gpu.chunks(HIDDEN))
+        .map(|(c, g)| {
+            let diff: f64 = c.iter().zip(g).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let norm: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
+            (diff / norm).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The layer on both backends over `rows` random rows: the worst row's relative error and
+/// the GPU's kernel launches.
+fn run(
+    cpu: (&CpuBackend, &Layer<<CpuBackend as Backend>::Weight>),
+    gpu: (&CudaBackend, &Layer<pd_kernels::cuda::CudaWeight>),
+    rows: usize,
+    norm_topk_prob: bool,
+) -> (f64, u64) {
+    let mut state = rows as u64 * 31 + 5;
+    let x: Vec<f32> = (0..rows * HIDDEN)
+        .map(|_| unit(&mut state) as f32 * 2.0 - 1.0)
+        .collect();
+    let mut c = CpuTensor::from_vec(rows, HIDDEN, x.clone());
+    cpu.0.norm_moe_add(&mut c, &cpu.1.moe(norm_topk_prob));
+    let (g_backend, g_layer) = gpu;
+    let mut g = CudaTensor::new(
+        rows,
+        HIDDEN,
+        g_backend.device().stream.clone_htod(&x).expect("upload"),
+    );
+    let before = g_backend.kernel_launches();
+    g_backend.norm_moe_add(&mut g, &g_layer.moe(norm_topk_prob));
+    let launches = g_backend.kernel_launches() - before;
+    let c = cpu.0.to_host(&c).data;
+    let g = g_backend.to_host(&g).data;
+    (worst_row_error(&c, &g), launches)
+}
+
+#[test]
+fn device_routing_matches_the_cpu() {
+    if !enabled("device_routing_matches_the_cpu") {
+        return;
+    }
+    let gpu = CudaBackend::open(0, 0.3).expect("cuda:0");
+    let cpu = CpuBackend::new();
+    for (dtype, tolerance) in [(DType::BF16, 1e-2), (DType::F16, 2e-3), (DType::F32, 1e-5)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ckpt = write_layer(dir.path(), dtype, false);
+        let (c_layer, g_layer) = (load(&cpu, &ckpt), load(&gpu, &ckpt));
+        // 37 rows send ~9 pairs to each expert: more than one pass of the kernels (8).
+        for rows in [1, 3, 8, 37, 128] {
+            for renorm in [true, false] {
+                let (error, launches) = run((&cpu, &c_layer), (&gpu, &g_layer), rows, renorm);
+                eprintln!(
+                    "{dtype:?} {rows} rows renorm {renorm}: {error:.3e}, {launches} launches"
+                );
+                assert!(
+                    error <= tolerance,
+                    "{dtype:?}, {rows} rows, renormalised {renorm}: relative error {error:.3e}"
+                );
+                // The norm, moe_route, moe_gate_up, moe_down (the router's GEMM is cuBLAS's).
+                assert_eq!(launches, 4, "{dtype:?}, {rows} rows: routed on the device");
+            }
+        }
+        // Past the device path's rows: routed on the host, expert by expert.
+        let (error, launches) = run((&cpu, &c_layer), (&gpu, &g_layer), 129, true);
+        assert!(error <= tolerance, "{dtype:?}, 129 rows: {error:.3e}");
+        assert!(
+            launches > 4 * EXPERTS as u64 / 2,
+            "129 rows: the host path ({launches})"
+        );
+    }
+}
+
+#[test]
+fn router_ties_go_to_the_lower_expert_on_the_device() {
+    if !enabled("router_ties_go_to_the_lower_expert_on_the_device") {
+        return;
+    }
+    // A router of zeros: every expert has probability 1/16; the host takes experts 0..4.
+    let gpu = CudaBackend::open(0, 0.3).expect("cuda:0");
+    let cpu = CpuBackend::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = write_layer(dir.path(), DType::F32, true);
+    let (c_layer, g_layer) = (load(&cpu, &ckpt), load(&gpu, &ckpt));
+    for rows in [1, 40] {
+        for renorm in [true, false] {
+            let (error, launches) = run((&cpu, &c_layer), (&gpu, &g_layer), rows, renorm);
+            assert_eq!(launches, 4);
+            assert!(
+                error <= 1e-5,
+                "{rows} rows, renormalised {renorm}: {error:.3e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn moe_decode_graphs_match_eager_decode() {
+    if enabled("moe_decode_graphs_match_eager_decode") {
+        // Every sparse layer routed inside the graph: captured, not an eager fallback.
+        graphs_match_eager("synthetic:tiny-moe", [9, 14, 19], 4);
+    }
+}
