@@ -164,9 +164,10 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// Upper bound of the device memory one engine step of `tokens` tokens works in: the live
 /// activations of one layer (residual, normed input, q/k/v, attention output, the MLP's
 /// gate/up/product and a 16-bit GEMM input copy; for Qwen3-MoE also the router's logits, an
-/// expert's rows, no wider than a dense MLP's, and the device routing's activations of every
-/// chosen expert), logits for every token (prompt logprobs) and 256 MiB for the GEMM
-/// library's workspace and attention partials.
+/// expert's rows, no wider than a dense MLP's, and what routing on the device keeps per
+/// (token, chosen expert): the input row, gate / up, the activation and the output, as f32 at
+/// most), logits for every token (prompt logprobs) and 256 MiB for the GEMM library's
+/// workspace and attention partials.
 pub fn step_activation_bytes(config: &ModelConfig, tokens: usize) -> usize {
     let h = config.hidden_size;
     let q = config.num_attention_heads * config.head_dim;
@@ -174,7 +175,7 @@ pub fn step_activation_bytes(config: &ModelConfig, tokens: usize) -> usize {
     let (i, moe) = match &config.moe {
         Some(m) => (
             config.intermediate_size.max(m.intermediate_size),
-            4 * (m.num_experts + 2 * h + m.top_k * (m.intermediate_size + 2)),
+            4 * (m.num_experts + 2 * h) + m.top_k * (8 * h + 12 * m.intermediate_size + 12),
         ),
         None => (config.intermediate_size, 0),
     };

@@ -23,7 +23,7 @@
 //! inside a profiler range, for Nsight Compute to break down ([`model::profile_decode`]).
 //!
 //! `PD_GPU_BENCH_SMOKE=1` shrinks every size (a 4 MiB copy, a 128³ GEMM, 48 tokens of
-//! context, 3 steps, prefills of 64 and 200 tokens, a MoE layer of 16 experts of width 64): CI runs it on pd-cuda-emu (kernels/emu/)
+//! context, 3 steps, prefills of 64 and 200 tokens, a MoE layer of 16 experts of width 64 with prefills of 160 and 200 rows): CI runs it on pd-cuda-emu (kernels/emu/)
 //! so that the whole program has run before a GPU host runs it. Its figures mean nothing.
 
 use std::time::Instant;
@@ -56,6 +56,8 @@ struct Sizes {
     decode_steps: usize,
     prefill: [usize; 2],
     moe_layer: moe::MoeShape,
+    /// Prefill-sized batches of the MoE layer (the grouped path: over 128 rows).
+    moe_prefill: [usize; 2],
 }
 
 impl Sizes {
@@ -74,6 +76,7 @@ impl Sizes {
                     inter: 64,
                     top_k: 4,
                 },
+                moe_prefill: [160, 200],
             };
         }
         Self {
@@ -84,6 +87,7 @@ impl Sizes {
             decode_steps: 32,
             prefill: [2048, 8192],
             moe_layer: moe::QWEN3_30B_A3B,
+            moe_prefill: [512, 2048],
         }
     }
 }
@@ -206,6 +210,6 @@ fn main() {
         report::write(&out, &ceilings, &results, None);
     }
     eprintln!("benchmarking one Qwen3-MoE sparse layer");
-    let moe = moe::bench_moe_layer(bandwidth, &sizes);
+    let moe = moe::bench_moe_layer(bandwidth, flops, &sizes);
     print!("{}", report::write(&out, &ceilings, &results, Some(&moe)));
 }

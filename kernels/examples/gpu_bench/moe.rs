@@ -1,9 +1,10 @@
 //! One Qwen3-30B-A3B sparse layer alone (its real shape: hidden 2,048, 128 experts of width
 //! 768, 8 per token, renormalised; random bf16 weights from a real safetensors file): routed
 //! on the device (`moe.cu`) against routed on the host expert by expert, at decode batches of
-//! 1, 8 and 64, and the share of the copy bandwidth each reaches reading the weights of the
-//! experts the batch chose. The whole model (61 GB) does not fit the GPU host's disk; one
-//! layer is what a decode step repeats 48 times.
+//! 1, 8 and 64 (the weight-streaming kernels; the share of the copy bandwidth each path
+//! reaches reading the weights of the experts the batch chose) and prefill batches of 512 and
+//! 2,048 rows (the grouped path; the share of the GEMM rate its expert FLOPs reach). The whole
+//! model (61 GB) does not fit the GPU host's disk; one layer is what a step repeats 48 times.
 
 use pd_engine::backend::moe::{NormMoe, route};
 use pd_engine::backend::{Backend, HostMatrix};
@@ -83,7 +84,7 @@ fn write_layer(dir: &std::path::Path, s: MoeShape) -> Checkpoint {
 }
 
 /// The layer at `sizes.moe_layer`'s shape, device against host routing per batch.
-pub(crate) fn bench_moe_layer(bandwidth: f64, sizes: &Sizes) -> Value {
+pub(crate) fn bench_moe_layer(bandwidth: f64, flops: f64, sizes: &Sizes) -> Value {
     let s = sizes.moe_layer;
     let dir = tempfile::tempdir().expect("tempdir");
     let ckpt = write_layer(dir.path(), s);
@@ -120,7 +121,8 @@ pub(crate) fn bench_moe_layer(bandwidth: f64, sizes: &Sizes) -> Value {
     };
     let matrix_bytes = (s.hidden * s.inter * 2) as f64;
     let mut batches = Vec::new();
-    for batch in [1usize, 8, 64] {
+    let [short, long] = sizes.moe_prefill;
+    for batch in [1, 8, 64, short, long] {
         let host: Vec<f32> = (0..batch * s.hidden)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
             .collect();
@@ -140,6 +142,7 @@ pub(crate) fn bench_moe_layer(bandwidth: f64, sizes: &Sizes) -> Value {
             .filter(|r| !r.rows.is_empty())
             .count();
         let bytes = (s.experts * s.hidden * 2) as f64 + 3.0 * chosen as f64 * matrix_bytes;
+        let work = 2.0 * (batch * s.top_k) as f64 * 3.0 * (s.hidden * s.inter) as f64;
         let mut measure = |on_device: bool| {
             backend.set_moe_on_device(on_device);
             let before = backend.kernel_launches();
@@ -161,6 +164,9 @@ pub(crate) fn bench_moe_layer(bandwidth: f64, sizes: &Sizes) -> Value {
             "host_ms": host_ms,
             "host_launches": host_launches,
             "host_bandwidth_fraction": bytes / (host_ms / 1e3) / bandwidth,
+            "expert_flops": work,
+            "device_gemm_fraction": work / (device_ms / 1e3) / flops,
+            "host_gemm_fraction": work / (host_ms / 1e3) / flops,
         }));
     }
     json!({

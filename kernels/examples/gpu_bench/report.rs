@@ -190,13 +190,28 @@ pub(crate) fn write(out: &Path, c: &Ceilings, results: &[Value], moe: Option<&Va
     table
 }
 
-/// A line per batch of the MoE layer benchmark: device against host routing.
+/// A line per batch of the MoE layer benchmark: device against host routing, as shares of
+/// the copy bandwidth (decode batches: reading the chosen experts) or of the GEMM rate
+/// (prefill batches: the experts' FLOPs).
 fn moe_lines(table: &mut String, moe: &Value) {
     for b in moe["batches"].as_array().into_iter().flatten() {
         let f = |key: &str| b[key].as_f64().unwrap_or(0.0);
+        let (ceiling, device, host) = if b["batch"].as_u64().unwrap_or(0) <= 128 {
+            (
+                "copy bandwidth",
+                f("device_bandwidth_fraction"),
+                f("host_bandwidth_fraction"),
+            )
+        } else {
+            (
+                "GEMM rate",
+                f("device_gemm_fraction"),
+                f("host_gemm_fraction"),
+            )
+        };
         writeln!(
             table,
-            "MoE layer ({} experts of width {}, {} per token, hidden {}) b={}: {} experts read ({:.1} MB); routed on the device {:.3} ms ({:.1}% of the copy bandwidth, {} launches), on the host {:.3} ms ({:.1}%, {} launches): {:.2}x",
+            "MoE layer ({} experts of width {}, {} per token, hidden {}) b={}: {} experts ({:.1} MB); routed on the device {:.3} ms ({:.1}% of the {ceiling}, {} launches), on the host {:.3} ms ({:.1}%, {} launches): {:.2}x",
             moe["experts"],
             moe["expert_width"],
             moe["top_k"],
@@ -205,10 +220,10 @@ fn moe_lines(table: &mut String, moe: &Value) {
             b["experts_read"],
             f("weight_bytes") / 1e6,
             f("device_ms"),
-            100.0 * f("device_bandwidth_fraction"),
+            100.0 * device,
             b["device_launches"],
             f("host_ms"),
-            100.0 * f("host_bandwidth_fraction"),
+            100.0 * host,
             b["host_launches"],
             f("host_ms") / f("device_ms").max(1e-9),
         )

@@ -53,6 +53,11 @@ pub struct Kernels {
     pub gemv16_norm: CudaFunction,
     pub gemv16_norm_silu: CudaFunction,
     pub moe_route: CudaFunction,
+    pub moe_topk: CudaFunction,
+    pub moe_align: CudaFunction,
+    pub moe_gather: CudaFunction,
+    pub moe_silu: CudaFunction,
+    pub moe_combine: CudaFunction,
     pub moe_gate_up: CudaFunction,
     pub moe_down: CudaFunction,
 }
@@ -226,6 +231,11 @@ impl Kernels {
             gemv16_norm: take("gemv16_norm")?,
             gemv16_norm_silu: take("gemv16_norm_silu")?,
             moe_route: take("moe_route")?,
+            moe_topk: take("moe_topk")?,
+            moe_align: take("moe_align")?,
+            moe_gather: take("moe_gather")?,
+            moe_silu: take("moe_silu")?,
+            moe_combine: take("moe_combine")?,
             moe_gate_up: take("moe_gate_up")?,
             moe_down: take("moe_down")?,
         })

@@ -141,10 +141,15 @@ impl CudaBackend {
             out: out_ptr,
             accumulate,
         };
-        if self.small_batch_linear() == SmallBatchLinear::Kernel && gemv::eligible(&product) {
-            self.gemv16(&product);
+        self.product(&product);
+    }
+
+    /// `p` by the `gemv16` kernel when chosen and it takes `p`, else by cuBLAS.
+    pub(super) fn product(&self, p: &Product) {
+        if self.small_batch_linear() == SmallBatchLinear::Kernel && gemv::eligible(p) {
+            self.gemv16(p);
         } else {
-            gemm::linear(&self.dev, &product);
+            gemm::linear(&self.dev, p);
         }
     }
 

@@ -87,7 +87,16 @@ pub const SOURCES: [KernelSource; 10] = [
     KernelSource {
         name: "moe",
         code: include_str!("moe.cu"),
-        kernels: &["moe_route", "moe_gate_up", "moe_down"],
+        kernels: &[
+            "moe_route",
+            "moe_gate_up",
+            "moe_down",
+            "moe_topk",
+            "moe_align",
+            "moe_gather",
+            "moe_silu",
+            "moe_combine",
+        ],
     },
 ];
 

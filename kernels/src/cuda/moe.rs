@@ -1,12 +1,20 @@
-//! Qwen3-MoE's sparse layers on the CUDA backend ([`Backend::norm_moe_add`]). Batches of up
-//! to [`MOE_MAX_ROWS`] rows — every decode step and decode graph, short prefills — are routed
-//! and run on the device by `moe.cu` (the norm into the experts' type, the router's GEMM,
-//! then `moe_route`, `moe_gate_up`, `moe_down`): no host synchronisation, five launches
-//! whatever the number of experts chosen, each chosen expert's weights read once, and a step
-//! a CUDA graph can record. Larger batches (prefill chunks), and layers whose experts were
-//! not uploaded together ([`super::weights`]), take the host-routed path of
-//! `pd_engine::backend::moe`: per expert a gather, the GEMMs on the tensor cores, and an add.
-//! Not here: a grouped tensor-core GEMM for prefill-sized batches.
+//! Qwen3-MoE's sparse layers on the CUDA backend ([`Backend::norm_moe_add`]), routed on the
+//! device by `moe.cu` after the norm (into the experts' type) and the router's GEMM:
+//!
+//! - batches of up to [`MOE_MAX_ROWS`] rows — every decode step and decode graph, short
+//!   prefills: `moe_route`, `moe_gate_up`, `moe_down`, weight streams on the CUDA cores. No
+//!   host synchronisation, five launches whatever the number of experts chosen, each chosen
+//!   expert's weights read once, and a step a CUDA graph can record;
+//! - larger batches (prefill chunks), the grouped path: `moe_topk` and `moe_align` route,
+//!   the slots come back to the host (one small copy, the one synchronisation), `moe_gather`
+//!   lays each expert's rows together, cuBLAS multiplies them on the tensor cores, two
+//!   GEMMs per chosen expert, and `moe_silu` / `moe_combine` finish: seven launches besides
+//!   the GEMMs, no per-expert upload.
+//!
+//! Layers whose experts were not uploaded together ([`super::weights`]), or too many experts
+//! for the kernels, take the host-routed path of `pd_engine::backend::moe`. Not here: one
+//! grouped GEMM launch for all experts (cuBLAS's grouped GEMM wants the per-expert row
+//! counts on the host anyway).
 //!
 //! [`Backend::norm_moe_add`]: pd_engine::backend::Backend::norm_moe_add
 
@@ -14,11 +22,13 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use pd_engine::backend::moe::{self, Expert, NormMoe};
 use pd_engine::weights::DType;
 
+use super::gemm::{GemmType, Product};
 use super::linear::Operand;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 
-/// Most rows the device path takes (`MOE_MAX_ROWS` in moe.cu): the largest decode-graph
-/// bucket, so every decode graph of a MoE model records it.
+/// Most rows the weight-streaming path takes (`MOE_MAX_ROWS` in moe.cu): the largest
+/// decode-graph bucket, so every decode graph of a MoE model records it. Larger batches take
+/// the grouped path.
 pub(super) const MOE_MAX_ROWS: usize = 128;
 /// Most experts a layer may have for the device path (`MOE_MAX_EXPERTS`).
 const MOE_MAX_EXPERTS: usize = 512;
@@ -38,6 +48,43 @@ struct PackedExperts {
     down: u64,
     hidden: usize,
     inter: usize,
+}
+
+/// The kernels' integer arguments for one layer call.
+struct Dims {
+    rows: i32,
+    pairs: i32,
+    experts: i32,
+    top_k: i32,
+    hidden: i32,
+    inter: i32,
+    dtype: i32,
+    renorm: i32,
+}
+
+impl Dims {
+    fn of(x: &CudaTensor, moe: &NormMoe<'_, CudaWeight>, packed: &PackedExperts) -> Self {
+        let int = |v: usize| i32::try_from(v).expect("MoE dimension fits in i32");
+        Self {
+            rows: int(x.rows),
+            pairs: int(x.rows * moe.top_k),
+            experts: int(moe.experts.len()),
+            top_k: int(moe.top_k),
+            hidden: int(packed.hidden),
+            inter: int(packed.inter),
+            dtype: super::tensor::dtype_code(packed.dtype),
+            renorm: i32::from(moe.norm_topk_prob),
+        }
+    }
+}
+
+/// One layer call once routed inputs exist: the experts, the router's `logits` (`[rows,
+/// experts]`) and the normalised rows at `input` (`[rows, hidden]` in the experts' type).
+struct Call<'a> {
+    dims: Dims,
+    packed: PackedExperts,
+    logits: &'a CudaTensor,
+    input: u64,
 }
 
 /// Whether the experts at these addresses, each `(gate/up stacked: dtype, 2 · inter, hidden,
@@ -66,11 +113,26 @@ fn packed(experts: &[[(DType, usize, usize, u64); 2]]) -> Option<PackedExperts> 
     })
 }
 
-/// Whether a batch of `rows` over `experts` experts, `top_k` per token, fits the kernels.
-fn fits(rows: usize, experts: usize, top_k: usize) -> bool {
-    (1..=MOE_MAX_ROWS).contains(&rows)
+/// How a batch of `rows` over `experts` experts, `top_k` per token, runs on the device, if it
+/// does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DevicePath {
+    /// `moe_route`, `moe_gate_up`, `moe_down`.
+    Streamed,
+    /// `moe_topk`, `moe_align`, then a GEMM pair per chosen expert.
+    Grouped,
+}
+
+fn device_path(rows: usize, experts: usize, top_k: usize) -> Option<DevicePath> {
+    let routable = rows >= 1
         && (1..=MOE_MAX_EXPERTS).contains(&experts)
         && (1..=MOE_MAX_TOP_K.min(experts)).contains(&top_k)
+        && i32::try_from(rows * top_k).is_ok();
+    match rows {
+        _ if !routable => None,
+        1..=MOE_MAX_ROWS => Some(DevicePath::Streamed),
+        _ => Some(DevicePath::Grouped),
+    }
 }
 
 /// Length of the `plan` buffer of moe.cu for `experts` experts and `pairs` (row, choice)
@@ -100,7 +162,10 @@ impl CudaBackend {
         let on = self
             .moe_on_device
             .load(std::sync::atomic::Ordering::Relaxed);
-        if !on || !fits(x.rows, experts, moe.top_k) || x.cols != moe.hidden {
+        let Some(path) = device_path(x.rows, experts, moe.top_k).filter(|_| on) else {
+            return false;
+        };
+        if x.cols != moe.hidden {
             return false;
         }
         let Some(packed) = self.packed_experts(moe.experts) else {
@@ -127,45 +192,35 @@ impl CudaBackend {
                 (logits, self.ptr(&normed_16))
             }
         };
-        self.run_experts(x, moe, &packed, &logits, input);
+        let call = Call {
+            dims: Dims::of(x, moe, &packed),
+            packed,
+            logits: &logits,
+            input,
+        };
+        match path {
+            DevicePath::Streamed => self.run_streamed(x, &call),
+            DevicePath::Grouped => self.run_grouped(x, &call),
+        }
         true
     }
 
-    /// `moe_route`, `moe_gate_up` and `moe_down` over the router's `logits` (`[rows,
-    /// experts]`) and the normalised rows at `input` (`[rows, hidden]` in the experts' type).
-    fn run_experts(
-        &self,
-        x: &mut CudaTensor,
-        moe: &NormMoe<'_, CudaWeight>,
-        packed: &PackedExperts,
-        logits: &CudaTensor,
-        input: u64,
-    ) {
-        let (rows, experts, top_k) = (x.rows, moe.experts.len(), moe.top_k);
-        let pairs = rows * top_k;
+    /// `moe_route`, `moe_gate_up` and `moe_down`.
+    fn run_streamed(&self, x: &mut CudaTensor, call: &Call<'_>) {
+        let (packed, d) = (&call.packed, &call.dims);
+        let (experts, pairs) = (d.experts as usize, d.pairs as usize);
         let plan = self.alloc::<u32>(plan_len(experts, pairs));
         let weights = self.alloc::<f32>(pairs);
         let act = self.alloc::<u8>(pairs * packed.inter * packed.dtype.size_in_bytes());
-        let int = |v: usize| i32::try_from(v).expect("MoE dimension fits in i32");
-        let (rows_i, experts_i, top_k_i) = (int(rows), int(experts), int(top_k));
-        let (hidden_i, inter_i) = (int(packed.hidden), int(packed.inter));
-        let dtype = super::tensor::dtype_code(packed.dtype);
-        let renorm = i32::from(moe.norm_topk_prob);
-
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_route);
-        b.arg(logits.dense())
-            .arg(&rows_i)
-            .arg(&experts_i)
-            .arg(&top_k_i)
-            .arg(&renorm)
+        b.arg(call.logits.dense())
+            .arg(&d.rows)
+            .arg(&d.experts)
+            .arg(&d.top_k)
+            .arg(&d.renorm)
             .arg(&plan)
             .arg(&weights);
-        let one_block = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (ROUTE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("moe_route", b, one_block);
+        self.launch("moe_route", b, one_block());
 
         // One block row per possible slot: the routed count is only known on the device.
         let slots = pairs.min(experts) as u32;
@@ -173,15 +228,15 @@ impl CudaBackend {
             .dev
             .stream
             .launch_builder(&self.dev.kernels.moe_gate_up);
-        b.arg(&input)
+        b.arg(&call.input)
             .arg(&packed.gate_up)
             .arg(&act)
             .arg(&plan)
-            .arg(&experts_i)
-            .arg(&dtype)
-            .arg(&hidden_i)
-            .arg(&inter_i)
-            .arg(&top_k_i);
+            .arg(&d.experts)
+            .arg(&d.dtype)
+            .arg(&d.hidden)
+            .arg(&d.inter)
+            .arg(&d.top_k);
         self.launch("moe_gate_up", b, columns(packed.inter, slots));
 
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_down);
@@ -190,13 +245,122 @@ impl CudaBackend {
             .arg(x.dense())
             .arg(&plan)
             .arg(&weights)
-            .arg(&experts_i)
-            .arg(&dtype)
-            .arg(&hidden_i)
-            .arg(&inter_i)
-            .arg(&top_k_i)
-            .arg(&rows_i);
+            .arg(&d.experts)
+            .arg(&d.dtype)
+            .arg(&d.hidden)
+            .arg(&d.inter)
+            .arg(&d.top_k)
+            .arg(&d.rows);
         self.launch("moe_down", b, columns(packed.hidden, 1));
+    }
+
+    /// The grouped path: routed on the device, each chosen expert's rows multiplied by
+    /// cuBLAS.
+    fn run_grouped(&self, x: &mut CudaTensor, call: &Call<'_>) {
+        let (packed, d) = (&call.packed, &call.dims);
+        let (experts, pairs) = (d.experts as usize, d.pairs as usize);
+        let (hidden, inter, elem) = (packed.hidden, packed.inter, packed.dtype.size_in_bytes());
+        let pair_expert = self.alloc::<u32>(pairs);
+        let weights = self.alloc::<f32>(pairs);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_topk);
+        b.arg(call.logits.dense())
+            .arg(&d.rows)
+            .arg(&d.experts)
+            .arg(&d.top_k)
+            .arg(&d.renorm)
+            .arg(&pair_expert)
+            .arg(&weights);
+        self.launch("moe_topk", b, columns(x.rows, 1));
+        let plan = self.alloc::<u32>(plan_len(experts, pairs));
+        let pair_pos = self.alloc::<u32>(pairs);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_align);
+        b.arg(&pair_expert)
+            .arg(&d.pairs)
+            .arg(&d.experts)
+            .arg(&plan)
+            .arg(&pair_pos);
+        self.launch("moe_align", b, one_block());
+
+        // The slots, for one GEMM pair per chosen expert: the one synchronisation.
+        let head_len = 2 + 2 * experts;
+        let mut head = vec![0u32; head_len];
+        self.dev
+            .stream
+            .memcpy_dtoh(&plan.slice(..head_len), &mut head)
+            .unwrap_or_else(|e| self.fail("copy the MoE routing to the host", e));
+        self.synchronize();
+        let slots = head[0] as usize;
+        let (slot_expert, slot_start) = (&head[1..1 + slots], &head[1 + experts..]);
+
+        let xs = self.alloc::<u8>(pairs * hidden * elem);
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_gather);
+        b.arg(&call.input)
+            .arg(&xs)
+            .arg(&plan)
+            .arg(&d.experts)
+            .arg(&d.hidden)
+            .arg(&d.dtype)
+            .arg(&d.top_k);
+        let gather = LaunchConfig {
+            grid_dim: (pairs as u32, 1, 1),
+            block_dim: (64, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("moe_gather", b, gather);
+
+        // Gate / up, then down, of each chosen expert over its rows of the sorted order.
+        let gu = self.alloc::<f32>(pairs * 2 * inter);
+        let act = self.alloc::<u8>(pairs * inter * elem);
+        let y = self.alloc::<f32>(pairs * hidden);
+        let ty = GemmType::of(packed.dtype);
+        let matrix = (hidden * inter * elem) as u64;
+        let per_expert = |product: &dyn Fn(u64, u64, usize) -> Product| {
+            for (s, &expert) in slot_expert.iter().enumerate() {
+                let (start, end) = (slot_start[s], slot_start[s + 1]);
+                let rows = (end - start) as usize;
+                self.product(&product(u64::from(expert), u64::from(start), rows));
+            }
+        };
+        let (xs_at, gu_at) = (self.ptr(&xs), self.ptr(&gu));
+        per_expert(&|e, start, rows| Product {
+            ty,
+            x: xs_at + start * (hidden * elem) as u64,
+            rows,
+            w: packed.gate_up + 2 * e * matrix,
+            n: 2 * inter,
+            k: hidden,
+            out: gu_at + start * (2 * inter * 4) as u64,
+            accumulate: false,
+        });
+        let n = (pairs * inter) as u64;
+        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_silu);
+        b.arg(&gu).arg(&act).arg(&n).arg(&d.inter).arg(&d.dtype);
+        self.launch("moe_silu", b, Self::elements(pairs * inter));
+        let (act_at, y_at) = (self.ptr(&act), self.ptr(&y));
+        per_expert(&|e, start, rows| Product {
+            ty,
+            x: act_at + start * (inter * elem) as u64,
+            rows,
+            w: packed.down + e * matrix,
+            n: hidden,
+            k: inter,
+            out: y_at + start * (hidden * 4) as u64,
+            accumulate: false,
+        });
+
+        let n = x.len() as u64;
+        let mut b = self
+            .dev
+            .stream
+            .launch_builder(&self.dev.kernels.moe_combine);
+        b.arg(x.dense())
+            .arg(&y)
+            .arg(&pair_pos)
+            .arg(&weights)
+            .arg(&n)
+            .arg(&d.hidden)
+            .arg(&d.top_k);
+        self.launch("moe_combine", b, Self::elements(x.len()));
     }
 
     /// The host-routed path ([`moe::norm_moe_add_on_host`]). A graph cannot record it (it
@@ -205,10 +369,9 @@ impl CudaBackend {
     pub(super) fn route_moe_on_host(&self, x: &mut CudaTensor, moe: &NormMoe<'_, CudaWeight>) {
         if self.capture_inputs().is_some() {
             panic!(
-                "a Qwen3-MoE layer of {} rows, {} experts ({} per token) is routed on the host, \
-                 which a CUDA graph cannot record (the device path takes up to {MOE_MAX_ROWS} \
-                 rows, {MOE_MAX_EXPERTS} experts, {MOE_MAX_TOP_K} per token, uploaded together)",
-                x.rows,
+                "a Qwen3-MoE layer of {} experts ({} per token) is routed on the host, which a \
+                 CUDA graph cannot record (the device takes up to {MOE_MAX_EXPERTS} experts, \
+                 {MOE_MAX_TOP_K} per token, uploaded together)",
                 moe.experts.len(),
                 moe.top_k
             );
@@ -217,7 +380,17 @@ impl CudaBackend {
     }
 }
 
-/// One warp per column of `columns`, [`MOE_WARPS`] per block; `slots` block rows.
+/// The routing kernels' one block.
+fn one_block() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (ROUTE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per column of `columns` (or row, for `moe_topk`), [`MOE_WARPS`] per block;
+/// `slots` block rows.
 fn columns(columns: usize, slots: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (columns.div_ceil(MOE_WARPS) as u32, slots, 1),
@@ -272,17 +445,32 @@ mod tests {
     }
 
     #[test]
-    fn decode_sized_batches_fit_the_device_path() {
-        assert!(fits(1, 128, 8), "Qwen3-30B-A3B, batch 1");
-        assert!(fits(MOE_MAX_ROWS, 128, 8), "the largest graph bucket");
-        assert!(!fits(MOE_MAX_ROWS + 1, 128, 8), "a prefill-sized batch");
-        assert!(!fits(0, 128, 8));
-        assert!(
-            !fits(4, 1024, 8),
+    fn decode_batches_stream_the_weights_and_prefill_batches_are_grouped() {
+        let path = device_path;
+        assert_eq!(
+            path(1, 128, 8),
+            Some(DevicePath::Streamed),
+            "Qwen3-30B-A3B, batch 1"
+        );
+        assert_eq!(
+            path(MOE_MAX_ROWS, 128, 8),
+            Some(DevicePath::Streamed),
+            "the largest graph bucket"
+        );
+        assert_eq!(path(MOE_MAX_ROWS + 1, 128, 8), Some(DevicePath::Grouped));
+        assert_eq!(
+            path(8192, 128, 8),
+            Some(DevicePath::Grouped),
+            "a prefill chunk"
+        );
+        assert_eq!(path(0, 128, 8), None);
+        assert_eq!(
+            path(4, 1024, 8),
+            None,
             "more experts than a warp's registers hold"
         );
-        assert!(!fits(4, 128, 17));
-        assert!(!fits(4, 4, 5), "more choices than experts");
+        assert_eq!(path(4, 128, 17), None);
+        assert_eq!(path(4, 4, 5), None, "more choices than experts");
         assert_eq!(plan_len(128, 64), 2 + 256 + 64);
     }
 }

@@ -197,12 +197,13 @@ fn tiny_prefill_and_decode_match_the_cpu() {
     }
 }
 
-/// Qwen3-MoE: a 40-token prefill and decode steps routed on the device (`moe.cu`), next to a
-/// dense layer.
+/// Qwen3-MoE, next to a dense layer: a 40-token prefill and decode steps routed on the device
+/// and streamed (`moe.cu`), and a 300-token prefill through the grouped path.
 #[test]
 fn tiny_moe_prefill_and_decode_match_the_cpu() {
     if enabled("tiny_moe_prefill_and_decode_match_the_cpu") {
         conformance("synthetic:tiny-moe", 40, 16);
+        conformance("synthetic:tiny-moe", 300, 2);
     }
 }
 
