@@ -140,6 +140,8 @@ refused "PD_CUDA_GEMV=fast: expected cublas or kernel" \
     emu env PD_CUDA_GEMV=fast target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
 refused "PD_CUDA_PDL=yes: expected on or off" \
     emu env PD_CUDA_PDL=yes target/debug/pdctl run --device cuda --prompt hi --model synthetic:tiny
+refused "PD_CUDA_MOE=gpu: expected device or host" \
+    emu env PD_CUDA_MOE=gpu target/debug/prefill-node --device cuda --model synthetic:tiny --port 0
 echo "-- the keystone on CUDA nodes (router -> prefill -> decode, --device cuda, CUDA graphs on)"
 keystone="$(cargo test --locked --workspace --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*\/cuda-[0-9a-f]*\)".*/\1/p' | tail -1)"

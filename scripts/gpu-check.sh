@@ -9,7 +9,8 @@
 #                                       device sampling vs the CPU's tokens, decode through
 #                                       CUDA graphs vs eager decode, attention alone over head
 #                                       shapes and KV types), once more with
-#                                       PD_CUDA_ATTENTION=f32 if it failed, and the
+#                                       PD_CUDA_ATTENTION=f32 (and the MoE model with
+#                                       PD_CUDA_MOE=host) if it failed, and the
 #                                       qwen3-0.6b checks with PD_CUDA_GEMV=kernel,
 #                                       then with PD_CUDA_PDL=on too,
 #                                       (b) the benchmark (copy and GEMM ceilings, decode at
@@ -80,6 +81,11 @@ run)
         PD_CUDA_ATTENTION=f32 PD_GPU_TESTS=1 timeout 90 "$bin/gpu_conformance" --test-threads=1 --nocapture \
             2>&1 | tee "$out/conformance-f32-attention.log"
         echo "conformance with f32 attention only: exit ${PIPESTATUS[0]}"
+        # And a Qwen3-MoE defect from any other: the MoE model routed on the host.
+        echo "== (a') the Qwen3-MoE model again with PD_CUDA_MOE=host"
+        PD_CUDA_MOE=host PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+            tiny_moe 2>&1 | tee "$out/conformance-moe-host.log"
+        echo "the MoE model routed on the host: exit ${PIPESTATUS[0]}"
     fi
     # The bf16 model's checks again with the linear layers of decode steps through the
     # gemv16 kernel instead of cuBLAS (PD_CUDA_GEMV=kernel: the benchmark's "gemv kernel"

@@ -67,4 +67,6 @@ pub enum CudaError {
     BadGemvSetting(String),
     #[error("PD_CUDA_PDL={0}: expected on or off")]
     BadPdlSetting(String),
+    #[error("PD_CUDA_MOE={0}: expected device or host")]
+    BadMoeSetting(String),
 }

@@ -247,6 +247,12 @@ impl CudaBackend {
         if graphs.disabled {
             return None;
         }
+        if self.routes_moe_on_host() {
+            let why = "the model's Qwen3-MoE layers are routed on the host (PD_CUDA_MOE=host), \
+                       which a graph cannot record";
+            self.give_up(&mut graphs, why);
+            return None;
+        }
         let outcome = self.replay(&mut graphs, step, &inputs);
         match outcome {
             Ok(Some(logits)) => Some(logits),

@@ -115,9 +115,11 @@ pub struct CudaBackend {
     programmatic_launches: AtomicU64,
     /// The least number of keys a split-K range takes ([`plan::MIN_KEYS_PER_SPLIT`]).
     min_keys_per_split: AtomicUsize,
-    /// Whether Qwen3-MoE layers of decode-sized batches are routed on the device (`moe`; the
-    /// default) or, for the benchmark's comparison, always on the host.
+    /// Whether Qwen3-MoE layers are routed on the device (`moe`; the default) or always on
+    /// the host (`PD_CUDA_MOE=host`, and the benchmark's comparison).
     moe_on_device: AtomicBool,
+    /// Whether Qwen3-MoE experts were uploaded ([`Backend::load_experts`]).
+    moe_layers: AtomicBool,
 }
 
 /// The last uploaded copy of each kind of per-step metadata, reused while unchanged.

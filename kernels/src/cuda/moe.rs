@@ -25,6 +25,7 @@ use pd_engine::weights::DType;
 use super::gemm::{GemmType, Product};
 use super::linear::Operand;
 use super::{CudaBackend, CudaTensor, CudaWeight};
+use crate::CudaError;
 
 /// Most rows the weight-streaming path takes (`MOE_MAX_ROWS` in moe.cu): the largest
 /// decode-graph bucket, so every decode graph of a MoE model records it. Larger batches take
@@ -48,6 +49,19 @@ struct PackedExperts {
     down: u64,
     hidden: usize,
     inter: usize,
+}
+
+/// `PD_CUDA_MOE` as set in the environment: `device` (unset: the default) routes Qwen3-MoE
+/// layers on the device, `host` routes every batch on the host, expert by expert — a switch
+/// to tell a defect of these kernels from any other on a GPU that has not run them, as
+/// `PD_CUDA_ATTENTION=f32` is for attention.
+pub(super) fn on_device_from_env() -> Result<bool, CudaError> {
+    match std::env::var("PD_CUDA_MOE") {
+        Err(_) => Ok(true),
+        Ok(v) if v == "device" => Ok(true),
+        Ok(v) if v == "host" => Ok(false),
+        Ok(v) => Err(CudaError::BadMoeSetting(v)),
+    }
 }
 
 /// The kernels' integer arguments for one layer call.
@@ -361,6 +375,13 @@ impl CudaBackend {
             .arg(&d.hidden)
             .arg(&d.top_k);
         self.launch("moe_combine", b, Self::elements(x.len()));
+    }
+
+    /// Whether this backend holds Qwen3-MoE experts and routes them on the host
+    /// (`PD_CUDA_MOE=host`): then no decode step can be recorded in a graph.
+    pub(super) fn routes_moe_on_host(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.moe_layers.load(Relaxed) && !self.moe_on_device.load(Relaxed)
     }
 
     /// The host-routed path ([`moe::norm_moe_add_on_host`]). A graph cannot record it (it

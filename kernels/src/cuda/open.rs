@@ -35,6 +35,7 @@ impl CudaBackend {
         };
         let small_batch_linear = SmallBatchLinear::from_env()?;
         let programmatic = pdl::from_env()?;
+        let moe_on_device = super::moe::on_device_from_env()?;
         let dev = Device::open(ordinal)?;
         tracing::info!(
             device = %format!("cuda:{ordinal}"),
@@ -70,7 +71,8 @@ impl CudaBackend {
             programmatic: AtomicBool::new(programmatic),
             programmatic_launches: AtomicU64::new(0),
             min_keys_per_split: AtomicUsize::new(plan::MIN_KEYS_PER_SPLIT),
-            moe_on_device: AtomicBool::new(true),
+            moe_on_device: AtomicBool::new(moe_on_device),
+            moe_layers: AtomicBool::new(false),
         })
     }
 

@@ -53,9 +53,9 @@ impl CudaBackend {
         }
     }
 
-    /// Route Qwen3-MoE layers of up to 128 rows (`MOE_MAX_ROWS`) on the device (`true`,
-    /// the default) or every batch on the host, expert by expert (`false`; decode graphs of
-    /// MoE models then fail to capture and turn themselves off). For the benchmark, which
+    /// Route Qwen3-MoE layers on the device (`true`, the default) or every batch on the
+    /// host, expert by expert (`false`; decode graphs of MoE models then fail to capture and
+    /// turn themselves off); `open` takes it from `PD_CUDA_MOE`. For the benchmark, which
     /// measures one against the other; call it between steps.
     pub fn set_moe_on_device(&self, on: bool) {
         if self.moe_on_device.swap(on, Ordering::Relaxed) != on {

@@ -152,6 +152,7 @@ impl CudaBackend {
         let Some(first) = experts.first() else {
             return Ok(Vec::new());
         };
+        self.moe_layers.store(true, Ordering::Relaxed);
         let dtype = first[0].1.dtype;
         let alike = |parts: &[(&str, TensorView); 3]| {
             parts.iter().zip(first).all(|((_, v), (_, f))| {

@@ -13,7 +13,7 @@ use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::CudaTensor;
 
-use super::{enabled, graphs_match_eager, narrow, unit};
+use super::{BLOCK, enabled, executor, files, graphs_match_eager, narrow, unit};
 
 const HIDDEN: usize = 256;
 const INTER: usize = 64;
@@ -250,4 +250,50 @@ fn moe_decode_graphs_match_eager_decode() {
         // Every sparse layer routed inside the graph: captured, not an eager fallback.
         graphs_match_eager("synthetic:tiny-moe", [9, 14, 19], 4);
     }
+}
+
+#[test]
+fn moe_decode_graphs_turn_off_when_routed_on_the_host() {
+    use pd_engine::backend::graph::DecodeGraphs;
+    use pd_engine::executor::ExecItem;
+
+    if !enabled("moe_decode_graphs_turn_off_when_routed_on_the_host") {
+        return;
+    }
+    // PD_CUDA_MOE=host: no capture is tried (it could not record the host's routing): the
+    // steps run eagerly, with eager decode's launches and logits.
+    let files = files("synthetic:tiny-moe");
+    let open = || CudaBackend::open(0, 0.4).expect("cuda:0");
+    let (mut eager, mut host) = (executor(open(), &files, 3), executor(open(), &files, 3));
+    eager.backend().set_moe_on_device(false);
+    host.backend().set_moe_on_device(false);
+    host.set_decode_graphs(Some(DecodeGraphs::new(8, 2 * BLOCK, BLOCK)));
+    let table = [0u32, 1];
+    let mut tokens: Vec<u32> = (0..9).map(|i| i * 97 + 5).collect();
+    let mut start = 0;
+    for step in 0..3 {
+        let item = [ExecItem {
+            tokens: &tokens[start..],
+            start,
+            block_table: &table,
+            all_logits: false,
+        }];
+        let (e, h) = (
+            eager.execute(&item).remove(0),
+            host.execute(&item).remove(0),
+        );
+        super::compare(&format!("step {step}"), &e, &h);
+        start = tokens.len();
+        tokens.push(pd_engine::backend::conformance::argmax(e.row(0)).0 as u32);
+    }
+    assert_eq!(
+        host.backend().decode_graphs_captured(),
+        0,
+        "no graph captured"
+    );
+    assert_eq!(
+        host.backend().kernel_launches(),
+        eager.backend().kernel_launches(),
+        "no capture was tried (a capture records launches before it fails)"
+    );
 }
