@@ -9,7 +9,8 @@
 //! token, up to the first position where the CPU's top-2 margin is too thin for two backends to
 //! agree on (f32 sums in another order: the synthetic model's logits are nearly flat); the
 //! decode node received the KV over the transfer; a repeated prompt reuses the prefill node's
-//! cached GPU blocks; afterwards every block on both nodes is free. And a CPU node and a CUDA
+//! cached GPU blocks; afterwards every block on both nodes is free. The same for Qwen3-MoE
+//! (its sparse layers routed on the device, in graphs too). And a CPU node and a CUDA
 //! node hand KV to each other both ways (the block layout is the same f32 layout on both
 //! devices, so one cluster may mix them).
 
@@ -36,15 +37,21 @@ fn prompts() -> Vec<Vec<u32>> {
     spread_prompts(5, 18, 23, 11)
 }
 
-/// `pdctl run` on the CPU: the greedy tokens and, per token, its top-2 logprob margin.
-fn reference(cache: &std::path::Path, ids: &[u32], max_tokens: u32) -> (Vec<u32>, Vec<f64>) {
+/// `pdctl run` of `model` on the CPU: the greedy tokens and, per token, its top-2 logprob
+/// margin.
+fn reference(
+    cache: &std::path::Path,
+    model: &str,
+    ids: &[u32],
+    max_tokens: u32,
+) -> (Vec<u32>, Vec<f64>) {
     let ids = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     let v = json_of(&pdctl(
         cache,
         &[
             "run",
             "--model",
-            "synthetic:tiny",
+            model,
             "--device",
             "cpu",
             "--token-ids",
@@ -86,17 +93,19 @@ fn assert_same_where_clear(got: &[u32], want: &[u32], margins: &[f64], what: &st
     got.len()
 }
 
-/// Greedy requests for `prompts` through the router at `c`, each compared with the CPU
-/// engine (`assert_same_where_clear`) and ending at its length; the tokens compared.
+/// Greedy requests for `prompts` through the router at `c` (serving `model`), each compared
+/// with the CPU engine (`assert_same_where_clear`) and ending at its length; the tokens
+/// compared.
 async fn greedy_matches_cpu(
     c: &mut pb::generation_client::GenerationClient<Channel>,
     cache: &std::path::Path,
+    model: &str,
     prompts: Vec<Vec<u32>>,
     what: &str,
 ) -> usize {
     let mut compared = 0;
     for ids in prompts {
-        let (want, margins) = reference(cache, &ids, 12);
+        let (want, margins) = reference(cache, model, &ids, 12);
         let (got, last) = collect(c, greedy(ids.clone(), 12)).await.expect("a stream");
         let prompt = format!("{what}prompt of {} tokens", ids.len());
         compared += assert_same_where_clear(&got, &want, &margins, &prompt);
@@ -129,7 +138,7 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
         )
     });
     let mut c = client(&cluster.router()).await;
-    let compared = greedy_matches_cpu(&mut c, cache.path(), prompts(), "").await;
+    let compared = greedy_matches_cpu(&mut c, cache.path(), "synthetic:tiny", prompts(), "").await;
     assert!(
         compared >= 30,
         "only {compared} of 60 tokens could be compared: margins too thin to say anything"
@@ -154,11 +163,48 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
     let (again, last) = collect(&mut c, greedy(long.clone(), 12))
         .await
         .expect("a stream");
-    let (want, margins) = reference(cache.path(), &long, 12);
+    let (want, margins) = reference(cache.path(), "synthetic:tiny", &long, 12);
     assert_same_where_clear(&again, &want, &margins, "repeated prompt");
     let usage = last.usage.expect("usage");
     let whole_blocks = ((long.len() - 1) / 16 * 16) as u32;
     assert_eq!(usage.local_cached_tokens, whole_blocks);
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
+}
+
+/// Qwen3-MoE on CUDA nodes: prompts of 5 to 200 tokens, so that the prefill node routes
+/// short prompts through the weight-streaming kernels and long ones through the grouped path,
+/// and the decode node decodes through CUDA graphs with every sparse layer routed inside
+/// them; the tokens equal the CPU engine's where its margins are clear, and every block is
+/// free afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_moe_on_cuda_nodes_equals_the_cpu_engine() {
+    if !enabled() {
+        return;
+    }
+    const MODEL: &str = "synthetic:tiny-moe";
+    let cache = tempfile::tempdir().expect("tempdir");
+    let args = [
+        "--model",
+        MODEL,
+        "--",
+        "--device",
+        "cuda",
+        "--cuda-graphs",
+        "on",
+    ];
+    let cluster = Cluster::up(cache.path(), &args).expect("pdctl up --model synthetic:tiny-moe");
+    let mut c = client(&cluster.router()).await;
+    let prompts = spread_prompts(3, 5, 97, 13);
+    assert!(
+        prompts.last().is_some_and(|p| p.len() > 128),
+        "a grouped prefill"
+    );
+    let compared = greedy_matches_cpu(&mut c, cache.path(), MODEL, prompts, "MoE ").await;
+    assert!(
+        compared >= 18,
+        "only {compared} of 36 tokens could be compared: margins too thin to say anything"
+    );
     all_blocks_free(&cluster).await;
     assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }
@@ -208,7 +254,9 @@ async fn cpu_and_cuda_nodes_hand_kv_to_each_other() {
         wait_serving(&router.addr()).await.expect("router serving");
         let mut c = client(&router.addr()).await;
         let later: Vec<_> = prompts().into_iter().skip(2).collect();
-        let compared = greedy_matches_cpu(&mut c, cache.path(), later, &format!("{what}: ")).await;
+        let label = format!("{what}: ");
+        let compared =
+            greedy_matches_cpu(&mut c, cache.path(), "synthetic:tiny", later, &label).await;
         assert!(
             compared >= 18,
             "{what}: only {compared} of 36 tokens compared"
