@@ -184,6 +184,8 @@ async fn a_qwen3_moe_on_cuda_nodes_equals_the_cpu_engine() {
     }
     const MODEL: &str = "synthetic:tiny-moe";
     let cache = tempfile::tempdir().expect("tempdir");
+    // A 200-token prompt is one prefill chunk of 200 rows: the grouped path. (The default
+    // 2,048-token budget would set aside more activation memory than the emulated card has.)
     let args = [
         "--model",
         MODEL,
@@ -192,6 +194,8 @@ async fn a_qwen3_moe_on_cuda_nodes_equals_the_cpu_engine() {
         "cuda",
         "--cuda-graphs",
         "on",
+        "--max-num-batched-tokens",
+        "256",
     ];
     let cluster = Cluster::up(cache.path(), &args).expect("pdctl up --model synthetic:tiny-moe");
     let mut c = client(&cluster.router()).await;
