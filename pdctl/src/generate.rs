@@ -52,15 +52,10 @@ pub struct GenerateArgs {
     /// printed as `[call] NAME ARGUMENTS` at the end, or `tool_calls` in `--json`.
     #[arg(long)]
     parse_tool_calls: bool,
-    /// The blocks `--parse-tool-calls` reads: `hermes` (JSON) or `qwen3-coder` (Qwen3-Coder's
-    /// `<function=…>` blocks, values typed by `--tools`).
-    #[arg(
-        long,
-        value_enum,
-        default_value = "hermes",
-        requires = "parse_tool_calls"
-    )]
-    tool_call_format: ToolCallFormat,
+    /// The blocks `--parse-tool-calls` reads: `hermes` (JSON; the default) or `qwen3-coder`
+    /// (Qwen3-Coder's `<function=…>` blocks, values typed by `--tools`).
+    #[arg(long, value_enum, requires = "parse_tool_calls")]
+    tool_call_format: Option<ToolCallFormat>,
 }
 
 /// `GenerateRequest.tool_call_format`.
@@ -122,7 +117,10 @@ fn request(args: &GenerateArgs, tools: Vec<String>) -> pb::GenerateRequest {
         n: Some(args.n),
         parse_reasoning: args.parse_reasoning,
         parse_tool_calls: args.parse_tool_calls,
-        tool_call_format: args.tool_call_format as i32,
+        // Unset unless asked for: the router refuses a format without parse_tool_calls.
+        tool_call_format: args
+            .tool_call_format
+            .map_or(pb::ToolCallFormat::Unspecified as i32, |f| f as i32),
     }
 }
 

@@ -2,8 +2,8 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, all_blocks_free, client, collect, exposition, greedy, node_info, reference_run_on,
-    reference_run_with, reference_tokens, spread_prompts, token_ids,
+    Cluster, all_blocks_free, client, collect, exposition, greedy, json_of, node_info, pdctl,
+    reference_run_on, reference_run_with, reference_tokens, spread_prompts, token_ids,
 };
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
@@ -567,4 +567,64 @@ async fn structured_outputs_hold_across_the_prefill_decode_handoff() {
     }
     all_blocks_free(&cluster).await;
     assert!(cluster.stop());
+}
+
+/// `pdctl generate` against a cluster, as the README's first command (scripts/demo.sh) runs
+/// it: a streamed chat, the same long prompt twice (the second's whole blocks from the prefill
+/// node's cache), and the answer parsers' flags — a request without `--parse-tool-calls`
+/// carries no tool-call format (the router refuses one without the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pdctl_generate_serves_the_demo_s_requests() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &[]).unwrap();
+    let router = cluster.router();
+    let generate = |extra: &[&str]| {
+        let base = ["generate", "--router", router.as_str()];
+        pdctl(cache.path(), &[&base[..], extra].concat())
+    };
+    let streamed = generate(&["--chat", "Write a haiku about caches", "--max-tokens", "8"]);
+    assert!(
+        streamed.status.success(),
+        "a streamed chat: {}",
+        String::from_utf8_lossy(&streamed.stderr)
+    );
+    assert!(!streamed.stdout.is_empty(), "the text was streamed");
+    let prompt = "A shared system prompt that many requests start with. ".repeat(6);
+    let ask = |question: &str| {
+        let prompt = format!("{prompt}{question}");
+        json_of(&generate(&[
+            "--prompt",
+            &prompt,
+            "--max-tokens",
+            "8",
+            "--json",
+        ]))
+    };
+    let first = ask("Question one?");
+    assert_eq!(first["token_ids"].as_array().unwrap().len(), 8);
+    let second = ask("Question two?");
+    assert!(
+        second["usage"]["local_cached_tokens"].as_u64().unwrap() >= 16,
+        "the shared prefix came from the prefill node's cache: {}",
+        second["usage"]
+    );
+    for format in [&[][..], &["--tool-call-format", "qwen3-coder"][..]] {
+        let base = [
+            "--chat",
+            "Weather?",
+            "--max-tokens",
+            "4",
+            "--parse-tool-calls",
+        ];
+        let v = json_of(&generate(&[&base[..], format, &["--json"][..]].concat()));
+        assert!(v["tool_calls"].is_array(), "{format:?}: {v}");
+    }
+    let refused = generate(&["--chat", "x", "--tool-call-format", "hermes"]);
+    assert!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr).contains("--parse-tool-calls"),
+        "--tool-call-format alone is refused by the command line"
+    );
+    all_blocks_free(&cluster).await;
+    assert!(cluster.stop(), "pdctl up exits 0 on SIGTERM");
 }
