@@ -37,6 +37,28 @@ fn prompts() -> Vec<Vec<u32>> {
     spread_prompts(5, 18, 23, 11)
 }
 
+/// `pdctl up` of `model` with both nodes on `--device cuda`, CUDA graphs on, and a step
+/// budget of `batched_tokens` tokens.
+fn cuda_cluster(cache: &std::path::Path, model: &str, batched_tokens: u32) -> Cluster {
+    let budget = batched_tokens.to_string();
+    let args = [
+        "--model",
+        model,
+        "--",
+        "--device",
+        "cuda",
+        "--cuda-graphs",
+        "on",
+        "--max-num-batched-tokens",
+        &budget,
+    ];
+    Cluster::up(cache, &args).unwrap_or_else(|e| {
+        panic!(
+            "pdctl up -- --device cuda: {e:#} (are the node binaries built with --features cuda?)"
+        )
+    })
+}
+
 /// `pdctl run` of `model` on the CPU: the greedy tokens and, per token, its top-2 logprob
 /// margin.
 fn reference(
@@ -120,23 +142,8 @@ async fn keystone_on_cuda_nodes_equals_the_cpu_engine() {
         return;
     }
     let cache = tempfile::tempdir().expect("tempdir");
-    let cluster = Cluster::up(
-        cache.path(),
-        &[
-            "--",
-            "--device",
-            "cuda",
-            "--cuda-graphs",
-            "on",
-            "--max-num-batched-tokens",
-            "7",
-        ],
-    )
-    .unwrap_or_else(|e| {
-        panic!(
-            "pdctl up -- --device cuda: {e:#} (are the node binaries built with --features cuda?)"
-        )
-    });
+    // Chunked prefill on: 7-token chunks.
+    let cluster = cuda_cluster(cache.path(), "synthetic:tiny", 7);
     let mut c = client(&cluster.router()).await;
     let compared = greedy_matches_cpu(&mut c, cache.path(), "synthetic:tiny", prompts(), "").await;
     assert!(
@@ -186,18 +193,7 @@ async fn a_qwen3_moe_on_cuda_nodes_equals_the_cpu_engine() {
     let cache = tempfile::tempdir().expect("tempdir");
     // A 200-token prompt is one prefill chunk of 200 rows: the grouped path. (The default
     // 2,048-token budget would set aside more activation memory than the emulated card has.)
-    let args = [
-        "--model",
-        MODEL,
-        "--",
-        "--device",
-        "cuda",
-        "--cuda-graphs",
-        "on",
-        "--max-num-batched-tokens",
-        "256",
-    ];
-    let cluster = Cluster::up(cache.path(), &args).expect("pdctl up --model synthetic:tiny-moe");
+    let cluster = cuda_cluster(cache.path(), MODEL, 256);
     let mut c = client(&cluster.router()).await;
     let prompts = spread_prompts(3, 5, 97, 13);
     assert!(
