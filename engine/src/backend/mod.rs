@@ -220,8 +220,8 @@ pub trait Backend: Send + Sync + 'static {
     /// and sparse MLP added to the residual stream. By default [`moe::norm_moe_add_on_host`]:
     /// the router's logits go to the host to be routed, then each chosen expert runs on its
     /// rows and its output is added, expert by expert in index order. A device backend may
-    /// route on the device (the CUDA backend, for decode-sized batches); each row must still
-    /// add its experts in index order.
+    /// route on the device (the CUDA backend); each row must still add its experts in index
+    /// order.
     fn norm_moe_add(&self, x: &mut Self::Tensor, moe: &NormMoe<'_, Self::Weight>) {
         moe::norm_moe_add_on_host(self, x, moe);
     }

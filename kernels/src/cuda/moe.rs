@@ -18,13 +18,13 @@
 //!
 //! [`Backend::norm_moe_add`]: pd_engine::backend::Backend::norm_moe_add
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use pd_engine::backend::moe::{self, Expert, NormMoe};
 use pd_engine::weights::DType;
 
 use super::gemm::{GemmType, Product};
 use super::linear::Operand;
-use super::{CudaBackend, CudaTensor, CudaWeight};
+use super::{CudaBackend, CudaTensor, CudaWeight, DeviceBuffer};
 use crate::CudaError;
 
 /// Most rows the weight-streaming path takes (`MOE_MAX_ROWS` in moe.cu): the largest
@@ -219,6 +219,29 @@ impl CudaBackend {
         true
     }
 
+    /// `moe_route` or `moe_topk` (they share their parameters): the router's logits routed
+    /// into `out` (the plan, or each pair's expert) and each pair's `weights`.
+    fn launch_routing(
+        &self,
+        name: &str,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        call: &Call<'_>,
+        out: &DeviceBuffer<u32>,
+        weights: &DeviceBuffer<f32>,
+    ) {
+        let d = &call.dims;
+        let mut b = self.dev.stream.launch_builder(func);
+        b.arg(call.logits.dense())
+            .arg(&d.rows)
+            .arg(&d.experts)
+            .arg(&d.top_k)
+            .arg(&d.renorm)
+            .arg(out)
+            .arg(weights);
+        self.launch(name, b, cfg);
+    }
+
     /// `moe_route`, `moe_gate_up` and `moe_down`.
     fn run_streamed(&self, x: &mut CudaTensor, call: &Call<'_>) {
         let (packed, d) = (&call.packed, &call.dims);
@@ -226,15 +249,8 @@ impl CudaBackend {
         let plan = self.alloc::<u32>(plan_len(experts, pairs));
         let weights = self.alloc::<f32>(pairs);
         let act = self.alloc::<u8>(pairs * packed.inter * packed.dtype.size_in_bytes());
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_route);
-        b.arg(call.logits.dense())
-            .arg(&d.rows)
-            .arg(&d.experts)
-            .arg(&d.top_k)
-            .arg(&d.renorm)
-            .arg(&plan)
-            .arg(&weights);
-        self.launch("moe_route", b, one_block());
+        let route = &self.dev.kernels.moe_route;
+        self.launch_routing("moe_route", route, one_block(), call, &plan, &weights);
 
         // One block row per possible slot: the routed count is only known on the device.
         let slots = pairs.min(experts) as u32;
@@ -276,15 +292,9 @@ impl CudaBackend {
         let (hidden, inter, elem) = (packed.hidden, packed.inter, packed.dtype.size_in_bytes());
         let pair_expert = self.alloc::<u32>(pairs);
         let weights = self.alloc::<f32>(pairs);
-        let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_topk);
-        b.arg(call.logits.dense())
-            .arg(&d.rows)
-            .arg(&d.experts)
-            .arg(&d.top_k)
-            .arg(&d.renorm)
-            .arg(&pair_expert)
-            .arg(&weights);
-        self.launch("moe_topk", b, columns(x.rows, 1));
+        let topk = &self.dev.kernels.moe_topk;
+        let cfg = columns(x.rows, 1);
+        self.launch_routing("moe_topk", topk, cfg, call, &pair_expert, &weights);
         let plan = self.alloc::<u32>(plan_len(experts, pairs));
         let pair_pos = self.alloc::<u32>(pairs);
         let mut b = self.dev.stream.launch_builder(&self.dev.kernels.moe_align);

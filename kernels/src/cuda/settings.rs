@@ -1,8 +1,8 @@
 //! The CUDA backend's run-time choices that benchmarks and tests switch between steps (what
 //! multiplies decode-sized batches, programmatic dependent launch, the least keys of a
-//! split-K range, where MoE layers are routed) and its launch counters. The choices' defaults and environment variables
-//! are [`super::gemv`]'s and [`super::pdl`]'s; what each one does is in those modules and
-//! [`super::plan`].
+//! split-K range, where MoE layers are routed) and its launch counters. The choices'
+//! defaults and environment variables are [`super::gemv`]'s, [`super::pdl`]'s and `moe`'s;
+//! what each one does is in those modules and [`super::plan`].
 
 use std::sync::atomic::Ordering;
 
