@@ -29,6 +29,7 @@ fn main() {
     let config = EngineConfig {
         role: Role::Mixed,
         enable_prefix_caching: true,
+        hash_algo: Default::default(),
         host_cache_blocks: 0,
         max_num_batched_tokens: 8192,
         max_num_seqs: seqs,

@@ -14,6 +14,7 @@ use crate::backend::graph::DecodeGraphs;
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::executor::Executor;
+use crate::kv::hash::HashAlgo;
 use crate::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use crate::model::{ModelFiles, Qwen3};
 use crate::serve::{Engine, EngineConfig, Role};
@@ -202,6 +203,12 @@ pub struct EngineArgs {
     pub enable_prefix_caching: bool,
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// The prefix cache's block hash: xxhash (XXH3-128, fast; also `xxh3`) or sha256 (the
+    /// first 128 bits of SHA-256: for operators who fear crafted hash collisions). The
+    /// router and every node of a cluster must use the same (the router refuses a node that
+    /// differs).
+    #[arg(long, env = "PD_PREFIX_CACHING_HASH_ALGO", default_value_t = HashAlgo::Xxhash)]
+    pub prefix_caching_hash_algo: HashAlgo,
     /// Context limit (prompt + generated); defaults to the model's max_position_embeddings.
     #[arg(long, env = "PD_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
@@ -360,6 +367,7 @@ impl EngineArgs {
         let config = EngineConfig {
             role,
             enable_prefix_caching: !self.no_enable_prefix_caching,
+            hash_algo: self.prefix_caching_hash_algo,
             host_cache_blocks: self.host_cache_blocks,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,

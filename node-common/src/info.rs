@@ -41,5 +41,6 @@ pub fn node_info(
         healthy: requests.engine().is_healthy() && !requests.is_draining(),
         counters: Some(metrics.counter_report()),
         kv_cache_dtype: facts.kv_dtype().torch_name().into(),
+        prefix_caching_hash_algo: facts.hash_algo.as_str().into(),
     }
 }

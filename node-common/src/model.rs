@@ -119,6 +119,8 @@ pub struct ModelFacts {
     pub prefix_caching: bool,
     /// Blocks of the prefix cache's host-memory tier (`--host-cache-blocks`).
     pub host_cache_blocks: usize,
+    /// The prefix cache's block hash (`--prefix-caching-hash-algo`), reported in `Info`.
+    pub hash_algo: pd_engine::kv::hash::HashAlgo,
 }
 
 impl ModelFacts {
@@ -142,6 +144,7 @@ impl ModelFacts {
             layout,
             prefix_caching: !args.engine.no_enable_prefix_caching,
             host_cache_blocks: args.engine.host_cache_blocks,
+            hash_algo: args.engine.prefix_caching_hash_algo,
         })
     }
 

@@ -7,7 +7,6 @@ use std::io::Write;
 use anyhow::Context;
 use clap::Args;
 use pd_proto::pb;
-use pd_proto::pb::generation_client::GenerationClient;
 use serde_json::json;
 
 #[derive(Debug, Args)]
@@ -37,6 +36,9 @@ pub struct GenerateArgs {
     /// Prefix-cache isolation salt.
     #[arg(long)]
     cache_salt: Option<String>,
+    /// The router's API key (its `--api-keys`), sent as `authorization: Bearer KEY`.
+    #[arg(long, env = "PD_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Choices: sample this many sequences for the prompt (1 to 16; with --seed, choice i
     /// uses seed + i).
     #[arg(long, default_value_t = 1)]
@@ -134,9 +136,12 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     } else {
         format!("http://{}", args.router)
     };
-    let mut client = GenerationClient::connect(endpoint.clone())
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
+        .with_context(|| format!("`{}` is not a router address (HOST:PORT)", args.router))?
+        .connect()
         .await
         .with_context(|| format!("connecting to the router at {}", args.router))?;
+    let mut client = crate::auth::ApiKey::new(args.api_key.as_deref())?.client(channel);
     let mut stream = client
         .generate(request(&args, tools))
         .await

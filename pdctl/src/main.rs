@@ -8,6 +8,7 @@
 //! - `pdctl bench`: the serving benchmark against a cluster (`pdctl bench compare` for two
 //!   reports).
 
+mod auth;
 mod bench;
 mod bench_model;
 mod generate;

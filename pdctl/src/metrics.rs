@@ -26,6 +26,11 @@ pub struct MetricsArgs {
     /// or http://HOST:PORT/metrics.
     #[arg(long, env = "PD_ROUTER_METRICS", value_name = "ADDR")]
     router_metrics: String,
+    /// Accepted so that one `PD_API_KEY` serves every pdctl command; the metrics port needs
+    /// no key (it is monitoring's, not clients').
+    #[arg(long, env = "PD_API_KEY", hide_env_values = true)]
+    #[allow(dead_code)]
+    api_key: Option<String>,
     /// Seconds between two refreshes.
     #[arg(long, default_value_t = 2.0, value_parser = parse_interval)]
     interval: f64,

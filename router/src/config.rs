@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+pub use pd_engine::kv::hash::HashAlgo;
 
 use crate::discovery::DnsTarget;
 pub use crate::openai::parse::{ReasoningParser, ToolCallParser};
@@ -58,6 +59,13 @@ pub struct RouterConfig {
     pub reasoning_parser: Option<ReasoningParser>,
     /// The HTTP API's chat answers: tool calls read out as `tool_calls` (requests with tools).
     pub tool_call_parser: Option<ToolCallParser>,
+    /// `--api-keys`: the `TENANT KEY` file clients authenticate with (None: open, every
+    /// request is the `default` tenant's).
+    pub api_keys: Option<std::path::PathBuf>,
+    /// `--shared-prefix-cache`: tenants share cached KV (their cache salt is not derived).
+    pub shared_prefix_cache: bool,
+    /// `--prefix-caching-hash-algo`: the nodes' block hash (nodes that differ are not used).
+    pub prefix_caching_hash_algo: HashAlgo,
 }
 
 impl RouterConfig {
@@ -81,6 +89,9 @@ impl RouterConfig {
             report_faults: None,
             reasoning_parser: None,
             tool_call_parser: None,
+            api_keys: None,
+            shared_prefix_cache: false,
+            prefix_caching_hash_algo: HashAlgo::default(),
         }
     }
 }
@@ -122,8 +133,8 @@ pub struct RouterArgs {
     pub metrics_port: u16,
 
     /// Port of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
-    /// `/v1/models`, `/tokenize`, `/detokenize`, `/health`, and `/metrics` again), on --host;
-    /// 0: an ephemeral port, printed in the ready line as `http`.
+    /// `/v1/models`, `/tokenize`, `/detokenize`, `/health`; `/metrics` is on --metrics-port
+    /// only), on --host; 0: an ephemeral port, printed in the ready line as `http`.
     #[arg(
         long,
         env = "PD_HTTP_PORT",
@@ -239,6 +250,30 @@ pub struct RouterArgs {
         help_heading = "Requests"
     )]
     pub tool_call_parser: Option<ToolCallParser>,
+
+    /// File of API keys, one `TENANT KEY` pair per line (`#` comments and blank lines
+    /// ignored; several keys per tenant allowed). Every client request then needs
+    /// `authorization: Bearer KEY` (HTTP header or gRPC metadata) and belongs to that key's
+    /// tenant. The file is read again when it changes. Unset: no keys, one tenant `default`.
+    #[arg(
+        long,
+        env = "PD_API_KEYS_FILE",
+        value_name = "FILE",
+        help_heading = "Clients"
+    )]
+    pub api_keys: Option<std::path::PathBuf>,
+
+    /// Let tenants share cached KV: without it (and with --api-keys) each request's cache
+    /// salt is derived from its tenant, so no tenant reuses, or learns of, another's prompts.
+    /// For a deployment with one tenant, or tenants that trust each other.
+    #[arg(long, env = "PD_SHARED_PREFIX_CACHE", help_heading = "Clients")]
+    pub shared_prefix_cache: bool,
+
+    /// The block hash of the nodes' prefix caches: xxhash (XXH3-128; also `xxh3`) or sha256
+    /// (vLLM's flag). The prefix-aware policy hashes prompts with it, and a node that reports
+    /// another algorithm is not routed to (its `Info` says which it uses).
+    #[arg(long, env = "PD_PREFIX_CACHING_HASH_ALGO", default_value_t = HashAlgo::Xxhash, help_heading = "Routing")]
+    pub prefix_caching_hash_algo: HashAlgo,
 }
 
 impl RouterArgs {
@@ -272,6 +307,9 @@ impl RouterArgs {
             node_timeout: self.node_timeout,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             report_faults: crate::metrics::FaultSpec::from_env()?,
+            api_keys: self.api_keys.clone(),
+            shared_prefix_cache: self.shared_prefix_cache,
+            prefix_caching_hash_algo: self.prefix_caching_hash_algo,
         })
     }
 }

@@ -39,6 +39,8 @@ pub enum RouterError {
     Node(#[from] NodeError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Keys(#[from] crate::auth::KeysError),
     #[error("{0}")]
     Internal(String),
 }
@@ -51,7 +53,9 @@ impl RouterError {
                 pd_engine::ErrorKind::Internal => Code::Internal,
                 _ => Code::FailedPrecondition,
             },
-            RouterError::BadAddress { .. } | RouterError::NoNodes => Code::InvalidArgument,
+            RouterError::BadAddress { .. } | RouterError::NoNodes | RouterError::Keys(_) => {
+                Code::InvalidArgument
+            }
             RouterError::NoHealthyNode { .. } => Code::Unavailable,
             RouterError::IncompatibleLayouts { .. } => Code::FailedPrecondition,
             RouterError::Node(e) => e.client_code(),

@@ -387,7 +387,8 @@ impl Job {
                 }
             };
             let node = self.shared.pick_by_policy(&self.req, &candidates);
-            let node_request_id = self.shared.ids.node_request_id(&self.req.request_id);
+            let node_request_id =
+                (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
             let mut request = tonic::Request::new(pb::PrefillRequest {
                 request_id: node_request_id.clone(),
                 token_ids: self.req.prompt.clone(),

@@ -19,6 +19,7 @@
 //! sampling parameters), never on pd-kernels or pd-transport.
 
 mod answer;
+pub mod auth;
 mod choices;
 pub mod config;
 pub mod discovery;
@@ -30,6 +31,7 @@ pub mod policy;
 pub mod registry;
 mod server;
 mod service;
+pub mod tenant;
 pub mod validation;
 
 pub use config::{PolicyKind, RouterArgs, RouterConfig};

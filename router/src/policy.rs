@@ -29,7 +29,9 @@ use std::fmt::Debug;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pd_engine::kv::hash::{BlockHash, block_hashes};
+#[cfg(test)]
+use pd_engine::kv::hash::block_hashes;
+use pd_engine::kv::hash::{BlockHash, HashAlgo, block_hashes_with};
 
 use crate::config::PolicyKind;
 
@@ -68,11 +70,17 @@ pub trait RoutingPolicy: Send + Sync + Debug {
     fn choose(&self, input: &RouteInput<'_>, candidates: &[Candidate]) -> usize;
 }
 
-pub fn build(kind: PolicyKind, prefix_index_blocks: usize) -> Box<dyn RoutingPolicy> {
+/// The policy `kind`; a prefix-aware one remembers `prefix_index_blocks` block hashes per
+/// node, hashed with `algo` (the nodes' `--prefix-caching-hash-algo`).
+pub fn build(
+    kind: PolicyKind,
+    prefix_index_blocks: usize,
+    algo: HashAlgo,
+) -> Box<dyn RoutingPolicy> {
     match kind {
         PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
         PolicyKind::LeastLoaded => Box::new(LeastLoaded::default()),
-        PolicyKind::PrefixAware => Box::new(PrefixAware::new(prefix_index_blocks)),
+        PolicyKind::PrefixAware => Box::new(PrefixAware::new(prefix_index_blocks).with_algo(algo)),
     }
 }
 
@@ -133,6 +141,7 @@ pub struct PrefixAware {
     capacity: usize,
     indexes: Mutex<HashMap<usize, PrefixIndex>>,
     balance: LeastLoaded,
+    algo: HashAlgo,
 }
 
 impl PrefixAware {
@@ -142,12 +151,20 @@ impl PrefixAware {
             capacity: capacity.max(1),
             indexes: Mutex::new(HashMap::new()),
             balance: LeastLoaded::default(),
+            algo: HashAlgo::default(),
         }
+    }
+
+    /// Hashes blocks with `algo` (the nodes' hash), not XXH3.
+    pub fn with_algo(mut self, algo: HashAlgo) -> Self {
+        self.algo = algo;
+        self
     }
 
     /// Leading blocks of `input` the policy believes `candidate` holds.
     pub fn matched_blocks(&self, input: &RouteInput<'_>, candidate: &Candidate) -> usize {
-        let hashes = block_hashes(input.tokens, candidate.block_size.max(1), input.cache_salt);
+        let bs = candidate.block_size.max(1);
+        let hashes = block_hashes_with(input.tokens, bs, input.cache_salt, self.algo);
         let indexes = self.indexes.lock().unwrap_or_else(|e| e.into_inner());
         indexes
             .get(&candidate.node)
@@ -167,7 +184,8 @@ impl RoutingPolicy for PrefixAware {
         for c in candidates {
             let bs = c.block_size.max(1);
             if !by_size.iter().any(|(s, _)| *s == bs) {
-                by_size.push((bs, block_hashes(input.tokens, bs, input.cache_salt)));
+                let hashes = block_hashes_with(input.tokens, bs, input.cache_salt, self.algo);
+                by_size.push((bs, hashes));
             }
         }
         let hashes_for = |bs: usize| {

@@ -65,6 +65,8 @@ pub struct Registry {
     /// Where the health-check tasks of nodes added later run.
     tasks: Mutex<Option<tokio::runtime::Handle>>,
     model: String,
+    /// The router's `--prefix-caching-hash-algo`: a node that hashes otherwise is down.
+    hash_algo: pd_engine::kv::hash::HashAlgo,
     serving: watch::Sender<bool>,
     /// The last "up but cannot pair" explanation logged, so that each is logged once.
     unpaired: Mutex<Option<String>>,
@@ -91,6 +93,7 @@ impl Registry {
             aggregated: prefill.is_empty() && !dns.prefill,
             tasks: Mutex::new(None),
             model: model.into(),
+            hash_algo: Default::default(),
             serving: watch::Sender::new(false),
             unpaired: Mutex::new(None),
             metrics,
@@ -104,6 +107,12 @@ impl Registry {
             registry.write_nodes().push(node);
         }
         Ok(registry)
+    }
+
+    /// Routes only to nodes whose prefix cache hashes blocks with `algo` (XXH3 unless set).
+    pub fn with_hash_algo(mut self, algo: pd_engine::kv::hash::HashAlgo) -> Self {
+        self.hash_algo = algo;
+        self
     }
 
     fn make_node(
@@ -280,7 +289,7 @@ impl Registry {
         if let Ok(info) = &outcome {
             self.metrics.observe_report(node, info.counters.as_ref());
         }
-        node.record(outcome, &self.model);
+        node.record(outcome, &self.model, self.hash_algo);
         self.refresh();
     }
 

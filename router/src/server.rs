@@ -18,6 +18,7 @@ use tonic::server::NamedService;
 use tonic::{Code, Status};
 use tonic_health::ServingStatus;
 
+use crate::auth::Auth;
 use crate::choices::ChoicesGeneration;
 use crate::config::RouterConfig;
 use crate::discovery;
@@ -27,6 +28,7 @@ use crate::openai;
 use crate::policy::{self, LeastLoaded};
 use crate::registry::{DnsRoles, Registry};
 use crate::service::{GenerationService, IdGen, InflightTable, Shared};
+use crate::tenant::Tenancy;
 use crate::validation::{ModelMeta, Validator};
 
 /// The health service names the router reports: the whole server (`""`) and the API.
@@ -67,19 +69,37 @@ impl Router {
             prefill: !config.prefill_dns.is_empty(),
             decode: !config.decode_dns.is_empty(),
         };
-        let registry = Arc::new(Registry::new(
-            &config.prefill,
-            &config.decode,
-            dns,
-            model.name.clone(),
-            metrics.clone(),
-        )?);
+        let registry = Arc::new(
+            Registry::new(
+                &config.prefill,
+                &config.decode,
+                dns,
+                model.name.clone(),
+                metrics.clone(),
+            )?
+            .with_hash_algo(config.prefix_caching_hash_algo),
+        );
+        let auth = match &config.api_keys {
+            Some(path) => Auth::from_file(path)?,
+            None => Auth::open(),
+        };
+        metrics.add_tenants(&auth.tenants());
+        let tenancy = Tenancy {
+            keys: auth.is_on(),
+            shared_prefix_cache: config.shared_prefix_cache,
+        };
         let shared = Arc::new(Shared {
+            auth,
+            tenancy,
             validator: Validator::new(model.clone(), config.max_tokens_cap),
             model,
             registry,
             metrics,
-            policy: policy::build(config.policy, config.prefix_index_blocks),
+            policy: policy::build(
+                config.policy,
+                config.prefix_index_blocks,
+                config.prefix_caching_hash_algo,
+            ),
             decode_policy: LeastLoaded::default(),
             inflight: Arc::new(InflightTable::default()),
             ids: IdGen::new(),
@@ -121,6 +141,9 @@ impl Router {
             decode: !config.decode_dns.is_empty(),
         };
         Registry::new(&config.prefill, &config.decode, dns, name, metrics)?;
+        if let Some(path) = &config.api_keys {
+            Auth::from_file(path)?;
+        }
         Ok(notes)
     }
 
@@ -170,6 +193,7 @@ impl Router {
                 }
             });
         }
+        shared.auth.spawn_reload(&mut background);
         registry.spawn_health_checks(
             config.health_interval,
             config.health_timeout,
@@ -252,13 +276,18 @@ impl Router {
                 }
             })
         });
+        // With --api-keys every call needs a key; the interceptor puts its tenant in the
+        // request's extensions (without keys: nothing checked, no tenant, `default`).
         let generation = OversizeIsResourceExhausted(
-            GenerationServer::new(ChoicesGeneration::new(metered))
-                .max_decoding_message_size(config.max_message_bytes),
+            shared.auth.grpc(
+                GenerationServer::new(ChoicesGeneration::new(metered))
+                    .max_decoding_message_size(config.max_message_bytes),
+            ),
         );
 
         let addr = listener.local_addr().ok();
         tracing::info!(?addr, model = %shared.model.name, policy = shared.policy.name(),
+            api_keys = shared.auth.is_on(), shared_prefix_cache = shared.tenancy.shared_prefix_cache,
             prefill = ?config.prefill, decode = ?config.decode, "router serving");
         let drain = async move {
             shutdown.await;

@@ -17,8 +17,10 @@ use crate::flow;
 
 /// One message of a `Generate` stream.
 type ChunkResult = Result<pb::GenerateResponse, Status>;
+use crate::auth::Auth;
 use crate::policy::{Candidate, LeastLoaded, RouteInput, RoutingPolicy};
 use crate::registry::{Node, Registry};
+use crate::tenant::{Tenancy, Tenant};
 use crate::validation::{ModelMeta, ValidRequest, ValidationError, Validator};
 
 /// Chunks buffered per request between the request task and the client.
@@ -40,6 +42,10 @@ pub(crate) struct Shared {
     pub ids: IdGen,
     pub node_timeout: Duration,
     pub request_timeout: Option<Duration>,
+    /// Client authentication (`--api-keys`).
+    pub auth: Auth,
+    /// How tenants separate their cached KV.
+    pub tenancy: Tenancy,
 }
 
 impl Shared {
@@ -81,22 +87,23 @@ impl Shared {
 }
 
 /// Request ids: the ones the router makes, and the per-attempt ids the nodes see (unique
-/// across routers and retries, and still showing the client's id in node logs).
+/// across routers, tenants and retries, and still showing the client's id and tenant in node
+/// logs).
+///
+/// Ids the router makes for requests without one are 128 random bits from the operating
+/// system's CSPRNG (through `rand`'s thread generator, seeded from it): nobody can guess
+/// another client's id to abort it (and ids are scoped by tenant anyway).
 #[derive(Debug)]
 pub(crate) struct IdGen {
-    nonce: u32,
+    /// Random per router process: node ids of two routers never collide.
+    nonce: u64,
     seq: AtomicU64,
 }
 
 impl IdGen {
     pub fn new() -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let mixed = (nanos as u64) ^ (u64::from(std::process::id()) << 32);
-        let nonce = (mixed ^ (mixed >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
         Self {
-            nonce: nonce as u32,
+            nonce: rand::random(),
             seq: AtomicU64::new(1),
         }
     }
@@ -106,48 +113,56 @@ impl IdGen {
     }
 
     pub fn request_id(&self) -> String {
-        format!("req-{:08x}-{}", self.nonce, self.next())
+        format!("req-{:032x}", rand::random::<u128>())
     }
 
-    pub fn node_request_id(&self, request_id: &str) -> String {
-        format!("{request_id}@{:08x}.{}", self.nonce, self.next())
+    /// The id a node sees for one attempt of `tenant`'s request `request_id`: unique
+    /// whatever ids tenants choose (the sequence number alone is unique in this router).
+    pub fn node_request_id(&self, tenant: &Tenant, request_id: &str) -> String {
+        format!("{request_id}@{tenant}/{:016x}.{}", self.nonce, self.next())
     }
 }
 
-/// Requests in flight by client request id, each with its cancel switch.
+/// A request's key among those in flight: its tenant and its id (ids are the tenant's own).
+type InflightKey = (Tenant, String);
+
+/// Requests in flight by tenant and client request id, each with its cancel switch.
 #[derive(Debug, Default)]
 pub(crate) struct InflightTable {
-    map: Mutex<HashMap<String, watch::Sender<bool>>>,
+    map: Mutex<HashMap<InflightKey, watch::Sender<bool>>>,
 }
 
 impl InflightTable {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<InflightKey, watch::Sender<bool>>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers a request; refused if its id is already in flight.
+    /// Registers `tenant`'s request `id`; refused if the tenant has it in flight already.
     pub fn register(
         self: &Arc<Self>,
+        tenant: &Tenant,
         id: &str,
     ) -> Result<(InflightEntry, watch::Receiver<bool>), ValidationError> {
+        let key = (tenant.clone(), id.to_string());
         let mut map = self.map();
-        if map.contains_key(id) {
+        if map.contains_key(&key) {
             return Err(ValidationError::DuplicateRequestId(id.to_string()));
         }
         let (tx, rx) = watch::channel(false);
-        map.insert(id.to_string(), tx);
+        map.insert(key.clone(), tx);
         Ok((
             InflightEntry {
                 table: self.clone(),
-                id: id.to_string(),
+                key,
             },
             rx,
         ))
     }
 
-    /// Cancels a request; false if no such request is in flight.
-    pub fn abort(&self, id: &str) -> bool {
-        match self.map().get(id) {
+    /// Cancels `tenant`'s request `id`; false if the tenant has no such request in flight
+    /// (another tenant's request of that id is not touched).
+    pub fn abort(&self, tenant: &Tenant, id: &str) -> bool {
+        match self.map().get(&(tenant.clone(), id.to_string())) {
             Some(cancel) => {
                 cancel.send_replace(true);
                 true
@@ -165,13 +180,19 @@ impl InflightTable {
 #[derive(Debug)]
 pub(crate) struct InflightEntry {
     table: Arc<InflightTable>,
-    id: String,
+    key: InflightKey,
 }
 
 impl Drop for InflightEntry {
     fn drop(&mut self) {
-        self.table.map().remove(&self.id);
+        self.table.map().remove(&self.key);
     }
+}
+
+/// The tenant a request's extensions carry (put there by `crate::auth`); `default` when
+/// none does (no API keys).
+pub(crate) fn tenant_of(extensions: &tonic::Extensions) -> Tenant {
+    extensions.get::<Tenant>().cloned().unwrap_or_default()
 }
 
 /// `grpc-timeout` of a request (the client's deadline), if it sent a valid one.
@@ -223,13 +244,15 @@ impl GenerationService {
         self.shared.ids.request_id()
     }
 
-    /// Holds `id` among the requests in flight (refused if a request holds it) until the
-    /// entry drops; the receiver turns true when an `Abort` names it.
+    /// Holds `tenant`'s `id` among the requests in flight (refused if a request of the
+    /// tenant holds it) until the entry drops; the receiver turns true when the tenant's
+    /// `Abort` names it.
     pub(crate) fn hold_id(
         &self,
+        tenant: &Tenant,
         id: &str,
     ) -> Result<(InflightEntry, watch::Receiver<bool>), ValidationError> {
-        self.shared.inflight.register(id)
+        self.shared.inflight.register(tenant, id)
     }
 
     /// The deadline of a request that arrived at `arrival` with `metadata`: the earlier of
@@ -265,6 +288,7 @@ impl pb::generation_server::Generation for GenerationService {
             ),
             None => (None, own),
         };
+        let tenant = tenant_of(request.extensions());
         let req = request.into_inner();
         let shared = self.shared.clone();
         let context = shared
@@ -284,9 +308,12 @@ impl pb::generation_server::Generation for GenerationService {
             .await
             .map_err(|e| Status::internal(format!("request validation panicked: {e}")))??
         };
-        let (entry, cancel) = self.shared.inflight.register(&valid.request_id)?;
+        let mut valid = valid;
+        valid.cache_salt = (self.shared.tenancy).cache_salt(&tenant, valid.cache_salt.take());
+        valid.tenant = tenant;
+        let (entry, cancel) = (self.shared.inflight).register(&valid.tenant, &valid.request_id)?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        tracing::debug!(request_id = %valid.request_id, prompt_tokens = valid.prompt.len(), max_tokens = valid.params.max_tokens, "generate");
+        tracing::debug!(request_id = %valid.request_id, tenant = %valid.tenant, prompt_tokens = valid.prompt.len(), max_tokens = valid.params.max_tokens, "generate");
         // This handler drives the request itself until its first message (for a 1-token
         // request, to its end), then leaves the rest to a task of its own: a task per request
         // from the start costs every request a hand-off and a wake-up. A client that goes
@@ -338,7 +365,8 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::AbortRequest>,
     ) -> Result<Response<pb::AbortResponse>, Status> {
-        let aborted = self.shared.inflight.abort(&request.get_ref().request_id);
+        let tenant = tenant_of(request.extensions());
+        let aborted = (self.shared.inflight).abort(&tenant, &request.get_ref().request_id);
         Ok(Response::new(pb::AbortResponse { aborted }))
     }
 
@@ -399,19 +427,27 @@ mod tests {
     #[test]
     fn ids_are_unique_and_inflight_ids_too() {
         let ids = IdGen::new();
-        assert_ne!(ids.request_id(), ids.request_id());
-        assert!(ids.node_request_id("abc").starts_with("abc@"));
+        let id = ids.request_id();
+        assert_ne!(id, ids.request_id());
+        assert_eq!(id.len(), "req-".len() + 32, "{id}");
+        let (a, b) = (Tenant::new("a").unwrap(), Tenant::new("b").unwrap());
+        let node_id = ids.node_request_id(&a, "abc");
+        assert!(node_id.starts_with("abc@a/"), "{node_id}");
+        assert_ne!(node_id, ids.node_request_id(&b, "abc"));
         let table = Arc::new(InflightTable::default());
-        let (entry, mut cancel) = table.register("a").unwrap();
+        let (entry, mut cancel) = table.register(&a, "x").unwrap();
         assert!(matches!(
-            table.register("a"),
+            table.register(&a, "x"),
             Err(ValidationError::DuplicateRequestId(_))
         ));
-        assert!(!table.abort("b"));
-        assert!(table.abort("a"));
+        // Ids are the tenant's own: b may use x too, and cannot abort a's.
+        let (other, other_cancel) = table.register(&b, "x").unwrap();
+        assert!(!table.abort(&a, "y"));
+        assert!(table.abort(&a, "x"));
         assert!(*cancel.borrow_and_update());
-        drop(entry);
+        assert!(!*other_cancel.borrow());
+        drop((entry, other));
         assert_eq!(table.len(), 0);
-        assert!(table.register("a").is_ok());
+        assert!(table.register(&a, "x").is_ok());
     }
 }

@@ -174,7 +174,11 @@ pub struct ValidRequest {
     pub prompt: Vec<u32>,
     /// Sampling and stop conditions; `max_tokens` resolved (it counts the first token).
     pub params: SamplingParams,
+    /// What the nodes hash the prompt's blocks with: the client's salt, or with API keys on
+    /// one derived from the tenant ([`crate::tenant::Tenancy::cache_salt`]).
     pub cache_salt: Option<String>,
+    /// Whose request it is (set by the service from the caller's API key).
+    pub tenant: crate::tenant::Tenant,
 }
 
 impl ValidRequest {
@@ -272,6 +276,7 @@ impl Validator {
             prompt,
             params,
             cache_salt: req.cache_salt,
+            tenant: crate::tenant::Tenant::default(),
         })
     }
 

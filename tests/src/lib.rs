@@ -76,6 +76,20 @@ impl Cluster {
         })
     }
 
+    /// [`Cluster::up_with_env`] with the router's `--api-keys` file (`PD_API_KEYS_FILE`)
+    /// and more environment.
+    pub fn up_with_keys(
+        cache: &Path,
+        args: &[&str],
+        keys: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let keys = keys.to_str().context("keys file path")?;
+        let mut all = vec![("PD_API_KEYS_FILE", keys)];
+        all.extend_from_slice(env);
+        Self::up_with_env(cache, args, &all)
+    }
+
     pub fn router(&self) -> String {
         self.ready["router"]
             .as_str()
@@ -260,6 +274,36 @@ pub async fn collect(
     req: pb::GenerateRequest,
 ) -> Result<(Vec<u32>, pb::GenerateResponse), tonic::Status> {
     let mut stream = client.generate(req).await?.into_inner();
+    let mut ids = Vec::new();
+    let mut last = None;
+    while let Some(chunk) = stream.message().await? {
+        ids.extend_from_slice(&chunk.token_ids);
+        last = Some(chunk);
+    }
+    Ok((
+        ids,
+        last.ok_or_else(|| tonic::Status::internal("empty stream"))?,
+    ))
+}
+
+/// `message` with `authorization: Bearer KEY` metadata (the router's `--api-keys`), or
+/// without any when `key` is None.
+pub fn with_key<T>(message: T, key: Option<&str>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(key) = key {
+        let value = format!("Bearer {key}").parse().expect("visible ASCII key");
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
+}
+
+/// [`collect`] with an API key.
+pub async fn collect_as(
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+    key: Option<&str>,
+) -> Result<(Vec<u32>, pb::GenerateResponse), tonic::Status> {
+    let mut stream = client.generate(with_key(req, key)).await?.into_inner();
     let mut ids = Vec::new();
     let mut last = None;
     while let Some(chunk) = stream.message().await? {
@@ -612,6 +656,17 @@ pub async fn http_open(
     path: &str,
     body: Vec<u8>,
 ) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
+    http_open_as(method, base, path, body, None).await
+}
+
+/// [`http_open`] with `Authorization: Bearer KEY` when `key` is given.
+pub async fn http_open_as(
+    method: &str,
+    base: &str,
+    path: &str,
+    body: Vec<u8>,
+    key: Option<&str>,
+) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
     let rest = base.strip_prefix("http://").unwrap_or(base);
     let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     let stream = tokio::net::TcpStream::connect(authority)
@@ -620,19 +675,32 @@ pub async fn http_open(
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
-    let request = hyper::Request::builder()
+    let mut request = hyper::Request::builder()
         .method(method)
         .uri(format!("{prefix}{path}"))
         .header(hyper::header::HOST, authority)
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))?;
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {key}"));
+    }
+    let request = request.body(http_body_util::Full::new(hyper::body::Bytes::from(body)))?;
     Ok(sender.send_request(request).await?)
 }
 
 /// `POST {base}{path}` with a JSON body: the status and the whole body as text.
 pub async fn http_post(base: &str, path: &str, body: &Value) -> anyhow::Result<(u16, String)> {
+    http_post_as(base, path, body, None).await
+}
+
+/// [`http_post`] with `Authorization: Bearer KEY` when `key` is given.
+pub async fn http_post_as(
+    base: &str,
+    path: &str,
+    body: &Value,
+    key: Option<&str>,
+) -> anyhow::Result<(u16, String)> {
     use http_body_util::BodyExt as _;
-    let response = http_open("POST", base, path, body.to_string().into_bytes()).await?;
+    let response = http_open_as("POST", base, path, body.to_string().into_bytes(), key).await?;
     let status = response.status().as_u16();
     let bytes = response.into_body().collect().await?.to_bytes();
     Ok((status, String::from_utf8(bytes.to_vec())?))

@@ -39,6 +39,7 @@ fn engine(role: Role, kv: DType) -> (Engine<CpuBackend>, KvLayout) {
     let cfg = EngineConfig {
         role,
         enable_prefix_caching: true,
+        hash_algo: Default::default(),
         host_cache_blocks: 0,
         max_num_batched_tokens: 256,
         max_num_seqs: 16,

@@ -41,12 +41,101 @@
 //! - tokens `[151643, 0, 4294967295, 42]`, `B = 2`, salt `tenant-7`:
 //!   `fccbc95982a0985835a6213e58d2da19`, `88e7eb7d49d5257812f90e5302d8706b`.
 //!
+//! # SHA-256 (`--prefix-caching-hash-algo sha256`)
+//!
+//! For operators who fear crafted collisions (XXH3 is fast, not collision-resistant: a client
+//! who can find two prompts with equal block hashes could be served the other's KV),
+//! [`HashAlgo::Sha256`] replaces every `XXH3_128(bytes, SEED)` above by the first 16 bytes of
+//! `SHA-256(bytes)`, read as a u128 **little-endian** (so the 16 bytes chained into the next
+//! block are exactly those digest bytes, and [`BlockHash`]'s `Display` shows them in reverse
+//! order). The bytes hashed are the same as above, byte for byte (no seed: SHA-256 has none).
+//! 128 bits keep collisions out of reach (2^64 work for a birthday attack on one cache).
+//! Test vectors (`Display`), the inputs of the XXH3 vectors above:
+//! - `root(None)` = `f9d11a2e73f3ceaffbb9e32144a10439`,
+//!   `root(Some(""))` = `d8c78d4a456dd51f880a5102d2bf1369`;
+//! - tokens `0..10`, `B = 4`, no salt: `ad67d43d598b8ef4347107e7e48f6136`,
+//!   `a4b8db875722531fe9c86aef69aa986b`;
+//! - tokens `[151643, 0, 4294967295, 42]`, `B = 2`, salt `tenant-7`:
+//!   `cd5bca70f7a3741e8969500ac5e1ac76`, `d8fe52bd64dcdbccc506995d8f9da83b`.
+//!
+//! Every process that shares hashes (the router and every node of a cluster) must use the
+//! same algorithm: nodes report theirs in `NodeInfo.prefix_caching_hash_algo`, and the router
+//! does not route to a node whose algorithm differs from its own.
+//!
 //! [`block_hashes`] hashes a whole prompt; [`BlockHasher`] does the same incrementally, as a
-//! sequence grows token by token during decode, with the same results.
+//! sequence grows token by token during decode, with the same results. Both use XXH3;
+//! [`block_hashes_with`] and [`BlockHasher::with_algo`] take the algorithm.
 
 use std::fmt;
+use std::str::FromStr;
 
+use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// The block hash function (vLLM's `--prefix-caching-hash-algo`; see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HashAlgo {
+    /// XXH3-128 with [`SEED`]: fast, not collision-resistant. The default.
+    #[default]
+    Xxhash,
+    /// SHA-256, first 16 bytes: collision-resistant, slower.
+    Sha256,
+}
+
+impl HashAlgo {
+    pub const ALL: [HashAlgo; 2] = [HashAlgo::Xxhash, HashAlgo::Sha256];
+
+    /// The name vLLM gives it (`xxhash`, `sha256`), as flags and `NodeInfo` write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashAlgo::Xxhash => "xxhash",
+            HashAlgo::Sha256 => "sha256",
+        }
+    }
+
+    /// The algorithm a node reports in `NodeInfo` (empty: a node from before the field,
+    /// which hashes with XXH3).
+    pub fn from_reported(name: &str) -> Result<Self, String> {
+        if name.is_empty() {
+            Ok(HashAlgo::Xxhash)
+        } else {
+            name.parse()
+        }
+    }
+
+    fn hash(self, bytes: &[u8]) -> BlockHash {
+        match self {
+            HashAlgo::Xxhash => BlockHash(xxh3_128_with_seed(bytes, SEED)),
+            HashAlgo::Sha256 => {
+                let digest = Sha256::digest(bytes);
+                let mut first = [0u8; 16];
+                first.copy_from_slice(&digest[..16]);
+                BlockHash::from_le_bytes(first)
+            }
+        }
+    }
+}
+
+/// `xxhash` (also `xxh3`) or `sha256`.
+impl FromStr for HashAlgo {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "xxhash" | "xxh3" => Ok(HashAlgo::Xxhash),
+            "sha256" => Ok(HashAlgo::Sha256),
+            other => Err(format!(
+                "unknown prefix caching hash algorithm `{other}`: expected xxhash (xxh3) or sha256"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for HashAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Seed of every XXH3-128 call (see the module doc).
 pub const SEED: u64 = 0x7064_2d6b_762d_6831;
@@ -83,8 +172,13 @@ impl fmt::Display for BlockHash {
     }
 }
 
-/// The parent of block 0 for a cache salt (see the module doc).
+/// The parent of block 0 for a cache salt (see the module doc), with XXH3.
 pub fn root_hash(salt: Option<&str>) -> BlockHash {
+    root_hash_with(salt, HashAlgo::Xxhash)
+}
+
+/// The parent of block 0 for a cache salt with `algo`.
+pub fn root_hash_with(salt: Option<&str>, algo: HashAlgo) -> BlockHash {
     let mut bytes = Vec::with_capacity(DOMAIN.len() + 9 + salt.map_or(0, str::len));
     bytes.extend_from_slice(DOMAIN);
     match salt {
@@ -95,17 +189,31 @@ pub fn root_hash(salt: Option<&str>) -> BlockHash {
             bytes.extend_from_slice(s.as_bytes());
         }
     }
-    BlockHash(xxh3_128_with_seed(&bytes, SEED))
+    algo.hash(&bytes)
 }
 
-/// The hashes of every full block of `tokens`, in order (`tokens.len() / block_size` of them).
+/// The hashes of every full block of `tokens`, in order (`tokens.len() / block_size` of them),
+/// with XXH3.
 ///
 /// The hashes of a prefix of a prompt are a prefix of the prompt's hashes.
 ///
 /// # Panics
 /// If `block_size` is 0.
 pub fn block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>) -> Vec<BlockHash> {
-    let mut hasher = BlockHasher::new(block_size, salt);
+    block_hashes_with(tokens, block_size, salt, HashAlgo::Xxhash)
+}
+
+/// [`block_hashes`] with `algo`.
+///
+/// # Panics
+/// If `block_size` is 0.
+pub fn block_hashes_with(
+    tokens: &[u32],
+    block_size: usize,
+    salt: Option<&str>,
+    algo: HashAlgo,
+) -> Vec<BlockHash> {
+    let mut hasher = BlockHasher::with_algo(block_size, salt, algo);
     hasher.reserve(tokens.len());
     hasher.extend(tokens);
     hasher.into_hashes()
@@ -117,6 +225,7 @@ pub fn block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>) -> Ve
 #[derive(Clone)]
 pub struct BlockHasher {
     block_size: usize,
+    algo: HashAlgo,
     /// The next hash's input, `16 + 4 * block_size` bytes: the parent (16 bytes LE), then
     /// the current block's tokens (4 bytes LE each), of which the first `pending` are set.
     buf: Box<[u8]>,
@@ -125,14 +234,23 @@ pub struct BlockHasher {
 }
 
 impl BlockHasher {
+    /// With XXH3.
+    ///
     /// # Panics
     /// If `block_size` is 0.
     pub fn new(block_size: usize, salt: Option<&str>) -> Self {
+        Self::with_algo(block_size, salt, HashAlgo::Xxhash)
+    }
+
+    /// # Panics
+    /// If `block_size` is 0.
+    pub fn with_algo(block_size: usize, salt: Option<&str>, algo: HashAlgo) -> Self {
         assert!(block_size > 0, "block size must be positive");
         let mut buf = vec![0u8; 16 + 4 * block_size].into_boxed_slice();
-        buf[..16].copy_from_slice(&root_hash(salt).to_le_bytes());
+        buf[..16].copy_from_slice(&root_hash_with(salt, algo).to_le_bytes());
         Self {
             block_size,
+            algo,
             buf,
             pending: 0,
             hashes: Vec::new(),
@@ -207,7 +325,7 @@ impl BlockHasher {
 
     fn finish_block(&mut self) -> BlockHash {
         debug_assert_eq!(self.pending, self.block_size);
-        let h = BlockHash(xxh3_128_with_seed(&self.buf, SEED));
+        let h = self.algo.hash(&self.buf);
         self.hashes.push(h);
         self.buf[..16].copy_from_slice(&h.to_le_bytes());
         self.pending = 0;
@@ -219,6 +337,7 @@ impl fmt::Debug for BlockHasher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BlockHasher")
             .field("block_size", &self.block_size)
+            .field("algo", &self.algo)
             .field("blocks", &self.hashes.len())
             .field("pending_tokens", &self.pending_tokens())
             .finish()
@@ -270,6 +389,61 @@ mod tests {
             hex(&block_hashes(&tokens, 16, None)),
             ["feb9daa0743745b07357bc20b6a9cc57"]
         );
+    }
+
+    /// Pinned SHA-256 values (cross-checked with Python's `hashlib.sha256` over the
+    /// documented bytes, first 16 digest bytes read little-endian).
+    #[test]
+    fn sha256_hashes_are_pinned() {
+        let algo = HashAlgo::Sha256;
+        assert_eq!(
+            root_hash_with(None, algo).to_string(),
+            "f9d11a2e73f3ceaffbb9e32144a10439"
+        );
+        assert_eq!(
+            root_hash_with(Some(""), algo).to_string(),
+            "d8c78d4a456dd51f880a5102d2bf1369"
+        );
+        let tokens: Vec<u32> = (0..10).collect();
+        assert_eq!(
+            hex(&block_hashes_with(&tokens, 4, None, algo)),
+            [
+                "ad67d43d598b8ef4347107e7e48f6136",
+                "a4b8db875722531fe9c86aef69aa986b"
+            ],
+        );
+        assert_eq!(
+            hex(&block_hashes_with(
+                &[151_643, 0, u32::MAX, 42],
+                2,
+                Some("tenant-7"),
+                algo
+            )),
+            [
+                "cd5bca70f7a3741e8969500ac5e1ac76",
+                "d8fe52bd64dcdbccc506995d8f9da83b"
+            ],
+        );
+        // Incremental hashing agrees, and the two algorithms never share a hash.
+        let tokens: Vec<u32> = (0..77).collect();
+        let mut h = BlockHasher::with_algo(8, Some("s"), algo);
+        h.extend(&tokens);
+        let sha = block_hashes_with(&tokens, 8, Some("s"), algo);
+        assert_eq!(h.hashes(), &sha[..]);
+        let xxh = block_hashes(&tokens, 8, Some("s"));
+        assert!(sha.iter().all(|s| !xxh.contains(s)));
+    }
+
+    #[test]
+    fn algorithm_names() {
+        for algo in HashAlgo::ALL {
+            assert_eq!(algo.as_str().parse::<HashAlgo>(), Ok(algo));
+            assert_eq!(HashAlgo::from_reported(algo.as_str()), Ok(algo));
+        }
+        assert_eq!("xxh3".parse::<HashAlgo>(), Ok(HashAlgo::Xxhash));
+        assert_eq!(HashAlgo::from_reported(""), Ok(HashAlgo::Xxhash));
+        assert!("md5".parse::<HashAlgo>().is_err());
+        assert_eq!(HashAlgo::default(), HashAlgo::Xxhash);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub enum Role {
 pub struct EngineConfig {
     pub role: Role,
     pub enable_prefix_caching: bool,
+    /// The block hash function of the prefix cache (`--prefix-caching-hash-algo`).
+    pub hash_algo: crate::kv::hash::HashAlgo,
     /// Blocks in the host tier (0 disables it).
     pub host_cache_blocks: usize,
     /// Token budget of one step (prefill chunks + decode tokens).

@@ -263,7 +263,8 @@ impl<B: Backend> Engine<B> {
         let seed = req
             .params
             .effective_seed(self.config.seed ^ xxhash_rust::xxh3::xxh3_64(req.id.0.as_bytes()));
-        let mut hasher = BlockHasher::new(bs, req.cache_salt.as_deref());
+        let mut hasher =
+            BlockHasher::with_algo(bs, req.cache_salt.as_deref(), self.config.hash_algo);
         hasher.extend(&req.prompt);
         let mut tokens = req.prompt.clone();
         let mut stop = StopChecker::new(&req.params, self.eos_token_ids.clone());

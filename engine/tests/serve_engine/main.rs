@@ -32,6 +32,7 @@ fn config() -> EngineConfig {
     EngineConfig {
         role: Role::Mixed,
         enable_prefix_caching: true,
+        hash_algo: Default::default(),
         host_cache_blocks: 0,
         max_num_batched_tokens: 256,
         max_num_seqs: 16,

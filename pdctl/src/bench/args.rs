@@ -192,6 +192,15 @@ pub struct BenchArgs {
         help_heading = "Cluster"
     )]
     pub router: Option<String>,
+    /// The router's API key (its `--api-keys`), sent as `authorization: Bearer KEY` over
+    /// gRPC and HTTP alike.
+    #[arg(
+        long,
+        env = "PD_API_KEY",
+        hide_env_values = true,
+        help_heading = "Cluster"
+    )]
+    pub api_key: Option<String>,
     /// The router's metrics endpoint (HOST:PORT or URL), for the prefix-cache hit rates over
     /// the benchmark's window. With --up it is found in `pdctl up`'s ready line.
     #[arg(long, help_heading = "Cluster")]

@@ -8,6 +8,8 @@ use pd_proto::pb;
 use pd_proto::pb::generation_client::GenerationClient;
 use tonic::transport::Channel;
 
+use crate::auth::{ApiKey, Keyed};
+
 use super::openai::OpenaiClient;
 use super::workload::{Prompt, Session};
 
@@ -147,7 +149,7 @@ pub fn wire_request(
 
 /// Send one request and time it; a failure is a record, never an error of the benchmark.
 pub async fn send(
-    client: &mut GenerationClient<Channel>,
+    client: &mut GenerationClient<Keyed>,
     request: pb::GenerateRequest,
     window_start: Instant,
     session: usize,
@@ -210,16 +212,16 @@ pub async fn send(
 /// base URL (`--backend openai`).
 #[derive(Debug, Clone)]
 pub enum Target {
-    Grpc(Channel),
-    Openai(String),
+    Grpc(Channel, ApiKey),
+    Openai(String, ApiKey),
 }
 
 impl Target {
     /// A session's own client (gRPC clients share the channel; HTTP ones keep a connection).
     pub fn client(&self) -> Client {
         match self {
-            Target::Grpc(channel) => Client::Grpc(GenerationClient::new(channel.clone())),
-            Target::Openai(base) => Client::Openai(OpenaiClient::new(base)),
+            Target::Grpc(channel, key) => Client::Grpc(key.client(channel.clone())),
+            Target::Openai(base, key) => Client::Openai(OpenaiClient::new(base, key)),
         }
     }
 }
@@ -227,7 +229,7 @@ impl Target {
 /// One session's client.
 #[derive(Debug)]
 pub enum Client {
-    Grpc(GenerationClient<Channel>),
+    Grpc(GenerationClient<Keyed>),
     Openai(OpenaiClient),
 }
 

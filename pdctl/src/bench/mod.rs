@@ -25,10 +25,10 @@ mod workload;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::auth::ApiKey;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use pd_proto::pb;
-use pd_proto::pb::generation_client::GenerationClient;
 use tonic::transport::{Channel, Endpoint};
 
 pub use args::BenchArgs;
@@ -125,8 +125,9 @@ async fn connect(router: &str) -> anyhow::Result<Channel> {
 }
 
 /// Name and limits of the served model.
-async fn model_card(channel: &Channel) -> anyhow::Result<pb::ModelCard> {
-    let models = GenerationClient::new(channel.clone())
+async fn model_card(channel: &Channel, key: &ApiKey) -> anyhow::Result<pb::ModelCard> {
+    let models = key
+        .client(channel.clone())
         .list_models(pb::ListModelsRequest {})
         .await
         .map_err(|s| anyhow::anyhow!("ListModels: {}: {}", s.code(), s.message()))?
@@ -187,10 +188,11 @@ fn pool(args: &BenchArgs, limits: &ModelLimits, count: usize) -> anyhow::Result<
 /// router's tokenizer. Token-id prompts that cannot fit the context are refused here.
 async fn resolve_output(
     channel: &Channel,
+    key: &ApiKey,
     sessions: &[Session],
     limits: &ModelLimits,
 ) -> anyhow::Result<Vec<Vec<u32>>> {
-    let mut client = GenerationClient::new(channel.clone());
+    let mut client = key.client(channel.clone());
     let mut measured: HashMap<&str, u32> = HashMap::new();
     let mut all = Vec::with_capacity(sessions.len());
     for s in sessions {
@@ -276,7 +278,8 @@ async fn bench_async(
     cluster: Option<&cluster::LocalCluster>,
 ) -> anyhow::Result<()> {
     let channel = connect(router).await?;
-    let card = model_card(&channel).await?;
+    let key = ApiKey::new(args.api_key.as_deref())?;
+    let card = model_card(&channel, &key).await?;
     let limits = ModelLimits {
         vocab_size: card.vocab_size,
         max_model_len: card.max_model_len,
@@ -296,7 +299,7 @@ async fn bench_async(
         &limits,
         warmup + sessions_in_window.unwrap_or(DURATION_POOL),
     )?;
-    let max_tokens = resolve_output(&channel, &sessions, &limits).await?;
+    let max_tokens = resolve_output(&channel, &key, &sessions, &limits).await?;
     if let Some(m) = &metrics {
         // A wrong metrics address is found now, not after the run.
         m.cache_counters().await?;
@@ -319,12 +322,13 @@ async fn bench_async(
     };
     let metrics_url = metrics.as_ref().map(|m| m.url().to_string());
     let target = match args.backend {
-        args::Backend::Grpc => client::Target::Grpc(channel.clone()),
+        args::Backend::Grpc => client::Target::Grpc(channel.clone(), key.clone()),
         args::Backend::Openai => client::Target::Openai(
             cluster
                 .and_then(|c| c.openai.clone())
                 .or_else(|| args.openai_url.clone())
                 .context("--backend openai needs --openai-url http://HOST:PORT/v1 (or --up)")?,
+            key.clone(),
         ),
     };
     let out = driver::run(

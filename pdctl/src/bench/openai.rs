@@ -21,17 +21,20 @@ pub struct OpenaiClient {
     authority: String,
     /// The path the routes hang under (`/v1`).
     prefix: String,
+    /// `Authorization` header value (`Bearer KEY`), if `--api-key` is given.
+    authorization: Option<String>,
     conn: Option<Sender>,
 }
 
 impl OpenaiClient {
     /// A client of the API at `base` (`http://HOST:PORT/v1`).
-    pub fn new(base: &str) -> Self {
+    pub fn new(base: &str, key: &crate::auth::ApiKey) -> Self {
         let rest = base.strip_prefix("http://").unwrap_or(base);
         let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         Self {
             authority: authority.to_string(),
             prefix: prefix.trim_end_matches('/').to_string(),
+            authorization: key.header().map(str::to_string),
             conn: None,
         }
     }
@@ -134,9 +137,13 @@ async fn exchange(
     record: &mut RequestRecord,
 ) -> Result<(), String> {
     let (route, body) = body(request);
-    let http = hyper::Request::post(format!("{}{route}", client.prefix))
+    let mut http = hyper::Request::post(format!("{}{route}", client.prefix))
         .header(hyper::header::HOST, client.authority.as_str())
-        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(value) = &client.authorization {
+        http = http.header(hyper::header::AUTHORIZATION, value.as_str());
+    }
+    let http = http
         .body(http_body_util::Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let response = client
@@ -251,7 +258,7 @@ mod tests {
         let (route, b) = body(&req);
         assert_eq!(route, "/chat/completions");
         assert_eq!(b["messages"][0], json!({"role": "user", "content": "hi"}));
-        let c = OpenaiClient::new("http://127.0.0.1:9/v1");
+        let c = OpenaiClient::new("http://127.0.0.1:9/v1", &Default::default());
         assert_eq!(
             (c.authority.as_str(), c.prefix.as_str()),
             ("127.0.0.1:9", "/v1")

@@ -57,6 +57,12 @@ pub(crate) struct ChoiceOf {
     /// The request's deadline, counted from its arrival: the generation's, if earlier than
     /// the one it would have counted from its own start.
     pub deadline: Option<Instant>,
+    /// Whose request it is (its choices are the same tenant's).
+    pub tenant: crate::tenant::Tenant,
+    /// The client's usage counts each prompt once, with its first choice (the HTTP API, as
+    /// OpenAI's); the gRPC API gives each choice its own usage, prompt included. The
+    /// per-tenant metrics follow what the client is told.
+    pub prompt_once: bool,
 }
 
 /// The choices' requests: ids `base-i`, seeds `seed + i`, one choice each.
@@ -92,6 +98,7 @@ impl ChoicesGeneration {
             return Err(ValidationError::Choices(n).into());
         }
         let deadline = self.inner.deadline(request.metadata(), arrival);
+        let tenant = crate::service::tenant_of(request.extensions());
         let (metadata, _, req) = request.into_parts();
         let base = match &req.request_id {
             Some(id) => {
@@ -110,11 +117,13 @@ impl ChoicesGeneration {
             }
             .into());
         }
-        let (held, abort) = self.inner.hold_id(&base)?;
+        let (held, abort) = self.inner.hold_id(&tenant, &base)?;
         let requests = choice_requests(&req, &base, n);
         let parent = ChoiceOf {
             abort: Some(abort),
             deadline,
+            tenant,
+            prompt_once: false,
         };
         let streams = start(&self.inner, requests, n as usize, metadata, parent).await?;
         let mut merged = StreamMap::with_capacity(streams.len());

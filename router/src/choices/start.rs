@@ -14,7 +14,7 @@ use tonic::Status;
 use tonic::metadata::MetadataMap;
 
 use super::ChoiceOf;
-use crate::metrics::MeteredGeneration;
+use crate::metrics::{MeteredGeneration, PromptCountedElsewhere};
 
 /// One generation's chunks, as the gRPC service streams them; its first already looked at.
 pub(crate) type Generations = Peekable<<MeteredGeneration as Generation>::GenerateStream>;
@@ -75,8 +75,12 @@ async fn start_prompt(
     metadata: MetadataMap,
     parent: ChoiceOf,
 ) -> Result<Vec<(usize, Generations)>, Status> {
-    let request = |req| {
+    let request = |req, first: bool| {
         let mut extensions = tonic::Extensions::new();
+        extensions.insert(parent.tenant.clone());
+        if parent.prompt_once && !first {
+            extensions.insert(PromptCountedElsewhere);
+        }
         extensions.insert(parent.clone());
         tonic::Request::from_parts(metadata.clone(), extensions, req)
     };
@@ -84,12 +88,12 @@ async fn start_prompt(
     let Some((first, req)) = choices.next() else {
         return Ok(Vec::new());
     };
-    let stream = opened(generation.generate(request(req)).await).await?;
+    let stream = opened(generation.generate(request(req, true)).await).await?;
     let mut started = vec![(first, stream)];
     let mut rest = JoinSet::new();
     for (i, req) in choices {
         let generation = generation.clone();
-        let req = request(req);
+        let req = request(req, false);
         rest.spawn(async move {
             let response = generation.generate(req).await;
             (i, opened(response).await)

@@ -118,7 +118,8 @@ impl Job {
         handoff: Option<Handoff<'_>>,
     ) -> Result<pb::GenerateResponse, DecodeEnd> {
         let params = &self.req.params;
-        let node_request_id = self.shared.ids.node_request_id(&self.req.request_id);
+        let node_request_id =
+            (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
         let mut request = tonic::Request::new(pb::DecodeRequest {
             request_id: node_request_id.clone(),
             prompt_token_ids: self.req.prompt.clone(),

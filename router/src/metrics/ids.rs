@@ -15,6 +15,8 @@ pub mod label {
     pub const MODEL_NAME: &str = "model_name";
     pub const OUTCOME: &str = "outcome";
     pub const REASON: &str = "reason";
+    pub const TENANT: &str = "tenant";
+    pub const SOURCE: &str = "source";
 }
 
 /// One metric family of the router.
@@ -39,10 +41,13 @@ pub enum Family {
     KvTransferSeconds,
     KvLeasesExpired,
     NodeRestarts,
+    TenantPromptTokens,
+    TenantGenerationTokens,
+    TenantRequests,
 }
 
 impl Family {
-    pub const ALL: [Family; 19] = [
+    pub const ALL: [Family; 22] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PromptTokens,
@@ -62,6 +67,9 @@ impl Family {
         Family::KvTransferSeconds,
         Family::KvLeasesExpired,
         Family::NodeRestarts,
+        Family::TenantPromptTokens,
+        Family::TenantGenerationTokens,
+        Family::TenantRequests,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -86,6 +94,9 @@ impl Family {
             Family::KvTransferSeconds => "pd_router_kv_transfer_seconds",
             Family::KvLeasesExpired => "pd_router_kv_leases_expired_total",
             Family::NodeRestarts => "pd_router_node_restarts_total",
+            Family::TenantPromptTokens => "pd_router_tenant_prompt_tokens_total",
+            Family::TenantGenerationTokens => "pd_router_tenant_generation_tokens_total",
+            Family::TenantRequests => "pd_router_tenant_requests_total",
         }
     }
 
@@ -142,6 +153,19 @@ impl Family {
             Family::NodeRestarts => {
                 "Node restarts the router noticed: counter epochs seen beyond the first."
             }
+            Family::TenantPromptTokens => {
+                "Prompt tokens of a tenant's finished requests by source (computed, \
+                 local_hit, external_hit), as their usage told the client: computed = \
+                 prompt_tokens - cached_tokens."
+            }
+            Family::TenantGenerationTokens => {
+                "Generated tokens of a tenant's finished requests, as their usage told the \
+                 client (completion_tokens)."
+            }
+            Family::TenantRequests => {
+                "A tenant's generation requests by how they ended (the outcome label of \
+                 pd_router_requests_total)."
+            }
         }
     }
 }
@@ -162,6 +186,33 @@ impl Cache {
         match self {
             Cache::Local => "local",
             Cache::External => "external",
+        }
+    }
+}
+
+/// Where a tenant's prompt tokens came from, as the `source` label (the split of `usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PromptSource {
+    /// Computed by the node that ran the prompt: `prompt_tokens - cached_tokens`.
+    Computed,
+    /// Found in that node's device cache (`local_cached_tokens`).
+    LocalHit,
+    /// Restored from its host tier or a peer (`external_cached_tokens`).
+    ExternalHit,
+}
+
+impl PromptSource {
+    pub const ALL: [PromptSource; 3] = [
+        PromptSource::Computed,
+        PromptSource::LocalHit,
+        PromptSource::ExternalHit,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PromptSource::Computed => "computed",
+            PromptSource::LocalHit => "local_hit",
+            PromptSource::ExternalHit => "external_hit",
         }
     }
 }

@@ -11,6 +11,8 @@
 //! - **Client-perceived request metrics** (time to first token, inter-token latency, request
 //!   duration, requests by outcome, in flight): measured in the router where chunks leave
 //!   for the client (`requests`).
+//! - **Per-tenant usage** (prompt tokens by source, generated tokens, requests by outcome,
+//!   labelled `tenant`): the `usage` each request's client got, summed (`tenants`).
 //!
 //! Names and labels are typed ids in [`ids`]; `http` serves the text exposition (0.0.4);
 //! [`faults`] is a test-only hook that drops, repeats and reorders reports.
@@ -20,6 +22,7 @@ pub mod faults;
 mod http;
 pub mod ids;
 mod requests;
+mod tenants;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -34,8 +37,8 @@ use prometheus::{
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
 pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
 pub use self::http::serve as serve_http;
-pub use self::ids::{Cache, Family, Outcome};
-pub(crate) use self::requests::MeteredGeneration;
+pub use self::ids::{Cache, Family, Outcome, PromptSource};
+pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
 use self::ids::label;
 use crate::registry::{Node, Registry};
@@ -72,6 +75,8 @@ pub struct RouterMetrics {
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
     counting: Mutex<Counting>,
     faults: Option<ReportFaults>,
+    /// Per-tenant usage.
+    pub(crate) tenants: tenants::TenantSeries,
 }
 
 /// The aggregator and the series it raises, under one lock.
@@ -187,6 +192,7 @@ impl RouterMetrics {
             kv_seconds: Mutex::new(BTreeMap::new()),
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
+            tenants: tenants::TenantSeries::new(&registry)?,
             registry,
         };
         Ok(metrics)
@@ -194,6 +200,14 @@ impl RouterMetrics {
 
     pub fn model_name(&self) -> &str {
         &self.model_name
+    }
+
+    /// Makes the per-tenant series of `tenants` exist (at 0), so rates are defined before
+    /// their first request.
+    pub fn add_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a crate::tenant::Tenant>) {
+        for tenant in tenants {
+            self.tenants.add(tenant);
+        }
     }
 
     /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last

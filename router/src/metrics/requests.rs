@@ -8,7 +8,8 @@
 //! first); the end observes the request duration and counts the outcome: the finish reason
 //! of the last chunk, the gRPC code of an error (a request refused before its stream started,
 //! e.g. `invalid_argument`, counts too, without a duration), or `cancelled` when the client
-//! went away before the end.
+//! went away before the end. Each request's usage and outcome also count for its tenant
+//! (`super::tenants`).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,6 +24,13 @@ use tonic::{Code, Request, Response, Status};
 use super::RouterMetrics;
 use super::ids::Outcome;
 use crate::service::GenerationService;
+use crate::tenant::Tenant;
+
+/// In a generation's extensions: its client's usage counts its prompt with another
+/// generation's (an HTTP request's later choices of a prompt: OpenAI's usage counts each
+/// prompt once), so its tenant is not counted its prompt tokens again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PromptCountedElsewhere;
 
 /// `pd.v1.Generation` with the router's request metrics.
 #[derive(Debug, Clone)]
@@ -44,6 +52,7 @@ impl MeteredGeneration {
     /// See [`GenerationService::hold_id`].
     pub(crate) fn hold_id(
         &self,
+        tenant: &crate::tenant::Tenant,
         id: &str,
     ) -> Result<
         (
@@ -52,7 +61,7 @@ impl MeteredGeneration {
         ),
         crate::validation::ValidationError,
     > {
-        self.inner.hold_id(id)
+        self.inner.hold_id(tenant, id)
     }
 
     /// See [`GenerationService::deadline`].
@@ -73,7 +82,12 @@ impl Generation for MeteredGeneration {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let mut timer = RequestTimer::start(self.metrics.clone());
+        let tenant = crate::service::tenant_of(request.extensions());
+        let prompt = request
+            .extensions()
+            .get::<PromptCountedElsewhere>()
+            .is_none();
+        let mut timer = RequestTimer::start(self.metrics.clone(), tenant, prompt);
         match self.inner.generate(request).await {
             Ok(response) => Ok(response.map(|inner| MeteredStream { inner, timer })),
             Err(status) => {
@@ -109,6 +123,10 @@ impl Generation for MeteredGeneration {
 #[derive(Debug)]
 struct RequestTimer {
     metrics: Arc<RouterMetrics>,
+    /// Whose request it is (its usage and outcome count for the tenant too).
+    tenant: Tenant,
+    /// Whether its prompt tokens count for the tenant (see [`PromptCountedElsewhere`]).
+    counts_prompt: bool,
     arrival: Instant,
     /// When the last token went out (None before the first).
     last_token: Option<Instant>,
@@ -116,10 +134,12 @@ struct RequestTimer {
 }
 
 impl RequestTimer {
-    fn start(metrics: Arc<RouterMetrics>) -> Self {
+    fn start(metrics: Arc<RouterMetrics>, tenant: Tenant, counts_prompt: bool) -> Self {
         metrics.model.in_flight.inc();
         Self {
             metrics,
+            tenant,
+            counts_prompt,
             arrival: Instant::now(),
             last_token: None,
             done: false,
@@ -127,6 +147,10 @@ impl RequestTimer {
     }
 
     fn chunk(&mut self, chunk: &pb::GenerateResponse) {
+        // Only a request's last chunk carries usage: what its client is told it used.
+        if let Some(usage) = &chunk.usage {
+            (self.metrics.tenants).usage(&self.tenant, usage, self.counts_prompt);
+        }
         let tokens = chunk.token_ids.len();
         if tokens > 0 {
             let now = Instant::now();
@@ -170,6 +194,7 @@ impl RequestTimer {
             return;
         }
         self.done = true;
+        self.metrics.tenants.ended(&self.tenant, outcome);
         match self.metrics.model.ended(outcome) {
             Some(counter) => counter.inc(),
             None => self

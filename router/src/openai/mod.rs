@@ -1,7 +1,11 @@
 //! The OpenAI-compatible HTTP API (`--http-port`): `POST /v1/completions`,
 //! `POST /v1/chat/completions` (both streamed as server-sent events with `"stream": true`),
-//! `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`, `GET /health`, and
-//! `GET /metrics` as on `--metrics-port`.
+//! `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`, and `GET /health`.
+//! `/metrics` is served on `--metrics-port` only, never on this port: the API port is the
+//! one clients reach, the metrics port the one monitoring reaches.
+//!
+//! With `--api-keys`, every route but `/health` needs `Authorization: Bearer KEY`
+//! ([`crate::auth::require_key`]); the key's tenant goes with the request.
 //!
 //! A request here becomes one `pd.v1.GenerateRequest` per prompt and choice ([`request`]),
 //! each run through the very service the gRPC API runs (validation, routing, the
@@ -25,6 +29,7 @@ mod tokens;
 use std::future::Future;
 use std::sync::Arc;
 
+use axum::Extension;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -38,9 +43,6 @@ use tonic::Code;
 use self::request::{BadRequest, Endpoint};
 use crate::metrics::MeteredGeneration;
 use crate::service::Shared;
-
-/// Prometheus's text format.
-const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -90,14 +92,19 @@ pub(crate) async fn serve(
     max_body_bytes: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let auth = api.shared.auth.clone();
     let app = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        // Every route above needs a key (when there are keys); the ones below do not.
+        .route_layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::require_key,
+        ))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(api);
@@ -109,20 +116,26 @@ pub(crate) async fn serve(
 /// A body the server could not read (too large, cut off): its status, as OpenAI's error.
 type BodyResult = Result<Bytes, BytesRejection>;
 
-async fn completions(State(api): State<Api>, headers: HeaderMap, body: BodyResult) -> Response {
+async fn completions(
+    State(api): State<Api>,
+    Extension(tenant): Extension<crate::tenant::Tenant>,
+    headers: HeaderMap,
+    body: BodyResult,
+) -> Response {
     match body {
-        Ok(body) => run::handle(api, Endpoint::Completions, &headers, &body).await,
+        Ok(body) => run::handle(api, tenant, Endpoint::Completions, &headers, &body).await,
         Err(e) => error(e.status(), &e.body_text()),
     }
 }
 
 async fn chat_completions(
     State(api): State<Api>,
+    Extension(tenant): Extension<crate::tenant::Tenant>,
     headers: HeaderMap,
     body: BodyResult,
 ) -> Response {
     match body {
-        Ok(body) => run::handle(api, Endpoint::ChatCompletions, &headers, &body).await,
+        Ok(body) => run::handle(api, tenant, Endpoint::ChatCompletions, &headers, &body).await,
         Err(e) => error(e.status(), &e.body_text()),
     }
 }
@@ -176,18 +189,12 @@ async fn health(State(api): State<Api>) -> Response {
     }
 }
 
-async fn metrics(State(api): State<Api>) -> Response {
-    match api.shared.metrics.render(&api.shared.registry) {
-        Ok(text) => ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-    }
-}
-
 async fn not_found() -> Response {
     error(
         StatusCode::NOT_FOUND,
         "no such route: the API is POST /v1/completions, POST /v1/chat/completions, \
-         GET /v1/models, POST /tokenize, POST /detokenize, GET /health and GET /metrics",
+         GET /v1/models, POST /tokenize, POST /detokenize and GET /health (/metrics is on the \
+         router's --metrics-port)",
     )
 }
 

@@ -39,6 +39,7 @@ pub fn unix_now() -> u64 {
 
 pub(super) async fn handle(
     api: Api,
+    tenant: crate::tenant::Tenant,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: &[u8],
@@ -112,6 +113,8 @@ pub(super) async fn handle(
     let parent = ChoiceOf {
         abort: None,
         deadline: api.generation.deadline(&metadata, arrival),
+        tenant,
+        prompt_once: true,
     };
     let streams = match start(&api.generation, requests, plan.n, metadata, parent).await {
         Ok(streams) => streams,

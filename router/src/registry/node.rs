@@ -11,6 +11,8 @@ use pd_proto::pb::decode_service_client::DecodeServiceClient;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use tonic::transport::Channel;
 
+use pd_engine::kv::hash::HashAlgo;
+
 use super::NODE_MAX_MESSAGE_BYTES;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -203,9 +205,23 @@ impl Node {
     }
 
     /// Applies one health check's outcome; returns whether up/down changed.
-    pub(super) fn record(&self, outcome: Result<pb::NodeInfo, String>, model: &str) -> bool {
+    /// A node whose `Info` names another block hash algorithm than `algo` is down: the
+    /// router's prefix-aware routing and the node's cache would disagree on every hash.
+    pub(super) fn record(
+        &self,
+        outcome: Result<pb::NodeInfo, String>,
+        model: &str,
+        algo: HashAlgo,
+    ) -> bool {
         let health = match &outcome {
             Err(reason) => NodeHealth::Down(reason.clone()),
+            Ok(info) if HashAlgo::from_reported(&info.prefix_caching_hash_algo) != Ok(algo) => {
+                NodeHealth::Down(format!(
+                    "it hashes prefix-cache blocks with `{}`, the router with `{algo}`: give \
+                     router and nodes the same --prefix-caching-hash-algo",
+                    info.prefix_caching_hash_algo
+                ))
+            }
             Ok(info)
                 if !matches!(info.role(), pb::Role::Unspecified)
                     && info.role() != self.role.wire() =>
@@ -219,6 +235,8 @@ impl Node {
             Ok(info) if !info.healthy => NodeHealth::Down("it reports itself unhealthy".into()),
             Ok(_) => NodeHealth::Up,
         };
+        let algo_mismatch = matches!(&outcome,
+            Ok(info) if HashAlgo::from_reported(&info.prefix_caching_hash_algo) != Ok(algo));
         let mut state = self.state();
         let was_up = state.health == NodeHealth::Up;
         let is_up = health == NodeHealth::Up;
@@ -236,6 +254,10 @@ impl Node {
             state.info = Some(info);
         }
         match (&state.health, &health) {
+            (old, NodeHealth::Down(reason)) if algo_mismatch && *old != health => {
+                tracing::warn!(node = %self.addr, role = %self.role, %reason,
+                    "node refused: its prefix caching hash algorithm differs from the router's")
+            }
             (NodeHealth::Up, NodeHealth::Down(reason)) => {
                 tracing::warn!(node = %self.addr, role = %self.role, %reason, "node down")
             }

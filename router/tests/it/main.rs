@@ -5,4 +5,5 @@ mod discovery;
 mod fake;
 mod generate;
 mod health;
+mod tenants;
 mod validation;

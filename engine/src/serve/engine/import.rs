@@ -85,7 +85,7 @@ impl<B: Backend> Engine<B> {
             return 0;
         }
         let bs = self.block_size();
-        let hashes = crate::kv::hash::block_hashes(tokens, bs, salt);
+        let hashes = crate::kv::hash::block_hashes_with(tokens, bs, salt, self.config.hash_algo);
         // Never the block holding the last token (a prefill node computes it).
         let usable = (tokens.len() - 1) / bs;
         self.pool.cached_prefix(&hashes[..usable.min(hashes.len())])

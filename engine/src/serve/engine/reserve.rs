@@ -5,7 +5,7 @@
 //! release (the pull failed, the request ended first): never both, never neither.
 
 use crate::backend::Backend;
-use crate::kv::hash::block_hashes;
+use crate::kv::hash::block_hashes_with;
 use crate::kv::placement::KvReservation;
 use crate::kv::reservation::{DeviceReservation, ImportReservation, ReleaseFn, ReservationId};
 
@@ -37,7 +37,7 @@ impl<B: Backend> Engine<B> {
         let bs = self.block_size();
         let total = tokens.len().div_ceil(bs);
         let hashes = if self.config.enable_prefix_caching {
-            block_hashes(tokens, bs, salt)
+            block_hashes_with(tokens, bs, salt, self.config.hash_algo)
         } else {
             Vec::new()
         };

@@ -35,6 +35,10 @@ pub fn config(prefill: &[&FakeNode], decode: &[&FakeNode]) -> RouterConfig {
 /// The real router, in process, on an ephemeral port.
 pub struct RouterUnderTest {
     pub addr: SocketAddr,
+    /// The OpenAI-compatible HTTP API.
+    pub http: SocketAddr,
+    /// `/metrics`.
+    pub metrics: SocketAddr,
     pub client: GenerationClient<Channel>,
     pub registry: Arc<Registry>,
     stop: Option<oneshot::Sender<()>>,
@@ -58,15 +62,26 @@ impl RouterUnderTest {
         let registry = router.registry().clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = http_listener.local_addr().unwrap();
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics = metrics_listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(router.serve(listener, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(router.serve_with_http(
+            listener,
+            Some(metrics_listener),
+            Some(http_listener),
+            async {
+                let _ = stopped.await;
+            },
+        ));
         let client = GenerationClient::connect(format!("http://{addr}"))
             .await
             .expect("connect to the router");
         Self {
             addr,
+            http,
+            metrics,
             client,
             registry,
             stop: Some(stop),
@@ -167,6 +182,42 @@ pub async fn collect(
             Err(status) => return Ok((chunks, Some(status))),
         }
     }
+}
+
+/// One HTTP/1.1 request over a fresh connection (`Connection: close`): the status and the
+/// body as text (chunked bodies are left as sent).
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(body.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
+    (status, body)
 }
 
 pub fn all_text(chunks: &[pb::GenerateResponse]) -> String {

@@ -50,6 +50,8 @@ pub struct FakeState {
     pub block_size: AtomicU32,
     /// `NodeInfo.kv_cache_dtype`.
     pub kv_cache_dtype: Mutex<String>,
+    /// `NodeInfo.prefix_caching_hash_algo` (empty: not reported, as an older node).
+    pub hash_algo: Mutex<String>,
     /// Reported as `num_waiting`.
     pub load: AtomicU32,
     pub max_model_len: AtomicU32,
@@ -82,6 +84,7 @@ impl FakeState {
             fingerprint: Mutex::new(FINGERPRINT.into()),
             block_size: AtomicU32::new(16),
             kv_cache_dtype: Mutex::new("float32".into()),
+            hash_algo: Mutex::default(),
             load: AtomicU32::new(0),
             max_model_len: AtomicU32::new(4096),
             unhealthy: AtomicBool::new(false),
@@ -118,6 +121,7 @@ impl FakeState {
             healthy: !self.unhealthy.load(Ordering::SeqCst),
             counters: None,
             kv_cache_dtype: self.kv_cache_dtype.lock().unwrap().clone(),
+            prefix_caching_hash_algo: self.hash_algo.lock().unwrap().clone(),
         }
     }
 

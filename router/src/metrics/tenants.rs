@@ -1,0 +1,85 @@
+//! Per-tenant usage: what a billing system needs, labelled `tenant`.
+//!
+//! - `pd_router_tenant_prompt_tokens_total{tenant,source}`: the prompt tokens of each finished
+//!   request, split by `source` exactly as the request's `usage` split them for the client:
+//!   `local_hit` = `local_cached_tokens`, `external_hit` = `external_cached_tokens` (the
+//!   prefill node's hits: docs/accounting.md), `computed` = `prompt_tokens - cached_tokens`.
+//! - `pd_router_tenant_generation_tokens_total{tenant}`: `completion_tokens`.
+//! - `pd_router_tenant_requests_total{tenant,outcome}`: every generation request (each
+//!   choice of `n`, each prompt of an HTTP request, as `pd_router_requests_total`) by how it
+//!   ended.
+//!
+//! The token counters are raised from the very `usage` the client receives (its last chunk),
+//! once per request, so over any set of requests they equal the sum of those requests'
+//! `usage` fields. Over gRPC each choice of `n` has its own usage, prompt included; an HTTP
+//! response's usage counts each prompt once, with its first choice (OpenAI's), so the later
+//! choices of an HTTP prompt add their generated tokens only. A request that ends without usage (an error, a client gone before the
+//! end) counts in `requests_total` only. Series of the tenants of the keys file exist from
+//! the start (at 0); a tenant added to the file later appears with its first request.
+
+use pd_proto::pb;
+use prometheus::{IntCounterVec, Opts, Registry};
+
+use super::MetricsError;
+use super::ids::{Family, Outcome, PromptSource, label};
+use crate::tenant::Tenant;
+
+/// The per-tenant families.
+#[derive(Debug)]
+pub(crate) struct TenantSeries {
+    prompt_tokens: IntCounterVec,
+    generation_tokens: IntCounterVec,
+    requests: IntCounterVec,
+}
+
+impl TenantSeries {
+    pub fn new(registry: &Registry) -> Result<Self, MetricsError> {
+        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
+            let c = IntCounterVec::new(Opts::new(family.name(), family.help()), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        Ok(Self {
+            prompt_tokens: counter(Family::TenantPromptTokens, &[label::TENANT, label::SOURCE])?,
+            generation_tokens: counter(Family::TenantGenerationTokens, &[label::TENANT])?,
+            requests: counter(Family::TenantRequests, &[label::TENANT, label::OUTCOME])?,
+        })
+    }
+
+    /// Makes `tenant`'s series exist, at 0 until its first request.
+    pub fn add(&self, tenant: &Tenant) {
+        let t = tenant.as_str();
+        for source in PromptSource::ALL {
+            self.prompt_tokens.with_label_values(&[t, source.as_str()]);
+        }
+        self.generation_tokens.with_label_values(&[t]);
+        for outcome in Outcome::INITIAL {
+            self.requests.with_label_values(&[t, outcome.as_str()]);
+        }
+    }
+
+    /// The `usage` a request of `tenant` ended with; its prompt tokens only if `prompt`.
+    pub fn usage(&self, tenant: &Tenant, usage: &pb::Usage, prompt: bool) {
+        let t = tenant.as_str();
+        (self.generation_tokens.with_label_values(&[t])).inc_by(u64::from(usage.completion_tokens));
+        if !prompt {
+            return;
+        }
+        let computed = usage.prompt_tokens.saturating_sub(usage.cached_tokens);
+        for (source, n) in [
+            (PromptSource::Computed, computed),
+            (PromptSource::LocalHit, usage.local_cached_tokens),
+            (PromptSource::ExternalHit, usage.external_cached_tokens),
+        ] {
+            (self.prompt_tokens.with_label_values(&[t, source.as_str()])).inc_by(u64::from(n));
+        }
+    }
+
+    /// A request of `tenant` ended with `outcome`.
+    pub fn ended(&self, tenant: &Tenant, outcome: Outcome) {
+        (self
+            .requests
+            .with_label_values(&[tenant.as_str(), outcome.as_str()]))
+        .inc();
+    }
+}
