@@ -58,6 +58,10 @@ pub struct RouterConfig {
     pub reasoning_parser: Option<ReasoningParser>,
     /// The HTTP API's chat answers: tool calls read out as `tool_calls` (requests with tools).
     pub tool_call_parser: Option<ToolCallParser>,
+    /// TLS of the router's listeners and of its channels to the nodes (`--tls-*`; the
+    /// default is plaintext). [`RouterArgs::to_config`] leaves it plaintext: the binary
+    /// sets it from [`RouterArgs::tls`] (checking it is a separate, typed step).
+    pub tls: pd_tls::TlsSettings,
 }
 
 impl RouterConfig {
@@ -81,6 +85,7 @@ impl RouterConfig {
             report_faults: None,
             reasoning_parser: None,
             tool_call_parser: None,
+            tls: pd_tls::TlsSettings::default(),
         }
     }
 }
@@ -239,6 +244,11 @@ pub struct RouterArgs {
         help_heading = "Requests"
     )]
     pub tool_call_parser: Option<ToolCallParser>,
+
+    /// `--tls-cert`, `--tls-key`, `--tls-client-ca`, `--tls-ca`, `--tls-server-name`,
+    /// `--insecure`.
+    #[command(flatten)]
+    pub tls: pd_tls::TlsArgs,
 }
 
 impl RouterArgs {
@@ -272,6 +282,7 @@ impl RouterArgs {
             node_timeout: self.node_timeout,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             report_faults: crate::metrics::FaultSpec::from_env()?,
+            tls: pd_tls::TlsSettings::default(),
         })
     }
 }

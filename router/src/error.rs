@@ -39,6 +39,9 @@ pub enum RouterError {
     Node(#[from] NodeError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
+    /// The `--tls-*` files cannot be used.
+    #[error("TLS: {0}")]
+    Tls(#[from] pd_tls::TlsError),
     #[error("{0}")]
     Internal(String),
 }
@@ -53,7 +56,9 @@ impl RouterError {
             },
             RouterError::BadAddress { .. } | RouterError::NoNodes => Code::InvalidArgument,
             RouterError::NoHealthyNode { .. } => Code::Unavailable,
-            RouterError::IncompatibleLayouts { .. } => Code::FailedPrecondition,
+            RouterError::IncompatibleLayouts { .. } | RouterError::Tls(_) => {
+                Code::FailedPrecondition
+            }
             RouterError::Node(e) => e.client_code(),
             RouterError::Serve(_) | RouterError::Internal(_) => Code::Internal,
         }

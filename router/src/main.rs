@@ -72,7 +72,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         LogFormat::Text => logs.init(),
     }
 
-    let config = cli.router.to_config()?;
+    let mut config = cli.router.to_config()?;
+    config.tls = cli.router.tls.settings()?;
+    // API keys are another part of the router's security; until they are wired into this
+    // check it counts only TLS (`keys_configured: false`).
+    pd_tls::check_exposure(
+        &cli.router.host,
+        &config.tls,
+        pd_tls::Exposure::Router {
+            keys_configured: false,
+        },
+    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.router.runtime_threads())
         .enable_all()
