@@ -42,8 +42,8 @@ use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
-use pd_transport::{ExportConfig, KvExportServer};
 use pd_transport::rdma::{RdmaError, RdmaExporter};
+use pd_transport::{ExportConfig, KvExportServer};
 use tonic::{Request, Response, Status};
 
 use leases::{LeaseGuard, Leases};

@@ -340,8 +340,7 @@ impl Router {
         // listener sets it on each accepted connection, or small stream messages wait for
         // delayed ACKs (~40 ms). TLS handshakes run off its accept loop.
         let requires_client_certs = config.tls.requires_client_certs();
-        let incoming =
-            pd_tls::Listener::new(listener, tls.grpc.clone()).map_err(listener_error)?;
+        let incoming = pd_tls::Listener::new(listener, tls.grpc.clone()).map_err(listener_error)?;
         let result = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
             // With --tls-client-ca: UNAUTHENTICATED to callers without a client certificate

@@ -22,7 +22,12 @@ pub struct TlsArgs {
     pub tls_key: Option<PathBuf>,
     /// Require client certificates signed by this CA (PEM) on this process's listeners
     /// (mTLS). A node answers UNAUTHENTICATED to callers without one; gRPC health stays open.
-    #[arg(long, env = "PD_TLS_CLIENT_CA", value_name = "FILE", help_heading = "TLS")]
+    #[arg(
+        long,
+        env = "PD_TLS_CLIENT_CA",
+        value_name = "FILE",
+        help_heading = "TLS"
+    )]
     pub tls_client_ca: Option<PathBuf>,
     /// Dial the other parts of the cluster over TLS, verifying their certificates against
     /// this CA (PEM): router to nodes, decode node to prefill nodes' KV and gRPC.
@@ -76,8 +81,7 @@ impl TlsArgs {
             (None, None) => None,
             (Some(_), None) => {
                 return Err(TlsError::Flags(
-                    "--tls-cert needs --tls-key: the certificate is useless without its key"
-                        .into(),
+                    "--tls-cert needs --tls-key: the certificate is useless without its key".into(),
                 ));
             }
             (None, Some(_)) => {
@@ -181,8 +185,14 @@ mod tests {
         for (flags, expected) in [
             (&["--tls-cert", "c.pem"][..], "--tls-cert needs --tls-key"),
             (&["--tls-key", "k.pem"], "--tls-key needs --tls-cert"),
-            (&["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
-            (&["--tls-server-name", "pd"], "--tls-server-name needs --tls-ca"),
+            (
+                &["--tls-client-ca", "ca.pem"],
+                "--tls-client-ca needs --tls-cert",
+            ),
+            (
+                &["--tls-server-name", "pd"],
+                "--tls-server-name needs --tls-ca",
+            ),
             (
                 &["--tls-ca", "ca.pem", "--tls-server-name", "not a name!"],
                 "neither a DNS name",

@@ -71,7 +71,9 @@ impl ClusterCa {
     /// A new CA named `common_name`.
     pub fn new(common_name: &str) -> Result<Self, TlsError> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.distinguished_name.push(DnType::CommonName, common_name);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,

@@ -54,7 +54,11 @@ impl Conn {
             Conn::Server(s) => PeerInfo {
                 remote_addr,
                 tls: true,
-                client_verified: s.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty()),
+                client_verified: s
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .is_some_and(|c| !c.is_empty()),
             },
             Conn::Client(_) => PeerInfo {
                 remote_addr,

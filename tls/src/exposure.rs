@@ -51,9 +51,7 @@ pub fn check_exposure(
              could run requests on it and read their KV: give --tls-cert, --tls-key and \
              --tls-client-ca, or --insecure to accept that"
         ))),
-        Exposure::Router { keys_configured }
-            if !keys_configured && !settings.serves_tls() =>
-        {
+        Exposure::Router { keys_configured } if !keys_configured && !settings.serves_tls() => {
             Err(TlsError::Flags(format!(
                 "refusing to listen on {host} with neither TLS nor API keys, since any host \
                  that reaches the router could use and read it in the clear: give --tls-cert \

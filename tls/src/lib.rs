@@ -35,5 +35,5 @@ pub use conn::{Conn, PeerInfo};
 pub use error::TlsError;
 pub use exposure::{Exposure, check_exposure, is_loopback};
 pub use reload::DEFAULT_CHECK_INTERVAL;
-pub use server::{Alpn, HANDSHAKE_TIMEOUT, Listener, ServerTls};
 pub use rustls_pki_types::ServerName;
+pub use server::{Alpn, HANDSHAKE_TIMEOUT, Listener, ServerTls};

@@ -81,10 +81,7 @@ impl FileBytes {
 }
 
 /// What a server configuration is built from: certificate, key, optional client CA.
-pub(crate) fn server_config(
-    files: &[FileBytes],
-    alpn: &[&[u8]],
-) -> Result<ServerConfig, TlsError> {
+pub(crate) fn server_config(files: &[FileBytes], alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
     let (cert, key, client_ca) = match files {
         [cert, key] => (cert, key, None),
         [cert, key, ca] => (cert, key, Some(ca)),
@@ -132,10 +129,7 @@ pub(crate) fn server_config(
 
 /// What a client configuration is built from: the CA, and optionally this process's
 /// certificate and key (its client identity).
-pub(crate) fn client_config(
-    files: &[FileBytes],
-    alpn: &[&[u8]],
-) -> Result<ClientConfig, TlsError> {
+pub(crate) fn client_config(files: &[FileBytes], alpn: &[&[u8]]) -> Result<ClientConfig, TlsError> {
     let (ca, identity) = match files {
         [ca] => (ca, None),
         [ca, cert, key] => (ca, Some((cert, key))),

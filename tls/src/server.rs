@@ -123,9 +123,26 @@ impl Listener {
     /// Every connection gets TCP_NODELAY: small gRPC and stream messages must not wait for
     /// delayed ACKs.
     pub fn new(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Self> {
+        Self::start(listener, tls, false)
+    }
+
+    /// [`Listener::new`], closing every TLS connection whose client presented no certificate
+    /// the client CA signed, when the TLS has a client CA (for servers, such as HTTP ones,
+    /// that cannot answer such a caller with a status of their own).
+    pub fn cluster_only(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Self> {
+        Self::start(listener, tls, true)
+    }
+
+    fn start(
+        listener: TcpListener,
+        tls: Option<ServerTls>,
+        drop_anonymous: bool,
+    ) -> io::Result<Self> {
         let local_addr = listener.local_addr()?;
         let (tx, accepted) = mpsc::channel(ACCEPTED_BACKLOG);
-        tokio::spawn(accept_loop(listener, tls, tx));
+        let drop_anonymous =
+            drop_anonymous && tls.as_ref().is_some_and(|t| t.requires_client_certs());
+        tokio::spawn(accept_loop(listener, tls, drop_anonymous, tx));
         Ok(Self {
             accepted,
             local_addr,
@@ -137,7 +154,12 @@ impl Listener {
     }
 }
 
-async fn accept_loop(listener: TcpListener, tls: Option<ServerTls>, tx: mpsc::Sender<Conn>) {
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Option<ServerTls>,
+    drop_anonymous: bool,
+    tx: mpsc::Sender<Conn>,
+) {
     loop {
         let accepted = tokio::select! {
             // The server dropped its end: stop, and close the socket at once.
@@ -164,6 +186,9 @@ async fn accept_loop(listener: TcpListener, tls: Option<ServerTls>, tx: mpsc::Se
                 let (tls, tx) = (tls.clone(), tx.clone());
                 tokio::spawn(async move {
                     match tls.accept(tcp).await {
+                        Ok(conn) if drop_anonymous && !conn.peer_info().client_verified => {
+                            tracing::debug!(%peer, "no client certificate; connection closed");
+                        }
                         Ok(conn) => {
                             let _ = tx.send(conn).await;
                         }

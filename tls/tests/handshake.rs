@@ -5,9 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use pd_tls::certs::{CertPem, ClusterCa, write_file};
-use pd_tls::{
-    Alpn, ClientTls, Conn, Identity, Listener, PeerInfo, ServerTls, TlsSettings, dial,
-};
+use pd_tls::{Alpn, ClientTls, Conn, Identity, Listener, PeerInfo, ServerTls, TlsSettings, dial};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
@@ -20,7 +18,10 @@ struct Files {
 }
 
 fn write_member(dir: &Path, name: &str, pem: &CertPem) -> (PathBuf, PathBuf) {
-    let (cert, key) = (dir.join(format!("{name}.crt")), dir.join(format!("{name}.key")));
+    let (cert, key) = (
+        dir.join(format!("{name}.crt")),
+        dir.join(format!("{name}.key")),
+    );
     write_file(&cert, pem.cert.as_bytes(), false).unwrap();
     write_file(&key, pem.key.as_bytes(), true).unwrap();
     (cert, key)
@@ -100,9 +101,13 @@ async fn the_server_learns_whether_the_client_presented_a_cluster_certificate() 
         .unwrap();
     let (port, mut peers) = echo_server(tls).await;
 
-    let mut member = dial(Some(&client(&f.ca, Some((&f.cert, &f.key)))), "127.0.0.1", port)
-        .await
-        .unwrap();
+    let mut member = dial(
+        Some(&client(&f.ca, Some((&f.cert, &f.key)))),
+        "127.0.0.1",
+        port,
+    )
+    .await
+    .unwrap();
     assert_eq!(echo(&mut member, b"hello").await, b"hello");
     assert!(peers.recv().await.unwrap().client_verified);
 
@@ -135,15 +140,26 @@ async fn a_client_that_does_not_trust_the_ca_or_speaks_plaintext_gets_nowhere() 
         .unwrap();
     let (port, _peers) = echo_server(tls).await;
     let other = cluster(&ClusterCa::new("another CA").unwrap());
-    assert!(dial(Some(&client(&other.ca, None)), "127.0.0.1", port).await.is_err());
+    assert!(
+        dial(Some(&client(&other.ca, None)), "127.0.0.1", port)
+            .await
+            .is_err()
+    );
     // The dialed name must be in the certificate.
-    assert!(dial(Some(&client(&f.ca, None)), "127.0.0.2", port).await.is_err());
+    assert!(
+        dial(Some(&client(&f.ca, None)), "127.0.0.2", port)
+            .await
+            .is_err()
+    );
 
     let mut plain = dial(None, "127.0.0.1", port).await.unwrap();
     plain.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
     let mut answer = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut answer)).await;
-    assert!(!answer.windows(4).any(|w| w == b"GET "), "no echo in the clear");
+    assert!(
+        !answer.windows(4).any(|w| w == b"GET "),
+        "no echo in the clear"
+    );
     assert!(!answer.starts_with(b"HTTP/"), "{answer:?}");
 }
 
@@ -198,20 +214,28 @@ fn unreadable_or_invalid_files_are_refused_naming_the_file() {
         }),
         ..TlsSettings::default()
     };
-    let err = ServerTls::new(&missing, Alpn::Grpc).unwrap_err().to_string();
-    assert!(err.contains("none.crt") && err.contains("--tls-cert"), "{err}");
+    let err = ServerTls::new(&missing, Alpn::Grpc)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("none.crt") && err.contains("--tls-cert"),
+        "{err}"
+    );
     let junk = dir.path().join("junk.crt");
     std::fs::write(&junk, "not a certificate").unwrap();
     let key = dir.path().join("junk.key");
     std::fs::write(&key, "not a key").unwrap();
     let invalid = TlsSettings {
-        identity: Some(Identity {
-            cert: junk,
-            key,
-        }),
+        identity: Some(Identity { cert: junk, key }),
         ..TlsSettings::default()
     };
-    let err = ServerTls::new(&invalid, Alpn::Grpc).unwrap_err().to_string();
+    let err = ServerTls::new(&invalid, Alpn::Grpc)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("junk.crt"), "{err}");
-    assert!(ServerTls::new(&TlsSettings::default(), Alpn::Grpc).unwrap().is_none());
+    assert!(
+        ServerTls::new(&TlsSettings::default(), Alpn::Grpc)
+            .unwrap()
+            .is_none()
+    );
 }

@@ -326,13 +326,12 @@ async fn connect(
     let _ = stream.set_nodelay(true);
     let conn = match tls {
         // The exporter's certificate must name its IP (or --tls-server-name).
-        Some(tls) => tokio::time::timeout_at(
-            deadline.into(),
-            tls.connect(stream, &addr.ip().to_string()),
-        )
-        .await
-        .map_err(|_| expired())?
-        .map_err(|source| TransportError::Connect { addr, source })?,
+        Some(tls) => {
+            tokio::time::timeout_at(deadline.into(), tls.connect(stream, &addr.ip().to_string()))
+                .await
+                .map_err(|_| expired())?
+                .map_err(|source| TransportError::Connect { addr, source })?
+        }
         None => Conn::Plain(stream),
     };
     Ok(BufStream::with_capacity(4 << 10, 4 << 10, conn))

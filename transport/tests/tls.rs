@@ -12,8 +12,7 @@ use pd_tls::certs::{ClusterCa, write_file};
 use pd_tls::{Alpn, ClientTls, Identity, ServerTls, TlsSettings, dial};
 use pd_transport::wire::PullRequestFrame;
 use pd_transport::{
-    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest,
-    SharedBlocks,
+    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -137,7 +136,9 @@ async fn a_tls_client_without_a_cluster_certificate_gets_no_byte() {
     let c = certs();
     let (server, addr) = mtls_server(&c).await;
     let anonymous = client(&c, false);
-    let conn = dial(Some(&anonymous), "127.0.0.1", addr.port()).await.unwrap();
+    let conn = dial(Some(&anonymous), "127.0.0.1", addr.port())
+        .await
+        .unwrap();
     assert!(answer_to_a_pull(conn).await.is_empty(), "nothing is sent");
     let err = KvPuller::new()
         .with_tls(Some(anonymous))
