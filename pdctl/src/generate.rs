@@ -16,6 +16,8 @@ pub struct GenerateArgs {
     /// The router's gRPC address (HOST:PORT).
     #[arg(long, env = "PD_ROUTER")]
     router: String,
+    #[command(flatten)]
+    ca: crate::tls::CaArgs,
     /// Raw text prompt (no chat template).
     #[arg(long)]
     prompt: Option<String>,
@@ -129,14 +131,8 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         Some(path) => crate::tools::read(path)?,
         None => Vec::new(),
     };
-    let endpoint = if args.router.contains("://") {
-        args.router.clone()
-    } else {
-        format!("http://{}", args.router)
-    };
-    let mut client = GenerationClient::connect(endpoint.clone())
-        .await
-        .with_context(|| format!("connecting to the router at {}", args.router))?;
+    let tls = args.ca.client(pd_tls::Alpn::Grpc)?;
+    let mut client = GenerationClient::new(crate::tls::channel(&args.router, tls.as_ref()).await?);
     let mut stream = client
         .generate(request(&args, tools))
         .await

@@ -211,7 +211,8 @@ pub async fn send(
 #[derive(Debug, Clone)]
 pub enum Target {
     Grpc(Channel),
-    Openai(String),
+    /// The base URL, and TLS (`--ca`).
+    Openai(String, Option<pd_tls::ClientTls>),
 }
 
 impl Target {
@@ -219,7 +220,7 @@ impl Target {
     pub fn client(&self) -> Client {
         match self {
             Target::Grpc(channel) => Client::Grpc(GenerationClient::new(channel.clone())),
-            Target::Openai(base) => Client::Openai(OpenaiClient::new(base)),
+            Target::Openai(base, tls) => Client::Openai(OpenaiClient::new(base, tls.clone())),
         }
     }
 }

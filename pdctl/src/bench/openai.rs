@@ -22,17 +22,23 @@ pub struct OpenaiClient {
     /// The path the routes hang under (`/v1`).
     prefix: String,
     conn: Option<Sender>,
+    /// HTTPS (`--ca`).
+    tls: Option<pd_tls::ClientTls>,
 }
 
 impl OpenaiClient {
-    /// A client of the API at `base` (`http://HOST:PORT/v1`).
-    pub fn new(base: &str) -> Self {
-        let rest = base.strip_prefix("http://").unwrap_or(base);
+    /// A client of the API at `base` (`http://HOST:PORT/v1`, or `https://` with `tls`).
+    pub fn new(base: &str, tls: Option<pd_tls::ClientTls>) -> Self {
+        let rest = base
+            .strip_prefix("http://")
+            .or_else(|| base.strip_prefix("https://"))
+            .unwrap_or(base);
         let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         Self {
             authority: authority.to_string(),
             prefix: prefix.trim_end_matches('/').to_string(),
             conn: None,
+            tls,
         }
     }
 
@@ -42,10 +48,14 @@ impl OpenaiClient {
         {
             return Ok(self.conn.as_mut().expect("just checked"));
         }
-        let stream = tokio::net::TcpStream::connect(&self.authority)
+        let (host, port) = self
+            .authority
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse().ok()?)))
+            .ok_or_else(|| format!("{} is not HOST:PORT", self.authority))?;
+        let stream = pd_tls::dial(self.tls.as_ref(), host, port)
             .await
             .map_err(|e| format!("connecting to {}: {e}", self.authority))?;
-        let _ = stream.set_nodelay(true);
         let (sender, conn) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
