@@ -486,7 +486,9 @@ pub struct DecodeNode {
 pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     // `Mixed` takes requests with imported KV and, in the router's aggregated mode, requests
     // whose prompt is computed here. It holds no leases; the timeout is unused.
-    // Before the model loads: `--kv-transport rdma` without a device fails at once.
+    // Before the model loads: unusable TLS flags or files, a non-loopback bind without mTLS,
+    // and `--kv-transport rdma` without a device fail at once.
+    let tls = pd_node::tls::NodeTls::load(&args.node)?;
     let rdma = pd_node::kv_transport::open_rdma(&args.node)?;
     let started = pd_node::start_engine(&args.node, Role::Mixed, Duration::from_secs(30)).await?;
     let (facts, engine) = (started.facts, started.thread);
@@ -503,8 +505,10 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         engine.handle().host_kv_memory().cloned(),
         facts.fingerprint,
         &args.node,
+        tls.dial_grpc.clone(),
     )?
-    .with_buffers(engine.handle().import_buffers().clone());
+    .with_buffers(engine.handle().import_buffers().clone())
+    .with_tls(tls.dial_kv.clone());
     let metrics = Arc::new(NodeMetrics::new(
         Role::Decode,
         &facts,
@@ -539,6 +543,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         requests,
         drain_timeout: args.node.drain_timeout,
         also_idle: Box::new(|| true),
+        tls,
     };
     Ok(DecodeNode {
         ready,

@@ -113,6 +113,9 @@ pub struct NodeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
 
+    #[command(flatten)]
+    pub tls: pd_tls::TlsArgs,
+
     /// Where `synthetic:` models are written (not a flag: `PD_CACHE_DIR` sets it for the
     /// binaries; in-process callers such as tests set it here).
     #[arg(skip)]

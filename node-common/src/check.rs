@@ -101,6 +101,8 @@ pub fn effective_config(
                 .into(),
         );
     }
+    let tls = crate::tls::checked_settings(node).map_err(|e| format!("{e:#}"))?;
+    check_tls_files(&tls, &mut notes)?;
     let config = json!({
         "role": match role { Role::Prefill => "prefill", Role::Decode => "decode", Role::Mixed => "mixed" },
         "model": model,
@@ -128,9 +130,35 @@ pub fn effective_config(
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs,
         },
+        "tls": tls.describe(),
         "role_flags": role_flags,
     });
     Ok((config, notes))
+}
+
+/// The TLS files are read and checked as at start where they are on this machine; a file
+/// that is not here is a note (it may exist only where the node runs, e.g. from a Secret).
+fn check_tls_files(tls: &pd_tls::TlsSettings, notes: &mut Vec<String>) -> Result<(), String> {
+    let files = tls
+        .identity
+        .iter()
+        .flat_map(|i| [&i.cert, &i.key])
+        .chain(&tls.client_ca)
+        .chain(&tls.ca);
+    let missing: Vec<String> = files
+        .filter(|p| !p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        notes.push(format!(
+            "TLS files {} are not on this machine; they are read at start",
+            missing.join(", ")
+        ));
+        return Ok(());
+    }
+    pd_tls::ServerTls::new(tls, pd_tls::Alpn::Grpc).map_err(|e| e.to_string())?;
+    pd_tls::ClientTls::new(tls, pd_tls::Alpn::Grpc).map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 /// The whole `--check-config` run of a node binary: print and exit.

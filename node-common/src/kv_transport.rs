@@ -33,18 +33,20 @@ pub fn open_rdma(args: &NodeArgs) -> Result<Option<RdmaDevice>, RdmaStartError> 
 /// The decode node's importer: RDMA reads through `device` when there is one, landing in
 /// place in `host_kv` (the engine's KV memory, registered once here; `None` on a GPU, whose
 /// reads land in registered buffers and are copied in).
+/// `dial_grpc`: TLS for the RdmaConnect call to prefill nodes (`--tls-ca`).
 pub fn importer(
     device: Option<&RdmaDevice>,
     host_kv: Option<HostKvMemory>,
     fingerprint: LayoutFingerprint,
     args: &NodeArgs,
+    dial_grpc: Option<pd_tls::ClientTls>,
 ) -> anyhow::Result<KvImporter> {
     let Some(device) = device else {
         return Ok(KvImporter::tcp_only());
     };
     let reader = RdmaReader::new(
         device,
-        Arc::new(GrpcConnector),
+        Arc::new(GrpcConnector { tls: dial_grpc }),
         fingerprint,
         &args.rdma.config(),
     )?
@@ -52,9 +54,11 @@ pub fn importer(
     Ok(KvImporter::with_rdma(Arc::new(reader)))
 }
 
-/// Calls `PrefillService.RdmaConnect` on the prefill node.
-#[derive(Debug)]
-pub struct GrpcConnector;
+/// Calls `PrefillService.RdmaConnect` on the prefill node (over TLS when `tls` is given).
+#[derive(Debug, Default)]
+pub struct GrpcConnector {
+    pub tls: Option<pd_tls::ClientTls>,
+}
 
 impl RdmaConnector for GrpcConnector {
     fn connect(
@@ -63,11 +67,13 @@ impl RdmaConnector for GrpcConnector {
         fingerprint: LayoutFingerprint,
         endpoint: Vec<u8>,
     ) -> BoxFuture<'static, Result<Vec<u8>, String>> {
+        let tls = self.tls.clone();
         Box::pin(async move {
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            let scheme = pd_tls::scheme(tls.as_ref());
+            let channel = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
                 .map_err(|e| format!("bad address {addr:?}: {e}"))?
                 .connect_timeout(CONNECT_TIMEOUT)
-                .connect()
+                .connect_with_connector(pd_tls::Connector::new(tls))
                 .await
                 .map_err(|e| format!("cannot reach the prefill node's gRPC server: {e}"))?;
             let answer = PrefillServiceClient::new(channel)
@@ -137,7 +143,7 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        let importer = importer(None, None, LayoutFingerprint(1), &args(&[])).unwrap();
+        let importer = importer(None, None, LayoutFingerprint(1), &args(&[]), None).unwrap();
         assert!(importer.rdma_fabric().is_none());
     }
 

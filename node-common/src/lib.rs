@@ -12,6 +12,9 @@
 //!   that abort an engine request whose caller went away.
 //! - [`metrics`]: the node's `/metrics` (vLLM's families, KV transfer) and its
 //!   `CounterReport` for the router, under a random epoch.
+//! - [`tls`]: the `--tls-*` flags: TLS on every listener, mTLS between the parts (callers
+//!   without a cluster certificate get UNAUTHENTICATED; health stays open), and the refusal
+//!   to listen beyond loopback without mTLS unless `--insecure`.
 //! - [`server`]: gRPC on a bound listener (port 0 works) with `grpc.health.v1` and server
 //!   reflection, the ready line, and the drain on SIGTERM / Ctrl-C.
 //!
@@ -28,6 +31,7 @@ pub mod metrics;
 pub mod model;
 pub mod requests;
 pub mod server;
+pub mod tls;
 
 pub use args::{KvTransport, LogFormat, NodeArgs};
 pub use metrics::NodeMetrics;

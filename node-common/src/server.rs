@@ -10,8 +10,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 use tokio::net::TcpListener;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
@@ -129,6 +127,9 @@ pub struct NodeServer {
     /// Work beyond open requests the drain waits for (a prefill node's KV leases): returns
     /// true when there is none.
     pub also_idle: Box<dyn Fn() -> bool + Send + Sync>,
+    /// TLS of the gRPC and metrics listeners, and whether gRPC callers need a cluster
+    /// certificate.
+    pub tls: crate::tls::NodeTls,
 }
 
 impl std::fmt::Debug for NodeServer {
@@ -175,6 +176,7 @@ impl NodeServer {
             requests,
             drain_timeout,
             also_idle,
+            tls,
         } = self;
         let (mut health, health_service) = tonic_health::server::health_reporter();
         set_status(&health, service_name, ServingStatus::Serving).await;
@@ -195,6 +197,8 @@ impl NodeServer {
             .add_service(reflection_v1alpha);
 
         let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+        let metrics_listener = pd_tls::Listener::new(metrics_listener, tls.metrics.clone())
+            .context("the metrics listener")?;
         let metrics_server = tokio::spawn(crate::metrics::http::serve(
             metrics_listener,
             metrics,
@@ -203,15 +207,14 @@ impl NodeServer {
             },
         ));
 
-        // Tokens stream in small messages: no Nagle delay on the node's connections.
-        let incoming = TcpListenerStream::new(listener).map(|conn| {
-            conn.inspect(|stream| {
-                let _ = stream.set_nodelay(true);
-            })
-        });
+        // Tokens stream in small messages: the listener sets TCP_NODELAY on every connection.
+        let incoming =
+            pd_tls::Listener::new(listener, tls.grpc.clone()).context("the gRPC listener")?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let mut server = tokio::spawn(
             Server::builder()
+                // With mTLS: UNAUTHENTICATED to callers without a cluster certificate.
+                .layer(pd_tls::ClusterOnlyLayer::new(tls.requires_client_certs()))
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stop_rx.await;

@@ -15,6 +15,8 @@ pub struct GenerateArgs {
     /// The router's gRPC address (HOST:PORT).
     #[arg(long, env = "PD_ROUTER")]
     router: String,
+    #[command(flatten)]
+    ca: crate::tls::CaArgs,
     /// Raw text prompt (no chat template).
     #[arg(long)]
     prompt: Option<String>,
@@ -131,16 +133,8 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         Some(path) => crate::tools::read(path)?,
         None => Vec::new(),
     };
-    let endpoint = if args.router.contains("://") {
-        args.router.clone()
-    } else {
-        format!("http://{}", args.router)
-    };
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-        .with_context(|| format!("`{}` is not a router address (HOST:PORT)", args.router))?
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the router at {}", args.router))?;
+    let tls = args.ca.client(pd_tls::Alpn::Grpc)?;
+    let channel = crate::tls::channel(&args.router, tls.as_ref()).await?;
     let mut client = crate::auth::ApiKey::new(args.api_key.as_deref())?.client(channel);
     let mut stream = client
         .generate(request(&args, tools))

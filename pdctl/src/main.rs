@@ -2,6 +2,7 @@
 //! it runs lives in `pd-engine`.
 //!
 //! - `pdctl run`: one model in one process, no cluster.
+//! - `pdctl certs`: a cluster CA and member certificate for mTLS.
 //! - `pdctl tokenize`: token ids of raw text.
 //! - `pdctl metrics`: a live summary of a cluster from its router's `/metrics`.
 //! - `pdctl bench-model`: prefill / decode speed beside the machine's memory bandwidth.
@@ -11,10 +12,12 @@
 mod auth;
 mod bench;
 mod bench_model;
+mod certs;
 mod generate;
 mod load;
 mod metrics;
 mod run;
+mod tls;
 mod tokenize;
 mod tools;
 mod up;
@@ -48,6 +51,9 @@ enum Command {
     Metrics(metrics::MetricsArgs),
     /// Measure prefill and decode speed against the machine's memory-read bandwidth.
     BenchModel(bench_model::BenchModelArgs),
+    /// Write a cluster CA and a member certificate (ca.crt, ca.key, node.crt, node.key) for
+    /// TLS and mTLS between the parts.
+    Certs(certs::CertsArgs),
     /// Benchmark a running cluster (or one started with --up): throughput, latencies,
     /// goodput and the router's prefix-cache hit rates; `bench compare A.json B.json`.
     Bench(bench::BenchCommand),
@@ -70,6 +76,7 @@ fn main() -> ExitCode {
         Command::Metrics(args) => metrics::run(args),
         Command::BenchModel(args) => bench_model::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Certs(args) => certs::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -40,6 +40,8 @@ pub struct MetricsArgs {
     /// Print each summary as one JSON object (one line) instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    ca: crate::tls::CaArgs,
 }
 
 fn parse_interval(s: &str) -> Result<f64, String> {
@@ -50,7 +52,8 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 }
 
 pub fn run(args: MetricsArgs) -> anyhow::Result<()> {
-    let url = MetricsEndpoint::parse(&args.router_metrics)?;
+    let url = MetricsEndpoint::parse(&args.router_metrics)?
+        .with_tls(args.ca.client(pd_tls::Alpn::Http1)?);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -510,7 +513,7 @@ pd_router_time_to_first_token_seconds_count{model_name=\"m\"} 4
             MetricsEndpoint::parse("127.0.0.1:9").unwrap().url(),
             "http://127.0.0.1:9/metrics"
         );
-        assert!(MetricsEndpoint::parse("https://h:1").is_err());
+        assert!(MetricsEndpoint::parse("ftp://h:1").is_err());
         assert!(MetricsEndpoint::parse("h").is_err());
     }
 }

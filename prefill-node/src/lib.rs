@@ -42,8 +42,8 @@ use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
-use pd_transport::KvExportServer;
 use pd_transport::rdma::{RdmaError, RdmaExporter};
+use pd_transport::{ExportConfig, KvExportServer};
 use tonic::{Request, Response, Status};
 
 use leases::{LeaseGuard, Leases};
@@ -409,7 +409,9 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         !args.kv_lease_timeout.is_zero(),
         "--kv-lease-timeout must be more than 0 seconds: decode nodes need time to pull the KV"
     );
-    // Before the model loads: `--kv-transport rdma` without a device fails at once.
+    // Before the model loads: unusable TLS flags or files, a non-loopback bind without mTLS,
+    // and `--kv-transport rdma` without a device fail at once.
+    let tls = pd_node::tls::NodeTls::load(&args.node)?;
     let rdma_device = pd_node::kv_transport::open_rdma(&args.node)?;
     let started = pd_node::start_engine(&args.node, Role::Prefill, args.kv_lease_timeout).await?;
     let (facts, engine) = (started.facts, started.thread);
@@ -421,10 +423,18 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         .ok()
         .and_then(|mut addrs| addrs.next())
         .with_context(|| format!("resolving --host {}", args.node.host))?;
-    let (export, kv_addr) =
-        KvExportServer::bind(kv_bind, facts.fingerprint, Arc::new(handle.clone()))
-            .await
-            .with_context(|| format!("binding the KV export server on {kv_bind}"))?;
+    let export_config = ExportConfig {
+        tls: tls.kv.clone(),
+        ..ExportConfig::default()
+    };
+    let (export, kv_addr) = KvExportServer::bind_with(
+        kv_bind,
+        facts.fingerprint,
+        Arc::new(handle.clone()),
+        export_config,
+    )
+    .await
+    .with_context(|| format!("binding the KV export server on {kv_bind}"))?;
     // What decode nodes dial: the advertised IP when the bind address is a wildcard.
     let kv_addr = args
         .node
@@ -493,6 +503,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         requests,
         drain_timeout: args.node.drain_timeout,
         also_idle: Box::new(move || leases.is_empty()),
+        tls,
     };
     Ok(PrefillNode {
         ready,

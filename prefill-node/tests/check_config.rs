@@ -33,6 +33,8 @@ fn flags_and_environment_make_the_effective_configuration() {
     let out = check(
         &[
             "--host=0.0.0.0",
+            // A wildcard bind without mTLS is refused otherwise (tests/tests/tls.rs).
+            "--insecure",
             "--port=50051",
             "--advertise-host=10.1.2.3",
             "--kv-port=50052",
@@ -76,7 +78,10 @@ fn the_kv_cache_type_and_block_bytes_are_resolved_per_device() {
 
 #[test]
 fn what_only_the_serving_host_has_is_a_note_not_a_failure() {
-    let out = check(&["--model=/models/not-here", "--host=0.0.0.0"], &[]);
+    let out = check(
+        &["--model=/models/not-here", "--host=0.0.0.0", "--insecure"],
+        &[],
+    );
     json(&out);
     let notes = String::from_utf8_lossy(&out.stderr);
     assert!(notes.contains("/models/not-here"), "{notes}");

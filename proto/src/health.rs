@@ -34,12 +34,7 @@ pub async fn wait_serving(addr: &str, timeout: Duration, every: Duration) -> Res
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if let Ok(channel) = endpoint.connect().await
-            && let Ok(r) = HealthClient::new(channel)
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-            && r.into_inner().status() == ServingStatus::Serving
+            && is_serving(channel).await
         {
             return Ok(());
         }
@@ -51,6 +46,17 @@ pub async fn wait_serving(addr: &str, timeout: Duration, every: Duration) -> Res
         }
         tokio::time::sleep(every).await;
     }
+}
+
+/// One check of the overall health (the empty service name) over `channel` (plaintext or
+/// TLS): whether the server answered SERVING.
+pub async fn is_serving(channel: tonic::transport::Channel) -> bool {
+    HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .is_ok_and(|r| r.into_inner().status() == ServingStatus::Serving)
 }
 
 #[cfg(test)]

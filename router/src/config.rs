@@ -66,6 +66,10 @@ pub struct RouterConfig {
     pub shared_prefix_cache: bool,
     /// `--prefix-caching-hash-algo`: the nodes' block hash (nodes that differ are not used).
     pub prefix_caching_hash_algo: HashAlgo,
+    /// TLS of the router's listeners and of its channels to the nodes (`--tls-*`; the
+    /// default is plaintext). [`RouterArgs::to_config`] leaves it plaintext: the binary
+    /// sets it from [`RouterArgs::tls`] (checking it is a separate, typed step).
+    pub tls: pd_tls::TlsSettings,
 }
 
 impl RouterConfig {
@@ -92,6 +96,7 @@ impl RouterConfig {
             api_keys: None,
             shared_prefix_cache: false,
             prefix_caching_hash_algo: HashAlgo::default(),
+            tls: pd_tls::TlsSettings::default(),
         }
     }
 }
@@ -274,6 +279,11 @@ pub struct RouterArgs {
     /// another algorithm is not routed to (its `Info` says which it uses).
     #[arg(long, env = "PD_PREFIX_CACHING_HASH_ALGO", default_value_t = HashAlgo::Xxhash, help_heading = "Routing")]
     pub prefix_caching_hash_algo: HashAlgo,
+
+    /// `--tls-cert`, `--tls-key`, `--tls-client-ca`, `--tls-ca`, `--tls-server-name`,
+    /// `--insecure`.
+    #[command(flatten)]
+    pub tls: pd_tls::TlsArgs,
 }
 
 impl RouterArgs {
@@ -310,6 +320,7 @@ impl RouterArgs {
             api_keys: self.api_keys.clone(),
             shared_prefix_cache: self.shared_prefix_cache,
             prefix_caching_hash_algo: self.prefix_caching_hash_algo,
+            tls: pd_tls::TlsSettings::default(),
         })
     }
 }

@@ -41,6 +41,9 @@ pub enum RouterError {
     Serve(#[from] tonic::transport::Error),
     #[error(transparent)]
     Keys(#[from] crate::auth::KeysError),
+    /// The `--tls-*` files cannot be used.
+    #[error("TLS: {0}")]
+    Tls(#[from] pd_tls::TlsError),
     #[error("{0}")]
     Internal(String),
 }
@@ -57,7 +60,9 @@ impl RouterError {
                 Code::InvalidArgument
             }
             RouterError::NoHealthyNode { .. } => Code::Unavailable,
-            RouterError::IncompatibleLayouts { .. } => Code::FailedPrecondition,
+            RouterError::IncompatibleLayouts { .. } | RouterError::Tls(_) => {
+                Code::FailedPrecondition
+            }
             RouterError::Node(e) => e.client_code(),
             RouterError::Serve(_) | RouterError::Internal(_) => Code::Internal,
         }

@@ -72,7 +72,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         LogFormat::Text => logs.init(),
     }
 
-    let config = cli.router.to_config()?;
+    let mut config = cli.router.to_config()?;
+    config.tls = cli.router.tls.settings()?;
+    // A router reachable from other hosts needs TLS or API keys (or --insecure).
+    pd_tls::check_exposure(
+        &cli.router.host,
+        &config.tls,
+        pd_tls::Exposure::Router {
+            keys_configured: config.api_keys.is_some(),
+        },
+    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.router.runtime_threads())
         .enable_all()

@@ -72,17 +72,21 @@ pub struct Registry {
     unpaired: Mutex<Option<String>>,
     /// Receives every node's counter report from the health checks.
     metrics: Arc<RouterMetrics>,
+    /// TLS of the channels to the nodes (`--tls-ca`), `None`: plaintext.
+    tls: Option<pd_tls::ClientTls>,
 }
 
 impl Registry {
-    /// Nodes from `host:port` (or `http://host:port`) addresses. Connects lazily.
-    /// `dns` says which roles also get nodes from DNS later ([`crate::discovery`]).
+    /// Nodes from `host:port` (or `http://host:port`) addresses. Connects lazily, with TLS
+    /// when `tls` is given. `dns` says which roles also get nodes from DNS later
+    /// ([`crate::discovery`]).
     pub fn new(
         prefill: &[String],
         decode: &[String],
         dns: DnsRoles,
         model: impl Into<String>,
         metrics: Arc<RouterMetrics>,
+        tls: Option<pd_tls::ClientTls>,
     ) -> Result<Self, RouterError> {
         if decode.is_empty() && !dns.decode {
             return Err(RouterError::NoNodes);
@@ -97,6 +101,7 @@ impl Registry {
             serving: watch::Sender::new(false),
             unpaired: Mutex::new(None),
             metrics,
+            tls,
         };
         let all = prefill
             .iter()
@@ -125,7 +130,7 @@ impl Registry {
         let uri = if addr.contains("://") {
             addr.to_string()
         } else {
-            format!("http://{addr}")
+            format!("{}://{addr}", pd_tls::scheme(self.tls.as_ref()))
         };
         let bad = |message: String| RouterError::BadAddress {
             role,
@@ -146,7 +151,8 @@ impl Registry {
             self.next_id.fetch_add(1, Ordering::Relaxed),
             role,
             addr.trim_start_matches("http://").to_string(),
-            endpoint.connect_lazy(),
+            // TCP with TCP_NODELAY, then TLS when configured.
+            endpoint.connect_with_connector_lazy(pd_tls::Connector::new(self.tls.clone())),
             discovered,
         )))
     }

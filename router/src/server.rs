@@ -11,7 +11,6 @@ use std::task::{Context, Poll};
 use pd_proto::pb::generation_server::GenerationServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::NamedService;
@@ -39,6 +38,34 @@ const HEALTH_SERVICES: [&str; 2] = ["", "pd.v1.Generation"];
 pub struct Router {
     config: RouterConfig,
     shared: Arc<Shared>,
+    tls: RouterTls,
+}
+
+/// The TLS of the router's listeners (`None`: plaintext), loaded from `config.tls` at start.
+#[derive(Debug, Clone, Default)]
+struct RouterTls {
+    /// The gRPC API (ALPN `h2`).
+    grpc: Option<pd_tls::ServerTls>,
+    /// The HTTP API and `/metrics` (ALPN `http/1.1`).
+    http: Option<pd_tls::ServerTls>,
+}
+
+impl RouterTls {
+    fn load(settings: &pd_tls::TlsSettings) -> Result<Self, RouterError> {
+        Ok(Self {
+            grpc: pd_tls::ServerTls::new(settings, pd_tls::Alpn::Grpc)?,
+            http: pd_tls::ServerTls::new(settings, pd_tls::Alpn::Http1)?,
+        })
+    }
+}
+
+fn listener_error(e: std::io::Error) -> RouterError {
+    RouterError::Internal(format!("starting a listener: {e}"))
+}
+
+/// The TLS of the channels to the nodes (`--tls-ca`), `None`: plaintext.
+fn node_tls(settings: &pd_tls::TlsSettings) -> Result<Option<pd_tls::ClientTls>, RouterError> {
+    Ok(pd_tls::ClientTls::new(settings, pd_tls::Alpn::Grpc)?)
 }
 
 impl Router {
@@ -69,6 +96,7 @@ impl Router {
             prefill: !config.prefill_dns.is_empty(),
             decode: !config.decode_dns.is_empty(),
         };
+        let tls = RouterTls::load(&config.tls)?;
         let registry = Arc::new(
             Registry::new(
                 &config.prefill,
@@ -76,6 +104,7 @@ impl Router {
                 dns,
                 model.name.clone(),
                 metrics.clone(),
+                node_tls(&config.tls)?,
             )?
             .with_hash_algo(config.prefix_caching_hash_algo),
         );
@@ -106,7 +135,11 @@ impl Router {
             node_timeout: config.node_timeout,
             request_timeout: config.request_timeout,
         });
-        Ok(Self { config, shared })
+        Ok(Self {
+            config,
+            shared,
+            tls,
+        })
     }
 
     /// `--check-config`: validates `config` as [`Router::new`] would, without serving.
@@ -140,7 +173,26 @@ impl Router {
             prefill: !config.prefill_dns.is_empty(),
             decode: !config.decode_dns.is_empty(),
         };
-        Registry::new(&config.prefill, &config.decode, dns, name, metrics)?;
+        // TLS files are read and checked as at start where they are on this machine.
+        let tls = &config.tls;
+        let files = tls.identity.iter().flat_map(|i| [&i.cert, &i.key]);
+        let missing: Vec<String> = files
+            .chain(&tls.client_ca)
+            .chain(&tls.ca)
+            .filter(|p| !p.exists())
+            .map(|p| p.display().to_string())
+            .collect();
+        let client = if missing.is_empty() {
+            RouterTls::load(tls)?;
+            node_tls(tls)?
+        } else {
+            notes.push(format!(
+                "TLS files {} are not on this machine; they are read at start",
+                missing.join(", ")
+            ));
+            None
+        };
+        Registry::new(&config.prefill, &config.decode, dns, name, metrics, client)?;
         if let Some(path) = &config.api_keys {
             Auth::from_file(path)?;
         }
@@ -182,10 +234,17 @@ impl Router {
         http_listener: Option<TcpListener>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RouterError> {
-        let Router { config, shared } = self;
+        let Router {
+            config,
+            shared,
+            tls,
+        } = self;
         let registry = shared.registry.clone();
         let mut background = JoinSet::new();
         if let Some(listener) = metrics_listener {
+            // Monitoring is no cluster member: TLS when configured, no client certificate.
+            let listener =
+                pd_tls::Listener::new(listener, tls.http.clone()).map_err(listener_error)?;
             let (metrics, registry) = (shared.metrics.clone(), registry.clone());
             background.spawn(async move {
                 if let Err(e) = metrics::serve_http(listener, metrics, registry).await {
@@ -258,6 +317,12 @@ impl Router {
         );
         // The HTTP API stops taking requests with the gRPC API and drains on its own.
         let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
+        // With --tls-client-ca the HTTP API closes connections without a client certificate
+        // the CA signed (HTTP has no UNAUTHENTICATED of its own to answer them with).
+        let http_listener = http_listener
+            .map(|l| pd_tls::Listener::cluster_only(l, tls.http.clone()))
+            .transpose()
+            .map_err(listener_error)?;
         let http = http_listener.map(|listener| {
             let api = openai::Api::new(
                 metered.clone(),
@@ -300,15 +365,16 @@ impl Router {
                     .await;
             }
         };
-        // `tcp_nodelay` on the builder does not reach sockets from our own listener: set it on
-        // each accepted connection, or small stream messages wait for delayed ACKs (~40 ms).
-        let incoming = tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
-            conn.inspect(|stream| {
-                let _ = stream.set_nodelay(true);
-            })
-        });
+        // `tcp_nodelay` on the builder does not reach sockets from our own listener: the
+        // listener sets it on each accepted connection, or small stream messages wait for
+        // delayed ACKs (~40 ms). TLS handshakes run off its accept loop.
+        let requires_client_certs = config.tls.requires_client_certs();
+        let incoming = pd_tls::Listener::new(listener, tls.grpc.clone()).map_err(listener_error)?;
         let result = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
+            // With --tls-client-ca: UNAUTHENTICATED to callers without a client certificate
+            // the CA signed (health stays open).
+            .layer(pd_tls::ClusterOnlyLayer::new(requires_client_certs))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)

@@ -9,6 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
+pub mod tls;
+
 use anyhow::{Context, bail};
 use pd_proto::pb;
 use pd_proto::pb::generation_client::GenerationClient;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::KvReservation;
+use pd_tls::{ClientTls, Conn};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
@@ -47,7 +48,7 @@ pub async fn pull_blocks(
     req: PullRequest,
     deadline: Instant,
 ) -> Result<Vec<HostBuffer>, TransportError> {
-    let mut conn = connect(addr, deadline).await?;
+    let mut conn = connect(addr, deadline, None).await?;
     let mut started = false;
     let mut sink = Sink::Buffers {
         pool: None,
@@ -147,10 +148,12 @@ pub struct KvPuller {
     idle: Arc<Mutex<HashMap<SocketAddr, Vec<IdleConn>>>>,
     stats: Arc<TransferStats>,
     buffers: Option<BlockBuffers>,
+    /// TLS for new connections (`--tls-ca`; this node's certificate as client identity).
+    tls: Option<ClientTls>,
 }
 
 struct IdleConn {
-    conn: BufStream<TcpStream>,
+    conn: BufStream<Conn>,
     since: Instant,
 }
 
@@ -182,6 +185,12 @@ impl KvPuller {
             buffers: Some(buffers),
             ..Self::default()
         }
+    }
+
+    /// This puller, dialing with TLS when `tls` is given (new connections from now on).
+    pub fn with_tls(mut self, tls: Option<ClientTls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The buffers pulled blocks arrive in, if set ([`KvPuller::with_buffers`]).
@@ -263,7 +272,7 @@ impl KvPuller {
                 Err(e) => return Err(e),
             }
         }
-        let mut conn = connect(addr, deadline).await?;
+        let mut conn = connect(addr, deadline, self.tls.as_ref()).await?;
         let mut started = false;
         transfer(addr, &mut conn, &req, deadline, &mut started, sink).await?;
         self.put_idle(addr, conn);
@@ -278,14 +287,14 @@ impl KvPuller {
             .unwrap_or(0)
     }
 
-    fn take_idle(&self, addr: SocketAddr) -> Option<BufStream<TcpStream>> {
+    fn take_idle(&self, addr: SocketAddr) -> Option<BufStream<Conn>> {
         let mut idle = self.idle.lock().ok()?;
         let conns = idle.get_mut(&addr)?;
         conns.retain(|c| c.since.elapsed() < MAX_IDLE_AGE);
         conns.pop().map(|c| c.conn)
     }
 
-    fn put_idle(&self, addr: SocketAddr, conn: BufStream<TcpStream>) {
+    fn put_idle(&self, addr: SocketAddr, conn: BufStream<Conn>) {
         if let Ok(mut idle) = self.idle.lock() {
             let conns = idle.entry(addr).or_default();
             if conns.len() < MAX_IDLE_PER_PEER {
@@ -301,7 +310,8 @@ impl KvPuller {
 async fn connect(
     addr: SocketAddr,
     deadline: Instant,
-) -> Result<BufStream<TcpStream>, TransportError> {
+    tls: Option<&ClientTls>,
+) -> Result<BufStream<Conn>, TransportError> {
     let expired = || TransportError::Deadline {
         addr,
         stage: "connecting",
@@ -314,14 +324,24 @@ async fn connect(
         .map_err(|_| expired())?
         .map_err(|source| TransportError::Connect { addr, source })?;
     let _ = stream.set_nodelay(true);
-    Ok(BufStream::with_capacity(4 << 10, 4 << 10, stream))
+    let conn = match tls {
+        // The exporter's certificate must name its IP (or --tls-server-name).
+        Some(tls) => {
+            tokio::time::timeout_at(deadline.into(), tls.connect(stream, &addr.ip().to_string()))
+                .await
+                .map_err(|_| expired())?
+                .map_err(|source| TransportError::Connect { addr, source })?
+        }
+        None => Conn::Plain(stream),
+    };
+    Ok(BufStream::with_capacity(4 << 10, 4 << 10, conn))
 }
 
 /// One request/response on an open connection, bounded by `deadline`. `started` turns true
 /// once the response header arrived.
 async fn transfer(
     addr: SocketAddr,
-    conn: &mut BufStream<TcpStream>,
+    conn: &mut BufStream<Conn>,
     req: &PullRequest,
     deadline: Instant,
     started: &mut bool,
@@ -345,7 +365,7 @@ async fn transfer(
 }
 
 async fn exchange(
-    conn: &mut BufStream<TcpStream>,
+    conn: &mut BufStream<Conn>,
     req: &PullRequest,
     timeout_ms: u32,
     started: &mut bool,

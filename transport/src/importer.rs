@@ -85,6 +85,12 @@ impl KvImporter {
         self
     }
 
+    /// TCP pulls dial with TLS when `tls` is given (call after [`KvImporter::with_buffers`]).
+    pub fn with_tls(mut self, tls: Option<pd_tls::ClientTls>) -> Self {
+        self.tcp = self.tcp.with_tls(tls);
+        self
+    }
+
     /// Counters of every pull, both paths, and the failovers.
     pub fn stats(&self) -> &Arc<TransferStats> {
         self.tcp.stats()

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pd_engine::serve::LeasedKv;
+use pd_tls::{Conn, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -95,6 +96,10 @@ pub struct ExportConfig {
     pub idle_timeout: Duration,
     /// Upper bound of one transfer, whatever deadline the importer sent (default 120 s).
     pub max_transfer_time: Duration,
+    /// TLS on this port (default none: plaintext). With a client CA, a connection whose
+    /// client presented no certificate the CA signed is closed after the handshake, before
+    /// it is read from or written to.
+    pub tls: Option<ServerTls>,
 }
 
 impl Default for ExportConfig {
@@ -103,6 +108,7 @@ impl Default for ExportConfig {
             batch_bytes: 32 << 20,
             idle_timeout: Duration::from_secs(60),
             max_transfer_time: Duration::from_secs(120),
+            tls: None,
         }
     }
 }
@@ -286,6 +292,9 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, mut shutdown: watch::
 /// Serve requests on one connection until it closes, idles out or the server stops.
 async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
     let _ = stream.set_nodelay(true);
+    let Some(stream) = secure(stream, ctx.config.tls.as_ref()).await else {
+        return;
+    };
     let mut s = BufStream::with_capacity(64 << 10, 256 << 10, stream);
     loop {
         let mut head = [0u8; FRAME_HEADER_LEN];
@@ -356,12 +365,34 @@ async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Recei
     }
 }
 
+/// The connection as this port serves it: the TLS handshake when configured (in this
+/// connection's task, bounded by the handshake timeout: a silent client holds up no other),
+/// and `None` (close it) when it fails or when a required client certificate is missing.
+async fn secure(stream: TcpStream, tls: Option<&ServerTls>) -> Option<Conn> {
+    let Some(tls) = tls else {
+        return Some(Conn::Plain(stream));
+    };
+    let peer = stream.peer_addr().ok();
+    let conn = match tls.accept(stream).await {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::debug!(?peer, error = %e, "KV export: TLS handshake failed");
+            return None;
+        }
+    };
+    if tls.requires_client_certs() && !conn.peer_info().client_verified {
+        tracing::debug!(?peer, "KV export: no cluster client certificate; closing");
+        return None;
+    }
+    Some(conn)
+}
+
 enum Next {
     KeepAlive,
     Close,
 }
 
-async fn send(s: &mut BufStream<TcpStream>, frame: &PullResponseFrame) -> io::Result<()> {
+async fn send(s: &mut BufStream<Conn>, frame: &PullResponseFrame) -> io::Result<()> {
     s.write_all(&frame.encode()).await?;
     s.flush().await
 }
@@ -403,7 +434,7 @@ fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> 
 
 /// Answer one pull: a refusal, or the header and the whole payload.
 async fn serve_pull(
-    s: &mut BufStream<TcpStream>,
+    s: &mut BufStream<Conn>,
     req: &PullRequestFrame,
     ctx: &Arc<Ctx>,
 ) -> io::Result<Next> {

@@ -8,7 +8,6 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use tokio::net::TcpListener;
 
 use super::encode;
 use super::node::NodeMetrics;
@@ -20,10 +19,10 @@ async fn scrape(State(metrics): State<Arc<NodeMetrics>>) -> impl IntoResponse {
     ([(CONTENT_TYPE, encode::CONTENT_TYPE)], metrics.render())
 }
 
-/// Serve `GET /metrics` on `listener` until `shutdown` resolves (other paths: 404, other
+/// Serve `GET /metrics` on `listener` (TLS when it has it) until `shutdown` resolves (other paths: 404, other
 /// methods: 405).
 pub async fn serve(
-    listener: TcpListener,
+    listener: pd_tls::Listener,
     metrics: Arc<NodeMetrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {

@@ -205,6 +205,9 @@ pub struct BenchArgs {
     /// the benchmark's window. With --up it is found in `pdctl up`'s ready line.
     #[arg(long, help_heading = "Cluster")]
     pub router_metrics: Option<String>,
+    /// `--ca FILE`: the router's gRPC, HTTP API and metrics over TLS.
+    #[command(flatten, next_help_heading = "Cluster")]
+    pub ca: crate::tls::CaArgs,
     /// Start a local cluster with `pdctl up` for the benchmark and stop it afterwards.
     #[arg(long, help_heading = "Cluster")]
     pub up: bool,

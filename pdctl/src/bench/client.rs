@@ -213,7 +213,8 @@ pub async fn send(
 #[derive(Debug, Clone)]
 pub enum Target {
     Grpc(Channel, ApiKey),
-    Openai(String, ApiKey),
+    /// The base URL, the key, and TLS (`--ca`).
+    Openai(String, ApiKey, Option<pd_tls::ClientTls>),
 }
 
 impl Target {
@@ -221,7 +222,9 @@ impl Target {
     pub fn client(&self) -> Client {
         match self {
             Target::Grpc(channel, key) => Client::Grpc(key.client(channel.clone())),
-            Target::Openai(base, key) => Client::Openai(OpenaiClient::new(base, key)),
+            Target::Openai(base, key, tls) => {
+                Client::Openai(OpenaiClient::new(base, key, tls.clone()))
+            }
         }
     }
 }

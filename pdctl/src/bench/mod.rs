@@ -29,7 +29,7 @@ use crate::auth::ApiKey;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use pd_proto::pb;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 pub use args::BenchArgs;
 use args::{PromptFormat, WorkloadKind};
@@ -96,10 +96,12 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .router_metrics
         .clone()
         .or_else(|| cluster.as_ref().and_then(|c| c.router_metrics.clone()));
+    let http_tls = args.ca.client(pd_tls::Alpn::Http1)?;
     let metrics = metrics_addr
         .as_deref()
         .map(scrape::MetricsEndpoint::parse)
-        .transpose()?;
+        .transpose()?
+        .map(|m| m.with_tls(http_tls.clone()));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -109,19 +111,8 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn connect(router: &str) -> anyhow::Result<Channel> {
-    let url = if router.contains("://") {
-        router.to_string()
-    } else {
-        format!("http://{router}")
-    };
-    Endpoint::from_shared(url)
-        .with_context(|| format!("`{router}` is not a router address (HOST:PORT)"))?
-        .connect_timeout(Duration::from_secs(10))
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the router at {router}"))
+async fn connect(router: &str, tls: Option<&pd_tls::ClientTls>) -> anyhow::Result<Channel> {
+    crate::tls::channel(router, tls).await
 }
 
 /// Name and limits of the served model.
@@ -277,7 +268,7 @@ async fn bench_async(
     metrics: Option<scrape::MetricsEndpoint>,
     cluster: Option<&cluster::LocalCluster>,
 ) -> anyhow::Result<()> {
-    let channel = connect(router).await?;
+    let channel = connect(router, args.ca.client(pd_tls::Alpn::Grpc)?.as_ref()).await?;
     let key = ApiKey::new(args.api_key.as_deref())?;
     let card = model_card(&channel, &key).await?;
     let limits = ModelLimits {
@@ -329,6 +320,7 @@ async fn bench_async(
                 .or_else(|| args.openai_url.clone())
                 .context("--backend openai needs --openai-url http://HOST:PORT/v1 (or --up)")?,
             key.clone(),
+            args.ca.client(pd_tls::Alpn::Http1)?,
         ),
     };
     let out = driver::run(

@@ -24,18 +24,24 @@ pub struct OpenaiClient {
     /// `Authorization` header value (`Bearer KEY`), if `--api-key` is given.
     authorization: Option<String>,
     conn: Option<Sender>,
+    /// HTTPS (`--ca`).
+    tls: Option<pd_tls::ClientTls>,
 }
 
 impl OpenaiClient {
-    /// A client of the API at `base` (`http://HOST:PORT/v1`).
-    pub fn new(base: &str, key: &crate::auth::ApiKey) -> Self {
-        let rest = base.strip_prefix("http://").unwrap_or(base);
+    /// A client of the API at `base` (`http://HOST:PORT/v1`, or `https://` with `tls`).
+    pub fn new(base: &str, key: &crate::auth::ApiKey, tls: Option<pd_tls::ClientTls>) -> Self {
+        let rest = base
+            .strip_prefix("http://")
+            .or_else(|| base.strip_prefix("https://"))
+            .unwrap_or(base);
         let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         Self {
             authority: authority.to_string(),
             prefix: prefix.trim_end_matches('/').to_string(),
             authorization: key.header().map(str::to_string),
             conn: None,
+            tls,
         }
     }
 
@@ -45,10 +51,14 @@ impl OpenaiClient {
         {
             return Ok(self.conn.as_mut().expect("just checked"));
         }
-        let stream = tokio::net::TcpStream::connect(&self.authority)
+        let (host, port) = self
+            .authority
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse().ok()?)))
+            .ok_or_else(|| format!("{} is not HOST:PORT", self.authority))?;
+        let stream = pd_tls::dial(self.tls.as_ref(), host, port)
             .await
             .map_err(|e| format!("connecting to {}: {e}", self.authority))?;
-        let _ = stream.set_nodelay(true);
         let (sender, conn) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
@@ -258,7 +268,7 @@ mod tests {
         let (route, b) = body(&req);
         assert_eq!(route, "/chat/completions");
         assert_eq!(b["messages"][0], json!({"role": "user", "content": "hi"}));
-        let c = OpenaiClient::new("http://127.0.0.1:9/v1", &Default::default());
+        let c = OpenaiClient::new("http://127.0.0.1:9/v1", &Default::default(), None);
         assert_eq!(
             (c.authority.as_str(), c.prefix.as_str()),
             ("127.0.0.1:9", "/v1")

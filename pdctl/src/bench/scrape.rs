@@ -19,7 +19,10 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
-    #[error("`{0}` is not a metrics address (HOST:PORT or http://HOST:PORT/metrics)")]
+    #[error(
+        "`{0}` is not a metrics address (HOST:PORT or http[s]://HOST:PORT/metrics; https \
+         needs --ca)"
+    )]
     BadAddress(String),
     #[error("reading {url}: {reason}")]
     Http { url: String, reason: String },
@@ -132,6 +135,8 @@ pub struct MetricsEndpoint {
     url: String,
     authority: String,
     path: String,
+    /// HTTPS (`--ca`).
+    tls: Option<pd_tls::ClientTls>,
 }
 
 impl MetricsEndpoint {
@@ -144,9 +149,11 @@ impl MetricsEndpoint {
             format!("http://{s}")
         };
         let uri: hyper::Uri = with_scheme.parse().map_err(|_| bad())?;
-        if uri.scheme_str() != Some("http") {
+        // `https://` works with --ca (see `with_tls`), which decides TLS.
+        if !matches!(uri.scheme_str(), Some("http" | "https")) {
             return Err(bad());
         }
+        let https = uri.scheme_str() == Some("https");
         let authority = uri.authority().ok_or_else(bad)?;
         if authority.port_u16().is_none() {
             return Err(bad());
@@ -156,10 +163,20 @@ impl MetricsEndpoint {
             p => p.to_string(),
         };
         Ok(Self {
-            url: format!("http://{authority}{path}"),
+            url: format!("http{}://{authority}{path}", if https { "s" } else { "" }),
             authority: authority.to_string(),
             path,
+            tls: None,
         })
+    }
+
+    /// This endpoint over HTTPS, verified with `tls`, when given (`--ca`).
+    pub fn with_tls(mut self, tls: Option<pd_tls::ClientTls>) -> Self {
+        if tls.is_some() {
+            self.url = format!("https://{}{}", self.authority, self.path);
+        }
+        self.tls = tls;
+        self
     }
 
     pub fn url(&self) -> &str {
@@ -172,8 +189,18 @@ impl MetricsEndpoint {
             url: self.url.clone(),
             reason,
         };
+        if self.url.starts_with("https://") && self.tls.is_none() {
+            return Err(http(
+                "https needs --ca FILE (the CA of the router's certificate)".into(),
+            ));
+        }
         let get = async {
-            let stream = tokio::net::TcpStream::connect(&self.authority)
+            let (host, port) = self
+                .authority
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h, p.parse().ok()?)))
+                .ok_or_else(|| http("not HOST:PORT".into()))?;
+            let stream = pd_tls::dial(self.tls.as_ref(), host, port)
                 .await
                 .map_err(|e| http(e.to_string()))?;
             let (mut sender, conn) =

@@ -6,7 +6,6 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use tokio::net::TcpListener;
 
 use super::RouterMetrics;
 use crate::registry::Registry;
@@ -20,9 +19,9 @@ struct Scrape {
     registry: Arc<Registry>,
 }
 
-/// Serves `GET /metrics` on `listener` until the task is dropped.
+/// Serves `GET /metrics` on `listener` (TLS when it has it) until the task is dropped.
 pub async fn serve(
-    listener: TcpListener,
+    listener: pd_tls::Listener,
     metrics: Arc<RouterMetrics>,
     registry: Arc<Registry>,
 ) -> std::io::Result<()> {

@@ -37,7 +37,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
-use tokio::net::TcpListener;
 use tonic::Code;
 
 use self::request::{BadRequest, Endpoint};
@@ -87,7 +86,7 @@ impl Api {
 /// Serves the API on `listener` until `shutdown` completes, then lets the requests in flight
 /// finish. Bodies above `max_body_bytes` are refused with 413.
 pub(crate) async fn serve(
-    listener: TcpListener,
+    listener: pd_tls::Listener,
     api: Api,
     max_body_bytes: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
