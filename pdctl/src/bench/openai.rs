@@ -261,7 +261,7 @@ mod tests {
         let (route, b) = body(&req);
         assert_eq!(route, "/chat/completions");
         assert_eq!(b["messages"][0], json!({"role": "user", "content": "hi"}));
-        let c = OpenaiClient::new("http://127.0.0.1:9/v1");
+        let c = OpenaiClient::new("http://127.0.0.1:9/v1", None);
         assert_eq!(
             (c.authority.as_str(), c.prefix.as_str()),
             ("127.0.0.1:9", "/v1")
