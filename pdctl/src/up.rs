@@ -230,7 +230,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let router_metrics = field(&router, "metrics_addr")?;
     let router_http = field(&router, "http")?;
     parts.push(router);
-    if let Err(e) = wait_serving(&router_addr).await {
+    // A secure cluster passes the TLS its clients use here (the CA of the router's certificate).
+    if let Err(e) = wait_serving(&router_addr, None).await {
         stop(&mut parts).await;
         return Err(e);
     }
@@ -286,11 +287,30 @@ where
     out
 }
 
-/// Poll the router's gRPC health check until it reports SERVING.
-async fn wait_serving(addr: &str) -> anyhow::Result<()> {
-    pd_proto::health::wait_serving(addr, Duration::from_secs(60), Duration::from_millis(100))
+/// Poll the router's gRPC health check until it reports SERVING, over TLS when `tls` is given
+/// (a router started with `--tls-cert`).
+async fn wait_serving(addr: &str, tls: Option<&pd_tls::ClientTls>) -> anyhow::Result<()> {
+    let Some(tls) = tls else {
+        return pd_proto::health::wait_serving(
+            addr,
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+        )
         .await
-        .context("the router")
+        .context("the router");
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(channel) = crate::tls::channel(addr, Some(tls)).await
+            && pd_proto::health::is_serving(channel).await
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("the router at {addr} did not report SERVING within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// SIGTERM every part (router first, so no new work reaches the nodes), then wait; SIGKILL

@@ -19,6 +19,10 @@
 //! process) is timed in the same rounds: the floor of any router hop on this machine, so that
 //! the router's own cost is its added latency minus the forwarder's.
 //!
+//! A router with TLS (TLS to its client, mTLS to its own prefill and decode nodes, started
+//! beside the cluster with certificates made here) is timed in the same rounds too: the
+//! ratio of its p50 to the plaintext router's is the cost of TLS on the request path.
+//!
 //! `cargo build --release --workspace --bins && cargo bench -p pd-tests --bench router_overhead`
 
 use std::io::BufRead;
@@ -224,6 +228,33 @@ async fn bench() {
         wait_serving(&process.addr()).await.expect("router serving");
         routers.push(process);
     }
+    // The TLS router, over nodes of its own with mTLS (same model and binaries).
+    let tls = pd_tests::tls::TlsFiles::generate();
+    let member = tls.member_flags();
+    let start_tls_node = |bin: &str| {
+        let mut args = vec!["--model".to_string(), "synthetic:tiny".into()];
+        args.extend(member.iter().cloned());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Process::start(bin, cache.path(), &args).expect("TLS node")
+    };
+    let tls_prefill = start_tls_node("prefill-node");
+    let tls_decode = start_tls_node("decode-node");
+    let mut tls_router_args = vec!["--model".to_string(), "synthetic:tiny".into()];
+    // TLS to clients (who have no cluster certificate), mTLS to the nodes.
+    tls_router_args.extend(member[..4].iter().cloned());
+    tls_router_args.extend(member[6..].iter().cloned());
+    tls_router_args.extend([
+        "--prefill".into(),
+        tls_prefill.addr(),
+        "--decode".into(),
+        tls_decode.addr(),
+    ]);
+    let tls_router_args: Vec<&str> = tls_router_args.iter().map(String::as_str).collect();
+    let tls_router = Process::start("router", cache.path(), &tls_router_args).expect("TLS router");
+    let client_tls = tls.client(false);
+    pd_tests::tls::wait_serving(&tls_router.addr(), Some(&client_tls))
+        .await
+        .expect("TLS router serving");
     let (_forwarder, forwarder_addr) = ForwarderProcess::start(&prefill_addr);
     // Every client connects once every process has started: a client connected before the
     // benchmark started more processes measured 40-160 us slower at p50 than another
@@ -243,15 +274,22 @@ async fn bench() {
         }
         connected
     };
+    let mut via_tls = GenerationClient::new(
+        pd_tests::tls::channel(&tls_router.addr(), Some(&client_tls))
+            .await
+            .expect("TLS router"),
+    );
     let mut prefill =
         pb::prefill_service_client::PrefillServiceClient::connect(format!("http://{prefill_addr}"))
             .await
             .expect("prefill node");
     let prompt: Vec<u32> = (1..9).collect();
     // Target 0 is the node itself, 1 the bare forwarder, 2 this build's router over HTTP,
-    // 3 the same router over gRPC, 4.. the baseline routers. Each round times every target
-    // once, in a fresh random order: what a request follows then weighs on all targets alike.
-    let targets = 3 + routers.len();
+    // 3 the same router over gRPC, 4.. the baseline routers, the last this build's router
+    // with TLS. Each round times every target once, in a fresh random order: what a request
+    // follows then weighs on all targets alike.
+    let tls_target = 3 + routers.len();
+    let targets = tls_target + 1;
     let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
     let mut order: Vec<usize> = (0..targets).collect();
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
@@ -262,6 +300,7 @@ async fn bench() {
                 0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
                 1 => through(&mut forwarder, &prompt).await,
                 2 => through_http(&mut http, &prompt).await,
+                r if r == tls_target => through(&mut via_tls, &prompt).await,
                 r => through(&mut routers[r - 3].1, &prompt).await,
             };
             if i >= 20 {
@@ -272,6 +311,7 @@ async fn bench() {
     let mut via_forwarder = std::mem::take(&mut times[1]);
     let mut direct = std::mem::take(&mut times[0]);
     let mut via_http = std::mem::take(&mut times[2]);
+    let mut via_tls_router = times.pop().expect("the TLS router's times");
     for ((_, _, v), t) in routers.iter_mut().zip(times.into_iter().skip(3)) {
         *v = t;
     }
@@ -305,6 +345,12 @@ async fn bench() {
     println!(
         "  the router's own cost (router - forwarder) p50 {:6.0} us",
         us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
+    );
+    report("through the TLS router", &mut via_tls_router);
+    println!(
+        "  TLS over plaintext through the router: p50 {:.3}x (+{:.0} us)",
+        us(percentile(&mut via_tls_router, 0.5)) / us(percentile(&mut via_router, 0.5)),
+        us(percentile(&mut via_tls_router, 0.5)) - us(percentile(&mut via_router, 0.5))
     );
     for (bin, (_, _, times)) in baseline_bins.iter().zip(routers.iter_mut().skip(1)) {
         report(&format!("through {bin}"), times);

@@ -380,3 +380,97 @@ fn beyond_loopback_without_security_a_part_refuses_to_start_unless_insecure() {
         String::from_utf8_lossy(&ok.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pdctl_certs_secure_a_cluster_that_pdctl_reaches_with_ca() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let made = pd_tests::pdctl(
+        cache.path(),
+        &["certs", "--out", out, "--hosts", "pd-router"],
+    );
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let again = pd_tests::pdctl(cache.path(), &["certs", "--out", out, "--hosts", "x"]);
+    assert!(
+        !again.status.success(),
+        "existing files are not overwritten"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+
+    let file = |f: &str| dir.path().join(f).display().to_string();
+    let member: Vec<String> = [
+        "--tls-cert",
+        &file("node.crt"),
+        "--tls-key",
+        &file("node.key"),
+        "--tls-client-ca",
+        &file("ca.crt"),
+        "--tls-ca",
+        &file("ca.crt"),
+    ]
+    .map(String::from)
+    .to_vec();
+    let prefill = start("prefill-node", cache.path(), &member);
+    let decode = start("decode-node", cache.path(), &member);
+    let mut flags = member[..4].to_vec();
+    flags.extend(member[6..].iter().cloned());
+    flags.extend([
+        "--prefill".into(),
+        prefill.addr(),
+        "--decode".into(),
+        decode.addr(),
+    ]);
+    let router = start("router", cache.path(), &flags);
+    let ca_only = pd_tls::TlsSettings {
+        ca: Some(dir.path().join("ca.crt")),
+        ..Default::default()
+    };
+    let client_tls = ClientTls::new(&ca_only, Alpn::Grpc).unwrap();
+    wait_serving(&router.addr(), client_tls.as_ref())
+        .await
+        .unwrap();
+
+    let addr = router.addr();
+    let ca = file("ca.crt");
+    let ask = |extra: &[&str]| {
+        let mut args = vec!["generate", "--router", &addr, "--token-ids", "5,6,7,8"];
+        args.extend(["--max-tokens", "6", "--temperature", "0", "--json"]);
+        args.extend_from_slice(extra);
+        pd_tests::pdctl(cache.path(), &args)
+    };
+    let answer = ask(&["--ca", &ca]);
+    assert!(
+        answer.status.success(),
+        "{}",
+        String::from_utf8_lossy(&answer.stderr)
+    );
+    assert_eq!(pd_tests::token_ids(&pd_tests::json_of(&answer)).len(), 6);
+    assert!(
+        !ask(&[]).status.success(),
+        "plaintext to the TLS router fails"
+    );
+
+    let metrics = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let scraped = pd_tests::pdctl(
+        cache.path(),
+        &[
+            "metrics",
+            "--router-metrics",
+            &metrics,
+            "--once",
+            "--json",
+            "--ca",
+            &ca,
+        ],
+    );
+    assert!(
+        scraped.status.success(),
+        "{}",
+        String::from_utf8_lossy(&scraped.stderr)
+    );
+}

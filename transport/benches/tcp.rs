@@ -19,6 +19,9 @@
 //!   GPU node's first pull from a peer costs).
 //! - "new conn, in place": a fresh connection per pull into the (already touched) reserved KV
 //!   memory: what a CPU node's first pull from a peer costs, TCP's window growth alone.
+//! - "over mTLS, in place": the "in place" pull from a second export server over the same
+//!   lease with TLS and client certificates (`--tls-*` on both nodes), on a pooled
+//!   connection; its ratio to the plaintext row is what TLS costs a KV pull.
 //!
 //! Environment: `PD_BENCH_BLOCKS` (default 256), `PD_BENCH_BLOCK_BYTES` bytes per block
 //! (default 3670016 = Qwen3-0.6B with an f32 cache: 2 x 28 layers x 16 tokens x 8 KV heads
@@ -42,7 +45,8 @@ use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::{
-    KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
+    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
+    pull_blocks,
 };
 
 struct MemSource(Arc<LeasedKv>);
@@ -178,6 +182,24 @@ fn main() {
             Arc::new(MemSource(Arc::clone(&source))),
         ))
         .expect("bind");
+    // The same source behind a second export server with mTLS, and a puller with the
+    // member certificate: KV pull throughput over TLS beside plaintext, in the same rounds.
+    let certs = tempfile::tempdir().expect("tempdir");
+    let tls = mtls_settings(certs.path());
+    let tls_config = ExportConfig {
+        tls: pd_tls::ServerTls::new(&tls, pd_tls::Alpn::None).expect("server TLS"),
+        ..ExportConfig::default()
+    };
+    let (tls_server, tls_addr): (KvExportServer, SocketAddr) = rt
+        .block_on(KvExportServer::bind_with(
+            "127.0.0.1:0".parse().expect("addr"),
+            fp,
+            Arc::new(MemSource(Arc::clone(&source))),
+            tls_config,
+        ))
+        .expect("bind");
+    let tls_puller = KvPuller::new()
+        .with_tls(pd_tls::ClientTls::new(&tls, pd_tls::Alpn::None).expect("client TLS"));
     let req = PullRequest {
         lease_id: 1,
         fingerprint: fp,
@@ -205,6 +227,10 @@ fn main() {
             assert_eq!(r.block_checksum(i, i as u64), want, "block {i} differs");
         }
     };
+    rt.block_on(tls_puller.pull_into(tls_addr, req, &mut into, deadline()))
+        .expect("warm-up pull over TLS");
+    check_placed(&into);
+    let mut tls_placed = Duration::MAX;
 
     // Each transport row gets its own raw-socket samples, taken just before it, so that
     // both sides of each ratio are the best of the same number of runs.
@@ -244,6 +270,12 @@ fn main() {
         check_placed(&into);
 
         let t = Instant::now();
+        rt.block_on(tls_puller.pull_into(tls_addr, req, &mut into, deadline()))
+            .expect("pull in place over TLS");
+        tls_placed = tls_placed.min(t.elapsed());
+        check_placed(&into);
+
+        let t = Instant::now();
         rt.block_on(KvPuller::new().pull_into(addr, req, &mut into, deadline()))
             .expect("pull in place over a new connection");
         fresh_placed = fresh_placed.min(t.elapsed());
@@ -258,6 +290,7 @@ fn main() {
     }
     raw_peer.stop();
     rt.block_on(server.shutdown(Duration::from_secs(5)));
+    rt.block_on(tls_server.shutdown(Duration::from_secs(5)));
 
     let row = |name: &str, d: Duration| {
         println!(
@@ -272,6 +305,7 @@ fn main() {
     row("pd-transport, in place (decode node)", placed);
     row("pd-transport, new conn + buffers", fresh);
     row("pd-transport, new conn, in place", fresh_placed);
+    row("pd-transport over mTLS, in place", tls_placed);
     row("(checksums at lease time, once)", checksum_time);
     row("(lease copy into fresh buffers)", copy_time);
     println!(
@@ -283,4 +317,25 @@ fn main() {
         raw2.as_secs_f64() / fresh_placed.as_secs_f64(),
         memcpy.as_secs_f64() / pooled.as_secs_f64()
     );
+    println!(
+        "pd-transport over mTLS / plaintext, in place, pooled connection: {:.2}",
+        placed.as_secs_f64() / tls_placed.as_secs_f64()
+    );
+}
+
+/// A cluster CA and member certificate in `dir`, as both ends of a KV pull use them.
+fn mtls_settings(dir: &std::path::Path) -> pd_tls::TlsSettings {
+    use pd_tls::certs::{ClusterCa, write_file};
+    let ca = ClusterCa::new("bench CA").expect("CA");
+    let member = ca.issue_member(&[]).expect("member");
+    let [ca_path, cert, key] = ["ca.crt", "node.crt", "node.key"].map(|f| dir.join(f));
+    write_file(&ca_path, ca.pem().cert.as_bytes(), false).expect("ca.crt");
+    write_file(&cert, member.cert.as_bytes(), false).expect("node.crt");
+    write_file(&key, member.key.as_bytes(), true).expect("node.key");
+    pd_tls::TlsSettings {
+        identity: Some(pd_tls::Identity { cert, key }),
+        client_ca: Some(ca_path.clone()),
+        ca: Some(ca_path),
+        ..pd_tls::TlsSettings::default()
+    }
 }

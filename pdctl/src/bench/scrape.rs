@@ -401,7 +401,16 @@ pd_router_kv_transfer_seconds_count{role=\"decode\",node=\"c:3\",model_name=\"m\
             MetricsEndpoint::parse("http://h:1/m").unwrap().url(),
             "http://h:1/m"
         );
-        assert!(MetricsEndpoint::parse("https://h:1").is_err());
+        assert!(MetricsEndpoint::parse("ftp://h:1").is_err());
         assert!(MetricsEndpoint::parse("nohost").is_err());
+        // https is read with --ca only.
+        let https = MetricsEndpoint::parse("https://h:1").unwrap();
+        assert_eq!(https.url(), "https://h:1/metrics");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let err = rt.block_on(https.fetch()).unwrap_err().to_string();
+        assert!(err.contains("--ca"), "{err}");
     }
 }
