@@ -126,6 +126,7 @@ pub fn effective_config(
             "num_gpu_blocks": e.num_gpu_blocks,
             "host_cache_blocks": e.host_cache_blocks,
             "enable_prefix_caching": !e.no_enable_prefix_caching,
+            "prefix_caching_hash_algo": e.prefix_caching_hash_algo.as_str(),
             "max_model_len": e.max_model_len,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs,

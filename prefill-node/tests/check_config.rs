@@ -42,9 +42,11 @@ fn flags_and_environment_make_the_effective_configuration() {
         &[
             ("PD_MODEL", "synthetic:qwen3-0.6b"),
             ("PD_BLOCK_SIZE", "32"),
+            ("PD_PREFIX_CACHING_HASH_ALGO", "sha256"),
         ],
     );
     let c = json(&out);
+    assert_eq!(c["engine"]["prefix_caching_hash_algo"], "sha256");
     assert_eq!(c["role"], "prefill");
     assert_eq!(c["model"]["source"], "synthetic:qwen3-0.6b");
     assert_eq!(c["model"]["max_model_len"], 40960);
@@ -94,6 +96,10 @@ fn a_bad_value_exits_non_zero_naming_it() {
         (&["--model=synthetic:nope"][..], "--model"),
         (&["--max-model-len=1000000"][..], "--max-model-len"),
         (&["--block-size=0"][..], "--block-size"),
+        (
+            &["--prefix-caching-hash-algo=md5"][..],
+            "--prefix-caching-hash-algo",
+        ),
         (&["--max-num-seqs=0"][..], "--max-num-seqs"),
         (&["--kv-lease-timeout=0"][..], "--kv-lease-timeout"),
         (&["--advertise-host=pod-ip"][..], "--advertise-host"),

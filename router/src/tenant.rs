@@ -58,9 +58,13 @@ impl Tenant {
     }
 }
 
+/// The `default` tenant, made once: without keys every request takes a clone of it.
+static DEFAULT_TENANT: std::sync::LazyLock<Tenant> =
+    std::sync::LazyLock::new(|| Tenant(Tenant::DEFAULT.into()));
+
 impl Default for Tenant {
     fn default() -> Self {
-        Self(Self::DEFAULT.into())
+        DEFAULT_TENANT.clone()
     }
 }
 
