@@ -40,7 +40,7 @@ use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::checksum::block_checksum;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::{
     KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks, pull_blocks,
 };
@@ -48,7 +48,13 @@ use pd_transport::{
 struct MemSource(Arc<LeasedKv>);
 
 impl KvSource for MemSource {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        _secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
         // Shared, not copied, checksummed beforehand: as the engine's lease store lends a
         // lease's blocks.
         (lease_id == 1)
@@ -180,6 +186,7 @@ fn main() {
         .expect("bind");
     let req = PullRequest {
         lease_id: 1,
+        lease_secret: LeaseSecret::from_bytes([1; 16]),
         fingerprint: fp,
         first_block: 0,
         count: blocks,

@@ -39,15 +39,18 @@ impl Job {
         text: &mut TextStream<'_>,
         handoff: Option<Handoff<'_>>,
     ) -> Result<pb::GenerateResponse, End> {
-        let layout = handoff.map(|h| Layout {
-            fingerprint: h.kv.layout_fingerprint.clone(),
-            block_size: h.kv.block_size,
+        let layout = handoff.map(|h| {
+            let layout = Layout {
+                fingerprint: h.kv.layout_fingerprint.clone(),
+                block_size: h.kv.block_size,
+            };
+            (layout, h.kv.addr.as_str())
         });
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
         loop {
             let candidates =
-                match (self.shared.registry).decode_candidates(layout.as_ref(), &excluded) {
+                match (self.shared.registry).decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), &excluded) {
                     Ok(c) => c,
                     Err(e) => {
                         let code = match &previous {
