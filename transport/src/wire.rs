@@ -432,7 +432,11 @@ mod tests {
             "lease id little-endian"
         );
         assert_eq!(&b[20..36], b"0123456789abcdef", "the secret after the id");
-        assert_eq!(&b[36..44], &0xdead_beef_u64.to_le_bytes(), "then the fingerprint");
+        assert_eq!(
+            &b[36..44],
+            &0xdead_beef_u64.to_le_bytes(),
+            "then the fingerprint"
+        );
         let h = FrameHeader::decode(b[..12].try_into().unwrap()).unwrap();
         h.expect(FrameKind::PullRequest, PULL_REQUEST_BODY_LEN)
             .unwrap();

@@ -270,10 +270,19 @@ async fn a_wrong_secret_an_unknown_id_and_a_range_outside_get_one_refusal_saying
     let mut answers = Vec::new();
     for frame in cases {
         let (resp, payload) = raw_answer(addr, frame).await;
-        assert!(payload.is_empty(), "no byte of KV: {} bytes came", payload.len());
+        assert!(
+            payload.is_empty(),
+            "no byte of KV: {} bytes came",
+            payload.len()
+        );
         assert_eq!(resp.status, Status::UnknownLease);
         assert_eq!(
-            (resp.fingerprint, resp.chunk_bytes, resp.block_bytes, resp.count),
+            (
+                resp.fingerprint,
+                resp.chunk_bytes,
+                resp.block_bytes,
+                resp.count
+            ),
             (LayoutFingerprint(0), 0, 0, 0),
             "no fingerprint, block size or count"
         );

@@ -67,6 +67,7 @@
 mod descriptor;
 mod endpoint;
 mod error;
+pub mod lease_regions;
 mod plan;
 pub mod scatter;
 pub mod select;
@@ -86,11 +87,13 @@ use std::future::Future;
 use std::pin::Pin;
 
 pub use descriptor::{
-    BLOCK_SEED, ExportMode, OfferLayout, RdmaOffer, RemoteRegion, block_checksum,
+    BLOCK_SEED, BlockRun, ExportMode, MAX_OFFER_REGIONS, OfferLayout, RdmaOffer, RemoteRegion,
+    block_checksum,
 };
 pub use endpoint::{EndpointError, Fabric, LinkLayer, PathMtu, QpEndpoint};
 pub use error::{RdmaError, RdmaStartError};
 pub use imp::{RdmaDevice, RdmaExporter, RdmaReader};
+pub use lease_regions::LeaseRegions;
 pub use plan::{DEFAULT_MAX_OP_BYTES, PlanError, ReadOp, plan_reads};
 pub use select::{KvTransportMode, start_rdma};
 pub use window::{CompletionError, DEFAULT_MAX_IN_FLIGHT, ReadWindow};
