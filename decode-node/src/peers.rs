@@ -126,12 +126,22 @@ mod tests {
             Code::Unavailable,
             "nothing is known before the first set"
         );
-        let set = vec!["127.0.0.1:7000".to_string(), "[::1]:7001".into(), "Prefill-0.local:7002".into()];
+        let set = vec![
+            "127.0.0.1:7000".to_string(),
+            "[::1]:7001".into(),
+            "Prefill-0.local:7002".into(),
+        ];
         assert_eq!(peers.set(&set).unwrap(), 3);
         peers.check("127.0.0.1:7000").unwrap();
         peers.check("[0:0:0:0:0:0:0:1]:7001").unwrap();
         peers.check("prefill-0.local:7002").unwrap();
-        for other in ["127.0.0.1:7001", "10.0.0.1:7000", "evil:7000", "", "127.0.0.1"] {
+        for other in [
+            "127.0.0.1:7001",
+            "10.0.0.1:7000",
+            "evil:7000",
+            "",
+            "127.0.0.1",
+        ] {
             let e = peers.check(other).unwrap_err();
             assert_eq!(e.code(), Code::PermissionDenied, "{other}");
         }
@@ -203,9 +213,6 @@ mod tests {
         }
         peers.check("127.0.0.1:7000").unwrap();
         let many = vec!["127.0.0.1:1".to_string(); MAX_KV_PEERS + 1];
-        assert_eq!(
-            peers.set(&many).unwrap_err().code(),
-            Code::InvalidArgument
-        );
+        assert_eq!(peers.set(&many).unwrap_err().code(), Code::InvalidArgument);
     }
 }

@@ -491,7 +491,10 @@ async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
 }
 
 /// A listener on 127.0.0.1 that counts the connections it accepts.
-async fn counting_listener() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+async fn counting_listener() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -523,7 +526,11 @@ async fn a_handle_naming_an_unknown_address_makes_no_connection_and_is_permissio
     let e = decode_all(&d, decode_request("real", &tokens, &r, 4))
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unavailable, "not even from the real one: {e:?}");
+    assert_eq!(
+        e.code(),
+        Code::Unavailable,
+        "not even from the real one: {e:?}"
+    );
 
     d.set_kv_peers(&[&p]).await;
     let e = decode_all(&d, req.clone()).await.unwrap_err();
@@ -564,7 +571,10 @@ async fn a_release_with_a_wrong_secret_releases_nothing() {
 
     let mut wrong = kv.clone();
     wrong.lease_secret[0] ^= 1;
-    assert!(!release(&p, &wrong).await, "a wrong secret releases nothing");
+    assert!(
+        !release(&p, &wrong).await,
+        "a wrong secret releases nothing"
+    );
     let mut neighbour = kv.clone();
     neighbour.lease_id ^= 1;
     assert!(!release(&p, &neighbour).await, "nor does a neighbouring id");

@@ -80,6 +80,9 @@ pub struct Registry {
     unpaired: Mutex<Option<String>>,
     /// Receives every node's counter report from the health checks.
     metrics: Arc<RouterMetrics>,
+    /// Held while a health check pushes KV peers or records a prefill node (see the module
+    /// documentation, "KV peers").
+    peers_lock: tokio::sync::Mutex<()>,
 }
 
 impl Registry {
@@ -104,6 +107,7 @@ impl Registry {
             serving: watch::Sender::new(false),
             unpaired: Mutex::new(None),
             metrics,
+            peers_lock: tokio::sync::Mutex::new(()),
         };
         let all = prefill
             .iter()
@@ -290,24 +294,31 @@ impl Registry {
         if let Ok(info) = &outcome {
             self.metrics.observe_report(node, info.counters.as_ref());
         }
-        let outcome = match (node.role, outcome) {
+        match (node.role, outcome) {
             (NodeRole::Decode, Ok(info)) => {
-                Self::push_peers(node, &info, &self.kv_peer_set(None), timeout)
+                // Serialized with prefill nodes' records: the set pushed here includes every
+                // prefill node recorded before, and one recorded later pushes to this node.
+                let _peers = self.peers_lock.lock().await;
+                let want = self.kv_peer_set(None);
+                let outcome = Self::push_peers(node, &info, &want, timeout)
                     .await
-                    .map(|()| info)
+                    .map(|()| info);
+                node.record(outcome, &self.model);
             }
             (NodeRole::Prefill, Ok(info)) => {
                 // Every decode node learns a new prefill KV address before any request can
-                // take this node (it is routed to once recorded up, below).
+                // take this node (it is routed to once recorded up).
+                let _peers = self.peers_lock.lock().await;
                 let want = self.kv_peer_set(Some((node, &info)));
                 if want != self.kv_peer_set(None) {
                     self.push_peers_to_all(&want, timeout).await;
                 }
-                Ok(info)
+                node.record(Ok(info), &self.model);
             }
-            (_, outcome) => outcome,
-        };
-        node.record(outcome, &self.model);
+            (_, outcome) => {
+                node.record(outcome, &self.model);
+            }
+        }
         self.refresh();
     }
 
@@ -368,12 +379,24 @@ impl Registry {
         }
     }
 
-    /// Send `want` to every decode node that has reported an `Info`, concurrently; one that
-    /// cannot take it is marked down (its next health check tries again).
+    /// Send `want` to every decode node that acknowledged a set before, concurrently; one
+    /// that cannot take it is marked down (its next health check tries again). The others
+    /// get it with their first good health check.
     async fn push_peers_to_all(&self, want: &[String], timeout: Duration) {
         let mut pushes = JoinSet::new();
         for node in self.role(NodeRole::Decode) {
-            let Some(info) = node.info() else { continue };
+            let Some(pushed) = node.pushed_peers() else {
+                continue;
+            };
+            // The node process that acknowledged the last set (a restarted one gets the set
+            // again at its next check, which sees a new epoch).
+            let info = pb::NodeInfo {
+                counters: Some(pb::CounterReport {
+                    epoch: pushed.epoch,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
             let want = want.to_vec();
             pushes.spawn(async move {
                 if let Err(reason) = Self::push_peers(&node, &info, &want, timeout).await {

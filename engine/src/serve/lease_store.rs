@@ -249,8 +249,15 @@ mod tests {
         let store = LeaseStore::default();
         let key = LeaseSecret::random();
         let wrong = LeaseSecret::random();
-        store.insert(7, key, LeasedKv::new(vec![vec![1, 1], vec![2, 2], vec![3, 3]]));
-        assert_eq!(store.read(7, &key, 1, 2), Some(vec![vec![2, 2], vec![3, 3]]));
+        store.insert(
+            7,
+            key,
+            LeasedKv::new(vec![vec![1, 1], vec![2, 2], vec![3, 3]]),
+        );
+        assert_eq!(
+            store.read(7, &key, 1, 2),
+            Some(vec![vec![2, 2], vec![3, 3]])
+        );
         assert_eq!(store.read(7, &key, 2, 2), None, "past the end");
         assert_eq!(store.read(7, &key, usize::MAX, 2), None, "overflow");
         assert_eq!(store.read(8, &key, 0, 1), None, "unknown lease");

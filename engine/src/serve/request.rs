@@ -8,8 +8,8 @@ use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::reservation::ReservedBlocks;
-use crate::serve::lease_secret::LeaseSecret;
 use crate::sampling::{FinishReason, Guide, PromptLogprob, SampledToken, SamplingParams};
+use crate::serve::lease_secret::LeaseSecret;
 
 /// A request's id, unique among the engine's open requests (the router's request id).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

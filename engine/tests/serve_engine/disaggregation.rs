@@ -115,7 +115,12 @@ fn prefill_then_decode(placed: bool) {
                 (decode.cached_prefix_blocks(p, None), None)
             };
             let blocks = prefill
-                .read_lease(lease.lease_id, &lease.secret, have, lease.blocks.len() - have)
+                .read_lease(
+                    lease.lease_id,
+                    &lease.secret,
+                    have,
+                    lease.blocks.len() - have,
+                )
                 .unwrap();
             assert!(prefill.release_lease(lease.lease_id, &lease.secret));
             let blocks = match reservation {
@@ -346,7 +351,12 @@ fn kv_pulled_into_buffers_is_placed_once_the_pool_has_room() {
         let first = run_one(&mut prefill, req(id, p.to_vec(), 8));
         let lease = first.finished.unwrap().lease.unwrap();
         let blocks = prefill
-            .read_lease(lease.lease_id, &lease.secret, from, lease.blocks.len() - from)
+            .read_lease(
+                lease.lease_id,
+                &lease.secret,
+                from,
+                lease.blocks.len() - from,
+            )
             .unwrap();
         assert!(prefill.release_lease(lease.lease_id, &lease.secret));
         let buffers: Vec<HostBuffer> = blocks

@@ -25,10 +25,13 @@ async fn raw_pull(addr: SocketAddr, frame: PullRequestFrame) -> Vec<u8> {
     // Half-close: the server answers, then sees the end of our requests and closes.
     s.shutdown().await.unwrap();
     let mut reply = Vec::new();
-    tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut reply))
-        .await
-        .expect("the server answers and closes")
-        .unwrap();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        s.read_to_end(&mut reply),
+    )
+    .await
+    .expect("the server answers and closes")
+    .unwrap();
     reply
 }
 
@@ -122,7 +125,12 @@ async fn raw_pulls_without_the_lease_secret_get_no_kv_and_no_layout() {
             "a refusal and nothing after it: no byte of KV"
         );
         assert_eq!(
-            (resp.fingerprint, resp.block_bytes, resp.count, resp.chunk_bytes),
+            (
+                resp.fingerprint,
+                resp.block_bytes,
+                resp.count,
+                resp.chunk_bytes
+            ),
             (LayoutFingerprint(0), 0, 0, 0),
             "no layout in the refusal"
         );
@@ -141,7 +149,11 @@ async fn raw_pulls_without_the_lease_secret_get_no_kv_and_no_layout() {
     );
 
     for kv in &handles {
-        let released = client.release_kv(release_of(kv)).await.unwrap().into_inner();
+        let released = client
+            .release_kv(release_of(kv))
+            .await
+            .unwrap()
+            .into_inner();
         assert!(released.released);
     }
     node.assert_all_blocks_free().await;
@@ -172,8 +184,16 @@ async fn a_release_with_a_wrong_secret_leaves_the_blocks_leased() {
     short.lease_secret.pop();
     let e = client.release_kv(short).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    assert_eq!(node.info().await.free_blocks, held, "the blocks stay leased");
-    let answer = client.release_kv(release_of(&kv)).await.unwrap().into_inner();
+    assert_eq!(
+        node.info().await.free_blocks,
+        held,
+        "the blocks stay leased"
+    );
+    let answer = client
+        .release_kv(release_of(&kv))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(answer.released, "the right secret releases the lease");
     let _: pb::ReleaseKvResponse = answer;
     node.assert_all_blocks_free().await;

@@ -130,7 +130,10 @@ impl Node {
 
     /// The peer set this decode node last acknowledged.
     pub(super) fn pushed_peers(&self) -> Option<PushedPeers> {
-        self.kv_peers.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.kv_peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(super) fn set_pushed_peers(&self, pushed: Option<PushedPeers>) {

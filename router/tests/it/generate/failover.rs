@@ -182,7 +182,10 @@ async fn decode_nodes_are_told_the_prefill_kv_peers_before_they_are_routed_to() 
     // The first two pushes fail: the decode node stays out of routing meanwhile.
     d.state.fail_kv_peers.store(2, SeqCst);
     let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
-    eventually("the push succeeded", || !d.state.kv_peers.lock().unwrap().is_empty()).await;
+    eventually("the push succeeded", || {
+        !d.state.kv_peers.lock().unwrap().is_empty()
+    })
+    .await;
     let decode = router.registry.role(pd_router::registry::NodeRole::Decode);
     eventually("the decode node is up", || decode[0].is_up()).await;
     assert_eq!(
