@@ -178,10 +178,13 @@ impl LeasedKv {
     }
 }
 
+/// A lease's secret and its blocks.
+type Sealed = (LeaseSecret, Arc<LeasedKv>);
+
 /// Leased blocks by lease id, each sealed by its secret. Cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct LeaseStore {
-    leases: Arc<Mutex<HashMap<u64, (LeaseSecret, Arc<LeasedKv>)>>>,
+    leases: Arc<Mutex<HashMap<u64, Sealed>>>,
 }
 
 impl LeaseStore {

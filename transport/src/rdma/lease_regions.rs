@@ -10,7 +10,7 @@
 //!
 //! This module is pure (no verbs): it computes the ranges, and builds the offer from the
 //! rkeys the exporter's registrations returned. Registering is the exporter's
-//! (`verbs/export.rs`); reading the offer is [`super::plan`]'s.
+//! (`verbs/export.rs`); reading the offer is [`super::plan_reads`]'s.
 
 use pd_engine::serve::LeasedKv;
 
