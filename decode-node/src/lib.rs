@@ -18,13 +18,20 @@
 //!   node computes the prompt itself (its own prefix cache, chunked prefill) and streams every
 //!   token, the first included; `first_token` is ignored. The engine runs with role `Mixed`,
 //!   which takes both kinds of request; the node still reports role decode.
+//! - `SetKvPeers`: the router's set of prefill nodes' KV export addresses (peers.rs). A
+//!   `Decode` whose `KvHandle` names another address is refused PERMISSION_DENIED before
+//!   anything is resolved or dialed; before the first set, every `Decode` with a handle is
+//!   UNAVAILABLE. The handle's lease secret goes with every pull (a malformed one is
+//!   INVALID_ARGUMENT).
 //! - `Abort`, `Info`.
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with prefill-node
 //! (crate `pd-node`); the response stream is [`DecodeStream`] (stream.rs).
 
+mod peers;
 mod stream;
 
+pub use peers::{KvPeers, MAX_KV_PEERS};
 pub use stream::DecodeStream;
 
 use std::net::SocketAddr;
@@ -37,7 +44,9 @@ use pd_engine::generate::validate_prompt;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
 use pd_engine::sampling::GuideCache;
-use pd_engine::serve::{EngineRequest, EngineThread, ImportedBlocks, ImportedKv, RequestId, Role};
+use pd_engine::serve::{
+    EngineRequest, EngineThread, ImportedBlocks, ImportedKv, LeaseSecret, RequestId, Role,
+};
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
@@ -103,7 +112,7 @@ impl TransferStats {
 struct ValidDecode {
     request: EngineRequest,
     first_token: u32,
-    kv: Option<pb::KvHandle>,
+    kv: Option<(pb::KvHandle, LeaseSecret)>,
 }
 
 /// `pd.v1.DecodeService` over an engine of role `Decode`.
@@ -117,6 +126,8 @@ struct DecodeNodeService {
     stats: Arc<TransferStats>,
     metrics: Arc<NodeMetrics>,
     guides: Arc<GuideCache>,
+    /// The prefill nodes this node may pull from (`SetKvPeers`).
+    peers: Arc<KvPeers>,
 }
 
 impl DecodeNodeService {
@@ -147,9 +158,13 @@ impl DecodeNodeService {
         params
             .validate(f.vocab_size, f.max_model_len as u32)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if let Some(kv) = &req.kv {
-            self.validate_kv(kv, &req.prompt_token_ids, req.first_token)?;
-        }
+        let kv = match req.kv {
+            Some(kv) => {
+                let secret = self.validate_kv(&kv, &req.prompt_token_ids, req.first_token)?;
+                Some((kv, secret))
+            }
+            None => None,
+        };
         Ok(ValidDecode {
             request: EngineRequest {
                 id: RequestId(req.request_id),
@@ -161,17 +176,19 @@ impl DecodeNodeService {
                 guide: None,
             },
             first_token: req.first_token,
-            kv: req.kv,
+            kv,
         })
     }
 
-    /// A KV handle fits this node's layout and the prompt it comes with.
+    /// A KV handle fits this node's layout and the prompt it comes with, and names a prefill
+    /// node this node knows; returns its lease secret.
     fn validate_kv(
         &self,
         kv: &pb::KvHandle,
         prompt: &[u32],
         first_token: u32,
-    ) -> Result<(), Status> {
+    ) -> Result<LeaseSecret, Status> {
+        let secret = convert::lease_secret("kv.lease_secret", &kv.lease_secret)?;
         let f = &self.facts;
         let theirs: LayoutFingerprint = kv
             .layout_fingerprint
@@ -210,7 +227,9 @@ impl DecodeNodeService {
                 kv.num_tokens, kv.num_blocks
             )));
         }
-        Ok(())
+        // Last, and before anything is resolved or dialed.
+        self.peers.check(&kv.addr)?;
+        Ok(secret)
     }
 
     /// Pull the blocks of the prompt this node does not cache, as the engine's imported KV:
@@ -223,9 +242,12 @@ impl DecodeNodeService {
         &self,
         req: &EngineRequest,
         kv: &pb::KvHandle,
+        lease_secret: LeaseSecret,
         first_token: u32,
     ) -> Result<ImportedKv, Status> {
         let addr = resolve(&kv.addr).await?;
+        // An RDMA offer is followed only to the known prefill node's host.
+        let rdma = peers::rdma_offer_on_peer(&kv.addr, &kv.rdma);
         let engine = self.requests.engine().clone();
         let (prompt, salt) = (req.prompt.clone(), req.cache_salt.clone());
         let total = req.prompt.len().div_ceil(self.facts.block_size());
@@ -242,6 +264,7 @@ impl DecodeNodeService {
         let count = total - first_block;
         let pull = PullRequest {
             lease_id: kv.lease_id,
+            lease_secret,
             fingerprint: self.facts.fingerprint,
             first_block,
             count,
@@ -255,11 +278,11 @@ impl DecodeNodeService {
         let pulled = match reservation {
             Some(ImportReservation::Host(mut into)) => self
                 .importer
-                .pull_into(addr, &kv.rdma, pull, &mut into, deadline)
+                .pull_into(addr, rdma, pull, &mut into, deadline)
                 .await
                 .map(|path| (ImportedBlocks::Placed(into.filled()), path)),
             Some(ImportReservation::Device(into)) => {
-                match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
+                match self.importer.pull(addr, rdma, pull, deadline).await {
                     Ok((buffers, path)) => {
                         let placed = self.write_in(into, buffers).await?;
                         Ok((ImportedBlocks::Placed(placed), path))
@@ -267,7 +290,7 @@ impl DecodeNodeService {
                     Err(e) => Err(e),
                 }
             }
-            None => match self.importer.pull(addr, &kv.rdma, pull, deadline).await {
+            None => match self.importer.pull(addr, rdma, pull, deadline).await {
                 Ok((buffers, path)) => {
                     let (first, blocks) = self.place_pulled(req, first_block, buffers).await?;
                     first_placed = first;
@@ -428,8 +451,8 @@ impl DecodeService for DecodeNodeService {
         // Dropped before the end (the call cancelled, the stream dropped): aborts the request.
         let guard = self.requests.begin(&request.id)?;
         request.guide = pd_node::guide::compile(&self.guides, &request.params).await?;
-        if let Some(kv) = &kv {
-            let imported = self.pull(&request, kv, first_token).await?;
+        if let Some((kv, secret)) = &kv {
+            let imported = self.pull(&request, kv, *secret, first_token).await?;
             if guard.is_aborted() {
                 return Err(Status::aborted(format!(
                     "request {} was aborted while its KV was pulled",
@@ -469,6 +492,18 @@ impl DecodeService for DecodeNodeService {
             None,
             &self.metrics,
         )))
+    }
+
+    async fn set_kv_peers(
+        &self,
+        request: Request<pb::SetKvPeersRequest>,
+    ) -> Result<Response<pb::SetKvPeersResponse>, Status> {
+        let addrs = request.into_inner().kv_addrs;
+        let n = self.peers.set(&addrs)?;
+        tracing::info!(peers = ?addrs, "prefill nodes to pull KV from set");
+        Ok(Response::new(pb::SetKvPeersResponse {
+            num_peers: u32::try_from(n).unwrap_or(u32::MAX),
+        }))
     }
 }
 
@@ -533,6 +568,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         stats: Arc::clone(&stats),
         metrics: Arc::clone(&metrics),
         guides: started.guides,
+        peers: Arc::default(),
     };
     let server = NodeServer {
         listener,

@@ -59,10 +59,13 @@ fn decode_request(
     }
 }
 
-async fn release(node: &Node, lease_id: u64) -> bool {
+async fn release(node: &Node, kv: &pb::KvHandle) -> bool {
     node.prefill()
         .await
-        .release_kv(pb::ReleaseKvRequest { lease_id })
+        .release_kv(pb::ReleaseKvRequest {
+            lease_id: kv.lease_id,
+            lease_secret: kv.lease_secret.clone(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -93,7 +96,7 @@ struct Generated {
 
 async fn generate(p: &Node, d: &Node, id: &str, tokens: &[u32], max_tokens: u32) -> Generated {
     let r = prefill(p, id, tokens).await;
-    let lease = r.kv.as_ref().unwrap().lease_id;
+    let lease = r.kv.clone().unwrap();
     let mut stream = d
         .decode()
         .await
@@ -111,7 +114,7 @@ async fn generate(p: &Node, d: &Node, id: &str, tokens: &[u32], max_tokens: u32)
             .expect("a last message");
         if !released {
             // The router's job: free the lease once the decode node answered.
-            assert!(release(p, lease).await, "the lease is still held");
+            assert!(release(p, &lease).await, "the lease is still held");
             released = true;
         }
         out.extend(m.tokens.iter().map(|t| t.token_id));
@@ -194,6 +197,7 @@ async fn greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine() {
         tokio::task::spawn_blocking(move || mixed_engine_generate(&prompts, max_tokens))
     };
     let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    d.set_kv_peers(&[&p]).await;
     assert_eq!(p.ready.fingerprint, d.ready.fingerprint);
     let mut got = Vec::new();
     for (i, tokens) in prompts.iter().enumerate() {
@@ -222,6 +226,7 @@ async fn greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_hits_both_caches_and_pulls_only_the_missing_blocks() {
     let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    d.set_kv_peers(&[&p]).await;
     let tokens = prompt(40, 20); // blocks of 16, 16, 8
     let first = generate(&p, &d, "first", &tokens, 4).await;
     assert_eq!(d.blocks_pulled(), 3);
@@ -247,6 +252,9 @@ async fn a_layout_mismatch_is_refused_with_failed_precondition() {
         decode_node(&["--block-size", "32"]),
         decode_node(&["--kv-cache-dtype", "f16"])
     );
+    for d in [&d, &d32, &d16] {
+        d.set_kv_peers(&[&p]).await;
+    }
     assert_ne!(p.ready.fingerprint, d32.ready.fingerprint);
     // Blocks travel as stored: a cache of another type is another layout.
     assert_ne!(p.ready.fingerprint, d16.ready.fingerprint);
@@ -291,16 +299,24 @@ async fn a_layout_mismatch_is_refused_with_failed_precondition() {
         0,
         "no KV moved"
     );
-    assert!(release(&p, r.kv.unwrap().lease_id).await);
+    assert!(release(&p, r.kv.as_ref().unwrap()).await);
     tokio::join!(p.stop(), d.stop(), d32.stop(), d16.stop());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
     let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    d.set_kv_peers(&[&p]).await;
     let tokens = prompt(24, 40);
     let r = prefill(&p, "bad", &tokens).await;
     let ok = || decode_request("bad", &tokens, &r, 4);
+    // A known prefill address where nothing listens.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    d.set_kv_peer_addrs(&[p.ready.kv.unwrap().to_string(), closed.to_string()])
+        .await;
 
     let mut cases: Vec<(pb::DecodeRequest, Code, &str)> = Vec::new();
     let mut case = |f: &dyn Fn(&mut pb::DecodeRequest), code: Code, needle: &'static str| {
@@ -346,18 +362,32 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
         Code::InvalidArgument,
         "nothing to decode",
     );
-    // Transfer failures: nothing listens there / the lease is gone.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    // A lease secret of another length than 16 bytes.
+    case(
+        &|r| r.kv.as_mut().unwrap().lease_secret.truncate(15),
+        Code::InvalidArgument,
+        "kv.lease_secret",
+    );
+    // An address this decode node was not told about: it dials nothing.
+    case(
+        &|r| r.kv.as_mut().unwrap().addr = "127.0.0.1:1".into(),
+        Code::PermissionDenied,
+        "not one of the 2 prefill nodes",
+    );
+    // Transfer failures: nothing listens there / the lease is gone / a wrong secret (the
+    // prefill node answers as for a lease that is gone).
     case(
         &move |r| r.kv.as_mut().unwrap().addr = closed.to_string(),
         Code::Unavailable,
         "[connection]",
     );
     case(
-        &|r| r.kv.as_mut().unwrap().lease_id += 1000,
+        &|r| r.kv.as_mut().unwrap().lease_id ^= 1,
+        Code::Unavailable,
+        "[lease_gone]",
+    );
+    case(
+        &|r| r.kv.as_mut().unwrap().lease_secret[3] ^= 1,
         Code::Unavailable,
         "[lease_gone]",
     );
@@ -370,7 +400,7 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
             e.message()
         );
     }
-    assert_eq!(d.transfers.as_ref().unwrap().snapshot().pulls_failed, 2);
+    assert_eq!(d.transfers.as_ref().unwrap().snapshot().pulls_failed, 3);
 
     let unknown = d
         .decode()
@@ -382,13 +412,14 @@ async fn bad_input_and_failed_transfers_are_refused_with_clear_codes() {
         .unwrap()
         .into_inner();
     assert!(!unknown.aborted);
-    assert!(release(&p, r.kv.unwrap().lease_id).await);
+    assert!(release(&p, r.kv.as_ref().unwrap()).await);
     tokio::join!(p.stop(), d.stop());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
     let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    d.set_kv_peers(&[&p]).await;
     let tokens = prompt(20, 50);
 
     // Abort by id: the stream ends with finish reason ABORT.
@@ -402,7 +433,7 @@ async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
         .into_inner();
     let first = stream.message().await.unwrap().unwrap();
     assert_eq!(first.finish_reason, pb::FinishReason::Unspecified as i32);
-    assert!(release(&p, r.kv.unwrap().lease_id).await);
+    assert!(release(&p, r.kv.as_ref().unwrap()).await);
     let aborted = d
         .decode()
         .await
@@ -433,7 +464,7 @@ async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
         .unwrap()
         .into_inner();
     stream.message().await.unwrap().unwrap();
-    assert!(release(&p, r.kv.unwrap().lease_id).await);
+    assert!(release(&p, r.kv.as_ref().unwrap()).await);
     drop(stream);
     // The same id again: the node takes it once the dropped stream is gone, and the engine
     // only if that request was aborted (it refuses an id still open; its abort and this
@@ -442,7 +473,7 @@ async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
     loop {
         let r = prefill(&p, "dropped-again", &tokens).await;
         let result = decode_all(&d, decode_request("dropped", &tokens, &r, 2)).await;
-        assert!(release(&p, r.kv.unwrap().lease_id).await);
+        assert!(release(&p, r.kv.as_ref().unwrap()).await);
         match result {
             Ok(messages) => {
                 let last = messages.last().unwrap();
@@ -456,5 +487,121 @@ async fn abort_and_a_dropped_stream_end_the_request_and_free_its_blocks() {
         }
     }
     d.assert_all_blocks_free().await;
+    tokio::join!(p.stop(), d.stop());
+}
+
+/// A listener on 127.0.0.1 that counts the connections it accepts.
+async fn counting_listener() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = std::sync::Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            drop(conn);
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_naming_an_unknown_address_makes_no_connection_and_is_permission_denied() {
+    use std::sync::atomic::Ordering;
+    let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    let tokens = prompt(24, 60);
+    let r = prefill(&p, "elsewhere", &tokens).await;
+    let (trap, accepted) = counting_listener().await;
+    let mut req = decode_request("elsewhere", &tokens, &r, 4);
+    req.kv.as_mut().unwrap().addr = trap.to_string();
+
+    // Before the router told it its prefill nodes, a decode node pulls from nowhere.
+    let e = decode_all(&d, req.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("SetKvPeers"), "{e:?}");
+    let e = decode_all(&d, decode_request("real", &tokens, &r, 4))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::Unavailable,
+        "not even from the real one: {e:?}"
+    );
+
+    d.set_kv_peers(&[&p]).await;
+    let e = decode_all(&d, req.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message().contains(&trap.to_string()) && e.message().contains("no connection"),
+        "the message names the address: {e:?}"
+    );
+    // The same address as a host name: not dialed, not even resolved.
+    req.kv.as_mut().unwrap().addr = format!("localhost:{}", trap.port());
+    let e = decode_all(&d, req).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "no connection was made");
+    assert_eq!(d.transfers.as_ref().unwrap().snapshot().pulls_failed, 0);
+    assert_eq!(d.blocks_pulled(), 0);
+
+    // The real handle still works with the lease untouched.
+    let messages = decode_all(&d, decode_request("real", &tokens, &r, 4))
+        .await
+        .unwrap();
+    assert_eq!(
+        messages.last().unwrap().finish_reason,
+        pb::FinishReason::Length as i32
+    );
+    assert!(release(&p, r.kv.as_ref().unwrap()).await);
+    tokio::join!(p.stop(), d.stop());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_with_a_wrong_secret_releases_nothing() {
+    let (p, d) = tokio::join!(prefill_node(&[]), decode_node(&[]));
+    d.set_kv_peers(&[&p]).await;
+    let tokens = prompt(40, 70);
+    let r = prefill(&p, "sealed", &tokens).await;
+    let kv = r.kv.clone().unwrap();
+    let free_before = p.info().await.free_blocks;
+
+    let mut wrong = kv.clone();
+    wrong.lease_secret[0] ^= 1;
+    assert!(
+        !release(&p, &wrong).await,
+        "a wrong secret releases nothing"
+    );
+    let mut neighbour = kv.clone();
+    neighbour.lease_id ^= 1;
+    assert!(!release(&p, &neighbour).await, "nor does a neighbouring id");
+    let e = p
+        .prefill()
+        .await
+        .release_kv(pb::ReleaseKvRequest {
+            lease_id: kv.lease_id,
+            lease_secret: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(
+        p.info().await.free_blocks,
+        free_before,
+        "the blocks stay leased"
+    );
+    // The lease is intact: the decode node still pulls it.
+    let messages = decode_all(&d, decode_request("sealed", &tokens, &r, 3))
+        .await
+        .unwrap();
+    assert_eq!(
+        messages.last().unwrap().finish_reason,
+        pb::FinishReason::Length as i32
+    );
+    assert!(release(&p, &kv).await, "the right secret releases it");
+    assert!(!release(&p, &kv).await, "once");
     tokio::join!(p.stop(), d.stop());
 }

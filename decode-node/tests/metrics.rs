@@ -76,11 +76,15 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::P
 }
 
 async fn release(node: &Node, r: &pb::PrefillResponse) {
-    let lease_id = r.kv.as_ref().unwrap().lease_id;
+    let kv = r.kv.as_ref().unwrap();
+    let lease_id = kv.lease_id;
     let released = node
         .prefill()
         .await
-        .release_kv(pb::ReleaseKvRequest { lease_id })
+        .release_kv(pb::ReleaseKvRequest {
+            lease_id,
+            lease_secret: kv.lease_secret.clone(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -405,6 +409,7 @@ async fn prefill_node_counts_a_miss_a_local_hit_and_no_lookup_exactly() {
 async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_nodes() {
     let p = prefill_node(&[]).await;
     let d = decode_node(&[]).await;
+    d.set_kv_peers(&[&p]).await;
     assert_labels(&d.metrics().await, "decode");
 
     // Cold on both nodes: the decode node receives the whole prompt (3 blocks).

@@ -57,6 +57,7 @@ async fn pair(
         format!("http://{}", d.ready().grpc),
     );
     let metrics = d.ready().metrics_addr;
+    let kv_addr = p.ready().kv.expect("a KV address").to_string();
     let (ps, pr) = oneshot::channel::<()>();
     let (ds, dr) = oneshot::channel::<()>();
     tokio::spawn(p.run(async {
@@ -65,6 +66,15 @@ async fn pair(
     tokio::spawn(d.run(async {
         let _ = dr.await;
     }));
+    // The router's job: tell the decode node the prefill node it may pull from.
+    DecodeServiceClient::connect(durl.clone())
+        .await
+        .unwrap()
+        .set_kv_peers(pb::SetKvPeersRequest {
+            kv_addrs: vec![kv_addr],
+        })
+        .await
+        .unwrap();
     (purl, durl, metrics, vec![ps, ds])
 }
 
@@ -115,6 +125,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<b
     prefill
         .release_kv(pb::ReleaseKvRequest {
             lease_id: kv.lease_id,
+            lease_secret: kv.lease_secret.clone(),
         })
         .await
         .unwrap();

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pd_engine::kv::placement::HostKvMemory;
+use pd_engine::serve::LeaseSecret;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use pd_transport::rdma::{
@@ -66,6 +67,7 @@ impl RdmaConnector for GrpcConnector {
         addr: String,
         fingerprint: LayoutFingerprint,
         endpoint: Vec<u8>,
+        (lease_id, lease_secret): (u64, LeaseSecret),
     ) -> BoxFuture<'static, Result<Vec<u8>, String>> {
         let tls = self.tls.clone();
         Box::pin(async move {
@@ -80,6 +82,8 @@ impl RdmaConnector for GrpcConnector {
                 .rdma_connect(pb::RdmaConnectRequest {
                     layout_fingerprint: fingerprint.to_string(),
                     endpoint,
+                    lease_id,
+                    lease_secret: lease_secret.as_bytes().to_vec(),
                 })
                 .await
                 .map_err(|s| format!("RdmaConnect: {}: {}", s.code(), s.message()))?;

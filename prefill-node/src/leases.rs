@@ -57,7 +57,7 @@ impl Drop for LeaseGuard {
         };
         let engine = self.engine.clone();
         let release = move || {
-            engine.release_lease(lease.lease_id);
+            engine.release_lease(lease.lease_id, lease.secret);
             tracing::debug!(
                 lease_id = lease.lease_id,
                 "released the lease of a prefill nobody received"

@@ -10,7 +10,12 @@
 //!   with its first token) gets no lease and no `KvHandle`: nothing is held, copied or hashed
 //!   for a pull that never comes. A call the client cancels aborts the engine request.
 //! - `ReleaseKv`: frees a lease (the router calls it once the decode node pulled, or gave
-//!   up); a lease nobody releases expires after `--kv-lease-timeout`.
+//!   up); a lease nobody releases expires after `--kv-lease-timeout`. Only with the lease's
+//!   secret: a wrong one releases nothing and answers `released=false`, as for an unknown id.
+//!
+//! Leases are sealed: each has a random id and a 128-bit secret (made by the engine from the
+//! operating system's randomness), both in the `KvHandle`; the export server serves a pull,
+//! and RDMA offers are made, for that pair only (`pd_transport::wire`).
 //! - `RdmaConnect`: a decode node connects an RDMA queue pair to this node's (endpoint
 //!   exchange). With `--kv-transport rdma|auto` and a device, every lease's blocks are also
 //!   registered for one-sided RDMA reads and the `KvHandle` carries the offer
@@ -33,8 +38,8 @@ use clap::Parser;
 use pd_engine::generate::validate_prompt;
 use pd_engine::sampling::{GuideCache, PromptLogprob, SampledToken};
 use pd_engine::serve::{
-    EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
-    Role,
+    EngineHandle, EngineRequest, EngineThread, Finished, LeaseSecret, RequestError, RequestEvent,
+    RequestId, Role,
 };
 use pd_node::args::parse_seconds;
 use pd_node::requests::{engine_gone, engine_status};
@@ -146,13 +151,19 @@ impl PrefillNodeService {
     /// Register a new lease's blocks for RDMA reads: the `KvHandle.rdma` offer, or empty
     /// (decode nodes then pull over TCP) when this node runs without RDMA or registering
     /// failed.
-    async fn offer_rdma(&self, lease_id: u64, num_blocks: usize, deadline: Instant) -> Vec<u8> {
+    async fn offer_rdma(
+        &self,
+        lease_id: u64,
+        secret: LeaseSecret,
+        num_blocks: usize,
+        deadline: Instant,
+    ) -> Vec<u8> {
         let Some(rdma) = &self.rdma else {
             return Vec::new();
         };
         let (rdma, engine) = (Arc::clone(rdma), self.engine().clone());
         let published = tokio::task::spawn_blocking(move || {
-            let lease = engine.lease_blocks(lease_id);
+            let lease = engine.lease_blocks(lease_id, &secret);
             let blocks = lease
                 .filter(|kv| kv.num_blocks() == num_blocks)
                 .ok_or_else(|| {
@@ -194,7 +205,7 @@ impl PrefillNodeService {
         let lease_end = Instant::now() + self.lease_timeout;
         self.leases.insert(lease.lease_id, lease_end);
         let rdma = self
-            .offer_rdma(lease.lease_id, lease.blocks.len(), lease_end)
+            .offer_rdma(lease.lease_id, lease.secret, lease.blocks.len(), lease_end)
             .await;
         let f = &self.facts;
         let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
@@ -208,6 +219,7 @@ impl PrefillNodeService {
             block_bytes: f.block_bytes() as u64,
             num_blocks: n(lease.blocks.len()),
             rdma,
+            lease_secret: convert::wire_lease_secret(&lease.secret),
         }
     }
 
@@ -319,15 +331,21 @@ impl PrefillService for PrefillNodeService {
         &self,
         request: Request<pb::ReleaseKvRequest>,
     ) -> Result<Response<pb::ReleaseKvResponse>, Status> {
-        let lease_id = request.into_inner().lease_id;
+        let req = request.into_inner();
+        let lease_id = req.lease_id;
+        let secret = convert::lease_secret("lease_secret", &req.lease_secret)?;
         let engine = self.engine().clone();
-        let released = tokio::task::spawn_blocking(move || engine.release_lease(lease_id))
+        let released = tokio::task::spawn_blocking(move || engine.release_lease(lease_id, secret))
             .await
             .map_err(|e| Status::internal(format!("release task failed: {e}")))?;
-        self.leases.remove(lease_id);
-        if let Some(rdma) = &self.rdma {
-            // Revokes the region's rkey: a late RDMA reader gets a remote access error.
-            rdma.retire(lease_id);
+        // A wrong secret released nothing: the lease stays tracked and offered.
+        if released {
+            self.leases.remove(lease_id);
+            if let Some(rdma) = &self.rdma {
+                // Deregisters the lease's regions: a late RDMA reader gets a remote access
+                // error.
+                rdma.retire(lease_id);
+            }
         }
         tracing::debug!(lease_id, released, "lease released");
         Ok(Response::new(pb::ReleaseKvResponse { released }))
@@ -363,6 +381,14 @@ impl PrefillService for PrefillNodeService {
         request: Request<pb::RdmaConnectRequest>,
     ) -> Result<Response<pb::RdmaConnectResponse>, Status> {
         let req = request.into_inner();
+        // Only a holder of a live lease gets a queue pair; an unknown id and a wrong secret
+        // get the same answer, and nothing about this node's layout.
+        let secret = convert::lease_secret("lease_secret", &req.lease_secret)?;
+        if self.engine().lease_blocks(req.lease_id, &secret).is_none() {
+            return Err(Status::permission_denied(
+                "RdmaConnect needs a live lease of this node (its id and secret)",
+            ));
+        }
         let theirs: pd_transport::LayoutFingerprint = req
             .layout_fingerprint
             .parse()

@@ -5,7 +5,7 @@ use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, StructuredOutput,
     TokenLogprob,
 };
-use pd_engine::serve::Usage;
+use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret, Usage};
 use tonic::{Code, Status};
 
 use crate::pb;
@@ -19,6 +19,22 @@ pub fn status(kind: ErrorKind, message: impl Into<String>) -> Status {
         ErrorKind::Internal => Code::Internal,
     };
     Status::new(code, message)
+}
+
+/// A lease secret from the wire (`KvHandle.lease_secret`, `ReleaseKvRequest.lease_secret`):
+/// exactly [`LEASE_SECRET_LEN`] bytes, else INVALID_ARGUMENT naming `field`.
+pub fn lease_secret(field: &str, bytes: &[u8]) -> Result<LeaseSecret, Status> {
+    LeaseSecret::from_slice(bytes).ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "{field} must be {LEASE_SECRET_LEN} bytes (the KvHandle's lease_secret), got {}",
+            bytes.len()
+        ))
+    })
+}
+
+/// The wire form of a lease secret.
+pub fn wire_lease_secret(secret: &LeaseSecret) -> Vec<u8> {
+    secret.as_bytes().to_vec()
 }
 
 /// Wire sampling fields (plus the request-level ones) into engine parameters, with the
@@ -208,6 +224,23 @@ pub fn sampled_token(l: &pb::Logprob) -> SampledToken {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lease_secrets_are_exactly_sixteen_bytes() {
+        let secret = LeaseSecret::random();
+        assert_eq!(
+            lease_secret("kv.lease_secret", &wire_lease_secret(&secret)).unwrap(),
+            secret
+        );
+        for len in [0, 15, 17, 32] {
+            let e = lease_secret("kv.lease_secret", &vec![7; len]).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(
+                e.message().contains("kv.lease_secret") && e.message().contains("16 bytes"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn unset_fields_take_vllm_defaults_and_zero_is_kept_where_set() {

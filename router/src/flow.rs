@@ -64,7 +64,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use self::decode::Handoff;
-use self::release::{Held, abort_prefill};
+use self::release::{Held, Lease, abort_prefill};
 use crate::error::{NodeError, NodeFailure};
 use crate::registry::{Node, NodeRole};
 use crate::service::{InflightEntry, Shared};
@@ -240,7 +240,7 @@ impl Job {
         } = self.prefill().await?;
         self.compute_usage = usage;
         if let Some(kv) = &kv {
-            self.held.lease = Some((node, kv.lease_id));
+            self.held.lease = Some((node, Lease::of(kv)));
         }
 
         let mut chunk = self.chunk();

@@ -20,6 +20,15 @@
 //! each request goes whole to one decode node, which computes its prompt too. Any up decode
 //! node is a candidate and the router is SERVING while one is up.
 //!
+//! **KV peers**: a decode node pulls KV only from the prefill nodes the router names
+//! (`SetKvPeers`: the `kv_transport_addr` of every prefill node that has reported one, the
+//! whole set each time; empty in aggregated mode). A decode node is up only once it
+//! acknowledged the current set in the same process (its counter epoch): each health check
+//! of a decode node pushes the set when the node has not acknowledged it (first check, a
+//! restart, a change), and a failed push keeps the node down. A prefill node whose check
+//! changes the set is recorded (and so routed to) only after the set went to every decode
+//! node; a decode node that cannot take it is marked down until its next check.
+//!
 //! **Membership** changes at run time when nodes come from DNS ([`crate::discovery`]): a
 //! discovered node is added with its own health-check task and is routed to once a check
 //! finds it up; a node that leaves DNS is removed from the list at once (its health task
@@ -40,6 +49,7 @@ use tonic::transport::Endpoint;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 
+use node::PushedPeers;
 pub use node::{InflightGuard, Layout, Node, NodeHealth, NodeRole};
 
 /// Largest node message the router decodes (prompt logprobs of a long prompt are large).
@@ -74,6 +84,9 @@ pub struct Registry {
     metrics: Arc<RouterMetrics>,
     /// TLS of the channels to the nodes (`--tls-ca`), `None`: plaintext.
     tls: Option<pd_tls::ClientTls>,
+    /// Held while a health check pushes KV peers or records a prefill node (see the module
+    /// documentation, "KV peers").
+    peers_lock: tokio::sync::Mutex<()>,
 }
 
 impl Registry {
@@ -102,6 +115,7 @@ impl Registry {
             unpaired: Mutex::new(None),
             metrics,
             tls,
+            peers_lock: tokio::sync::Mutex::new(()),
         };
         let all = prefill
             .iter()
@@ -295,8 +309,117 @@ impl Registry {
         if let Ok(info) = &outcome {
             self.metrics.observe_report(node, info.counters.as_ref());
         }
-        node.record(outcome, &self.model, self.hash_algo);
+        match (node.role, outcome) {
+            (NodeRole::Decode, Ok(info)) => {
+                // Serialized with prefill nodes' records: the set pushed here includes every
+                // prefill node recorded before, and one recorded later pushes to this node.
+                let _peers = self.peers_lock.lock().await;
+                let want = self.kv_peer_set(None);
+                let outcome = Self::push_peers(node, &info, &want, timeout)
+                    .await
+                    .map(|()| info);
+                node.record(outcome, &self.model, self.hash_algo);
+            }
+            (NodeRole::Prefill, Ok(info)) => {
+                // Every decode node learns a new prefill KV address before any request can
+                // take this node (it is routed to once recorded up).
+                let _peers = self.peers_lock.lock().await;
+                let want = self.kv_peer_set(Some((node, &info)));
+                if want != self.kv_peer_set(None) {
+                    self.push_peers_to_all(&want, timeout).await;
+                }
+                node.record(Ok(info), &self.model, self.hash_algo);
+            }
+            (_, outcome) => {
+                node.record(outcome, &self.model, self.hash_algo);
+            }
+        }
         self.refresh();
+    }
+
+    /// The prefill KV addresses decode nodes may pull from: every prefill node's last
+    /// reported `kv_transport_addr` (with `update`'s new `Info` in place of its last), sorted,
+    /// without duplicates. Empty in aggregated mode.
+    fn kv_peer_set(&self, update: Option<(&Node, &pb::NodeInfo)>) -> Vec<String> {
+        let mut addrs: Vec<String> = self
+            .role(NodeRole::Prefill)
+            .iter()
+            .filter_map(|n| match update {
+                Some((u, info)) if u.id == n.id => Some(info.kv_transport_addr.clone()),
+                _ => n.info().map(|i| i.kv_transport_addr),
+            })
+            .filter(|a| !a.is_empty())
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        addrs
+    }
+
+    /// Send `want` to decode node `node` (whose `Info` is `info`) unless this node process
+    /// acknowledged it already; the reason it is down if that fails.
+    async fn push_peers(
+        node: &Node,
+        info: &pb::NodeInfo,
+        want: &[String],
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let epoch = info.counters.as_ref().map_or(0, |c| c.epoch);
+        let pushed = node.pushed_peers();
+        if pushed
+            .as_ref()
+            .is_some_and(|p| p.epoch == epoch && p.addrs == want)
+        {
+            return Ok(());
+        }
+        let mut request = tonic::Request::new(pb::SetKvPeersRequest {
+            kv_addrs: want.to_vec(),
+        });
+        request.set_timeout(timeout);
+        let mut client = node.decode_client();
+        match tokio::time::timeout(timeout, client.set_kv_peers(request)).await {
+            Ok(Ok(_)) => {
+                tracing::info!(node = %node.addr, peers = ?want, "decode node told its prefill KV peers");
+                node.set_pushed_peers(Some(PushedPeers {
+                    epoch,
+                    addrs: want.to_vec(),
+                }));
+                Ok(())
+            }
+            Ok(Err(status)) => Err(format!(
+                "SetKvPeers failed: {:?}: {}",
+                status.code(),
+                status.message()
+            )),
+            Err(_) => Err(format!("SetKvPeers did not answer within {timeout:?}")),
+        }
+    }
+
+    /// Send `want` to every decode node that acknowledged a set before, concurrently; one
+    /// that cannot take it is marked down (its next health check tries again). The others
+    /// get it with their first good health check.
+    async fn push_peers_to_all(&self, want: &[String], timeout: Duration) {
+        let mut pushes = JoinSet::new();
+        for node in self.role(NodeRole::Decode) {
+            let Some(pushed) = node.pushed_peers() else {
+                continue;
+            };
+            // The node process that acknowledged the last set (a restarted one gets the set
+            // again at its next check, which sees a new epoch).
+            let info = pb::NodeInfo {
+                counters: Some(pb::CounterReport {
+                    epoch: pushed.epoch,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let want = want.to_vec();
+            pushes.spawn(async move {
+                if let Err(reason) = Self::push_peers(&node, &info, &want, timeout).await {
+                    node.mark_down(reason);
+                }
+            });
+        }
+        while pushes.join_next().await.is_some() {}
     }
 
     /// Recomputes the serving flag (after any change of a node's health).
@@ -375,14 +498,34 @@ impl Registry {
                 detail: layouts(up_prefill.iter().chain(&up_decode).copied()),
             });
         }
-        Ok(candidates)
+        // ... and that decode node was told it may pull from this prefill node.
+        let known: Vec<Arc<Node>> = candidates
+            .iter()
+            .filter(|p| {
+                let kv_addr = p.info().map(|i| i.kv_transport_addr).unwrap_or_default();
+                up_decode
+                    .iter()
+                    .any(|d| d.layout() == p.layout() && d.knows_kv_peer(&kv_addr))
+            })
+            .cloned()
+            .collect();
+        if known.is_empty() {
+            return Err(RouterError::NoHealthyNode {
+                role: NodeRole::Decode,
+                detail: "no up decode node has been told about the up prefill nodes' KV \
+                         addresses yet (SetKvPeers)"
+                    .into(),
+            });
+        }
+        Ok(known)
     }
 
-    /// Up decode nodes (not in `exclude`) with exactly this layout; any layout for `None`
-    /// (aggregated mode: no KV comes from elsewhere).
+    /// Up decode nodes (not in `exclude`) with exactly this layout that were told they may
+    /// pull from `kv_addr` (the handle's prefill KV address); any layout and no KV address
+    /// for `None` (aggregated mode: no KV comes from elsewhere).
     pub fn decode_candidates(
         &self,
-        layout: Option<&Layout>,
+        kv: Option<(&Layout, &str)>,
         exclude: &[usize],
     ) -> Result<Vec<Arc<Node>>, RouterError> {
         let all_decode = self.role(NodeRole::Decode);
@@ -397,13 +540,13 @@ impl Registry {
                 detail: describe(decode.iter().copied(), exclude),
             });
         }
-        let Some(layout) = layout else {
+        let Some((layout, kv_addr)) = kv else {
             return Ok(up.into_iter().cloned().collect());
         };
-        let matching: Vec<Arc<Node>> = up
+        let matching: Vec<&Arc<Node>> = up
             .iter()
+            .copied()
             .filter(|n| n.layout().as_ref() == Some(layout))
-            .map(|n| (*n).clone())
             .collect();
         if matching.is_empty() {
             return Err(RouterError::IncompatibleLayouts {
@@ -413,7 +556,23 @@ impl Registry {
                 ),
             });
         }
-        Ok(matching)
+        // A decode node refuses KV from a prefill node it was not told about: only those
+        // that acknowledged this one (a push may still be on its way to the others).
+        let knowing: Vec<Arc<Node>> = matching
+            .into_iter()
+            .filter(|n| n.knows_kv_peer(kv_addr))
+            .cloned()
+            .collect();
+        if knowing.is_empty() {
+            return Err(RouterError::NoHealthyNode {
+                role: NodeRole::Decode,
+                detail: format!(
+                    "no up decode node has been told about the prefill KV address {kv_addr} \
+                     yet (SetKvPeers)"
+                ),
+            });
+        }
+        Ok(knowing)
     }
 }
 

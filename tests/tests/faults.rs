@@ -282,9 +282,12 @@ async fn prefill_node_killed_is_retried_on_the_other_and_used_again_after_restar
             .await
             .unwrap()
             .into_inner();
-        let lease_id = answer.kv.unwrap().lease_id;
+        let kv = answer.kv.unwrap();
         direct
-            .release_kv(pb::ReleaseKvRequest { lease_id })
+            .release_kv(pb::ReleaseKvRequest {
+                lease_id: kv.lease_id,
+                lease_secret: kv.lease_secret,
+            })
             .await
             .unwrap();
         if answer.usage.unwrap().local_cached_tokens > 0 {

@@ -43,7 +43,7 @@ use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::checksum::block_checksum;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::{
     ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
     pull_blocks,
@@ -52,7 +52,13 @@ use pd_transport::{
 struct MemSource(Arc<LeasedKv>);
 
 impl KvSource for MemSource {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        _secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
         // Shared, not copied, checksummed beforehand: as the engine's lease store lends a
         // lease's blocks.
         (lease_id == 1)
@@ -202,6 +208,7 @@ fn main() {
         .with_tls(pd_tls::ClientTls::new(&tls, pd_tls::Alpn::None).expect("client TLS"));
     let req = PullRequest {
         lease_id: 1,
+        lease_secret: LeaseSecret::from_bytes([1; 16]),
         fingerprint: fp,
         first_block: 0,
         count: blocks,

@@ -169,6 +169,7 @@ impl RdmaConnector for TcpConnector {
         addr: String,
         _fingerprint: LayoutFingerprint,
         endpoint: Vec<u8>,
+        _lease: (u64, pd_engine::serve::LeaseSecret),
     ) -> BoxFuture<'static, std::result::Result<Vec<u8>, String>> {
         Box::pin(async move {
             let exchange = async {
@@ -205,6 +206,7 @@ async fn read(f: HashMap<String, String>) -> Result<()> {
     let device = RdmaDevice::open(&config(&f)?)?;
     let req = PullRequest {
         lease_id: LEASE,
+        lease_secret: pd_engine::serve::LeaseSecret::from_bytes([0; 16]),
         fingerprint: FP,
         first_block: 0,
         count: offer.num_blocks() as usize,

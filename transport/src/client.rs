@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::KvReservation;
+use pd_engine::serve::LeaseSecret;
 use pd_tls::{ClientTls, Conn};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
@@ -27,6 +28,8 @@ use crate::wire::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PullRequest {
     pub lease_id: u64,
+    /// The lease's secret (the `KvHandle`'s): the exporter serves nothing without it.
+    pub lease_secret: LeaseSecret,
     pub fingerprint: LayoutFingerprint,
     pub first_block: usize,
     pub count: usize,
@@ -382,6 +385,7 @@ async fn exchange(
         })?;
     let frame = PullRequestFrame {
         lease_id: req.lease_id,
+        lease_secret: req.lease_secret,
         fingerprint: req.fingerprint,
         first_block: req.first_block as u64,
         count: req.count as u64,
@@ -424,7 +428,11 @@ async fn exchange(
         first_block: req.first_block as u64,
         count: req.count as u64,
     };
-    if resp.status == Status::FingerprintMismatch || resp.fingerprint != req.fingerprint {
+    // A refusal carries the exporter's fingerprint only where it authenticated the lease
+    // (FINGERPRINT_MISMATCH); an OK must carry ours.
+    if resp.status == Status::FingerprintMismatch
+        || (resp.status == Status::Ok && resp.fingerprint != req.fingerprint)
+    {
         return Err(TransportError::FingerprintMismatch {
             ours: req.fingerprint,
             theirs: resp.fingerprint,

@@ -32,11 +32,13 @@ pub enum TransportError {
         ours: LayoutFingerprint,
         theirs: LayoutFingerprint,
     },
-    /// The exporter holds no such lease (released, expired, never existed) or the lease does
-    /// not cover the requested blocks.
+    /// The exporter holds no such lease (released, expired, never existed), the secret
+    /// presented is not the lease's, or the lease does not cover the requested blocks: the
+    /// exporter does not say which.
     #[error(
-        "the exporter has no lease {lease_id} covering blocks {first_block}..{} \
-         (released, expired or shorter): {message}", first_block + count
+        "the exporter has no lease {lease_id} covering blocks {first_block}..{} for the \
+         secret presented (released, expired, shorter, or a wrong secret): {message}",
+        first_block + count
     )]
     UnknownLease {
         lease_id: u64,

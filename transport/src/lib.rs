@@ -7,7 +7,7 @@
 //! | this crate                                   | RDMA                                        |
 //! |----------------------------------------------|---------------------------------------------|
 //! | [`KvSource`] on the exporter (prefill node)  | registered memory region(s)                 |
-//! | a lease id (from the prefill `KvHandle`)     | the region's remote key, valid until released or expired |
+//! | a lease id and secret (the prefill `KvHandle`) | the region's remote key, valid until released or expired |
 //! | [`PullRequest`]: first block, count, length  | a batch of (region, offset, length) descriptors |
 //! | one pull = one request, one packed response | one batch of RDMA READs, one completion     |
 //! | the `async` pull completing                  | polling the completion queue               |
@@ -30,7 +30,11 @@
 //! - Import: [`pull_blocks`] (one connection per pull) or [`KvPuller::pull`] (connections
 //!   reused per exporter; blocks land in the decode engine's recycled buffers). Every pull has a deadline, sent to the exporter too so it stops
 //!   working for an importer that gave up.
-//! - Checks on every pull: the exporter refuses a wrong fingerprint before sending any KV;
+//! - Sealed leases: every pull presents the lease's secret; an unknown lease, a wrong secret
+//!   and a range outside the lease get one refusal that says nothing about the exporter (no
+//!   fingerprint, block length or count; [`wire`] documents it).
+//! - Checks on every pull: the exporter refuses a wrong fingerprint before sending any KV
+//!   (once the lease is authenticated);
 //!   the importer verifies the echoed fingerprint, lease, block range, block length, every
 //!   chunk length and every block's xxh3-64 checksum (`pd_engine::kv::checksum`), and a
 //!   short stream is a
@@ -66,10 +70,12 @@
 //! let fp = LayoutFingerprint::new(&layout, "Qwen/Qwen3-0.6B|bf16");
 //! // Prefill node:
 //! let (server, addr) = KvExportServer::bind("0.0.0.0:0".parse()?, fp, Arc::new(handle)).await?;
-//! // Decode node (lease id, first block and count from the KvHandle and the local cache):
+//! // Decode node (lease id and secret from the KvHandle, first block and count from the
+//! // local cache):
 //! let puller = KvPuller::new();
-//! let req = PullRequest { lease_id: 7, fingerprint: fp, first_block: 0, count: 4,
-//!                         block_bytes: layout.block_bytes() };
+//! let lease_secret = pd_engine::serve::LeaseSecret::from_bytes([7; 16]);
+//! let req = PullRequest { lease_id: 7, lease_secret, fingerprint: fp, first_block: 0,
+//!                         count: 4, block_bytes: layout.block_bytes() };
 //! let blocks = puller.pull(addr, req, Instant::now() + Duration::from_secs(5)).await?;
 //! # drop(blocks); server.shutdown(Duration::from_secs(5)).await; Ok(()) }
 //! ```

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_tls::{Conn, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::{TcpListener, TcpStream};
@@ -30,15 +30,33 @@ use crate::wire::{
 pub trait KvSource: Send + Sync {
     /// Blocks `first .. first + count` of lease `lease_id`, each in the engine's block layout
     /// (`Backend::read_block`), lent without a copy. `None` if the lease does not exist
-    /// (released, expired) or does not cover the range.
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks>;
+    /// (released, expired), `secret` is not its secret, or it does not cover the range; an
+    /// implementation must not let a caller tell these apart.
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks>;
 }
 
 impl KvSource for pd_engine::serve::EngineHandle {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
-        SharedBlocks::new(self.lease_blocks(lease_id)?, first, count)
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
+        SharedBlocks::new(self.lease_blocks(lease_id, secret)?, first, count)
     }
 }
+
+/// The one message of every refusal of an unauthenticated pull: which of the three it was
+/// is not said.
+pub(crate) const DENIED: &str =
+    "no such lease here, or the lease secret or block range does not match it";
 
 /// A run of a lease's blocks with their checksums, lent to the exporter: the lease stays
 /// shared (an `Arc`), so serving a pull copies and hashes nothing before the socket.
@@ -318,16 +336,7 @@ async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>, mut shutdown: watch::Recei
             } else {
                 Status::BadRequest
             };
-            let refusal = PullResponseFrame {
-                status,
-                chunk_bytes: 0,
-                fingerprint: ctx.fingerprint,
-                lease_id: 0,
-                first_block: 0,
-                count: 0,
-                block_bytes: 0,
-                message: e.to_string(),
-            };
+            let refusal = PullResponseFrame::refusal(status, e.to_string());
             let _ = send(&mut s, &refusal).await;
             return;
         }
@@ -399,37 +408,16 @@ async fn send(s: &mut BufStream<Conn>, frame: &PullResponseFrame) -> io::Result<
 
 type Batch = Result<SharedBlocks, (Status, String)>;
 
-/// Blocks `first .. first + count` of the lease, checked.
+/// Blocks `first .. first + count` of the lease, authenticated by the request's secret; any
+/// failure is the one undifferentiated refusal ([`DENIED`]).
 fn read_batch(ctx: &Ctx, req: &PullRequestFrame, first: usize, count: usize) -> Batch {
-    let (lease, block_bytes) = (req.lease_id, req.block_bytes);
-    let Some(shared) = ctx.source.read_blocks(lease, first, count) else {
-        return Err((
-            Status::UnknownLease,
-            format!(
-                "no lease {lease} covering blocks {first}..{} here",
-                first + count
-            ),
-        ));
-    };
-    if shared.len() != count {
-        return Err((
-            Status::Length,
-            format!(
-                "lease {lease}: asked for {count} blocks, the source gave {}",
-                shared.len()
-            ),
-        ));
+    match ctx
+        .source
+        .read_blocks(req.lease_id, &req.lease_secret, first, count)
+    {
+        Some(shared) if shared.len() == count => Ok(shared),
+        _ => Err((Status::UnknownLease, DENIED.to_string())),
     }
-    if shared.block_bytes() as u64 != block_bytes {
-        return Err((
-            Status::Length,
-            format!(
-                "lease {lease}: blocks hold {} bytes here, the request says {block_bytes}",
-                shared.block_bytes()
-            ),
-        ));
-    }
-    Ok(shared)
 }
 
 /// Answer one pull: a refusal, or the header and the whole payload.
@@ -440,34 +428,15 @@ async fn serve_pull(
 ) -> io::Result<Next> {
     let started = Instant::now();
     let block_bytes = req.block_bytes;
-    let mut response = PullResponseFrame {
-        status: Status::Ok,
-        chunk_bytes: u32::try_from(block_bytes).unwrap_or(u32::MAX),
-        fingerprint: ctx.fingerprint,
-        lease_id: req.lease_id,
-        first_block: req.first_block,
-        count: req.count,
-        block_bytes: req.block_bytes,
-        message: String::new(),
-    };
-    let refuse = |mut response: PullResponseFrame, status: Status, message: String| {
+    let refuse = |response: PullResponseFrame| {
         Counters::bump(&ctx.counters.pulls_refused, 1);
         ctx.transfers
-            .record_failure(FailureReason::of_status(status));
-        tracing::debug!(lease = req.lease_id, ?status, %message, "KV export: pull refused");
-        response.status = status;
-        response.chunk_bytes = 0;
-        response.message = message;
+            .record_failure(FailureReason::of_status(response.status));
+        tracing::debug!(lease = req.lease_id, status = ?response.status, message = %response.message, "KV export: pull refused");
         response
     };
-    if req.fingerprint != ctx.fingerprint {
-        let message = format!(
-            "layout fingerprint {} is not this exporter's {}",
-            req.fingerprint, ctx.fingerprint
-        );
-        send(s, &refuse(response, Status::FingerprintMismatch, message)).await?;
-        return Ok(Next::KeepAlive);
-    }
+    // Nothing about this exporter is said before the lease is authenticated: these checks
+    // are about the request's own numbers (and public limits).
     let range = usize::try_from(req.first_block)
         .ok()
         .zip(usize::try_from(req.count).ok())
@@ -480,22 +449,62 @@ async fn serve_pull(
              bytes, {MAX_CHUNK_BYTES} per block)",
             req.count, req.block_bytes, req.first_block
         );
-        send(s, &refuse(response, Status::BadRequest, message)).await?;
+        send(
+            s,
+            &refuse(PullResponseFrame::refusal(Status::BadRequest, message)),
+        )
+        .await?;
         return Ok(Next::Close);
     };
     let per_batch = (ctx.config.batch_bytes / (block_bytes as usize).max(1)).max(1);
     let end = first + count;
 
-    // The first batch decides between a refusal and a transfer.
+    // The first batch authenticates the request (lease, secret, range) ...
     let mut next = first + count.min(per_batch);
     let mut current = match read_batch(ctx, req, first, next - first) {
         Ok(blocks) => blocks,
         Err((status, message)) => {
-            send(s, &refuse(response, status, message)).await?;
+            send(s, &refuse(PullResponseFrame::refusal(status, message))).await?;
             return Ok(Next::KeepAlive);
         }
     };
-    response.message.clear();
+    // ... and only then is the layout compared: the lease's holder may learn it.
+    if req.fingerprint != ctx.fingerprint {
+        drop(current);
+        let mut refusal = PullResponseFrame::refusal(
+            Status::FingerprintMismatch,
+            format!(
+                "layout fingerprint {} is not this exporter's {}",
+                req.fingerprint, ctx.fingerprint
+            ),
+        );
+        refusal.fingerprint = ctx.fingerprint;
+        send(s, &refuse(refusal)).await?;
+        return Ok(Next::KeepAlive);
+    }
+    if current.block_bytes() as u64 != block_bytes {
+        let message = format!(
+            "blocks hold {} bytes here, the request says {block_bytes}",
+            current.block_bytes()
+        );
+        drop(current);
+        send(
+            s,
+            &refuse(PullResponseFrame::refusal(Status::Length, message)),
+        )
+        .await?;
+        return Ok(Next::KeepAlive);
+    }
+    let response = PullResponseFrame {
+        status: Status::Ok,
+        chunk_bytes: u32::try_from(block_bytes).unwrap_or(u32::MAX),
+        fingerprint: ctx.fingerprint,
+        lease_id: req.lease_id,
+        first_block: req.first_block,
+        count: req.count,
+        block_bytes: req.block_bytes,
+        message: String::new(),
+    };
     s.write_all(&response.encode()).await?;
     loop {
         for (i, &sum) in current.checksums().iter().enumerate() {

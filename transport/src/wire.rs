@@ -1,17 +1,17 @@
-//! The TCP wire format, version 3. Every integer is little-endian; KV values travel as the
+//! The TCP wire format, version 4. Every integer is little-endian; KV values travel as the
 //! raw little-endian bytes the KV cache stores (f32, f16 or bf16: the layout fingerprint
 //! says which, so both ends agree before a byte moves).
 //!
 //! ```text
-//! frame header (12 B)   magic "PDKV" | version u16 = 3 | kind u16 | body_len u32
+//! frame header (12 B)   magic "PDKV" | version u16 = 4 | kind u16 | body_len u32
 //!
-//! kind 1 PULL_REQUEST, importer -> exporter, body 48 B:
-//!   lease_id u64 | fingerprint u64 | first_block u64 | count u64
+//! kind 1 PULL_REQUEST, importer -> exporter, body 64 B:
+//!   lease_id u64 | lease_secret 16 B | fingerprint u64 | first_block u64 | count u64
 //!   | block_bytes u64 (bytes per block) | timeout_ms u32 | reserved u32 = 0
 //!
 //! kind 2 PULL_RESPONSE, exporter -> importer, body 56 B + message:
 //!   status u16 | reserved u16 = 0 | chunk_bytes u32
-//!   | fingerprint u64 (the EXPORTER's) | lease_id u64 | first_block u64 | count u64
+//!   | fingerprint u64 | lease_id u64 | first_block u64 | count u64
 //!   | block_bytes u64 | message_len u32 | reserved u32 = 0 | message (UTF-8, <= 4 KiB)
 //!
 //! status OK only: the payload follows, the count blocks in order (each block's bytes in
@@ -28,8 +28,20 @@
 //! Version 1 cut the payload into 4 MiB chunks checksummed as they were sent; version 2
 //! makes a chunk a block so that the sender sends checksums it already has; version 3
 //! sends KV as stored instead of widened to f32 (a 16-bit cache moves half the bytes), so
-//! blocks are sized in bytes.
+//! blocks are sized in bytes; version 4 seals leases: a request carries the lease's secret
+//! and a refusal says nothing about the exporter.
 //! ```
+//!
+//! **Sealed leases.** A lease is a capability: its id and its 16-byte secret (the
+//! `KvHandle`'s `lease_secret`) together. The exporter first authenticates the request: the
+//! lease must exist, the secret must match (compared in constant time) and the block range
+//! must lie inside the lease. An unknown lease, a wrong secret and a range outside the lease
+//! all get the same refusal, UNKNOWN_LEASE with one fixed message, whose fingerprint,
+//! lease id, first block, count, block length and chunk length are all 0: a caller without
+//! the secret learns neither the exporter's layout nor whether the id exists. Refusals
+//! before authentication (BAD_REQUEST, UNSUPPORTED_VERSION) carry zeros too. Only an
+//! authenticated request is checked against the exporter's layout: FINGERPRINT_MISMATCH then
+//! carries the exporter's fingerprint, LENGTH says the block length differs.
 //!
 //! After the last DATA chunk the connection carries the next request (connection reuse). A
 //! refusal (status != OK) sends no payload; after UNSUPPORTED_VERSION or BAD_REQUEST the
@@ -37,12 +49,14 @@
 //! lease / first block / count / block length, the exporter's fingerprint, every chunk length
 //! and every checksum.
 
+use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret};
+
 use crate::fingerprint::LayoutFingerprint;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 pub const FRAME_HEADER_LEN: usize = 12;
-pub const PULL_REQUEST_BODY_LEN: usize = 48;
+pub const PULL_REQUEST_BODY_LEN: usize = 64;
 pub const PULL_RESPONSE_BODY_LEN: usize = 56;
 pub const CHUNK_HEADER_LEN: usize = 16;
 pub const CHECKSUM_LEN: usize = 8;
@@ -82,11 +96,13 @@ pub enum FrameKind {
 #[repr(u16)]
 pub enum Status {
     Ok = 0,
-    /// No such lease, or it does not cover the requested blocks.
+    /// No such lease, a wrong secret, or a range outside the lease: the exporter does not
+    /// say which (see the module documentation).
     UnknownLease = 1,
-    /// The request's fingerprint is not the exporter's.
+    /// The request's fingerprint is not the exporter's (said to authenticated requests only).
     FingerprintMismatch = 2,
-    /// The lease's blocks do not have the requested block length.
+    /// The lease's blocks do not have the requested block length (authenticated requests
+    /// only).
     Length = 3,
     /// Malformed or oversized request.
     BadRequest = 4,
@@ -173,6 +189,8 @@ impl FrameHeader {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PullRequestFrame {
     pub lease_id: u64,
+    /// The lease's secret: without it the lease does not exist for this request.
+    pub lease_secret: LeaseSecret,
     pub fingerprint: LayoutFingerprint,
     pub first_block: u64,
     pub count: u64,
@@ -193,6 +211,7 @@ impl PullRequestFrame {
         );
         let mut w = Writer(&mut b[FRAME_HEADER_LEN..]);
         w.u64(self.lease_id);
+        w.bytes(self.lease_secret.as_bytes());
         w.u64(self.fingerprint.0);
         w.u64(self.first_block);
         w.u64(self.count);
@@ -206,6 +225,7 @@ impl PullRequestFrame {
         let mut r = Reader(b);
         Self {
             lease_id: r.u64(),
+            lease_secret: LeaseSecret::from_bytes(r.take::<LEASE_SECRET_LEN>()),
             fingerprint: LayoutFingerprint(r.u64()),
             first_block: r.u64(),
             count: r.u64(),
@@ -225,7 +245,8 @@ impl PullRequestFrame {
 pub struct PullResponseFrame {
     pub status: Status,
     pub chunk_bytes: u32,
-    /// The exporter's own fingerprint (on every status).
+    /// The exporter's own fingerprint on OK and FINGERPRINT_MISMATCH (authenticated
+    /// requests); 0 on every other refusal.
     pub fingerprint: LayoutFingerprint,
     pub lease_id: u64,
     pub first_block: u64,
@@ -235,6 +256,20 @@ pub struct PullResponseFrame {
 }
 
 impl PullResponseFrame {
+    /// A refusal that says nothing but `status` and `message`: every other field 0.
+    pub fn refusal(status: Status, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            chunk_bytes: 0,
+            fingerprint: LayoutFingerprint(0),
+            lease_id: 0,
+            first_block: 0,
+            count: 0,
+            block_bytes: 0,
+            message: message.into(),
+        }
+    }
+
     /// Header, body and message (cut to [`MAX_MESSAGE_LEN`] on a character boundary).
     pub fn encode(&self) -> Vec<u8> {
         let msg = truncate_message(&self.message);
@@ -376,8 +411,10 @@ mod tests {
 
     #[test]
     fn request_round_trips_and_has_the_documented_layout() {
+        let secret = LeaseSecret::from_bytes(*b"0123456789abcdef");
         let req = PullRequestFrame {
             lease_id: 0x0102_0304_0506_0708,
+            lease_secret: secret,
             fingerprint: LayoutFingerprint(0xdead_beef),
             first_block: 3,
             count: 5,
@@ -386,13 +423,19 @@ mod tests {
         };
         let b = req.encode();
         assert_eq!(&b[..4], b"PDKV");
-        assert_eq!(&b[4..6], &[3, 0], "version 3, little-endian");
+        assert_eq!(&b[4..6], &[4, 0], "version 4, little-endian");
         assert_eq!(&b[6..8], &[1, 0], "kind PULL_REQUEST");
-        assert_eq!(&b[8..12], &[48, 0, 0, 0]);
+        assert_eq!(&b[8..12], &[64, 0, 0, 0]);
         assert_eq!(
             &b[12..20],
             &[8, 7, 6, 5, 4, 3, 2, 1],
             "lease id little-endian"
+        );
+        assert_eq!(&b[20..36], b"0123456789abcdef", "the secret after the id");
+        assert_eq!(
+            &b[36..44],
+            &0xdead_beef_u64.to_le_bytes(),
+            "then the fingerprint"
         );
         let h = FrameHeader::decode(b[..12].try_into().unwrap()).unwrap();
         h.expect(FrameKind::PullRequest, PULL_REQUEST_BODY_LEN)
@@ -437,16 +480,7 @@ mod tests {
         let long = "é".repeat(MAX_MESSAGE_LEN);
         let cut = truncate_message(&long);
         assert!(cut.len() <= MAX_MESSAGE_LEN && cut.len() >= MAX_MESSAGE_LEN - 1);
-        let resp = PullResponseFrame {
-            status: Status::Unavailable,
-            chunk_bytes: 0,
-            fingerprint: LayoutFingerprint(0),
-            lease_id: 0,
-            first_block: 0,
-            count: 0,
-            block_bytes: 0,
-            message: long,
-        };
+        let resp = PullResponseFrame::refusal(Status::Unavailable, long);
         assert!(resp.encode().len() <= FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN + MAX_MESSAGE_LEN);
     }
 
@@ -454,6 +488,7 @@ mod tests {
     fn bad_headers_are_typed_errors() {
         let mut b = PullRequestFrame {
             lease_id: 1,
+            lease_secret: LeaseSecret::from_bytes([1; 16]),
             fingerprint: LayoutFingerprint(1),
             first_block: 0,
             count: 1,
@@ -465,22 +500,22 @@ mod tests {
         assert_eq!(
             FrameHeader::decode(&h)
                 .unwrap()
-                .expect(FrameKind::PullResponse, 48),
+                .expect(FrameKind::PullResponse, 64),
             Err(WireError::BadKind(1))
         );
         assert!(matches!(
             FrameHeader::decode(&h)
                 .unwrap()
-                .expect(FrameKind::PullRequest, 40),
-            Err(WireError::BadBodyLen { got: 48, .. })
+                .expect(FrameKind::PullRequest, 48),
+            Err(WireError::BadBodyLen { got: 64, .. })
         ));
-        b[4] = 1; // version 1 peers (4 MiB chunks hashed while sent) are refused
+        b[4] = 3; // version 3 peers (no lease secret) are refused
         let h: [u8; 12] = b[..12].try_into().unwrap();
         assert_eq!(
             FrameHeader::decode(&h)
                 .unwrap()
-                .expect(FrameKind::PullRequest, 48),
-            Err(WireError::BadVersion(1))
+                .expect(FrameKind::PullRequest, 64),
+            Err(WireError::BadVersion(3))
         );
         b[0] = b'X';
         let h: [u8; 12] = b[..12].try_into().unwrap();

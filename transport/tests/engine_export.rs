@@ -151,6 +151,7 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
             addr,
             PullRequest {
                 lease_id: lease.lease_id,
+                lease_secret: lease.secret,
                 fingerprint,
                 first_block,
                 count,
@@ -172,7 +173,7 @@ async fn kv_pulled_over_tcp_from_an_engine_lease_decodes_like_one_mixed_engine()
 
     let blocks = pull(0, lease.blocks.len(), fp).await.unwrap();
     assert_eq!(blocks.len(), 6, "23 tokens in blocks of 4");
-    assert!(handle.release_lease(lease.lease_id));
+    assert!(handle.release_lease(lease.lease_id, lease.secret));
     let err = pull(0, 1, fp).await.unwrap_err();
     assert!(
         matches!(err, TransportError::UnknownLease { .. }),
@@ -242,6 +243,7 @@ async fn pulled_in_place_decodes_like_one_mixed_engine(kv: DType) -> u64 {
     let puller = KvPuller::new();
     let req = |count| PullRequest {
         lease_id: lease.lease_id,
+        lease_secret: lease.secret,
         fingerprint: fp,
         first_block: 0,
         count,
@@ -261,7 +263,7 @@ async fn pulled_in_place_decodes_like_one_mixed_engine(kv: DType) -> u64 {
         .unwrap();
     let moved = puller.stats().snapshot().bytes;
     assert_eq!(moved, 6 * layout.block_bytes() as u64, "{kv:?}");
-    assert!(handle.release_lease(lease.lease_id));
+    assert!(handle.release_lease(lease.lease_id, lease.secret));
 
     let imported = ImportedKv {
         first_block: 0,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::HostBuffer;
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::rdma::{
     BoxFuture, Fabric, LinkLayer, OfferLayout, RdmaError, RdmaOffer, RemoteRegion, block_checksum,
     plan_reads,
@@ -29,7 +29,13 @@ const BLOCK_BYTES: usize = 4096;
 struct Mem(Arc<LeasedKv>);
 
 impl KvSource for Mem {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        _secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
         (lease_id == LEASE).then_some(())?;
         SharedBlocks::new(Arc::clone(&self.0), first, count)
     }
@@ -165,6 +171,7 @@ async fn server(n: usize) -> (KvExportServer, std::net::SocketAddr, Vec<Vec<u8>>
 fn request(lease_id: u64, first: usize, count: usize) -> PullRequest {
     PullRequest {
         lease_id,
+        lease_secret: LeaseSecret::from_bytes([9; 16]),
         fingerprint: FP,
         first_block: first,
         count,

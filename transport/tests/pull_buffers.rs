@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::kv::host_buffer::heap_buffer;
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::{
     ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
 };
@@ -21,7 +21,13 @@ const BLOCK: usize = 4096;
 struct OneLease(Arc<LeasedKv>);
 
 impl KvSource for OneLease {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        _secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
         (lease_id == LEASE)
             .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
             .flatten()
@@ -35,6 +41,7 @@ fn blocks(n: usize) -> Vec<Vec<u8>> {
 fn pull(count: usize) -> PullRequest {
     PullRequest {
         lease_id: LEASE,
+        lease_secret: LeaseSecret::from_bytes([7; 16]),
         fingerprint: FP,
         first_block: 0,
         count,

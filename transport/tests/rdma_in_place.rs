@@ -1,5 +1,6 @@
 //! RDMA in place at both ends, without a device: a lease pinned in a prefill node's host KV
-//! memory is offered where it lies (a strided offer, through its wire encoding); the READs
+//! memory is offered where it lies (a strided offer of regions registered for this lease
+//! alone, through its wire encoding); the READs
 //! a decode node plans and scatters for it are executed here byte by byte, as a NIC would,
 //! from the leased blocks' memory into the decode node's reserved blocks. Every block must
 //! land exactly (its checksum and its bytes), no READ may touch a block the lease does not
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::scatter::{LocalSpan, ScatterRead, scatter_reads};
-use pd_transport::rdma::{Fabric, LinkLayer, OfferLayout, RdmaOffer, RemoteRegion, plan_reads};
+use pd_transport::rdma::{Fabric, LeaseRegions, LinkLayer, OfferLayout, RdmaOffer, plan_reads};
 use proptest::prelude::*;
 
 /// Bytes of one block in one region (one layer's K or V, say).
@@ -55,18 +56,25 @@ fn exporter(capacity: usize, places: &[u32]) -> (Arc<LeasedKv>, RdmaOffer) {
     drop(fill);
     // SAFETY: nothing writes this memory any more while the lease lives.
     let kv = Arc::new(unsafe { LeasedKv::pinned(memory.clone(), places.to_vec()) });
-    let regions: Vec<RemoteRegion> = memory
-        .regions()
-        .iter()
-        .enumerate()
-        .map(|(j, s)| RemoteRegion {
-            addr: s.addr(),
-            len: s.len() as u64,
-            rkey: 500 + j as u32,
-        })
-        .collect();
-    let offer = RdmaOffer::in_place(fabric(), "10.0.0.1:50051".into(), &regions, &kv)
-        .expect("a pinned lease over these regions");
+    // What the exporter registers: the lease's blocks alone (here, made-up rkeys).
+    let regions = LeaseRegions::of(&kv).expect("a pinned lease");
+    let rkeys: Vec<u32> = (0..regions.ranges.len() as u32).map(|k| 500 + k).collect();
+    let offer = regions
+        .offer(fabric(), "10.0.0.1:50051".into(), &kv, &rkeys)
+        .expect("one rkey per range");
+    // Nothing registered lies outside the lease's blocks.
+    let stride = memory.stride() as u64;
+    for &(addr, len) in &regions.ranges {
+        let segment = (memory.regions().iter())
+            .find(|s| s.addr() <= addr && addr + len <= s.addr() + s.len() as u64)
+            .expect("a range inside one segment");
+        for place in (addr - segment.addr()) / stride..(addr - segment.addr() + len) / stride {
+            assert!(
+                places.contains(&(place as u32)),
+                "place {place} is not leased"
+            );
+        }
+    }
     let offer = RdmaOffer::decode(&offer.encode()).expect("a valid offer");
     (kv, offer)
 }
@@ -86,19 +94,27 @@ fn spans(into: &KvReservation) -> Vec<LocalSpan> {
 /// The remote bytes `read` fetches, taken from the leased blocks' memory; panics on a READ
 /// outside its region or over a block the lease does not hold.
 fn remote_bytes(read: &ScatterRead, offer: &RdmaOffer, kv: &LeasedKv) -> Vec<u8> {
-    let OfferLayout::Strided { stride, blocks } = &offer.layout else {
+    let OfferLayout::Strided {
+        stride,
+        blocks,
+        runs,
+    } = &offer.layout
+    else {
         panic!("an in-place offer is strided");
     };
-    let j = (offer.regions.iter())
+    let k = (offer.regions.iter())
         .position(|g| g.rkey == read.rkey)
         .expect("a READ under an offered rkey");
-    let region = offer.regions[j];
+    // Region k: segment k / runs, run k % runs.
+    let (j, run) = (k / runs.len(), runs[k % runs.len()]);
+    let region = offer.regions[k];
     assert!(read.remote_addr >= region.addr);
     assert!(read.remote_addr + read.len() <= region.addr + region.len);
     let mut out = Vec::new();
     let mut at = read.remote_addr - region.addr;
     while (out.len() as u64) < read.len() {
-        let (place, within) = (at / stride, (at % stride) as usize);
+        let place = u64::from(run.first) + at / stride;
+        let within = (at % stride) as usize;
         let i = (blocks.iter())
             .position(|&b| u64::from(b) == place)
             .unwrap_or_else(|| panic!("a READ of place {place}, which the lease does not hold"));

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::host_buffer::HostBuffer;
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::wire::{
     FRAME_HEADER_LEN, FrameHeader, PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame,
     Status,
@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x5eed_f1a7_0000_0001);
 const LEASE: u64 = 42;
+const SECRET: LeaseSecret = LeaseSecret::from_bytes(*b"sixteen byte key");
 
 /// An in-memory exporter: one lease holding `blocks`; `fail_after` calls, the lease is gone
 /// (as if it expired mid-transfer).
@@ -46,8 +47,17 @@ impl MemSource {
 }
 
 impl KvSource for MemSource {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after || lease_id != LEASE {
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after
+            || lease_id != LEASE
+            || !secret.matches(&SECRET)
+        {
             return None;
         }
         SharedBlocks::new(Arc::clone(&self.lease), first, count)
@@ -92,6 +102,7 @@ async fn serve(source: Arc<MemSource>, config: ExportConfig) -> (KvExportServer,
 fn req(first_block: usize, count: usize, block_bytes: usize) -> PullRequest {
     PullRequest {
         lease_id: LEASE,
+        lease_secret: SECRET,
         fingerprint: FP,
         first_block,
         count,
@@ -184,8 +195,120 @@ async fn unknown_lease_and_out_of_range_blocks_are_unknown_lease() {
     assert_eq!(server.stats().pulls_refused, 2);
 }
 
+/// The raw answer to one pull request frame: the response header, then whatever else the
+/// exporter sent before closing (nothing, for a refusal).
+async fn raw_answer(addr: SocketAddr, frame: PullRequestFrame) -> (PullResponseFrame, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&frame.encode()).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).await.unwrap();
+    let header = FrameHeader::decode(reply[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
+    let body = &reply[FRAME_HEADER_LEN..FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN];
+    let (mut resp, msg_len) = PullResponseFrame::decode_body(body.try_into().unwrap()).unwrap();
+    let rest = FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN;
+    resp.message = String::from_utf8(reply[rest..rest + msg_len].to_vec()).unwrap();
+    assert_eq!(header.body_len as usize, PULL_RESPONSE_BODY_LEN + msg_len);
+    (resp, reply[rest + msg_len..].to_vec())
+}
+
 #[tokio::test]
-async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
+async fn a_wrong_secret_an_unknown_id_and_a_range_outside_get_one_refusal_saying_nothing() {
+    let blocks = random_blocks(4, 100, 3);
+    let source = MemSource::new(blocks);
+    let (server, addr) = serve(Arc::clone(&source), small_config()).await;
+    let good = PullRequestFrame {
+        lease_id: LEASE,
+        lease_secret: SECRET,
+        fingerprint: FP,
+        first_block: 0,
+        count: 4,
+        block_bytes: 100,
+        timeout_ms: 5000,
+    };
+    let (ok, payload) = raw_answer(addr, good).await;
+    assert_eq!(ok.status, Status::Ok);
+    assert!(payload.len() > 400, "the right secret gets the KV");
+
+    let mut wrong_secret_bytes = *SECRET.as_bytes();
+    wrong_secret_bytes[0] ^= 0x80;
+    let cases = [
+        PullRequestFrame {
+            lease_secret: LeaseSecret::from_bytes(wrong_secret_bytes),
+            ..good
+        },
+        PullRequestFrame {
+            lease_secret: LeaseSecret::from_bytes([0; 16]),
+            ..good
+        },
+        PullRequestFrame {
+            lease_id: LEASE + 1,
+            ..good
+        },
+        PullRequestFrame {
+            lease_id: LEASE - 1,
+            ..good
+        },
+        PullRequestFrame {
+            first_block: 3,
+            count: 2,
+            ..good
+        },
+        // A wrong fingerprint with a wrong secret: still nothing about the layout.
+        PullRequestFrame {
+            lease_secret: LeaseSecret::from_bytes(wrong_secret_bytes),
+            fingerprint: LayoutFingerprint(1),
+            ..good
+        },
+        // A wrong block length with a wrong secret: nothing about the block length.
+        PullRequestFrame {
+            lease_secret: LeaseSecret::from_bytes(wrong_secret_bytes),
+            block_bytes: 99,
+            ..good
+        },
+    ];
+    let mut answers = Vec::new();
+    for frame in cases {
+        let (resp, payload) = raw_answer(addr, frame).await;
+        assert!(
+            payload.is_empty(),
+            "no byte of KV: {} bytes came",
+            payload.len()
+        );
+        assert_eq!(resp.status, Status::UnknownLease);
+        assert_eq!(
+            (
+                resp.fingerprint,
+                resp.chunk_bytes,
+                resp.block_bytes,
+                resp.count
+            ),
+            (LayoutFingerprint(0), 0, 0, 0),
+            "no fingerprint, block size or count"
+        );
+        assert_eq!((resp.lease_id, resp.first_block), (0, 0));
+        assert!(
+            !resp.message.contains("100") && !resp.message.contains(&FP.to_string()),
+            "{}",
+            resp.message
+        );
+        answers.push(resp);
+    }
+    assert!(
+        answers.windows(2).all(|w| w[0] == w[1]),
+        "every refusal is the same: {answers:?}"
+    );
+    // Through the importer: a lease that is gone, as far as it can tell.
+    let mut wrong = req(0, 1, 100);
+    wrong.lease_secret = LeaseSecret::from_bytes(wrong_secret_bytes);
+    let err = pull_blocks(addr, wrong, soon()).await.unwrap_err();
+    assert!(matches!(err, TransportError::UnknownLease { .. }), "{err}");
+    assert_eq!(err.reason(), FailureReason::LeaseGone);
+    assert_eq!(server.stats().pulls_ok, 1);
+}
+
+#[tokio::test]
+async fn a_fingerprint_mismatch_is_said_only_to_the_lease_holder_and_sends_no_kv() {
     let blocks = random_blocks(4, 100, 4);
     let source = MemSource::new(blocks);
     let (server, addr) = serve(Arc::clone(&source), small_config()).await;
@@ -202,28 +325,22 @@ async fn a_fingerprint_mismatch_is_refused_before_any_kv_is_read_or_sent() {
     assert!(err.to_string().contains(&FP.to_string()), "{err}");
     assert_eq!(
         source.calls.load(Ordering::SeqCst),
-        0,
-        "the source was not read"
+        1,
+        "the lease was authenticated first"
     );
 
     // On the wire: exactly one response frame, then nothing (no payload).
-    let mut s = TcpStream::connect(addr).await.unwrap();
     let frame = PullRequestFrame {
         lease_id: LEASE,
+        lease_secret: SECRET,
         fingerprint: LayoutFingerprint(1),
         first_block: 0,
         count: 4,
         block_bytes: 400,
         timeout_ms: 5000,
     };
-    s.write_all(&frame.encode()).await.unwrap();
-    s.shutdown().await.unwrap();
-    let mut reply = Vec::new();
-    s.read_to_end(&mut reply).await.unwrap();
-    let header = FrameHeader::decode(reply[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
-    assert_eq!(reply.len(), FRAME_HEADER_LEN + header.body_len as usize);
-    let body = &reply[FRAME_HEADER_LEN..FRAME_HEADER_LEN + PULL_RESPONSE_BODY_LEN];
-    let (resp, _) = PullResponseFrame::decode_body(body.try_into().unwrap()).unwrap();
+    let (resp, payload) = raw_answer(addr, frame).await;
+    assert!(payload.is_empty());
     assert_eq!(resp.status, Status::FingerprintMismatch);
     assert_eq!(resp.fingerprint, FP);
     let stats = server.stats();
@@ -453,7 +570,7 @@ async fn a_peer_that_is_not_an_exporter_is_a_protocol_error() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
-        let mut buf = [0u8; 60];
+        let mut buf = [0u8; 76];
         let _ = s.read_exact(&mut buf).await;
         let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
     });
@@ -467,6 +584,7 @@ async fn the_exporter_answers_an_unknown_version_with_its_own_and_closes() {
     let (_server, addr) = serve(MemSource::new(random_blocks(1, 10, 11)), small_config()).await;
     let mut frame = PullRequestFrame {
         lease_id: LEASE,
+        lease_secret: SECRET,
         fingerprint: FP,
         first_block: 0,
         count: 1,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_engine::serve::LeasedKv;
+use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_tls::certs::{ClusterCa, write_file};
 use pd_tls::{Alpn, ClientTls, Identity, ServerTls, TlsSettings, dial};
 use pd_transport::wire::PullRequestFrame;
@@ -18,13 +18,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x7e57_0000_0000_0042);
 const LEASE: u64 = 7;
+const SECRET: LeaseSecret = LeaseSecret::from_bytes(*b"tls test secret!");
 const BLOCK: usize = 4096;
 
 struct OneLease(Arc<LeasedKv>);
 
 impl KvSource for OneLease {
-    fn read_blocks(&self, lease_id: u64, first: usize, count: usize) -> Option<SharedBlocks> {
-        (lease_id == LEASE)
+    fn read_blocks(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<SharedBlocks> {
+        (lease_id == LEASE && secret.matches(&SECRET))
             .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
             .flatten()
     }
@@ -90,6 +97,7 @@ fn client(c: &Certs, with_cert: bool) -> ClientTls {
 fn req() -> PullRequest {
     PullRequest {
         lease_id: LEASE,
+        lease_secret: SECRET,
         fingerprint: FP,
         first_block: 0,
         count: 4,
@@ -117,6 +125,7 @@ async fn a_cluster_member_pulls_over_mtls() {
 async fn answer_to_a_pull(mut conn: pd_tls::Conn) -> Vec<u8> {
     let frame = PullRequestFrame {
         lease_id: LEASE,
+        lease_secret: SECRET,
         fingerprint: FP,
         first_block: 0,
         count: 4,

@@ -82,6 +82,27 @@ impl Node {
         DecodeServiceClient::connect(self.url()).await.unwrap()
     }
 
+    /// Tell this decode node it may pull KV from these addresses (what the router's registry
+    /// does), the whole set.
+    pub(crate) async fn set_kv_peer_addrs(&self, addrs: &[String]) {
+        self.decode()
+            .await
+            .set_kv_peers(pb::SetKvPeersRequest {
+                kv_addrs: addrs.to_vec(),
+            })
+            .await
+            .expect("SetKvPeers");
+    }
+
+    /// Tell this decode node it may pull KV from these prefill nodes.
+    pub(crate) async fn set_kv_peers(&self, prefill: &[&Node]) {
+        let addrs: Vec<String> = prefill
+            .iter()
+            .map(|p| p.ready.kv.expect("a prefill node's KV address").to_string())
+            .collect();
+        self.set_kv_peer_addrs(&addrs).await;
+    }
+
     pub(crate) async fn info(&self) -> pb::NodeInfo {
         let request = pb::InfoRequest {};
         if self.ready.role == "prefill" {

@@ -24,6 +24,7 @@ use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
 use super::counters::EngineCounters;
 use super::engine::{Engine, StepStats};
+use super::lease_secret::LeaseSecret;
 use super::lease_store::{LeaseStore, LeasedKv};
 use super::request::{
     EngineRequest, Finished, ImportedBlocks, RequestError, RequestEvent, RequestId,
@@ -44,7 +45,7 @@ pub type StepObserver = Box<dyn Fn(&StepStats) + Send>;
 enum Command {
     Submit(Box<EngineRequest>, Sender<RequestEvent>),
     Abort(RequestId),
-    ReleaseLease(u64, Sender<bool>),
+    ReleaseLease(u64, LeaseSecret, Sender<bool>),
     CachedPrefix(Vec<u32>, Option<String>, Sender<usize>),
     /// The last field gives the reservation's blocks back if it is dropped unadmitted.
     Reserve(
@@ -149,10 +150,15 @@ impl EngineHandle {
         let _ = self.tx.send(Command::Abort(id));
     }
 
-    /// Release a prefill lease; false if unknown (already released or expired).
-    pub fn release_lease(&self, lease_id: u64) -> bool {
+    /// Release a prefill lease; false if unknown (already released or expired) or `secret`
+    /// is not its secret (nothing is released then).
+    pub fn release_lease(&self, lease_id: u64, secret: LeaseSecret) -> bool {
         let (tx, rx) = mpsc::channel();
-        if self.tx.send(Command::ReleaseLease(lease_id, tx)).is_err() {
+        if self
+            .tx
+            .send(Command::ReleaseLease(lease_id, secret, tx))
+            .is_err()
+        {
             return false;
         }
         rx.recv().unwrap_or(false)
@@ -227,10 +233,10 @@ impl EngineHandle {
         self.host_kv.as_ref()
     }
 
-    /// All of a lease's blocks, shared without a copy (`None`: no such lease). Served
-    /// without waiting for the engine thread ([`LeaseStore`]).
-    pub fn lease_blocks(&self, lease_id: u64) -> Option<Arc<LeasedKv>> {
-        self.leases.get(lease_id)
+    /// All of a lease's blocks, shared without a copy (`None`: no such lease, or `secret`
+    /// is not its secret). Served without waiting for the engine thread ([`LeaseStore`]).
+    pub fn lease_blocks(&self, lease_id: u64, secret: &LeaseSecret) -> Option<Arc<LeasedKv>> {
+        self.leases.get(lease_id, secret)
     }
 
     /// The buffers imported KV should arrive in: the engine gives each back once its block
@@ -313,8 +319,8 @@ fn run<B: Backend>(
                         }
                     }
                 }
-                Command::ReleaseLease(lease, reply) => {
-                    let released = engine.release_lease(lease);
+                Command::ReleaseLease(lease, secret, reply) => {
+                    let released = engine.release_lease(lease, &secret);
                     publish(&engine);
                     let _ = reply.send(released);
                 }

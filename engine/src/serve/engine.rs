@@ -84,7 +84,6 @@ pub struct Engine<B: Backend> {
     /// Blocks set aside for imports being pulled.
     reservations: HashMap<ReservationId, Reserved>,
     next_reservation: u64,
-    next_lease: u64,
     counters: EngineCounters,
     expired_leases: u64,
     eos_token_ids: Vec<u32>,
@@ -146,7 +145,6 @@ impl<B: Backend> Engine<B> {
             block_writer,
             reservations: HashMap::new(),
             next_reservation: 1,
-            next_lease: 1,
             counters: EngineCounters::default(),
             expired_leases: 0,
             eos_token_ids,

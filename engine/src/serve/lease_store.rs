@@ -8,7 +8,8 @@
 //! blocks only once every reader has dropped the lease (a transfer in progress finishes its
 //! batch). Elsewhere (a GPU) the blocks are **copied** out of KV storage when the lease is
 //! made. An entry lives exactly as long as the lease: removed at release or expiry, so a late
-//! reader finds nothing. Each block's transfer checksum ([`crate::kv::checksum`]) is computed
+//! reader finds nothing. Every read presents the lease's secret ([`LeaseSecret`]): a wrong
+//! secret finds nothing, exactly as an unknown id does. Each block's transfer checksum ([`crate::kv::checksum`]) is computed
 //! here, once, when the lease is made: the exporter sends it, and no transport hashes on the
 //! sending side.
 
@@ -20,6 +21,11 @@ use rayon::prelude::*;
 use crate::kv::checksum::{BlockHasher, block_checksum};
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::HostKvMemory;
+use crate::serve::lease_secret::LeaseSecret;
+
+/// Compared against when the id is unknown, so that an unknown id and a wrong secret take
+/// the same steps.
+const NO_SECRET: LeaseSecret = LeaseSecret::from_bytes([0; 16]);
 
 /// Where a lease's blocks are.
 #[derive(Debug)]
@@ -172,19 +178,22 @@ impl LeasedKv {
     }
 }
 
-/// Leased blocks by lease id. Cheap to clone.
+/// A lease's secret and its blocks.
+type Sealed = (LeaseSecret, Arc<LeasedKv>);
+
+/// Leased blocks by lease id, each sealed by its secret. Cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct LeaseStore {
-    leases: Arc<Mutex<HashMap<u64, Arc<LeasedKv>>>>,
+    leases: Arc<Mutex<HashMap<u64, Sealed>>>,
 }
 
 impl LeaseStore {
-    /// Keep `kv` under `lease_id`; the returned handle lets the engine see when no reader
-    /// holds the lease any more ([`Arc::strong_count`]).
-    pub fn insert(&self, lease_id: u64, kv: LeasedKv) -> Arc<LeasedKv> {
+    /// Keep `kv` under `lease_id`, readable only with `secret`; the returned handle lets the
+    /// engine see when no reader holds the lease any more ([`Arc::strong_count`]).
+    pub fn insert(&self, lease_id: u64, secret: LeaseSecret, kv: LeasedKv) -> Arc<LeasedKv> {
         let kv = Arc::new(kv);
         if let Ok(mut leases) = self.leases.lock() {
-            leases.insert(lease_id, Arc::clone(&kv));
+            leases.insert(lease_id, (secret, Arc::clone(&kv)));
         }
         kv
     }
@@ -195,17 +204,32 @@ impl LeaseStore {
         }
     }
 
-    /// All of a lease's blocks, shared (not copied); `None` if the lease is gone. The blocks
-    /// stay readable through the returned `Arc` even if the lease is released meanwhile.
-    pub fn get(&self, lease_id: u64) -> Option<Arc<LeasedKv>> {
-        self.leases.lock().ok()?.get(&lease_id).cloned()
+    /// All of a lease's blocks, shared (not copied); `None` if the lease is gone or `secret`
+    /// is not its secret (the two are indistinguishable). The blocks stay readable through
+    /// the returned `Arc` even if the lease is released meanwhile.
+    pub fn get(&self, lease_id: u64, secret: &LeaseSecret) -> Option<Arc<LeasedKv>> {
+        let leases = self.leases.lock().ok()?;
+        match leases.get(&lease_id) {
+            Some((sealed, kv)) => sealed.matches(secret).then(|| Arc::clone(kv)),
+            None => {
+                // The same comparison as for a known id, so both refusals take alike.
+                let _ = NO_SECRET.matches(secret);
+                None
+            }
+        }
     }
 
-    /// Copies of blocks `first .. first + count` of a lease; `None` if the lease is gone or
-    /// shorter.
-    pub fn read(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<u8>>> {
+    /// Copies of blocks `first .. first + count` of a lease; `None` if the lease is gone,
+    /// shorter, or `secret` is wrong.
+    pub fn read(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<Vec<Vec<u8>>> {
         // Clone the Arc under the lock, copy the blocks outside it.
-        let kv = self.leases.lock().ok()?.get(&lease_id).cloned()?;
+        let kv = self.get(lease_id, secret)?;
         let end = first.checked_add(count).filter(|&e| e <= kv.num_blocks())?;
         Some((first..end).map(|i| kv.block_data(i)).collect())
     }
@@ -226,12 +250,23 @@ mod tests {
     #[test]
     fn reads_ranges_until_removed() {
         let store = LeaseStore::default();
-        store.insert(7, LeasedKv::new(vec![vec![1, 1], vec![2, 2], vec![3, 3]]));
-        assert_eq!(store.read(7, 1, 2), Some(vec![vec![2, 2], vec![3, 3]]));
-        assert_eq!(store.read(7, 2, 2), None, "past the end");
-        assert_eq!(store.read(7, usize::MAX, 2), None, "overflow");
-        assert_eq!(store.read(8, 0, 1), None, "unknown lease");
-        let shared = store.get(7).expect("leased");
+        let key = LeaseSecret::random();
+        let wrong = LeaseSecret::random();
+        store.insert(
+            7,
+            key,
+            LeasedKv::new(vec![vec![1, 1], vec![2, 2], vec![3, 3]]),
+        );
+        assert_eq!(
+            store.read(7, &key, 1, 2),
+            Some(vec![vec![2, 2], vec![3, 3]])
+        );
+        assert_eq!(store.read(7, &key, 2, 2), None, "past the end");
+        assert_eq!(store.read(7, &key, usize::MAX, 2), None, "overflow");
+        assert_eq!(store.read(8, &key, 0, 1), None, "unknown lease");
+        assert_eq!(store.read(7, &wrong, 0, 1), None, "wrong secret");
+        assert!(store.get(7, &wrong).is_none(), "wrong secret");
+        let shared = store.get(7, &key).expect("leased");
         assert_eq!(shared.num_blocks(), 3);
         assert_eq!(
             shared.copied_bytes(),
@@ -243,8 +278,8 @@ mod tests {
             .collect();
         assert_eq!(shared.checksums, want, "block i's checksum, seeded by i");
         store.remove(7);
-        assert_eq!(store.read(7, 0, 1), None, "released");
-        assert!(store.get(7).is_none(), "released");
+        assert_eq!(store.read(7, &key, 0, 1), None, "released");
+        assert!(store.get(7, &key).is_none(), "released");
         assert_eq!(
             shared.block_data(2),
             vec![3, 3],

@@ -5,6 +5,7 @@ pub mod config;
 pub mod counters;
 pub mod driver;
 pub mod engine;
+pub mod lease_secret;
 pub mod lease_store;
 pub mod request;
 
@@ -12,6 +13,7 @@ pub use config::{EngineConfig, Role};
 pub use counters::{EngineCounters, PrefixOutcome};
 pub use driver::{EngineHandle, EngineThread, FinishedObserver, StepObserver};
 pub use engine::{Engine, StepStats};
+pub use lease_secret::{LEASE_SECRET_LEN, LeaseSecret};
 pub use lease_store::{LeaseStore, LeasedKv};
 pub use request::{
     EngineRequest, Finished, ImportedBlocks, ImportedKv, KvLease, RequestError, RequestEvent,

@@ -9,6 +9,7 @@ use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::reservation::ReservedBlocks;
 use crate::sampling::{FinishReason, Guide, PromptLogprob, SampledToken, SamplingParams};
+use crate::serve::lease_secret::LeaseSecret;
 
 /// A request's id, unique among the engine's open requests (the router's request id).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -131,7 +132,10 @@ pub struct RequestTimings {
 /// released or expired.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvLease {
+    /// Random and nonzero ([`crate::serve::lease_secret::random_lease_id`]).
     pub lease_id: u64,
+    /// What every reader and the releaser must present with the id.
+    pub secret: LeaseSecret,
     /// Physical blocks in logical order, covering the prompt.
     pub blocks: Vec<u32>,
     /// Hashes of the prompt's full blocks (the salt applied).

@@ -32,8 +32,18 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
     assert_eq!(lease.blocks.len(), 3);
     assert_eq!(lease.block_hashes.len(), 2);
     assert_eq!(e.num_free_blocks(), 61);
-    assert!(e.release_lease(lease.lease_id));
-    assert!(!e.release_lease(lease.lease_id));
+    let wrong = pd_engine::serve::LeaseSecret::random();
+    assert!(
+        !e.release_lease(lease.lease_id, &wrong),
+        "a wrong secret releases nothing"
+    );
+    assert_eq!(e.num_free_blocks(), 61, "the blocks stay leased");
+    assert!(
+        e.lease_store().get(lease.lease_id, &wrong).is_none(),
+        "a wrong secret reads nothing"
+    );
+    assert!(e.release_lease(lease.lease_id, &lease.secret));
+    assert!(!e.release_lease(lease.lease_id, &lease.secret));
     all_free(&e);
     // Never released: the deadline frees it.
     let out = run_one(&mut e, req("b", prompt(8, 10), 100));
@@ -50,12 +60,12 @@ fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
     let lease = out.finished.unwrap().lease.unwrap();
     let reader = e
         .lease_store()
-        .get(lease.lease_id)
+        .get(lease.lease_id, &lease.secret)
         .expect("lent to the exporter");
     let before: Vec<Vec<u8>> = (0..3).map(|i| reader.block_data(i)).collect();
-    assert!(e.release_lease(lease.lease_id));
+    assert!(e.release_lease(lease.lease_id, &lease.secret));
     assert!(
-        e.lease_store().get(lease.lease_id).is_none(),
+        e.lease_store().get(lease.lease_id, &lease.secret).is_none(),
         "a new reader finds nothing"
     );
     // Another request runs meanwhile (its own lease expires at once).
@@ -105,9 +115,14 @@ fn prefill_then_decode(placed: bool) {
                 (decode.cached_prefix_blocks(p, None), None)
             };
             let blocks = prefill
-                .read_lease(lease.lease_id, have, lease.blocks.len() - have)
+                .read_lease(
+                    lease.lease_id,
+                    &lease.secret,
+                    have,
+                    lease.blocks.len() - have,
+                )
                 .unwrap();
-            assert!(prefill.release_lease(lease.lease_id));
+            assert!(prefill.release_lease(lease.lease_id, &lease.secret));
             let blocks = match reservation {
                 Some(mut r) => {
                     assert_eq!(r.len(), blocks.len());
@@ -336,9 +351,14 @@ fn kv_pulled_into_buffers_is_placed_once_the_pool_has_room() {
         let first = run_one(&mut prefill, req(id, p.to_vec(), 8));
         let lease = first.finished.unwrap().lease.unwrap();
         let blocks = prefill
-            .read_lease(lease.lease_id, from, lease.blocks.len() - from)
+            .read_lease(
+                lease.lease_id,
+                &lease.secret,
+                from,
+                lease.blocks.len() - from,
+            )
             .unwrap();
-        assert!(prefill.release_lease(lease.lease_id));
+        assert!(prefill.release_lease(lease.lease_id, &lease.secret));
         let buffers: Vec<HostBuffer> = blocks
             .into_iter()
             .map(|b| Box::new(b) as HostBuffer)

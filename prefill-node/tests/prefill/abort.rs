@@ -81,9 +81,7 @@ async fn abort_duplicate_ids_and_cancelled_calls_free_every_block() {
         }
     };
     client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: again.kv.unwrap().lease_id,
-        })
+        .release_kv(crate::release_of(again.kv.as_ref().unwrap()))
         .await
         .unwrap();
     node.assert_all_blocks_free().await;
@@ -153,9 +151,7 @@ async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
         "the drain waits for the lease to be released"
     );
     let released = client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: r.kv.unwrap().lease_id,
-        })
+        .release_kv(crate::release_of(r.kv.as_ref().unwrap()))
         .await
         .unwrap()
         .into_inner();

@@ -7,6 +7,7 @@
 mod abort;
 mod binary;
 mod requests;
+mod sealed;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -119,6 +120,14 @@ fn greedy() -> Option<pb::SamplingParams> {
         temperature: Some(0.0),
         ..Default::default()
     })
+}
+
+/// The release of the lease `kv` names, with its secret (as the router sends it).
+pub(crate) fn release_of(kv: &pb::KvHandle) -> pb::ReleaseKvRequest {
+    pb::ReleaseKvRequest {
+        lease_id: kv.lease_id,
+        lease_secret: kv.lease_secret.clone(),
+    }
 }
 
 pub(crate) fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillRequest {

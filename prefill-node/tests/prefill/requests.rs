@@ -55,17 +55,13 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
     );
 
     let released = client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: kv.lease_id,
-        })
+        .release_kv(crate::release_of(&kv))
         .await
         .unwrap()
         .into_inner();
     assert!(released.released);
     let again = client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: kv.lease_id,
-        })
+        .release_kv(crate::release_of(&kv))
         .await
         .unwrap()
         .into_inner();
@@ -83,9 +79,7 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
     assert_eq!(u2.external_cached_tokens, 0);
     assert_eq!(r2.first_token.unwrap().token_id, first.token_id);
     client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: r2.kv.unwrap().lease_id,
-        })
+        .release_kv(crate::release_of(r2.kv.as_ref().unwrap()))
         .await
         .unwrap();
 
@@ -96,9 +90,7 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
     assert_eq!(r3.prompt_logprobs.len(), 8);
     assert!(r3.prompt_logprobs.iter().all(|l| l.top.len() == 2));
     client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: r3.kv.unwrap().lease_id,
-        })
+        .release_kv(crate::release_of(r3.kv.as_ref().unwrap()))
         .await
         .unwrap();
 
@@ -142,9 +134,7 @@ async fn a_lease_never_pulled_expires_and_its_blocks_come_back() {
     assert!(kv.lease_deadline_unix_ms <= now_ms + 300);
     node.assert_all_blocks_free().await;
     let late = client
-        .release_kv(pb::ReleaseKvRequest {
-            lease_id: kv.lease_id,
-        })
+        .release_kv(crate::release_of(&kv))
         .await
         .unwrap()
         .into_inner();

@@ -39,28 +39,32 @@ impl Job {
         text: &mut TextStream<'_>,
         handoff: Option<Handoff<'_>>,
     ) -> Result<pb::GenerateResponse, End> {
-        let layout = handoff.map(|h| Layout {
-            fingerprint: h.kv.layout_fingerprint.clone(),
-            block_size: h.kv.block_size,
+        let layout = handoff.map(|h| {
+            let layout = Layout {
+                fingerprint: h.kv.layout_fingerprint.clone(),
+                block_size: h.kv.block_size,
+            };
+            (layout, h.kv.addr.as_str())
         });
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
         loop {
-            let candidates =
-                match (self.shared.registry).decode_candidates(layout.as_ref(), &excluded) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        let code = match &previous {
-                            None => e.code(),
-                            Some(prev) => prev.client_code(),
-                        };
-                        let message = match &previous {
-                            None => e.to_string(),
-                            Some(prev) => format!("{prev}; no other decode node to retry on: {e}"),
-                        };
-                        return Err(self.failed(code, message));
-                    }
-                };
+            let candidates = match (self.shared.registry)
+                .decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), &excluded)
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    let code = match &previous {
+                        None => e.code(),
+                        Some(prev) => prev.client_code(),
+                    };
+                    let message = match &previous {
+                        None => e.to_string(),
+                        Some(prev) => format!("{prev}; no other decode node to retry on: {e}"),
+                    };
+                    return Err(self.failed(code, message));
+                }
+            };
             let node = match handoff {
                 Some(_) => self.shared.pick_decode(&self.req, &candidates),
                 // The decode node computes the prompt: the policy's prefix affinity applies.

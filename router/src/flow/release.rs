@@ -15,13 +15,29 @@ use crate::registry::Node;
 /// Deadline of the calls that clean up after a request (`Abort`, `ReleaseKv`).
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A KV lease as the prefill node handed it out: its id and the secret that releases it.
+#[derive(Clone)]
+pub(super) struct Lease {
+    pub id: u64,
+    pub secret: Vec<u8>,
+}
+
+impl Lease {
+    pub fn of(kv: &pb::KvHandle) -> Self {
+        Self {
+            id: kv.lease_id,
+            secret: kv.lease_secret.clone(),
+        }
+    }
+}
+
 /// What a request holds on the nodes right now.
 #[derive(Default)]
 pub(super) struct Held {
     /// A Prefill call in progress: (node, node request id).
     pub prefilling: Option<(Arc<Node>, String)>,
     /// A KV lease on a prefill node.
-    pub lease: Option<(Arc<Node>, u64)>,
+    pub lease: Option<(Arc<Node>, Lease)>,
     /// A decode in progress: (node, node request id).
     pub decoding: Option<(Arc<Node>, String)>,
 }
@@ -82,8 +98,11 @@ pub(super) async fn abort_decode(node: Arc<Node>, request_id: String) {
     control("Abort", &node, client.abort(request)).await;
 }
 
-pub(super) async fn release_kv(node: Arc<Node>, lease_id: u64) {
+pub(super) async fn release_kv(node: Arc<Node>, lease: Lease) {
     let mut client = node.prefill_client();
-    let request = control_request(pb::ReleaseKvRequest { lease_id });
+    let request = control_request(pb::ReleaseKvRequest {
+        lease_id: lease.id,
+        lease_secret: lease.secret,
+    });
     control("ReleaseKv", &node, client.release_kv(request)).await;
 }

@@ -91,6 +91,18 @@ pub struct Node {
     pub(super) discovered: bool,
     /// Set when it left the registry: its health task stops.
     pub(super) removed: AtomicBool,
+    /// Decode nodes: the prefill KV addresses this node acknowledged (`SetKvPeers`) and the
+    /// node process (counter epoch) that did; `None` until the first push succeeds.
+    kv_peers: Mutex<Option<PushedPeers>>,
+}
+
+/// A peer set a decode node acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PushedPeers {
+    /// The node process's counter epoch: a restarted node has a new one and an empty set.
+    pub epoch: u64,
+    /// Sorted, without duplicates.
+    pub addrs: Vec<String>,
 }
 
 impl Node {
@@ -114,7 +126,29 @@ impl Node {
             epoch: AtomicU64::new(0),
             discovered,
             removed: AtomicBool::new(false),
+            kv_peers: Mutex::new(None),
         }
+    }
+
+    /// The peer set this decode node last acknowledged.
+    pub(super) fn pushed_peers(&self) -> Option<PushedPeers> {
+        self.kv_peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub(super) fn set_pushed_peers(&self, pushed: Option<PushedPeers>) {
+        *self.kv_peers.lock().unwrap_or_else(|e| e.into_inner()) = pushed;
+    }
+
+    /// Whether this decode node was told it may pull from the prefill KV address `addr`.
+    pub fn knows_kv_peer(&self, addr: &str) -> bool {
+        self.kv_peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|p| p.addrs.iter().any(|a| a == addr))
     }
 
     fn state(&self) -> MutexGuard<'_, NodeState> {

@@ -4,11 +4,15 @@
 //! The blocks lie in registered regions in one of two layouts ([`OfferLayout`]):
 //! - **packed** (a staged copy, version 1): back to back in one or more regions; block `i`
 //!   is bytes `i * block_bytes .. (i + 1) * block_bytes` of the regions' concatenation;
-//! - **strided** (in place in the prefill node's KV memory, version 2): the regions are the
-//!   KV memory's segments in transfer-layout order (layer 0's K, layer 0's V, layer 1's K,
-//!   …), each registered once, and piece `j` of block `i` is the `stride` bytes at
-//!   `blocks[i] * stride` of region `j` (`blocks[i]` is where the prefill node keeps the
-//!   lease's block `i`).
+//! - **strided** (in place in the prefill node's KV memory, version 3): the lease's places
+//!   (`blocks[i]` is where the prefill node keeps the lease's block `i`) form sorted runs of
+//!   adjacent places; for each KV memory segment `j` in transfer-layout order (layer 0's K,
+//!   layer 0's V, layer 1's K, …) and each run `r`, region `j * runs + r` is that run's
+//!   pieces in that segment, registered for this lease alone. Piece `j` of block `i` is the
+//!   `stride` bytes at `(blocks[i] - runs[r].first) * stride` of region `j * runs + r`, `r`
+//!   the run holding `blocks[i]`. The regions hold the lease's blocks and nothing else
+//!   (validated: every run place is a lease place), never the whole KV memory
+//!   ([`super::lease_regions`]).
 //!
 //! A per-block xxh3-64 checksum lets the reader verify that the bytes it read are the bytes
 //! the prefill node published (RDMA's link-level CRC covers the wire, not a staging region
@@ -30,15 +34,16 @@
 //!                        prefill node's gRPC server, where RdmaConnect is called)
 //! num_regions x (addr: u64, len: u64, rkey: u32, reserved: u32)
 //! num_blocks x checksum: u64   xxh3-64 of block i's bytes with seed BLOCK_SEED + i
-//! version 2 only:
+//! version 3 only:
 //! stride: u64
-//! num_blocks x block: u32      where block i lies in the regions
+//! num_runs: u32, reserved u32
+//! num_blocks x block: u32      where block i lies (its place)
+//! num_runs x (first: u32, len: u32)   the runs of places, sorted, disjoint
 //! ```
 //!
-//! A version-1 reader refuses a version-2 offer (and the pull then moves over TCP), so a
-//! prefill node keeps writing version 1 for packed offers.
-
-use pd_engine::serve::LeasedKv;
+//! A reader of another version refuses the offer (and the pull then moves over TCP), so a
+//! prefill node keeps writing version 1 for packed offers. Version 2 offers named the whole
+//! KV memory's segments; they are refused.
 
 use super::endpoint::{EndpointError, Fabric, LinkLayer};
 
@@ -62,13 +67,39 @@ pub struct RemoteRegion {
     pub rkey: u32,
 }
 
+/// Places `first .. first + len` of the prefill node's KV memory, all held by one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockRun {
+    pub first: u32,
+    pub len: u32,
+}
+
+impl BlockRun {
+    fn end(&self) -> u64 {
+        u64::from(self.first) + u64::from(self.len)
+    }
+}
+
 /// How an offer's blocks lie in its regions (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OfferLayout {
     /// Back to back in the regions' concatenation.
     Packed,
-    /// Piece `j` of block `i` is `stride` bytes at `blocks[i] * stride` of region `j`.
-    Strided { stride: u64, blocks: Vec<u32> },
+    /// Piece `j` of block `i` is `stride` bytes at `(blocks[i] - runs[r].first) * stride`
+    /// of region `j * runs.len() + r`, where run `r` holds `blocks[i]`.
+    Strided {
+        stride: u64,
+        blocks: Vec<u32>,
+        runs: Vec<BlockRun>,
+    },
+}
+
+impl OfferLayout {
+    /// The run holding `place` of a strided layout's sorted `runs`.
+    pub fn run_of(runs: &[BlockRun], place: u32) -> Option<usize> {
+        let r = runs.partition_point(|r| r.first <= place).checked_sub(1)?;
+        (u64::from(place) < runs[r].end()).then_some(r)
+    }
 }
 
 impl OfferLayout {
@@ -119,41 +150,12 @@ pub struct RdmaOffer {
 const MAGIC: [u8; 4] = *b"PDRX";
 /// Packed offers.
 const VERSION_PACKED: u16 = 1;
-/// Strided offers.
-const VERSION_STRIDED: u16 = 2;
+/// Strided offers (per-lease regions).
+const VERSION_STRIDED: u16 = 3;
 const HEAD_LEN: usize = 4 + 2 + 1 + 1 + 4 + 16 + 8 + 4 + 4 + 4 + 4;
 const REGION_LEN: usize = 24;
 
 impl RdmaOffer {
-    /// The strided offer of `kv`'s blocks where they lie: `regions` are the exporter's
-    /// registrations of the host KV memory the lease is pinned in, one per memory region in
-    /// order. `None` if the lease is not pinned, or `regions` do not match its memory.
-    pub fn in_place(
-        fabric: Fabric,
-        connect_addr: String,
-        regions: &[RemoteRegion],
-        kv: &LeasedKv,
-    ) -> Option<Self> {
-        let (memory, blocks) = kv.pinned_blocks()?;
-        let matches = memory.regions().len() == regions.len()
-            && memory
-                .regions()
-                .iter()
-                .zip(regions)
-                .all(|(m, r)| m.addr() == r.addr && m.len() as u64 == r.len);
-        matches.then(|| Self {
-            fabric,
-            connect_addr,
-            block_bytes: memory.block_bytes() as u64,
-            regions: regions.to_vec(),
-            layout: OfferLayout::Strided {
-                stride: memory.stride() as u64,
-                blocks: blocks.to_vec(),
-            },
-            checksums: kv.checksums.clone(),
-        })
-    }
-
     pub fn num_blocks(&self) -> u64 {
         self.checksums.len() as u64
     }
@@ -161,7 +163,9 @@ impl RdmaOffer {
     pub fn encode(&self) -> Vec<u8> {
         let (version, tail) = match &self.layout {
             OfferLayout::Packed => (VERSION_PACKED, 0),
-            OfferLayout::Strided { blocks, .. } => (VERSION_STRIDED, 8 + blocks.len() * 4),
+            OfferLayout::Strided { blocks, runs, .. } => {
+                (VERSION_STRIDED, 16 + blocks.len() * 4 + runs.len() * 8)
+            }
         };
         let mut b = Vec::with_capacity(
             HEAD_LEN
@@ -195,10 +199,21 @@ impl RdmaOffer {
         for c in &self.checksums {
             b.extend_from_slice(&c.to_le_bytes());
         }
-        if let OfferLayout::Strided { stride, blocks } = &self.layout {
+        if let OfferLayout::Strided {
+            stride,
+            blocks,
+            runs,
+        } = &self.layout
+        {
             b.extend_from_slice(&stride.to_le_bytes());
+            b.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+            b.extend_from_slice(&[0; 4]);
             for block in blocks {
                 b.extend_from_slice(&block.to_le_bytes());
+            }
+            for run in runs {
+                b.extend_from_slice(&run.first.to_le_bytes());
+                b.extend_from_slice(&run.len.to_le_bytes());
             }
         }
         b
@@ -237,16 +252,33 @@ impl RdmaOffer {
                  the limits ({MAX_OFFER_BLOCKS}, {MAX_OFFER_REGIONS}, {MAX_CONNECT_ADDR})"
             )));
         }
-        let tail = if version == VERSION_STRIDED {
-            8 + num_blocks as usize * 4
+        let fixed =
+            HEAD_LEN + addr_len + num_regions as usize * REGION_LEN + num_blocks as usize * 8;
+        // Version 3: the number of runs comes after the checksums.
+        let num_runs = if version == VERSION_STRIDED {
+            let at = fixed + 8;
+            let runs = b
+                .get(at..at + 4)
+                .map(|n| u32::from_le_bytes(n.try_into().expect("4 bytes")))
+                .ok_or(EndpointError::Length {
+                    got: b.len(),
+                    expected: at + 4,
+                })?;
+            if runs > num_blocks {
+                return Err(EndpointError::Invalid(format!(
+                    "{runs} runs for {num_blocks} blocks"
+                )));
+            }
+            runs as usize
         } else {
             0
         };
-        let expected = HEAD_LEN
-            + addr_len
-            + num_regions as usize * REGION_LEN
-            + num_blocks as usize * 8
-            + tail;
+        let tail = if version == VERSION_STRIDED {
+            16 + num_blocks as usize * 4 + num_runs * 8
+        } else {
+            0
+        };
+        let expected = fixed + tail;
         if b.len() != expected {
             return Err(EndpointError::Length {
                 got: b.len(),
@@ -266,10 +298,24 @@ impl RdmaOffer {
             .collect::<Result<Vec<_>, _>>()?;
         let layout = if version == VERSION_STRIDED {
             let stride = r.u64()?;
+            r.u32()?; // the number of runs, read above
+            r.u32()?;
             let blocks = (0..num_blocks)
                 .map(|_| r.u32())
                 .collect::<Result<Vec<_>, _>>()?;
-            OfferLayout::Strided { stride, blocks }
+            let runs = (0..num_runs)
+                .map(|_| {
+                    Ok(BlockRun {
+                        first: r.u32()?,
+                        len: r.u32()?,
+                    })
+                })
+                .collect::<Result<Vec<_>, EndpointError>>()?;
+            OfferLayout::Strided {
+                stride,
+                blocks,
+                runs,
+            }
         } else {
             OfferLayout::Packed
         };
@@ -289,8 +335,8 @@ impl RdmaOffer {
         Ok(offer)
     }
 
-    /// The regions hold exactly the blocks (packed) or every piece of every block (strided),
-    /// no region wraps the address space, the fabric is addressable and the connect address
+    /// The regions hold exactly the blocks (packed) or exactly the pieces of the lease's
+    /// blocks (strided: nothing else), no region wraps the address space, the fabric is addressable and the connect address
     /// is `host:port`.
     pub fn validate(&self) -> Result<(), EndpointError> {
         self.fabric.validate()?;
@@ -321,7 +367,11 @@ impl RdmaOffer {
         }
         match &self.layout {
             OfferLayout::Packed => self.validate_packed(total),
-            OfferLayout::Strided { stride, blocks } => self.validate_strided(*stride, blocks),
+            OfferLayout::Strided {
+                stride,
+                blocks,
+                runs,
+            } => self.validate_strided(*stride, blocks, runs),
         }
     }
 
@@ -338,35 +388,73 @@ impl RdmaOffer {
         Ok(())
     }
 
-    fn validate_strided(&self, stride: u64, blocks: &[u32]) -> Result<(), EndpointError> {
-        let pieces = self.regions.len() as u64;
-        if stride == 0 || stride.checked_mul(pieces) != Some(self.block_bytes) {
-            return Err(EndpointError::Invalid(format!(
-                "{pieces} regions of {stride}-byte pieces do not make {}-byte blocks",
-                self.block_bytes
-            )));
-        }
+    fn validate_strided(
+        &self,
+        stride: u64,
+        blocks: &[u32],
+        runs: &[BlockRun],
+    ) -> Result<(), EndpointError> {
+        let invalid = |m: String| Err(EndpointError::Invalid(m));
         if blocks.len() != self.checksums.len() {
-            return Err(EndpointError::Invalid(format!(
+            return invalid(format!(
                 "{} block places for {} blocks",
                 blocks.len(),
                 self.checksums.len()
-            )));
+            ));
         }
-        // Every region must hold the piece of the furthest block.
-        let Some(&furthest) = blocks.iter().max() else {
-            return Ok(());
-        };
-        let needed = (u64::from(furthest) + 1).checked_mul(stride);
-        if let Some(r) = self
-            .regions
-            .iter()
-            .find(|r| needed.is_none_or(|n| r.len < n))
+        // Runs: sorted, disjoint, not empty, and each place of each run a lease place.
+        let mut places = blocks.to_vec();
+        places.sort_unstable();
+        places.dedup();
+        let mut run_places = 0u64;
+        for (k, run) in runs.iter().enumerate() {
+            if run.len == 0 || run.end() > 1 << 32 {
+                return invalid(format!("run of {} places from {}", run.len, run.first));
+            }
+            if k > 0 && u64::from(run.first) < runs[k - 1].end() {
+                return invalid("runs out of order or overlapping".into());
+            }
+            run_places += u64::from(run.len);
+        }
+        if run_places != places.len() as u64
+            || places
+                .iter()
+                .any(|&p| OfferLayout::run_of(runs, p).is_none())
         {
-            return Err(EndpointError::Invalid(format!(
-                "block place {furthest} lies past the {}-byte region at {:#x}",
-                r.len, r.addr
-            )));
+            return invalid(format!(
+                "the runs cover {run_places} places, the lease holds {} distinct ones: an \
+                 offer exposes the lease's blocks and nothing else",
+                places.len()
+            ));
+        }
+        if runs.is_empty() {
+            return if self.regions.is_empty() {
+                Ok(())
+            } else {
+                invalid("regions without blocks".into())
+            };
+        }
+        let segments = self.regions.len() / runs.len();
+        if stride == 0
+            || !self.regions.len().is_multiple_of(runs.len())
+            || stride.checked_mul(segments as u64) != Some(self.block_bytes)
+        {
+            return invalid(format!(
+                "{} regions of {} runs of {stride}-byte pieces do not make {}-byte blocks",
+                self.regions.len(),
+                runs.len(),
+                self.block_bytes
+            ));
+        }
+        for (k, region) in self.regions.iter().enumerate() {
+            let run = runs[k % runs.len()];
+            if u64::from(run.len).checked_mul(stride) != Some(region.len) {
+                return invalid(format!(
+                    "the {}-byte region at {:#x} does not hold a run of {} places of {stride} \
+                     bytes",
+                    region.len, region.addr, run.len
+                ));
+            }
         }
         Ok(())
     }
@@ -438,26 +526,36 @@ pub(crate) mod tests {
         }
     }
 
-    /// A strided offer: `pieces` regions of `region_blocks` places of `stride` bytes, the
-    /// lease's blocks at `places`.
+    /// A strided offer of the lease whose blocks lie at `places` in KV memory of `pieces`
+    /// segments of `region_blocks` places of `stride` bytes: per-lease regions, as
+    /// [`super::super::lease_regions::LeaseRegions`] computes them.
     pub(crate) fn strided(
         stride: u64,
         pieces: usize,
         region_blocks: u64,
         places: &[u32],
     ) -> RdmaOffer {
+        let segments: Vec<(u64, u64)> = (0..pieces)
+            .map(|j| (0x1000_0000 * (j as u64 + 1), region_blocks * stride))
+            .collect();
+        let lease = super::super::lease_regions::LeaseRegions::new(&segments, stride, places)
+            .expect("places inside the segments");
         let mut o = offer(stride * pieces as u64, &[]);
-        o.regions = (0..pieces)
-            .map(|j| RemoteRegion {
-                addr: 0x1000_0000 * (j as u64 + 1),
-                len: region_blocks * stride,
-                rkey: 200 + j as u32,
+        o.regions = lease
+            .ranges
+            .iter()
+            .enumerate()
+            .map(|(k, &(addr, len))| RemoteRegion {
+                addr,
+                len,
+                rkey: 200 + k as u32,
             })
             .collect();
         o.checksums = (0..places.len() as u64).map(|i| i * 17 + 3).collect();
         o.layout = OfferLayout::Strided {
             stride,
             blocks: places.to_vec(),
+            runs: lease.runs,
         };
         o
     }
@@ -499,23 +597,19 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_strided_offer_round_trips_as_version_2() {
+    fn a_strided_offer_round_trips_as_version_3() {
         let o = strided(64, 3, 10, &[4, 5, 9, 0]);
+        assert_eq!(o.regions.len(), 3 * 3, "3 segments x 3 runs");
         let b = o.encode();
-        assert_eq!(&b[4..6], &[2, 0]);
+        assert_eq!(&b[4..6], &[3, 0]);
         assert_eq!(
             b.len(),
-            HEAD_LEN + o.connect_addr.len() + 3 * REGION_LEN + 4 * 8 + 8 + 4 * 4
+            HEAD_LEN + o.connect_addr.len() + 9 * REGION_LEN + 4 * 8 + 16 + 4 * 4 + 3 * 8
         );
         assert_eq!(RdmaOffer::decode(&b), Ok(o));
-        // Dropping the version-2 tail is a length error, not a packed offer.
-        let mut v1 = b[..b.len() - 8 - 16].to_vec();
+        // Dropping the version-3 tail is a length error, not a packed offer.
+        let v1 = b[..b.len() - 16 - 16 - 24].to_vec();
         assert!(RdmaOffer::decode(&v1).is_err());
-        v1[4] = 1;
-        assert!(
-            RdmaOffer::decode(&v1).is_err(),
-            "3 regions of 640 bytes are not 4 blocks"
-        );
     }
 
     #[test]
@@ -524,29 +618,55 @@ pub(crate) mod tests {
             let e = RdmaOffer::decode(&o.encode()).unwrap_err().to_string();
             assert!(e.contains(what), "{e}");
         };
-        // A place past the regions' end.
+        let with_runs = |mut o: RdmaOffer, new_runs: Vec<BlockRun>| {
+            if let OfferLayout::Strided { runs, .. } = &mut o.layout {
+                *runs = new_runs;
+            }
+            o
+        };
+        // A run holding a place the lease does not: the offer would expose another block.
+        let o = strided(64, 3, 10, &[1, 2]);
         refused(
-            strided(64, 3, 10, &[10]),
-            "block place 10 lies past the 640-byte region",
+            with_runs(o, vec![BlockRun { first: 1, len: 3 }]),
+            "an offer exposes the lease's blocks and nothing else",
         );
+        // A place outside every run.
+        let o = strided(64, 3, 10, &[1, 5]);
+        refused(
+            with_runs(o, vec![BlockRun { first: 1, len: 2 }]),
+            "the lease holds 2 distinct ones",
+        );
+        // A region longer than its run: it would expose the next block.
         let mut o = strided(64, 3, 10, &[1]);
-        o.regions[2].len = 64;
-        refused(o, "block place 1 lies past the 64-byte region");
+        o.regions[2].len = 128;
+        refused(o, "does not hold a run of 1 places");
+        // Overlapping runs.
+        let o = strided(64, 1, 10, &[1, 2]);
+        let mut o = with_runs(
+            o,
+            vec![BlockRun { first: 1, len: 1 }, BlockRun { first: 1, len: 2 }],
+        );
+        o.regions.push(o.regions[0]);
+        refused(o, "out of order or overlapping");
         // Pieces that do not make the block.
         let mut o = strided(64, 3, 10, &[1]);
         o.block_bytes = 200;
-        refused(o, "3 regions of 64-byte pieces do not make 200-byte blocks");
+        refused(o, "do not make 200-byte blocks");
         let mut o = strided(64, 3, 10, &[1]);
-        o.layout = OfferLayout::Strided {
-            stride: 0,
-            blocks: vec![1],
-        };
+        if let OfferLayout::Strided { stride, .. } = &mut o.layout {
+            *stride = 0;
+        }
         o.block_bytes = 0;
         refused(o, "block size of 0 bytes");
-        // A version other than 1 or 2.
-        let mut b = strided(64, 3, 10, &[1]).encode();
-        b[4] = 3;
-        assert_eq!(RdmaOffer::decode(&b), Err(EndpointError::Version(3)));
+        // Version 2 (whole-memory segments) and others are refused.
+        for version in [2u8, 4] {
+            let mut b = strided(64, 3, 10, &[1]).encode();
+            b[4] = version;
+            assert_eq!(
+                RdmaOffer::decode(&b),
+                Err(EndpointError::Version(u16::from(version)))
+            );
+        }
     }
 
     proptest! {

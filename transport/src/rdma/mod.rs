@@ -24,11 +24,13 @@
 //!   `--rdma-port` (or the first active port), `--rdma-gid-index` (or: 0 on InfiniBand, the
 //!   first RoCE v2 IPv4 GID on Ethernet, else the first non-zero GID); one protection domain.
 //! - **Export** ([`RdmaExporter`], prefill node): where the engine's KV is host memory (the
-//!   CPU backend), the exporter registers that memory once, at start, for remote read, and
-//!   offers each lease **in place**: the [`RdmaOffer`] names the KV memory's regions (one per
-//!   layer's K and V) and where each leased block lies in them (a strided offer); nothing is
-//!   copied, and the exporter holds the lease, so its blocks stay unwritten and allocated,
-//!   until release or expiry. Otherwise (GPU KV: GPUDirect registration is not implemented;
+//!   CPU backend), the exporter offers each lease **in place**, registering for remote read
+//!   the lease's blocks alone when the lease is made: one region per KV memory segment (one
+//!   per layer's K and V) and run of adjacent blocks ([`LeaseRegions`]), deregistered at
+//!   release or expiry. The [`RdmaOffer`] names those regions and where each leased block
+//!   lies in them (a strided offer); nothing is copied, no rkey of it reaches another
+//!   lease's blocks, and the exporter holds the lease, so its blocks stay unwritten and
+//!   allocated, until release or expiry. Otherwise (GPU KV: GPUDirect registration is not implemented;
 //!   a failed registration) each lease is **staged**: its blocks back to back in a buffer
 //!   registered for that lease alone (a packed offer; a GPU node's lease, which the engine
 //!   copied out of device memory into one buffer, is registered as it is, other blocks are
@@ -37,7 +39,8 @@
 //!   exporter logs which mode it uses.
 //! - **Connect**: per pair of nodes, the decode node creates an RC queue pair and calls the
 //!   prefill node's `PrefillService.RdmaConnect` with its [`QpEndpoint`] (LID/GID, QPN, PSN,
-//!   port, MTU); the prefill node creates its queue pair (remote read allowed), moves it to
+//!   port, MTU) and the id and secret of the live lease it is about to read (a caller
+//!   without one gets no queue pair); the prefill node creates its queue pair (remote read allowed), moves it to
 //!   RTR/RTS against the decode node's endpoint and answers with its own; the decode node then
 //!   moves its queue pair to RTR/RTS. The connection is kept for later transfers and dropped
 //!   after any error.
@@ -64,6 +67,7 @@
 mod descriptor;
 mod endpoint;
 mod error;
+pub mod lease_regions;
 mod plan;
 pub mod scatter;
 pub mod select;
@@ -83,14 +87,18 @@ use std::future::Future;
 use std::pin::Pin;
 
 pub use descriptor::{
-    BLOCK_SEED, ExportMode, OfferLayout, RdmaOffer, RemoteRegion, block_checksum,
+    BLOCK_SEED, BlockRun, ExportMode, MAX_OFFER_REGIONS, OfferLayout, RdmaOffer, RemoteRegion,
+    block_checksum,
 };
 pub use endpoint::{EndpointError, Fabric, LinkLayer, PathMtu, QpEndpoint};
 pub use error::{RdmaError, RdmaStartError};
 pub use imp::{RdmaDevice, RdmaExporter, RdmaReader};
+pub use lease_regions::LeaseRegions;
 pub use plan::{DEFAULT_MAX_OP_BYTES, PlanError, ReadOp, plan_reads};
 pub use select::{KvTransportMode, start_rdma};
 pub use window::{CompletionError, DEFAULT_MAX_IN_FLIGHT, ReadWindow};
+
+use pd_engine::serve::LeaseSecret;
 
 use crate::LayoutFingerprint;
 
@@ -131,11 +139,13 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// `PrefillService.RdmaConnect`, implemented by the node with its gRPC client.
 pub trait RdmaConnector: Send + Sync + std::fmt::Debug {
     /// Send this node's encoded [`QpEndpoint`] to the prefill node whose gRPC server is at
-    /// `addr`; its encoded endpoint, or why not.
+    /// `addr`, with the id and secret of the lease about to be read there (the prefill node
+    /// connects only a holder of a live lease); its encoded endpoint, or why not.
     fn connect(
         &self,
         addr: String,
         fingerprint: LayoutFingerprint,
         endpoint: Vec<u8>,
+        lease: (u64, LeaseSecret),
     ) -> BoxFuture<'static, Result<Vec<u8>, String>>;
 }

@@ -7,16 +7,17 @@
 //!   exporter's address space under the same rkey are coalesced first, so a lease staged in
 //!   one region is read in `ceil(bytes / max_op_bytes)` operations, each landing right after
 //!   the previous one in the reader's buffer.
-//! - **Strided** offers (the prefill node's KV memory, in place): one operation per block
-//!   piece (cut at `max_op_bytes`), ordered region by region and, within a region, block by
-//!   block. Pieces of blocks the prefill node keeps side by side are then remote-contiguous
-//!   and consecutive, so [`super::scatter_reads`] joins them into one READ with one
+//! - **Strided** offers (the prefill node's KV memory, in place, registered per lease): one
+//!   operation per block piece (cut at `max_op_bytes`), ordered segment by segment and,
+//!   within a segment, block by block, each under the rkey of the region of its run. Pieces
+//!   of blocks the prefill node keeps side by side are then remote-contiguous, consecutive
+//!   and under one rkey, so [`super::scatter_reads`] joins them into one READ with one
 //!   scatter entry per piece.
 //!
 //! Per-operation cost dominates below ~256 KiB, so the default operation is 4 MiB
 //! (docs/transport.md, throughput model).
 
-use super::descriptor::{OfferLayout, RdmaOffer, RemoteRegion};
+use super::descriptor::{BlockRun, OfferLayout, RdmaOffer, RemoteRegion};
 
 /// Default largest RDMA READ: well past where per-operation cost stops mattering, well below
 /// the 2 GiB a work request can carry.
@@ -76,14 +77,23 @@ pub fn plan_reads(
         });
     };
     let max = u64::from(max_op_bytes.max(1));
-    if let OfferLayout::Strided { stride, blocks } = &offer.layout {
-        // Validated offers have a place per block; an unvalidated one is refused, not indexed.
-        let places = blocks.get(first as usize..end as usize).ok_or(PlanError {
+    if let OfferLayout::Strided {
+        stride,
+        blocks,
+        runs,
+    } = &offer.layout
+    {
+        // Validated offers have a place per block, in a run; an unvalidated one is refused,
+        // not indexed.
+        let refused = PlanError {
             first,
             end,
             held: blocks.len() as u64,
-        })?;
-        return Ok(plan_strided(offer, *stride, places, max));
+        };
+        let places = blocks
+            .get(first as usize..end as usize)
+            .ok_or(refused.clone())?;
+        return plan_strided(offer, *stride, places, runs, max).ok_or(refused);
     }
     // In bytes of the regions' concatenation (validated: it is num_blocks * block_bytes).
     let (mut want, want_end) = (first * offer.block_bytes, end * offer.block_bytes);
@@ -106,20 +116,33 @@ pub fn plan_reads(
     Ok(ops)
 }
 
-/// The READs of the blocks at `places` of a strided offer (validated: every piece lies in
-/// its region), region by region.
-fn plan_strided(offer: &RdmaOffer, stride: u64, places: &[u32], max: u64) -> Vec<ReadOp> {
-    let mut ops = Vec::with_capacity(offer.regions.len() * places.len());
-    for (j, r) in offer.regions.iter().enumerate() {
+/// The READs of the blocks at `places` of a strided offer (validated: every place lies in
+/// one of `runs`, every region holds its run), segment by segment; `None` for an offer that
+/// is not.
+fn plan_strided(
+    offer: &RdmaOffer,
+    stride: u64,
+    places: &[u32],
+    runs: &[BlockRun],
+    max: u64,
+) -> Option<Vec<ReadOp>> {
+    if runs.is_empty() {
+        return places.is_empty().then(Vec::new);
+    }
+    let segments = offer.regions.len() / runs.len();
+    let mut ops = Vec::with_capacity(segments * places.len());
+    for j in 0..segments {
         for (i, &place) in places.iter().enumerate() {
-            let remote = r.addr + u64::from(place) * stride;
+            let r = OfferLayout::run_of(runs, place)?;
+            let region: &RemoteRegion = offer.regions.get(j * runs.len() + r)?;
+            let remote = region.addr + u64::from(place - runs[r].first) * stride;
             let local = i as u64 * offer.block_bytes + j as u64 * stride;
             let mut done = 0;
             while done < stride {
                 let len = (stride - done).min(max);
                 ops.push(ReadOp {
                     remote_addr: remote + done,
-                    rkey: r.rkey,
+                    rkey: region.rkey,
                     local_offset: local + done,
                     len: len as u32,
                 });
@@ -127,7 +150,7 @@ fn plan_strided(offer: &RdmaOffer, stride: u64, places: &[u32], max: u64) -> Vec
             }
         }
     }
-    ops
+    Some(ops)
 }
 
 #[cfg(test)]
@@ -172,7 +195,7 @@ mod tests {
     }
 
     #[test]
-    fn a_strided_offer_is_read_piece_by_piece_region_by_region() {
+    fn a_strided_offer_is_read_piece_by_piece_segment_by_segment() {
         // Blocks kept at places 4, 5 and 9 by the exporter; three 64-byte pieces per block.
         let o = strided(64, 3, 10, &[4, 5, 9]);
         let ops = plan_reads(&o, 1, 2, 4096).unwrap();
@@ -184,12 +207,13 @@ mod tests {
         assert_eq!(
             got,
             [
+                // Runs 4..6 and 9..10: region j * 2 + run, rkey 200 + region.
                 (at(0, 5), 200, 0),
-                (at(0, 9), 200, 192),
-                (at(1, 5), 201, 64),
-                (at(1, 9), 201, 256),
-                (at(2, 5), 202, 128),
-                (at(2, 9), 202, 320),
+                (at(0, 9), 201, 192),
+                (at(1, 5), 202, 64),
+                (at(1, 9), 203, 256),
+                (at(2, 5), 204, 128),
+                (at(2, 9), 205, 320),
             ]
         );
         assert!(ops.iter().all(|op| op.len == 64));
@@ -224,8 +248,17 @@ mod tests {
             let mut local = vec![None; (count * bb) as usize];
             for op in &ops {
                 prop_assert!(op.len >= 1 && op.len <= max_op);
-                let j = (op.rkey - 200) as u64;
-                let base = o.regions[j as usize].addr;
+                // Region k is segment k / runs' run k % runs (rkey 200 + k).
+                let k = (op.rkey - 200) as usize;
+                let runs = o.regions.len() / pieces;
+                let j = (k / runs) as u64;
+                let base = 0x1000_0000 * (j + 1);
+                let region = o.regions[k];
+                prop_assert!(
+                    op.remote_addr >= region.addr
+                        && op.remote_addr + u64::from(op.len) <= region.addr + region.len,
+                    "a READ inside its region"
+                );
                 for i in 0..u64::from(op.len) {
                     let slot = &mut local[(op.local_offset + i) as usize];
                     prop_assert!(slot.is_none(), "a byte written twice");

@@ -10,6 +10,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::kv::block_buffers::BlockBuffers;
 use crate::kv::placement::HostKvMemory;
+use crate::serve::lease_secret::{LeaseSecret, random_lease_id};
 use crate::serve::lease_store::{LeaseStore, LeasedKv};
 use crate::serve::request::KvLease;
 
@@ -17,6 +18,9 @@ use super::Engine;
 use super::seq::Seq;
 
 pub(super) struct Lease {
+    pub(super) id: u64,
+    /// Only a release presenting it frees the lease early.
+    pub(super) secret: LeaseSecret,
     pub(super) blocks: Vec<u32>,
     pub(super) deadline: Instant,
     /// What the exporter reads; the blocks are freed once nobody else holds it.
@@ -24,8 +28,18 @@ pub(super) struct Lease {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Release a prefill lease; false if it does not exist (released or expired).
-    pub fn release_lease(&mut self, lease_id: u64) -> bool {
+    /// Release a prefill lease; false if it does not exist (released or expired) or
+    /// `secret` is not its secret (then nothing is released: the two answers are alike).
+    pub fn release_lease(&mut self, lease_id: u64, secret: &LeaseSecret) -> bool {
+        let sealed = self.leases.get(&lease_id).map(|l| l.secret);
+        if !sealed.is_some_and(|s| s.matches(secret)) {
+            return false;
+        }
+        self.drop_lease(lease_id)
+    }
+
+    /// Release a lease whatever presented it (expiry); false if it does not exist.
+    fn drop_lease(&mut self, lease_id: u64) -> bool {
         self.lease_store.remove(lease_id);
         match self.leases.remove(&lease_id) {
             Some(lease) => {
@@ -63,15 +77,21 @@ impl<B: Backend> Engine<B> {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            self.release_lease(id);
+            self.drop_lease(id);
             self.expired_leases += 1;
         }
     }
 
     /// Copy blocks `first .. first + count` of a lease out of KV storage (the export side of
-    /// a KV transfer). `None` if the lease does not exist or is shorter.
-    pub fn read_lease(&self, lease_id: u64, first: usize, count: usize) -> Option<Vec<Vec<u8>>> {
-        self.lease_store.read(lease_id, first, count)
+    /// a KV transfer). `None` if the lease does not exist, is shorter or `secret` is wrong.
+    pub fn read_lease(
+        &self,
+        lease_id: u64,
+        secret: &LeaseSecret,
+        first: usize,
+        count: usize,
+    ) -> Option<Vec<Vec<u8>>> {
+        self.lease_store.read(lease_id, secret, first, count)
     }
 
     /// The buffers imported KV arrives in: the importer takes them, this engine gives them
@@ -102,8 +122,11 @@ impl<B: Backend> Engine<B> {
         blocks: &[u32],
         now: Instant,
     ) -> KvLease {
-        let lease_id = self.next_lease;
-        self.next_lease += 1;
+        // Random, never counting up: one lease's id says nothing about another's.
+        let lease_id = random_lease_id(|id| {
+            self.leases.contains_key(&id) || self.released_leases.iter().any(|l| l.id == id)
+        });
+        let secret = LeaseSecret::random();
         // The lease covers the prompt's KV (the first token's KV is not computed yet).
         let prompt_blocks = seq.prompt_len.div_ceil(self.block_size());
         let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
@@ -122,10 +145,12 @@ impl<B: Backend> Engine<B> {
                 LeasedKv::copied(bytes, block_bytes)
             }
         };
-        let kv = self.lease_store.insert(lease_id, kv);
+        let kv = self.lease_store.insert(lease_id, secret, kv);
         self.leases.insert(
             lease_id,
             Lease {
+                id: lease_id,
+                secret,
                 blocks: keep.to_vec(),
                 deadline: now + self.config.lease_timeout,
                 kv,
@@ -134,6 +159,7 @@ impl<B: Backend> Engine<B> {
         let full = seq.prompt_len / self.block_size();
         KvLease {
             lease_id,
+            secret,
             blocks: keep.to_vec(),
             block_hashes: seq.hasher.hashes()[..full].to_vec(),
             num_tokens: seq.prompt_len,

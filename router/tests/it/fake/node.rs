@@ -80,6 +80,7 @@ impl PrefillService for Fake {
                 block_bytes: 4,
                 num_blocks: n.div_ceil(block_size.max(1)),
                 rdma: vec![],
+                lease_secret: vec![7; 16],
             }),
             prompt_logprobs: if wants_prompt_logprobs {
                 req.token_ids[1..].iter().map(|&t| logprob(t)).collect()
@@ -94,6 +95,10 @@ impl PrefillService for Fake {
         &self,
         request: Request<pb::ReleaseKvRequest>,
     ) -> Result<Response<pb::ReleaseKvResponse>, Status> {
+        // Only with the secret the handle carried (as a real prefill node).
+        if request.get_ref().lease_secret != [7; 16] {
+            return Ok(Response::new(pb::ReleaseKvResponse { released: false }));
+        }
         self.0
             .released
             .lock()
@@ -235,6 +240,24 @@ impl DecodeService for Fake {
         _request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
         Ok(Response::new(self.0.info()))
+    }
+
+    async fn set_kv_peers(
+        &self,
+        request: Request<pb::SetKvPeersRequest>,
+    ) -> Result<Response<pb::SetKvPeersResponse>, Status> {
+        let failing = self
+            .0
+            .fail_kv_peers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            return Err(Status::unavailable("scripted SetKvPeers failure"));
+        }
+        let addrs = request.into_inner().kv_addrs;
+        let num_peers = addrs.len() as u32;
+        self.0.kv_peers.lock().unwrap().push(addrs);
+        Ok(Response::new(pb::SetKvPeersResponse { num_peers }))
     }
 }
 

@@ -73,6 +73,10 @@ pub struct FakeState {
     pub leases: Mutex<Vec<u64>>,
     pub released: Mutex<Vec<u64>>,
     pub aborted: Mutex<Vec<String>>,
+    /// Every `SetKvPeers` a fake decode node received, in order.
+    pub kv_peers: Mutex<Vec<Vec<String>>>,
+    /// The next N `SetKvPeers` calls fail (UNAVAILABLE).
+    pub fail_kv_peers: AtomicUsize,
     /// Decode streams the router dropped before they ended.
     pub streams_cancelled: AtomicUsize,
 }
@@ -101,6 +105,8 @@ impl FakeState {
             leases: Mutex::default(),
             released: Mutex::default(),
             aborted: Mutex::default(),
+            kv_peers: Mutex::default(),
+            fail_kv_peers: AtomicUsize::new(0),
             streams_cancelled: AtomicUsize::new(0),
         })
     }

@@ -1,6 +1,7 @@
 //! Failures and node choice in the generate flow: a failed prefill retried once elsewhere,
-//! errors that reach the client, a decode node replaced before its first token, and
-//! prefix-aware routing that yields to load.
+//! errors that reach the client, a decode node replaced before its first token, a decode
+//! node refusing the prefill node's address (not retried), the prefill KV peers pushed to
+//! decode nodes before they are routed to, and prefix-aware routing that yields to load.
 
 use std::sync::atomic::Ordering::SeqCst;
 
@@ -172,4 +173,82 @@ async fn prefix_aware_routing_follows_the_prompt_and_yields_to_load() {
         .unwrap();
     assert!(e.is_none());
     assert_eq!(away.state.prefill_count(), 1);
+}
+
+#[tokio::test]
+async fn decode_nodes_are_told_the_prefill_kv_peers_before_they_are_routed_to() {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    // The first two pushes fail: the decode node stays out of routing meanwhile.
+    d.state.fail_kv_peers.store(2, SeqCst);
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    eventually("the push succeeded", || {
+        !d.state.kv_peers.lock().unwrap().is_empty()
+    })
+    .await;
+    let decode = router.registry.role(pd_router::registry::NodeRole::Decode);
+    eventually("the decode node is up", || decode[0].is_up()).await;
+    assert_eq!(
+        d.state.kv_peers.lock().unwrap()[0],
+        ["127.0.0.1:9"],
+        "the prefill node's KV address, as its Info reports it"
+    );
+    assert!(decode[0].knows_kv_peer("127.0.0.1:9"));
+    let mut client = router.client();
+    let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(all_ids(&chunks), [100, 101, 102]);
+    // The release carried the handle's secret (the fake releases nothing without it).
+    eventually("released", || p.state.released().len() == 1).await;
+    // Unchanged set, same process: no second push.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(d.state.kv_peers.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn aggregated_mode_tells_decode_nodes_they_have_no_kv_peers() {
+    let d = FakeNode::decode().await;
+    let router = RouterUnderTest::start(config(&[], &[&d])).await;
+    eventually("pushed", || !d.state.kv_peers.lock().unwrap().is_empty()).await;
+    assert!(d.state.kv_peers.lock().unwrap()[0].is_empty());
+    *d.state.script.lock().unwrap() = Script {
+        messages: vec![vec![100], vec![101]],
+        ..Default::default()
+    };
+    let mut client = router.client();
+    let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert!(!chunks.is_empty());
+}
+
+#[tokio::test]
+async fn a_decode_node_refusing_the_prefill_address_fails_the_request_without_retry() {
+    let p = FakeNode::prefill().await;
+    let d0 = FakeNode::decode().await;
+    let d1 = FakeNode::decode().await;
+    d1.state.load.store(3, SeqCst);
+    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
+    eventually("all nodes up with their load", || {
+        router
+            .registry
+            .nodes()
+            .iter()
+            .all(|n| n.is_up() && n.info().is_some())
+            && router.registry.nodes()[2].load() == 3
+    })
+    .await;
+    *d0.state.fail_code.lock().unwrap() = Code::PermissionDenied;
+    d0.state.fail_next.store(1, SeqCst);
+    let mut client = router.client();
+    let (_, error) = collect(&mut client, text_request("x")).await.unwrap();
+    let status = error.expect("the request fails");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("PERMISSION_DENIED"), "{status:?}");
+    assert_eq!(d0.state.decode_count(), 1);
+    assert_eq!(d1.state.decode_count(), 0, "not retried elsewhere");
+    eventually("the lease is released", || p.state.released().len() == 1).await;
+    assert!(
+        router.registry.nodes()[1].is_up(),
+        "the node answered: it stays in routing"
+    );
 }

@@ -1,12 +1,13 @@
 //! The prefill node's side: lease blocks in registered memory, and queue pairs that let
 //! decode nodes READ them.
 //!
-//! - **In place** where the engine's KV is host memory (the CPU backend) and its
-//!   registration succeeded: the KV memory is registered once, at start, and a lease pinned
-//!   in it is offered where it lies (a strided offer); publishing copies nothing and the
-//!   exporter keeps the lease (so its blocks) until release or expiry. The rkeys then cover
-//!   all of the node's KV memory, not one lease: a late reader that reads a block after its
-//!   release may see another request's KV, which the per-block checksums catch.
+//! - **In place** where the engine's KV is host memory (the CPU backend): a lease pinned in it
+//!   is offered where it lies (a strided offer). Publishing registers the lease's blocks
+//!   alone, one memory region per KV segment and run of adjacent blocks
+//!   ([`LeaseRegions`]), copies nothing, and the exporter keeps the lease (so its blocks)
+//!   and the regions until release or expiry; retiring deregisters them, which revokes
+//!   their rkeys. No rkey of an offer reaches memory outside its lease's blocks. A lease
+//!   too scattered for one offer, or whose registration fails, is staged.
 //! - **Staged** otherwise (GPU KV, a failed registration): the lease's blocks back to back in
 //!   a buffer registered for that lease alone (a packed offer): a GPU node's lease is such a
 //!   buffer already (the engine copied it out of device memory) and is registered as it is;
@@ -22,11 +23,12 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::device::RdmaDevice;
-use super::host_kv::{HostKvRegistration, KvAccess};
 use super::qp::Connection;
 use pd_engine::serve::LeasedKv;
 
-use crate::rdma::{ExportMode, OfferLayout, QpEndpoint, RdmaError, RdmaOffer, RemoteRegion};
+use crate::rdma::{
+    ExportMode, LeaseRegions, OfferLayout, QpEndpoint, RdmaError, RdmaOffer, RemoteRegion,
+};
 
 /// Queue pairs kept for decode nodes; the oldest is closed past this (a decode node that
 /// restarted connects again and its old queue pair is useless).
@@ -47,8 +49,12 @@ enum Held {
         _lease: Arc<LeasedKv>,
     },
     /// The lease itself: its blocks stay where they are, unwritten and not freed, while held
-    /// here (in the KV memory registered once).
-    InPlace { _lease: Arc<LeasedKv> },
+    /// here, registered for this lease alone.
+    InPlace {
+        /// Dropped (deregistered: the rkeys are revoked) before the lease may be freed.
+        _mrs: Vec<Arc<MemoryRegion>>,
+        _lease: Arc<LeasedKv>,
+    },
 }
 
 /// One published lease.
@@ -61,9 +67,9 @@ struct Published {
 pub struct RdmaExporter {
     device: RdmaDevice,
     connect_addr: String,
-    /// The engine's KV memory, registered for remote read: leases pinned in it are offered
-    /// in place.
-    host_kv: Option<HostKvRegistration>,
+    /// Whether the engine's KV is host memory: leases pinned in it are offered in place,
+    /// each registered alone when published.
+    host_kv: bool,
     leases: Mutex<HashMap<u64, Published>>,
     /// Dropped before the device (field order is irrelevant: each holds the device's Arcs).
     peers: Mutex<VecDeque<Connection>>,
@@ -92,50 +98,38 @@ impl RdmaExporter {
         Ok(Self {
             device: device.clone(),
             connect_addr,
-            host_kv: None,
+            host_kv: false,
             leases: Mutex::default(),
             peers: Mutex::default(),
         })
     }
 
-    /// Register the node's host KV memory (the engine's; `None` where KV lives on a GPU) for
-    /// remote read, so that leases pinned in it are offered in place, and log once which way
-    /// leases are exported. A registration that fails is logged and leaves staging. Blocking:
-    /// the registration pins every page of the KV memory.
+    /// Offer leases pinned in the node's host KV memory (the engine's; `None` where KV lives
+    /// on a GPU) in place, each lease's blocks registered alone when it is published, and
+    /// log once which way leases are exported. Nothing is registered here: no rkey ever
+    /// covers the KV memory as a whole.
     pub fn with_host_kv(mut self, memory: Option<HostKvMemory>) -> Self {
         let device = self.device.describe();
-        let Some(memory) = memory else {
+        if memory.is_none() {
             tracing::info!(
                 %device,
                 "RDMA export: lease blocks are staged in registered host memory (KV memory is \
                  not host memory; GPUDirect RDMA registration is not implemented)"
             );
             return self;
-        };
-        match HostKvRegistration::register(&self.device, memory, KvAccess::RemoteRead) {
-            Ok(registration) => {
-                tracing::info!(
-                    %device,
-                    "RDMA export in place: decode nodes READ leased blocks where the engine \
-                     keeps them ({} regions, {} MiB registered for remote read)",
-                    registration.regions(),
-                    registration.bytes() >> 20
-                );
-                self.host_kv = Some(registration);
-            }
-            Err(e) => tracing::warn!(
-                %device,
-                error = %e,
-                "cannot register KV memory for RDMA; lease blocks are staged in registered \
-                 host memory"
-            ),
         }
+        tracing::info!(
+            %device,
+            "RDMA export in place: decode nodes READ leased blocks where the engine keeps \
+             them, each lease's blocks registered for remote read alone while it lives"
+        );
+        self.host_kv = true;
         self
     }
 
     /// Whether leases pinned in the node's KV memory are offered in place.
     pub fn in_place(&self) -> bool {
-        self.host_kv.is_some()
+        self.host_kv
     }
 
     /// Register lease `lease_id`'s blocks until `deadline` or [`RdmaExporter::retire`] (in
@@ -148,11 +142,12 @@ impl RdmaExporter {
         deadline: Instant,
     ) -> Result<(Vec<u8>, ExportMode), RdmaError> {
         self.retire_expired(Instant::now());
-        if let Some(offer) = self.offer_in_place(kv) {
+        if let Some((offer, mrs)) = self.offer_in_place(kv) {
             lock(&self.leases).insert(
                 lease_id,
                 Published {
                     _held: Held::InPlace {
+                        _mrs: mrs,
                         _lease: Arc::clone(kv),
                     },
                     deadline,
@@ -164,16 +159,35 @@ impl RdmaExporter {
         Ok((offer, ExportMode::Staged))
     }
 
-    /// A strided offer of `kv`'s blocks where they lie, if they lie in the registered KV
-    /// memory.
-    fn offer_in_place(&self, kv: &LeasedKv) -> Option<RdmaOffer> {
-        let registration = self.host_kv.as_ref()?;
-        RdmaOffer::in_place(
-            self.device.fabric(),
-            self.connect_addr.clone(),
-            registration.remote_regions(),
-            kv,
-        )
+    /// A strided offer of `kv`'s blocks where they lie, its ranges registered for this lease
+    /// alone; `None` (staged then) when the lease is not pinned in host KV memory, is too
+    /// scattered for one offer, or a registration fails.
+    fn offer_in_place(&self, kv: &LeasedKv) -> Option<(RdmaOffer, Vec<Arc<MemoryRegion>>)> {
+        if !self.host_kv {
+            return None;
+        }
+        let regions = LeaseRegions::of(kv)?;
+        let mut mrs = Vec::with_capacity(regions.ranges.len());
+        for &(addr, len) in &regions.ranges {
+            let len = usize::try_from(len).ok()?;
+            // SAFETY: the range is pieces of the lease's blocks in the engine's KV memory
+            // (`LeaseRegions::of` computed it from the lease's own memory and places); the
+            // lease, held with the regions in `Held::InPlace` and dropped after them (field
+            // order), keeps those blocks allocated, in place and unwritten.
+            match unsafe {
+                self.device
+                    .register(addr as *const u8, len, AccessFlags::RemoteRead)
+            } {
+                Ok(mr) => mrs.push(mr),
+                Err(e) => {
+                    tracing::warn!(error = %e, "registering a lease's blocks in place failed; staging it");
+                    return None;
+                }
+            }
+        }
+        let rkeys: Vec<u32> = mrs.iter().map(|mr| mr.rkey()).collect();
+        let offer = regions.offer(self.device.fabric(), self.connect_addr.clone(), kv, &rkeys)?;
+        Some((offer, mrs))
     }
 
     /// `kv`'s blocks back to back in a buffer registered for this lease: the lease's own

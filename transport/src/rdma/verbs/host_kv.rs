@@ -1,9 +1,7 @@
-//! A node's host KV memory registered once, at start: every region of the engine's
-//! [`HostKvMemory`] becomes a memory region.
-//! - On a decode node (local write), so a READ can scatter straight into the blocks the
-//!   engine reserved for a pull.
-//! - On a prefill node (remote read), so a decode node can READ a lease's blocks where the
-//!   engine keeps them, with no staging copy.
+//! A decode node's host KV memory registered once, at start, for local write: every region
+//! of the engine's [`HostKvMemory`] becomes a memory region, so a READ can scatter straight
+//! into the blocks the engine reserved for a pull. (A prefill node registers no KV memory
+//! whole: it registers each lease's blocks alone, `super::export`.)
 //!
 //! This owns the registrations and the lookup of a segment's keys; it does not post READs
 //! ([`super::read`]), make offers ([`super::export`]) nor decide where blocks lie (the
@@ -16,23 +14,12 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::device::RdmaDevice;
+use crate::rdma::RdmaError;
 use crate::rdma::scatter::{LocalRegion, LocalSpan, RegionTable, ScatterError};
-use crate::rdma::{RdmaError, RemoteRegion};
-
-/// What the registered memory is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum KvAccess {
-    /// READs of this node land in it (decode node).
-    LandReads,
-    /// Peers READ it (prefill node).
-    RemoteRead,
-}
 
 /// The node's KV memory, registered.
 pub(super) struct HostKvRegistration {
     table: RegionTable,
-    /// The regions as a peer addresses them, in the memory's (transfer-layout) order.
-    remote: Vec<RemoteRegion>,
     // Field order matters: the regions are deregistered before `memory`'s keep-alive may
     // free the memory.
     _mrs: Vec<Arc<MemoryRegion>>,
@@ -42,28 +29,16 @@ pub(super) struct HostKvRegistration {
 impl HostKvRegistration {
     /// Register every region of `memory`. Blocking: registration pins and maps every page
     /// (for gigabytes of KV, a noticeable part of a second).
-    pub(super) fn register(
-        device: &RdmaDevice,
-        memory: HostKvMemory,
-        access: KvAccess,
-    ) -> Result<Self, RdmaError> {
-        let flags = match access {
-            KvAccess::LandReads => AccessFlags::LocalWrite,
-            KvAccess::RemoteRead => AccessFlags::LocalWrite | AccessFlags::RemoteRead,
-        };
+    pub(super) fn register(device: &RdmaDevice, memory: HostKvMemory) -> Result<Self, RdmaError> {
+        // Local write only: no peer may read or write this memory.
+        let flags = AccessFlags::LocalWrite;
         let mut mrs = Vec::with_capacity(memory.regions().len());
         let mut regions = Vec::with_capacity(memory.regions().len());
-        let mut remote = Vec::with_capacity(memory.regions().len());
         for segment in memory.regions() {
             // SAFETY: the region is KV memory that `memory`'s keep-alive holds allocated and in
             // place; `memory` is kept in this struct and dropped after the memory regions
             // (field order), so the memory outlives its registration.
             let mr = unsafe { device.register(segment.addr() as *const u8, segment.len(), flags)? };
-            remote.push(RemoteRegion {
-                addr: segment.addr(),
-                len: segment.len() as u64,
-                rkey: mr.rkey(),
-            });
             regions.push(LocalRegion {
                 addr: segment.addr(),
                 len: segment.len() as u64,
@@ -73,7 +48,6 @@ impl HostKvRegistration {
         }
         Ok(Self {
             table: RegionTable::new(regions),
-            remote,
             _mrs: mrs,
             memory,
         })
@@ -87,12 +61,6 @@ impl HostKvRegistration {
     /// Bytes registered.
     pub(super) fn bytes(&self) -> u64 {
         self.table.bytes()
-    }
-
-    /// The regions as a peer READs them (meaningful with [`KvAccess::RemoteRead`]), in
-    /// transfer-layout order.
-    pub(super) fn remote_regions(&self) -> &[RemoteRegion] {
-        &self.remote
     }
 
     /// Whether `memory` is the memory registered here (the same regions at the same

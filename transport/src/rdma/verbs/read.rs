@@ -17,7 +17,7 @@ use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::{HostKvMemory, KvReservation};
 
 use super::device::RdmaDevice;
-use super::host_kv::{HostKvRegistration, KvAccess};
+use super::host_kv::HostKvRegistration;
 use super::landing::{Landing, LandingPool};
 use super::qp::Connection;
 use super::transfer::{StopSignal, stop_pair, transfer};
@@ -96,7 +96,7 @@ impl RdmaReader {
             );
             return self;
         };
-        match HostKvRegistration::register(&self.device, memory, KvAccess::LandReads) {
+        match HostKvRegistration::register(&self.device, memory) {
             Ok(registration) => {
                 tracing::info!(
                     "RDMA reads land in place in KV memory: {} regions, {} MiB registered",
@@ -119,13 +119,22 @@ impl RdmaReader {
         Arc::clone(peers.entry(addr.to_string()).or_default())
     }
 
-    /// A connected queue pair to the exporter at `addr` (the endpoint exchange over gRPC).
-    async fn connect(&self, addr: &str, deadline: Instant) -> Result<Connection, RdmaError> {
+    /// A connected queue pair to the exporter at `addr` (the endpoint exchange over gRPC),
+    /// presenting the lease `req` reads (the exporter connects only a lease's holder).
+    async fn connect(
+        &self,
+        addr: &str,
+        req: &PullRequest,
+        deadline: Instant,
+    ) -> Result<Connection, RdmaError> {
         let depth = u32::try_from(self.max_in_flight).unwrap_or(u32::MAX);
         let mut conn = Connection::create(&self.device, depth, self.device.read_sge(), false)?;
-        let exchange =
-            self.connector
-                .connect(addr.to_string(), self.fingerprint, conn.local.encode());
+        let exchange = self.connector.connect(
+            addr.to_string(),
+            self.fingerprint,
+            conn.local.encode(),
+            (req.lease_id, req.lease_secret),
+        );
         let answer = tokio::time::timeout_at(deadline.into(), exchange)
             .await
             .map_err(|_| RdmaError::Deadline { done: 0, total: 0 })?
@@ -176,7 +185,7 @@ impl RdmaReader {
         let mut guard = slot.lock().await;
         let conn = match guard.take() {
             Some(c) => c,
-            None => self.connect(&offer.connect_addr, deadline).await?,
+            None => self.connect(&offer.connect_addr, &req, deadline).await?,
         };
         let landings = Arc::clone(&self.landings);
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
@@ -264,7 +273,7 @@ impl RdmaReader {
         let mut guard = slot.lock().await;
         let conn = match guard.take() {
             Some(c) => c,
-            None => self.connect(&offer.connect_addr, deadline).await?,
+            None => self.connect(&offer.connect_addr, &req, deadline).await?,
         };
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let max_in_flight = self.max_in_flight;
