@@ -5,6 +5,7 @@ use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -143,7 +144,14 @@ impl std::fmt::Debug for NodeServer {
     }
 }
 
-async fn set_status(health: &HealthReporter, service: &str, status: ServingStatus) {
+/// Sets the gRPC health status and what the metrics port's `/health` answers.
+async fn set_status(
+    health: &HealthReporter,
+    serving: &AtomicBool,
+    service: &str,
+    status: ServingStatus,
+) {
+    serving.store(status == ServingStatus::Serving, Ordering::Relaxed);
     health.set_service_status("", status).await;
     health.set_service_status(service, status).await;
 }
@@ -179,7 +187,8 @@ impl NodeServer {
             tls,
         } = self;
         let (mut health, health_service) = tonic_health::server::health_reporter();
-        set_status(&health, service_name, ServingStatus::Serving).await;
+        let serving = Arc::new(AtomicBool::new(false));
+        set_status(&health, &serving, service_name, ServingStatus::Serving).await;
         let reflection = || {
             tonic_reflection::server::Builder::configure()
                 .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
@@ -202,6 +211,7 @@ impl NodeServer {
         let metrics_server = tokio::spawn(crate::metrics::http::serve(
             metrics_listener,
             metrics,
+            Arc::clone(&serving),
             async {
                 let _ = metrics_stopped.await;
             },
@@ -224,13 +234,15 @@ impl NodeServer {
         // An engine that failed makes the node NOT_SERVING.
         let monitor = {
             let health = health.clone();
+            let serving = Arc::clone(&serving);
             let requests = Arc::clone(&requests);
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(HEALTH_POLL).await;
                     if !requests.engine().is_healthy() {
                         tracing::error!("the engine failed; reporting NOT_SERVING");
-                        set_status(&health, service_name, ServingStatus::NotServing).await;
+                        set_status(&health, &serving, service_name, ServingStatus::NotServing)
+                            .await;
                         return;
                     }
                 }
@@ -257,7 +269,7 @@ impl NodeServer {
             "shutdown requested: draining"
         );
         requests.start_draining();
-        set_status(&health, service_name, ServingStatus::NotServing).await;
+        set_status(&health, &serving, service_name, ServingStatus::NotServing).await;
         let idle = || requests.is_empty() && also_idle();
         if wait_idle(idle, Instant::now() + drain_timeout).await {
             tracing::info!("drained");

@@ -21,6 +21,7 @@ mod tls;
 mod tokenize;
 mod tools;
 mod up;
+mod up_secure;
 
 use std::process::ExitCode;
 

@@ -15,6 +15,12 @@
 //! the URLs to scrape (`curl` them as they are); `prefill_metrics` / `decode_metrics` list
 //! the nodes' HOST:PORT, the form Prometheus targets take. `openai` is the base URL of the
 //! router's OpenAI-compatible API (what OpenAI clients take as `base_url`).
+//!
+//! With `--secure` every port speaks TLS (the URLs are `https://`), the parts authenticate each
+//! other with certificates of a fresh cluster CA (mTLS), and the router wants an API key; the
+//! ready line adds what a client needs: `"ca"` (the CA file to trust, `--ca`), `"api_key"`
+//! (`--api-key`, `Authorization: Bearer`) and `"tenant"` (whose key it is). The files live in
+//! a private temporary directory (`"secure_dir"`) removed when the cluster stops.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -64,6 +70,10 @@ pub struct UpArgs {
     /// device and were built with it, TCP otherwise).
     #[arg(long, value_enum, default_value = "auto")]
     kv_transport: KvTransport,
+    /// TLS on every port, mTLS between the parts and an API key for clients, from a fresh
+    /// cluster CA and key (the ready line prints `ca`, `api_key` and `tenant`).
+    #[arg(long)]
+    secure: bool,
     /// Where the `router`, `prefill-node` and `decode-node` binaries are (default: beside pdctl).
     #[arg(long, env = "PD_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -138,6 +148,11 @@ fn field(part: &Part, key: &str) -> anyhow::Result<String> {
 
 async fn up(args: UpArgs) -> anyhow::Result<()> {
     let dir = bin_dir(&args)?;
+    let secure = args
+        .secure
+        .then(crate::up_secure::Secure::create)
+        .transpose()?;
+    let client_tls = secure.as_ref().map(|s| s.client_tls()).transpose()?;
     let transport = match args.kv_transport {
         KvTransport::Tcp => "tcp",
         KvTransport::Rdma => "rdma",
@@ -155,6 +170,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .any(|a| a == "--metrics-port" || a.starts_with("--metrics-port="))
     {
         node_args.extend(["--metrics-port".into(), "0".into()]);
+    }
+    if let Some(secure) = &secure {
+        node_args.extend(secure.node_flags());
     }
     node_args.extend(args.node_args.iter().cloned());
 
@@ -195,6 +213,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "--http-port".into(),
         args.http_port.to_string(),
     ];
+    if let Some(secure) = &secure {
+        router_args.extend(secure.router_flags());
+    }
+    let scheme = if secure.is_some() { "https" } else { "http" };
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut prefill_metrics = Vec::new();
@@ -209,8 +231,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         router_args.push(flag.into());
         router_args.push(addr.clone());
         let metrics = field(p, "metrics_addr")?;
-        let entry =
-            json!({"addr": addr, "kv": p.ready.get("kv"), "metrics": metrics_url(&metrics)});
+        let entry = json!({"addr": addr, "kv": p.ready.get("kv"), "metrics": metrics_url(scheme, &metrics)});
         if p.name.starts_with("prefill") {
             prefill.push(entry);
             prefill_metrics.push(metrics);
@@ -230,23 +251,26 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let router_metrics = field(&router, "metrics_addr")?;
     let router_http = field(&router, "http")?;
     parts.push(router);
-    // A secure cluster passes the TLS its clients use here (the CA of the router's certificate).
-    if let Err(e) = wait_serving(&router_addr, None).await {
+    if let Err(e) = wait_serving(&router_addr, client_tls.as_ref()).await {
         stop(&mut parts).await;
         return Err(e);
     }
-    println!(
-        "{}",
-        json!({
-            "router": router_addr,
-            "router_metrics": metrics_url(&router_metrics),
-            "openai": format!("http://{router_http}/v1"),
-            "prefill": prefill,
-            "decode": decode,
-            "prefill_metrics": prefill_metrics,
-            "decode_metrics": decode_metrics,
-        })
-    );
+    let mut ready = json!({
+        "router": router_addr,
+        "router_metrics": metrics_url(scheme, &router_metrics),
+        "openai": format!("{scheme}://{router_http}/v1"),
+        "prefill": prefill,
+        "decode": decode,
+        "prefill_metrics": prefill_metrics,
+        "decode_metrics": decode_metrics,
+    });
+    if let Some(secure) = &secure {
+        ready["ca"] = json!(secure.ca());
+        ready["api_key"] = json!(secure.api_key);
+        ready["tenant"] = json!(crate::up_secure::TENANT);
+        ready["secure_dir"] = json!(secure.dir());
+    }
+    println!("{ready}");
 
     // Run until told to stop, or until a part dies.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -335,6 +359,6 @@ async fn stop(parts: &mut [Part]) {
 }
 
 /// The URL of the `/metrics` page served at `addr` (HOST:PORT).
-fn metrics_url(addr: &str) -> String {
-    format!("http://{addr}/metrics")
+fn metrics_url(scheme: &str, addr: &str) -> String {
+    format!("{scheme}://{addr}/metrics")
 }

@@ -1,4 +1,6 @@
-//! The `/metrics` HTTP endpoint (`--metrics-port`): Prometheus text exposition 0.0.4.
+//! The metrics port (`--metrics-port`): `GET /metrics` in Prometheus text exposition 0.0.4, and
+//! `GET /health` for probes that reach this port only (Kubernetes over mTLS, where the gRPC port
+//! wants a client certificate the kubelet does not have).
 
 use std::sync::Arc;
 
@@ -19,7 +21,8 @@ struct Scrape {
     registry: Arc<Registry>,
 }
 
-/// Serves `GET /metrics` on `listener` (TLS when it has it) until the task is dropped.
+/// Serves `GET /metrics` and `GET /health` on `listener` (TLS when it has it) until the task is
+/// dropped.
 pub async fn serve(
     listener: pd_tls::Listener,
     metrics: Arc<RouterMetrics>,
@@ -27,6 +30,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let app = axum::Router::new()
         .route("/metrics", get(scrape))
+        .route("/health", get(health))
         .with_state(Scrape { metrics, registry });
     axum::serve(listener, app).await
 }
@@ -35,5 +39,15 @@ async fn scrape(State(s): State<Scrape>) -> Response {
     match s.metrics.render(&s.registry) {
         Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// 200 while the router serves (a healthy path through its nodes), 503 otherwise: the same
+/// answer as its gRPC health service.
+async fn health(State(s): State<Scrape>) -> Response {
+    if *s.registry.serving().borrow() {
+        (StatusCode::OK, "SERVING\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "NOT_SERVING\n").into_response()
     }
 }
