@@ -46,7 +46,8 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// Live summary of a cluster from its router's /metrics: hit rates, throughput, latency.
     Metrics(metrics::MetricsArgs),
-    /// Measure prefill and decode speed against the machine's memory-read bandwidth.
+    /// Measure prefill and decode speed against the machine's memory-read bandwidth, on the
+    /// CPU kernels `PD_CPU_ISA` selects (avx512, avx2, portable; unset: the best the host has).
     BenchModel(bench_model::BenchModelArgs),
     /// Benchmark a running cluster (or one started with --up): throughput, latencies,
     /// goodput and the router's prefix-cache hit rates; `bench compare A.json B.json`.
