@@ -11,7 +11,9 @@
 //! - **Large batch** (prefill): output rows are cut into tiles whose f32 form fits in L2; each
 //!   tile is converted into a small thread-local scratch (read in place for aligned f32
 //!   weights) and multiplied with the `gemm` crate, single-threaded per tile, the tiles run
-//!   on rayon. The full weight is never converted in memory.
+//!   on rayon. On AVX-512 the tile is converted straight into the packed layout of this
+//!   crate's own kernel ([`super::gemm512`]) instead, the activations packed once per call.
+//!   The full weight is never converted in memory.
 //!
 //! The streaming path beats the tiled gemm up to a few dozen rows (measured on a 2-core
 //! AVX2 machine: ~2.6× at 16 rows, ~1.5× at 48, about even at 64, gemm 1.3× ahead at 128),
