@@ -12,7 +12,7 @@
 //!   tile is converted into a small thread-local scratch (read in place for aligned f32
 //!   weights) and multiplied with the `gemm` crate, single-threaded per tile, the tiles run
 //!   on rayon. On AVX-512 the tile is converted straight into the packed layout of this
-//!   crate's own kernel ([`super::gemm512`]) instead, the activations packed once per call.
+//!   crate's own kernel (`gemm512.rs`) instead, the activations packed once per call.
 //!   The full weight is never converted in memory.
 //!
 //! The streaming path beats the tiled gemm up to a few dozen rows (measured on a 2-core
