@@ -15,7 +15,7 @@
 //!
 //! Arguments not starting with `-` filter the cases by substring (e.g. `prefill`, `0.6b`,
 //! `f16`).
-//! `PD_CPU_SIMD=scalar` measures the portable kernel instead of the best one the CPU has;
+//! `PD_CPU_ISA=portable` (or `avx2`) measures that kernel instead of the best one the CPU has;
 //! `PD_BENCH_LAYERS=1` keeps a decode case's K/V in cache (compute alone, not memory).
 
 use std::hint::black_box;

@@ -9,7 +9,7 @@
 //! - prefill (rows = 512): GFLOP/s against an f32 FMA-peak loop.
 //!
 //! Arguments not starting with `-` filter the cases by substring (e.g. `bfloat16`, `r=1 `,
-//! `lm_head`). `PD_CPU_SIMD=avx2` (or `scalar`) measures a fallback kernel instead of the
+//! `lm_head`). `PD_CPU_ISA=avx2` (or `portable`) measures a fallback kernel instead of the
 //! best one the CPU has.
 
 use std::hint::black_box;

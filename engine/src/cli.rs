@@ -250,9 +250,11 @@ impl EngineArgs {
         Ok(len)
     }
 
-    /// The CPU backend these flags ask for (its KV cache type from `--kv-cache-dtype`).
-    pub fn cpu_backend(&self) -> CpuBackend {
-        CpuBackend::with_kv_dtype(self.kv_cache_dtype.on_cpu())
+    /// The CPU backend these flags ask for (its KV cache type from `--kv-cache-dtype`), its
+    /// kernels on the instruction set `PD_CPU_ISA` asks for (unset: the best the host has);
+    /// one the host lacks is refused.
+    pub fn cpu_backend(&self) -> Result<CpuBackend, EngineError> {
+        Ok(CpuBackend::from_env(self.kv_cache_dtype.on_cpu())?)
     }
 
     /// `--num-gpu-blocks`, or 2 GiB worth of blocks of `layout` (the CPU backend's: twice as
@@ -333,7 +335,7 @@ impl EngineArgs {
         let num_blocks = self.num_blocks(&layout, max_model_len);
         self.build_on(
             files,
-            self.cpu_backend(),
+            self.cpu_backend()?,
             model,
             num_blocks,
             role,
@@ -472,7 +474,7 @@ mod tests {
         // The layout of the backend the flags ask for, as the nodes build it.
         let blocks = |dtype: &str| {
             let a = args(dtype);
-            a.num_blocks(&layout(a.cpu_backend().kv_dtype()), 1 << 20)
+            a.num_blocks(&layout(a.cpu_backend().unwrap().kv_dtype()), 1 << 20)
         };
         let f32_blocks = blocks("auto");
         assert_eq!(
@@ -481,7 +483,7 @@ mod tests {
         );
         assert_eq!(blocks("f16"), 2 * f32_blocks);
         assert_eq!(blocks("bf16"), 2 * f32_blocks);
-        assert_eq!(args("bf16").cpu_backend().kv_dtype(), DType::BF16);
+        assert_eq!(args("bf16").cpu_backend().unwrap().kv_dtype(), DType::BF16);
     }
 
     #[test]

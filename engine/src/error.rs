@@ -47,6 +47,9 @@ pub enum EngineError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// `PD_CPU_ISA` names an instruction set this host (or build) cannot run.
+    #[error(transparent)]
+    CpuIsa(#[from] crate::backend::cpu::IsaError),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("out of KV cache blocks: {0}")]
@@ -65,7 +68,7 @@ impl EngineError {
             | EngineError::Tensor { .. }
             | EngineError::Checkpoint { .. }
             | EngineError::UnknownSynthetic { .. } => ErrorKind::FailedPrecondition,
-            EngineError::Tokenizer(_) => ErrorKind::FailedPrecondition,
+            EngineError::Tokenizer(_) | EngineError::CpuIsa(_) => ErrorKind::FailedPrecondition,
             EngineError::Sampling(_) | EngineError::InvalidRequest(_) => ErrorKind::InvalidArgument,
             EngineError::OutOfBlocks(_) | EngineError::DeviceMemory(_) => {
                 ErrorKind::ResourceExhausted

@@ -3,10 +3,16 @@
 //! `tools/golden/make_golden.py`): logits at every prompt position and along 32 greedy steps,
 //! through the real loader and the paged KV cache, with whole-prompt, chunked and batched
 //! prefill.
+//!
+//! The same checks run once per instruction set of the CPU kernels (`isa_*` tests: AVX-512,
+//! AVX2, portable), each also against the portable kernels' own logits. A path this host
+//! cannot run is reported by the test harness as *ignored* with the reason (the build script
+//! tells the tests which paths the host has), never as passed; AMX has no kernels yet, so its
+//! test is always ignored.
 
 use std::path::{Path, PathBuf};
 
-use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::backend::cpu::{CpuBackend, Isa};
 use pd_engine::config::ModelConfig;
 use pd_engine::generate::{Runner, Sequence, StepItem};
 use pd_engine::model::Qwen3;
@@ -68,11 +74,11 @@ fn load_golden(dir: &Path) -> Golden {
     }
 }
 
-fn runner(dir: &Path, block_size: usize) -> Runner<CpuBackend> {
+fn runner_on(backend: CpuBackend, dir: &Path, block_size: usize) -> Runner<CpuBackend> {
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
-    let model = Qwen3::load(&CpuBackend::new(), &ckpt, &config, &mut |_, _| {}).unwrap();
-    Runner::new(CpuBackend::new(), model, block_size, 256).unwrap()
+    let model = Qwen3::load(&backend, &ckpt, &config, &mut |_, _| {}).unwrap();
+    Runner::new(backend, model, block_size, 256).unwrap()
 }
 
 /// `max |a - b|`, and `max |a - b| / max |b|`.
@@ -104,9 +110,23 @@ fn check_fixture(
     prefill_chunk: usize,
     ok: &dyn Fn(f32, f32) -> bool,
 ) {
+    check_fixture_on(CpuBackend::new(), name, block_size, prefill_chunk, ok);
+}
+
+/// [`check_fixture`] on `backend`; returns every logit it computed (each prompt's positions,
+/// then each greedy step's), for comparisons between backends.
+fn check_fixture_on(
+    backend: CpuBackend,
+    name: &str,
+    block_size: usize,
+    prefill_chunk: usize,
+    ok: &dyn Fn(f32, f32) -> bool,
+) -> Vec<f32> {
     let dir = fixture(name);
     let golden = load_golden(&dir);
-    let mut runner = runner(&dir, block_size);
+    let isa = backend.isa();
+    let mut runner = runner_on(backend, &dir, block_size);
+    let mut all = Vec::new();
     let vocab = runner.model().config().vocab_size;
     let mut worst = (0.0f32, 0.0f32);
     for (i, prompt) in golden.prompts.iter().enumerate() {
@@ -131,6 +151,7 @@ fn check_fixture(
             "{name} prompt {i}: prompt logits differ by {d:?}"
         );
         worst = (worst.0.max(d.0), worst.1.max(d.1));
+        all.extend_from_slice(&got);
 
         let mut last = got[(prompt.len() - 1) * vocab..].to_vec();
         for (step, &want_token) in golden.greedy[i].iter().enumerate() {
@@ -140,6 +161,7 @@ fn check_fixture(
                 "{name} prompt {i} greedy step {step}: logits differ by {d:?}"
             );
             worst = (worst.0.max(d.0), worst.1.max(d.1));
+            all.extend_from_slice(&last);
             let token = argmax(&last);
             assert_eq!(token, want_token, "{name} prompt {i}: greedy token {step}");
             seq.tokens.push(token);
@@ -161,9 +183,10 @@ fn check_fixture(
         "every block returned"
     );
     eprintln!(
-        "{name}: worst |Δlogit| {:.2e}, relative {:.2e}",
-        worst.0, worst.1
+        "{name} on {}: worst |Δlogit| {:.2e}, relative {:.2e}",
+        isa, worst.0, worst.1
     );
+    all
 }
 
 const F32_TOLERANCE: f32 = 1e-3;
@@ -216,9 +239,14 @@ fn batched_prefill_equals_one_by_one() {
 }
 
 fn batched_prefill(name: &str) {
+    batched_prefill_on(CpuBackend::new(), name);
+}
+
+/// [`batched_prefill`] on `backend` (102 rows in one step: the large-batch matrix kernels).
+fn batched_prefill_on(backend: CpuBackend, name: &str) {
     let dir = fixture(name);
     let golden = load_golden(&dir);
-    let mut runner = runner(&dir, 16);
+    let mut runner = runner_on(backend, &dir, 16);
     let vocab = runner.model().config().vocab_size;
     let mut seqs: Vec<Sequence> = golden.prompts.iter().cloned().map(Sequence::new).collect();
     let mut items: Vec<StepItem<'_>> = seqs
@@ -243,4 +271,144 @@ fn batched_prefill(name: &str) {
         runner.release(seq);
     }
     assert_eq!(runner.free_blocks(), runner.total_blocks());
+}
+
+/// Every fixture on the CPU kernels of `isa`: against transformers within the tolerances
+/// above, and against the portable kernels' logits within [`F32_TOLERANCE`] (the same
+/// weights, so only the kernels' rounding differs); with a 16-bit KV cache (where a last-bit
+/// difference in K or V can round to a neighbouring 16-bit value) within
+/// [`BF16_RELATIVE_TOLERANCE`] of the largest logit.
+fn isa_conformance(isa: Isa) {
+    // The build script saw this path on the host; a binary moved to another host may not.
+    let Some(backend) = CpuBackend::new().on_isa(isa) else {
+        eprintln!("{isa}: NOT RUN: this CPU cannot run it (the test binary was built elsewhere)");
+        return;
+    };
+    let portable = CpuBackend::new().on_isa(Isa::Portable).unwrap();
+    let f32_ok = |abs: f32, _: f32| abs <= F32_TOLERANCE;
+    let bf16_ok = |_: f32, rel: f32| rel <= BF16_RELATIVE_TOLERANCE;
+    type Ok<'a> = &'a dyn Fn(f32, f32) -> bool;
+    let cases: [(&str, Ok<'_>); 4] = [
+        ("tiny-gqa", &f32_ok),
+        ("tiny-kv1", &f32_ok),
+        ("tiny-gqa-bf16", &bf16_ok),
+        ("tiny-moe", &f32_ok),
+    ];
+    for (name, ok) in cases {
+        // Whole prompts and chunked prefill with small blocks: both attention task shapes.
+        for (block_size, chunk) in [(16, usize::MAX), (4, 5)] {
+            let got = check_fixture_on(backend, name, block_size, chunk, ok);
+            let want = check_fixture_on(portable, name, block_size, chunk, ok);
+            let d = diff(&got, &want);
+            assert!(
+                d.0 <= F32_TOLERANCE,
+                "{name} block {block_size} chunk {chunk}: {isa} vs portable differ by {d:?}"
+            );
+            eprintln!(
+                "{name} block {block_size}: {isa} vs portable |Δlogit| {:.2e}",
+                d.0
+            );
+        }
+    }
+    // All prompts in one step: the large-batch (prefill) matrix kernels.
+    batched_prefill_on(backend, "tiny-gqa");
+    batched_prefill_on(backend, "tiny-moe");
+    // A 16-bit KV cache: the widening loads of each path against the portable ones.
+    let dir = fixture("tiny-gqa");
+    let golden = load_golden(&dir);
+    for kv in [
+        pd_engine::weights::DType::F16,
+        pd_engine::weights::DType::BF16,
+    ] {
+        let logits = |backend: CpuBackend| -> Vec<f32> {
+            let mut runner = runner_on(backend, &dir, 16);
+            let mut out = Vec::new();
+            for prompt in &golden.prompts {
+                let mut seq = Sequence::new(prompt.clone());
+                let n = prompt.len();
+                out.extend(
+                    runner
+                        .step(&mut [StepItem {
+                            seq: &mut seq,
+                            count: n,
+                            all_logits: true,
+                        }])
+                        .unwrap()
+                        .remove(0)
+                        .data,
+                );
+                for t in 0..8u32 {
+                    seq.tokens.push(t * 7 % 50);
+                    out.extend(
+                        runner
+                            .step(&mut [StepItem {
+                                seq: &mut seq,
+                                count: 1,
+                                all_logits: false,
+                            }])
+                            .unwrap()
+                            .remove(0)
+                            .data,
+                    );
+                }
+                runner.release(&mut seq);
+            }
+            out
+        };
+        let on = |isa: Isa| CpuBackend::with_kv_dtype(kv).on_isa(isa).unwrap();
+        let d = diff(&logits(on(isa)), &logits(on(Isa::Portable)));
+        assert!(
+            d.1 <= BF16_RELATIVE_TOLERANCE,
+            "KV cache {kv}: {isa} vs portable differ by {d:?}"
+        );
+        eprintln!(
+            "tiny-gqa, KV cache {kv}: {isa} vs portable |Δlogit| {:.2e}, relative {:.2e}",
+            d.0, d.1
+        );
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(pd_host_avx512),
+    ignore = "this host has no AVX-512 (avx512f, avx512bw, avx512vl): the avx512 path cannot run here"
+)]
+fn isa_avx512_matches_portable_and_transformers() {
+    isa_conformance(Isa::Avx512);
+}
+
+#[test]
+#[cfg_attr(
+    not(pd_host_avx2),
+    ignore = "this host has no AVX2 + FMA + F16C: the avx2 path cannot run here"
+)]
+fn isa_avx2_matches_portable_and_transformers() {
+    isa_conformance(Isa::Avx2);
+}
+
+/// The portable kernels against transformers (the reference the other paths are held to).
+#[test]
+fn isa_portable_matches_transformers() {
+    let portable = CpuBackend::new().on_isa(Isa::Portable).unwrap();
+    check_fixture_on(portable, "tiny-gqa", 16, usize::MAX, &|abs, _| {
+        abs <= F32_TOLERANCE
+    });
+    check_fixture_on(portable, "tiny-gqa-bf16", 16, usize::MAX, &|_, rel| {
+        rel <= BF16_RELATIVE_TOLERANCE
+    });
+}
+
+/// AMX has no kernels in this build: the path is never run, so this test is always ignored
+/// (and fails if forced, rather than pass without having run anything).
+#[test]
+#[cfg_attr(
+    pd_host_amx,
+    ignore = "this build has no AMX kernels yet: the amx path cannot run"
+)]
+#[cfg_attr(
+    not(pd_host_amx),
+    ignore = "this host has no AMX (amx_bf16, amx_tile) and this build has no AMX kernels: the amx path cannot run here"
+)]
+fn isa_amx_matches_portable_and_transformers() {
+    panic!("the AMX path is not built: there is nothing to run");
 }

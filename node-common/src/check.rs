@@ -10,6 +10,7 @@ use std::io::Write as _;
 use std::net::ToSocketAddrs;
 use std::process::ExitCode;
 
+use pd_engine::backend::cpu::{Isa, IsaError, isa};
 use pd_engine::cli::Device;
 use pd_engine::kv::KvLayout;
 use pd_engine::model::ModelSource;
@@ -82,6 +83,18 @@ pub fn effective_config(
             e.device
         ));
     }
+    // `PD_CPU_ISA`: a value it does not know is an error anywhere; a path this machine
+    // lacks may exist on the serving host.
+    let cpu_isa = std::env::var(isa::ENV_VAR).unwrap_or_else(|_| "auto".into());
+    if matches!(e.device, Device::Cpu) {
+        match Isa::from_env() {
+            Ok(_) => {}
+            Err(err @ IsaError::Unknown(_)) => return Err(err.to_string()),
+            Err(err) => notes.push(format!(
+                "{err}: the node would refuse to start on this host"
+            )),
+        }
+    }
     if node.kv_transport == crate::args::KvTransport::Rdma && !pd_transport::rdma::BUILT {
         notes.push(
             "--kv-transport rdma: this build has no RDMA support (build with --features rdma); \
@@ -121,6 +134,7 @@ pub fn effective_config(
         "log_format": format!("{:?}", node.log_format).to_lowercase(),
         "engine": {
             "device": e.device.to_string(),
+            "cpu_isa": cpu_isa,
             "gpu_memory_utilization": e.gpu_memory_utilization,
             "block_size": e.block_size,
             "num_gpu_blocks": e.num_gpu_blocks,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use pd_engine::backend::Backend;
-use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::backend::cpu::{CpuBackend, CpuFeatures, isa};
 use pd_engine::cli::Device;
 use pd_engine::kv::KvLayout;
 use pd_engine::model::{ModelFiles, ModelSource, Qwen3};
@@ -234,7 +234,16 @@ pub async fn start_engine(
         // The device is opened first: asking for one that cannot work fails before any
         // model is written or read.
         match args.engine.device {
-            Device::Cpu => start_on(args.engine.cpu_backend(), &args, role, lease_timeout),
+            Device::Cpu => {
+                let backend = args.engine.cpu_backend()?;
+                tracing::info!(
+                    isa = backend.isa().name(),
+                    cpu_flags = CpuFeatures::host().names().join(" "),
+                    "CPU kernels: {}",
+                    isa::describe(backend.isa())
+                );
+                start_on(backend, &args, role, lease_timeout)
+            }
             Device::Cuda { ordinal } => {
                 let backend = pd_kernels::CudaBackend::open_with(
                     ordinal,

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use clap::Args;
-use pd_engine::backend::cpu::CpuBackend;
+use pd_engine::backend::cpu::{CpuBackend, CpuFeatures, isa};
 use pd_engine::cli::KvCacheDtype;
 use pd_engine::generate::{Runner, Sequence, StepItem};
 use pd_engine::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
@@ -73,7 +73,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let model = crate::load::weights(&files)?;
     let weight_bytes = model.weight_bytes_per_step();
     let kv_dtype = args.kv_cache_dtype.on_cpu();
-    let backend = CpuBackend::with_kv_dtype(kv_dtype);
+    // The kernels' instruction set: `PD_CPU_ISA`, else the best this host has.
+    let backend = CpuBackend::from_env(kv_dtype)?;
+    let cpu_isa = backend.isa();
     // K and V of one token, all layers, as the CPU backend stores them: what a decode step
     // reads per token of each sequence's context besides the weights.
     let layout = KvLayout::new(&files.config, DEFAULT_BLOCK_SIZE, kv_dtype)?;
@@ -159,6 +161,9 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             "dtype": files.config.dtype.torch_name(),
             "kv_cache_dtype": kv_dtype.torch_name(),
             "threads": threads,
+            "cpu_isa": cpu_isa.name(),
+            "cpu_isa_best": isa::Isa::best().name(),
+            "cpu_flags": CpuFeatures::host().names(),
             "read_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes_per_step": weight_bytes,
             "prefill": {"prompt_len": args.prompt_len, "tokens_per_s": prefill_best},
@@ -176,6 +181,7 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         "model            {} ({}, KV cache {}, {} threads)",
         args.model, files.config.dtype, kv_dtype, threads
     );
+    println!("CPU kernels      {}", isa::describe(cpu_isa));
     println!(
         "memory read      {:.1} GB/s (best of before/after, 1 GiB buffer)",
         bandwidth / 1e9

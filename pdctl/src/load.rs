@@ -65,7 +65,7 @@ pub fn start_engine(
     lease_timeout: Duration,
 ) -> anyhow::Result<EngineThread> {
     match args.device {
-        Device::Cpu => start_on(args.cpu_backend(), files, args, role, seed, lease_timeout),
+        Device::Cpu => start_on(args.cpu_backend()?, files, args, role, seed, lease_timeout),
         Device::Cuda { ordinal } => {
             let backend = pd_kernels::CudaBackend::open_with(
                 ordinal,

@@ -50,7 +50,8 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// Live summary of a cluster from its router's /metrics: hit rates, throughput, latency.
     Metrics(metrics::MetricsArgs),
-    /// Measure prefill and decode speed against the machine's memory-read bandwidth.
+    /// Measure prefill and decode speed against the machine's memory-read bandwidth, on the
+    /// CPU kernels `PD_CPU_ISA` selects (avx512, avx2, portable; unset: the best the host has).
     BenchModel(bench_model::BenchModelArgs),
     /// Write a cluster CA and a member certificate (ca.crt, ca.key, node.crt, node.key) for
     /// TLS and mTLS between the parts.

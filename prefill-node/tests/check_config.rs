@@ -112,3 +112,32 @@ fn a_bad_value_exits_non_zero_naming_it() {
         assert!(out.stdout.is_empty(), "{args:?} printed a configuration");
     }
 }
+
+/// `PD_CPU_ISA`: shown as set; an unknown value is an error; a path this machine lacks is a
+/// note (the serving host may have it), here AMX, which has no kernels anywhere yet.
+#[test]
+fn the_cpu_instruction_set_is_checked() {
+    let model = ("PD_MODEL", "synthetic:qwen3-0.6b");
+    let c = json(&check(&[], &[model]));
+    assert_eq!(c["engine"]["cpu_isa"], "auto");
+    let c = json(&check(&[], &[model, ("PD_CPU_ISA", "portable")]));
+    assert_eq!(c["engine"]["cpu_isa"], "portable");
+
+    let out = check(&[], &[model, ("PD_CPU_ISA", "sse9")]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("PD_CPU_ISA=sse9: expected auto, avx512, avx2, portable or amx"),
+        "{err}"
+    );
+
+    let out = check(&[], &[model, ("PD_CPU_ISA", "amx")]);
+    let c = json(&out);
+    assert_eq!(c["engine"]["cpu_isa"], "amx");
+    let notes = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        notes.contains("note: PD_CPU_ISA=amx: this")
+            && notes.contains("the node would refuse to start on this host"),
+        "{notes}"
+    );
+}

@@ -5,8 +5,7 @@
 //! copy. Three implementations are chosen at run time: AVX-512F, AVX2 + FMA + F16C, and a
 //! portable scalar one (also the only one off x86-64).
 
-use std::sync::OnceLock;
-
+use super::isa::Isa;
 use crate::weights::DType;
 
 /// Convert row-major elements of `src` (dtype per `dtype`, unaligned LE bytes) to f32 into
@@ -104,63 +103,6 @@ pub(super) unsafe fn read_scalar<const D: u8>(p: *const u8, i: usize) -> f32 {
                 (u16::from_le_bytes(p.add(i * 2).cast::<[u8; 2]>().read()) as u32) << 16,
             ),
         }
-    }
-}
-
-/// The SIMD instruction set a kernel runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Isa {
-    /// AVX-512F (16 f32 lanes).
-    Avx512,
-    /// AVX2 + FMA + F16C (8 f32 lanes).
-    Avx2,
-    /// Portable Rust (auto-vectorised where the compiler can).
-    Scalar,
-}
-
-impl Isa {
-    /// Whether this CPU can run the instruction set.
-    pub(super) fn available(self) -> bool {
-        match self {
-            Isa::Scalar => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-
-    /// The best available instruction set, detected once. `PD_CPU_SIMD=avx2|scalar` caps
-    /// it (for measuring the fallbacks); a capped-to value the CPU lacks is ignored.
-    pub(super) fn detect() -> Isa {
-        static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(|| {
-            let cap = match std::env::var("PD_CPU_SIMD").ok().as_deref() {
-                Some("scalar") => 2,
-                Some("avx2") => 1,
-                _ => 0,
-            };
-            [Isa::Avx512, Isa::Avx2, Isa::Scalar]
-                .into_iter()
-                .skip(cap)
-                .find(|isa| isa.available())
-                .unwrap_or(Isa::Scalar)
-        })
-    }
-
-    /// Instruction sets this CPU can run, best first (for tests and benchmarks).
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub(super) fn all_available() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Scalar]
-            .into_iter()
-            .filter(|i| i.available())
-            .collect()
     }
 }
 
@@ -439,11 +381,5 @@ pub(super) mod tests {
     #[should_panic(expected = "source bytes")]
     fn short_source_panics() {
         to_f32(DType::BF16, &[0u8; 5], &mut [0.0; 3]);
-    }
-
-    #[test]
-    fn detect_picks_an_available_isa() {
-        assert!(Isa::detect().available());
-        assert_eq!(Isa::all_available().last(), Some(&Isa::Scalar));
     }
 }

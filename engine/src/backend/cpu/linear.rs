@@ -11,7 +11,9 @@
 //! - **Large batch** (prefill): output rows are cut into tiles whose f32 form fits in L2; each
 //!   tile is converted into a small thread-local scratch (read in place for aligned f32
 //!   weights) and multiplied with the `gemm` crate, single-threaded per tile, the tiles run
-//!   on rayon. The full weight is never converted in memory.
+//!   on rayon. On AVX-512 the tile is converted straight into the packed layout of this
+//!   crate's own kernel (`gemm512.rs`) instead, the activations packed once per call.
+//!   The full weight is never converted in memory.
 //!
 //! The streaming path beats the tiled gemm up to a few dozen rows (measured on a 2-core
 //! AVX2 machine: ~2.6× at 16 rows, ~1.5× at 48, about even at 64, gemm 1.3× ahead at 128),
@@ -22,7 +24,10 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::convert::{self, D_BF16, D_F16, D_F32, Isa, dcode};
+use super::convert::{self, D_BF16, D_F16, D_F32, dcode};
+#[cfg(target_arch = "x86_64")]
+use super::gemm512;
+use super::isa::Isa;
 use super::matrix::WeightMatrix;
 use crate::weights::DType;
 
@@ -43,7 +48,7 @@ pub fn linear(x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
 }
 
 /// [`linear`] on an explicit instruction set (which must be available on this CPU).
-fn linear_with(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
+pub(super) fn linear_with(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), rows * k, "linear: x is not [{rows}, {k}]");
     assert_eq!(out.len(), rows * n, "linear: out is not [{rows}, {n}]");
@@ -189,7 +194,7 @@ unsafe fn scalar_gemv(
     let row_bytes = k * dtype.size_in_bytes();
     let mut wrow = vec![0.0f32; k];
     for (j, wb) in w.chunks_exact(row_bytes).enumerate() {
-        convert::to_f32_with(Isa::Scalar, dtype, wb, &mut wrow);
+        convert::to_f32_with(Isa::Portable, dtype, wb, &mut wrow);
         for r in 0..rows {
             let xr = &x[r * k..(r + 1) * k];
             let mut acc = [0.0f32; L];
@@ -365,6 +370,10 @@ thread_local! {
 }
 
 fn large_batch(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        return large_batch_512(x, rows, w, out);
+    }
     let (n, k) = (w.rows, w.cols);
     let es = w.dtype.size_in_bytes();
     let threads = rayon::current_num_threads();
@@ -438,6 +447,79 @@ fn large_batch(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut 
     } else {
         (0..tasks).into_par_iter().for_each(run);
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The calling thread's packed activations (taken out while a call uses them).
+    static XPACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Packed weight tile and a row of scratch of the calling rayon thread.
+    static WPACK: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// [`large_batch`] on AVX-512 with this crate's kernel ([`gemm512`]): the activations packed
+/// once, then tiles of `gemm512::NR`-aligned weight rows (converted and packed per task, at
+/// most `TILE_BYTES`) × ranges of activation panels, run on rayon.
+#[cfg(target_arch = "x86_64")]
+fn large_batch_512(x: &[f32], rows: usize, w: WeightMatrix<'_>, out: &mut [f32]) {
+    use gemm512::{MR, NR};
+    let (n, k) = (w.rows, w.cols);
+    let es = w.dtype.size_in_bytes();
+    let threads = rayon::current_num_threads();
+    let tile = (TILE_BYTES / (k * 4))
+        .min(n.div_ceil(2 * threads))
+        .max(1)
+        .next_multiple_of(NR);
+    let ntiles = n.div_ceil(tile);
+    let xpanels = rows.div_ceil(MR);
+    // Too few tiles for the threads (narrow outputs): also split the activation panels.
+    let parts = (2 * threads)
+        .div_ceil(ntiles)
+        .clamp(1, rows.div_ceil(64).max(1));
+    let chunk = xpanels.div_ceil(parts);
+    let parts = xpanels.div_ceil(chunk);
+
+    // Taken out of the thread-local, so a nested call on this thread (work stealing) finds
+    // it empty instead of borrowed.
+    let mut xp = XPACK.take();
+    xp.resize(gemm512::packed_x_len(rows, k), 0.0);
+    xp.par_chunks_mut(MR * k)
+        .with_min_len(8)
+        .enumerate()
+        .for_each(|(p, dst)| gemm512::pack_x_panel(x, rows, k, p, dst));
+
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let run = |task: usize| {
+        let (t, p) = (task / parts, task % parts);
+        let (o0, nt) = (t * tile, tile.min(n - t * tile));
+        let panels = p * chunk..((p + 1) * chunk).min(xpanels);
+        WPACK.with_borrow_mut(|(wp, row)| {
+            wp.resize(gemm512::packed_w_len(nt, k), 0.0);
+            row.resize(k, 0.0);
+            // SAFETY: `Isa::Avx512` is available (asserted by `linear_with`); the tile's rows
+            // o0..o0 + nt lie in the weight (its byte length asserted there); `row` has `k`
+            // slots and `wp` the packed tile's length. The product writes rows of `panels`
+            // below `rows` and columns o0..o0 + nt of `out` ([rows, n]): this task's alone.
+            unsafe {
+                gemm512::pack_w(
+                    w.dtype,
+                    &w.bytes[o0 * k * es..(o0 + nt) * k * es],
+                    nt,
+                    k,
+                    row,
+                    wp,
+                );
+                gemm512::gemm_tile(&xp, panels, rows, k, wp, nt, out_ptr.get().add(o0), n);
+            }
+        });
+    };
+    let tasks = ntiles * parts;
+    if tasks == 1 || threads == 1 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+    XPACK.set(xp);
 }
 
 #[cfg(test)]

@@ -1,10 +1,15 @@
 //! The CPU backend: f32 compute over weights kept in their stored dtype, multi-threaded with
 //! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`];
-//! the KV cache is f32, or f16 / bf16 with `--kv-cache-dtype` ([`kv_elem`]). It is the
-//! reference every other backend is compared against.
+//! the KV cache is f32, or f16 / bf16 with `--kv-cache-dtype` ([`kv_elem`]). Every kernel
+//! runs on the instruction set the backend was built with ([`isa`]: AVX-512, AVX2 or
+//! portable, the best the host has unless `PD_CPU_ISA` says otherwise). It is the reference
+//! every other backend is compared against.
 
 pub mod attention;
 pub mod convert;
+#[cfg(target_arch = "x86_64")]
+mod gemm512;
+pub mod isa;
 pub mod kv_arena;
 pub mod kv_elem;
 pub mod linear;
@@ -23,6 +28,7 @@ use crate::sampling::{
 };
 use crate::weights::{DType, TensorView};
 
+pub use isa::{CpuFeatures, Isa, IsaError};
 pub use kv_arena::KvArena;
 pub use kv_elem::KvElem;
 pub use matrix::WeightMatrix;
@@ -35,6 +41,8 @@ const PAR_THRESHOLD: usize = 1 << 16;
 pub struct CpuBackend {
     /// How the KV cache is stored.
     kv_dtype: DType,
+    /// The instruction set every kernel runs on (available on this CPU).
+    isa: Isa,
 }
 
 impl Default for CpuBackend {
@@ -50,9 +58,34 @@ impl CpuBackend {
     }
 
     /// A backend keeping its KV cache in `kv_dtype`: 16-bit halves the cache's memory and
-    /// attention's reads of it, at the rounding of K and V to that type.
+    /// attention's reads of it, at the rounding of K and V to that type. Its kernels run on
+    /// the instruction set `PD_CPU_ISA` asks for, or the best this host has when it is unset
+    /// or names one the host cannot run (servers and `pdctl` build theirs with
+    /// [`CpuBackend::from_env`], which refuses that instead).
     pub fn with_kv_dtype(kv_dtype: DType) -> Self {
-        Self { kv_dtype }
+        Self {
+            kv_dtype,
+            isa: Isa::from_env().unwrap_or_else(|_| Isa::best()),
+        }
+    }
+
+    /// [`CpuBackend::with_kv_dtype`] on the instruction set `PD_CPU_ISA` asks for (unset: the
+    /// best this host has), or the sentence saying why the host cannot run it.
+    pub fn from_env(kv_dtype: DType) -> Result<Self, IsaError> {
+        Ok(Self {
+            kv_dtype,
+            isa: Isa::from_env()?,
+        })
+    }
+
+    /// This backend with its kernels on `isa`; `None` if this CPU cannot run it.
+    pub fn on_isa(self, isa: Isa) -> Option<Self> {
+        isa.available().then_some(Self { isa, ..self })
+    }
+
+    /// The instruction set the kernels run on.
+    pub fn isa(&self) -> Isa {
+        self.isa
     }
 }
 
@@ -287,7 +320,7 @@ impl Backend for CpuBackend {
         let m = table.matrix();
         let mut out = CpuTensor::zeros(ids.len(), m.cols);
         for (row, &id) in out.data.chunks_mut(m.cols).zip(ids) {
-            convert::to_f32(m.dtype, m.row_bytes(id as usize), row);
+            convert::to_f32_with(self.isa, m.dtype, m.row_bytes(id as usize), row);
         }
         out
     }
@@ -316,7 +349,7 @@ impl Backend for CpuBackend {
         let m = weight.matrix();
         assert_eq!(x.cols, m.cols, "linear: input width");
         let mut out = CpuTensor::zeros(x.rows, m.rows);
-        linear::linear(&x.data, x.rows, m, &mut out.data);
+        linear::linear_with(self.isa, &x.data, x.rows, m, &mut out.data);
         out
     }
 
@@ -378,7 +411,7 @@ impl Backend for CpuBackend {
         layer: usize,
         meta: &AttentionMeta,
     ) -> CpuTensor {
-        attention::paged_attention(q, kv, layer, meta)
+        attention::paged_attention_with(self.isa, q, kv, layer, meta)
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {

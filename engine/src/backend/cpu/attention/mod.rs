@@ -7,22 +7,25 @@
 //! them instead of one (`task.rs`). Keys are walked in tiles of 16 with an online softmax
 //! (running max and sum per query vector, exponentials in base 2 with the scale folded into
 //! Q); no score buffer the size of the context exists. Both products are register-blocked FMA
-//! loops, the exponentials a polynomial on whole vectors: in AVX2 + FMA intrinsics (`avx2.rs`)
-//! or in portable code (`portable.rs`), chosen at run time like the matrix kernels
-//! (`PD_CPU_SIMD`); the task body around them is compiled once for each.
+//! loops, the exponentials a polynomial on whole vectors: in AVX-512 intrinsics (`avx512.rs`,
+//! a key tile's scores in one register), AVX2 + FMA intrinsics (`avx2.rs`) or portable code
+//! (`portable.rs`), chosen at run time like the matrix kernels (`PD_CPU_ISA`); the task body
+//! around them is compiled once for each.
 //!
 //! Keys and values of this step must already be written into the cache. What it does not
 //! own: the KV layout ([`crate::kv::KvLayout`]) and the cache's memory ([`super::KvArena`]).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod plan;
 mod portable;
 mod task;
 
 use rayon::prelude::*;
 
-use super::convert::Isa;
+use super::isa::Isa;
 use super::{CpuKvLayers, CpuKvStorage, CpuLayerKv, CpuTensor, KvElem};
 use crate::backend::AttentionMeta;
 use crate::kv::KvLayout;
@@ -40,6 +43,13 @@ const KEY_TILE: usize = 2 * LANES;
 const TASK_QUERIES: usize = 32;
 /// Rows of the register blocks of both products.
 const ROW_BLOCK: usize = 4;
+
+/// Which kernels a task body is compiled with (its `K` parameter).
+const PORTABLE: u8 = 0;
+/// [`avx2`]'s kernels (the body compiled with AVX2 + FMA + F16C).
+const AVX2: u8 = 1;
+/// [`avx512`]'s kernels (the body compiled with AVX-512).
+const AVX512: u8 = 2;
 
 /// `1 / ln 2`: scores are kept in base 2 so the exponential is `exp2`.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -79,7 +89,7 @@ struct Shared<'a, E: KvElem> {
 }
 
 /// [`paged_attention`] on an explicit instruction set (which must be available on this CPU).
-fn paged_attention_with(
+pub(super) fn paged_attention_with(
     isa: Isa,
     q: &CpuTensor,
     kv: &CpuKvStorage,
@@ -150,9 +160,9 @@ fn attend<E: KvElem>(
     out
 }
 
-/// The tile's scores ([`portable::scores`]) on the kernels `AVX2` selects.
+/// The tile's scores ([`portable::scores`]) on the kernels `K` selects.
 #[inline(always)]
-fn scores<const AVX2: bool, E: KvElem>(
+fn scores<const K: u8, E: KvElem>(
     q: &[f32],
     hd: usize,
     queries: usize,
@@ -160,17 +170,21 @@ fn scores<const AVX2: bool, E: KvElem>(
     s: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        // SAFETY: `AVX2` is true only in code compiled into `task_avx2`, which runs only on a
-        // CPU with AVX2, FMA and F16C.
-        return unsafe { avx2::scores(q, hd, queries, keys, s) };
+    match K {
+        // SAFETY: `K` is `AVX512` only in code compiled into `task::task_avx512`, which runs
+        // only on a CPU with AVX-512 F + BW + VL, AVX2, FMA and F16C.
+        AVX512 => return unsafe { avx512::scores(q, hd, queries, keys, s) },
+        // SAFETY: `K` is `AVX2` only in code compiled into `task::task_avx2`, which runs only
+        // on a CPU with AVX2, FMA and F16C.
+        AVX2 => return unsafe { avx2::scores(q, hd, queries, keys, s) },
+        _ => {}
     }
     portable::scores(q, hd, queries, keys, s)
 }
 
-/// One query vector's softmax update ([`portable::softmax_step`]) on the kernels `AVX2` selects.
+/// One query vector's softmax update ([`portable::softmax_step`]) on the kernels `K` selects.
 #[inline(always)]
-fn softmax_step<const AVX2: bool>(
+fn softmax_step<const K: u8>(
     s: &mut [f32],
     visible: usize,
     max: &mut f32,
@@ -178,16 +192,19 @@ fn softmax_step<const AVX2: bool>(
     o: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if AVX2 {
+    match K {
         // SAFETY: as in `scores`.
-        return unsafe { avx2::softmax_step(s, visible, max, sum, o) };
+        AVX512 => return unsafe { avx512::softmax_step(s, visible, max, sum, o) },
+        // SAFETY: as in `scores`.
+        AVX2 => return unsafe { avx2::softmax_step(s, visible, max, sum, o) },
+        _ => {}
     }
     portable::softmax_step(s, visible, max, sum, o)
 }
 
-/// The tile's weighted values ([`portable::weighted_values`]) on the kernels `AVX2` selects.
+/// The tile's weighted values ([`portable::weighted_values`]) on the kernels `K` selects.
 #[inline(always)]
-fn weighted_values<const AVX2: bool, E: KvElem>(
+fn weighted_values<const K: u8, E: KvElem>(
     p: &[f32],
     values: &[&[E]],
     hd: usize,
@@ -195,9 +212,12 @@ fn weighted_values<const AVX2: bool, E: KvElem>(
     o: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if AVX2 {
+    match K {
         // SAFETY: as in `scores`.
-        return unsafe { avx2::weighted_values(p, values, hd, queries, o) };
+        AVX512 => return unsafe { avx512::weighted_values(p, values, hd, queries, o) },
+        // SAFETY: as in `scores`.
+        AVX2 => return unsafe { avx2::weighted_values(p, values, hd, queries, o) },
+        _ => {}
     }
     portable::weighted_values(p, values, hd, queries, o)
 }

@@ -1,13 +1,14 @@
 //! One attention task's body (gather its scaled queries, walk its keys tile by tile with an
 //! online softmax, write its outputs or partial results), and the merge of split tasks'
-//! partial results. The kernels inside are [`super::avx2`]'s or [`super::portable`]'s.
+//! partial results. The kernels inside are [`super::avx512`]'s, [`super::avx2`]'s or
+//! [`super::portable`]'s.
 
 use std::cell::RefCell;
 
 use super::plan::{Split, Task};
-use super::{KEY_TILE, Shared, scores, softmax_step, weighted_values};
+use super::{KEY_TILE, PORTABLE, Shared, scores, softmax_step, weighted_values};
 use crate::backend::cpu::KvElem;
-use crate::backend::cpu::convert::Isa;
+use crate::backend::cpu::isa::Isa;
 
 /// Per-thread buffers of a task, reused across tasks and calls.
 #[derive(Default)]
@@ -56,12 +57,31 @@ pub(super) unsafe fn run_task<E: KvElem>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2`/`Avx512` availability implies AVX2 + FMA + F16C (every AVX-512F CPU has
-        // them; `Isa::available` checks them for `Avx2`); the output contract is forwarded.
-        Isa::Avx2 | Isa::Avx512 => unsafe { task_avx2(sh, task, scratch, dst) },
+        // SAFETY: `Avx512` is available (the contract): AVX-512 F + BW + VL with AVX2, FMA and
+        // F16C (`Isa::available` checks all of them); the output contract is forwarded.
+        Isa::Avx512 => unsafe { task_avx512(sh, task, scratch, dst) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2` availability is AVX2 + FMA + F16C; the output contract is forwarded.
+        Isa::Avx2 => unsafe { task_avx2(sh, task, scratch, dst) },
         // SAFETY: forwarded output contract.
-        _ => unsafe { task_body::<false, E>(sh, task, scratch, dst) },
+        _ => unsafe { task_body::<PORTABLE, E>(sh, task, scratch, dst) },
     }
+}
+
+/// The task body compiled for AVX-512 (16-lane kernels).
+///
+/// # Safety
+/// The CPU must have AVX-512 F + BW + VL, AVX2, FMA and F16C; output contract as [`run_task`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn task_avx512<E: KvElem>(
+    sh: &Shared<'_, E>,
+    task: &Task,
+    scratch: &mut Scratch,
+    dst: Outputs,
+) {
+    // SAFETY: forwarded contract; the body is inlined here and compiled with these features.
+    unsafe { task_body::<{ super::AVX512 }, E>(sh, task, scratch, dst) }
 }
 
 /// The task body compiled for AVX2 + FMA + F16C (the matrix kernels' set).
@@ -77,17 +97,17 @@ unsafe fn task_avx2<E: KvElem>(
     dst: Outputs,
 ) {
     // SAFETY: forwarded contract; the body is inlined here and compiled with these features.
-    unsafe { task_body::<true, E>(sh, task, scratch, dst) }
+    unsafe { task_body::<{ super::AVX2 }, E>(sh, task, scratch, dst) }
 }
 
-/// One task. `AVX2` selects the kernels (true only inside [`task_avx2`], which enables the
-/// features). Query vector `(h * rows + r) * group + j` (h counted from the task's first KV
+/// One task. `K` selects the kernels (`AVX512` / `AVX2` only inside [`task_avx512`] /
+/// [`task_avx2`], which enable the features). Query vector `(h * rows + r) * group + j` (h counted from the task's first KV
 /// head) is row `row0 + r` of query head `h * group + j`.
 ///
 /// # Safety
 /// Output contract as [`run_task`].
 #[inline(always)]
-unsafe fn task_body<const AVX2: bool, E: KvElem>(
+unsafe fn task_body<const K: u8, E: KvElem>(
     sh: &Shared<'_, E>,
     task: &Task,
     scratch: &mut Scratch,
@@ -141,13 +161,13 @@ unsafe fn task_body<const AVX2: bool, E: KvElem>(
                 v_rows[i] = store.v.range(at..at + hd);
             }
             let qh = &q[h * per_head * hd..][..per_head * hd];
-            scores::<AVX2, _>(qh, hd, per_head, &k_rows[..n], s);
+            scores::<K, _>(qh, hd, per_head, &k_rows[..n], s);
             for m in 0..per_head {
                 // Each row sees the keys up to its own position.
                 let pos = first_pos + m / group;
                 let visible = (pos + 1).saturating_sub(key0).min(n);
                 let v = h * per_head + m;
-                softmax_step::<AVX2>(
+                softmax_step::<K>(
                     &mut s[m * KEY_TILE..][..KEY_TILE],
                     visible,
                     &mut max[v],
@@ -156,7 +176,7 @@ unsafe fn task_body<const AVX2: bool, E: KvElem>(
                 );
             }
             let oh = &mut o[h * per_head * hd..][..per_head * hd];
-            weighted_values::<AVX2, _>(s, &v_rows[..n], hd, per_head, oh);
+            weighted_values::<K, _>(s, &v_rows[..n], hd, per_head, oh);
         }
         key0 += n;
     }

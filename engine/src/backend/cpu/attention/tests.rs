@@ -360,6 +360,21 @@ fn exp2_is_within_two_ulp_of_the_standard_library() {
         }
         check("avx2", &got, &xs);
     }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx512.available() {
+        let mut got = Vec::new();
+        for chunk in xs.chunks_exact(16) {
+            // SAFETY: AVX-512 is available (checked above); 16 readable f32 per chunk.
+            let v = unsafe { avx512::exp2(std::arch::x86_64::_mm512_loadu_ps(chunk.as_ptr())) };
+            let mut out = [0.0f32; 16];
+            // SAFETY: 16 writable f32.
+            unsafe { std::arch::x86_64::_mm512_storeu_ps(out.as_mut_ptr(), v) };
+            got.extend(out);
+        }
+        check("avx512", &got, &xs[..got.len()]);
+    } else {
+        eprintln!("AVX-512 not available: its exp2 is not exercised on this CPU");
+    }
 }
 
 /// Decode steps over long contexts are split into chunks of the context whose partial
