@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Drive live local clusters with third-party clients: Python grpcio with stubs generated
 # from proto/, and the official `openai` package against the OpenAI-compatible HTTP API; then
-# the same clients against a router with API keys (refused without the key, served with it).
+# the same clients against a router with API keys (refused without the key, served with it),
+# and against a `pdctl up --secure` cluster over TLS (trusting its CA; plaintext refused).
 # Needs the workspace binaries built (target/debug).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,11 +13,15 @@ cache="$(mktemp -d)"
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; wait "$p" 2>/dev/null || true; done; rm -rf "$cache"' EXIT
 
-# up NAME [VAR=VALUE]...: a `pdctl up` cluster whose ready line lands in $cache/NAME.json.
+# up NAME [VAR=VALUE]... [-- PDCTL-UP FLAGS]: a `pdctl up` cluster whose ready line lands in
+# $cache/NAME.json.
 up() {
     local name=$1
     shift
-    env "$@" PD_CACHE_DIR="$cache" RUST_LOG=warn ./target/debug/pdctl up --model synthetic:tiny \
+    local vars=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do vars+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    env "${vars[@]}" PD_CACHE_DIR="$cache" RUST_LOG=warn ./target/debug/pdctl up --model synthetic:tiny "$@" \
         >"$cache/$name.json" &
     pids+=($!)
     for _ in $(seq 1 600); do
@@ -33,9 +38,12 @@ up open PD_TOOL_CALL_PARSER=hermes
 api_key="python-client-key-$RANDOM$RANDOM"
 printf '# tenant key\npython %s\n' "$api_key" >"$cache/api-keys"
 up keyed PD_API_KEYS_FILE="$cache/api-keys"
+up secure -- --secure
 
 failed=0
 python3 tests/python/client_test.py "$(key open router)" || failed=1
 python3 tests/python/openai_client_test.py "$(key open openai)" || failed=1
 python3 tests/python/auth_client_test.py "$(key keyed router)" "$(key keyed openai)" "$api_key" || failed=1
+python3 tests/python/auth_client_test.py "$(key secure router)" "$(key secure openai)" \
+    "$(key secure api_key)" "$(key secure ca)" || failed=1
 exit $failed
