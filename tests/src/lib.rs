@@ -423,6 +423,46 @@ pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
 // ---- metrics ------------------------------------------------------------------------------
 
 impl Cluster {
+    /// The API key of a `pdctl up --secure` cluster (its ready line's `api_key`); `None` for
+    /// a plaintext one.
+    pub fn api_key(&self) -> Option<&str> {
+        self.ready["api_key"].as_str()
+    }
+
+    /// Client TLS trusting the CA of a `pdctl up --secure` cluster, for `alpn`; `None` for a
+    /// plaintext one.
+    pub fn client_tls(&self, alpn: pd_tls::Alpn) -> Option<pd_tls::ClientTls> {
+        let ca = self.ready["ca"].as_str()?;
+        let settings = pd_tls::TlsSettings {
+            ca: Some(PathBuf::from(ca)),
+            ..pd_tls::TlsSettings::default()
+        };
+        Some(
+            pd_tls::ClientTls::new(&settings, alpn)
+                .expect("client TLS")
+                .expect("a CA is set"),
+        )
+    }
+
+    /// A client of the router, over TLS when the cluster is secure (requests still need
+    /// [`Cluster::api_key`]: [`with_key`], [`collect_as`]).
+    pub async fn client(&self) -> GenerationClient<tonic::transport::Channel> {
+        let tls = self.client_tls(pd_tls::Alpn::Grpc);
+        GenerationClient::new(
+            tls::channel(&self.router(), tls.as_ref())
+                .await
+                .expect("router reachable"),
+        )
+    }
+
+    /// [`exposition`] of one of this cluster's metrics addresses, over TLS when it is secure.
+    pub async fn exposition(&self, addr: &str) -> anyhow::Result<Exposition> {
+        match self.client_tls(pd_tls::Alpn::Http1) {
+            Some(tls) => Exposition::parse(&tls::scrape(addr, &tls).await?),
+            None => exposition(addr).await,
+        }
+    }
+
     /// The router's `/metrics` URL (`router_metrics` in `pdctl up`'s ready line).
     pub fn router_metrics(&self) -> String {
         self.ready["router_metrics"]

@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Cluster, Counts, Exposition, client, collect, exposition, greedy, pdctl};
+use pd_tests::{
+    Cluster, Counts, Exposition, client, collect, collect_as, exposition, greedy, pdctl, with_key,
+};
 
 const BLOCK: f64 = 16.0;
 
@@ -34,13 +36,17 @@ async fn settled(cluster: &Cluster) -> View {
     let deadline = tokio::time::Instant::now() + SETTLE;
     let router_addr = cluster.router_metrics();
     loop {
-        let router = exposition(&router_addr).await.expect("router /metrics");
+        let router = cluster
+            .exposition(&router_addr)
+            .await
+            .expect("router /metrics");
         let mut nodes = Vec::new();
         let mut agree = true;
         for role in ["prefill", "decode"] {
             let addr = &cluster.nodes(role)[0];
             let own = Counts::of_node(
-                &exposition(&cluster.node_metrics(role)[0])
+                &cluster
+                    .exposition(&cluster.node_metrics(role)[0])
                     .await
                     .expect("node /metrics"),
             );
@@ -69,7 +75,9 @@ async fn run(
     req: pb::GenerateRequest,
 ) -> (pb::Usage, Counts, Counts) {
     let before = settled(cluster).await;
-    let (_, last) = collect(c, req).await.expect("the request completes");
+    let (_, last) = collect_as(c, req, cluster.api_key())
+        .await
+        .expect("the request completes");
     let after = settled(cluster).await;
     let usage = last.usage.expect("usage on the last chunk");
     let prefill = after.prefill.minus(&before.prefill);
@@ -94,25 +102,35 @@ async fn run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
+    counting_matrix(&[]).await;
+}
+
+/// The matrix on a `pdctl up --secure` cluster: TLS on every port, mTLS between the parts, the
+/// API key on every request, the same exact counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counting_matrix_is_exact_on_a_secure_cluster() {
+    counting_matrix(&["--secure"]).await;
+}
+
+async fn counting_matrix(up_flags: &[&str]) {
     let cache = tempfile::tempdir().unwrap();
     // A small device cache (48 blocks) spilling to a host tier, and chunked prefill (steps
     // that produce no token).
-    let cluster = Cluster::up(
-        cache.path(),
-        &[
-            "--",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks",
-            "48",
-            "--host-cache-blocks",
-            "64",
-            "--max-num-batched-tokens",
-            "32",
-        ],
-    )
-    .unwrap();
-    let mut c = client(&cluster.router()).await;
+    let mut args = up_flags.to_vec();
+    args.extend([
+        "--",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "48",
+        "--host-cache-blocks",
+        "64",
+        "--max-num-batched-tokens",
+        "32",
+    ]);
+    let cluster = Cluster::up(cache.path(), &args).unwrap();
+    let mut c = cluster.client().await;
+    let key = cluster.api_key();
     let start = settled(&cluster).await;
     assert_eq!(start.prefill, Counts::default());
     let p1 = prompt(1, 40); // 2 full blocks + 8 tokens
@@ -177,24 +195,21 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     let before = settled(&cluster).await;
     let mut req = greedy(prompt(99, 600), 100);
     req.request_id = Some("abort-after-lookup".into());
-    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let mut stream = c.generate(with_key(req, key)).await.unwrap().into_inner();
     let prefill_metrics = cluster.node_metrics("prefill")[0].clone();
     let deadline = tokio::time::Instant::now() + SETTLE;
     loop {
-        let now = Counts::of_node(&exposition(&prefill_metrics).await.unwrap());
+        let now = Counts::of_node(&cluster.exposition(&prefill_metrics).await.unwrap());
         if now.queries > before.prefill.queries {
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "never looked up");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let aborted = c
-        .abort(pb::AbortRequest {
-            request_id: "abort-after-lookup".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let abort = pb::AbortRequest {
+        request_id: "abort-after-lookup".into(),
+    };
+    let aborted = c.abort(with_key(abort, key)).await.unwrap().into_inner();
     assert!(aborted.aborted);
     let mut reason = None;
     while let Ok(Some(chunk)) = stream.message().await {
@@ -239,7 +254,8 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     // Host-memory KV: every import landed in place in blocks the decode engine reserved:
     // the 11 requests that ran to their length, and the aborted one if its prefill ended
     // before the abort arrived (a race this test does not control).
-    let decode = exposition(&cluster.node_metrics("decode")[0])
+    let decode = cluster
+        .exposition(&cluster.node_metrics("decode")[0])
         .await
         .unwrap();
     let landed = |l: &str| decode.sum("pd_node_kv_imports_total", &[("landing", l)]);
@@ -248,7 +264,8 @@ async fn counting_matrix_is_exact_at_the_nodes_and_the_router() {
     assert!(in_place == 11.0 || in_place == 12.0, "{in_place}");
     // No RDMA device here: the prefill node offered no lease for RDMA reads, and says so
     // under both layouts (the series exist before any offer, for dashboards and alerts).
-    let prefill = exposition(&cluster.node_metrics("prefill")[0])
+    let prefill = cluster
+        .exposition(&cluster.node_metrics("prefill")[0])
         .await
         .unwrap();
     assert_eq!(
