@@ -19,9 +19,10 @@
 //! process) is timed in the same rounds: the floor of any router hop on this machine, so that
 //! the router's own cost is its added latency minus the forwarder's.
 //!
-//! A router with TLS (TLS to its client, mTLS to its own prefill and decode nodes, started
-//! beside the cluster with certificates made here) is timed in the same rounds too: the
-//! ratio of its p50 to the plaintext router's is the cost of TLS on the request path.
+//! A secure router (TLS to its client, which presents an API key, and mTLS to its own prefill
+//! and decode nodes, started beside the cluster with certificates and a key made here) is
+//! timed in the same rounds too: the ratio of its p50 to the plaintext router's is the cost of
+//! TLS and key checks on the request path.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p pd-tests --bench router_overhead`
 
@@ -31,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use pd_proto::pb;
 use pd_proto::pb::generation_client::GenerationClient;
-use pd_tests::{Cluster, Process, client, collect, greedy, wait_serving};
+use pd_tests::{Cluster, Process, client, collect, collect_as, greedy, wait_serving};
 use tonic::transport::Channel;
 
 #[path = "router_overhead/forwarder.rs"]
@@ -78,6 +79,19 @@ fn percentile(v: &mut [Duration], p: f64) -> Duration {
 async fn through(router: &mut GenerationClient<Channel>, prompt: &[u32]) -> Duration {
     let t = Instant::now();
     collect(router, greedy(prompt.to_vec(), 1))
+        .await
+        .expect("router request");
+    t.elapsed()
+}
+
+/// One 1-token request through a router that wants `key`.
+async fn through_with_key(
+    router: &mut GenerationClient<Channel>,
+    prompt: &[u32],
+    key: &str,
+) -> Duration {
+    let t = Instant::now();
+    collect_as(router, greedy(prompt.to_vec(), 1), Some(key))
         .await
         .expect("router request");
     t.elapsed()
@@ -243,7 +257,14 @@ async fn bench() {
     // TLS to clients (who have no cluster certificate), mTLS to the nodes.
     tls_router_args.extend(member[..4].iter().cloned());
     tls_router_args.extend(member[6..].iter().cloned());
+    // And an API key from a keys file, as a client of an exposed router presents it.
+    let keys_dir = tempfile::tempdir().expect("a temporary directory");
+    let keys_file = keys_dir.path().join("api-keys");
+    let api_key = "bench-0123456789abcdef0123456789abcdef";
+    std::fs::write(&keys_file, format!("bench {api_key}\n")).expect("the API keys file");
     tls_router_args.extend([
+        "--api-keys".into(),
+        keys_file.display().to_string(),
         "--prefill".into(),
         tls_prefill.addr(),
         "--decode".into(),
@@ -300,7 +321,7 @@ async fn bench() {
                 0 => direct(&mut prefill, &prompt, format!("direct-{i}")).await,
                 1 => through(&mut forwarder, &prompt).await,
                 2 => through_http(&mut http, &prompt).await,
-                r if r == tls_target => through(&mut via_tls, &prompt).await,
+                r if r == tls_target => through_with_key(&mut via_tls, &prompt, api_key).await,
                 r => through(&mut routers[r - 3].1, &prompt).await,
             };
             if i >= 20 {
@@ -346,9 +367,9 @@ async fn bench() {
         "  the router's own cost (router - forwarder) p50 {:6.0} us",
         us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
     );
-    report("through the TLS router", &mut via_tls_router);
+    report("through TLS + API key", &mut via_tls_router);
     println!(
-        "  TLS over plaintext through the router: p50 {:.3}x (+{:.0} us)",
+        "  TLS + API key over plaintext through the router: p50 {:.3}x (+{:.0} us)",
         us(percentile(&mut via_tls_router, 0.5)) / us(percentile(&mut via_router, 0.5)),
         us(percentile(&mut via_tls_router, 0.5)) - us(percentile(&mut via_router, 0.5))
     );
