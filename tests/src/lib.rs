@@ -275,17 +275,7 @@ pub async fn collect(
     client: &mut GenerationClient<tonic::transport::Channel>,
     req: pb::GenerateRequest,
 ) -> Result<(Vec<u32>, pb::GenerateResponse), tonic::Status> {
-    let mut stream = client.generate(req).await?.into_inner();
-    let mut ids = Vec::new();
-    let mut last = None;
-    while let Some(chunk) = stream.message().await? {
-        ids.extend_from_slice(&chunk.token_ids);
-        last = Some(chunk);
-    }
-    Ok((
-        ids,
-        last.ok_or_else(|| tonic::Status::internal("empty stream"))?,
-    ))
+    collect_as(client, req, None).await
 }
 
 /// `message` with `authorization: Bearer KEY` metadata (the router's `--api-keys`), or

@@ -113,30 +113,37 @@ pub async fn wait_serving(addr: &str, tls: Option<&ClientTls>) -> anyhow::Result
     }
 }
 
-/// `GET https://HOST:PORT/metrics` (`addr` as HOST:PORT or as that URL) trusting `tls`'s CA:
-/// the exposition text.
-pub async fn scrape(addr: &str, tls: &ClientTls) -> anyhow::Result<String> {
+/// `GET path` from `authority` (HOST:PORT) over HTTPS trusting `tls`'s CA: (status, body).
+pub async fn https_get(
+    authority: &str,
+    tls: &ClientTls,
+    path: &str,
+) -> anyhow::Result<(u16, String)> {
     use http_body_util::BodyExt as _;
-    let authority = addr.strip_prefix("https://").unwrap_or(addr);
-    let authority = authority.strip_suffix("/metrics").unwrap_or(authority);
     let (host, port) = authority
         .rsplit_once(':')
-        .with_context(|| format!("{addr} is not HOST:PORT"))?;
+        .with_context(|| format!("{authority} is not HOST:PORT"))?;
     let conn = pd_tls::dial(Some(tls), host, port.parse()?)
         .await
         .with_context(|| format!("connecting to {authority} over TLS"))?;
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(conn)).await?;
     tokio::spawn(connection);
-    let request = hyper::Request::get("/metrics")
+    let request = hyper::Request::get(path)
         .header(hyper::header::HOST, authority)
         .body(http_body_util::Empty::<hyper::body::Bytes>::new())?;
     let response = sender.send_request(request).await?;
-    anyhow::ensure!(
-        response.status().is_success(),
-        "{authority}/metrics answered {}",
-        response.status()
-    );
+    let status = response.status().as_u16();
     let body = response.into_body().collect().await?.to_bytes();
-    Ok(String::from_utf8(body.to_vec())?)
+    Ok((status, String::from_utf8(body.to_vec())?))
+}
+
+/// `GET https://HOST:PORT/metrics` (`addr` as HOST:PORT or as that URL) trusting `tls`'s CA:
+/// the exposition text.
+pub async fn scrape(addr: &str, tls: &ClientTls) -> anyhow::Result<String> {
+    let authority = addr.strip_prefix("https://").unwrap_or(addr);
+    let authority = authority.strip_suffix("/metrics").unwrap_or(authority);
+    let (status, body) = https_get(authority, tls, "/metrics").await?;
+    anyhow::ensure!(status == 200, "{authority}/metrics answered {status}");
+    Ok(body)
 }

@@ -27,26 +27,11 @@ fn tls(cluster: &Cluster, alpn: Alpn, member: bool) -> ClientTls {
 
 /// `GET url` (`https://HOST:PORT/PATH`) trusting the cluster CA: (status, body).
 async fn https_get(url: &str, tls: &ClientTls) -> (u16, String) {
-    use http_body_util::BodyExt as _;
     let rest = url.strip_prefix("https://").expect("an https URL");
     let (authority, path) = rest.split_once('/').unwrap();
-    let (host, port) = authority.rsplit_once(':').unwrap();
-    let conn = pd_tls::dial(Some(tls), host, port.parse().unwrap())
+    pd_tests::tls::https_get(authority, tls, &format!("/{path}"))
         .await
-        .expect("a TLS connection");
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(conn))
-            .await
-            .expect("HTTP over TLS");
-    tokio::spawn(connection);
-    let request = hyper::Request::get(format!("/{path}"))
-        .header(hyper::header::HOST, authority)
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    let status = response.status().as_u16();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8(body.to_vec()).unwrap())
+        .expect("an HTTPS answer")
 }
 
 /// The prefill node's cumulative counters, over mTLS with the member certificate.

@@ -171,25 +171,10 @@ async fn plaintext_http_answer(addr: &str) -> Vec<u8> {
 
 /// `GET path` over HTTPS trusting the cluster CA: the status code.
 async fn https_get(addr: &str, tls: &ClientTls, path: &str) -> u16 {
-    let (host, port) = addr.rsplit_once(':').unwrap();
-    let conn = pd_tls::dial(Some(tls), host, port.parse().unwrap())
+    pd_tests::tls::https_get(addr, tls, path)
         .await
-        .expect("a TLS connection");
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(conn))
-            .await
-            .expect("HTTP over TLS");
-    tokio::spawn(connection);
-    let request = hyper::Request::get(path)
-        .header(hyper::header::HOST, addr)
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .unwrap();
-    sender
-        .send_request(request)
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+        .expect("an HTTPS answer")
+        .0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
