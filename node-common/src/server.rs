@@ -227,8 +227,10 @@ impl NodeServer {
         // one connection) plus room for control calls (Info, Abort, ReleaseKv), so a full
         // node answers RESOURCE_EXHAUSTED instead of leaving calls queued in HTTP/2.
         let grpc_limits = pd_tls::GrpcLimits {
-            max_concurrent_streams: u32::try_from(requests.capacity().saturating_add(CONTROL_STREAMS))
-                .unwrap_or(u32::MAX),
+            max_concurrent_streams: u32::try_from(
+                requests.capacity().saturating_add(CONTROL_STREAMS),
+            )
+            .unwrap_or(u32::MAX),
             ..pd_tls::GrpcLimits::default()
         };
         let mut server = tokio::spawn(

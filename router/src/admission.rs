@@ -23,11 +23,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use http_body::{Body as HttpBody, Frame, SizeHint};
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::Response;
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 use tonic::body::Body as GrpcBody;
@@ -369,9 +369,9 @@ mod tests {
         assert_eq!(a.queued.load(Ordering::Acquire), 0);
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_wait_past_the_queue_timeout_is_refused() {
-        let a = admission(1, 4, 500);
+        let a = admission(1, 4, 50);
         let t = Tenant::default();
         let _held = a.admit(&t).await.unwrap();
         let refused = a.admit(&t).await.unwrap_err();

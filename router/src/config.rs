@@ -188,12 +188,22 @@ pub struct RouterArgs {
 
     /// Client requests (gRPC Generate calls and HTTP completions together) served at once;
     /// more wait in the queue (--max-queue). 0: no limit.
-    #[arg(long, env = "PD_MAX_INFLIGHT", default_value_t = 256, help_heading = "Admission")]
+    #[arg(
+        long,
+        env = "PD_MAX_INFLIGHT",
+        default_value_t = 256,
+        help_heading = "Admission"
+    )]
     pub max_inflight: usize,
 
     /// Requests that may wait for a slot when --max-inflight are in flight; one more is
     /// refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with Retry-After). 0: no waiting.
-    #[arg(long, env = "PD_MAX_QUEUE", default_value_t = 128, help_heading = "Admission")]
+    #[arg(
+        long,
+        env = "PD_MAX_QUEUE",
+        default_value_t = 128,
+        help_heading = "Admission"
+    )]
     pub max_queue: usize,
 
     /// The longest a request waits in the queue for a slot before it is refused (same syntax

@@ -404,10 +404,14 @@ impl Job {
                 stop_token_ids: self.req.params.stop_token_ids.clone(),
                 ignore_eos: self.req.params.ignore_eos,
             });
-            // The request's deadline travels to the node, capped at --node-timeout. Without
-            // one the node is told none: the router enforces --node-timeout itself (and
-            // aborts the node when it passes), which spares the node a timer per request.
-            if self.watch.deadline.is_some() {
+            // The request's deadline travels to the node when it is sooner than
+            // --node-timeout. Otherwise the node is told none: the router enforces
+            // --node-timeout itself (and aborts the node when it passes), which spares the
+            // node a timer per request (the default --request-timeout is longer).
+            if self
+                .remaining()
+                .is_some_and(|r| r < self.shared.node_timeout)
+            {
                 request.set_timeout(self.propagated_timeout());
             }
             self.held.prefilling = Some((node.clone(), node_request_id));

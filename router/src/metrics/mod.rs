@@ -166,7 +166,10 @@ impl RouterMetrics {
         let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?;
         // Request series exist from the start, so rates are defined before any request.
         let requests = counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?;
-        let rejected = counter(Family::RequestsRejected, &[label::MODEL_NAME, label::REASON])?;
+        let rejected = counter(
+            Family::RequestsRejected,
+            &[label::MODEL_NAME, label::REASON],
+        )?;
         let queued = gauge(Family::RequestsQueued, &[label::MODEL_NAME])?;
         let model = ModelSeries {
             ttft: ttft.with_label_values(&[model_name]),
@@ -174,7 +177,8 @@ impl RouterMetrics {
             duration: duration.with_label_values(&[model_name]),
             in_flight: in_flight.with_label_values(&[model_name]),
             queued: queued.with_label_values(&[model_name]),
-            rejected: RejectReason::ALL.map(|r| rejected.with_label_values(&[model_name, r.as_str()])),
+            rejected: RejectReason::ALL
+                .map(|r| rejected.with_label_values(&[model_name, r.as_str()])),
             ended: Outcome::INITIAL.map(|o| requests.with_label_values(&[model_name, o.as_str()])),
         };
         let metrics = Self {

@@ -83,7 +83,10 @@ async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_s
     assert_eq!(refused.metadata().get("retry-after").unwrap(), "1");
     let http = http_completion(router.http).await;
     assert!(http.starts_with("HTTP/1.1 429"), "{http}");
-    assert!(http.to_ascii_lowercase().contains("retry-after: 1\r\n"), "{http}");
+    assert!(
+        http.to_ascii_lowercase().contains("retry-after: 1\r\n"),
+        "{http}"
+    );
     assert!(http.contains(r#""type":"rate_limit_error""#), "{http}");
     // Neither refused request reached a node.
     assert_eq!(p.state.prefill_count(), 2);
@@ -144,7 +147,11 @@ async fn a_queued_request_runs_when_a_slot_frees_and_one_past_the_queue_timeout_
     assert!(b.message().await.unwrap().is_some());
 
     // The third waits in the queue; a fourth finds the queue full.
-    d.state.scripts_by_id.lock().unwrap().push(("c".into(), Script::default()));
+    d.state
+        .scripts_by_id
+        .lock()
+        .unwrap()
+        .push(("c".into(), Script::default()));
     let queued = {
         let mut client = client.clone();
         tokio::spawn(async move { collect(&mut client, request("c")).await })
@@ -159,7 +166,11 @@ async fn a_queued_request_runs_when_a_slot_frees_and_one_past_the_queue_timeout_
     let full = client.generate(request("e")).await.unwrap_err();
     assert_eq!(full.code(), Code::ResourceExhausted, "{full:?}");
     assert!(!queued.is_finished());
-    assert_eq!(p.state.prefill_count(), 2, "the queued request reached a node");
+    assert_eq!(
+        p.state.prefill_count(),
+        2,
+        "the queued request reached a node"
+    );
 
     // A slot frees: the queued request runs to its end.
     let abort = pb::AbortRequest {
@@ -214,7 +225,9 @@ async fn full_nodes_are_each_tried_once_and_refusal_is_resource_exhausted() {
     let d = FakeNode::decode().await;
     for p in &prefills {
         *p.state.fail_code.lock().unwrap() = Code::ResourceExhausted;
-        p.state.fail_next.store(1, std::sync::atomic::Ordering::SeqCst);
+        p.state
+            .fail_next
+            .store(1, std::sync::atomic::Ordering::SeqCst);
     }
     let refs: Vec<&FakeNode> = prefills.iter().collect();
     let router = RouterUnderTest::start(config(&refs, &[&d])).await;
@@ -223,7 +236,11 @@ async fn full_nodes_are_each_tried_once_and_refusal_is_resource_exhausted() {
     // gets), and the client is told RESOURCE_EXHAUSTED.
     let (chunks, refused) = collect(&mut client, request("a")).await.unwrap();
     let refused = refused.expect("every prefill node refused");
-    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?} {chunks:?}");
+    assert_eq!(
+        refused.code(),
+        Code::ResourceExhausted,
+        "{refused:?} {chunks:?}"
+    );
     for p in &prefills {
         assert_eq!(p.state.prefill_count(), 1);
     }
@@ -243,7 +260,9 @@ async fn full_nodes_are_each_tried_once_and_refusal_is_resource_exhausted() {
     let p = FakeNode::prefill().await;
     for d in &decodes {
         *d.state.fail_code.lock().unwrap() = Code::ResourceExhausted;
-        d.state.fail_next.store(1, std::sync::atomic::Ordering::SeqCst);
+        d.state
+            .fail_next
+            .store(1, std::sync::atomic::Ordering::SeqCst);
     }
     let refs: Vec<&FakeNode> = decodes.iter().collect();
     let router = RouterUnderTest::start(config(&[&p], &refs)).await;
@@ -267,7 +286,10 @@ async fn a_client_that_sends_its_headers_a_byte_at_a_time_is_disconnected() {
     cfg.http_limits.header_timeout = Duration::from_secs(1);
     let router = RouterUnderTest::start(cfg).await;
     let mut stream = tokio::net::TcpStream::connect(router.http).await.unwrap();
-    let head = format!("GET /v1/models HTTP/1.1\r\nHost: {}\r\nX-Slow: ", router.http);
+    let head = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: {}\r\nX-Slow: ",
+        router.http
+    );
     let mut bytes = head.bytes().chain(std::iter::repeat(b'x'));
     // A byte every 200 ms: 50 bytes take 10 s, ten times the header timeout.
     let mut sent = 0;
