@@ -551,7 +551,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         Arc::clone(importer.stats()),
         started.histograms,
     ));
-    let requests = Requests::new(engine.handle());
+    let requests = Requests::new(engine.handle(), args.node.max_open_requests());
     let stats = Arc::new(TransferStats::default());
     let ready = Ready {
         role: "decode",

@@ -103,6 +103,11 @@ pub struct NodeArgs {
     #[arg(long, env = "PD_DRAIN_TIMEOUT", value_name = "SECONDS", default_value = "30",
           value_parser = parse_seconds)]
     pub drain_timeout: Duration,
+    /// Requests that may wait on this node beyond the --max-num-seqs it runs at once
+    /// (counting those still receiving their KV); one more is refused with
+    /// RESOURCE_EXHAUSTED, which the router answers by trying another node.
+    #[arg(long, env = "PD_MAX_WAITING", default_value_t = 256)]
+    pub max_waiting: usize,
     /// Seed of requests that bring none (each request gets `seed ^ hash(request id)`).
     #[arg(long, env = "PD_SEED", default_value_t = 0)]
     pub seed: u64,
@@ -120,6 +125,14 @@ pub struct NodeArgs {
     /// binaries; in-process callers such as tests set it here).
     #[arg(skip)]
     pub synthetic_cache_dir: Option<PathBuf>,
+}
+
+impl NodeArgs {
+    /// The most requests this node holds open at once: --max-num-seqs running plus
+    /// --max-waiting waiting.
+    pub fn max_open_requests(&self) -> usize {
+        self.engine.max_num_seqs.saturating_add(self.max_waiting)
+    }
 }
 
 /// A non-negative, finite number of seconds (fractions allowed).

@@ -130,6 +130,8 @@ pub fn effective_config(
             "gid_index": node.rdma.rdma_gid_index,
         },
         "drain_timeout_seconds": node.drain_timeout.as_secs_f64(),
+        "max_waiting": node.max_waiting,
+        "max_open_requests": node.max_open_requests(),
         "seed": node.seed,
         "log_format": format!("{:?}", node.log_format).to_lowercase(),
         "engine": {

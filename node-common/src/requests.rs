@@ -17,15 +17,24 @@ pub struct Requests {
     engine: EngineHandle,
     draining: AtomicBool,
     open: Mutex<HashMap<RequestId, Arc<AtomicBool>>>,
+    /// Most requests open at once (running and waiting): `--max-num-seqs + --max-waiting`.
+    capacity: usize,
 }
 
 impl Requests {
-    pub fn new(engine: EngineHandle) -> Arc<Self> {
+    /// The registry of a node that holds at most `capacity` requests open at once.
+    pub fn new(engine: EngineHandle, capacity: usize) -> Arc<Self> {
         Arc::new(Self {
             engine,
             draining: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
+            capacity,
         })
+    }
+
+    /// Most requests open at once.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -38,8 +47,10 @@ impl Requests {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Register a new request. Refused with UNAVAILABLE while draining and with
-    /// INVALID_ARGUMENT if the id is open already. Dropping the guard before
+    /// Register a new request. Refused with UNAVAILABLE while draining, with
+    /// RESOURCE_EXHAUSTED when the node holds its capacity already (its waiting queue is
+    /// full: the caller tries another node) and with INVALID_ARGUMENT if the id is open
+    /// already. Dropping the guard before
     /// [`RequestGuard::finished`] aborts the engine request.
     pub fn begin(self: &Arc<Self>, id: &RequestId) -> Result<RequestGuard, Status> {
         if self.is_draining() {
@@ -50,6 +61,13 @@ impl Requests {
         let aborted = Arc::new(AtomicBool::new(false));
         {
             let mut open = self.open();
+            if open.len() >= self.capacity {
+                return Err(Status::resource_exhausted(format!(
+                    "this node is full ({} requests open: running and waiting, --max-num-seqs \
+                     plus --max-waiting); send it to another node",
+                    open.len()
+                )));
+            }
             if open.contains_key(id) {
                 return Err(Status::invalid_argument(format!(
                     "request id \"{id}\" is already in use on this node: request ids must be unique among open requests"

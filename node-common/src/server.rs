@@ -25,6 +25,8 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// How often the drain checks whether the node is idle, and the health monitor the engine.
 const POLL: Duration = Duration::from_millis(20);
 const HEALTH_POLL: Duration = Duration::from_millis(500);
+/// HTTP/2 streams per connection beyond the node's request capacity, for control calls.
+const CONTROL_STREAMS: usize = 256;
 
 /// The one JSON line a node prints on stdout once it serves (`pdctl up` reads it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -221,8 +223,19 @@ impl NodeServer {
         let incoming =
             pd_tls::Listener::new(listener, tls.grpc.clone()).context("the gRPC listener")?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        // Streams per connection: every request the node may hold (the router's calls share
+        // one connection) plus room for control calls (Info, Abort, ReleaseKv), so a full
+        // node answers RESOURCE_EXHAUSTED instead of leaving calls queued in HTTP/2.
+        let grpc_limits = pd_tls::GrpcLimits {
+            max_concurrent_streams: u32::try_from(
+                requests.capacity().saturating_add(CONTROL_STREAMS),
+            )
+            .unwrap_or(u32::MAX),
+            ..pd_tls::GrpcLimits::default()
+        };
         let mut server = tokio::spawn(
-            Server::builder()
+            grpc_limits
+                .apply(Server::builder())
                 // With mTLS: UNAUTHENTICATED to callers without a cluster certificate.
                 .layer(pd_tls::ClusterOnlyLayer::new(tls.requires_client_certs()))
                 .add_routes(routes)

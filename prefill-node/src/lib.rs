@@ -499,7 +499,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         }
         None => None,
     };
-    let requests = Requests::new(handle);
+    let requests = Requests::new(handle, args.node.max_open_requests());
     let leases = Arc::new(Leases::default());
     let ready = Ready {
         role: "prefill",

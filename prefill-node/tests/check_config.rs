@@ -141,3 +141,16 @@ fn the_cpu_instruction_set_is_checked() {
         "{notes}"
     );
 }
+
+/// `--max-waiting` (and the open-request bound it makes with --max-num-seqs) is shown; a
+/// value that is no count is refused.
+#[test]
+fn max_waiting_is_shown_and_checked() {
+    let c = json(&check(&["--max-num-seqs=8"], &[("PD_MAX_WAITING", "3")]));
+    assert_eq!(c["max_waiting"], 3);
+    assert_eq!(c["max_open_requests"], 11);
+    let out = check(&["--max-waiting=-1"], &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--max-waiting"), "{err}");
+}

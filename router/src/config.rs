@@ -23,6 +23,10 @@ pub enum PolicyKind {
     PrefixAware,
 }
 
+/// `--request-timeout`'s default: long enough for any generation the router's defaults
+/// allow, short enough that a request stuck on a node ends on its own.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
 /// Everything [`crate::serve`] needs.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -45,8 +49,16 @@ pub struct RouterConfig {
     pub health_timeout: Duration,
     /// Largest client message the router decodes.
     pub max_message_bytes: usize,
-    /// Upper bound of a whole request (the client's own `grpc-timeout` may be shorter).
+    /// Upper bound of a whole request (the client's own `grpc-timeout` may be shorter);
+    /// `None`: only the client's deadline, if any.
     pub request_timeout: Option<Duration>,
+    /// `--max-inflight`, `--max-queue`, `--queue-timeout`.
+    pub admission: crate::admission::AdmissionLimits,
+    /// `--max-concurrent-streams` and the keepalive and connection age of the gRPC API.
+    pub grpc_limits: pd_tls::GrpcLimits,
+    /// `--http-header-timeout` and `--http-max-connections` of the HTTP API (the `/metrics`
+    /// server has fixed, smaller limits).
+    pub http_limits: pd_tls::HttpLimits,
     /// Deadline of a whole `Prefill` call, and the longest a decode stream may stay silent,
     /// when the client's deadline does not end the request first.
     pub node_timeout: Duration,
@@ -87,7 +99,10 @@ impl RouterConfig {
             health_interval: Duration::from_millis(500),
             health_timeout: Duration::from_millis(1000),
             max_message_bytes: 4 << 20,
-            request_timeout: None,
+            request_timeout: Some(DEFAULT_REQUEST_TIMEOUT),
+            admission: crate::admission::AdmissionLimits::default(),
+            grpc_limits: pd_tls::GrpcLimits::default(),
+            http_limits: pd_tls::HttpLimits::default(),
             node_timeout: Duration::from_secs(120),
             prefix_index_blocks: 65_536,
             report_faults: None,
@@ -165,10 +180,70 @@ pub struct RouterArgs {
     )]
     pub worker_threads: usize,
 
-    /// Upper bound of a whole request, e.g. `30s`, `500ms`, `5m` (a bare number is seconds).
-    /// The client's own deadline (grpc-timeout) applies when it is shorter.
-    #[arg(long, env = "PD_REQUEST_TIMEOUT", value_parser = parse_duration, help_heading = "Server")]
-    pub request_timeout: Option<Duration>,
+    /// Upper bound of a whole request, e.g. `30s`, `500ms`, `5m` (a bare number is seconds;
+    /// `0` or `off`: none). The client's own deadline (grpc-timeout) applies when it is
+    /// shorter.
+    #[arg(long, env = "PD_REQUEST_TIMEOUT", default_value = "30m", value_parser = parse_duration_or_off, help_heading = "Server")]
+    pub request_timeout: Duration,
+
+    /// Client requests (gRPC Generate calls and HTTP completions together) served at once;
+    /// more wait in the queue (--max-queue). 0: no limit.
+    #[arg(
+        long,
+        env = "PD_MAX_INFLIGHT",
+        default_value_t = 256,
+        help_heading = "Admission"
+    )]
+    pub max_inflight: usize,
+
+    /// Requests that may wait for a slot when --max-inflight are in flight; one more is
+    /// refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with Retry-After). 0: no waiting.
+    #[arg(
+        long,
+        env = "PD_MAX_QUEUE",
+        default_value_t = 128,
+        help_heading = "Admission"
+    )]
+    pub max_queue: usize,
+
+    /// The longest a request waits in the queue for a slot before it is refused (same syntax
+    /// as --request-timeout).
+    #[arg(long, env = "PD_QUEUE_TIMEOUT", default_value = "30s", value_parser = parse_duration, help_heading = "Admission")]
+    pub queue_timeout: Duration,
+
+    /// Most concurrent gRPC calls (HTTP/2 streams) one client connection may open; the
+    /// client waits for more (it is told the limit when it connects).
+    #[arg(long, env = "PD_MAX_CONCURRENT_STREAMS", default_value_t = pd_tls::GrpcLimits::DEFAULT_MAX_CONCURRENT_STREAMS,
+          value_parser = clap::value_parser!(u32).range(1..), help_heading = "Connections")]
+    pub max_concurrent_streams: u32,
+
+    /// How often the gRPC API pings an idle client connection; a connection that does not
+    /// answer within --grpc-keepalive-timeout is closed (same syntax as --request-timeout;
+    /// `0` or `off`: no pings).
+    #[arg(long, env = "PD_GRPC_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = parse_duration_or_off, help_heading = "Connections")]
+    pub grpc_keepalive_interval: Duration,
+
+    /// How long a gRPC keepalive ping may go unanswered before the connection is closed.
+    #[arg(long, env = "PD_GRPC_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration, help_heading = "Connections")]
+    pub grpc_keepalive_timeout: Duration,
+
+    /// Age after which a gRPC client connection is asked to reconnect (GOAWAY), so clients
+    /// spread over new router replicas; its calls in flight get --request-timeout to finish.
+    /// `0` or `off` (the default): connections live as long as their clients keep them.
+    #[arg(long, env = "PD_MAX_CONNECTION_AGE", default_value = "off", value_parser = parse_duration_or_off, help_heading = "Connections")]
+    pub max_connection_age: Duration,
+
+    /// The longest an HTTP client may take to send a request's headers, counted from when
+    /// the connection opens or its previous response ends: a slow client, and a keep-alive
+    /// connection left idle, is closed after it (same syntax as --request-timeout).
+    #[arg(long, env = "PD_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration, help_heading = "Connections")]
+    pub http_header_timeout: Duration,
+
+    /// Most open connections of the HTTP API; further ones wait to be accepted until one
+    /// closes.
+    #[arg(long, env = "PD_HTTP_MAX_CONNECTIONS", default_value_t = pd_tls::HttpLimits::DEFAULT_MAX_CONNECTIONS,
+          value_parser = clap::value_parser!(u32).range(1..), help_heading = "Connections")]
+    pub http_max_connections: u32,
 
     /// A prefill node's gRPC address (`host:port`); repeat for several (the environment
     /// variable takes a comma-separated list). None: aggregated mode, each request goes whole
@@ -313,7 +388,27 @@ impl RouterArgs {
             max_message_bytes: self.max_message_bytes,
             reasoning_parser: self.reasoning_parser,
             tool_call_parser: self.tool_call_parser,
-            request_timeout: self.request_timeout,
+            request_timeout: (!self.request_timeout.is_zero()).then_some(self.request_timeout),
+            admission: crate::admission::AdmissionLimits {
+                max_inflight: (self.max_inflight > 0).then_some(self.max_inflight),
+                max_queue: self.max_queue,
+                queue_timeout: self.queue_timeout,
+            },
+            grpc_limits: pd_tls::GrpcLimits {
+                max_concurrent_streams: self.max_concurrent_streams,
+                keepalive_interval: (!self.grpc_keepalive_interval.is_zero())
+                    .then_some(self.grpc_keepalive_interval),
+                keepalive_timeout: self.grpc_keepalive_timeout,
+                max_connection_age: (!self.max_connection_age.is_zero())
+                    .then_some(self.max_connection_age),
+                // An aged connection's calls get as long as any request may take.
+                max_connection_age_grace: (!self.request_timeout.is_zero())
+                    .then_some(self.request_timeout),
+            },
+            http_limits: pd_tls::HttpLimits {
+                header_timeout: self.http_header_timeout,
+                max_connections: self.http_max_connections as usize,
+            },
             node_timeout: self.node_timeout,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             report_faults: crate::metrics::FaultSpec::from_env()?,
@@ -360,6 +455,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|e| format!("`{text}`: {e}"))
 }
 
+/// [`parse_duration`], or `0` / `off` / `none` for no limit (returned as zero).
+pub fn parse_duration_or_off(text: &str) -> Result<Duration, String> {
+    match text.trim() {
+        "0" | "off" | "none" => Ok(Duration::ZERO),
+        _ => parse_duration(text),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,5 +476,9 @@ mod tests {
         assert!(parse_duration("0").is_err());
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("").is_err());
+        assert_eq!(parse_duration_or_off("off"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_or_off("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_or_off("2s"), Ok(Duration::from_secs(2)));
+        assert!(parse_duration_or_off("-1").is_err());
     }
 }

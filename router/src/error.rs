@@ -133,6 +133,13 @@ impl NodeError {
         }
     }
 
+    /// The node refused the request for want of room (its waiting queue full: RESOURCE_EXHAUSTED)
+    /// before doing any work: any other node may take it, and the node is fine. Trying every
+    /// node for it does not use up the one retry a failure gets.
+    pub fn is_refusal(&self) -> bool {
+        matches!(&self.what, NodeFailure::Status(s) if s.code() == Code::ResourceExhausted)
+    }
+
     /// The node itself looks unreachable or stuck: route around it at once, until its next
     /// good health check, rather than sending it more requests until the next poll. A node
     /// that answered with a status is reachable; whether it is healthy is its `Info`'s call
@@ -205,7 +212,10 @@ mod tests {
         assert!(matches!(answered.what, NodeFailure::Status(_)));
         assert!(!answered.marks_node_down() && answered.is_retryable());
         let refused = failure(NodeFailure::from_status(Status::invalid_argument("bad")));
-        assert!(!refused.is_retryable());
+        assert!(!refused.is_retryable() && !refused.is_refusal());
+        let full = failure(NodeFailure::from_status(Status::resource_exhausted("full")));
+        assert!(full.is_refusal() && full.is_retryable() && !full.marks_node_down());
+        assert_eq!(full.client_code(), Code::ResourceExhausted);
         assert_eq!(refused.client_code(), Code::InvalidArgument);
     }
 }

@@ -4,7 +4,10 @@
 //! - **Prefill** on the node the policy picks (deadline: `--node-timeout`, enforced here; the
 //!   request's deadline, the client's or `--request-timeout`, travels as grpc-timeout). A failure that is the node's, not the request's
 //!   (unreachable, timeout, internal, out of blocks), is retried once on another healthy
-//!   prefill node: no token has reached the client yet.
+//!   prefill node: no token has reached the client yet. A node that refuses the request
+//!   because its waiting queue is full (RESOURCE_EXHAUSTED) is no failure: the request goes
+//!   to the next node (each tried once, without using up the retry, and none marked down);
+//!   when every node refused, the client gets RESOURCE_EXHAUSTED. Decode nodes alike.
 //! - The **first token** goes through the request's [`TextStream`] (incremental
 //!   detokenization, stop strings) and to the client at once, with the prompt logprobs. If it
 //!   already ends the request, the KV lease is released and no decode node is involved; a
@@ -373,6 +376,8 @@ impl Job {
     async fn prefill(&mut self) -> Result<Prefilled, End> {
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
+        // A failure's one retry was used (refusals of full nodes do not use it).
+        let mut retried = false;
         loop {
             let candidates = match self.shared.registry.prefill_candidates(&excluded) {
                 Ok(c) => c,
@@ -399,10 +404,14 @@ impl Job {
                 stop_token_ids: self.req.params.stop_token_ids.clone(),
                 ignore_eos: self.req.params.ignore_eos,
             });
-            // The request's deadline travels to the node, capped at --node-timeout. Without
-            // one the node is told none: the router enforces --node-timeout itself (and
-            // aborts the node when it passes), which spares the node a timer per request.
-            if self.watch.deadline.is_some() {
+            // The request's deadline travels to the node when it is sooner than
+            // --node-timeout. Otherwise the node is told none: the router enforces
+            // --node-timeout itself (and aborts the node when it passes), which spares the
+            // node a timer per request (the default --request-timeout is longer).
+            if self
+                .remaining()
+                .is_some_and(|r| r < self.shared.node_timeout)
+            {
                 request.set_timeout(self.propagated_timeout());
             }
             self.held.prefilling = Some((node.clone(), node_request_id));
@@ -453,8 +462,14 @@ impl Job {
             if error.marks_node_down() {
                 node.mark_down(error.what.to_string());
             }
-            if previous.is_none() && error.is_retryable() {
-                tracing::warn!(request_id = %self.req.request_id, %error, "prefill failed; retrying on another node");
+            let refused = error.is_refusal();
+            if refused || (!retried && error.is_retryable()) {
+                if refused {
+                    tracing::debug!(request_id = %self.req.request_id, %error, "prefill node full; trying another");
+                } else {
+                    retried = true;
+                    tracing::warn!(request_id = %self.req.request_id, %error, "prefill failed; retrying on another node");
+                }
                 excluded.push(node.id);
                 previous = Some(error);
                 continue;

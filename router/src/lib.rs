@@ -18,6 +18,7 @@
 //! Depends on `pd-engine` only for shared types (tokenizer, text stream, block hashes,
 //! sampling parameters), never on pd-kernels or pd-transport.
 
+pub mod admission;
 mod answer;
 pub mod auth;
 mod choices;

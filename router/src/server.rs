@@ -17,6 +17,7 @@ use tonic::server::NamedService;
 use tonic::{Code, Status};
 use tonic_health::ServingStatus;
 
+use crate::admission::{Admission, Admitted};
 use crate::auth::Auth;
 use crate::choices::ChoicesGeneration;
 use crate::config::RouterConfig;
@@ -118,6 +119,7 @@ impl Router {
             shared_prefix_cache: config.shared_prefix_cache,
         };
         let shared = Arc::new(Shared {
+            admission: Arc::new(Admission::new(config.admission, metrics.clone())),
             auth,
             tenancy,
             validator: Validator::new(model.clone(), config.max_tokens_cap),
@@ -332,11 +334,12 @@ impl Router {
             );
             let mut stopped = http_stopped.clone();
             let max_body = config.max_message_bytes;
+            let limits = config.http_limits;
             tokio::spawn(async move {
                 let shutdown = async move {
                     let _ = stopped.wait_for(|s| *s).await;
                 };
-                if let Err(e) = openai::serve(listener, api, max_body, shutdown).await {
+                if let Err(e) = openai::serve(listener, api, max_body, limits, shutdown).await {
                     tracing::error!(error = %e, "the HTTP API server stopped");
                 }
             })
@@ -344,10 +347,11 @@ impl Router {
         // With --api-keys every call needs a key; the interceptor puts its tenant in the
         // request's extensions (without keys: nothing checked, no tenant, `default`).
         let generation = OversizeIsResourceExhausted(
-            shared.auth.grpc(
+            shared.auth.grpc(Admitted::new(
                 GenerationServer::new(ChoicesGeneration::new(metered))
                     .max_decoding_message_size(config.max_message_bytes),
-            ),
+                shared.admission.clone(),
+            )),
         );
 
         let addr = listener.local_addr().ok();
@@ -370,8 +374,9 @@ impl Router {
         // delayed ACKs (~40 ms). TLS handshakes run off its accept loop.
         let requires_client_certs = config.tls.requires_client_certs();
         let incoming = pd_tls::Listener::new(listener, tls.grpc.clone()).map_err(listener_error)?;
-        let result = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
+        let result = config
+            .grpc_limits
+            .apply(tonic::transport::Server::builder())
             // With --tls-client-ca: UNAUTHENTICATED to callers without a client certificate
             // the CA signed (health stays open).
             .layer(pd_tls::ClusterOnlyLayer::new(requires_client_certs))

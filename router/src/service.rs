@@ -46,6 +46,8 @@ pub(crate) struct Shared {
     pub auth: Auth,
     /// How tenants separate their cached KV.
     pub tenancy: Tenancy,
+    /// `--max-inflight` / `--max-queue`: both APIs' requests take their slots here.
+    pub admission: Arc<crate::admission::Admission>,
 }
 
 impl Shared {

@@ -11,6 +11,9 @@
 //!   calls without one (health stays open), and the KV server closes such connections.
 //! - [`ClientTls`] and [`Connector`]: dialing with TLS (roots from `--tls-ca`, this process's
 //!   certificate as its client identity), for tonic channels and raw sockets.
+//! - [`GrpcLimits`], [`HttpLimits`] and [`serve_http`]: the connection limits of every
+//!   server (concurrent streams, keepalive and connection age for gRPC; a header timeout and
+//!   a connection cap for the HTTP/1.1 servers, which `serve_http` runs from a [`Listener`]).
 //! - [`check_exposure`]: the refusal to listen beyond loopback without the role's security.
 //! - [`certs`]: generating a cluster CA and member certificates (`pdctl certs`).
 //!
@@ -24,6 +27,7 @@ mod client;
 mod conn;
 mod error;
 mod exposure;
+mod limits;
 mod material;
 mod reload;
 mod server;
@@ -34,6 +38,7 @@ pub use client::{ClientTls, Connector, dial, scheme};
 pub use conn::{Conn, PeerInfo};
 pub use error::TlsError;
 pub use exposure::{Exposure, check_exposure, is_loopback};
+pub use limits::{GrpcLimits, HttpLimits, serve_http};
 pub use reload::DEFAULT_CHECK_INTERVAL;
 pub use rustls_pki_types::ServerName;
 pub use server::{Alpn, HANDSHAKE_TIMEOUT, Listener, ServerTls};

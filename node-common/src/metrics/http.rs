@@ -53,7 +53,5 @@ pub async fn serve(
         .route(PATH, get(scrape))
         .route(HEALTH_PATH, get(health))
         .with_state(Shared { metrics, serving });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    pd_tls::serve_http(listener, app, pd_tls::HttpLimits::METRICS, shutdown).await
 }

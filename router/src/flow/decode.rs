@@ -48,6 +48,8 @@ impl Job {
         });
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
+        // A failure's one retry was used (refusals of full nodes do not use it).
+        let mut retried = false;
         loop {
             let candidates = match (self.shared.registry)
                 .decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), &excluded)
@@ -83,8 +85,14 @@ impl Job {
                     // Retried only while the client cannot tell: in the cluster the lease is
                     // still held, so another decode node can pull the same KV.
                     let resumable = handoff.is_none() || self.held.lease.is_some();
-                    if !streamed && resumable && previous.is_none() && error.is_retryable() {
-                        tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
+                    let refused = error.is_refusal();
+                    if !streamed && resumable && (refused || (!retried && error.is_retryable())) {
+                        if refused {
+                            tracing::debug!(request_id = %self.req.request_id, %error, "decode node full; trying another");
+                        } else {
+                            retried = true;
+                            tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
+                        }
                         excluded.push(node.id);
                         previous = Some(error);
                         continue;

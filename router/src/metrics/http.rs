@@ -32,7 +32,14 @@ pub async fn serve(
         .route("/metrics", get(scrape))
         .route("/health", get(health))
         .with_state(Scrape { metrics, registry });
-    axum::serve(listener, app).await
+    // Never stops on its own: the task is dropped with the router.
+    pd_tls::serve_http(
+        listener,
+        app,
+        pd_tls::HttpLimits::METRICS,
+        std::future::pending(),
+    )
+    .await
 }
 
 async fn scrape(State(s): State<Scrape>) -> Response {

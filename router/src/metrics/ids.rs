@@ -44,10 +44,12 @@ pub enum Family {
     TenantPromptTokens,
     TenantGenerationTokens,
     TenantRequests,
+    RequestsRejected,
+    RequestsQueued,
 }
 
 impl Family {
-    pub const ALL: [Family; 22] = [
+    pub const ALL: [Family; 24] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PromptTokens,
@@ -70,6 +72,8 @@ impl Family {
         Family::TenantPromptTokens,
         Family::TenantGenerationTokens,
         Family::TenantRequests,
+        Family::RequestsRejected,
+        Family::RequestsQueued,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -97,6 +101,8 @@ impl Family {
             Family::TenantPromptTokens => "pd_router_tenant_prompt_tokens_total",
             Family::TenantGenerationTokens => "pd_router_tenant_generation_tokens_total",
             Family::TenantRequests => "pd_router_tenant_requests_total",
+            Family::RequestsRejected => "pd_router_requests_rejected_total",
+            Family::RequestsQueued => "pd_router_requests_queued",
         }
     }
 
@@ -166,6 +172,14 @@ impl Family {
                 "A tenant's generation requests by how they ended (the outcome label of \
                  pd_router_requests_total)."
             }
+            Family::RequestsRejected => {
+                "Client requests the router refused at admission by reason (queue_full: no \
+                 slot and no room to wait; queue_timeout: no slot freed in time); each is \
+                 also a resource_exhausted outcome of pd_router_requests_total."
+            }
+            Family::RequestsQueued => {
+                "Client requests waiting for an admission slot (--max-inflight) now."
+            }
         }
     }
 }
@@ -213,6 +227,27 @@ impl PromptSource {
             PromptSource::Computed => "computed",
             PromptSource::LocalHit => "local_hit",
             PromptSource::ExternalHit => "external_hit",
+        }
+    }
+}
+
+/// Why admission refused a request, as the `reason` label of
+/// `pd_router_requests_rejected_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// Every slot taken and the queue full (or `--max-queue 0`): refused at arrival.
+    QueueFull,
+    /// Waited `--queue-timeout` in the queue without a slot freeing.
+    QueueTimeout,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 2] = [RejectReason::QueueFull, RejectReason::QueueTimeout];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::QueueFull => "queue_full",
+            RejectReason::QueueTimeout => "queue_timeout",
         }
     }
 }

@@ -37,7 +37,7 @@ use prometheus::{
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
 pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
 pub use self::http::serve as serve_http;
-pub use self::ids::{Cache, Family, Outcome, PromptSource};
+pub use self::ids::{Cache, Family, Outcome, PromptSource, RejectReason};
 pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
 use self::ids::label;
@@ -108,6 +108,10 @@ pub(crate) struct ModelSeries {
     pub itl: Histogram,
     pub duration: Histogram,
     pub in_flight: IntGauge,
+    /// Client requests waiting for an admission slot.
+    pub queued: IntGauge,
+    /// `pd_router_requests_rejected_total` by [`RejectReason::ALL`]'s order.
+    rejected: [IntCounter; 2],
     /// `pd_router_requests_total` of each of [`Outcome::INITIAL`] (how nearly every request
     /// ends), in that order; see [`ModelSeries::ended`].
     ended: [IntCounter; 3],
@@ -162,11 +166,19 @@ impl RouterMetrics {
         let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?;
         // Request series exist from the start, so rates are defined before any request.
         let requests = counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?;
+        let rejected = counter(
+            Family::RequestsRejected,
+            &[label::MODEL_NAME, label::REASON],
+        )?;
+        let queued = gauge(Family::RequestsQueued, &[label::MODEL_NAME])?;
         let model = ModelSeries {
             ttft: ttft.with_label_values(&[model_name]),
             itl: itl.with_label_values(&[model_name]),
             duration: duration.with_label_values(&[model_name]),
             in_flight: in_flight.with_label_values(&[model_name]),
+            queued: queued.with_label_values(&[model_name]),
+            rejected: RejectReason::ALL
+                .map(|r| rejected.with_label_values(&[model_name, r.as_str()])),
             ended: Outcome::INITIAL.map(|o| requests.with_label_values(&[model_name, o.as_str()])),
         };
         let metrics = Self {
@@ -208,6 +220,21 @@ impl RouterMetrics {
         for tenant in tenants {
             self.tenants.add(tenant);
         }
+    }
+
+    /// Admission refused a request of `tenant`: counted by reason, and as a request that
+    /// ended `resource_exhausted` (for the router and the tenant), without a duration.
+    pub fn rejected(&self, tenant: &crate::tenant::Tenant, reason: RejectReason) {
+        let i = RejectReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or_default();
+        self.model.rejected[i].inc();
+        let outcome = Outcome::Error(tonic::Code::ResourceExhausted);
+        (self.requests)
+            .with_label_values(&[self.model_name.as_str(), outcome.as_str()])
+            .inc();
+        self.tenants.ended(tenant, outcome);
     }
 
     /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last

@@ -84,17 +84,29 @@ impl Api {
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets the requests in flight
-/// finish. Bodies above `max_body_bytes` are refused with 413.
+/// finish. Bodies above `max_body_bytes` are refused with 413; `limits` bound the
+/// connections (header timeout, connection cap).
 pub(crate) async fn serve(
     listener: pd_tls::Listener,
     api: Api,
     max_body_bytes: usize,
+    limits: pd_tls::HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let auth = api.shared.auth.clone();
+    // Completions take an admission slot (after the key check, before the body is read).
+    let admit = || {
+        axum::middleware::from_fn_with_state(
+            api.shared.admission.clone(),
+            crate::admission::admit_http,
+        )
+    };
     let app = axum::Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions).layer(admit()))
+        .route(
+            "/v1/chat/completions",
+            post(chat_completions).layer(admit()),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -107,9 +119,7 @@ pub(crate) async fn serve(
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(api);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    pd_tls::serve_http(listener, app, limits, shutdown).await
 }
 
 /// A body the server could not read (too large, cut off): its status, as OpenAI's error.

@@ -139,3 +139,70 @@ async fn nodes_that_cannot_pair_are_explained_in_the_log() {
         assert!(warning.contains(needle), "{needle}: {lines:?}");
     }
 }
+
+/// The admission and connection flags: shown by `--check-config` (from flags and `PD_*`
+/// variables), bad values refused with the flag's name.
+#[test]
+fn admission_and_connection_flags_are_shown_and_checked() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--check-config", "--decode", "127.0.0.1:9"])
+            .args(args);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("PD_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(env.iter().copied());
+        cmd.output().expect("run the router binary")
+    };
+    let out = run(
+        &["--max-inflight", "2", "--queue-timeout", "250ms"],
+        &[
+            ("PD_MAX_QUEUE", "0"),
+            ("PD_HTTP_HEADER_TIMEOUT", "1s"),
+            ("PD_MAX_CONCURRENT_STREAMS", "64"),
+            ("PD_REQUEST_TIMEOUT", "off"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for shown in [
+        "max_inflight: Some(\n            2,",
+        "max_queue: 0,",
+        "queue_timeout: 250ms,",
+        "header_timeout: 1s,",
+        "max_concurrent_streams: 64,",
+        "request_timeout: None,",
+    ] {
+        assert!(stdout.contains(shown), "{shown:?} not in {stdout}");
+    }
+    // The defaults: a limit, a queue, a request timeout.
+    let out = run(&[], &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for shown in [
+        "max_inflight: Some(\n            256,",
+        "max_queue: 128,",
+        "request_timeout: Some(\n        1800s,",
+    ] {
+        assert!(stdout.contains(shown), "{shown:?} not in {stdout}");
+    }
+    for (flag, value) in [
+        ("--max-inflight", "-1"),
+        ("--queue-timeout", "0"),
+        ("--max-concurrent-streams", "0"),
+        ("--http-header-timeout", "soon"),
+        ("--http-max-connections", "0"),
+    ] {
+        let out = run(&[&format!("{flag}={value}")], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(flag),
+            "{flag} {value}: {err}"
+        );
+    }
+}

@@ -1,5 +1,6 @@
 //! The router against scripted fake prefill/decode nodes over real sockets.
 
+mod admission;
 mod binary;
 mod discovery;
 mod fake;

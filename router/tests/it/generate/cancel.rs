@@ -230,6 +230,7 @@ async fn without_a_deadline_the_nodes_get_none() {
     let (_, error) = collect(&mut client, req).await.unwrap();
     assert!(error.is_none(), "{error:?}");
     // The router enforces --node-timeout itself (and aborts the node when it passes); the
-    // node is not told one, which spares it a timer per request.
+    // node is not told one, which spares it a timer per request (the default
+    // --request-timeout, longer than --node-timeout, does not travel either).
     assert_eq!(*p.state.prefill_timeouts.lock().unwrap(), vec![None]);
 }
