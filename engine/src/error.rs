@@ -17,6 +17,10 @@ pub enum ErrorKind {
     ResourceExhausted,
     /// A bug or an I/O failure (INTERNAL).
     Internal,
+    /// The engine thread panicked while the request was open (INTERNAL, marked as such on
+    /// the wire): the request may be what made it panic, so it must not be retried on
+    /// another node.
+    EnginePanic,
 }
 
 #[derive(Debug, thiserror::Error)]

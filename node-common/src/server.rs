@@ -22,9 +22,8 @@ use crate::requests::Requests;
 /// How long aborted requests get to end after the drain timeout, and the gRPC server to
 /// close its connections, before the process stops waiting for them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How often the drain checks whether the node is idle, and the health monitor the engine.
+/// How often the drain checks whether the node is idle.
 const POLL: Duration = Duration::from_millis(20);
-const HEALTH_POLL: Duration = Duration::from_millis(500);
 /// HTTP/2 streams per connection beyond the node's request capacity, for control calls.
 const CONTROL_STREAMS: usize = 256;
 
@@ -244,28 +243,32 @@ impl NodeServer {
                 }),
         );
 
-        // An engine that failed makes the node NOT_SERVING.
-        let monitor = {
+        // An engine that fails makes the node NOT_SERVING (gRPC health and /health) before
+        // any of its open requests hears of the failure: the engine thread runs this before
+        // it fails them and before it ends.
+        {
             let health = health.clone();
             let serving = Arc::clone(&serving);
-            let requests = Arc::clone(&requests);
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(HEALTH_POLL).await;
-                    if !requests.engine().is_healthy() {
-                        tracing::error!("the engine failed; reporting NOT_SERVING");
-                        set_status(&health, &serving, service_name, ServingStatus::NotServing)
-                            .await;
-                        return;
-                    }
+            let runtime = tokio::runtime::Handle::current();
+            requests.engine().on_failure(move |what| {
+                tracing::error!(error = %what, "the engine failed; reporting NOT_SERVING");
+                serving.store(false, Ordering::Relaxed);
+                let report = async move {
+                    set_status(&health, &serving, service_name, ServingStatus::NotServing).await;
+                };
+                if tokio::runtime::Handle::try_current().is_ok() {
+                    // It had failed already: run here, on the runtime, which cannot block.
+                    runtime.spawn(report);
+                } else {
+                    // The engine thread: waits until health reports it.
+                    runtime.block_on(report);
                 }
-            })
-        };
+            });
+        }
 
         tokio::select! {
             () = shutdown => {}
             ended = &mut server => {
-                monitor.abort();
                 metrics_server.abort();
                 return match ended {
                     Ok(Ok(())) => Err(anyhow::anyhow!("the gRPC server stopped unexpectedly")),
@@ -274,7 +277,6 @@ impl NodeServer {
                 };
             }
         }
-        monitor.abort();
 
         tracing::info!(
             open_requests = requests.len(),

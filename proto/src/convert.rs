@@ -10,13 +10,18 @@ use tonic::{Code, Status};
 
 use crate::pb;
 
-/// The one gRPC code of each engine error class.
+/// The one gRPC code of each engine error class. An engine panic is INTERNAL carrying the
+/// [`crate::failure::FailureCause::EnginePanic`] marker, so that the router does not retry
+/// the request elsewhere.
 pub fn status(kind: ErrorKind, message: impl Into<String>) -> Status {
     let code = match kind {
         ErrorKind::InvalidArgument => Code::InvalidArgument,
         ErrorKind::FailedPrecondition => Code::FailedPrecondition,
         ErrorKind::ResourceExhausted => Code::ResourceExhausted,
         ErrorKind::Internal => Code::Internal,
+        ErrorKind::EnginePanic => {
+            return crate::failure::FailureCause::EnginePanic.status(Code::Internal, message);
+        }
     };
     Status::new(code, message)
 }

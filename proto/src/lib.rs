@@ -5,6 +5,7 @@
 //! Does not own: serving (the router and node binaries), text (the router).
 
 pub mod convert;
+pub mod failure;
 pub mod health;
 
 /// Generated messages and services.

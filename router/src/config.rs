@@ -7,6 +7,9 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 pub use pd_engine::kv::hash::HashAlgo;
 
+mod failure;
+
+pub use self::failure::FailureArgs;
 use crate::discovery::DnsTarget;
 pub use crate::openai::parse::{ReasoningParser, ToolCallParser};
 use crate::registry::NodeRole;
@@ -62,6 +65,10 @@ pub struct RouterConfig {
     /// Deadline of a whole `Prefill` call, and the longest a decode stream may stay silent,
     /// when the client's deadline does not end the request first.
     pub node_timeout: Duration,
+    /// Retries of requests a node failed: count, backoff, budget.
+    pub retry: crate::retry::RetryPolicy,
+    /// Every node's circuit breaker.
+    pub breaker: crate::registry::BreakerConfig,
     /// Block hashes remembered per prefill node by the prefix-aware policy (an LRU set).
     pub prefix_index_blocks: usize,
     /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
@@ -104,6 +111,8 @@ impl RouterConfig {
             grpc_limits: pd_tls::GrpcLimits::default(),
             http_limits: pd_tls::HttpLimits::default(),
             node_timeout: Duration::from_secs(120),
+            retry: crate::retry::RetryPolicy::default(),
+            breaker: crate::registry::BreakerConfig::default(),
             prefix_index_blocks: 65_536,
             report_faults: None,
             reasoning_parser: None,
@@ -355,6 +364,10 @@ pub struct RouterArgs {
     #[arg(long, env = "PD_PREFIX_CACHING_HASH_ALGO", default_value_t = HashAlgo::Xxhash, help_heading = "Routing")]
     pub prefix_caching_hash_algo: HashAlgo,
 
+    /// `--max-retries`, `--retry-backoff*`, `--retry-budget*`, `--circuit-breaker-*`.
+    #[command(flatten)]
+    pub failure: FailureArgs,
+
     /// `--tls-cert`, `--tls-key`, `--tls-client-ca`, `--tls-ca`, `--tls-server-name`,
     /// `--insecure`.
     #[command(flatten)]
@@ -410,6 +423,8 @@ impl RouterArgs {
                 max_connections: self.http_max_connections as usize,
             },
             node_timeout: self.node_timeout,
+            retry: self.failure.retry_policy(),
+            breaker: self.failure.breaker(),
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             report_faults: crate::metrics::FaultSpec::from_env()?,
             api_keys: self.api_keys.clone(),

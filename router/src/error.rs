@@ -2,6 +2,7 @@
 //! (retry elsewhere? route around the node?).
 
 use pd_engine::EngineError;
+use pd_proto::failure::FailureCause;
 use tonic::{Code, Status};
 
 use crate::registry::NodeRole;
@@ -116,8 +117,19 @@ impl NodeFailure {
 }
 
 impl NodeError {
-    /// Worth trying another node: the node (or the path to it) failed, not the request.
+    /// The node's engine panicked while it held the request: the request may be what made
+    /// it panic (a "poison" request), so it must not go to another node.
+    pub fn is_engine_panic(&self) -> bool {
+        matches!(&self.what,
+            NodeFailure::Status(s) if FailureCause::of(s) == Some(FailureCause::EnginePanic))
+    }
+
+    /// Worth trying another node: the node (or the path to it) failed, not the request, and
+    /// not by a panic the request may have caused.
     pub fn is_retryable(&self) -> bool {
+        if self.is_engine_panic() {
+            return false;
+        }
         match &self.what {
             NodeFailure::Timeout(_) | NodeFailure::Protocol(_) | NodeFailure::Connection(_) => true,
             NodeFailure::Status(s) => matches!(
@@ -144,16 +156,39 @@ impl NodeError {
     /// good health check, rather than sending it more requests until the next poll. A node
     /// that answered with a status is reachable; whether it is healthy is its `Info`'s call
     /// (a decode node's UNAVAILABLE may be its prefill peer's fault, not its own).
+    /// A node whose engine panicked is down too: its engine is gone, and its own health
+    /// turned NOT_SERVING before it answered.
     pub fn marks_node_down(&self) -> bool {
+        if self.is_engine_panic() {
+            return true;
+        }
         match &self.what {
             NodeFailure::Timeout(_) | NodeFailure::Connection(_) => true,
             NodeFailure::Protocol(_) | NodeFailure::Status(_) => false,
         }
     }
 
+    /// Whether the failure is the node's, for its circuit breaker
+    /// ([`crate::registry::Breaker`]): no answer (timeout, broken connection), a broken
+    /// protocol, or an internal error (a panic included). A full node's refusal, the
+    /// request's own errors and an answered UNAVAILABLE (a draining node, a KV pull from a
+    /// failed prefill node: health checks judge those) are not.
+    pub fn counts_against_node(&self) -> bool {
+        match &self.what {
+            NodeFailure::Timeout(_) | NodeFailure::Protocol(_) | NodeFailure::Connection(_) => true,
+            NodeFailure::Status(s) => {
+                matches!(s.code(), Code::Internal | Code::Unknown | Code::DataLoss)
+            }
+        }
+    }
+
     /// The code a client gets when this error ends its request before any token reached it:
-    /// the node's own verdict on the request where it has one, else UNAVAILABLE.
+    /// the node's own verdict on the request where it has one (INTERNAL for an engine
+    /// panic), else UNAVAILABLE.
     pub fn client_code(&self) -> Code {
+        if self.is_engine_panic() {
+            return Code::Internal;
+        }
         match &self.what {
             NodeFailure::Status(s) => match s.code() {
                 c @ (Code::InvalidArgument
@@ -217,5 +252,23 @@ mod tests {
         assert!(full.is_refusal() && full.is_retryable() && !full.marks_node_down());
         assert_eq!(full.client_code(), Code::ResourceExhausted);
         assert_eq!(refused.client_code(), Code::InvalidArgument);
+        assert!(!full.counts_against_node() && !refused.counts_against_node());
+        assert!(!answered.counts_against_node() && broken.counts_against_node());
+    }
+
+    #[test]
+    fn an_engine_panic_is_internal_never_retried_and_takes_the_node_out() {
+        let status = FailureCause::EnginePanic.status(Code::Internal, "engine failure: boom");
+        let panicked = failure(NodeFailure::from_status(status));
+        assert!(panicked.is_engine_panic());
+        assert!(!panicked.is_retryable());
+        assert!(panicked.marks_node_down() && panicked.counts_against_node());
+        assert_eq!(panicked.client_code(), Code::Internal);
+
+        // Any other INTERNAL is the node's failure: retried elsewhere, UNAVAILABLE to the
+        // client if no retry succeeds.
+        let bug = failure(NodeFailure::from_status(Status::internal("engine not running")));
+        assert!(!bug.is_engine_panic() && bug.is_retryable());
+        assert_eq!(bug.client_code(), Code::Unavailable);
     }
 }

@@ -3,8 +3,10 @@
 //!
 //! - **Prefill** on the node the policy picks (deadline: `--node-timeout`, enforced here; the
 //!   request's deadline, the client's or `--request-timeout`, travels as grpc-timeout). A failure that is the node's, not the request's
-//!   (unreachable, timeout, internal, out of blocks), is retried once on another healthy
-//!   prefill node: no token has reached the client yet. A node that refuses the request
+//!   (unreachable, timeout, internal, out of blocks), is retried on another healthy
+//!   prefill node (`--max-retries`, after a backoff, within the retry budget: [`retry`]):
+//!   no token has reached the client yet. An engine panic is not retried: the request may
+//!   have caused it, and would take the next node down too; the client gets INTERNAL. A node that refuses the request
 //!   because its waiting queue is full (RESOURCE_EXHAUSTED) is no failure: the request goes
 //!   to the next node (each tried once, without using up the retry, and none marked down);
 //!   when every node refused, the client gets RESOURCE_EXHAUSTED. Decode nodes alike.
@@ -16,9 +18,10 @@
 //! - **Decode** on the least loaded decode node of the prompt KV's layout, with the KV handle
 //!   and the request's whole `max_tokens` (the decode node counts the first token itself).
 //!   The lease is released on the stream's first message, or when the request ends. A decode
-//!   node that fails before its first message is replaced once by another compatible one with
-//!   the same handle (the lease is still held and the client has only seen the prefill node's
-//!   token, which stays valid); after that, a failure is UNAVAILABLE to the client.
+//!   node that fails before its first message is replaced (as prefill nodes are) by another
+//!   compatible one with the same handle (the lease is still held and the client has only
+//!   seen the prefill node's token, which stays valid); after that, a failure is UNAVAILABLE
+//!   to the client.
 //! - A stop string that ends the text before the decode node finished drops the stream and
 //!   calls the decode node's `Abort`.
 //! - The client going away (its stream dropped), `Generation.Abort` or the deadline cancel the
@@ -31,7 +34,7 @@
 //! **Aggregated mode** (decode nodes only, see [`crate::registry`]): no prefill step. The
 //! decode node is chosen by the routing policy (it computes the prompt, so prefix affinity
 //! pays there), gets the request without a KV handle and streams every token, the first
-//! included. A failure before its first message is retried once on another decode node (the
+//! included. A failure before its first message is retried on another decode node (the
 //! client has seen nothing); after that it is UNAVAILABLE as above.
 //!
 //! The request's first chunk, whichever path sends it (the prefill node's first token, a
@@ -53,6 +56,7 @@
 
 mod decode;
 mod release;
+mod retry;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -68,6 +72,7 @@ use tonic::Status;
 
 use self::decode::Handoff;
 use self::release::{Held, Lease, abort_prefill};
+use self::retry::settle_failure;
 use crate::error::{NodeError, NodeFailure};
 use crate::registry::{Node, NodeRole};
 use crate::service::{InflightEntry, Shared};
@@ -168,6 +173,8 @@ pub(crate) async fn run(
     tx: ChunkTx,
     deadline: Option<Instant>,
 ) {
+    // Every request adds to the retry budget, whether or not it fails.
+    shared.retries.request(std::time::Instant::now());
     let tokenizer = shared.model.tokenizer().clone();
     let mut text = TextStream::new(&tokenizer, &req.params, shared.model.eos_token_ids.clone());
     let mut job = Job {
@@ -376,8 +383,8 @@ impl Job {
     async fn prefill(&mut self) -> Result<Prefilled, End> {
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
-        // A failure's one retry was used (refusals of full nodes do not use it).
-        let mut retried = false;
+        // Retries after failures so far (refusals of full nodes are not retries).
+        let mut retries = 0;
         loop {
             let candidates = match self.shared.registry.prefill_candidates(&excluded) {
                 Ok(c) => c,
@@ -392,6 +399,11 @@ impl Job {
                 }
             };
             let node = self.shared.pick_by_policy(&self.req, &candidates);
+            let Some(permit) = node.begin() else {
+                // Its breaker's one probe went to another request meanwhile.
+                excluded.push(node.id);
+                continue;
+            };
             let node_request_id =
                 (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
             let mut request = tonic::Request::new(pb::PrefillRequest {
@@ -434,6 +446,7 @@ impl Job {
                     let skipped = self.ends_with_first_token();
                     match (response.first_token, response.kv) {
                         (Some(first), kv) if kv.is_some() || skipped => {
+                            permit.succeeded();
                             return Ok(Prefilled {
                                 node,
                                 first,
@@ -462,12 +475,12 @@ impl Job {
             if error.marks_node_down() {
                 node.mark_down(error.what.to_string());
             }
+            settle_failure(permit, &error);
             let refused = error.is_refusal();
-            if refused || (!retried && error.is_retryable()) {
+            if refused || self.retry_after(&error, &mut retries).await? {
                 if refused {
                     tracing::debug!(request_id = %self.req.request_id, %error, "prefill node full; trying another");
                 } else {
-                    retried = true;
                     tracing::warn!(request_id = %self.req.request_id, %error, "prefill failed; retrying on another node");
                 }
                 excluded.push(node.id);

@@ -5,6 +5,9 @@
 //! [`policy`] and to a decode node by load, among the nodes the [`registry`] knows to be up
 //! and KV-compatible; the router then streams the decode node's tokens back as text
 //! (`flow`: incremental detokenization, stop strings, usage, cancellation and retries).
+//! A request a node failed is retried elsewhere within limits ([`retry`]: backoff, budget),
+//! never after an engine panic; nodes that keep failing are skipped for a while (their
+//! circuit breakers, [`registry::Breaker`]).
 //!
 //! Every node's counters, client-perceived latencies and node health are exported under
 //! `pd_router_*` on `/metrics` ([`metrics`]).
@@ -30,6 +33,7 @@ pub mod metrics;
 pub mod openai;
 pub mod policy;
 pub mod registry;
+pub mod retry;
 mod server;
 mod service;
 pub mod tenant;

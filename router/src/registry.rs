@@ -35,6 +35,7 @@
 //! stops), while requests already on it keep their `Arc<Node>` and finish. Readers take a
 //! snapshot of the list ([`Registry::nodes`]).
 
+mod breaker;
 mod node;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,6 +50,7 @@ use tonic::transport::Endpoint;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 
+pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
 use node::PushedPeers;
 pub use node::{InflightGuard, Layout, Node, NodeHealth, NodeRole};
 
@@ -77,6 +79,8 @@ pub struct Registry {
     model: String,
     /// The router's `--prefix-caching-hash-algo`: a node that hashes otherwise is down.
     hash_algo: pd_engine::kv::hash::HashAlgo,
+    /// Every node's circuit breaker settings (`--circuit-breaker-*`).
+    breaker: BreakerConfig,
     serving: watch::Sender<bool>,
     /// The last "up but cannot pair" explanation logged, so that each is logged once.
     unpaired: Mutex<Option<String>>,
@@ -111,6 +115,7 @@ impl Registry {
             tasks: Mutex::new(None),
             model: model.into(),
             hash_algo: Default::default(),
+            breaker: BreakerConfig::default(),
             serving: watch::Sender::new(false),
             unpaired: Mutex::new(None),
             metrics,
@@ -131,6 +136,16 @@ impl Registry {
     /// Routes only to nodes whose prefix cache hashes blocks with `algo` (XXH3 unless set).
     pub fn with_hash_algo(mut self, algo: pd_engine::kv::hash::HashAlgo) -> Self {
         self.hash_algo = algo;
+        self
+    }
+
+    /// Every node's circuit breaker, of the nodes given so far and of those added later,
+    /// works with `config`.
+    pub fn with_breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = config;
+        for node in self.nodes() {
+            node.breaker().configure(config);
+        }
         self
     }
 
@@ -168,6 +183,7 @@ impl Registry {
             // TCP with TCP_NODELAY, then TLS when configured.
             endpoint.connect_with_connector_lazy(pd_tls::Connector::new(self.tls.clone())),
             discovered,
+            Breaker::new(self.breaker),
         )))
     }
 
@@ -427,7 +443,10 @@ impl Registry {
         // With prefill nodes: serving when one up prefill node has an up decode node of its
         // layout, which is exactly when there are prefill candidates.
         let (serving, unpaired) = if self.aggregated() {
-            (self.role(NodeRole::Decode).iter().any(|n| n.is_up()), None)
+            (
+                self.role(NodeRole::Decode).iter().any(|n| n.is_routable()),
+                None,
+            )
         } else {
             match self.prefill_candidates(&[]) {
                 Ok(_) => (true, None),
@@ -471,7 +490,11 @@ impl Registry {
             .iter()
             .filter(|n| !exclude.contains(&n.id))
             .collect();
-        let up_prefill: Vec<&Arc<Node>> = prefill.iter().copied().filter(|n| n.is_up()).collect();
+        let up_prefill: Vec<&Arc<Node>> = prefill
+            .iter()
+            .copied()
+            .filter(|n| n.is_routable())
+            .collect();
         if up_prefill.is_empty() {
             return Err(RouterError::NoHealthyNode {
                 role: NodeRole::Prefill,
@@ -480,7 +503,11 @@ impl Registry {
         }
         let all_decode = self.role(NodeRole::Decode);
         let decode: Vec<&Arc<Node>> = all_decode.iter().collect();
-        let up_decode: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();
+        let up_decode: Vec<&Arc<Node>> = decode
+            .iter()
+            .copied()
+            .filter(|n| n.is_routable())
+            .collect();
         if up_decode.is_empty() {
             return Err(RouterError::NoHealthyNode {
                 role: NodeRole::Decode,
@@ -533,7 +560,11 @@ impl Registry {
             .iter()
             .filter(|n| !exclude.contains(&n.id))
             .collect();
-        let up: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_up()).collect();
+        let up: Vec<&Arc<Node>> = decode
+            .iter()
+            .copied()
+            .filter(|n| n.is_routable())
+            .collect();
         if up.is_empty() {
             return Err(RouterError::NoHealthyNode {
                 role: NodeRole::Decode,
@@ -580,6 +611,11 @@ impl Registry {
 fn describe<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>, excluded: &[usize]) -> String {
     let mut parts: Vec<String> = nodes
         .map(|n| match n.health() {
+            NodeHealth::Up if !n.is_routable() => format!(
+                "{} (circuit open after consecutive failures: no requests until its cool-down \
+                 ends)",
+                n.addr
+            ),
             NodeHealth::Up => format!("{} (up)", n.addr),
             NodeHealth::Unknown => format!("{} (not checked yet)", n.addr),
             NodeHealth::Down(reason) => format!("{} (down: {reason})", n.addr),

@@ -107,7 +107,8 @@ impl Router {
                 metrics.clone(),
                 node_tls(&config.tls)?,
             )?
-            .with_hash_algo(config.prefix_caching_hash_algo),
+            .with_hash_algo(config.prefix_caching_hash_algo)
+            .with_breaker(config.breaker),
         );
         let auth = match &config.api_keys {
             Some(path) => Auth::from_file(path)?,
@@ -136,6 +137,7 @@ impl Router {
             ids: IdGen::new(),
             node_timeout: config.node_timeout,
             request_timeout: config.request_timeout,
+            retries: crate::retry::Retries::new(config.retry, std::time::Instant::now()),
         });
         Ok(Self {
             config,

@@ -1,8 +1,11 @@
 //! Runs an [`Engine`] on its own thread. Callers submit requests through an
 //! [`EngineHandle`] and read each request's events from its own channel. A request whose
-//! receiver is dropped (the client went away) is aborted. If a step panics, every open
-//! request gets one `Failed` event, the engine is marked unhealthy and the thread ends;
-//! later submissions fail at once with UNAVAILABLE-class errors. An optional
+//! receiver is dropped (the client went away) is aborted. If anything on the thread panics
+//! (a step, or a command such as taking a request), the engine is marked unhealthy, the
+//! callbacks given to [`EngineHandle::on_failure`] run (the node turns NOT_SERVING there),
+//! every open request (the one whose command panicked included) gets one `Failed` event of
+//! kind [`ErrorKind::EnginePanic`], and only then does the thread end; later submissions
+//! fail at once with an INTERNAL error that is not a panic's. An optional
 //! [`FinishedObserver`] sees every request's end on the engine thread (the node's latency
 //! histograms), including requests nobody listens to any more, and a [`StepObserver`]
 //! every step.
@@ -26,6 +29,7 @@ use super::counters::EngineCounters;
 use super::engine::{Engine, StepStats};
 use super::lease_secret::LeaseSecret;
 use super::lease_store::{LeaseStore, LeasedKv};
+use super::panic_hook::PanicHook;
 use super::request::{
     EngineRequest, Finished, ImportedBlocks, RequestError, RequestEvent, RequestId,
 };
@@ -37,6 +41,27 @@ const IDLE_TICK: Duration = Duration::from_millis(50);
 /// it are published and before it is delivered, whether or not its caller still listens (a request whose client went away, or that was aborted,
 /// ends here too). It runs between engine steps: keep it cheap.
 pub type FinishedObserver = Box<dyn Fn(&Finished) + Send>;
+
+/// Called once, on the engine thread, when something on it panicked, with the panic's message:
+/// after the engine is marked unhealthy, before any open request is failed and before the
+/// thread ends.
+pub type FailureObserver = Box<dyn FnOnce(&str) + Send>;
+
+/// Whether the engine thread panicked (and with what message), and who wants to know.
+#[derive(Default)]
+struct Failure {
+    message: Option<String>,
+    observers: Vec<FailureObserver>,
+}
+
+impl std::fmt::Debug for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Failure")
+            .field("message", &self.message)
+            .field("observers", &self.observers.len())
+            .finish()
+    }
+}
 
 /// Called on the engine thread after every step that ran, with what it computed (the
 /// node's tokens-per-step histogram). Keep it cheap.
@@ -63,6 +88,7 @@ enum Command {
 pub struct EngineHandle {
     tx: Sender<Command>,
     healthy: Arc<AtomicBool>,
+    failure: Arc<Mutex<Failure>>,
     counters: Arc<Mutex<EngineCounters>>,
     leases: LeaseStore,
     import_buffers: BlockBuffers,
@@ -93,10 +119,12 @@ impl EngineThread {
     ) -> Self {
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
+        let failure = Arc::new(Mutex::new(Failure::default()));
         let counters = Arc::new(Mutex::new(engine.counters()));
         let handle = EngineHandle {
             tx,
             healthy: Arc::clone(&healthy),
+            failure: Arc::clone(&failure),
             counters: Arc::clone(&counters),
             leases: engine.lease_store(),
             import_buffers: engine.import_buffers(),
@@ -105,7 +133,17 @@ impl EngineThread {
         };
         let join = std::thread::Builder::new()
             .name("pd-engine".into())
-            .spawn(move || run(engine, rx, healthy, counters, observer, on_step))
+            .spawn(move || {
+                let thread = ThreadState {
+                    healthy,
+                    failure,
+                    counters,
+                    observer,
+                    on_step,
+                    panic_hook: PanicHook::from_env(),
+                };
+                run(engine, rx, thread)
+            })
             .expect("spawning the engine thread");
         Self {
             handle,
@@ -249,26 +287,101 @@ impl EngineHandle {
         self.healthy.load(Ordering::Acquire)
     }
 
+    /// Runs `observer` with the panic's message when the engine thread panics, on that
+    /// thread, before any open request hears of it and before the thread ends; at once, on
+    /// this thread, if it panicked already. Where a node turns NOT_SERVING.
+    pub fn on_failure(&self, observer: impl FnOnce(&str) + Send + 'static) {
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        match failure.message.clone() {
+            Some(message) => {
+                drop(failure);
+                observer(&message);
+            }
+            None => failure.observers.push(Box::new(observer)),
+        }
+    }
+
     /// The engine's counters as of its last step.
     pub fn counters(&self) -> EngineCounters {
         self.counters.lock().map(|c| c.clone()).unwrap_or_default()
     }
 }
 
-fn run<B: Backend>(
-    mut engine: Engine<B>,
-    rx: Receiver<Command>,
+/// What the engine thread owns besides the engine and its command channel.
+struct ThreadState {
     healthy: Arc<AtomicBool>,
+    failure: Arc<Mutex<Failure>>,
     counters: Arc<Mutex<EngineCounters>>,
     observer: FinishedObserver,
     on_step: StepObserver,
+    panic_hook: Option<PanicHook>,
+}
+
+/// The text of a caught panic.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// The engine thread: serves commands and steps until shutdown; a panic anywhere in that
+/// loop ends it through [`fail`].
+fn run<B: Backend>(mut engine: Engine<B>, rx: Receiver<Command>, thread: ThreadState) {
+    let mut streams: HashMap<RequestId, Sender<RequestEvent>> = HashMap::new();
+    let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        serve(&mut engine, &rx, &thread, &mut streams)
+    }));
+    if let Err(panic) = served {
+        fail(&thread, &panic_message(&*panic), streams);
+    }
+    thread.healthy.store(false, Ordering::Release);
+}
+
+/// After a panic on the engine thread: unhealthy, then the failure observers (the node turns
+/// NOT_SERVING), then every open request fails, in that order, so that no caller hears of
+/// the failure while its node still reports SERVING.
+fn fail(thread: &ThreadState, what: &str, streams: HashMap<RequestId, Sender<RequestEvent>>) {
+    tracing::error!(error = %what, "the engine thread panicked; failing every open request");
+    thread.healthy.store(false, Ordering::Release);
+    let observers = {
+        let mut failure = thread.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.message = Some(what.to_string());
+        std::mem::take(&mut failure.observers)
+    };
+    for observer in observers {
+        observer(what);
+    }
+    for (_, tx) in streams {
+        let _ = tx.send(RequestEvent::Failed(RequestError {
+            kind: ErrorKind::EnginePanic,
+            message: format!(
+                "the engine failed while this request was open (a panic: {what}); the node \
+                 stopped serving, and the request is not retried on another node"
+            ),
+        }));
+    }
+}
+
+fn serve<B: Backend>(
+    engine: &mut Engine<B>,
+    rx: &Receiver<Command>,
+    thread: &ThreadState,
+    streams: &mut HashMap<RequestId, Sender<RequestEvent>>,
 ) {
+    let ThreadState {
+        counters,
+        observer,
+        on_step,
+        panic_hook,
+        ..
+    } = thread;
     let observe = |event: &RequestEvent| {
         if let RequestEvent::Finished(finished) = event {
             observer(finished);
         }
     };
-    let mut streams: HashMap<RequestId, Sender<RequestEvent>> = HashMap::new();
     let publish = |engine: &Engine<B>| {
         if let Ok(mut c) = counters.lock() {
             *c = engine.counters();
@@ -287,7 +400,7 @@ fn run<B: Backend>(
                 Ok(cmd) => Some(cmd),
                 Err(RecvTimeoutError::Timeout) => {
                     engine.expire_leases(Instant::now());
-                    publish(&engine);
+                    publish(engine);
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => break,
@@ -301,19 +414,22 @@ fn run<B: Backend>(
             match cmd {
                 Command::Submit(req, tx) => {
                     let id = req.id.clone();
-                    match engine.submit(*req) {
-                        Ok(()) => {
-                            streams.insert(id, tx);
-                        }
-                        Err(e) => {
-                            let _ = tx.send(RequestEvent::Failed(e));
-                        }
+                    // Open before the engine sees it: if taking it panics, it is failed
+                    // with the others.
+                    streams.insert(id.clone(), tx);
+                    if let Some(hook) = panic_hook {
+                        hook.check(&req.prompt);
+                    }
+                    if let Err(e) = engine.submit(*req)
+                        && let Some(tx) = streams.remove(&id)
+                    {
+                        let _ = tx.send(RequestEvent::Failed(e));
                     }
                 }
                 Command::Abort(id) => {
                     if let Some(event) = engine.abort(&id) {
                         observe(&event);
-                        publish(&engine);
+                        publish(engine);
                         if let Some(tx) = streams.remove(&id) {
                             let _ = tx.send(event);
                         }
@@ -321,7 +437,7 @@ fn run<B: Backend>(
                 }
                 Command::ReleaseLease(lease, secret, reply) => {
                     let released = engine.release_lease(lease, &secret);
-                    publish(&engine);
+                    publish(engine);
                     let _ = reply.send(released);
                 }
                 Command::CachedPrefix(tokens, salt, reply) => {
@@ -332,7 +448,7 @@ fn run<B: Backend>(
                         let _ = back.send(Command::ReleaseReservation(id));
                     });
                     let reservation = engine.reserve_import(&tokens, salt.as_deref(), release);
-                    publish(&engine);
+                    publish(engine);
                     if let Err(mpsc::SendError(Some(r))) = reply.send(reservation) {
                         // The caller went away: the reservation's drop gives the blocks back.
                         drop(r);
@@ -340,7 +456,7 @@ fn run<B: Backend>(
                 }
                 Command::ReleaseReservation(id) => {
                     if engine.release_reservation(id) {
-                        publish(&engine);
+                        publish(engine);
                     }
                 }
                 Command::Shutdown => shutdown = true,
@@ -356,53 +472,33 @@ fn run<B: Backend>(
             break;
         }
         if !engine.has_work() {
-            publish(&engine);
+            publish(engine);
             continue;
         }
         let steps_before = engine.model_steps();
-        match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
-            Ok(events) => {
-                if engine.model_steps() != steps_before {
-                    on_step(&engine.last_step());
+        let events = engine.step();
+        if engine.model_steps() != steps_before {
+            on_step(&engine.last_step());
+        }
+        // Observe, then publish, then deliver: a caller that sees its request end and then
+        // asks for the counters must see that end reflected (blocks, leases), and counters
+        // that show an end come with its timings.
+        events.iter().for_each(|(_, event)| observe(event));
+        publish(engine);
+        for (id, event) in events {
+            let terminal = event.is_terminal();
+            let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
+            if terminal {
+                streams.remove(&id);
+            } else if delivered == Some(false) {
+                // The caller dropped its receiver: nobody wants the rest.
+                streams.remove(&id);
+                if let Some(end) = engine.abort(&id) {
+                    observe(&end);
                 }
-                // Observe, then publish, then deliver: a caller that sees its request end
-                // and then asks for the counters must see that end reflected (blocks,
-                // leases), and counters that show an end come with its timings.
-                events.iter().for_each(|(_, event)| observe(event));
-                publish(&engine);
-                for (id, event) in events {
-                    let terminal = event.is_terminal();
-                    let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
-                    if terminal {
-                        streams.remove(&id);
-                    } else if delivered == Some(false) {
-                        // The caller dropped its receiver: nobody wants the rest.
-                        streams.remove(&id);
-                        if let Some(end) = engine.abort(&id) {
-                            observe(&end);
-                        }
-                    }
-                }
-                // Aborts of dropped streams above changed the counters again.
-                publish(&engine);
-            }
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                tracing::error!(error = %what, "engine step failed; failing every open request");
-                healthy.store(false, Ordering::Release);
-                for (_, tx) in streams.drain() {
-                    let _ = tx.send(RequestEvent::Failed(RequestError {
-                        kind: ErrorKind::Internal,
-                        message: format!("engine failure: {what}"),
-                    }));
-                }
-                break;
             }
         }
+        // Aborts of dropped streams above changed the counters again.
+        publish(engine);
     }
-    healthy.store(false, Ordering::Release);
 }

@@ -7,11 +7,12 @@ pub mod driver;
 pub mod engine;
 pub mod lease_secret;
 pub mod lease_store;
+pub mod panic_hook;
 pub mod request;
 
 pub use config::{EngineConfig, Role};
 pub use counters::{EngineCounters, PrefixOutcome};
-pub use driver::{EngineHandle, EngineThread, FinishedObserver, StepObserver};
+pub use driver::{EngineHandle, EngineThread, FailureObserver, FinishedObserver, StepObserver};
 pub use engine::{Engine, StepStats};
 pub use lease_secret::{LEASE_SECRET_LEN, LeaseSecret};
 pub use lease_store::{LeaseStore, LeasedKv};

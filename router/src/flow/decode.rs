@@ -1,5 +1,5 @@
 //! The decode step of a request: a decode node chosen among the compatible ones, its stream
-//! turned into the client's chunks, one retry while the client cannot tell, and in aggregated
+//! turned into the client's chunks, retries while the client cannot tell, and in aggregated
 //! mode the node's own usage and prompt logprobs (see the parent module's doc).
 
 use std::sync::Arc;
@@ -11,9 +11,10 @@ use tonic::Code;
 use tonic::Status;
 
 use super::release::{CONTROL_TIMEOUT, abort_decode, release_kv};
+use super::retry::settle_failure;
 use super::{End, Job};
 use crate::error::{NodeError, NodeFailure};
-use crate::registry::{Layout, Node, NodeRole};
+use crate::registry::{Layout, Node, NodeRole, Permit};
 
 /// How a decode attempt failed.
 pub(super) enum DecodeEnd {
@@ -48,8 +49,8 @@ impl Job {
         });
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
-        // A failure's one retry was used (refusals of full nodes do not use it).
-        let mut retried = false;
+        // Retries after failures so far (refusals of full nodes are not retries).
+        let mut retries = 0;
         loop {
             let candidates = match (self.shared.registry)
                 .decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), &excluded)
@@ -72,7 +73,14 @@ impl Job {
                 // The decode node computes the prompt: the policy's prefix affinity applies.
                 None => self.shared.pick_by_policy(&self.req, &candidates),
             };
-            match self.decode_on(&node, text, handoff).await {
+            let Some(permit) = node.begin() else {
+                // Its breaker's one probe went to another request meanwhile.
+                excluded.push(node.id);
+                continue;
+            };
+            // Settled by the node's first message; else by the failure below.
+            let mut permit = Some(permit);
+            match self.decode_on(&node, text, handoff, &mut permit).await {
                 Ok(last) => return Ok(last),
                 Err(DecodeEnd::End(end)) => return Err(end),
                 Err(DecodeEnd::Node { error, streamed }) => {
@@ -82,15 +90,20 @@ impl Job {
                     if error.marks_node_down() {
                         node.mark_down(error.what.to_string());
                     }
+                    if let Some(permit) = permit {
+                        settle_failure(permit, &error);
+                    }
                     // Retried only while the client cannot tell: in the cluster the lease is
                     // still held, so another decode node can pull the same KV.
                     let resumable = handoff.is_none() || self.held.lease.is_some();
                     let refused = error.is_refusal();
-                    if !streamed && resumable && (refused || (!retried && error.is_retryable())) {
+                    if !streamed
+                        && resumable
+                        && (refused || self.retry_after(&error, &mut retries).await?)
+                    {
                         if refused {
                             tracing::debug!(request_id = %self.req.request_id, %error, "decode node full; trying another");
                         } else {
-                            retried = true;
                             tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
                         }
                         excluded.push(node.id);
@@ -128,6 +141,7 @@ impl Job {
         node: &Arc<Node>,
         text: &mut TextStream<'_>,
         handoff: Option<Handoff<'_>>,
+        permit: &mut Option<Permit>,
     ) -> Result<pb::GenerateResponse, DecodeEnd> {
         let params = &self.req.params;
         let node_request_id =
@@ -194,6 +208,11 @@ impl Job {
             (self.shared.metrics).observe_report(node, message.counters.as_ref());
             if !streamed {
                 streamed = true;
+                // The node serves: its breaker hears so (a later failure of this stream
+                // marks it down if the node broke, see `NodeError::marks_node_down`).
+                if let Some(permit) = permit.take() {
+                    permit.succeeded();
+                }
                 // The decode node has the KV now (or its own copy of the prefix).
                 if let Some((node, lease)) = self.held.lease.take() {
                     tokio::spawn(release_kv(node, lease));

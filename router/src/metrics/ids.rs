@@ -17,6 +17,7 @@ pub mod label {
     pub const REASON: &str = "reason";
     pub const TENANT: &str = "tenant";
     pub const SOURCE: &str = "source";
+    pub const STATE: &str = "state";
 }
 
 /// One metric family of the router.
@@ -46,10 +47,14 @@ pub enum Family {
     TenantRequests,
     RequestsRejected,
     RequestsQueued,
+    Retries,
+    RetriesDenied,
+    NodeCircuitState,
+    NodeCircuitTransitions,
 }
 
 impl Family {
-    pub const ALL: [Family; 24] = [
+    pub const ALL: [Family; 28] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PromptTokens,
@@ -74,6 +79,10 @@ impl Family {
         Family::TenantRequests,
         Family::RequestsRejected,
         Family::RequestsQueued,
+        Family::Retries,
+        Family::RetriesDenied,
+        Family::NodeCircuitState,
+        Family::NodeCircuitTransitions,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -103,6 +112,10 @@ impl Family {
             Family::TenantRequests => "pd_router_tenant_requests_total",
             Family::RequestsRejected => "pd_router_requests_rejected_total",
             Family::RequestsQueued => "pd_router_requests_queued",
+            Family::Retries => "pd_router_retries_total",
+            Family::RetriesDenied => "pd_router_retries_denied_total",
+            Family::NodeCircuitState => "pd_router_node_circuit_state",
+            Family::NodeCircuitTransitions => "pd_router_node_circuit_transitions_total",
         }
     }
 
@@ -179,6 +192,20 @@ impl Family {
             }
             Family::RequestsQueued => {
                 "Client requests waiting for an admission slot (--max-inflight) now."
+            }
+            Family::Retries => {
+                "Requests sent to another node of the role after a node failed them."
+            }
+            Family::RetriesDenied => {
+                "Node failures not retried: reason=budget (the retry budget was spent) or \
+                 max_retries (the request had used its --max-retries)."
+            }
+            Family::NodeCircuitState => {
+                "The node's circuit breaker: 0 closed, 1 open (no requests until its \
+                 cool-down ends), 2 half-open (one probe request may go)."
+            }
+            Family::NodeCircuitTransitions => {
+                "Moves of the node's circuit breaker into each state (closed, open, half_open)."
             }
         }
     }

@@ -22,6 +22,7 @@ pub mod faults;
 mod http;
 pub mod ids;
 mod requests;
+mod resilience;
 mod tenants;
 
 use std::collections::BTreeMap;
@@ -77,6 +78,8 @@ pub struct RouterMetrics {
     faults: Option<ReportFaults>,
     /// Per-tenant usage.
     pub(crate) tenants: tenants::TenantSeries,
+    /// Retries and circuit breakers.
+    pub(crate) resilience: resilience::ResilienceSeries,
 }
 
 /// The aggregator and the series it raises, under one lock.
@@ -205,6 +208,7 @@ impl RouterMetrics {
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
             tenants: tenants::TenantSeries::new(&registry)?,
+            resilience: resilience::ResilienceSeries::new(&registry)?,
             registry,
         };
         Ok(metrics)
@@ -363,6 +367,7 @@ impl RouterMetrics {
     /// The text exposition (format 0.0.4) of everything, node gauges as of now.
     pub fn render(&self, registry: &Registry) -> Result<String, MetricsError> {
         self.refresh_nodes(registry);
+        self.resilience.refresh(registry);
         let mut families = self.registry.gather();
         families.push(self.kv_seconds_family());
         families.sort_by(|a, b| a.name().cmp(b.name()));

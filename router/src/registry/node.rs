@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 use pd_engine::kv::hash::HashAlgo;
 
 use super::NODE_MAX_MESSAGE_BYTES;
+use super::breaker::{Breaker, Permit};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NodeRole {
@@ -94,6 +95,8 @@ pub struct Node {
     /// Decode nodes: the prefill KV addresses this node acknowledged (`SetKvPeers`) and the
     /// node process (counter epoch) that did; `None` until the first push succeeds.
     kv_peers: Mutex<Option<PushedPeers>>,
+    /// Opens after consecutive failed requests (see [`Breaker`]).
+    breaker: Breaker,
 }
 
 /// A peer set a decode node acknowledged.
@@ -112,6 +115,7 @@ impl Node {
         addr: String,
         channel: Channel,
         discovered: bool,
+        breaker: Breaker,
     ) -> Self {
         Self {
             id,
@@ -127,7 +131,24 @@ impl Node {
             discovered,
             removed: AtomicBool::new(false),
             kv_peers: Mutex::new(None),
+            breaker,
         }
+    }
+
+    /// The node's circuit breaker.
+    pub fn breaker(&self) -> &Breaker {
+        &self.breaker
+    }
+
+    /// Up, and its circuit breaker lets a request through: a candidate for routing.
+    pub fn is_routable(&self) -> bool {
+        self.is_up() && self.breaker().admits(std::time::Instant::now())
+    }
+
+    /// The right to send this node one request ([`Breaker::begin`]); `None` while its
+    /// breaker is open or its half-open probe is out.
+    pub fn begin(&self) -> Option<Permit> {
+        self.breaker().begin(std::time::Instant::now())
     }
 
     /// The peer set this decode node last acknowledged.

@@ -1,0 +1,100 @@
+//! How the router copes with failing nodes: retries and circuit breakers.
+//!
+//! - `pd_router_retries_total{role}`: requests sent to another node after a node failed them
+//!   (prefill or decode step), each retry once.
+//! - `pd_router_retries_denied_total{role,reason}`: failures not retried although they could
+//!   have been: `budget` (the retry budget was spent) or `max_retries` (the request had used
+//!   its `--max-retries`).
+//! - `pd_router_node_circuit_state{node,role}`: each node's circuit breaker now, 0 closed,
+//!   1 open, 2 half-open (read from the registry at scrape time).
+//! - `pd_router_node_circuit_transitions_total{node,role,state}`: the breaker's moves into
+//!   `state` (closed, open, half_open), raised at scrape time to the breaker's own counts.
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry as Prometheus};
+
+use super::MetricsError;
+use super::ids::{Family, label};
+use crate::registry::{BreakerState, NodeRole, Registry};
+use crate::retry::Denied;
+
+/// The retry and circuit breaker families.
+#[derive(Debug)]
+pub(crate) struct ResilienceSeries {
+    retries: IntCounterVec,
+    denied: IntCounterVec,
+    circuit_state: IntGaugeVec,
+    transitions: IntCounterVec,
+}
+
+impl ResilienceSeries {
+    pub fn new(registry: &Prometheus) -> Result<Self, MetricsError> {
+        let opts = |family: Family| Opts::new(family.name(), family.help());
+        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
+            let c = IntCounterVec::new(opts(family), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let circuit_state =
+            IntGaugeVec::new(opts(Family::NodeCircuitState), &[label::NODE, label::ROLE])?;
+        registry.register(Box::new(circuit_state.clone()))?;
+        let series = Self {
+            retries: counter(Family::Retries, &[label::ROLE])?,
+            denied: counter(Family::RetriesDenied, &[label::ROLE, label::REASON])?,
+            circuit_state,
+            transitions: counter(
+                Family::NodeCircuitTransitions,
+                &[label::NODE, label::ROLE, label::STATE],
+            )?,
+        };
+        // Retry series exist from the start, so rates are defined before the first failure.
+        for role in [NodeRole::Prefill, NodeRole::Decode] {
+            series.retries.with_label_values(&[role.as_str()]);
+            for reason in [Denied::Budget, Denied::MaxRetries] {
+                series
+                    .denied
+                    .with_label_values(&[role.as_str(), denied_label(reason)]);
+            }
+        }
+        Ok(series)
+    }
+
+    /// A failed request of the `role` step goes to another node.
+    pub fn retried(&self, role: NodeRole) {
+        self.retries.with_label_values(&[role.as_str()]).inc();
+    }
+
+    /// A retryable failure of the `role` step was not retried.
+    pub fn denied(&self, role: NodeRole, reason: Denied) {
+        self.denied
+            .with_label_values(&[role.as_str(), denied_label(reason)])
+            .inc();
+    }
+
+    /// Every node's breaker state and transitions as of now.
+    pub fn refresh(&self, registry: &Registry) {
+        let now = std::time::Instant::now();
+        for node in registry.nodes() {
+            let (addr, role) = (node.addr.as_str(), node.role.as_str());
+            let breaker = node.breaker();
+            let state = breaker.state(now);
+            self.circuit_state
+                .with_label_values(&[addr, role])
+                .set(state.gauge());
+            for (to, count) in BreakerState::ALL.iter().zip(breaker.transitions()) {
+                let counter = self.transitions.with_label_values(&[addr, role, to.as_str()]);
+                // The breaker counts; the exported counter catches up (never goes back).
+                let behind = count.saturating_sub(counter.get());
+                if behind > 0 {
+                    counter.inc_by(behind);
+                }
+            }
+        }
+    }
+}
+
+fn denied_label(reason: Denied) -> &'static str {
+    match reason {
+        Denied::Budget => "budget",
+        Denied::MaxRetries => "max_retries",
+    }
+}
