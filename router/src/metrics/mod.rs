@@ -13,6 +13,9 @@
 //!   for the client (`requests`).
 //! - **Per-tenant usage** (prompt tokens by source, generated tokens, requests by outcome,
 //!   labelled `tenant`): the `usage` each request's client got, summed (`tenants`).
+//! - **Failure handling** (retries, retries denied, each node's circuit breaker state and
+//!   transitions): counted where requests are retried, breakers read at scrape time
+//!   (`resilience`).
 //!
 //! Names and labels are typed ids in [`ids`]; `http` serves the text exposition (0.0.4);
 //! [`faults`] is a test-only hook that drops, repeats and reorders reports.
