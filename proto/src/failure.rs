@@ -54,10 +54,7 @@ mod tests {
         sent.add_header(&mut trailers).unwrap();
         let received = Status::from_header_map(&trailers).unwrap();
         assert_eq!(received.code(), Code::Internal);
-        assert_eq!(
-            FailureCause::of(&received),
-            Some(FailureCause::EnginePanic)
-        );
+        assert_eq!(FailureCause::of(&received), Some(FailureCause::EnginePanic));
         assert_eq!(FailureCause::of(&Status::internal("other bug")), None);
     }
 }

@@ -267,7 +267,9 @@ mod tests {
 
         // Any other INTERNAL is the node's failure: retried elsewhere, UNAVAILABLE to the
         // client if no retry succeeds.
-        let bug = failure(NodeFailure::from_status(Status::internal("engine not running")));
+        let bug = failure(NodeFailure::from_status(Status::internal(
+            "engine not running",
+        )));
         assert!(!bug.is_engine_panic() && bug.is_retryable());
         assert_eq!(bug.client_code(), Code::Unavailable);
     }

@@ -503,11 +503,8 @@ impl Registry {
         }
         let all_decode = self.role(NodeRole::Decode);
         let decode: Vec<&Arc<Node>> = all_decode.iter().collect();
-        let up_decode: Vec<&Arc<Node>> = decode
-            .iter()
-            .copied()
-            .filter(|n| n.is_routable())
-            .collect();
+        let up_decode: Vec<&Arc<Node>> =
+            decode.iter().copied().filter(|n| n.is_routable()).collect();
         if up_decode.is_empty() {
             return Err(RouterError::NoHealthyNode {
                 role: NodeRole::Decode,
@@ -560,11 +557,7 @@ impl Registry {
             .iter()
             .filter(|n| !exclude.contains(&n.id))
             .collect();
-        let up: Vec<&Arc<Node>> = decode
-            .iter()
-            .copied()
-            .filter(|n| n.is_routable())
-            .collect();
+        let up: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_routable()).collect();
         if up.is_empty() {
             return Err(RouterError::NoHealthyNode {
                 role: NodeRole::Decode,

@@ -44,11 +44,10 @@ impl PanicHook {
     }
 
     fn parse(value: &str) -> Option<Self> {
-        let prompt: Option<Vec<u32>> = value
-            .split(',')
-            .map(|t| t.trim().parse().ok())
-            .collect();
-        prompt.filter(|p| !p.is_empty()).map(|prompt| Self { prompt })
+        let prompt: Option<Vec<u32>> = value.split(',').map(|t| t.trim().parse().ok()).collect();
+        prompt
+            .filter(|p| !p.is_empty())
+            .map(|prompt| Self { prompt })
     }
 
     /// Panics if `prompt` is the armed one.

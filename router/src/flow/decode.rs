@@ -122,13 +122,18 @@ impl Job {
     }
 
     /// A decode failure's end: `code` while the client has seen no token (aggregated mode),
-    /// else UNAVAILABLE, for a stream that cannot be resumed.
+    /// else UNAVAILABLE, for a stream that cannot be resumed; but INTERNAL stays INTERNAL
+    /// (an engine panic: trying the request again is no cure).
     fn failed(&self, code: Code, cause: String) -> End {
         if self.completion_tokens == 0 {
             return End::Failed(Status::new(code, cause));
         }
+        let code = match code {
+            Code::Internal => Code::Internal,
+            _ => Code::Unavailable,
+        };
         End::Failed(Status::new(
-            Code::Unavailable,
+            code,
             format!(
                 "the request failed after {} tokens were streamed and cannot be resumed: {cause}",
                 self.completion_tokens

@@ -81,7 +81,9 @@ impl ResilienceSeries {
                 .with_label_values(&[addr, role])
                 .set(state.gauge());
             for (to, count) in BreakerState::ALL.iter().zip(breaker.transitions()) {
-                let counter = self.transitions.with_label_values(&[addr, role, to.as_str()]);
+                let counter = self
+                    .transitions
+                    .with_label_values(&[addr, role, to.as_str()]);
                 // The breaker counts; the exported counter catches up (never goes back).
                 let behind = count.saturating_sub(counter.get());
                 if behind > 0 {

@@ -1,10 +1,12 @@
 //! The generate flow: prefill then decode, text, usage, logprobs and stop strings. Cancellation
-//! and deadlines are in [`cancel`]; retries, failures and routing in [`failover`]; a request
+//! and deadlines are in [`cancel`]; retries, failures and routing in [`failover`]; engine
+//! panics, the retry budget and circuit breakers in [`isolation`]; a request
 //! of `n` choices in [`choices`]; the first chunk's `prompt_tokens` in [`prompt_tokens`].
 
 mod cancel;
 mod choices;
 mod failover;
+mod isolation;
 mod prompt_tokens;
 
 use std::sync::atomic::Ordering::SeqCst;

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pd_proto::failure::FailureCause;
 use pd_proto::pb;
 use tonic::{Code, Status};
 
@@ -59,6 +60,9 @@ pub struct FakeState {
     /// The next N Prefill / Decode calls fail with `fail_code`.
     pub fail_next: AtomicUsize,
     pub fail_code: Mutex<Code>,
+    /// Scripted failures are INTERNAL marked as an engine panic (what a node whose engine
+    /// panicked answers), whatever `fail_code` says.
+    pub fail_as_panic: AtomicBool,
     pub first_token: AtomicU32,
     pub prefill_delay: Mutex<Duration>,
     pub script: Mutex<Script>,
@@ -94,6 +98,7 @@ impl FakeState {
             unhealthy: AtomicBool::new(false),
             fail_next: AtomicUsize::new(0),
             fail_code: Mutex::new(Code::Unavailable),
+            fail_as_panic: AtomicBool::new(false),
             first_token: AtomicU32::new(100),
             prefill_delay: Mutex::new(Duration::ZERO),
             script: Mutex::new(Script::default()),
@@ -136,7 +141,13 @@ impl FakeState {
             .fail_next
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
-        failing.then(|| Status::new(*self.fail_code.lock().unwrap(), "scripted failure"))
+        failing.then(|| {
+            if self.fail_as_panic.load(Ordering::SeqCst) {
+                FailureCause::EnginePanic.status(Code::Internal, "scripted engine panic")
+            } else {
+                Status::new(*self.fail_code.lock().unwrap(), "scripted failure")
+            }
+        })
     }
 
     /// The script of the next Decode of node request id `node_request_id`.
