@@ -351,7 +351,10 @@ fn fail(thread: &ThreadState, what: &str, streams: HashMap<RequestId, Sender<Req
         std::mem::take(&mut failure.observers)
     };
     for observer in observers {
-        observer(what);
+        // One that panics must not keep the open requests from hearing of the failure.
+        if std::panic::catch_unwind(AssertUnwindSafe(|| observer(what))).is_err() {
+            tracing::error!("a failure observer panicked");
+        }
     }
     for (_, tx) in streams {
         let _ = tx.send(RequestEvent::Failed(RequestError {
