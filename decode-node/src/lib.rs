@@ -138,11 +138,19 @@ impl DecodeNodeService {
             ));
         }
         let f = &self.facts;
+        let resumed = req.resumed_tokens as usize;
+        if resumed > 0 && resumed >= req.prompt_token_ids.len() {
+            return Err(Status::invalid_argument(format!(
+                "resumed_tokens ({resumed}) must be less than the length of prompt_token_ids ({})",
+                req.prompt_token_ids.len()
+            )));
+        }
+        // Resumed tokens are output: they take their share of max_tokens, not of the prompt.
         validate_prompt(
             &req.prompt_token_ids,
             f.vocab_size,
             f.max_model_len,
-            req.max_tokens,
+            req.max_tokens.saturating_sub(req.resumed_tokens),
         )
         .map_err(|e| convert::status(e.kind(), e.to_string()))?;
         let params = convert::sampling_params(
@@ -174,6 +182,7 @@ impl DecodeNodeService {
                 imported: None,
                 lease_kv: false,
                 guide: None,
+                resumed,
             },
             first_token: req.first_token,
             kv,

@@ -56,6 +56,7 @@ fn decode_request(
         ignore_eos: true,
         cache_salt: None,
         kv: r.kv.clone(),
+        resumed_tokens: 0,
     }
 }
 
@@ -167,6 +168,7 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
                     imported: None,
                     lease_kv: false,
                     guide: None,
+                    resumed: 0,
                 })
                 .unwrap();
             let mut tokens = Vec::new();

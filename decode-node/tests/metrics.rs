@@ -103,6 +103,7 @@ fn decode_request(id: &str, tokens: &[u32], r: &pb::PrefillResponse) -> pb::Deco
         ignore_eos: true,
         cache_salt: None,
         kv: r.kv.clone(),
+        resumed_tokens: 0,
     }
 }
 

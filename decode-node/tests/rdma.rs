@@ -114,6 +114,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<b
             ignore_eos: true,
             cache_salt: None,
             kv: Some(kv.clone()),
+            resumed_tokens: 0,
         })
         .await
         .unwrap()

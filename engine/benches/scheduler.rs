@@ -54,6 +54,7 @@ fn main() {
                 imported: None,
                 lease_kv: false,
                 guide: None,
+                resumed: 0,
             })
             .expect("submit");
     }

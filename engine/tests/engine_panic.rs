@@ -61,6 +61,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
         imported: None,
         lease_kv: false,
         guide: None,
+        resumed: 0,
     }
 }
 

@@ -280,6 +280,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             imported: None,
             lease_kv: false,
             guide: job.guide.clone(),
+            resumed: 0,
         })
     };
     let stdout = std::io::stdout();

@@ -258,6 +258,7 @@ impl PrefillNodeService {
             imported: None,
             lease_kv: !req.skip_kv_lease,
             guide: None,
+            resumed: 0,
         })
     }
 }

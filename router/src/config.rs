@@ -69,6 +69,8 @@ pub struct RouterConfig {
     pub retry: crate::retry::RetryPolicy,
     /// Every node's circuit breaker.
     pub breaker: crate::registry::BreakerConfig,
+    /// `--migration-limit`: moves of one live stream to another decode node.
+    pub migration_limit: u32,
     /// Block hashes remembered per prefill node by the prefix-aware policy (an LRU set).
     pub prefix_index_blocks: usize,
     /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
@@ -113,6 +115,7 @@ impl RouterConfig {
             node_timeout: Duration::from_secs(120),
             retry: crate::retry::RetryPolicy::default(),
             breaker: crate::registry::BreakerConfig::default(),
+            migration_limit: 2,
             prefix_index_blocks: 65_536,
             report_faults: None,
             reasoning_parser: None,
@@ -425,6 +428,7 @@ impl RouterArgs {
             node_timeout: self.node_timeout,
             retry: self.failure.retry_policy(),
             breaker: self.failure.breaker(),
+            migration_limit: self.failure.migration_limit,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             report_faults: crate::metrics::FaultSpec::from_env()?,
             api_keys: self.api_keys.clone(),

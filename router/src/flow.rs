@@ -20,8 +20,14 @@
 //!   The lease is released on the stream's first message, or when the request ends. A decode
 //!   node that fails before its first message is replaced (as prefill nodes are) by another
 //!   compatible one with the same handle (the lease is still held and the client has only
-//!   seen the prefill node's token, which stays valid); after that, a failure is UNAVAILABLE
-//!   to the client.
+//!   seen the prefill node's token, which stays valid). One that fails after tokens went out
+//!   has its stream **moved** (`--migration-limit` times at most): the prompt and the tokens
+//!   sent but the last are prefilled again (mostly prefix-cache hits) under a new lease, and
+//!   another decode node continues with the last token sent as its first and the others as
+//!   output already made (`DecodeRequest.resumed_tokens`: max_tokens, penalties, structured
+//!   output and the seeded draw go on where they were), so the client's stream has no gap and
+//!   no repeat. Past the limit, or with no decode node left, the failure is UNAVAILABLE to the
+//!   client. An engine panic is never moved (INTERNAL).
 //! - A stop string that ends the text before the decode node finished drops the stream and
 //!   calls the decode node's `Abort`.
 //! - The client going away (its stream dropped), `Generation.Abort` or the deadline cancel the
@@ -35,7 +41,9 @@
 //! decode node is chosen by the routing policy (it computes the prompt, so prefix affinity
 //! pays there), gets the request without a KV handle and streams every token, the first
 //! included. A failure before its first message is retried on another decode node (the
-//! client has seen nothing); after that it is UNAVAILABLE as above.
+//! client has seen nothing); after that the stream moves as above, the next decode node
+//! computing the prompt and the tokens sent itself. The usage's cached tokens are then those
+//! of the node that finished, within the prompt.
 //!
 //! The request's first chunk, whichever path sends it (the prefill node's first token, a
 //! request that ends with it, aggregated mode's first decode message, an abort's last chunk),
@@ -155,6 +163,10 @@ struct Job {
     /// The usage of the node that computed the prompt (its cached tokens reach the client).
     compute_usage: pb::Usage,
     completion_tokens: u32,
+    /// The tokens sent to the client so far (a migrated stream resumes after them).
+    output: Vec<u32>,
+    /// Times the stream moved to another decode node (`--migration-limit`).
+    migrations: u32,
     /// The request's first chunk went out (or is going: it carries `prompt_tokens`).
     started: bool,
 }
@@ -189,6 +201,8 @@ pub(crate) async fn run(
         held: Held::default(),
         compute_usage: pb::Usage::default(),
         completion_tokens: 0,
+        output: Vec::new(),
+        migrations: 0,
         started: false,
     };
     let outcome = job.drive(&mut text).await;
@@ -247,7 +261,7 @@ impl Job {
             kv,
             usage,
             prompt_logprobs,
-        } = self.prefill().await?;
+        } = self.prefill(None).await?;
         self.compute_usage = usage;
         if let Some(kv) = &kv {
             self.held.lease = Some((node, Lease::of(kv)));
@@ -273,7 +287,7 @@ impl Job {
         };
         self.send(chunk).await?;
         let handoff = Handoff {
-            kv: &kv,
+            kv,
             first_token: first.token_id,
         };
         self.decode(text, Some(handoff)).await
@@ -366,6 +380,7 @@ impl Job {
                 )))
             })?;
             chunk.token_ids.push(token.token_id);
+            self.output.push(token.token_id);
             if logprobs {
                 chunk.logprobs.push(token.clone());
             }
@@ -380,7 +395,11 @@ impl Job {
 
     // ---- prefill -------------------------------------------------------------------------
 
-    async fn prefill(&mut self) -> Result<Prefilled, End> {
+    /// The prompt's prefill; with `resume`, that of the prompt followed by these tokens
+    /// already sent, for a stream that moves to another decode node: its first token is not
+    /// used (the decode node is given the next token sent), so it is sampled greedily and
+    /// without the request's constraints, and a lease is always made.
+    async fn prefill(&mut self, resume: Option<&[u32]>) -> Result<Prefilled, End> {
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
         // Retries after failures so far (refusals of full nodes are not retries).
@@ -406,15 +425,29 @@ impl Job {
             };
             let node_request_id =
                 (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
-            let mut request = tonic::Request::new(pb::PrefillRequest {
-                request_id: node_request_id.clone(),
-                token_ids: self.req.prompt.clone(),
-                sampling: Some(wire_sampling(&self.req.params)),
-                cache_salt: self.req.cache_salt.clone(),
-                // The first token ends the request: no decode node will pull its KV.
-                skip_kv_lease: self.ends_with_first_token(),
-                stop_token_ids: self.req.params.stop_token_ids.clone(),
-                ignore_eos: self.req.params.ignore_eos,
+            let mut request = tonic::Request::new(match resume {
+                None => pb::PrefillRequest {
+                    request_id: node_request_id.clone(),
+                    token_ids: self.req.prompt.clone(),
+                    sampling: Some(wire_sampling(&self.req.params)),
+                    cache_salt: self.req.cache_salt.clone(),
+                    // The first token ends the request: no decode node will pull its KV.
+                    skip_kv_lease: self.ends_with_first_token(),
+                    stop_token_ids: self.req.params.stop_token_ids.clone(),
+                    ignore_eos: self.req.params.ignore_eos,
+                },
+                Some(sent) => pb::PrefillRequest {
+                    request_id: node_request_id.clone(),
+                    token_ids: [self.req.prompt.as_slice(), sent].concat(),
+                    sampling: Some(pb::SamplingParams {
+                        temperature: Some(0.0),
+                        ..Default::default()
+                    }),
+                    cache_salt: self.req.cache_salt.clone(),
+                    skip_kv_lease: false,
+                    stop_token_ids: Vec::new(),
+                    ignore_eos: true,
+                },
             });
             // The request's deadline travels to the node when it is sooner than
             // --node-timeout. Otherwise the node is told none: the router enforces
@@ -443,7 +476,7 @@ impl Job {
                     (self.shared.metrics).observe_report(&node, response.counters.as_ref());
                     // A node that leased anyway (one older than `skip_kv_lease`) is fine: the
                     // lease is released when the request ends, as it always was.
-                    let skipped = self.ends_with_first_token();
+                    let skipped = resume.is_none() && self.ends_with_first_token();
                     match (response.first_token, response.kv) {
                         (Some(first), kv) if kv.is_some() || skipped => {
                             permit.succeeded();

@@ -138,6 +138,7 @@ impl Router {
             node_timeout: config.node_timeout,
             request_timeout: config.request_timeout,
             retries: crate::retry::Retries::new(config.retry, std::time::Instant::now()),
+            migration_limit: config.migration_limit,
         });
         Ok(Self {
             config,

@@ -50,6 +50,8 @@ pub(crate) struct Shared {
     pub admission: Arc<crate::admission::Admission>,
     /// `--max-retries`, the retry backoff and the retry budget.
     pub retries: crate::retry::Retries,
+    /// `--migration-limit`.
+    pub migration_limit: u32,
 }
 
 impl Shared {

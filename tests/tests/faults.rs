@@ -1,8 +1,10 @@
 //! Faults, through real processes started one by one (`router`, `prefill-node`,
-//! `decode-node`; `pdctl up` would stop the whole cluster when one part dies): a node killed
-//! with SIGKILL mid-request gives its clients a clear UNAVAILABLE (or a transparent retry on a
-//! healthy node when no token was sent yet), never a hang; the router routes around the dead
-//! node; restarted on the same port, it is used again.
+//! `decode-node`; `pdctl up` would stop the whole cluster when one part dies): a decode node
+//! killed with SIGKILL mid-stream has its streams moved to another decode node, which
+//! continue token for token as if nothing happened (or, with `--migration-limit 0`, end with
+//! a clear UNAVAILABLE); a node killed before any token was sent is retried transparently on
+//! a healthy one; never a hang; the router routes around the dead node; restarted on the same
+//! port, it is used again.
 //!
 //! Timeouts here only detect hangs; nothing asserts how fast anything is.
 
@@ -10,7 +12,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Process, client, collect, greedy, node_info, wait_serving};
+use pd_tests::{
+    Counts, Process, client, collect, exposition, greedy, metrics_addr, node_info,
+    reference_tokens, wait_serving,
+};
 use tokio::time::{Instant, timeout};
 
 /// Longer than anything here should take: reaching it means something hangs.
@@ -111,14 +116,22 @@ async fn all_blocks_free(nodes: &[(&Process, &str)]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_node_killed_mid_stream_is_unavailable_routed_around_and_used_again() {
+async fn without_migration_a_decode_node_killed_mid_stream_is_unavailable_routed_around_and_used_again()
+ {
     let cache = tempfile::tempdir().unwrap();
     // The first node writes the synthetic model; the others find it.
     let prefill = node("prefill", cache.path(), 0);
     let d1 = node("decode", cache.path(), 0);
     let d2 = node("decode", cache.path(), 0);
     let (d1_addr, d1_port) = (d1.addr(), d1.port());
-    let router = router(cache.path(), &[&prefill], &[&d1, &d2], &[]).await;
+    // No migration: the failure reaches the client.
+    let router = router(
+        cache.path(),
+        &[&prefill],
+        &[&d1, &d2],
+        &["--migration-limit", "0"],
+    )
+    .await;
     let mut c = client(&router.addr()).await;
 
     // Four long streams, spread over both decode nodes by load.
@@ -299,4 +312,150 @@ async fn prefill_node_killed_is_retried_on_the_other_and_used_again_after_restar
         );
     }
     all_blocks_free(&[(&p1, "prefill"), (&p2, "prefill"), (&decode, "decode")]).await;
+}
+
+/// A seeded sampling request (temperature 0.8, top-p 0.95) of `max_tokens`, EOS ignored.
+fn seeded(ids: Vec<u32>, max_tokens: u32, seed: u64) -> pb::GenerateRequest {
+    let mut req = greedy(ids, max_tokens);
+    req.sampling = Some(pb::SamplingParams {
+        temperature: Some(0.8),
+        top_p: Some(0.95),
+        seed: Some(seed),
+        ..Default::default()
+    });
+    req
+}
+
+/// Opens `req`, waits until its decode node streams, SIGKILLs that node (one of `decode`,
+/// which it takes out of the list) and reads the stream to its end: (every token the client
+/// got, the last chunk).
+async fn kill_decode_mid_stream(
+    c: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+    decode: &mut Vec<Process>,
+) -> (Vec<u32>, pb::GenerateResponse) {
+    let mut stream = timeout(HANG, c.generate(req))
+        .await
+        .expect("no hang")
+        .expect("stream opens")
+        .into_inner();
+    let mut tokens = Vec::new();
+    let next = async |stream: &mut Stream| {
+        timeout(HANG, stream.message())
+            .await
+            .expect("no hang")
+            .expect("the stream goes on, moved to the other decode node")
+    };
+    // The first token is the prefill node's; the next ones come from the decode node.
+    while tokens.len() < 3 {
+        let chunk = next(&mut stream).await.expect("more chunks");
+        tokens.extend(chunk.token_ids);
+    }
+    let mut busy = None;
+    for (i, node) in decode.iter().enumerate() {
+        if node_info(&node.addr(), "decode").await.num_running > 0 {
+            busy = Some(i);
+        }
+    }
+    let busy = busy.expect("a decode node runs the stream");
+    decode.remove(busy).kill();
+    loop {
+        let chunk = next(&mut stream)
+            .await
+            .expect("a last chunk with a finish reason");
+        tokens.extend(chunk.token_ids.iter().copied());
+        if chunk.finish_reason() != pb::FinishReason::Unspecified {
+            return (tokens, chunk);
+        }
+    }
+}
+
+/// Waits until the router's counts of `node` equal the node's own (reports may trail the
+/// stream's end by a moment).
+async fn router_counts_match(router: &Process, node: &Process, role: &str) {
+    let end = Instant::now() + HANG;
+    loop {
+        let theirs = Counts::of_node(&exposition(&metrics_addr(&node.ready)).await.unwrap());
+        let e = exposition(&metrics_addr(&router.ready)).await.unwrap();
+        let ours = Counts::of_router(&e, role, &node.addr());
+        if ours == theirs {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "the router's counts of {role} {}: {ours:?}, the node's: {theirs:?}",
+            node.addr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn migrations(router: &Process) -> f64 {
+    exposition(&metrics_addr(&router.ready))
+        .await
+        .unwrap()
+        .sum("pd_router_migrations_total", &[])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_killed_mid_stream_moves_the_stream_which_completes_unchanged() {
+    let cache = tempfile::tempdir().unwrap();
+    let prefill = node("prefill", cache.path(), 0);
+    let mut decode = vec![
+        node("decode", cache.path(), 0),
+        node("decode", cache.path(), 0),
+    ];
+    let ports: Vec<u16> = decode.iter().map(Process::port).collect();
+    let router = router(cache.path(), &[&prefill], &[&decode[0], &decode[1]], &[]).await;
+    let mut c = client(&router.addr()).await;
+    let prompt: Vec<u32> = (0..40).map(|t| (t * 7919 + 11) % 150_000).collect();
+    const N: u32 = 1000;
+
+    // Greedy: equal to the single-process reference, token for token.
+    let want = reference_tokens(cache.path(), &prompt, N);
+    let (got, last) = kill_decode_mid_stream(&mut c, greedy(prompt.clone(), N), &mut decode).await;
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "every token once: none lost, none repeated"
+    );
+    assert_eq!(got, want, "the moved stream equals an uninterrupted run");
+    assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+    let usage = last.usage.expect("usage on the last chunk");
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, N));
+    assert_eq!(migrations(&router).await, 1.0);
+    // Nothing held on the live nodes; the router's counts of them are theirs.
+    all_blocks_free(&[(&prefill, "prefill"), (&decode[0], "decode")]).await;
+    router_counts_match(&router, &prefill, "prefill").await;
+    router_counts_match(&router, &decode[0], "decode").await;
+
+    // Seeded sampling: equal to the same request uninterrupted (the draw of each token
+    // depends on the seed and its place only). The killed node comes back first, so that
+    // the stream has somewhere to go.
+    let dead = ports
+        .iter()
+        .copied()
+        .find(|p| *p != decode[0].port())
+        .unwrap();
+    decode.push(node("decode", cache.path(), dead));
+    let want = collect(&mut c, seeded(prompt.clone(), N, 1234))
+        .await
+        .unwrap()
+        .0;
+    let other = collect(&mut c, seeded(prompt.clone(), N, 4321))
+        .await
+        .unwrap()
+        .0;
+    assert_ne!(want, other, "the seed matters");
+    let (got, last) =
+        kill_decode_mid_stream(&mut c, seeded(prompt.clone(), N, 1234), &mut decode).await;
+    assert_eq!(
+        got, want,
+        "the moved seeded stream equals an uninterrupted one"
+    );
+    assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+    assert_eq!(migrations(&router).await, 2.0);
+    all_blocks_free(&[(&prefill, "prefill"), (&decode[0], "decode")]).await;
+    router_counts_match(&router, &prefill, "prefill").await;
+    router_counts_match(&router, &decode[0], "decode").await;
 }

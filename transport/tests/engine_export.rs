@@ -63,6 +63,7 @@ fn request(id: &str, prompt: Vec<u32>, imported: Option<ImportedKv>) -> EngineRe
         imported,
         lease_kv: true,
         guide: None,
+        resumed: 0,
     }
 }
 

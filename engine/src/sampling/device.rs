@@ -16,10 +16,11 @@
 //! id they touch, so the backend needs no history, only the edits (a few bytes per touched
 //! id instead of a row of logits).
 //!
-//! Reproducibility: the host peeks the request's next uniform draw from its seeded RNG and
-//! passes it in [`DeviceSampling::TopK::uniform`]; the backend reports whether it used it
-//! ([`DeviceSample::used_draw`]) and the host then advances the RNG by exactly that draw. So
-//! a request's token stream is the same whichever path each step took.
+//! Reproducibility: the host takes the uniform draw of this output token from the request's
+//! seeded RNG (each output position has its own place in the stream) and passes it in
+//! [`DeviceSampling::TopK::uniform`]; the backend reports whether it used it
+//! ([`DeviceSample::used_draw`]). So a request's token stream is the same whichever path each
+//! step took, and on whichever node each token was sampled.
 //!
 //! [`sample_row`] is the contract: every backend must choose the same token as it, bit for bit
 //! (it is built from the host sampler's own functions and tested to equal
@@ -210,7 +211,7 @@ pub struct DeviceSample {
     pub token_id: u32,
     /// The token's log-probability under the raw logits (`log_softmax`, no temperature).
     pub logprob: f32,
-    /// Whether the row's uniform draw was used (the host then advances the request's RNG).
+    /// Whether the row's uniform draw was used (greedy rows and degenerate ones use none).
     pub used_draw: bool,
     /// The backend did not choose (a [`DeviceSampling::Dense`] top-p over more than
     /// [`MAX_DEVICE_TOP_P_CANDIDATES`] tokens): the host samples this row from its logits.

@@ -227,6 +227,16 @@ impl Sampler {
         }
     }
 
+    /// Puts the RNG where the draw of output token `output_len` (0-based) begins: each token
+    /// has its own two words of the request's ChaCha stream, so the draw depends only on the
+    /// seed and the token's place in the output, not on how many draws this sampler made
+    /// before. A decode node (which did not sample the first token) and a request resumed on
+    /// another node after a failure draw exactly what one uninterrupted sampler would.
+    fn seek_draw(&mut self, output_len: usize) {
+        // One f64 is one u64: two 32-bit words.
+        self.rng.set_word_pos(2 * output_len as u128);
+    }
+
     /// Whether the `min_tokens` mask applies to the token after `output_len` tokens.
     fn suppressing(&self, output_len: usize) -> bool {
         !self.suppress.is_empty() && output_len < self.min_tokens as usize
@@ -338,6 +348,8 @@ impl Sampler {
             inv_t: 1.0 / self.temperature,
             threshold,
         };
+        // See `seek_draw` (a field borrow here: `work` may borrow the penalty buffers).
+        self.rng.set_word_pos(2 * output_tokens.len() as u128);
         let rng = &mut self.rng;
         let k = self.top_k as usize;
 

@@ -215,12 +215,26 @@ impl<B: Backend> Engine<B> {
         if self.seqs.contains_key(&req.id) {
             return Err(invalid(format!("request id {} is already in use", req.id)));
         }
+        if req.resumed > 0 && req.resumed >= req.prompt.len() {
+            return Err(invalid(format!(
+                "a resumed request needs a prompt before its {} resumed tokens; it has {} tokens \
+                 in all",
+                req.resumed,
+                req.prompt.len()
+            )));
+        }
+        if req.resumed > 0 && req.params.prompt_logprobs.is_some() {
+            return Err(invalid(
+                "a resumed request does not score its prompt again (prompt_logprobs)".into(),
+            ));
+        }
         let c = self.executor.model().config();
+        // Resumed tokens are output: they take their share of max_tokens, not of the prompt.
         validate_prompt(
             &req.prompt,
             c.vocab_size,
             self.config.max_model_len,
-            req.params.max_tokens,
+            req.params.max_tokens.saturating_sub(req.resumed as u32),
         )
         .map_err(|e| invalid(e.to_string()))?;
         req.params
@@ -234,7 +248,9 @@ impl<B: Backend> Engine<B> {
             ));
         }
         let bs = self.block_size();
-        let need = (req.prompt.len() + req.params.max_tokens as usize).div_ceil(bs);
+        let need = (req.prompt.len() + req.params.max_tokens as usize)
+            .saturating_sub(req.resumed)
+            .div_ceil(bs);
         if need > self.num_blocks() {
             return Err(RequestError {
                 kind: ErrorKind::ResourceExhausted,
@@ -266,6 +282,14 @@ impl<B: Backend> Engine<B> {
         hasher.extend(&req.prompt);
         let mut tokens = req.prompt.clone();
         let mut stop = StopChecker::new(&req.params, self.eos_token_ids.clone());
+        let output_from = req.prompt.len() - req.resumed;
+        for &token in &req.prompt[output_from..] {
+            if stop.on_token(token, "").finished.is_some() {
+                return Err(invalid(
+                    "a resumed token already ends this request: there is nothing to resume".into(),
+                ));
+            }
+        }
         if let Some(imp) = &req.imported {
             // The first token was sampled by the prefill node: it counts towards max_tokens
             // and stop conditions here, but its KV is computed by this node's first step.
@@ -279,6 +303,7 @@ impl<B: Backend> Engine<B> {
         }
         let seq = Seq {
             prompt_len: req.prompt.len(),
+            output_from,
             sampled_from: tokens.len(),
             tokens,
             hasher,
@@ -389,7 +414,7 @@ impl<B: Backend> Engine<B> {
                     let seq = self.seqs.get_mut(id).expect("scheduled sequence exists");
                     let completes = seq.computed + n == seq.tokens.len();
                     if completes {
-                        let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                        let (prompt, output) = seq.tokens.split_at(seq.output_from);
                         NextToken::sample(seq.sampler.device_plan(prompt, output, limit))
                     } else {
                         NextToken::None
@@ -472,7 +497,7 @@ impl<B: Backend> Engine<B> {
                         // Only the columns that are real tokens: the backend's sampling
                         // sees the same row, so both paths draw alike.
                         let row = logits.row(logits.rows - 1);
-                        let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                        let (prompt, output) = seq.tokens.split_at(seq.output_from);
                         seq.sampler
                             .sample(&row[..limit.min(row.len())], prompt, output)
                     }

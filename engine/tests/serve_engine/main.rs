@@ -82,6 +82,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
         imported: None,
         lease_kv: true,
         guide: None,
+        resumed: 0,
     }
 }
 

@@ -42,6 +42,18 @@ pub struct FailureArgs {
           value_parser = non_negative, help_heading = "Failures")]
     pub retry_budget_min: f64,
 
+    /// Times one request's stream may move to another decode node when its decode node fails
+    /// after tokens went out: the prompt and the tokens already sent are prefilled again and
+    /// decoding goes on elsewhere, the client's stream without a gap or a repeat. 0: such a
+    /// failure ends the stream with UNAVAILABLE.
+    #[arg(
+        long,
+        env = "PD_MIGRATION_LIMIT",
+        default_value_t = 2,
+        help_heading = "Failures"
+    )]
+    pub migration_limit: u32,
+
     /// Consecutive failed requests that open a node's circuit breaker: it then gets no
     /// requests for --circuit-breaker-cooldown, after which one probe request goes and its
     /// success closes the breaker. 0: no breaker.

@@ -10,7 +10,7 @@ use pd_proto::pb;
 use tonic::Code;
 use tonic::Status;
 
-use super::release::{CONTROL_TIMEOUT, abort_decode, release_kv};
+use super::release::{CONTROL_TIMEOUT, Lease, abort_decode, release_kv};
 use super::retry::settle_failure;
 use super::{End, Job};
 use crate::error::{NodeError, NodeFailure};
@@ -26,11 +26,12 @@ pub(super) enum DecodeEnd {
     },
 }
 
-/// What a decode node is given in the cluster: the prefill node's KV and first token. None in
-/// aggregated mode (the decode node computes the prompt itself).
-#[derive(Clone, Copy)]
-pub(super) struct Handoff<'a> {
-    pub kv: &'a pb::KvHandle,
+/// What a decode node is given in the cluster: the prefill node's KV and first token (for a
+/// migrated stream: the KV of the prompt and the tokens sent but the last, and that last one).
+/// None in aggregated mode (the decode node computes the prompt itself).
+#[derive(Clone)]
+pub(super) struct Handoff {
+    pub kv: pb::KvHandle,
     pub first_token: u32,
 }
 
@@ -38,20 +39,14 @@ impl Job {
     pub(super) async fn decode(
         &mut self,
         text: &mut TextStream<'_>,
-        handoff: Option<Handoff<'_>>,
+        mut handoff: Option<Handoff>,
     ) -> Result<pb::GenerateResponse, End> {
-        let layout = handoff.map(|h| {
-            let layout = Layout {
-                fingerprint: h.kv.layout_fingerprint.clone(),
-                block_size: h.kv.block_size,
-            };
-            (layout, h.kv.addr.as_str())
-        });
         let mut excluded = Vec::new();
         let mut previous: Option<NodeError> = None;
         // Retries after failures so far (refusals of full nodes are not retries).
         let mut retries = 0;
         loop {
+            let layout = handoff.as_ref().map(kv_layout);
             let candidates = match (self.shared.registry)
                 .decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), &excluded)
             {
@@ -68,7 +63,7 @@ impl Job {
                     return Err(self.failed(code, message));
                 }
             };
-            let node = match handoff {
+            let node = match &handoff {
                 Some(_) => self.shared.pick_decode(&self.req, &candidates),
                 // The decode node computes the prompt: the policy's prefix affinity applies.
                 None => self.shared.pick_by_policy(&self.req, &candidates),
@@ -80,7 +75,10 @@ impl Job {
             };
             // Settled by the node's first message; else by the failure below.
             let mut permit = Some(permit);
-            match self.decode_on(&node, text, handoff, &mut permit).await {
+            match self
+                .decode_on(&node, text, handoff.as_ref(), &mut permit)
+                .await
+            {
                 Ok(last) => return Ok(last),
                 Err(DecodeEnd::End(end)) => return Err(end),
                 Err(DecodeEnd::Node { error, streamed }) => {
@@ -92,6 +90,17 @@ impl Job {
                     }
                     if let Some(permit) = permit {
                         settle_failure(permit, &error);
+                    }
+                    excluded.push(node.id);
+                    if streamed && self.may_migrate(&error) && self.can_move(&handoff, &excluded) {
+                        self.migrations += 1;
+                        self.shared.metrics.resilience.migrated();
+                        tracing::warn!(request_id = %self.req.request_id, %error, sent = self.output.len(), "decode node failed mid-stream; resuming on another node");
+                        if handoff.is_some() {
+                            handoff = Some(self.prefill_again().await?);
+                        }
+                        previous = Some(error);
+                        continue;
                     }
                     // Retried only while the client cannot tell: in the cluster the lease is
                     // still held, so another decode node can pull the same KV.
@@ -106,7 +115,6 @@ impl Job {
                         } else {
                             tracing::warn!(request_id = %self.req.request_id, %error, "decode failed before its first token; retrying on another node");
                         }
-                        excluded.push(node.id);
                         previous = Some(error);
                         continue;
                     }
@@ -119,6 +127,47 @@ impl Job {
                 }
             }
         }
+    }
+
+    /// Whether a stream whose decode node failed after tokens went out moves to another one:
+    /// the node failed (not the request, not by a panic it may have caused), and the
+    /// request has moves left.
+    fn may_migrate(&self, error: &NodeError) -> bool {
+        self.migrations < self.shared.migration_limit
+            && error.is_retryable()
+            && !error.is_refusal()
+            && !self.output.is_empty()
+    }
+
+    /// Whether a decode node is there to take the stream (before its KV is prefilled again
+    /// for nothing).
+    fn can_move(&self, handoff: &Option<Handoff>, excluded: &[usize]) -> bool {
+        let layout = handoff.as_ref().map(kv_layout);
+        (self.shared.registry)
+            .decode_candidates(layout.as_ref().map(|(l, a)| (l, *a)), excluded)
+            .is_ok()
+    }
+
+    /// A moved stream's KV in the cluster: the prompt and the tokens sent but the last
+    /// prefilled again (the prefill node's prefix cache makes most of it a hit), leased for
+    /// the next decode node, which is given the last token sent as its first.
+    async fn prefill_again(&mut self) -> Result<Handoff, End> {
+        let (&last, sent) = self
+            .output
+            .split_last()
+            .expect("may_migrate: tokens were sent");
+        let sent = sent.to_vec();
+        let prefilled = self.prefill(Some(&sent)).await?;
+        let Some(kv) = prefilled.kv else {
+            return Err(End::Failed(Status::internal(
+                "the prefill node answered a resumed stream's prefill without a KV handle",
+            )));
+        };
+        self.held.lease = Some((prefilled.node, Lease::of(&kv)));
+        Ok(Handoff {
+            kv,
+            first_token: last,
+        })
     }
 
     /// A decode failure's end: `code` while the client has seen no token (aggregated mode),
@@ -145,22 +194,31 @@ impl Job {
         &mut self,
         node: &Arc<Node>,
         text: &mut TextStream<'_>,
-        handoff: Option<Handoff<'_>>,
+        handoff: Option<&Handoff>,
         permit: &mut Option<Permit>,
     ) -> Result<pb::GenerateResponse, DecodeEnd> {
         let params = &self.req.params;
         let node_request_id =
             (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
+        // Tokens already sent that the node takes as output: all of them in aggregated mode,
+        // all but the last (its first token) with a KV handle. None on a first attempt.
+        let resumed = self.output.len() - usize::from(handoff.is_some() && !self.output.is_empty());
+        let mut sampling = wire_sampling(params);
+        if resumed > 0 {
+            // Scored on the stream's first attempt already.
+            sampling.prompt_logprobs = None;
+        }
         let mut request = tonic::Request::new(pb::DecodeRequest {
             request_id: node_request_id.clone(),
-            prompt_token_ids: self.req.prompt.clone(),
+            prompt_token_ids: [self.req.prompt.as_slice(), &self.output[..resumed]].concat(),
             first_token: handoff.map_or(0, |h| h.first_token),
-            sampling: Some(wire_sampling(params)),
+            sampling: Some(sampling),
             max_tokens: params.max_tokens,
             stop_token_ids: params.stop_token_ids.clone(),
             ignore_eos: params.ignore_eos,
             cache_salt: self.req.cache_salt.clone(),
             kv: handoff.map(|h| h.kv.clone()),
+            resumed_tokens: u32::try_from(resumed).unwrap_or(u32::MAX),
         });
         if let Some(remaining) = self.remaining() {
             request.set_timeout(remaining);
@@ -294,11 +352,7 @@ impl Job {
 
     /// Aggregated mode: the decode node computed the prompt, so its last message's usage is
     /// the one the client gets.
-    fn take_compute_usage(
-        &mut self,
-        handoff: Option<Handoff<'_>>,
-        last: Option<pb::DecodeResponse>,
-    ) {
+    fn take_compute_usage(&mut self, handoff: Option<&Handoff>, last: Option<pb::DecodeResponse>) {
         if handoff.is_some() {
             return;
         }
@@ -306,8 +360,27 @@ impl Job {
             tracing::warn!(request_id = %self.req.request_id, "the decode node's usage did not arrive; cached tokens reported as 0");
             return;
         };
-        self.compute_usage = last.usage.unwrap_or_default();
+        let mut usage = last.usage.unwrap_or_default();
+        if self.migrations > 0 {
+            // The node that finished computed the prompt followed by the tokens sent before
+            // it took over; the client's prompt is the part of its hits (a prefix) that the
+            // prompt covers. The first node's own usage died with it.
+            let prompt = self.prompt_tokens();
+            usage.local_cached_tokens = usage.local_cached_tokens.min(prompt);
+            usage.external_cached_tokens =
+                (usage.external_cached_tokens).min(prompt - usage.local_cached_tokens);
+        }
+        self.compute_usage = usage;
     }
+}
+
+/// The KV layout a decode node must have to take `h`, and the prefill node it pulls from.
+fn kv_layout(h: &Handoff) -> (Layout, &str) {
+    let layout = Layout {
+        fingerprint: h.kv.layout_fingerprint.clone(),
+        block_size: h.kv.block_size,
+    };
+    (layout, h.kv.addr.as_str())
 }
 
 /// Reads a decode stream the client no longer needs up to its last message (at most

@@ -51,10 +51,11 @@ pub enum Family {
     RetriesDenied,
     NodeCircuitState,
     NodeCircuitTransitions,
+    Migrations,
 }
 
 impl Family {
-    pub const ALL: [Family; 28] = [
+    pub const ALL: [Family; 29] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PromptTokens,
@@ -83,6 +84,7 @@ impl Family {
         Family::RetriesDenied,
         Family::NodeCircuitState,
         Family::NodeCircuitTransitions,
+        Family::Migrations,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -116,6 +118,7 @@ impl Family {
             Family::RetriesDenied => "pd_router_retries_denied_total",
             Family::NodeCircuitState => "pd_router_node_circuit_state",
             Family::NodeCircuitTransitions => "pd_router_node_circuit_transitions_total",
+            Family::Migrations => "pd_router_migrations_total",
         }
     }
 
@@ -206,6 +209,10 @@ impl Family {
             }
             Family::NodeCircuitTransitions => {
                 "Moves of the node's circuit breaker into each state (closed, open, half_open)."
+            }
+            Family::Migrations => {
+                "Streams resumed on another decode node after their decode node failed with \
+                 tokens already sent (the prompt and those tokens prefilled again)."
             }
         }
     }

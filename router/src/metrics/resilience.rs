@@ -9,8 +9,10 @@
 //!   1 open, 2 half-open (read from the registry at scrape time).
 //! - `pd_router_node_circuit_transitions_total{node,role,state}`: the breaker's moves into
 //!   `state` (closed, open, half_open), raised at scrape time to the breaker's own counts.
+//! - `pd_router_migrations_total`: live streams resumed on another decode node after theirs
+//!   failed (`--migration-limit`).
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry as Prometheus};
+use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry as Prometheus};
 
 use super::MetricsError;
 use super::ids::{Family, label};
@@ -24,6 +26,7 @@ pub(crate) struct ResilienceSeries {
     denied: IntCounterVec,
     circuit_state: IntGaugeVec,
     transitions: IntCounterVec,
+    migrations: IntCounter,
 }
 
 impl ResilienceSeries {
@@ -37,7 +40,10 @@ impl ResilienceSeries {
         let circuit_state =
             IntGaugeVec::new(opts(Family::NodeCircuitState), &[label::NODE, label::ROLE])?;
         registry.register(Box::new(circuit_state.clone()))?;
+        let migrations = IntCounter::with_opts(opts(Family::Migrations))?;
+        registry.register(Box::new(migrations.clone()))?;
         let series = Self {
+            migrations,
             retries: counter(Family::Retries, &[label::ROLE])?,
             denied: counter(Family::RetriesDenied, &[label::ROLE, label::REASON])?,
             circuit_state,
@@ -56,6 +62,11 @@ impl ResilienceSeries {
             }
         }
         Ok(series)
+    }
+
+    /// A stream goes on on another decode node.
+    pub fn migrated(&self) {
+        self.migrations.inc();
     }
 
     /// A failed request of the `role` step goes to another node.

@@ -16,9 +16,8 @@ impl Sampler {
     /// that are real tokens, or `None` when it needs the host: logits processors that touch
     /// more than a quarter of the vocabulary this step (their edits would then weigh more
     /// than the row of logits). (A dense top-p may still come back,
-    /// see [`super::super::DeviceSample::needs_host`].) The uniform draw is *peeked* from the request's RNG;
-    /// [`Sampler::accept`] consumes it only if the backend used it, so the stream stays the
-    /// one [`Sampler::sample`] would have used.
+    /// see [`super::super::DeviceSample::needs_host`].) The uniform draw is the one [`Sampler::sample`] would make for this
+    /// output token (each token has its own place in the request's RNG stream).
     pub fn device_plan(
         &mut self,
         prompt_tokens: &[u32],
@@ -31,6 +30,9 @@ impl Sampler {
         } else {
             f32::NEG_INFINITY
         };
+        if !self.greedy {
+            self.seek_draw(output_tokens.len());
+        }
         let method = if self.greedy {
             DeviceSampling::Greedy
         } else if self.top_k == 0 || self.top_k > MAX_DEVICE_TOP_K {
@@ -167,16 +169,13 @@ impl Sampler {
         })
     }
 
-    /// The token a backend chose for this request following [`Sampler::device_plan`]. Advances
-    /// the RNG by the one draw the backend used, if it used it.
+    /// The token a backend chose for this request following [`Sampler::device_plan`]. (The
+    /// draw is the token's own, by its place in the output: nothing to advance.)
     pub fn accept(&mut self, sample: DeviceSample) -> SampledToken {
         debug_assert!(
             !sample.needs_host,
             "a row handed back is sampled on the host"
         );
-        if sample.used_draw {
-            let _: f64 = self.rng.random();
-        }
         SampledToken {
             token_id: sample.token_id,
             logprob: sample.logprob,

@@ -78,3 +78,35 @@ fn no_allocation_growth_after_first_step() {
     }
     assert_eq!(first, caps(&s));
 }
+
+/// A sampler that starts at output token `k` (a decode node, or a request resumed on another
+/// node after a failure) draws what one sampler that made the first `k` tokens itself draws.
+#[test]
+fn a_draw_depends_on_the_seed_and_the_tokens_place_only() {
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.95,
+        ..Default::default()
+    };
+    let rows: Vec<Vec<f32>> = (0..12).map(|i| logits(2000, 100 + i)).collect();
+    let mut whole = Sampler::new(&params, 7, &[]);
+    let mut output = Vec::new();
+    for row in &rows {
+        output.push(whole.sample(row, &[5, 6], &output).token_id);
+    }
+    for k in [1usize, 5, 11] {
+        let mut resumed = Sampler::new(&params, 7, &[]);
+        let mut tail = output[..k].to_vec();
+        for row in &rows[k..] {
+            tail.push(resumed.sample(row, &[5, 6], &tail).token_id);
+        }
+        assert_eq!(tail, output, "resumed at output token {k}");
+    }
+    // Not a constant: another seed draws another stream.
+    let mut other = Sampler::new(&params, 8, &[]);
+    let mut theirs = Vec::new();
+    for row in &rows {
+        theirs.push(other.sample(row, &[5, 6], &theirs).token_id);
+    }
+    assert_ne!(theirs, output);
+}

@@ -12,7 +12,12 @@ use crate::serve::request::{EngineRequest, ImportedKv, RequestTimings, Usage};
 
 pub(super) struct Seq {
     pub(super) req: EngineRequest,
+    /// Tokens whose KV is the prompt's: computed (or imported) as a prompt, looked up in the
+    /// prefix cache and counted as prompt tokens by this node.
     pub(super) prompt_len: usize,
+    /// Where the output begins in `tokens`, as sampling sees it: `prompt_len`, or before it
+    /// when the request was resumed ([`EngineRequest::resumed`]).
+    pub(super) output_from: usize,
     /// Prompt followed by the generated tokens.
     pub(super) tokens: Vec<u32>,
     /// Where the tokens this engine samples begin in `tokens`: after the prompt, and after

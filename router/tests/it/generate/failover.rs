@@ -1,5 +1,6 @@
 //! Failures and node choice in the generate flow: a failed prefill retried once elsewhere,
-//! errors that reach the client, a decode node replaced before its first token, a decode
+//! errors that reach the client, a decode node replaced before its first token, a stream
+//! moved to another decode node after tokens went out, a decode
 //! node refusing the prefill node's address (not retried), the prefill KV peers pushed to
 //! decode nodes before they are routed to, and prefix-aware routing that yields to load.
 
@@ -94,6 +95,71 @@ async fn a_decode_failure_after_tokens_is_unavailable() {
     assert!(status.message().contains("after 3 tokens"), "{status:?}");
     eventually("the lease is released", || p.state.released().len() == 1).await;
     assert_eq!(d.state.decode_count(), 1, "no retry once tokens streamed");
+}
+
+#[tokio::test]
+async fn a_decode_failure_after_tokens_moves_the_stream_to_another_decode_node() {
+    let p = FakeNode::prefill().await;
+    let d0 = FakeNode::decode().await;
+    let d1 = FakeNode::decode().await;
+    // d0 is the least loaded, so it is tried first.
+    d1.state.load.store(3, SeqCst);
+    *d0.state.script.lock().unwrap() = Script {
+        messages: vec![vec![101], vec![102]],
+        end: End::Fail(Code::Unavailable),
+        ..Default::default()
+    };
+    *d1.state.script.lock().unwrap() = Script {
+        messages: vec![vec![103], vec![104]],
+        ..Default::default()
+    };
+    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
+    eventually("all nodes up with their load", || {
+        router
+            .registry
+            .nodes()
+            .iter()
+            .all(|n| n.is_up() && n.info().is_some())
+            && router.registry.nodes()[2].load() == 3
+    })
+    .await;
+    let mut client = router.client();
+    let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(
+        all_ids(&chunks),
+        [100, 101, 102, 103, 104],
+        "no gap, no repeat"
+    );
+    let last = chunks.last().unwrap();
+    assert_eq!(last.usage.unwrap().completion_tokens, 5);
+
+    // The prompt and the tokens sent but the last are prefilled again, for a lease of
+    // their own; the next decode node takes the last one as its first, the others as output.
+    let prefills = p.state.prefills.lock().unwrap().clone();
+    assert_eq!(prefills.len(), 2);
+    let prompt = prefills[0].token_ids.clone();
+    assert_eq!(
+        prefills[1].token_ids,
+        [prompt.as_slice(), &[100, 101]].concat()
+    );
+    assert!(!prefills[1].skip_kv_lease);
+    assert_eq!(d0.state.decode_count(), 1);
+    let moved = d1.state.decodes.lock().unwrap()[0].clone();
+    assert_eq!(moved.prompt_token_ids, prefills[1].token_ids);
+    assert_eq!((moved.first_token, moved.resumed_tokens), (102, 2));
+    assert_eq!(
+        moved.max_tokens, 64,
+        "the request's whole max_tokens: resumed ones count"
+    );
+    let leases = p.state.leases.lock().unwrap().clone();
+    assert_eq!(moved.kv.unwrap().lease_id, leases[1]);
+    eventually("both leases released", || {
+        let mut released = p.state.released();
+        released.sort();
+        released == leases
+    })
+    .await;
 }
 
 #[tokio::test]
