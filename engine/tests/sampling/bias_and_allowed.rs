@@ -51,10 +51,9 @@ fn allowed_token_ids_confine_every_draw() {
         seed: Some(1),
         ..params()
     };
-    let mut s = Sampler::new(&p, 1, &[]);
     let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..3000 {
-        let t = s.sample(&l, &[], &[]);
+    for i in 0..3000 {
+        let t = crate::first_draw(&p, 1 + i).sample(&l, &[], &[]);
         assert!(allowed.contains(&t.token_id), "{}", t.token_id);
         seen.insert(t.token_id);
     }

@@ -48,11 +48,19 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
     l.iter().map(|&x| x as f64 - m - s.ln()).collect()
 }
 
+/// A sampler for one independent draw: a token's draw depends only on the seed and its place
+/// in the output, so repeated calls at the same place repeat the draw. Statistical tests draw
+/// the first token under `n` different seeds instead.
+fn first_draw(p: &SamplingParams, seed: u64) -> Sampler {
+    Sampler::new(p, seed, &[])
+}
+
 fn counts(p: &SamplingParams, seed: u64, logits: &[f32], n: usize) -> Vec<usize> {
-    let mut s = Sampler::new(p, seed, &[]);
     let mut c = vec![0; logits.len()];
-    for _ in 0..n {
-        c[s.sample(logits, &[], &[]).token_id as usize] += 1;
+    for i in 0..n {
+        c[first_draw(p, seed + i as u64)
+            .sample(logits, &[], &[])
+            .token_id as usize] += 1;
     }
     c
 }
