@@ -38,6 +38,9 @@ cargo test --workspace --locked
 # Disk is what a CI machine runs out of first (linking test binaries): say where it stands.
 echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1); $(df -h . | awk 'NR == 2 {print $4 " free on " $6}')"
 
+echo "== chaos soak: 3 minutes of load on a secure 2+2 cluster while its parts are SIGKILLed"
+PD_SOAK_NO_BUILD=1 ./scripts/soak.sh 3
+
 echo "== third-party client (Python grpcio) against a live cluster"
 ./scripts/python-client-test.sh
 

@@ -355,12 +355,15 @@ impl DecodeNodeService {
                     error = %e,
                     "KV pull failed"
                 );
-                Err(Status::unavailable(format!(
-                    "pulling the prompt's KV ({count} blocks of lease {}) from the prefill node \
-                     at {addr} failed [{}]: {e}",
-                    kv.lease_id,
-                    e.reason()
-                )))
+                Err(pd_proto::failure::FailureCause::KvPull.status(
+                    tonic::Code::Unavailable,
+                    format!(
+                        "pulling the prompt's KV ({count} blocks of lease {}) from the prefill \
+                         node at {addr} failed [{}]: {e}",
+                        kv.lease_id,
+                        e.reason()
+                    ),
+                ))
             }
         }
     }

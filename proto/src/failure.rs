@@ -1,9 +1,12 @@
 //! Why a node call failed, where the gRPC code alone cannot say: a typed marker that a node
 //! puts in an error status's metadata (sent as a trailer) and the router reads back.
 //!
-//! Today the one cause is an engine panic: INTERNAL, like any other bug, but the request may
-//! be what made the engine panic (a "poison" request), so the router must not retry it on
-//! another node, where it would take a second engine down.
+//! - An engine panic: INTERNAL, like any other bug, but the request may be what made the
+//!   engine panic (a "poison" request), so the router must not retry it on another node,
+//!   where it would take a second engine down.
+//! - A failed KV pull: a decode node's UNAVAILABLE because the prefill node's KV could not be
+//!   pulled (that node died, or the lease expired). The decode node is fine and another
+//!   decode node would fail the same way on the same lease: the router prefills again.
 
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Code, Status};
@@ -16,15 +19,18 @@ pub const KEY: &str = "pd-failure-cause";
 pub enum FailureCause {
     /// The node's engine thread panicked while the request was open.
     EnginePanic,
+    /// A decode node could not pull the request's KV from its prefill node.
+    KvPull,
 }
 
 impl FailureCause {
-    pub const ALL: [FailureCause; 1] = [FailureCause::EnginePanic];
+    pub const ALL: [FailureCause; 2] = [FailureCause::EnginePanic, FailureCause::KvPull];
 
     /// The marker's value on the wire.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureCause::EnginePanic => "engine-panic",
+            FailureCause::KvPull => "kv-pull",
         }
     }
 
@@ -56,5 +62,10 @@ mod tests {
         assert_eq!(received.code(), Code::Internal);
         assert_eq!(FailureCause::of(&received), Some(FailureCause::EnginePanic));
         assert_eq!(FailureCause::of(&Status::internal("other bug")), None);
+        let pull = FailureCause::KvPull.status(Code::Unavailable, "lease gone");
+        let mut trailers = tonic::codegen::http::HeaderMap::new();
+        pull.add_header(&mut trailers).unwrap();
+        let received = Status::from_header_map(&trailers).unwrap();
+        assert_eq!(FailureCause::of(&received), Some(FailureCause::KvPull));
     }
 }

@@ -124,6 +124,13 @@ impl NodeError {
             NodeFailure::Status(s) if FailureCause::of(s) == Some(FailureCause::EnginePanic))
     }
 
+    /// A decode node could not pull the request's KV from its prefill node: the lease's KV is
+    /// gone, the decode node is fine.
+    pub fn is_kv_pull_failure(&self) -> bool {
+        matches!(&self.what,
+            NodeFailure::Status(s) if FailureCause::of(s) == Some(FailureCause::KvPull))
+    }
+
     /// Worth trying another node: the node (or the path to it) failed, not the request, and
     /// not by a panic the request may have caused.
     pub fn is_retryable(&self) -> bool {

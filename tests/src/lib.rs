@@ -9,6 +9,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
+pub mod soak;
 pub mod tls;
 
 use anyhow::{Context, bail};
@@ -19,12 +20,14 @@ use serde_json::Value;
 /// The directory holding `pdctl`, `router`, `prefill-node`, `decode-node`.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
-    // target/<profile>/deps/<test> → target/<profile>
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_path_buf();
+    // A test: target/<profile>/deps/<test> → target/<profile>; a binary of this package
+    // (`soak`) is in target/<profile> itself.
+    let here = exe.parent().expect("target dir");
+    let dir = if here.join("router").exists() {
+        here.to_path_buf()
+    } else {
+        here.parent().expect("target dir").to_path_buf()
+    };
     for bin in ["pdctl", "router", "prefill-node", "decode-node"] {
         assert!(
             dir.join(bin).exists(),
@@ -337,6 +340,16 @@ impl Process {
     /// Starts `bin` (beside the test executable) with `args`, synthetic models cached under
     /// `cache`, and waits for its ready line.
     pub fn start(bin: &str, cache: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_logging(bin, cache, args, Stdio::inherit())
+    }
+
+    /// [`Process::start`] with the process's log (stderr) going to `log`.
+    pub fn start_logging(
+        bin: &str,
+        cache: &Path,
+        args: &[&str],
+        log: impl Into<Stdio>,
+    ) -> anyhow::Result<Self> {
         let mut child = Command::new(bin_dir().join(bin))
             .args(args)
             .env("PD_CACHE_DIR", cache)
@@ -344,7 +357,7 @@ impl Process {
             .env_remove("PD_MODEL")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .spawn()
             .with_context(|| format!("starting {bin}"))?;
         let mut lines = BufReader::new(child.stdout.take().context("stdout")?);
@@ -382,6 +395,11 @@ impl Process {
         addr.rsplit_once(':')
             .and_then(|(_, p)| p.parse().ok())
             .expect("host:port")
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// SIGKILL, as a crash would: no drain, no goodbye to anyone.

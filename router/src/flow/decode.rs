@@ -91,6 +91,21 @@ impl Job {
                     if let Some(permit) = permit {
                         settle_failure(permit, &error);
                     }
+                    if self.kv_gone(&error, &handoff) {
+                        // The prefill node's KV could not be pulled (it died, or the lease
+                        // expired) after the client saw the first token: another decode node
+                        // would pull the same lease. Prefill again, on a live prefill node,
+                        // and keep this decode node as a candidate.
+                        self.migrations += 1;
+                        self.shared.metrics.resilience.migrated();
+                        tracing::warn!(request_id = %self.req.request_id, %error, "the prefill node's KV is gone; prefilling again");
+                        if let Some((node, lease)) = self.held.lease.take() {
+                            tokio::spawn(release_kv(node, lease));
+                        }
+                        handoff = Some(self.prefill_again().await?);
+                        previous = Some(error);
+                        continue;
+                    }
                     excluded.push(node.id);
                     if streamed && self.may_migrate(&error) && self.can_move(&handoff, &excluded) {
                         self.migrations += 1;
@@ -137,6 +152,16 @@ impl Job {
             && error.is_retryable()
             && !error.is_refusal()
             && !self.output.is_empty()
+    }
+
+    /// Whether a decode node's failure to pull the stream's KV moves the stream to KV
+    /// prefilled again: the client has seen tokens (so the failure cannot stay silent), and
+    /// the request has moves left.
+    fn kv_gone(&self, error: &NodeError, handoff: &Option<Handoff>) -> bool {
+        error.is_kv_pull_failure()
+            && handoff.is_some()
+            && !self.output.is_empty()
+            && self.migrations < self.shared.migration_limit
     }
 
     /// Whether a decode node is there to take the stream (before its KV is prefilled again

@@ -89,6 +89,13 @@ impl RouterUnderTest {
         }
     }
 
+    /// The router's `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        http_request(self.metrics, "GET", "/metrics", &[], "")
+            .await
+            .1
+    }
+
     pub fn client(&self) -> GenerationClient<Channel> {
         self.client.clone()
     }

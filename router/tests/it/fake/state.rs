@@ -63,6 +63,9 @@ pub struct FakeState {
     /// Scripted failures are INTERNAL marked as an engine panic (what a node whose engine
     /// panicked answers), whatever `fail_code` says.
     pub fail_as_panic: AtomicBool,
+    /// Scripted failures are UNAVAILABLE marked as a failed KV pull (what a decode node
+    /// answers when its prefill node's KV cannot be pulled).
+    pub fail_as_kv_pull: AtomicBool,
     pub first_token: AtomicU32,
     pub prefill_delay: Mutex<Duration>,
     pub script: Mutex<Script>,
@@ -99,6 +102,7 @@ impl FakeState {
             fail_next: AtomicUsize::new(0),
             fail_code: Mutex::new(Code::Unavailable),
             fail_as_panic: AtomicBool::new(false),
+            fail_as_kv_pull: AtomicBool::new(false),
             first_token: AtomicU32::new(100),
             prefill_delay: Mutex::new(Duration::ZERO),
             script: Mutex::new(Script::default()),
@@ -144,6 +148,8 @@ impl FakeState {
         failing.then(|| {
             if self.fail_as_panic.load(Ordering::SeqCst) {
                 FailureCause::EnginePanic.status(Code::Internal, "scripted engine panic")
+            } else if self.fail_as_kv_pull.load(Ordering::SeqCst) {
+                FailureCause::KvPull.status(Code::Unavailable, "scripted KV pull failure")
             } else {
                 Status::new(*self.fail_code.lock().unwrap(), "scripted failure")
             }

@@ -163,6 +163,57 @@ async fn a_decode_failure_after_tokens_moves_the_stream_to_another_decode_node()
 }
 
 #[tokio::test]
+async fn a_kv_pull_failure_after_the_first_token_prefills_again_on_the_same_decode_node() {
+    // The prefill node's KV is gone (it died, or the lease expired) when the decode node
+    // pulls it: every decode node would fail on that lease, and the client has the first
+    // token. The prompt and that token are prefilled again for a new lease.
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    eventually("all nodes up", || {
+        router
+            .registry
+            .nodes()
+            .iter()
+            .all(|n| n.is_up() && n.info().is_some())
+    })
+    .await;
+    d.state.fail_as_kv_pull.store(true, SeqCst);
+    d.state.fail_next.store(1, SeqCst);
+    let mut client = router.client();
+    let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(all_ids(&chunks), [100, 101, 102], "no gap, no repeat");
+    let prefills = p.state.prefills.lock().unwrap().clone();
+    assert_eq!(prefills.len(), 2, "prefilled again");
+    let prompt = prefills[0].token_ids.clone();
+    assert_eq!(
+        prefills[1].token_ids, prompt,
+        "nothing sent but the first token"
+    );
+    assert_eq!(d.state.decode_count(), 2, "the same decode node, again");
+    let second = d.state.decodes.lock().unwrap()[1].clone();
+    let leases = p.state.leases.lock().unwrap().clone();
+    assert_eq!(second.kv.unwrap().lease_id, leases[1], "the new lease");
+    assert_eq!((second.first_token, second.resumed_tokens), (100, 0));
+    eventually("both leases released", || {
+        let mut released = p.state.released();
+        released.sort();
+        released == leases
+    })
+    .await;
+    let text = router.metrics_text().await;
+    assert!(
+        text.contains("pd_router_migrations_total 1"),
+        "one move: {}",
+        text.lines()
+            .filter(|l| l.contains("migrations"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[tokio::test]
 async fn a_decode_node_failing_before_its_first_token_is_replaced() {
     let p = FakeNode::prefill().await;
     let d0 = FakeNode::decode().await;
