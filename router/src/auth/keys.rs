@@ -15,6 +15,7 @@
 //! Not here: reading the file again when it changes, and the transports ([`super`]).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -61,6 +62,22 @@ pub enum LineProblem {
 
 /// A key's SHA-256 digest.
 type KeyDigest = [u8; 32];
+
+/// A presented key's identity: the lowercase hex (64 digits) of its SHA-256, what
+/// `printf %s KEY | sha256sum` prints. It names a key without revealing it (per-key limits
+/// are written with it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyId(Arc<str>);
+
+impl KeyId {
+    pub fn of(key: &str) -> Self {
+        Self(crate::tenant::hex(&digest(key.as_bytes())).into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
 
 fn digest(key: &[u8]) -> KeyDigest {
     Sha256::digest(key).into()
