@@ -289,7 +289,7 @@ impl LimitsTable {
         }
         table
             .keys
-            .sort_by(|a, b| b.0.as_str().len().cmp(&a.0.as_str().len()));
+            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.as_str().len()));
         Ok(table)
     }
 

@@ -279,7 +279,7 @@ impl TenantLimits {
 
     /// Takes `amount` of `kind` from each of `owners`' buckets that the file in use limits.
     fn charge(&self, owners: &[Owner], kind: LimitKind, amount: f64) {
-        if !(amount > 0.0) {
+        if amount.is_nan() || amount <= 0.0 {
             return;
         }
         let table = self.file.current();
