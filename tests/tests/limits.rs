@@ -5,8 +5,7 @@
 //! reason.
 
 use pd_tests::{
-    Cluster, all_blocks_free, client, collect_as, exposition, greedy, http_post_as,
-    spread_prompts,
+    Cluster, all_blocks_free, client, collect_as, exposition, greedy, http_post_as, spread_prompts,
 };
 
 const KEY_REUSE: &str = "tenant-reuse-key-00000001";
@@ -51,7 +50,11 @@ async fn cached_prompt_tokens_stretch_a_tenant_s_budget_and_computed_ones_exhaus
     let refused = collect_as(&mut c, greedy(prompt(200), 2), Some(KEY_FRESH))
         .await
         .expect_err("over its prompt tokens");
-    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
     assert!(
         refused.message().contains("prompt tokens"),
         "{}",

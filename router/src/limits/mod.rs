@@ -117,6 +117,22 @@ enum Owner {
     Key(KeyPrefix),
 }
 
+/// Whose limit refused a request, as its message names it (never the key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Whose {
+    Tenant(Tenant),
+    ApiKey,
+}
+
+impl std::fmt::Display for Whose {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Whose::Tenant(t) => write!(f, "tenant `{t}`"),
+            Whose::ApiKey => f.write_str("this API key"),
+        }
+    }
+}
+
 /// A refused request: which bucket, and when it has room.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error(
@@ -125,8 +141,7 @@ enum Owner {
     .rate.per_second, unit(*.kind), .rate.burst, self.retry_after_secs()
 )]
 pub struct LimitRefusal {
-    /// `tenant \`acme\`` or `this API key`.
-    who: String,
+    pub who: Whose,
     pub kind: LimitKind,
     pub rate: Rate,
     /// How long until the bucket has room.
@@ -243,8 +258,8 @@ impl TenantLimits {
                     let wait = bucket.wait_for(rate, need - EPSILON);
                     if wait > Duration::ZERO && worst.as_ref().is_none_or(|w| wait > w.wait) {
                         let who = match owner {
-                            Owner::Tenant(t) => format!("tenant `{t}`"),
-                            Owner::Key(_) => "this API key".to_string(),
+                            Owner::Tenant(t) => Whose::Tenant(t.clone()),
+                            Owner::Key(_) => Whose::ApiKey,
                         };
                         worst = Some(LimitRefusal {
                             who,
@@ -296,7 +311,8 @@ impl TenantLimits {
         }
     }
 
-    /// The level of `tenant`'s `kind` bucket now (None: it has none yet), for tests.
+    /// The level of `tenant`'s `kind` bucket now (None: it has none yet).
+    #[cfg(test)]
     pub fn tenant_level(&self, tenant: &Tenant, kind: LimitKind) -> Option<f64> {
         let table = self.file.current();
         let rate = table.tenant(tenant)?.get(kind)?;
