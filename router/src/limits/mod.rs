@@ -12,7 +12,8 @@
 //! passes carries an [`Account`] that charges what it actually uses: its generated tokens as
 //! they stream to the client, and, when its usage is known (its last message), its prompt:
 //! `(prompt_tokens - cached_tokens) + cost × cached_tokens`, from the usage the client is
-//! told. Token buckets can therefore go into debt, and a subject in debt is refused until
+//! told (a client that goes away before its usage, after its first token, is charged its
+//! whole prompt as computed). Token buckets can therefore go into debt, and a subject in debt is refused until
 //! the refill pays it back.
 //!
 //! The buckets of a request: its tenant's (the tenant's line, else `default`'s, each tenant
@@ -341,6 +342,13 @@ impl Account {
     pub fn prompt(&self, usage: &pb::Usage) {
         let cost =
             (self.limits.cached_token_cost).prompt_cost(usage.prompt_tokens, usage.cached_tokens);
+        (self.limits).charge(&self.owners, LimitKind::PromptTokens, cost);
+    }
+
+    /// A prompt of `prompt_tokens` whose usage never came (its client went away first),
+    /// charged as if all of it was computed.
+    pub fn prompt_computed(&self, prompt_tokens: u32) {
+        let cost = f64::from(prompt_tokens);
         (self.limits).charge(&self.owners, LimitKind::PromptTokens, cost);
     }
 }

@@ -137,6 +137,9 @@ struct RequestTimer {
     account: Option<Account>,
     /// Tokens charged to `account` so far.
     charged_tokens: u64,
+    /// The prompt's length, from the first chunk (`prompt_tokens`), until its usage charged
+    /// it: a client that goes away before then is charged it as computed.
+    prompt_uncharged: Option<u32>,
     done: bool,
 }
 
@@ -156,6 +159,7 @@ impl RequestTimer {
             last_token: None,
             account,
             charged_tokens: 0,
+            prompt_uncharged: None,
             done: false,
         }
     }
@@ -198,6 +202,9 @@ impl RequestTimer {
         let Some(account) = &self.account else {
             return;
         };
+        if self.counts_prompt && chunk.prompt_tokens.is_some() {
+            self.prompt_uncharged = chunk.prompt_tokens;
+        }
         let mut generated = tokens as u64;
         if let Some(usage) = &chunk.usage {
             let total = u64::from(usage.completion_tokens);
@@ -205,6 +212,7 @@ impl RequestTimer {
             if self.counts_prompt {
                 account.prompt(usage);
             }
+            self.prompt_uncharged = None;
         }
         if generated > 0 {
             account.generated(generated);
@@ -229,6 +237,13 @@ impl RequestTimer {
             return;
         }
         self.done = true;
+        // The client went away after its prompt was computed, before its usage: the prompt
+        // is charged as computed (what was cached is not known).
+        if outcome == Outcome::Error(Code::Cancelled)
+            && let (Some(account), Some(prompt)) = (&self.account, self.prompt_uncharged.take())
+        {
+            account.prompt_computed(prompt);
+        }
         self.metrics.tenants.ended(&self.tenant, outcome);
         match self.metrics.model.ended(outcome) {
             Some(counter) => counter.inc(),

@@ -1,7 +1,8 @@
 //! Tenant limits (`--tenant-limits`, `--cached-token-cost`) over real sockets: computed
 //! prompt tokens cost more than cached ones, requests per second refused over gRPC
 //! (RESOURCE_EXHAUSTED) and HTTP (429 with Retry-After), the refusals counted by tenant and
-//! reason, per-key limits, and the file re-read when it changes.
+//! reason, per-key limits, a client that goes away charged its prompt, and the file re-read
+//! when it changes.
 //!
 //! Every limit here refills at 0.001 per second: nothing refills within a test.
 
@@ -267,6 +268,13 @@ async fn a_key_line_limits_that_key_only() {
         refused.message()
     );
     assert!(!refused.message().contains(KEY_COMPUTED), "never the key");
+    // Over HTTP too: the key's bucket is the same.
+    let bearer = format!("Bearer {KEY_COMPUTED}");
+    let body = r#"{"prompt":"hi","max_tokens":2}"#;
+    let headers = [("Authorization", bearer.as_str())];
+    let (status, text) = http_request(router.http, "POST", "/v1/completions", &headers, body).await;
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("this API key"), "{text}");
     // The tenant's other key is not limited.
     for _ in 0..3 {
         run(&router, Some(KEY_CACHED)).await.unwrap();
@@ -334,5 +342,52 @@ async fn a_changed_limits_file_is_picked_up_and_a_bad_one_keeps_the_limits() {
         ),
         Some(1.0),
         "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_pays_for_its_prompt_as_computed() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = file(
+        &dir,
+        "limits",
+        "default prompt_tokens_per_second=0.001 prompt_tokens_per_second_burst=50\n",
+    );
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    *d.state.script.lock().unwrap() = Script {
+        messages: vec![vec![101]; 50],
+        delay: std::time::Duration::from_millis(50),
+        end: End::Finish(pb::FinishReason::Length),
+    };
+    let mut cfg = config(&[&p], &[&d]);
+    cfg.tenant_limits = Some(limits);
+    let router = RouterUnderTest::start(cfg).await;
+
+    // A 100-token prompt (48 of it cached, which the client is never told): the client reads
+    // its first token and goes away.
+    let mut stream = router
+        .client()
+        .generate(request(None))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.prompt_tokens, Some(100));
+    drop(stream);
+    eventually("the decode stream is dropped", || {
+        d.state
+            .streams_cancelled
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1
+    })
+    .await;
+    // Charged 100 of its 50: in debt.
+    let refused = run(&router, None).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("prompt tokens"),
+        "{}",
+        refused.message()
     );
 }
