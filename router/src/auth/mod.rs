@@ -135,9 +135,10 @@ impl Auth {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthError::NotBearer);
         }
-        let key = key.trim_start();
-        let tenant = keys.current().tenant_of(key).ok_or(AuthError::Unknown)?;
-        Ok((tenant, Some(KeyId::of(key))))
+        let (tenant, key) = (keys.current())
+            .lookup(key.trim_start())
+            .ok_or(AuthError::Unknown)?;
+        Ok((tenant, Some(key)))
     }
 
     /// Polls the keys file for changes until the task is dropped (nothing without keys).
@@ -294,7 +295,7 @@ mod tests {
                 .unwrap()
                 .1
                 .unwrap()
-                .as_str(),
+                .hex(),
             "bddf9699d691b9e1dca55302c88695ccf3da92bf74543804363977e1c3b4e93d"
         );
         assert_eq!(check("key-one-0123456789"), Err(AuthError::Unknown));

@@ -120,7 +120,7 @@ impl KeyPrefix {
     }
 
     pub fn matches(&self, key: &KeyId) -> bool {
-        key.as_str().starts_with(&self.0)
+        key.starts_with_hex(&self.0)
     }
 
     pub fn as_str(&self) -> &str {
@@ -371,7 +371,7 @@ mod tests {
         );
         // The longest matching prefix wins; prefixes are case-insensitive.
         let key = KeyId::of("k");
-        let hex = key.as_str().to_string();
+        let hex = key.hex();
         assert!(table.key(&key).is_none() || hex.starts_with("abcdef01"));
         let long = LimitsTable::parse(
             &format!(

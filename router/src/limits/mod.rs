@@ -420,7 +420,7 @@ mod tests {
         let text = format!(
             "acme requests_per_second=0.001 requests_per_second_burst=3\n\
              key:{} requests_per_second=0.001 requests_per_second_burst=1\n",
-            &key.as_str()[..12]
+            &key.hex()[..12]
         );
         let (l, _dir) = limits(&text);
         let acme = Tenant::new("acme").unwrap();

@@ -249,7 +249,7 @@ async fn a_key_line_limits_that_key_only() {
         "limits",
         &format!(
             "key:{} requests_per_second=0.001 requests_per_second_burst=1\n",
-            &digest.as_str()[..16]
+            &digest.hex()[..16]
         ),
     );
     let p = FakeNode::prefill().await;
