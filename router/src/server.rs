@@ -124,6 +124,12 @@ impl Router {
             )?)),
             None => None,
         };
+        if !auth.is_on() && limits.as_ref().is_some_and(|l| l.has_key_lines()) {
+            tracing::warn!(
+                "the tenant limits file has key: lines, but without --api-keys no request \
+                 has a key: they limit nothing"
+            );
+        }
         let tenancy = Tenancy {
             keys: auth.is_on(),
             shared_prefix_cache: config.shared_prefix_cache,

@@ -311,6 +311,11 @@ impl LimitsTable {
         self.keys.iter().find(|(p, _)| p == prefix).map(|(_, l)| l)
     }
 
+    /// Whether the file has `key:` lines.
+    pub fn has_key_lines(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
     /// Whether any line limits anything.
     pub fn is_empty(&self) -> bool {
         self.default.is_none() && self.tenants.is_empty() && self.keys.is_empty()

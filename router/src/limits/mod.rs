@@ -204,6 +204,11 @@ impl TenantLimits {
         })
     }
 
+    /// Whether the file in use has `key:` lines (they match nothing without API keys).
+    pub fn has_key_lines(&self) -> bool {
+        self.file.current().has_key_lines()
+    }
+
     /// Reads the file again when it changes, until the task is dropped.
     pub fn spawn_reload(&self, tasks: &mut tokio::task::JoinSet<()>) {
         self.file.spawn_reload(self.metrics.clone(), tasks);
