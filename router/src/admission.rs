@@ -13,6 +13,12 @@
 //! request that ended with `resource_exhausted` on `pd_router_requests_total` and the
 //! tenant's `pd_router_tenant_requests_total`, like any other request refused before its
 //! stream started.
+//!
+//! The same gate checks a request against its tenant's limits first (`--tenant-limits`,
+//! [`crate::limits`]), when there are any: a tenant over a limit is refused the same way (its
+//! retry hint the seconds until its bucket has room) without taking a slot or a place in the
+//! queue, and an admitted request carries its [`Account`] in its extensions, to be charged
+//! what it uses.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -34,6 +40,8 @@ use tonic::body::Body as GrpcBody;
 use tonic::codegen::http;
 use tonic::server::NamedService;
 
+use crate::auth::KeyId;
+use crate::limits::{Account, LimitRefusal, TenantLimits};
 use crate::metrics::{RejectReason, RouterMetrics};
 use crate::tenant::Tenant;
 
@@ -93,17 +101,35 @@ impl Refusal {
     /// The gRPC status: RESOURCE_EXHAUSTED, with the retry hint gRPC clients read
     /// (`grpc-retry-pushback-ms`, honoured by retry policies) and `retry-after` in seconds.
     pub fn status(&self) -> Status {
-        let mut status = Status::resource_exhausted(self.to_string());
-        let metadata = status.metadata_mut();
-        metadata.insert(
-            "grpc-retry-pushback-ms",
-            RETRY_AFTER.as_millis().to_string().parse().expect("digits"),
-        );
-        metadata.insert(
-            "retry-after",
-            RETRY_AFTER.as_secs().to_string().parse().expect("digits"),
-        );
-        status
+        exhausted(&self.to_string(), RETRY_AFTER)
+    }
+}
+
+/// RESOURCE_EXHAUSTED with `message` and the retry hint `retry_after` (whole seconds) as
+/// `grpc-retry-pushback-ms` and `retry-after`.
+pub fn exhausted(message: &str, retry_after: Duration) -> Status {
+    let mut status = Status::resource_exhausted(message);
+    let metadata = status.metadata_mut();
+    let millis = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+    metadata.insert("grpc-retry-pushback-ms", millis.into());
+    metadata.insert("retry-after", retry_after.as_secs().into());
+    status
+}
+
+/// HTTP 429 with OpenAI's error body of `message` and `Retry-After` in whole seconds.
+pub fn too_many_requests(message: &str, retry_after: Duration) -> Response {
+    let mut response = crate::openai::error(StatusCode::TOO_MANY_REQUESTS, message);
+    response.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(retry_after.as_secs()),
+    );
+    response
+}
+
+impl LimitRefusal {
+    /// The gRPC status of the refusal: as admission's, with this refusal's retry hint.
+    pub fn status(&self) -> Status {
+        exhausted(&self.to_string(), self.retry_after())
     }
 }
 
@@ -116,6 +142,8 @@ pub struct Admission {
     /// Requests waiting for a slot now.
     queued: AtomicUsize,
     metrics: Arc<RouterMetrics>,
+    /// `--tenant-limits`, checked before a slot is taken.
+    tenant_limits: Option<Arc<TenantLimits>>,
 }
 
 /// A request's slot; given back on drop.
@@ -141,6 +169,26 @@ impl Admission {
             limits,
             queued: AtomicUsize::new(0),
             metrics,
+            tenant_limits: None,
+        }
+    }
+
+    /// This admission, checking requests against `limits` first.
+    pub fn with_limits(mut self, limits: Option<Arc<TenantLimits>>) -> Self {
+        self.tenant_limits = limits;
+        self
+    }
+
+    /// Checks a request of `tenant` (and `key`) against the tenant limits: its account to
+    /// charge (`None` without limits on it), or the refusal (counted).
+    pub fn check_limits(
+        &self,
+        tenant: &Tenant,
+        key: Option<&KeyId>,
+    ) -> Result<Option<Account>, LimitRefusal> {
+        match &self.tenant_limits {
+            None => Ok(None),
+            Some(limits) => limits.admit(tenant, key),
         }
     }
 
@@ -286,7 +334,16 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let admission = self.admission.clone();
         Box::pin(async move {
+            let mut request = request;
             let tenant = crate::service::tenant_of(request.extensions());
+            let key = request.extensions().get::<KeyId>();
+            match admission.check_limits(&tenant, key) {
+                Ok(Some(account)) => {
+                    request.extensions_mut().insert(account);
+                }
+                Ok(None) => {}
+                Err(refusal) => return Ok(refusal.status().into_http()),
+            }
             match admission.admit(&tenant).await {
                 Ok(permit) => {
                     let response = inner.call(request).await?;
@@ -302,7 +359,7 @@ where
 /// 429 with `Retry-After` and OpenAI's error body when refused (the request body is not read).
 pub async fn admit_http(
     State(admission): State<Arc<Admission>>,
-    request: axum::extract::Request,
+    mut request: axum::extract::Request,
     next: Next,
 ) -> Response {
     let tenant = request
@@ -310,20 +367,22 @@ pub async fn admit_http(
         .get::<Tenant>()
         .cloned()
         .unwrap_or_default();
+    let key = request.extensions().get::<KeyId>();
+    match admission.check_limits(&tenant, key) {
+        Ok(Some(account)) => {
+            request.extensions_mut().insert(account);
+        }
+        Ok(None) => {}
+        Err(refusal) => {
+            return too_many_requests(&refusal.to_string(), refusal.retry_after());
+        }
+    }
     match admission.admit(&tenant).await {
         Ok(permit) => next
             .run(request)
             .await
             .map(|body| axum::body::Body::new(Holding::new(body, permit))),
-        Err(refusal) => {
-            let mut response =
-                crate::openai::error(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
-            response.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(RETRY_AFTER.as_secs()),
-            );
-            response
-        }
+        Err(refusal) => too_many_requests(&refusal.to_string(), RETRY_AFTER),
     }
 }
 

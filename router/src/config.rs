@@ -85,6 +85,11 @@ pub struct RouterConfig {
     pub api_keys: Option<std::path::PathBuf>,
     /// `--shared-prefix-cache`: tenants share cached KV (their cache salt is not derived).
     pub shared_prefix_cache: bool,
+    /// `--tenant-limits`: the per-tenant (and per-key) rate limits file (None: no limits).
+    pub tenant_limits: Option<std::path::PathBuf>,
+    /// `--cached-token-cost`: what a cached prompt token costs against a prompt token limit,
+    /// as a fraction of a computed one.
+    pub cached_token_cost: crate::limits::CachedTokenCost,
     /// `--prefix-caching-hash-algo`: the nodes' block hash (nodes that differ are not used).
     pub prefix_caching_hash_algo: HashAlgo,
     /// TLS of the router's listeners and of its channels to the nodes (`--tls-*`; the
@@ -122,6 +127,8 @@ impl RouterConfig {
             tool_call_parser: None,
             api_keys: None,
             shared_prefix_cache: false,
+            tenant_limits: None,
+            cached_token_cost: crate::limits::CachedTokenCost::DEFAULT,
             prefix_caching_hash_algo: HashAlgo::default(),
             tls: pd_tls::TlsSettings::default(),
         }
@@ -361,6 +368,26 @@ pub struct RouterArgs {
     #[arg(long, env = "PD_SHARED_PREFIX_CACHE", help_heading = "Clients")]
     pub shared_prefix_cache: bool,
 
+    /// File of per-tenant and per-API-key rate limits, one `SUBJECT key=value ...` line per
+    /// tenant (`default`: every tenant without a line; `key:HEX`: the API key whose SHA-256
+    /// starts with HEX), keys `requests_per_second`, `generation_tokens_per_second`,
+    /// `prompt_tokens_per_second`, each with an optional `_burst` (docs/operations.md). A
+    /// request over a limit is refused (gRPC RESOURCE_EXHAUSTED, HTTP 429 with Retry-After).
+    /// The file is read again when it changes. Unset: no limits.
+    #[arg(
+        long,
+        env = "PD_TENANT_LIMITS_FILE",
+        value_name = "FILE",
+        help_heading = "Clients"
+    )]
+    pub tenant_limits: Option<std::path::PathBuf>,
+
+    /// What a cached prompt token costs against prompt_tokens_per_second limits, as a
+    /// fraction of a computed one: from 0 (free) to 1 (the same). A tenant whose prompts
+    /// reuse cached prefixes gets more throughput.
+    #[arg(long, env = "PD_CACHED_TOKEN_COST", default_value_t = crate::limits::CachedTokenCost::DEFAULT, help_heading = "Clients")]
+    pub cached_token_cost: crate::limits::CachedTokenCost,
+
     /// The block hash of the nodes' prefix caches: xxhash (XXH3-128; also `xxh3`) or sha256
     /// (vLLM's flag). The prefix-aware policy hashes prompts with it, and a node that reports
     /// another algorithm is not routed to (its `Info` says which it uses).
@@ -433,6 +460,8 @@ impl RouterArgs {
             report_faults: crate::metrics::FaultSpec::from_env()?,
             api_keys: self.api_keys.clone(),
             shared_prefix_cache: self.shared_prefix_cache,
+            tenant_limits: self.tenant_limits.clone(),
+            cached_token_cost: self.cached_token_cost,
             prefix_caching_hash_algo: self.prefix_caching_hash_algo,
             tls: pd_tls::TlsSettings::default(),
         })

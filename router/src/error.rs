@@ -42,6 +42,8 @@ pub enum RouterError {
     Serve(#[from] tonic::transport::Error),
     #[error(transparent)]
     Keys(#[from] crate::auth::KeysError),
+    #[error(transparent)]
+    Limits(#[from] crate::limits::LimitsError),
     /// The `--tls-*` files cannot be used.
     #[error("TLS: {0}")]
     Tls(#[from] pd_tls::TlsError),
@@ -57,9 +59,10 @@ impl RouterError {
                 pd_engine::ErrorKind::Internal => Code::Internal,
                 _ => Code::FailedPrecondition,
             },
-            RouterError::BadAddress { .. } | RouterError::NoNodes | RouterError::Keys(_) => {
-                Code::InvalidArgument
-            }
+            RouterError::BadAddress { .. }
+            | RouterError::NoNodes
+            | RouterError::Keys(_)
+            | RouterError::Limits(_) => Code::InvalidArgument,
             RouterError::NoHealthyNode { .. } => Code::Unavailable,
             RouterError::IncompatibleLayouts { .. } | RouterError::Tls(_) => {
                 Code::FailedPrecondition

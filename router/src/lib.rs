@@ -9,6 +9,9 @@
 //! never after an engine panic; nodes that keep failing are skipped for a while (their
 //! circuit breakers, [`registry::Breaker`]).
 //!
+//! Tenants can be held to token-bucket limits that price cached prompt tokens below computed
+//! ones ([`limits`]).
+//!
 //! Every node's counters, client-perceived latencies and node health are exported under
 //! `pd_router_*` on `/metrics` ([`metrics`]).
 //!
@@ -29,6 +32,7 @@ pub mod config;
 pub mod discovery;
 pub mod error;
 mod flow;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 pub mod policy;
@@ -38,6 +42,7 @@ mod server;
 mod service;
 pub mod tenant;
 pub mod validation;
+mod watched;
 
 pub use config::{PolicyKind, RouterArgs, RouterConfig};
 pub use error::{NodeError, RouterError};

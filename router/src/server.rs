@@ -23,6 +23,7 @@ use crate::choices::ChoicesGeneration;
 use crate::config::RouterConfig;
 use crate::discovery;
 use crate::error::RouterError;
+use crate::limits::TenantLimits;
 use crate::metrics::{self, MeteredGeneration, RouterMetrics};
 use crate::openai;
 use crate::policy::{self, LeastLoaded};
@@ -115,12 +116,29 @@ impl Router {
             None => Auth::open(),
         };
         metrics.add_tenants(&auth.tenants());
+        let limits = match &config.tenant_limits {
+            Some(path) => Some(Arc::new(TenantLimits::from_file(
+                path,
+                config.cached_token_cost,
+                metrics.clone(),
+            )?)),
+            None => None,
+        };
+        if !auth.is_on() && limits.as_ref().is_some_and(|l| l.has_key_lines()) {
+            tracing::warn!(
+                "the tenant limits file has key: lines, but without --api-keys no request \
+                 has a key: they limit nothing"
+            );
+        }
         let tenancy = Tenancy {
             keys: auth.is_on(),
             shared_prefix_cache: config.shared_prefix_cache,
         };
         let shared = Arc::new(Shared {
-            admission: Arc::new(Admission::new(config.admission, metrics.clone())),
+            admission: Arc::new(
+                Admission::new(config.admission, metrics.clone()).with_limits(limits.clone()),
+            ),
+            limits,
             auth,
             tenancy,
             validator: Validator::new(model.clone(), config.max_tokens_cap),
@@ -201,6 +219,16 @@ impl Router {
         if let Some(path) = &config.api_keys {
             Auth::from_file(path)?;
         }
+        if let Some(path) = &config.tenant_limits {
+            if path.exists() {
+                crate::limits::LimitsTable::load(path)?;
+            } else {
+                notes.push(format!(
+                    "tenant limits file {} is not on this machine; it is read at start",
+                    path.display()
+                ));
+            }
+        }
         Ok(notes)
     }
 
@@ -257,7 +285,12 @@ impl Router {
                 }
             });
         }
-        shared.auth.spawn_reload(&mut background);
+        shared
+            .auth
+            .spawn_reload(shared.metrics.clone(), &mut background);
+        if let Some(limits) = &shared.limits {
+            limits.spawn_reload(&mut background);
+        }
         registry.spawn_health_checks(
             config.health_interval,
             config.health_timeout,

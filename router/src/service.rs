@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     pub tenancy: Tenancy,
     /// `--max-inflight` / `--max-queue`: both APIs' requests take their slots here.
     pub admission: Arc<crate::admission::Admission>,
+    /// `--tenant-limits` (also checked by `admission`); here for its reload task.
+    pub limits: Option<Arc<crate::limits::TenantLimits>>,
     /// `--max-retries`, the retry backoff and the retry budget.
     pub retries: crate::retry::Retries,
     /// `--migration-limit`.

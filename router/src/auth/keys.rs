@@ -62,6 +62,33 @@ pub enum LineProblem {
 /// A key's SHA-256 digest.
 type KeyDigest = [u8; 32];
 
+/// A presented key's identity: its SHA-256, written as the lowercase hex (64 digits) that
+/// `printf %s KEY | sha256sum` prints. It names a key without revealing it (per-key limits
+/// are written with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyId(KeyDigest);
+
+impl KeyId {
+    pub fn of(key: &str) -> Self {
+        Self(digest(key.as_bytes()))
+    }
+
+    /// The digest in lowercase hex.
+    pub fn hex(&self) -> String {
+        crate::tenant::hex(&self.0)
+    }
+
+    /// Whether the hex of the digest starts with `prefix` (hex digits, any case).
+    pub fn starts_with_hex(&self, prefix: &str) -> bool {
+        prefix.len() <= 64
+            && prefix.bytes().enumerate().all(|(i, c)| {
+                let byte = self.0[i / 2];
+                let nibble = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
+                char::from(c).to_digit(16) == Some(u32::from(nibble))
+            })
+    }
+}
+
 fn digest(key: &[u8]) -> KeyDigest {
     Sha256::digest(key).into()
 }
@@ -127,6 +154,12 @@ impl KeyTable {
 
     /// The tenant `key` belongs to, if any. Compares with every digest in constant time.
     pub fn tenant_of(&self, key: &str) -> Option<Tenant> {
+        self.lookup(key).map(|(tenant, _)| tenant)
+    }
+
+    /// The tenant `key` belongs to and the key's identity, if it is one of the keys.
+    /// Compares with every digest in constant time.
+    pub fn lookup(&self, key: &str) -> Option<(Tenant, KeyId)> {
         let d = digest(key.as_bytes());
         let mut found = None;
         for (e, tenant) in &self.entries {
@@ -134,7 +167,7 @@ impl KeyTable {
                 found = Some(tenant);
             }
         }
-        found.cloned()
+        found.map(|tenant| (tenant.clone(), KeyId(d)))
     }
 
     /// The tenants, each once, sorted.
@@ -182,6 +215,23 @@ mod tests {
         assert_eq!(table.tenant_of(""), None);
         let names: Vec<String> = table.tenants().iter().map(ToString::to_string).collect();
         assert_eq!(names, ["acme", "beta"]);
+    }
+
+    #[test]
+    fn a_key_id_is_its_sha256_and_matches_hex_prefixes() {
+        // printf %s key-two-0123456789 | sha256sum
+        let hex = "bddf9699d691b9e1dca55302c88695ccf3da92bf74543804363977e1c3b4e93d";
+        let id = KeyId::of("key-two-0123456789");
+        assert_eq!(id.hex(), hex);
+        for prefix in ["", "b", "bddf9699", "BDDF9699D691", hex] {
+            assert!(id.starts_with_hex(prefix), "{prefix}");
+        }
+        for prefix in ["c", "bddf9698", "bddf969x", &format!("{hex}0")] {
+            assert!(!id.starts_with_hex(prefix), "{prefix}");
+        }
+        let table = KeyTable::parse("t key-two-0123456789\n", "k").unwrap();
+        let (tenant, found) = table.lookup("key-two-0123456789").unwrap();
+        assert_eq!((tenant.as_str(), found), ("t", id));
     }
 
     #[test]

@@ -12,10 +12,12 @@
 //! Without `--api-keys` nothing is checked and every request is the `default` tenant's.
 //! Messages never echo the key that was sent.
 //!
+//! A good key also puts its [`KeyId`] there (the hex SHA-256 of the key, never the key), which
+//! per-key limits are looked up by ([`crate::limits`]).
+//!
 //! The file is read at start (a bad file stops the router, naming the file and line) and
-//! again whenever its modification time, size or inode change, polled every
-//! [`RELOAD_INTERVAL`] (a Kubernetes Secret's volume swaps a symlink: the inode changes);
-//! a bad new version is logged and the keys in use stay.
+//! again whenever it changes ([`crate::watched`]); a bad new version is logged and the keys
+//! in use stay.
 //!
 //! Not here: what a tenant owns ([`crate::tenant`]).
 
@@ -23,11 +25,10 @@ pub mod keys;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
 
 use axum::extract::{Request as HttpRequest, State};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -39,11 +40,20 @@ use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::NamedService;
 
-pub use self::keys::{KeyTable, KeysError};
+pub use self::keys::{KeyId, KeyTable, KeysError};
+use crate::metrics::{RouterMetrics, WatchedFileKind};
 use crate::tenant::Tenant;
+pub use crate::watched::RELOAD_INTERVAL;
+use crate::watched::{Watched, WatchedFile};
 
-/// How often the keys file's metadata is looked at.
-pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
+impl WatchedFile for KeyTable {
+    type Error = KeysError;
+    const KIND: WatchedFileKind = WatchedFileKind::ApiKeys;
+
+    fn load(path: &Path) -> Result<Self, KeysError> {
+        KeyTable::load(path)
+    }
+}
 
 /// Why a request was not let in. Each is UNAUTHENTICATED (gRPC) / 401 (HTTP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -71,79 +81,11 @@ impl From<AuthError> for Status {
     }
 }
 
-/// The file's identity and version, as far as metadata tells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
-}
-
-impl Stamp {
-    fn of(path: &Path) -> std::io::Result<Self> {
-        let meta = std::fs::metadata(path)?;
-        #[cfg(unix)]
-        let inode = std::os::unix::fs::MetadataExt::ino(&meta);
-        #[cfg(not(unix))]
-        let inode = 0;
-        Ok(Self {
-            modified: meta.modified().ok(),
-            len: meta.len(),
-            inode,
-        })
-    }
-}
-
-/// The keys of `--api-keys`, current as of the last good read of the file.
-#[derive(Debug)]
-struct ApiKeys {
-    path: PathBuf,
-    table: RwLock<Arc<KeyTable>>,
-    /// The stamp of the version last read (good or bad), or of a failed look (None).
-    seen: Mutex<Option<Stamp>>,
-}
-
-impl ApiKeys {
-    fn table(&self) -> Arc<KeyTable> {
-        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Reads the file again if it changed since the last look.
-    fn reload_if_changed(&self) {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let stamp = match Stamp::of(&self.path) {
-            Ok(s) => s,
-            Err(e) => {
-                if seen.is_some() {
-                    tracing::warn!(path = %self.path.display(), error = %e,
-                        "cannot look at the API keys file; the keys in use stay");
-                }
-                *seen = None;
-                return;
-            }
-        };
-        if *seen == Some(stamp) {
-            return;
-        }
-        *seen = Some(stamp);
-        match KeyTable::load(&self.path) {
-            Ok(table) => {
-                tracing::info!(path = %self.path.display(), keys = table.len(),
-                    tenants = table.tenants().len(), "API keys reloaded");
-                *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the changed API keys file is not valid; the keys in use stay")
-            }
-        }
-    }
-}
-
 /// The router's client authentication: off (everyone is the `default` tenant) or the keys of
 /// `--api-keys`.
 #[derive(Debug, Clone, Default)]
 pub struct Auth {
-    keys: Option<Arc<ApiKeys>>,
+    keys: Option<Arc<Watched<KeyTable>>>,
 }
 
 impl Auth {
@@ -154,16 +96,12 @@ impl Auth {
 
     /// The keys of `path`, read now (errors name the file and line).
     pub fn from_file(path: &Path) -> Result<Self, KeysError> {
-        let seen = Stamp::of(path).ok();
-        let table = KeyTable::load(path)?;
+        let keys = Watched::<KeyTable>::load(path)?;
+        let table = keys.current();
         tracing::info!(path = %path.display(), keys = table.len(),
             tenants = table.tenants().len(), "API keys loaded");
         Ok(Self {
-            keys: Some(Arc::new(ApiKeys {
-                path: path.to_path_buf(),
-                table: RwLock::new(Arc::new(table)),
-                seen: Mutex::new(seen),
-            })),
+            keys: Some(Arc::new(keys)),
         })
     }
 
@@ -176,14 +114,20 @@ impl Auth {
     pub fn tenants(&self) -> Vec<Tenant> {
         match &self.keys {
             None => vec![Tenant::default()],
-            Some(keys) => keys.table().tenants(),
+            Some(keys) => keys.current().tenants(),
         }
     }
 
     /// The tenant of a request whose `authorization` value is `value` (None: not sent).
     pub fn check(&self, value: Option<&[u8]>) -> Result<Tenant, AuthError> {
+        self.caller(value).map(|(tenant, _)| tenant)
+    }
+
+    /// The tenant and key of a request whose `authorization` value is `value` (no key
+    /// without `--api-keys`).
+    pub fn caller(&self, value: Option<&[u8]>) -> Result<(Tenant, Option<KeyId>), AuthError> {
         let Some(keys) = &self.keys else {
-            return Ok(Tenant::default());
+            return Ok((Tenant::default(), None));
         };
         let value = value.ok_or(AuthError::Missing)?;
         let value = std::str::from_utf8(value).map_err(|_| AuthError::NotBearer)?;
@@ -191,26 +135,17 @@ impl Auth {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthError::NotBearer);
         }
-        keys.table()
-            .tenant_of(key.trim_start())
-            .ok_or(AuthError::Unknown)
+        let (tenant, key) = (keys.current())
+            .lookup(key.trim_start())
+            .ok_or(AuthError::Unknown)?;
+        Ok((tenant, Some(key)))
     }
 
     /// Polls the keys file for changes until the task is dropped (nothing without keys).
-    pub fn spawn_reload(&self, tasks: &mut tokio::task::JoinSet<()>) {
-        let Some(keys) = self.keys.clone() else {
-            return;
-        };
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(RELOAD_INTERVAL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let keys = keys.clone();
-                // Reading a file is blocking I/O: off the async threads.
-                let _ = tokio::task::spawn_blocking(move || keys.reload_if_changed()).await;
-            }
-        });
+    pub fn spawn_reload(&self, metrics: Arc<RouterMetrics>, tasks: &mut tokio::task::JoinSet<()>) {
+        if let Some(keys) = &self.keys {
+            keys.spawn_reload(metrics, tasks);
+        }
     }
 
     /// `service` behind these keys.
@@ -223,7 +158,7 @@ impl Auth {
 }
 
 /// A gRPC service that checks `authorization` metadata on every call before `S` sees it, and
-/// puts the caller's [`Tenant`] in the request's extensions; UNAUTHENTICATED otherwise (the
+/// puts the caller's [`Tenant`] and [`KeyId`] in the request's extensions; UNAUTHENTICATED otherwise (the
 /// request's body is never read).
 #[derive(Debug, Clone)]
 pub struct GrpcAuth<S> {
@@ -257,10 +192,13 @@ where
             .headers()
             .get(header::AUTHORIZATION)
             .map(HeaderValue::as_bytes);
-        match self.auth.check(value) {
-            Ok(tenant) => {
+        match self.auth.caller(value) {
+            Ok((tenant, key)) => {
                 // tonic hands the HTTP request's extensions to the service's request.
                 request.extensions_mut().insert(tenant);
+                if let Some(key) = key {
+                    request.extensions_mut().insert(key);
+                }
                 Box::pin(self.inner.call(request))
             }
             Err(e) => {
@@ -272,7 +210,7 @@ where
 }
 
 /// Axum middleware: lets a request with a good `Authorization: Bearer KEY` through with its
-/// [`Tenant`] in its extensions; answers 401 otherwise.
+/// [`Tenant`] and [`KeyId`] in its extensions; answers 401 otherwise.
 pub async fn require_key(
     State(auth): State<Auth>,
     mut request: HttpRequest,
@@ -282,9 +220,12 @@ pub async fn require_key(
         .headers()
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes);
-    match auth.check(value) {
-        Ok(tenant) => {
+    match auth.caller(value) {
+        Ok((tenant, key)) => {
             request.extensions_mut().insert(tenant);
+            if let Some(key) = key {
+                request.extensions_mut().insert(key);
+            }
             next.run(request).await
         }
         Err(e) => unauthorized(e),
@@ -349,6 +290,14 @@ mod tests {
         std::fs::write(&next, "b key-two-0123456789\n").unwrap();
         std::fs::rename(&next, &path).unwrap();
         keys.reload_if_changed();
+        assert_eq!(
+            auth.caller(Some(b"Bearer key-two-0123456789"))
+                .unwrap()
+                .1
+                .unwrap()
+                .hex(),
+            "bddf9699d691b9e1dca55302c88695ccf3da92bf74543804363977e1c3b4e93d"
+        );
         assert_eq!(check("key-one-0123456789"), Err(AuthError::Unknown));
         assert_eq!(check("key-two-0123456789").unwrap().as_str(), "b");
         std::fs::write(&next, "b\n").unwrap();

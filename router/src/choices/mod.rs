@@ -63,6 +63,8 @@ pub(crate) struct ChoiceOf {
     /// OpenAI's); the gRPC API gives each choice its own usage, prompt included. The
     /// per-tenant metrics follow what the client is told.
     pub prompt_once: bool,
+    /// What the request is charged to (its tenant limits), if anything limits it.
+    pub account: Option<crate::limits::Account>,
 }
 
 /// The choices' requests: ids `base-i`, seeds `seed + i`, one choice each.
@@ -99,6 +101,10 @@ impl ChoicesGeneration {
         }
         let deadline = self.inner.deadline(request.metadata(), arrival);
         let tenant = crate::service::tenant_of(request.extensions());
+        let account = request
+            .extensions()
+            .get::<crate::limits::Account>()
+            .cloned();
         let (metadata, _, req) = request.into_parts();
         let base = match &req.request_id {
             Some(id) => {
@@ -124,6 +130,7 @@ impl ChoicesGeneration {
             deadline,
             tenant,
             prompt_once: false,
+            account,
         };
         let streams = start(&self.inner, requests, n as usize, metadata, parent).await?;
         let mut merged = StreamMap::with_capacity(streams.len());

@@ -78,6 +78,9 @@ async fn start_prompt(
     let request = |req, first: bool| {
         let mut extensions = tonic::Extensions::new();
         extensions.insert(parent.tenant.clone());
+        if let Some(account) = &parent.account {
+            extensions.insert(account.clone());
+        }
         if parent.prompt_once && !first {
             extensions.insert(PromptCountedElsewhere);
         }

@@ -18,6 +18,8 @@ pub mod label {
     pub const TENANT: &str = "tenant";
     pub const SOURCE: &str = "source";
     pub const STATE: &str = "state";
+    pub const FILE: &str = "file";
+    pub const RESULT: &str = "result";
 }
 
 /// One metric family of the router.
@@ -52,10 +54,12 @@ pub enum Family {
     NodeCircuitState,
     NodeCircuitTransitions,
     Migrations,
+    TenantRequestsRejected,
+    FileReloads,
 }
 
 impl Family {
-    pub const ALL: [Family; 29] = [
+    pub const ALL: [Family; 31] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PromptTokens,
@@ -85,6 +89,8 @@ impl Family {
         Family::NodeCircuitState,
         Family::NodeCircuitTransitions,
         Family::Migrations,
+        Family::TenantRequestsRejected,
+        Family::FileReloads,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -119,6 +125,8 @@ impl Family {
             Family::NodeCircuitState => "pd_router_node_circuit_state",
             Family::NodeCircuitTransitions => "pd_router_node_circuit_transitions_total",
             Family::Migrations => "pd_router_migrations_total",
+            Family::TenantRequestsRejected => "pd_router_tenant_requests_rejected_total",
+            Family::FileReloads => "pd_router_file_reloads_total",
         }
     }
 
@@ -214,6 +222,16 @@ impl Family {
                 "Streams resumed on another decode node after their decode node failed with \
                  tokens already sent (the prompt and those tokens prefilled again)."
             }
+            Family::TenantRequestsRejected => {
+                "Client requests refused because their tenant (or API key) was over a limit of \
+                 the --tenant-limits file, by the limit's bucket (reason=requests, \
+                 generation_tokens, prompt_tokens); each is also a resource_exhausted outcome \
+                 of pd_router_requests_total."
+            }
+            Family::FileReloads => {
+                "Reads of a changed configuration file (file=api_keys, tenant_limits) by \
+                 result: loaded, or refused (the file is not valid; what was in use stays)."
+            }
         }
     }
 }
@@ -282,6 +300,78 @@ impl RejectReason {
         match self {
             RejectReason::QueueFull => "queue_full",
             RejectReason::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// Which bucket of a tenant's (or API key's) limits refused a request, as the `reason` label
+/// of `pd_router_tenant_requests_rejected_total`; also the dimension a limit applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LimitKind {
+    /// Requests per second.
+    Requests,
+    /// Generated tokens per second.
+    GenerationTokens,
+    /// Prompt tokens per second, a cached one costing `--cached-token-cost` of a computed one.
+    PromptTokens,
+}
+
+impl LimitKind {
+    pub const ALL: [LimitKind; 3] = [
+        LimitKind::Requests,
+        LimitKind::GenerationTokens,
+        LimitKind::PromptTokens,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitKind::Requests => "requests",
+            LimitKind::GenerationTokens => "generation_tokens",
+            LimitKind::PromptTokens => "prompt_tokens",
+        }
+    }
+
+    /// The position of the kind in [`LimitKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A configuration file the router reads again when it changes, as the `file` label of
+/// `pd_router_file_reloads_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WatchedFileKind {
+    /// `--api-keys`.
+    ApiKeys,
+    /// `--tenant-limits`.
+    TenantLimits,
+}
+
+impl WatchedFileKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WatchedFileKind::ApiKeys => "api_keys",
+            WatchedFileKind::TenantLimits => "tenant_limits",
+        }
+    }
+}
+
+/// How reading a changed file went, as the `result` label of `pd_router_file_reloads_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReloadResult {
+    /// The new version is in use.
+    Loaded,
+    /// The new version is not valid: the one in use stays.
+    Refused,
+}
+
+impl ReloadResult {
+    pub const ALL: [ReloadResult; 2] = [ReloadResult::Loaded, ReloadResult::Refused];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Loaded => "loaded",
+            ReloadResult::Refused => "refused",
         }
     }
 }

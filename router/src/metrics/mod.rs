@@ -13,6 +13,9 @@
 //!   for the client (`requests`).
 //! - **Per-tenant usage** (prompt tokens by source, generated tokens, requests by outcome,
 //!   labelled `tenant`): the `usage` each request's client got, summed (`tenants`).
+//! - **Tenant limits** (requests each tenant's limits refused, by bucket) and **file reloads**
+//!   (reads of a changed `--api-keys` / `--tenant-limits` file, loaded or refused): counted
+//!   where they happen (`crate::limits`, `crate::watched`).
 //! - **Failure handling** (retries, retries denied, each node's circuit breaker state and
 //!   transitions): counted where requests are retried, breakers read at scrape time
 //!   (`resilience`).
@@ -41,7 +44,9 @@ use prometheus::{
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
 pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
 pub use self::http::serve as serve_http;
-pub use self::ids::{Cache, Family, Outcome, PromptSource, RejectReason};
+pub use self::ids::{
+    Cache, Family, LimitKind, Outcome, PromptSource, RejectReason, ReloadResult, WatchedFileKind,
+};
 pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
 use self::ids::label;
@@ -75,6 +80,8 @@ pub struct RouterMetrics {
     kv_failures: IntCounterVec,
     kv_leases_expired: IntCounterVec,
     restarts: IntCounterVec,
+    /// `pd_router_file_reloads_total{file,result}`.
+    file_reloads: IntCounterVec,
     /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
     counting: Mutex<Counting>,
@@ -207,6 +214,7 @@ impl RouterMetrics {
             )?,
             kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS)?,
             restarts: counter(Family::NodeRestarts, &NODE_LABELS)?,
+            file_reloads: counter(Family::FileReloads, &[label::FILE, label::RESULT])?,
             kv_seconds: Mutex::new(BTreeMap::new()),
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
@@ -242,6 +250,32 @@ impl RouterMetrics {
             .with_label_values(&[self.model_name.as_str(), outcome.as_str()])
             .inc();
         self.tenants.ended(tenant, outcome);
+    }
+
+    /// A request of `tenant` was refused by its limits (`--tenant-limits`), by the `kind`
+    /// bucket: counted by tenant and reason, and as a request that ended `resource_exhausted`
+    /// (for the router and the tenant), without a duration.
+    pub fn tenant_limited(&self, tenant: &crate::tenant::Tenant, kind: LimitKind) {
+        self.tenants.limited(tenant, kind);
+        let outcome = Outcome::Error(tonic::Code::ResourceExhausted);
+        (self.requests)
+            .with_label_values(&[self.model_name.as_str(), outcome.as_str()])
+            .inc();
+        self.tenants.ended(tenant, outcome);
+    }
+
+    /// Makes the reload series of `file` exist (at 0): the router watches it.
+    pub fn add_watched_file(&self, file: WatchedFileKind) {
+        for result in ReloadResult::ALL {
+            (self.file_reloads).with_label_values(&[file.as_str(), result.as_str()]);
+        }
+    }
+
+    /// A changed `file` was read: `result`.
+    pub fn file_reloaded(&self, file: WatchedFileKind, result: ReloadResult) {
+        (self.file_reloads)
+            .with_label_values(&[file.as_str(), result.as_str()])
+            .inc();
     }
 
     /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last

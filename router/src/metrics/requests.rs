@@ -9,7 +9,8 @@
 //! of the last chunk, the gRPC code of an error (a request refused before its stream started,
 //! e.g. `invalid_argument`, counts too, without a duration), or `cancelled` when the client
 //! went away before the end. Each request's usage and outcome also count for its tenant
-//! (`super::tenants`).
+//! (`super::tenants`), and a request with tenant limits is charged here (its
+//! [`Account`]): each chunk's tokens as it goes out, its prompt with its usage.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use tonic::{Code, Request, Response, Status};
 
 use super::RouterMetrics;
 use super::ids::Outcome;
+use crate::limits::Account;
 use crate::service::GenerationService;
 use crate::tenant::Tenant;
 
@@ -87,7 +89,8 @@ impl Generation for MeteredGeneration {
             .extensions()
             .get::<PromptCountedElsewhere>()
             .is_none();
-        let mut timer = RequestTimer::start(self.metrics.clone(), tenant, prompt);
+        let account = request.extensions().get::<Account>().cloned();
+        let mut timer = RequestTimer::start(self.metrics.clone(), tenant, prompt, account);
         match self.inner.generate(request).await {
             Ok(response) => Ok(response.map(|inner| MeteredStream { inner, timer })),
             Err(status) => {
@@ -130,11 +133,23 @@ struct RequestTimer {
     arrival: Instant,
     /// When the last token went out (None before the first).
     last_token: Option<Instant>,
+    /// What the request is charged to (its tenant's limits), if anything limits it.
+    account: Option<Account>,
+    /// Tokens charged to `account` so far.
+    charged_tokens: u64,
+    /// The prompt's length, from the first chunk (`prompt_tokens`), until its usage charged
+    /// it: a client that goes away before then is charged it as computed.
+    prompt_uncharged: Option<u32>,
     done: bool,
 }
 
 impl RequestTimer {
-    fn start(metrics: Arc<RouterMetrics>, tenant: Tenant, counts_prompt: bool) -> Self {
+    fn start(
+        metrics: Arc<RouterMetrics>,
+        tenant: Tenant,
+        counts_prompt: bool,
+        account: Option<Account>,
+    ) -> Self {
         metrics.model.in_flight.inc();
         Self {
             metrics,
@@ -142,6 +157,9 @@ impl RequestTimer {
             counts_prompt,
             arrival: Instant::now(),
             last_token: None,
+            account,
+            charged_tokens: 0,
+            prompt_uncharged: None,
             done: false,
         }
     }
@@ -152,6 +170,7 @@ impl RequestTimer {
             (self.metrics.tenants).usage(&self.tenant, usage, self.counts_prompt);
         }
         let tokens = chunk.token_ids.len();
+        self.charge(chunk, tokens);
         if tokens > 0 {
             let now = Instant::now();
             match self.last_token {
@@ -177,6 +196,30 @@ impl RequestTimer {
         self.end(outcome, true);
     }
 
+    /// Charges the request's account: the chunk's tokens; with its usage, the prompt (if it
+    /// counts here) and any generated tokens the chunks did not carry.
+    fn charge(&mut self, chunk: &pb::GenerateResponse, tokens: usize) {
+        let Some(account) = &self.account else {
+            return;
+        };
+        if self.counts_prompt && chunk.prompt_tokens.is_some() {
+            self.prompt_uncharged = chunk.prompt_tokens;
+        }
+        let mut generated = tokens as u64;
+        if let Some(usage) = &chunk.usage {
+            let total = u64::from(usage.completion_tokens);
+            generated = generated.max(total.saturating_sub(self.charged_tokens));
+            if self.counts_prompt {
+                account.prompt(usage);
+            }
+            self.prompt_uncharged = None;
+        }
+        if generated > 0 {
+            account.generated(generated);
+            self.charged_tokens += generated;
+        }
+    }
+
     fn observe_gaps(&self, gap: f64, n: usize) {
         let itl = &self.metrics.model.itl;
         for _ in 0..n {
@@ -194,6 +237,13 @@ impl RequestTimer {
             return;
         }
         self.done = true;
+        // The client went away after its prompt was computed, before its usage: the prompt
+        // is charged as computed (what was cached is not known).
+        if outcome == Outcome::Error(Code::Cancelled)
+            && let (Some(account), Some(prompt)) = (&self.account, self.prompt_uncharged.take())
+        {
+            account.prompt_computed(prompt);
+        }
         self.metrics.tenants.ended(&self.tenant, outcome);
         match self.metrics.model.ended(outcome) {
             Some(counter) => counter.inc(),

@@ -8,6 +8,9 @@
 //! - `pd_router_tenant_requests_total{tenant,outcome}`: every generation request (each
 //!   choice of `n`, each prompt of an HTTP request, as `pd_router_requests_total`) by how it
 //!   ended.
+//! - `pd_router_tenant_requests_rejected_total{tenant,reason}`: requests refused because the
+//!   tenant (or its API key) was over a limit of `--tenant-limits` (`crate::limits`), by the
+//!   bucket that refused.
 //!
 //! The token counters are raised from the very `usage` the client receives (its last chunk),
 //! once per request, so over any set of requests they equal the sum of those requests'
@@ -21,7 +24,7 @@ use pd_proto::pb;
 use prometheus::{IntCounterVec, Opts, Registry};
 
 use super::MetricsError;
-use super::ids::{Family, Outcome, PromptSource, label};
+use super::ids::{Family, LimitKind, Outcome, PromptSource, label};
 use crate::tenant::Tenant;
 
 /// The per-tenant families.
@@ -30,6 +33,7 @@ pub(crate) struct TenantSeries {
     prompt_tokens: IntCounterVec,
     generation_tokens: IntCounterVec,
     requests: IntCounterVec,
+    rejected: IntCounterVec,
 }
 
 impl TenantSeries {
@@ -43,6 +47,10 @@ impl TenantSeries {
             prompt_tokens: counter(Family::TenantPromptTokens, &[label::TENANT, label::SOURCE])?,
             generation_tokens: counter(Family::TenantGenerationTokens, &[label::TENANT])?,
             requests: counter(Family::TenantRequests, &[label::TENANT, label::OUTCOME])?,
+            rejected: counter(
+                Family::TenantRequestsRejected,
+                &[label::TENANT, label::REASON],
+            )?,
         })
     }
 
@@ -56,6 +64,16 @@ impl TenantSeries {
         for outcome in Outcome::INITIAL {
             self.requests.with_label_values(&[t, outcome.as_str()]);
         }
+        for kind in LimitKind::ALL {
+            self.rejected.with_label_values(&[t, kind.as_str()]);
+        }
+    }
+
+    /// A request of `tenant` was refused by its `kind` bucket.
+    pub fn limited(&self, tenant: &Tenant, kind: LimitKind) {
+        (self.rejected)
+            .with_label_values(&[tenant.as_str(), kind.as_str()])
+            .inc();
     }
 
     /// The `usage` a request of `tenant` ended with; its prompt tokens only if `prompt`.

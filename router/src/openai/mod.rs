@@ -125,14 +125,19 @@ pub(crate) async fn serve(
 /// A body the server could not read (too large, cut off): its status, as OpenAI's error.
 type BodyResult = Result<Bytes, BytesRejection>;
 
+/// What an admitted request is charged to (`crate::limits`), when its tenant has limits.
+type Charged = Option<Extension<crate::limits::Account>>;
+
 async fn completions(
     State(api): State<Api>,
     Extension(tenant): Extension<crate::tenant::Tenant>,
+    account: Charged,
     headers: HeaderMap,
     body: BodyResult,
 ) -> Response {
+    let account = account.map(|Extension(a)| a);
     match body {
-        Ok(body) => run::handle(api, tenant, Endpoint::Completions, &headers, &body).await,
+        Ok(body) => run::handle(api, tenant, account, Endpoint::Completions, &headers, &body).await,
         Err(e) => error(e.status(), &e.body_text()),
     }
 }
@@ -140,11 +145,23 @@ async fn completions(
 async fn chat_completions(
     State(api): State<Api>,
     Extension(tenant): Extension<crate::tenant::Tenant>,
+    account: Charged,
     headers: HeaderMap,
     body: BodyResult,
 ) -> Response {
+    let account = account.map(|Extension(a)| a);
     match body {
-        Ok(body) => run::handle(api, tenant, Endpoint::ChatCompletions, &headers, &body).await,
+        Ok(body) => {
+            run::handle(
+                api,
+                tenant,
+                account,
+                Endpoint::ChatCompletions,
+                &headers,
+                &body,
+            )
+            .await
+        }
         Err(e) => error(e.status(), &e.body_text()),
     }
 }

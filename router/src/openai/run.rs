@@ -40,6 +40,7 @@ pub fn unix_now() -> u64 {
 pub(super) async fn handle(
     api: Api,
     tenant: crate::tenant::Tenant,
+    account: Option<crate::limits::Account>,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: &[u8],
@@ -115,6 +116,7 @@ pub(super) async fn handle(
         deadline: api.generation.deadline(&metadata, arrival),
         tenant,
         prompt_once: true,
+        account,
     };
     let streams = match start(&api.generation, requests, plan.n, metadata, parent).await {
         Ok(streams) => streams,

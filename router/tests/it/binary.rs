@@ -206,3 +206,63 @@ fn admission_and_connection_flags_are_shown_and_checked() {
         );
     }
 }
+
+/// The tenant limit flags: the file read by `--check-config` (a bad line refused with its
+/// path and number), the cached token cost shown, and refused outside [0, 1].
+#[test]
+fn tenant_limit_flags_are_shown_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("limits");
+    std::fs::write(&good, "default requests_per_second=5\n").unwrap();
+    let bad = dir.path().join("bad-limits");
+    std::fs::write(&bad, "# fine\nacme requests_per_second=fast\n").unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--check-config", "--decode", "127.0.0.1:9"])
+            .args(args);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("PD_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(env.iter().copied());
+        cmd.output().expect("run the router binary")
+    };
+    let out = run(&[], &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("tenant_limits: None,"), "{stdout}");
+    assert!(
+        stdout.contains("CachedTokenCost(\n        0.1,"),
+        "{stdout}"
+    );
+
+    let out = run(
+        &["--tenant-limits", good.to_str().unwrap()],
+        &[("PD_CACHED_TOKEN_COST", "0.25")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("CachedTokenCost(\n        0.25,"),
+        "{stdout}"
+    );
+
+    let out = run(&[], &[("PD_TENANT_LIMITS_FILE", bad.to_str().unwrap())]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let wanted = format!("tenant limits file {} line 2:", bad.display());
+    assert!(err.contains(&wanted) && err.contains("fast"), "{err}");
+
+    for value in ["1.5", "-0.1", "NaN", "cheap"] {
+        let out = run(&[&format!("--cached-token-cost={value}")], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("--cached-token-cost"),
+            "{value}: {err}"
+        );
+    }
+}

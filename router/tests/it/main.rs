@@ -6,5 +6,6 @@ mod discovery;
 mod fake;
 mod generate;
 mod health;
+mod limits;
 mod tenants;
 mod validation;

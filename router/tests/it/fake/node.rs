@@ -18,7 +18,7 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
 
-use crate::fake::{EXTERNAL_CACHED, End, FakeState, LOCAL_CACHED};
+use crate::fake::{End, FakeState};
 
 #[derive(Debug, Clone)]
 struct Fake(Arc<FakeState>);
@@ -54,6 +54,7 @@ impl PrefillService for Fake {
             return Err(status);
         }
         let n = req.token_ids.len() as u32;
+        let (local, external) = self.0.cached_for(&req.request_id);
         let lease_id = self.0.next_lease.fetch_add(1, Ordering::SeqCst);
         self.0.leases.lock().unwrap().push(lease_id);
         let block_size = self.0.block_size.load(Ordering::SeqCst);
@@ -66,9 +67,9 @@ impl PrefillService for Fake {
             usage: Some(pb::Usage {
                 prompt_tokens: n,
                 completion_tokens: 1,
-                cached_tokens: LOCAL_CACHED + EXTERNAL_CACHED,
-                local_cached_tokens: LOCAL_CACHED,
-                external_cached_tokens: EXTERNAL_CACHED,
+                cached_tokens: local + external,
+                local_cached_tokens: local,
+                external_cached_tokens: external,
             }),
             kv: Some(pb::KvHandle {
                 addr: "127.0.0.1:9".into(),

@@ -86,6 +86,10 @@ pub struct FakeState {
     pub fail_kv_peers: AtomicUsize,
     /// Decode streams the router dropped before they ended.
     pub streams_cancelled: AtomicUsize,
+    /// A prefill node's cached tokens (local, external) for requests of a tenant (the node
+    /// request id's part between `@` and `/`); others get [`LOCAL_CACHED`] and
+    /// [`EXTERNAL_CACHED`].
+    pub cached_by_tenant: Mutex<Vec<(String, (u32, u32))>>,
 }
 
 impl FakeState {
@@ -117,6 +121,7 @@ impl FakeState {
             kv_peers: Mutex::default(),
             fail_kv_peers: AtomicUsize::new(0),
             streams_cancelled: AtomicUsize::new(0),
+            cached_by_tenant: Mutex::default(),
         })
     }
 
@@ -154,6 +159,19 @@ impl FakeState {
                 Status::new(*self.fail_code.lock().unwrap(), "scripted failure")
             }
         })
+    }
+
+    /// The cached tokens (local, external) a Prefill of `node_request_id` reports.
+    pub(crate) fn cached_for(&self, node_request_id: &str) -> (u32, u32) {
+        let tenant = node_request_id
+            .split_once('@')
+            .and_then(|(_, rest)| rest.split('/').next())
+            .unwrap_or_default();
+        let by_tenant = self.cached_by_tenant.lock().unwrap();
+        by_tenant
+            .iter()
+            .find(|(t, _)| t == tenant)
+            .map_or((LOCAL_CACHED, EXTERNAL_CACHED), |(_, c)| *c)
     }
 
     /// The script of the next Decode of node request id `node_request_id`.
