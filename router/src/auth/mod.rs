@@ -16,7 +16,7 @@
 //! per-key limits are looked up by ([`crate::limits`]).
 //!
 //! The file is read at start (a bad file stops the router, naming the file and line) and
-//! again whenever it changes ([`crate::watched`]); a bad new version is logged and the keys
+//! again whenever it changes (`crate::watched`); a bad new version is logged and the keys
 //! in use stay.
 //!
 //! Not here: what a tenant owns ([`crate::tenant`]).

@@ -19,7 +19,7 @@
 //!
 //! A bad line is refused with the file's path and the line's number.
 //!
-//! Not here: the buckets ([`super::bucket`]), reading the file again ([`crate::watched`]).
+//! Not here: the buckets ([`super::bucket`]), reading the file again (`crate::watched`).
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -18,10 +18,10 @@
 //!
 //! The buckets of a request: its tenant's (the tenant's line, else `default`'s, each tenant
 //! with buckets of its own), and its key's where a `key:` line matches the key. The file is
-//! read again when it changes ([`crate::watched`]); buckets keep their levels across a
+//! read again when it changes (`crate::watched`); buckets keep their levels across a
 //! reload (cut down to a lowered burst), so a reload neither forgives debt nor refills.
 //!
-//! Not here: the file's format ([`file`]), a bucket's arithmetic ([`bucket`]), the refusal's
+//! Not here: the file's format ([`mod@file`]), a bucket's arithmetic ([`bucket`]), the refusal's
 //! wire shape ([`crate::admission`]).
 
 pub mod bucket;

@@ -113,6 +113,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<Vec<Verdict>> {
         )));
     }
 
+    // Steady load from `pdctl bench` beside the clients: shared prefixes at a fixed rate.
+    let bench = {
+        let c = cluster.lock().await;
+        bench(&c, &settings)?
+    };
+
     // The chaos, in this task.
     let router_since = chaos(&settings, &cluster, &log, &state, &grpc_tls).await?;
     // Let the last restarted parts take traffic before the load stops.
@@ -129,6 +135,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<Vec<Verdict>> {
     }
     let _ = watcher.await;
     let mut verdicts = check::requests(&records);
+    verdicts.push(bench_verdict(bench, &settings.logs).await);
     verdicts.push(Verdict {
         name: "every client stopped".into(),
         ok: hung == 0,
@@ -161,6 +168,67 @@ pub async fn run(settings: Settings) -> anyhow::Result<Vec<Verdict>> {
     }
     verdicts.push(check::memory(&log.lock().expect("the log lock")));
     Ok(verdicts)
+}
+
+/// `pdctl bench` against the router for the soak's duration, its report to `bench.txt`
+/// in the logs directory.
+fn bench(cluster: &Cluster, settings: &Settings) -> anyhow::Result<tokio::process::Child> {
+    let report = std::fs::File::create(settings.logs.join("bench.txt"))?;
+    let log = std::fs::File::create(settings.logs.join("bench.log"))?;
+    let ca = cluster.secrets.tls.ca.display().to_string();
+    let duration = format!("{:.1}", settings.duration.as_secs_f64().max(1.0));
+    let seed = settings.seed.to_string();
+    tokio::process::Command::new(crate::bin_dir().join("pdctl"))
+        .args(["bench", "--router", &cluster.router().addr, "--ca", &ca])
+        .args(["--workload", "prefix-repetition"])
+        .args([
+            "--num-prefixes",
+            "4",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "16",
+        ])
+        .args([
+            "--output-len",
+            "8",
+            "--request-rate",
+            "2",
+            "--max-concurrency",
+            "2",
+        ])
+        .args(["--duration", &duration, "--seed", &seed])
+        .env("PD_API_KEY", &cluster.secrets.api_key)
+        .env("PD_CACHE_DIR", cluster.secrets.cache())
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(report)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting pdctl bench")
+}
+
+/// `pdctl bench` ran to its end, with how many of its requests succeeded.
+async fn bench_verdict(mut bench: tokio::process::Child, logs: &std::path::Path) -> Verdict {
+    let status = tokio::time::timeout(load::DEADLINE + Duration::from_secs(60), bench.wait()).await;
+    let report = std::fs::read_to_string(logs.join("bench.txt")).unwrap_or_default();
+    let figures: Vec<String> = report
+        .lines()
+        .filter(|l| l.starts_with("Successful requests") || l.starts_with("Failed requests"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let (ok, how) = match status {
+        Ok(Ok(s)) if s.success() => (!figures.is_empty(), "ended".to_string()),
+        Ok(Ok(s)) => (false, format!("exited with {s} (see bench.log)")),
+        Ok(Err(e)) => (false, format!("could not be waited for: {e}")),
+        Err(_) => (false, "still running past its duration".into()),
+    };
+    Verdict {
+        name: "pdctl bench load ran to its end".into(),
+        ok,
+        detail: format!("{how}; {}", figures.join(", ")),
+    }
 }
 
 /// One round of samples: every node's `Info`, every process's memory.
