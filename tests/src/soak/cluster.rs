@@ -19,6 +19,9 @@ use crate::tls::{TlsFiles, channel};
 /// Every node serves this model.
 pub const MODEL: &str = "synthetic:tiny";
 
+/// KV blocks of every node (16 tokens each).
+pub const KV_BLOCKS: u32 = 256;
+
 /// A lease nobody releases (its router died) frees its blocks after this long.
 pub const LEASE_TIMEOUT_S: u64 = 10;
 
@@ -157,6 +160,10 @@ impl Cluster {
         match kind {
             Kind::Prefill | Kind::Decode => {
                 args.extend(tls.member_flags());
+                // A pool small enough that the load has used every block (and the OS has
+                // backed its pages) within the memory check's warm-up: growth after it is
+                // then the process's own, not first touches of the KV memory.
+                args.extend(["--num-gpu-blocks".into(), KV_BLOCKS.to_string()]);
                 if kind == Kind::Prefill {
                     args.extend(["--kv-lease-timeout".into(), LEASE_TIMEOUT_S.to_string()]);
                 }
