@@ -38,6 +38,10 @@ cargo test --workspace --locked
 # Disk is what a CI machine runs out of first (linking test binaries): say where it stands.
 echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1); $(df -h . | awk 'NR == 2 {print $4 " free on " $6}')"
 
+echo "== fuzzing: each cargo-fuzz target briefly from its seed corpus (docs/fuzzing.md)"
+# Builds fuzz/ (its own workspace) and runs each of its targets for FUZZ_SECONDS.
+./scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
+
 echo "== third-party client (Python grpcio) against a live cluster"
 ./scripts/python-client-test.sh
 

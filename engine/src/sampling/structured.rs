@@ -500,9 +500,10 @@ enum Walk {
     Grammar(Option<GrammarState>),
 }
 
-/// One request's walk through its guide: the state after the output so far.
+/// One request's walk through its guide: the state after the output so far (public so that
+/// tests and fuzzing outside the crate can walk a guide as the sampler does).
 #[derive(Debug)]
-pub(crate) struct GuideState {
+pub struct GuideState {
     guide: Arc<Guide>,
     /// Off the guide, only EOS is allowed.
     walk: Walk,
@@ -518,7 +519,8 @@ pub(crate) struct GuideState {
 }
 
 impl GuideState {
-    pub(crate) fn new(guide: Arc<Guide>) -> Self {
+    /// A walk at the start of `guide`.
+    pub fn new(guide: Arc<Guide>) -> Self {
         let walk = guide.start();
         Self {
             guide,
@@ -538,7 +540,7 @@ impl GuideState {
     /// The ids allowed after `output_tokens`, each once (unsorted). Walks only the tokens
     /// not walked before; an output shorter than before (a request restarted from scratch)
     /// is walked again from the start.
-    pub(crate) fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
+    pub fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
         if output_tokens.len() < self.consumed {
             self.walk = self.guide.start();
             self.consumed = 0;
