@@ -19,7 +19,11 @@ fuzz_target!(|data: &[u8]| {
     };
     let again = pb::GenerateRequest::decode(req.encode_to_vec().as_slice())
         .expect("an encoded message decodes");
-    assert_eq!(again, req, "protobuf round trip");
+    // (A NaN float is not equal to itself.)
+    let nan = format!("{:?}", req.sampling).contains("NaN");
+    if !nan {
+        assert_eq!(again, req, "protobuf round trip");
+    }
     let v = validator();
     let client_id = req.request_id.clone();
     match v.validate(req, CONTEXT, || NEW_ID.to_string()) {

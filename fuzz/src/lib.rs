@@ -118,7 +118,7 @@ pub fn spelling(token: u32) -> Vec<u8> {
 /// Walks `guide` as the sampler does, choosing among the allowed tokens with `choices`; returns
 /// the text and whether the walk ended with EOS. Checks on the way that some token is always
 /// allowed, that every allowed id is a vocabulary id, and that walking the output from scratch
-/// allows what walking it one token at a time allowed.
+/// allows what walking it one token at a time allowed (every 8 tokens).
 pub fn walk(guide: Arc<Guide>, choices: &[u8]) -> (Vec<u8>, bool) {
     let mut state = GuideState::new(guide.clone());
     let mut out: Vec<u32> = Vec::new();
@@ -137,14 +137,17 @@ pub fn walk(guide: Arc<Guide>, choices: &[u8]) -> (Vec<u8>, bool) {
             allowed.iter().all(|&t| t == EOS || t < 268),
             "unknown id allowed"
         );
-        // The same walk from scratch allows the same ids.
-        let mut fresh = GuideState::new(guide.clone());
-        let mut again = fresh.allowed(&out).to_vec();
-        again.sort_unstable();
-        assert_eq!(
-            allowed, again,
-            "an incremental walk and a fresh one disagree"
-        );
+        // The same walk from scratch allows the same ids (checked every 8 tokens: each check
+        // walks the whole output again).
+        if out.len() % 8 == 0 {
+            let mut fresh = GuideState::new(guide.clone());
+            let mut again = fresh.allowed(&out).to_vec();
+            again.sort_unstable();
+            assert_eq!(
+                allowed, again,
+                "an incremental walk and a fresh one disagree"
+            );
+        }
         let others: Vec<u32> = allowed.iter().copied().filter(|&t| t != EOS).collect();
         let eos = allowed.contains(&EOS);
         if others.is_empty() || (eos && c & 1 == 0) {
