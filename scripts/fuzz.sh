@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fuzzes the parts that read untrusted input (docs/fuzzing.md): builds the cargo-fuzz targets
 # of fuzz/ and runs each for SECONDS (default 60) from its seed corpus (fuzz/corpus/<target>)
-# and dictionary (fuzz/dict/<target>.dict, where there is one). Exits non-zero on the first
-# target that crashes, fails an assertion, times out or runs out of memory, printing the
-# reproducer's path. Installs what it needs: cargo-fuzz (pinned, into target/tools), and a
+# and dictionary (fuzz/dict/<target>.dict, where there is one). Exits non-zero if a target
+# crashed, failed a property, timed out (20 s for one input) or ran out of memory, printing
+# the reproducer's path. Installs what it needs: cargo-fuzz (pinned, into target/tools), and a
 # nightly toolchain through rustup where one can be had, else runs the default toolchain
 # with RUSTC_BOOTSTRAP=1.
 #
@@ -12,8 +12,9 @@
 #
 # Environment: FUZZ_TARGETS (default: all), FUZZ_TOOLCHAIN (default nightly),
 # FUZZ_SANITIZER (address, the default, or none: faster, for safe Rust the assertions and
-# overflow checks are what find bugs), FUZZ_PROFILE (release, the default, or dev: a build
-# about twice as fast of code that runs slower, for short runs such as CI's).
+# overflow checks are what find bugs), FUZZ_PROFILE (release, the default, or dev:
+# dependencies unoptimised, a build about 4x faster of code that runs several times slower,
+# for short runs such as CI's).
 # Inputs a run finds go to target/fuzz/corpus/<target>, crashes to target/fuzz/artifacts/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
