@@ -59,7 +59,7 @@ const PIECES: [&str; 12] = [
 impl Text {
     fn get(&self) -> String {
         match PIECES.get(usize::from(self.piece)) {
-            Some(p) if self.piece % 2 == 0 => format!("{p}{}", self.text),
+            Some(p) if self.piece.is_multiple_of(2) => format!("{p}{}", self.text),
             Some(p) => format!("{}{p}", self.text),
             None => self.text.clone(),
         }

@@ -139,7 +139,7 @@ pub fn walk(guide: Arc<Guide>, choices: &[u8]) -> (Vec<u8>, bool) {
         );
         // The same walk from scratch allows the same ids (checked every 8 tokens: each check
         // walks the whole output again).
-        if out.len() % 8 == 0 {
+        if out.len().is_multiple_of(8) {
             let mut fresh = GuideState::new(guide.clone());
             let mut again = fresh.allowed(&out).to_vec();
             again.sort_unstable();
