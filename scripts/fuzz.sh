@@ -47,6 +47,10 @@ else
     export RUSTC_BOOTSTRAP=1
     plus=()
 fi
+# A toolchain named here that is no nightly (FUZZ_TOOLCHAIN=stable) needs the same permission.
+if ! rustc "${plus[@]}" --version | grep -q nightly; then
+    export RUSTC_BOOTSTRAP=1
+fi
 echo "fuzz: $(rustc "${plus[@]}" --version), cargo-fuzz $cargo_fuzz_version, sanitizer $sanitizer, profile ${FUZZ_PROFILE:-release}"
 
 common=(--sanitizer "$sanitizer" --debug-assertions --target-dir "$target_dir")
