@@ -41,6 +41,11 @@ echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1); $(df -h . | aw
 echo "== chaos soak: 3 minutes of load on a secure 2+2 cluster while its parts are SIGKILLed"
 PD_SOAK_NO_BUILD=1 ./scripts/soak.sh 3
 
+echo "== fuzzing: each cargo-fuzz target briefly from its seed corpus (docs/fuzzing.md)"
+# Builds fuzz/ (its own workspace; unoptimised dependencies, no sanitizer: a ~3-5 minute
+# build here) and runs each of its 7 targets for FUZZ_SECONDS.
+FUZZ_PROFILE=dev FUZZ_SANITIZER=none ./scripts/fuzz.sh "${FUZZ_SECONDS:-10}"
+
 echo "== third-party client (Python grpcio) against a live cluster"
 ./scripts/python-client-test.sh
 

@@ -11,7 +11,7 @@ use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::KvReservation;
 use pd_engine::serve::LeaseSecret;
 use pd_tls::{ClientTls, Conn};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
 use crate::chunks::{BlockReader, PullIdentity, status_error};
@@ -82,7 +82,7 @@ impl Sink<'_> {
 
     /// Read the pull's `count` blocks through `reader`. Buffers of a failed pull go back to
     /// their pool.
-    async fn read_all<R: tokio::io::AsyncRead + Unpin>(
+    async fn read_all<R: AsyncRead + Unpin>(
         &mut self,
         conn: &mut R,
         reader: &mut BlockReader,
@@ -374,8 +374,7 @@ async fn exchange(
     started: &mut bool,
     sink: &mut Sink<'_>,
 ) -> Result<(), TransportError> {
-    let total = req
-        .payload_bytes()
+    req.payload_bytes()
         .filter(|&b| b <= MAX_PULL_BYTES)
         .ok_or_else(|| {
             TransportError::Length(format!(
@@ -394,7 +393,35 @@ async fn exchange(
     };
     conn.write_all(&frame.encode()).await?;
     conn.flush().await?;
+    read_reply(conn, req, started, sink).await
+}
 
+/// Reads the exporter's reply to `req` (response frame and, on OK, every block, verified:
+/// lengths, echoes, fingerprint, checksums) from `r`, exactly as a pull reads it from its
+/// connection, into one heap buffer per block. The importer's whole decoding of what an
+/// exporter sends, without a socket: for tests and fuzzing of that path. The caller bounds
+/// `req.count * req.block_bytes` (the buffers are allocated before the payload is read).
+pub async fn read_pull_reply<R: AsyncRead + Unpin>(
+    r: &mut R,
+    req: &PullRequest,
+) -> Result<Vec<HostBuffer>, TransportError> {
+    let mut started = false;
+    let mut sink = Sink::Buffers {
+        pool: None,
+        blocks: Vec::new(),
+    };
+    read_reply(r, req, &mut started, &mut sink).await?;
+    Ok(sink.into_blocks())
+}
+
+/// The reply half of [`exchange`]: `started` turns true once the response header arrived.
+async fn read_reply<R: AsyncRead + Unpin>(
+    conn: &mut R,
+    req: &PullRequest,
+    started: &mut bool,
+    sink: &mut Sink<'_>,
+) -> Result<(), TransportError> {
+    let total = req.payload_bytes().unwrap_or(u64::MAX);
     let mut head = [0u8; FRAME_HEADER_LEN];
     conn.read_exact(&mut head).await?;
     *started = true;

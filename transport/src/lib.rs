@@ -93,7 +93,7 @@ mod server;
 mod stats;
 pub mod wire;
 
-pub use client::{KvPuller, PullRequest, pull_blocks};
+pub use client::{KvPuller, PullRequest, pull_blocks, read_pull_reply};
 pub use error::TransportError;
 pub use fingerprint::{LayoutFingerprint, ParseFingerprintError};
 pub use importer::{KvImporter, OneSidedReader, PathUsed};

@@ -50,6 +50,13 @@ pub const MAX_GUIDE_STATES: usize = 1024;
 /// Memory the regex's determinization may use before it is refused (its own cap, before the
 /// states are counted).
 const DFA_BUILD_LIMIT: usize = 32 << 20;
+/// Largest DFA built to count its states: room for four times [`MAX_GUIDE_STATES`] states of
+/// the widest stride (512 transitions of 4 bytes), so that an expression far past the cap is
+/// refused once its DFA outgrows this, not after determinizing 32 MiB of it (seconds of a
+/// node's compile thread for some schemas). Built whole, unanchored start included, as the
+/// index builds its own: an expression small anchored but huge unanchored (`a[ab]{24}`)
+/// would hold the index's build for minutes.
+const DFA_SIZE_LIMIT: usize = 4 * MAX_GUIDE_STATES * 512 * 4;
 
 /// What the output must look like.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -199,6 +206,9 @@ impl StructuredOutput {
             Self::JsonObject => return Err(StructuredError::NotRegular("any JSON object")),
             Self::Grammar(_) => return Err(StructuredError::NotRegular("a grammar")),
         };
+        if free::has_marks(&regex) {
+            free::bytes_regex(&regex)?;
+        }
         regex_syntax::Parser::new()
             .parse(&regex)
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
@@ -260,7 +270,7 @@ fn check_states(regex: &str) -> Result<(), StructuredError> {
         .configure(
             dense::Config::new()
                 .determinize_size_limit(Some(DFA_BUILD_LIMIT))
-                .dfa_size_limit(Some(DFA_BUILD_LIMIT)),
+                .dfa_size_limit(Some(DFA_SIZE_LIMIT)),
         )
         .build(regex)
         .map_err(|_| too_complex())?;
@@ -500,9 +510,10 @@ enum Walk {
     Grammar(Option<GrammarState>),
 }
 
-/// One request's walk through its guide: the state after the output so far.
+/// One request's walk through its guide: the state after the output so far (public so that
+/// tests and fuzzing outside the crate can walk a guide as the sampler does).
 #[derive(Debug)]
-pub(crate) struct GuideState {
+pub struct GuideState {
     guide: Arc<Guide>,
     /// Off the guide, only EOS is allowed.
     walk: Walk,
@@ -518,7 +529,8 @@ pub(crate) struct GuideState {
 }
 
 impl GuideState {
-    pub(crate) fn new(guide: Arc<Guide>) -> Self {
+    /// A walk at the start of `guide`.
+    pub fn new(guide: Arc<Guide>) -> Self {
         let walk = guide.start();
         Self {
             guide,
@@ -538,7 +550,7 @@ impl GuideState {
     /// The ids allowed after `output_tokens`, each once (unsorted). Walks only the tokens
     /// not walked before; an output shorter than before (a request restarted from scratch)
     /// is walked again from the start.
-    pub(crate) fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
+    pub fn allowed(&mut self, output_tokens: &[u32]) -> &[u32] {
         if output_tokens.len() < self.consumed {
             self.walk = self.guide.start();
             self.consumed = 0;

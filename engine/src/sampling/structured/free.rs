@@ -226,24 +226,33 @@ impl FreeState {
     }
 }
 
+/// `regex` with each free-form part's mark replaced by its byte; refused where text of a mark
+/// is left elsewhere (a schema or regex holding the marks' reserved text itself), which
+/// [`super::StructuredOutput::validate`] checks too, so that what validates compiles.
+pub(super) fn bytes_regex(regex: &str) -> Result<String, StructuredError> {
+    let mut bytes_regex = regex.to_string();
+    for (mark, byte) in [
+        (VALUE_MARK, ANY_VALUE),
+        (OBJECT_MARK, ANY_OBJECT),
+        (ARRAY_MARK, ANY_ARRAY),
+    ] {
+        let literal = format!("\"{}\"", regex_syntax::escape(mark));
+        bytes_regex = bytes_regex.replace(&literal, &format!("(?-u:\\x{byte:02X})"));
+    }
+    if bytes_regex.contains("pd\\-free\\-json") {
+        return Err(StructuredError::Schema(
+            "a free-form part of the schema could not be placed (the text `pd-free-json` is \
+             reserved)"
+                .into(),
+        ));
+    }
+    Ok(bytes_regex)
+}
+
 impl FreeJson {
     /// From the regex outlines wrote for a marked schema.
     pub(super) fn new(regex: &str) -> Result<Self, StructuredError> {
-        let mut bytes_regex = regex.to_string();
-        for (mark, byte) in [
-            (VALUE_MARK, ANY_VALUE),
-            (OBJECT_MARK, ANY_OBJECT),
-            (ARRAY_MARK, ANY_ARRAY),
-        ] {
-            let literal = format!("\"{}\"", regex_syntax::escape(mark));
-            bytes_regex = bytes_regex.replace(&literal, &format!("(?-u:\\x{byte:02X})"));
-        }
-        let bytes_regex = format!("(?:{bytes_regex})(?-u:\\x{END:02X})");
-        if bytes_regex.contains("pd\\-free\\-json") {
-            return Err(StructuredError::Schema(
-                "a free-form part of the schema could not be placed".into(),
-            ));
-        }
+        let bytes_regex = format!("(?:{})(?-u:\\x{END:02X})", bytes_regex(regex)?);
         let too_complex = || {
             StructuredError::TooComplex(format!(
                 "the schema's automaton has more than {MAX_GUIDE_STATES} states; simplify it"

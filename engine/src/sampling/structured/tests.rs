@@ -135,6 +135,40 @@ fn bad_specifications_are_refused_with_what_is_wrong() {
 }
 
 #[test]
+fn a_schema_holding_the_reserved_mark_text_is_refused_by_validate_as_by_compile() {
+    // Found by fuzzing: validate accepted it, compiling refused it.
+    let schema =
+        r#"{"type": "object", "properties": {"okpd-free-json-value-1d7c5en": {"type": "number"}}}"#;
+    let spec = StructuredOutput::JsonSchema(schema.into());
+    let validated = spec.validate().unwrap_err();
+    let compiled = Guide::compile(&spec, &vocabulary()).unwrap_err();
+    assert_eq!(validated, compiled);
+    assert!(
+        validated.to_string().contains("`pd-free-json` is reserved"),
+        "{validated}"
+    );
+}
+
+#[test]
+fn an_automaton_past_the_state_cap_is_refused_once_it_outgrows_room_for_the_cap() {
+    // Whole (as the index builds it), `a[ab]{24}`'s DFA has 2^25 states: refused after about
+    // four times the cap's states, not after 32 MiB of them.
+    let e = check_states("a[ab]{24}").unwrap_err();
+    assert!(matches!(e, StructuredError::TooComplex(_)), "{e}");
+    // A schema (found by fuzzing) whose regex's automaton is far past the cap: 29 s of the
+    // fuzz build before, well under a second now.
+    let schema = r##"{"$defs": {"c": {"enum": ["red", "green", 1, null]}}, "type": "object",
+        "$roperties": {"c": {"$ref": "#/$defs/c"}, "ok": {"type": "bool>ean"},
+        "n": {"type": "number"}}}"##;
+    let spec = StructuredOutput::JsonSchema(schema.into());
+    spec.validate().unwrap();
+    match Guide::compile(&spec, &vocabulary()) {
+        Ok(_) | Err(StructuredError::TooComplex(_) | StructuredError::Vocabulary(_)) => {}
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
 fn the_sampler_chooses_only_what_the_guide_allows_on_the_host_and_on_a_backend() {
     use crate::sampling::device::{DeviceSampleRow, sample_row};
     use crate::sampling::{Sampler, SamplingParams};

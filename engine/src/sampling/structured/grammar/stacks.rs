@@ -161,6 +161,12 @@ impl Stacks {
                 Elem::Bytes(_) => {
                     if let Some(node) = self.node(pos, below) {
                         self.tops.push(node);
+                        // Each node is found once (`seen`): past the cap the state is
+                        // refused whatever the rest of `todo` holds, so stop expanding it.
+                        if self.tops.len() > MAX_GRAMMAR_STACKS {
+                            self.todo.clear();
+                            return None;
+                        }
                     }
                 }
                 Elem::End if below == EMPTY => emptied = true,
