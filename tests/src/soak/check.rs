@@ -19,9 +19,10 @@ use crate::Counts;
 pub const REPORT_WINDOW: Duration = Duration::from_secs(2);
 
 /// Memory is judged after this warm-up of each process...
-pub const WARM_UP: Duration = Duration::from_secs(30);
-/// ...on processes that ran at least this long after it.
-pub const MEMORY_SPAN: Duration = Duration::from_secs(40);
+pub const WARM_UP: Duration = Duration::from_secs(60);
+/// ...on processes that ran at least this long after it: a process killed within a minute
+/// or two shows its allocator and caches settling, not a leak.
+pub const MEMORY_SPAN: Duration = Duration::from_secs(300);
 /// Most growth of resident memory allowed after warm-up.
 pub const MEMORY_GROWTH: f64 = 0.05;
 
