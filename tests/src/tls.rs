@@ -52,14 +52,20 @@ impl TlsFiles {
     /// The flags of a cluster member with mTLS: serve TLS, demand cluster certificates,
     /// dial TLS with its own certificate.
     pub fn member_flags(&self) -> Vec<String> {
+        let mut flags = self.identity_flags();
+        flags.extend(["--tls-client-ca".into(), self.ca.display().to_string()]);
+        flags
+    }
+
+    /// Serve TLS with the member certificate and verify the servers dialled against the CA,
+    /// without demanding certificates of callers (a router whose clients bring API keys).
+    pub fn identity_flags(&self) -> Vec<String> {
         let p = |p: &PathBuf| p.display().to_string();
         vec![
             "--tls-cert".into(),
             p(&self.cert),
             "--tls-key".into(),
             p(&self.key),
-            "--tls-client-ca".into(),
-            p(&self.ca),
             "--tls-ca".into(),
             p(&self.ca),
         ]

@@ -37,21 +37,6 @@ fn value(text: &str, family: &str, labels: &str) -> Option<f64> {
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
-/// A raw HTTP/1.1 completion request: the whole response (head and body) as text.
-async fn http_completion(addr: SocketAddr) -> String {
-    let body = r#"{"prompt":"hi","max_tokens":4}"#;
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
-    String::from_utf8_lossy(&response).into_owned()
-}
-
 #[tokio::test]
 async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_stream() {
     let p = FakeNode::prefill().await;
@@ -81,7 +66,7 @@ async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_s
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(refused.message().contains("--max-inflight"), "{refused:?}");
     assert_eq!(refused.metadata().get("retry-after").unwrap(), "1");
-    let http = http_completion(router.http).await;
+    let http = http_completion(router.http, 4).await;
     assert!(http.starts_with("HTTP/1.1 429"), "{http}");
     assert!(
         http.to_ascii_lowercase().contains("retry-after: 1\r\n"),

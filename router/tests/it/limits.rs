@@ -6,7 +6,6 @@
 //!
 //! Every limit here refills at 0.001 per second: nothing refills within a test.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use pd_proto::pb;
@@ -70,22 +69,6 @@ fn value(text: &str, family: &str, labels: &[&str]) -> Option<f64> {
         .filter(|l| l.starts_with(&format!("{family}{{")))
         .filter(|l| labels.iter().all(|want| l.contains(want)))
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-/// A raw HTTP/1.1 completion request: the whole response (head and body) as text.
-async fn http_completion(addr: SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let body = r#"{"prompt":"hi","max_tokens":2}"#;
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
-    String::from_utf8_lossy(&response).into_owned()
 }
 
 /// The `Retry-After` of an HTTP response's head, in seconds.
@@ -185,7 +168,7 @@ async fn over_requests_per_second_grpc_is_resource_exhausted_and_http_is_429() {
 
     // Two requests of room: one over gRPC, one over HTTP (one bucket for both APIs).
     run(&router, None).await.unwrap();
-    let response = http_completion(router.http).await;
+    let response = http_completion(router.http, 2).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 
     let refused = run(&router, None).await.unwrap_err();
@@ -204,7 +187,7 @@ async fn over_requests_per_second_grpc_is_resource_exhausted_and_http_is_429() {
     assert!((900..=1000).contains(&hint), "{hint}");
     assert!(refused.metadata().get("grpc-retry-pushback-ms").is_some());
 
-    let response = http_completion(router.http).await;
+    let response = http_completion(router.http, 2).await;
     assert!(
         response.starts_with("HTTP/1.1 429"),
         "refused with 429: {response}"

@@ -170,13 +170,8 @@ impl Cluster {
             }
             Kind::Router => {
                 // Clients bring an API key, not a certificate; the nodes are dialled with mTLS.
+                args.extend(tls.identity_flags());
                 args.extend([
-                    "--tls-cert".into(),
-                    p(&tls.cert),
-                    "--tls-key".into(),
-                    p(&tls.key),
-                    "--tls-ca".into(),
-                    p(&tls.ca),
                     "--api-keys".into(),
                     p(&self.secrets.keys_file()),
                     "--health-interval-ms".into(),

@@ -191,6 +191,23 @@ pub async fn collect(
     }
 }
 
+/// A raw HTTP/1.1 completion request for `max_tokens` tokens over a fresh connection: the
+/// whole response (head and body) as text.
+pub async fn http_completion(addr: SocketAddr, max_tokens: u32) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let body = format!(r#"{{"prompt":"hi","max_tokens":{max_tokens}}}"#);
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8_lossy(&response).into_owned()
+}
+
 /// One HTTP/1.1 request over a fresh connection (`Connection: close`): the status and the
 /// body as text (chunked bodies are left as sent).
 pub async fn http_request(
