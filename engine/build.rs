@@ -14,12 +14,14 @@ fn main() {
         if avx2 {
             println!("cargo::rustc-cfg=pd_host_avx2");
         }
-        if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+        let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl");
+        if avx512 {
             println!("cargo::rustc-cfg=pd_host_avx512");
         }
-        // CPUID leaf 7, sub-leaf 0, EDX bits 22 (AMX-BF16) and 24 (AMX-TILE).
+        // CPUID leaf 7, sub-leaf 0, EDX bits 22 (AMX-BF16) and 24 (AMX-TILE); the AMX path
+        // runs AVX-512 (with AVX512-BF16) around its tiles.
         let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
-        if avx2 && edx >> 22 & 1 == 1 && edx >> 24 & 1 == 1 {
+        if avx512 && has!("avx512bf16") && edx >> 22 & 1 == 1 && edx >> 24 & 1 == 1 {
             println!("cargo::rustc-cfg=pd_host_amx");
         }
     }

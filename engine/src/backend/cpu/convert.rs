@@ -33,7 +33,7 @@ pub(super) fn to_f32_with(isa: Isa, dtype: DType, src: &[u8], dst: &mut [f32]) {
         bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(&src[..n * 4]);
         return;
     }
-    match isa {
+    match isa.simd() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` was asserted above, so the CPU has AVX-512F; `src` holds at
         // least `n` elements of `dtype` (asserted) and `dst` has exactly `n` slots.

@@ -1,10 +1,10 @@
 //! Which SIMD instruction set the CPU kernels run on: the host's features, detected at run
-//! time, and the `PD_CPU_ISA` override (`avx512`, `avx2`, `portable`; `amx` is named so that
-//! asking for it gets a clear answer). One binary serves every x86-64 host: each kernel is
-//! compiled once per instruction set and the backend picks one when it is built.
+//! time, and the `PD_CPU_ISA` override (`amx`, `avx512`, `avx2`, `portable`). One binary
+//! serves every x86-64 host: each kernel is compiled once per instruction set and the backend
+//! picks one when it is built.
 //!
 //! What it does not own: the kernels themselves (`convert.rs`, `linear.rs`, `gemm512.rs`,
-//! `attention/`), which take an [`Isa`] and trust that it is [`Isa::available`].
+//! `amx.rs`, `attention/`), which take an [`Isa`] and trust that it is [`Isa::available`].
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -17,6 +17,9 @@ const LEGACY_ENV_VAR: &str = "PD_CPU_SIMD";
 /// The SIMD instruction set a kernel runs on, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// AMX-BF16 tiles for the large-batch products of bf16 weights (prefill, batched decode),
+    /// with AVX512-BF16 to pack their activations; [`Isa::Avx512`] for everything else.
+    Amx,
     /// AVX-512 F + BW + VL (16 f32 lanes), with AVX2 + FMA + F16C beside it.
     Avx512,
     /// AVX2 + FMA + F16C (8 f32 lanes).
@@ -28,7 +31,7 @@ pub enum Isa {
 /// Why `PD_CPU_ISA` cannot be honoured: each is one sentence naming the value and the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ENV_VAR}={0}: expected auto, avx512, avx2, portable or amx")]
+    #[error("{ENV_VAR}={0}: expected auto, amx, avx512, avx2 or portable")]
     Unknown(String),
     #[error("{ENV_VAR}={requested}: this host has no {what} ({flags} not in cpu flags)")]
     Missing {
@@ -37,10 +40,10 @@ pub enum IsaError {
         flags: String,
     },
     #[error(
-        "{ENV_VAR}=amx: this build has no AMX kernels yet; the best path here is {best} \
-         (unset {ENV_VAR} to use it)"
+        "{ENV_VAR}=amx: the Linux kernel refused this process the AMX tile state \
+         (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or later is needed)"
     )]
-    AmxNotBuilt { best: Isa },
+    AmxRefused,
 }
 
 /// The CPU features the kernels care about, as Linux's `/proc/cpuinfo` names them.
@@ -56,6 +59,9 @@ pub struct CpuFeatures {
     pub avx512_fp16: bool,
     pub amx_bf16: bool,
     pub amx_tile: bool,
+    /// Not a CPU flag: whether Linux granted this process the AMX tile data state (asked
+    /// for once, at detection, only where the CPU has AMX).
+    pub amx_permitted: bool,
 }
 
 impl CpuFeatures {
@@ -95,6 +101,10 @@ impl CpuFeatures {
     fn amx(&self) -> bool {
         self.amx_bf16 && self.amx_tile
     }
+
+    fn amx_set(&self) -> bool {
+        self.avx512_set() && self.avx512_bf16 && self.amx() && self.amx_permitted
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -107,6 +117,8 @@ fn detect_features() -> CpuFeatures {
     } else {
         0
     };
+    let amx_bf16 = leaf7 >> 22 & 1 == 1;
+    let amx_tile = leaf7 >> 24 & 1 == 1;
     CpuFeatures {
         avx2: has!("avx2"),
         fma: has!("fma"),
@@ -116,8 +128,9 @@ fn detect_features() -> CpuFeatures {
         avx512vl: has!("avx512vl"),
         avx512_bf16: has!("avx512bf16"),
         avx512_fp16: has!("avx512fp16"),
-        amx_bf16: leaf7 >> 22 & 1 == 1,
-        amx_tile: leaf7 >> 24 & 1 == 1,
+        amx_bf16,
+        amx_tile,
+        amx_permitted: amx_bf16 && amx_tile && super::amx::request_permission(),
     }
 }
 
@@ -128,11 +141,12 @@ fn detect_features() -> CpuFeatures {
 
 impl Isa {
     /// Every instruction set, best first.
-    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+    pub const ALL: [Isa; 4] = [Isa::Amx, Isa::Avx512, Isa::Avx2, Isa::Portable];
 
     /// The name `PD_CPU_ISA` takes and reports print.
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Amx => "amx",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
@@ -149,6 +163,16 @@ impl Isa {
             Isa::Portable => true,
             Isa::Avx2 => cfg!(target_arch = "x86_64") && cpu.avx2_set(),
             Isa::Avx512 => cfg!(target_arch = "x86_64") && cpu.avx512_set(),
+            Isa::Amx => cfg!(target_arch = "x86_64") && cpu.amx_set(),
+        }
+    }
+
+    /// The vector instruction set of the kernels that are not matrix products on tiles:
+    /// AVX-512 under AMX, otherwise the set itself.
+    pub fn simd(self) -> Isa {
+        match self {
+            Isa::Amx => Isa::Avx512,
+            other => other,
         }
     }
 
@@ -205,13 +229,19 @@ impl Isa {
                     ("f16c", cpu.f16c),
                 ],
             )),
-            "amx" if cpu.amx() => Err(IsaError::AmxNotBuilt {
-                best: Isa::best_on(cpu),
-            }),
+            "amx" if Isa::Amx.available_on(cpu) => Ok(Isa::Amx),
+            "amx" if cpu.amx() && cpu.avx512_set() && cpu.avx512_bf16 => Err(IsaError::AmxRefused),
             "amx" => Err(missing(
                 "amx",
-                "AMX",
-                &[("amx_bf16", cpu.amx_bf16), ("amx_tile", cpu.amx_tile)],
+                "AMX with AVX-512",
+                &[
+                    ("amx_bf16", cpu.amx_bf16),
+                    ("amx_tile", cpu.amx_tile),
+                    ("avx512_bf16", cpu.avx512_bf16),
+                    ("avx512f", cpu.avx512f),
+                    ("avx512bw", cpu.avx512bw),
+                    ("avx512vl", cpu.avx512vl),
+                ],
             )),
             _ => Err(IsaError::Unknown(value)),
         }
@@ -289,6 +319,7 @@ mod tests {
             avx512_fp16: true,
             amx_bf16: true,
             amx_tile: true,
+            amx_permitted: true,
             ..zen5()
         }
     }
@@ -297,6 +328,13 @@ mod tests {
     fn auto_picks_the_best_the_cpu_has() {
         assert_eq!(Isa::requested_on("", &zen3()), Ok(Isa::Avx2));
         assert_eq!(Isa::requested_on("auto", &zen5()), Ok(Isa::Avx512));
+        assert_eq!(Isa::requested_on("", &sapphire_rapids()), Ok(Isa::Amx));
+        // AMX the kernel will not grant is not the AMX path.
+        let refused = CpuFeatures {
+            amx_permitted: false,
+            ..sapphire_rapids()
+        };
+        assert_eq!(Isa::requested_on("", &refused), Ok(Isa::Avx512));
         assert_eq!(
             Isa::requested_on("", &CpuFeatures::default()),
             Ok(Isa::Portable)
@@ -312,6 +350,11 @@ mod tests {
     #[test]
     fn a_lower_path_can_be_forced() {
         assert_eq!(Isa::requested_on("avx2", &zen5()), Ok(Isa::Avx2));
+        assert_eq!(Isa::requested_on("amx", &sapphire_rapids()), Ok(Isa::Amx));
+        assert_eq!(
+            Isa::requested_on("avx512", &sapphire_rapids()),
+            Ok(Isa::Avx512)
+        );
         assert_eq!(Isa::requested_on(" AVX512 ", &zen5()), Ok(Isa::Avx512));
         assert_eq!(Isa::requested_on("portable", &zen5()), Ok(Isa::Portable));
         assert_eq!(Isa::requested_on("scalar", &zen3()), Ok(Isa::Portable));
@@ -321,7 +364,8 @@ mod tests {
     fn a_path_the_host_lacks_is_refused_in_one_sentence() {
         assert_eq!(
             Isa::requested_on("amx", &zen5()).unwrap_err().to_string(),
-            "PD_CPU_ISA=amx: this host has no AMX (amx_bf16, amx_tile not in cpu flags)"
+            "PD_CPU_ISA=amx: this host has no AMX with AVX-512 (amx_bf16, amx_tile not in cpu \
+             flags)"
         );
         assert_eq!(
             Isa::requested_on("avx512", &zen3())
@@ -337,16 +381,18 @@ mod tests {
             "PD_CPU_ISA=avx2: this host has no AVX2 + FMA + F16C (avx2, fma, f16c not in cpu \
              flags)"
         );
+        let refused = CpuFeatures {
+            amx_permitted: false,
+            ..sapphire_rapids()
+        };
         assert_eq!(
-            Isa::requested_on("amx", &sapphire_rapids())
-                .unwrap_err()
-                .to_string(),
-            "PD_CPU_ISA=amx: this build has no AMX kernels yet; the best path here is avx512 \
-             (unset PD_CPU_ISA to use it)"
+            Isa::requested_on("amx", &refused).unwrap_err().to_string(),
+            "PD_CPU_ISA=amx: the Linux kernel refused this process the AMX tile state \
+             (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or later is needed)"
         );
         assert_eq!(
             Isa::requested_on("sse", &zen5()).unwrap_err().to_string(),
-            "PD_CPU_ISA=sse: expected auto, avx512, avx2, portable or amx"
+            "PD_CPU_ISA=sse: expected auto, amx, avx512, avx2 or portable"
         );
     }
 

@@ -25,10 +25,10 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::convert::{self, D_BF16, D_F16, D_F32, dcode};
-#[cfg(target_arch = "x86_64")]
-use super::gemm512;
 use super::isa::Isa;
 use super::matrix::WeightMatrix;
+#[cfg(target_arch = "x86_64")]
+use super::{amx, gemm512};
 use crate::weights::DType;
 
 /// Largest batch served by the streaming (decode) path; larger ones go to the tiled GEMM.
@@ -65,6 +65,13 @@ pub(super) fn linear_with(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>,
         out.fill(0.0);
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && amx::fits(rows, &w) {
+        // SAFETY: `Isa::Amx` is available (asserted above): AMX-BF16, AMX-TILE and the
+        // process's permission for the tile state.
+        return unsafe { amx::linear(x, rows, w, out) };
+    }
+    let isa = isa.simd();
     if rows <= SMALL_BATCH_MAX_ROWS {
         small_batch(isa, x, rows, w, out);
     } else {
@@ -74,15 +81,19 @@ pub(super) fn linear_with(isa: Isa, x: &[f32], rows: usize, w: WeightMatrix<'_>,
 
 /// The output pointer shared by parallel tasks that write disjoint columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(*mut f32);
 // SAFETY: tasks only write disjoint elements through it while the owning `&mut [f32]` is
 // borrowed by the call that spawned them (rayon joins before that call returns).
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 impl OutPtr {
+    pub(super) fn new(out: &mut [f32]) -> OutPtr {
+        OutPtr(out.as_mut_ptr())
+    }
+
     /// A method (not a field access) so closures capture the whole `Send` wrapper.
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }

@@ -1,10 +1,13 @@
 //! The CPU backend: f32 compute over weights kept in their stored dtype, multi-threaded with
 //! rayon. Matrix kernels live in [`linear`] / [`convert`]; paged attention in [`attention`];
 //! the KV cache is f32, or f16 / bf16 with `--kv-cache-dtype` ([`kv_elem`]). Every kernel
-//! runs on the instruction set the backend was built with ([`isa`]: AVX-512, AVX2 or
-//! portable, the best the host has unless `PD_CPU_ISA` says otherwise). It is the reference
+//! runs on the instruction set the backend was built with ([`isa`]: AMX tiles for bf16
+//! prefill products beside AVX-512, AVX-512, AVX2 or portable, the best the host has unless
+//! `PD_CPU_ISA` says otherwise). It is the reference
 //! every other backend is compared against.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub mod attention;
 pub mod convert;
 #[cfg(target_arch = "x86_64")]

@@ -55,7 +55,7 @@ pub(super) unsafe fn run_task<E: KvElem>(
     scratch: &mut Scratch,
     dst: Outputs,
 ) {
-    match isa {
+    match isa.simd() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx512` is available (the contract): AVX-512 F + BW + VL with AVX2, FMA and
         // F16C (`Isa::available` checks all of them); the output contract is forwarded.

@@ -191,6 +191,28 @@ fn avx512_path_is_checked_when_present() {
 }
 
 #[test]
+fn amx_path_is_checked_when_present() {
+    if !Isa::Amx.available() {
+        eprintln!("AMX not available: its kernels are not exercised on this CPU");
+        return;
+    }
+    let mut rng = Rng::new(7);
+    // Tile-aligned shapes: a single weight tile after the pairs (n = 48), several depth
+    // blocks with a short last one (k = 1056), odd activation blocks, unaligned weights.
+    for (n, k) in [(16, 32), (48, 1056), (64, 512)] {
+        for rows in [8, 9, 16, 17, 33, 64] {
+            check(Isa::Amx, Path::Auto, DType::BF16, rows, n, k, 1, &mut rng);
+        }
+    }
+    // Shapes and types the tiles do not take run on AVX-512 under the same name.
+    for dtype in DTYPES {
+        for rows in [1, 7, 8, 33, 64] {
+            check(Isa::Amx, Path::Auto, dtype, rows, 21, 1023, 1, &mut rng);
+        }
+    }
+}
+
+#[test]
 fn degenerate_shapes() {
     let w = WeightMatrix::new(DType::BF16, 3, 0, &[]);
     let mut out = vec![f32::NAN; 6];
