@@ -216,8 +216,8 @@ fn summary(c: &Counts) -> String {
 ///
 /// Judged from halfway through a process's life, not from the end of the warm-up: the
 /// router's allocator (mimalloc) takes a few more pages the first time each rare failure
-/// path runs (a retry, a migration, a release to a dead node), which under node kills every
-/// few seconds goes on for minutes while its live heap stays flat (docs/operations.md,
+/// path runs (a retry, a release to a dead node), which under node kills every few seconds
+/// goes on for a couple of minutes while its live heap stays flat (docs/operations.md,
 /// "Chaos soak"). A leak keeps growing through the second half; that settling does not.
 pub fn memory(log: &Log) -> Verdict {
     let mut checked = Vec::new();
