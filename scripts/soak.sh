@@ -4,7 +4,7 @@
 # node is SIGKILLed every few seconds and restarted, the router once. At the end it checks that
 # no client waited past its deadline, every stream ended with its tokens or a clear error, no
 # node holds a KV block or lease, the router's counters equal the nodes' own over all their
-# processes, and resident memory stayed flat after warm-up.
+# processes, and resident memory stayed flat over the second half of each process's life.
 #
 #   scripts/soak.sh [MINUTES] [SOAK FLAGS...]     (default 3 minutes; --help for the flags)
 #

@@ -208,3 +208,72 @@ async fn shutdown_drains_requests_in_flight() {
     assert_eq!(ids, [101, 102, 103], "the request finished");
     stopping.await.unwrap().expect("a clean stop");
 }
+
+/// Nodes dying and coming back, over and over, leave the router no task per restart: each
+/// node keeps one health-check task and one channel, and what requests on a dead node
+/// spawned (aborts, releases) ends within its deadline. (The router's memory growth in the
+/// chaos soak is its allocator settling, not state kept per restart: docs/operations.md,
+/// "Chaos soak".)
+#[test]
+fn node_restarts_leave_the_router_no_tasks_behind() {
+    // The router on a runtime of its own, so that its tasks are counted apart from the fake
+    // nodes'.
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (nodes, routing) = (runtime(), runtime());
+    let (mut p, mut d) =
+        nodes.block_on(async { (FakeNode::prefill().await, FakeNode::decode().await) });
+    let router = routing.block_on(RouterUnderTest::start(config(&[&p], &[&d])));
+    let serve = |expect_ok: bool| {
+        routing.block_on(async {
+            if expect_ok {
+                router.wait_health(ServingStatus::Serving).await;
+            }
+            let mut client = router.client();
+            for _ in 0..2 {
+                let (_, error) = collect(&mut client, text_request("x")).await.unwrap();
+                assert_eq!(error.is_none(), expect_ok, "{error:?}");
+            }
+        })
+    };
+    // The fewest tasks seen over a while: transient ones (a health probe's connection, a
+    // release) come and go, the router's own stay.
+    let fewest = |over: Duration| {
+        routing.block_on(async {
+            let mut fewest = usize::MAX;
+            let end = tokio::time::Instant::now() + over;
+            while tokio::time::Instant::now() < end {
+                fewest = fewest.min(routing.metrics().num_alive_tasks());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            fewest
+        })
+    };
+    serve(true);
+    let baseline = fewest(Duration::from_millis(500));
+
+    for _ in 0..10 {
+        nodes.block_on(async {
+            p.stop().await;
+            d.stop().await;
+        });
+        routing.block_on(router.wait_health(ServingStatus::NotServing));
+        serve(false);
+        nodes.block_on(async {
+            p.restart().await;
+            d.restart().await;
+        });
+        serve(true);
+    }
+    let after = fewest(Duration::from_secs(3));
+    assert!(
+        after <= baseline,
+        "{after} router tasks after 10 restarts of each node, {baseline} before"
+    );
+    drop(router);
+}

@@ -4,7 +4,7 @@
 //! end it checks (`check`) that no client waited past its deadline, that every stream ended
 //! with its tokens or a clear error, that no node holds a KV block or lease, that the
 //! router's counters equal the nodes' own over all their processes, and that each process's
-//! resident memory stayed flat after warm-up.
+//! resident memory stayed flat over the second half of its life.
 //!
 //! Not here: the product. This drives the real binaries from outside, as an operator's
 //! chaos tooling would.
