@@ -114,7 +114,8 @@ fn a_bad_value_exits_non_zero_naming_it() {
 }
 
 /// `PD_CPU_ISA`: shown as set; an unknown value is an error; a path this machine lacks is a
-/// note (the serving host may have it), here AMX, which has no kernels anywhere yet.
+/// note (the serving host may have it), one it has is no note: here AMX, which only some
+/// hosts have.
 #[test]
 fn the_cpu_instruction_set_is_checked() {
     let model = ("PD_MODEL", "synthetic:qwen3-0.6b");
@@ -127,7 +128,7 @@ fn the_cpu_instruction_set_is_checked() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("PD_CPU_ISA=sse9: expected auto, avx512, avx2, portable or amx"),
+        err.contains("PD_CPU_ISA=sse9: expected auto, amx, avx512, avx2 or portable"),
         "{err}"
     );
 
@@ -135,10 +136,13 @@ fn the_cpu_instruction_set_is_checked() {
     let c = json(&out);
     assert_eq!(c["engine"]["cpu_isa"], "amx");
     let notes = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        notes.contains("note: PD_CPU_ISA=amx: this")
-            && notes.contains("the node would refuse to start on this host"),
-        "{notes}"
+    let noted = notes.contains("note: PD_CPU_ISA=amx: ")
+        && notes.contains("the node would refuse to start on this host");
+    assert_eq!(
+        noted,
+        !pd_engine::backend::cpu::Isa::Amx.available(),
+        "AMX available here: {}; {notes}",
+        pd_engine::backend::cpu::Isa::Amx.available()
     );
 }
 

@@ -51,11 +51,14 @@ const NU: usize = 2 * T;
 
 /// The fewest activation rows this path takes: below it the streaming kernel, which keeps the
 /// activations in f32, is as fast (decode is bound by reading the weights).
-pub(super) const MIN_ROWS: usize = 8;
+pub(super) const MIN_ROWS: usize = 12;
 
 /// Whether the product of `rows` activation rows with `w` runs here.
 pub(super) fn fits(rows: usize, w: &WeightMatrix<'_>) -> bool {
-    w.dtype == DType::BF16 && rows >= MIN_ROWS && w.rows.is_multiple_of(T) && w.cols.is_multiple_of(TK)
+    w.dtype == DType::BF16
+        && rows >= MIN_ROWS
+        && w.rows.is_multiple_of(T)
+        && w.cols.is_multiple_of(TK)
 }
 
 /// The tile configuration: palette 1, eight tiles of 16 rows × 64 bytes.
