@@ -10,7 +10,9 @@ use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::executor::{ExecItem, Executor, ItemWants, NextToken, PromptScoring, StepOutput};
 use pd_engine::model::Qwen3;
-use pd_engine::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, prompt_logprobs};
+use pd_engine::sampling::{
+    PromptLogprob, SampledToken, Sampler, SamplingParams, prompt_logprobs_within,
+};
 use pd_engine::weights::Checkpoint;
 
 const BS: usize = 4;
@@ -53,10 +55,9 @@ fn seqs(params: &[SamplingParams]) -> Vec<Seq> {
 }
 
 fn host_sample(seq: &mut Seq, logits: &[f32]) -> SampledToken {
-    let mut row = logits.to_vec();
-    row[VOCAB_LIMIT..].fill(f32::NEG_INFINITY);
     let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-    seq.sampler.sample(&row, prompt, output)
+    seq.sampler
+        .sample_within(logits, VOCAB_LIMIT, prompt, output)
 }
 
 /// Alternatives listed per scored prompt position.
@@ -116,7 +117,7 @@ fn generate(params: &[SamplingParams], steps: usize, on_backend: bool) -> Vec<Ge
             for ((s, m), out) in seqs.iter().zip(&rows).zip(&mut out) {
                 if scoring(s) {
                     out.1.extend((0..s.prompt_len - 1).map(|r| {
-                        prompt_logprobs(&m.row(r)[..VOCAB_LIMIT], s.tokens[r + 1], PROMPT_TOP)
+                        prompt_logprobs_within(m.row(r), VOCAB_LIMIT, s.tokens[r + 1], PROMPT_TOP)
                     }));
                 }
             }

@@ -347,9 +347,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Choose one token for each listed row of `logits` (`[rows, vocab]`) where the logits
     /// are, returning only the token ids (and their log-probabilities) to the host. Only the
-    /// first `vocab_limit` columns are candidates. Must choose exactly the token of
-    /// [`crate::sampling::device::sample_row`] for every row (the conformance contract; the
-    /// log-probability may differ by rounding).
+    /// first `vocab_limit` columns are candidates; log-probabilities are normalized over
+    /// every column. Must choose exactly the token of
+    /// [`crate::sampling::device::sample_row_within`] for every row (the conformance
+    /// contract; the log-probability may differ by rounding).
     fn sample(
         &self,
         logits: &Self::Tensor,
@@ -358,10 +359,10 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Vec<DeviceSample>;
 
     /// Score prompt positions where the logits are: for each listed row of `logits`, the
-    /// log-probability of its next prompt token and its `top` most likely alternatives, over
-    /// the first `vocab_limit` columns. Must list the ids of
-    /// [`crate::sampling::prompt_logprobs`] of the row cut at `vocab_limit`, in its order (the
-    /// conformance contract; log-probabilities may differ by rounding).
+    /// log-probability of its next prompt token (normalized over every column) and its `top`
+    /// most likely alternatives among the first `vocab_limit` columns. Must list the ids of
+    /// [`crate::sampling::prompt_logprobs_within`], in its order (the conformance contract;
+    /// log-probabilities may differ by rounding).
     fn prompt_logprobs(
         &self,
         logits: &Self::Tensor,

@@ -233,13 +233,27 @@ impl DeviceSample {
     };
 }
 
-/// The reference: the token [`DeviceSampling`] chooses from `logits` (one row, already cut to
-/// the columns that are real tokens) after `row.reshape`'s edits, with `row.top_logprobs`
-/// alternatives (`row.row` is not read).
+/// The reference: the token [`DeviceSampling`] chooses from `logits` (one row, every column
+/// a candidate) after `row.reshape`'s edits, with `row.top_logprobs` alternatives (`row.row`
+/// is not read): [`sample_row_within`] with the whole row.
 ///
 /// # Panics
 /// If `logits` is empty.
 pub fn sample_row(logits: &[f32], row: &DeviceSampleRow<'_>) -> DeviceSample {
+    sample_row_within(logits, logits.len(), row)
+}
+
+/// [`sample_row`] choosing among the first `vocab_limit` columns (the tokenizer's ids), with
+/// log-probabilities normalized over the whole row, as [`super::Sampler::sample_within`].
+///
+/// # Panics
+/// If the first `vocab_limit` columns of `all` are empty.
+pub fn sample_row_within(
+    all: &[f32],
+    vocab_limit: usize,
+    row: &DeviceSampleRow<'_>,
+) -> DeviceSample {
+    let logits = &all[..vocab_limit.min(all.len())];
     let (method, reshape) = (row.method, row.reshape);
     assert!(!logits.is_empty(), "sample_row: empty logits row");
     let shaped = reshape.map(|r| r.apply(logits));
@@ -295,7 +309,7 @@ pub fn sample_row(logits: &[f32], row: &DeviceSampleRow<'_>) -> DeviceSample {
             (token.unwrap_or(max_id), true)
         }
     };
-    let lse = log_sum_exp(logits);
+    let lse = log_sum_exp(all);
     DeviceSample {
         token_id,
         logprob: raw_logprob(logits[token_id as usize], lse),

@@ -48,7 +48,7 @@ pub use params::{
     GREEDY_TEMPERATURE_EPS, MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS,
     MAX_STOP_STRINGS, SamplingError, SamplingParams,
 };
-pub use prompt::{PromptLogprob, PromptLogprobRow, prompt_logprobs};
+pub use prompt::{PromptLogprob, PromptLogprobRow, prompt_logprobs, prompt_logprobs_within};
 pub use sampler::{SampledToken, Sampler, TokenLogprob};
 pub use stop::{FinishReason, StopChecker, StopDecision, StopReason};
 pub use structured::{Guide, GuideCache, GuideVocabulary, StructuredError, StructuredOutput};

@@ -35,16 +35,29 @@ pub struct PromptLogprobRow {
 
 /// Log-probability of the actual next prompt token plus the `k` most likely alternatives,
 /// from the logits row computed at the position before it (raw logits, no penalties or
-/// temperature). The serving engine passes the row cut at the tokenizer's vocabulary, as it
-/// does for sampled tokens, so both kinds of log-probability share one denominator. The
-/// first prompt token has no logprob; callers skip it.
+/// temperature), every column a token: [`prompt_logprobs_within`] with the whole row.
 pub fn prompt_logprobs(logits: &[f32], next_token: u32, k: u32) -> PromptLogprob {
+    prompt_logprobs_within(logits, logits.len(), next_token, k)
+}
+
+/// [`prompt_logprobs`] of a row whose first `vocab_limit` columns are the tokenizer's ids:
+/// normalized over the whole row (the model's `vocab_size` outputs), as transformers and
+/// vLLM compute them and as [`super::Sampler::sample_within`] does for sampled tokens, with
+/// alternatives listed among the real tokens only. The first prompt token has no logprob;
+/// callers skip it.
+pub fn prompt_logprobs_within(
+    logits: &[f32],
+    vocab_limit: usize,
+    next_token: u32,
+    k: u32,
+) -> PromptLogprob {
+    let candidates = &logits[..vocab_limit.min(logits.len())];
     let lse = log_sum_exp(logits);
-    let logprob = logits
+    let logprob = candidates
         .get(next_token as usize)
         .map_or(f32::NEG_INFINITY, |&l| raw_logprob(l, lse));
     let top = if k > 0 {
-        top_logprobs(logits, k, lse)
+        top_logprobs(candidates, k, lse)
     } else {
         Vec::new()
     };

@@ -196,10 +196,8 @@ impl Sampler {
         self.greedy
     }
 
-    /// Chooses the next token from one row of logits (`vocab_size` entries).
-    ///
-    /// `prompt_tokens` and `output_tokens` are the request's tokens so far; they feed the
-    /// penalties and the `min_tokens` mask (ids outside the logits are ignored).
+    /// Chooses the next token from one row of logits, every column a candidate: the same as
+    /// [`Sampler::sample_within`] with `vocab_limit = logits.len()`.
     ///
     /// # Panics
     /// If `logits` is empty or longer than `u32::MAX`.
@@ -209,15 +207,37 @@ impl Sampler {
         prompt_tokens: &[u32],
         output_tokens: &[u32],
     ) -> SampledToken {
-        assert!(!logits.is_empty(), "Sampler::sample: empty logits row");
+        self.sample_within(logits, logits.len(), prompt_tokens, output_tokens)
+    }
+
+    /// Chooses the next token from the first `vocab_limit` columns of one row of logits (the
+    /// ids the tokenizer knows), while log-probabilities are normalized over the whole row
+    /// (the model's `vocab_size` outputs, padding rows included), as transformers and vLLM
+    /// report them. Listed alternatives are real tokens only.
+    ///
+    /// `prompt_tokens` and `output_tokens` are the request's tokens so far; they feed the
+    /// penalties and the `min_tokens` mask (ids outside the logits are ignored).
+    ///
+    /// # Panics
+    /// If `logits` or its first `vocab_limit` columns are empty, or it is longer than
+    /// `u32::MAX`.
+    pub fn sample_within(
+        &mut self,
+        logits: &[f32],
+        vocab_limit: usize,
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+    ) -> SampledToken {
+        let candidates = &logits[..vocab_limit.min(logits.len())];
+        assert!(!candidates.is_empty(), "Sampler::sample: empty logits row");
         assert!(
             u32::try_from(logits.len()).is_ok(),
             "Sampler::sample: vocabulary larger than u32::MAX"
         );
-        let token_id = self.choose(logits, prompt_tokens, output_tokens);
+        let token_id = self.choose(candidates, prompt_tokens, output_tokens);
         let lse = log_sum_exp(logits);
         let top = match self.logprobs {
-            Some(k) if k > 0 => top_logprobs(logits, k, lse),
+            Some(k) if k > 0 => top_logprobs(candidates, k, lse),
             _ => Vec::new(),
         };
         SampledToken {

@@ -494,12 +494,12 @@ impl<B: Backend> Engine<B> {
                 let token = match output {
                     StepOutput::Sampled(sample) => seq.sampler.accept(sample),
                     StepOutput::Logits(logits) => {
-                        // Only the columns that are real tokens: the backend's sampling
-                        // sees the same row, so both paths draw alike.
+                        // Candidates are the columns that are real tokens, logprobs are
+                        // over the whole row: the backend's sampling does the same, so
+                        // both paths draw and score alike.
                         let row = logits.row(logits.rows - 1);
                         let (prompt, output) = seq.tokens.split_at(seq.output_from);
-                        seq.sampler
-                            .sample(&row[..limit.min(row.len())], prompt, output)
+                        seq.sampler.sample_within(row, limit, prompt, output)
                     }
                 };
                 (id, seq, token)

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use pd_engine::ErrorKind;
 use pd_engine::executor::ExecItem;
-use pd_engine::sampling::{FinishReason, PromptLogprob, prompt_logprobs};
+use pd_engine::sampling::{FinishReason, PromptLogprob, prompt_logprobs_within};
 use pd_engine::serve::{Engine, EngineConfig, EngineThread, RequestEvent};
 
 use crate::{all_free, check_counters, config, drain, engine, executor, prompt, req, run_one};
@@ -96,7 +96,7 @@ fn prompt_logprobs_are_each_positions_once_batched_chunked_and_preempted() {
             };
             let m = exec.execute(&[item]).remove(0);
             (0..p.len() - 1)
-                .map(|r| prompt_logprobs(&m.row(r)[..KNOWN], p[r + 1], 2))
+                .map(|r| prompt_logprobs_within(m.row(r), KNOWN, p[r + 1], 2))
                 .collect()
         })
         .collect();

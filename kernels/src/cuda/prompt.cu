@@ -6,7 +6,8 @@
 // log-probability of the prompt token that follows it and its `top` best alternatives, as
 // sample_rows reports a sampled token's. params: 3 words per row (logits row, next prompt
 // token, alternatives); out: SAMPLE_OUTPUTS words per row (token, logprob bits, 0, 0, then
-// the top log-probabilities). Only columns below vocab_limit are scored. blockDim.x: a
+// the top log-probabilities). Only columns below vocab_limit are listed; log-probabilities
+// are normalized over all `cols` columns. blockDim.x: a
 // multiple of 32, at most 1024.
 extern "C" __global__ void prompt_logprobs(const float* logits, int cols, int vocab_limit,
                                            const unsigned int* params, unsigned int* out) {
@@ -36,7 +37,7 @@ extern "C" __global__ void prompt_logprobs(const float* logits, int cols, int vo
     float lmax;
     int max_id;
     row_argmax(r.raw, n, lmax, max_id, s_val, s_idx);
-    const double lse = raw_log_sum_exp(r, n, lmax, s_val, s_idx, s_sum);
+    const double lse = raw_log_sum_exp(r, n, cols, lmax, s_val, s_idx, s_sum);
     if (threadIdx.x == 0) {
         const unsigned int next = p[1];
         const float l = next < (unsigned int)n ? r.raw[next] : -INFINITY;

@@ -3,7 +3,8 @@
 #include "sample.cuh"
 
 // params: SAMPLE_PARAMS doubles per sampled row (one block each, k in 0..=64); out:
-// SAMPLE_OUTPUTS words per row. Only columns below vocab_limit are candidates. A row with
+// SAMPLE_OUTPUTS words per row. Only columns below vocab_limit are candidates (log-probabilities
+// are normalized over all `cols` columns). A row with
 // edits chooses from its row of `shaped` (vocab_limit columns each; unused, possibly null,
 // when no row has edits). blockDim.x: a multiple of 32, at most 1024.
 extern "C" __global__ void sample_rows(const float* logits, int cols, const float* shaped,
@@ -31,7 +32,7 @@ extern "C" __global__ void sample_rows(const float* logits, int cols, const floa
     int max_id;
     row_argmax(x, n, lmax, max_id, s_val, s_idx);
     const bool finite = lmax > -INFINITY && lmax < INFINITY;
-    const double lse = raw_log_sum_exp(r, n, lmax, s_val, s_idx, s_sum);
+    const double lse = raw_log_sum_exp(r, n, cols, lmax, s_val, s_idx, s_sum);
 
     int token = max_id;
     int used = 0;

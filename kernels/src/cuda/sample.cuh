@@ -179,19 +179,22 @@ __device__ inline void row_argmax(const float* x, int n, float& lmax, int& max_i
     max_id = best == -INFINITY ? 0 : best_i;
 }
 
-// log-sum-exp of the raw logits, for the chosen token's log-probability (their own maximum
-// first when the choice is made from edited logits).
-__device__ inline double raw_log_sum_exp(const SampleRow& r, int n, float lmax, float* s_val,
-                                  int* s_idx, double* s_sum) {
+// log-sum-exp of the raw logits over all `cols` columns of the row (the model's whole
+// vocabulary, padding rows included, as transformers and vLLM normalize), for the chosen
+// token's log-probability. `lmax` is the maximum of the first `n` columns of the choice's
+// logits; the raw row's own maximum is taken when the choice is made from edited logits or
+// the row is wider than the candidates.
+__device__ inline double raw_log_sum_exp(const SampleRow& r, int n, int cols, float lmax,
+                                  float* s_val, int* s_idx, double* s_sum) {
     float raw_max = lmax;
-    if (r.x != r.raw) {
+    if (r.x != r.raw || cols != n) {
         int unused;
-        row_argmax(r.raw, n, raw_max, unused, s_val, s_idx);
+        row_argmax(r.raw, cols, raw_max, unused, s_val, s_idx);
     }
     double lse = (double)raw_max;
     if (raw_max > -INFINITY && raw_max < INFINITY) {
         double s = 0.0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
             const float l = r.raw[i];
             if (l == l) {
                 s += (double)expf(l - raw_max);

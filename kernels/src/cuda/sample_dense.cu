@@ -69,7 +69,7 @@ extern "C" __global__ void sample_dense(const float* logits, int cols, const flo
     float lmax;
     int max_id;
     row_argmax(x, n, lmax, max_id, s_val, s_idx);
-    const double lse = raw_log_sum_exp(r, n, lmax, s_val, s_idx, s_sum);
+    const double lse = raw_log_sum_exp(r, n, cols, lmax, s_val, s_idx, s_sum);
     if (!(lmax > -INFINITY && lmax < INFINITY)) {
         if (threadIdx.x == 0) {
             write_sample(out, r, lse, max_id, 0, 0);

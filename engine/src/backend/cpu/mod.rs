@@ -25,9 +25,9 @@ use crate::backend::{AttentionMeta, Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
 use crate::kv::placement::{HostKvMemory, HostSegment};
-use crate::sampling::device::sample_row;
+use crate::sampling::device::sample_row_within;
 use crate::sampling::{
-    DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, prompt_logprobs,
+    DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, prompt_logprobs_within,
 };
 use crate::weights::{DType, TensorView};
 
@@ -471,10 +471,9 @@ impl Backend for CpuBackend {
         rows: &[DeviceSampleRow],
         vocab_limit: usize,
     ) -> Vec<DeviceSample> {
-        let limit = vocab_limit.min(logits.cols);
         // Rows are independent: one per core, as the engine samples on the host.
         rows.par_iter()
-            .map(|r| sample_row(&logits.row(r.row)[..limit], r))
+            .map(|r| sample_row_within(logits.row(r.row), vocab_limit, r))
             .collect()
     }
 
@@ -484,9 +483,8 @@ impl Backend for CpuBackend {
         rows: &[PromptLogprobRow],
         vocab_limit: usize,
     ) -> Vec<PromptLogprob> {
-        let limit = vocab_limit.min(logits.cols);
         rows.par_iter()
-            .map(|r| prompt_logprobs(&logits.row(r.row)[..limit], r.next_token, r.top))
+            .map(|r| prompt_logprobs_within(logits.row(r.row), vocab_limit, r.next_token, r.top))
             .collect()
     }
 

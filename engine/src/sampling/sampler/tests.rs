@@ -110,3 +110,44 @@ fn a_draw_depends_on_the_seed_and_the_tokens_place_only() {
     }
     assert_ne!(theirs, output);
 }
+
+/// Past `vocab_limit` (the checkpoint's padding columns) nothing is sampled or listed, yet
+/// every logprob is normalized over the whole row, host and device reference alike.
+#[test]
+fn padding_columns_count_in_logprobs_but_are_never_chosen_or_listed() {
+    let mut row = logits(1000, 9);
+    let limit = 900;
+    // The padding columns hold the row's best logits: a renormalized or uncut row shows.
+    row[limit..].fill(20.0);
+    let lse = log_sum_exp(&row);
+    for temperature in [0.0, 1.0] {
+        let params = SamplingParams {
+            temperature,
+            logprobs: Some(5),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(&params, 3, &[]);
+        for _ in 0..20 {
+            let t = s.sample_within(&row, limit, &[], &[]);
+            assert!((t.token_id as usize) < limit);
+            let want = raw_logprob(row[t.token_id as usize], lse);
+            assert!((t.logprob - want).abs() < 1e-6, "{} vs {want}", t.logprob);
+            assert_eq!(t.top.len(), 5);
+            assert!(t.top.iter().all(|a| (a.token_id as usize) < limit));
+            assert!(t.top[0].logprob < -10.0, "listed against the whole row");
+        }
+    }
+    let p = super::super::prompt::prompt_logprobs_within(&row, limit, 7, 3);
+    assert!((p.logprob - raw_logprob(row[7], lse)).abs() < 1e-6);
+    assert!(p.top.iter().all(|a| (a.token_id as usize) < limit));
+    let greedy = super::super::device::DeviceSampleRow {
+        row: 0,
+        method: super::super::device::DeviceSampling::Greedy,
+        reshape: None,
+        top_logprobs: 3,
+    };
+    let d = super::super::device::sample_row_within(&row, limit, &greedy);
+    assert!(d.top.iter().all(|a| (a.token_id as usize) < limit));
+    assert!((d.token_id as usize) < limit);
+    assert!((d.logprob - raw_logprob(row[d.token_id as usize], lse)).abs() < 1e-6);
+}
