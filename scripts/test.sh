@@ -2,6 +2,8 @@
 # The whole test suite: the README's second command and what CI runs. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Its own time, printed last whether it passes or fails (bash counts SECONDS from the start).
+trap 'echo "test.sh: $((SECONDS / 60)) min $((SECONDS % 60)) s elapsed"' EXIT
 # A fresh CI build gains nothing from incremental compilation, and its files fill the disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 

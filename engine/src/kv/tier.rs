@@ -1,7 +1,7 @@
 //! Tiers of the prefix cache outside the device: the host tier ([`super::host_tier::HostTier`],
-//! an LRU pool in host memory that evicted device blocks spill to) and, later, the peer tier
-//! (blocks pulled from another node). Both sit behind [`ExternalTier`] so the scheduler treats
-//! them alike; restoring from either counts as an *external* hit (ARCHITECTURE.md §3).
+//! an LRU pool in host memory that evicted device blocks spill to), the one [`ExternalTier`]
+//! today; the scheduler sees a tier only through that trait. Restoring from it counts as an
+//! *external* hit (docs/accounting.md), as KV received from a prefill node does.
 //!
 //! A block's data is the content of one KV block in the transfer layout
 //! ([`crate::backend::Backend::read_block`]: `block_bytes` bytes, each value as the KV cache

@@ -1,13 +1,14 @@
 //! Prefix-cache accounting and the engine's cumulative counters.
 //!
-//! The rules (docs/architecture.md, "Prefix-cache accounting"): a request is looked up once,
+//! The rules (docs/accounting.md): a request is looked up once,
 //! when it is first scheduled; the outcome is an `Option` set right there (`None` when the
 //! cache is disabled or the request needs prompt logprobs, so nothing is counted). Units are
 //! tokens. Hits are whole blocks and never cover the last prompt token. Local hits come from
 //! the device tier; external queries are what the local lookup left, external hits what was
 //! restored from another tier. A preempted request re-admitted later is not counted again,
 //! and an aborted request keeps its counts. Counters only ever grow: whoever reports them
-//! across a process boundary converts totals into deltas in one place (the metrics issue).
+//! across a process boundary converts totals into deltas in one place (the router:
+//! `router/src/metrics/aggregate.rs`).
 
 /// The result of a request's one prefix lookup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -6,8 +6,8 @@
 //! of a 2,048-token lease copied out of and into device memory in batches and one block at a
 //! time (what a prefill node's lease and a decode node's import cost); last, one Qwen3-30B-A3B
 //! sparse layer alone, routed on the device against on the host ([`moe`]). Prints one table last,
-//! with issue 6's goals checked under it, and writes every figure to OUT_DIR/gpu_bench.json,
-//! the table to OUT_DIR/table.txt, both after every model ([`report`]).
+//! with the GPU goals (docs/cuda.md) checked under it, and writes every figure to
+//! OUT_DIR/gpu_bench.json, the table to OUT_DIR/table.txt, both after every model ([`report`]).
 //!
 //! Usage: `gpu_bench OUT_DIR [MODEL...]` (default: synthetic:qwen3-0.6b synthetic:qwen3-8b).
 //! Decode steps choose greedy tokens on the device (as the engine does) and run twice: eager

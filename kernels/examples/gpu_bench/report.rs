@@ -1,5 +1,5 @@
 //! The benchmark's results written out: `gpu_bench.json` (every figure) and `table.txt`
-//! (the table printed last, then issue 6's goals checked against the best variant measured
+//! (the table printed last, then the GPU goals checked against the best variant measured
 //! and which variant was fastest, to set the defaults of `PD_CUDA_GEMV`, `PD_CUDA_PDL` and
 //! `--cuda-graphs` by). Written after every model, so a run cut short by the GPU host's time
 //! limit still leaves the models it finished. Measures nothing itself.
