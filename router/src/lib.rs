@@ -27,6 +27,7 @@
 pub mod admission;
 mod answer;
 pub mod auth;
+pub mod cache_index;
 mod choices;
 pub mod config;
 pub mod discovery;
