@@ -55,9 +55,7 @@ impl ResilienceSeries {
         for role in [NodeRole::Prefill, NodeRole::Decode] {
             series.retries.create(&[role.as_str()]);
             for reason in [Denied::Budget, Denied::MaxRetries] {
-                series
-                    .denied
-                    .create(&[role.as_str(), denied_label(reason)]);
+                series.denied.create(&[role.as_str(), denied_label(reason)]);
             }
         }
         series
