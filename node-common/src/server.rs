@@ -1,5 +1,6 @@
-//! Serving a node's gRPC service with health and reflection on a bound listener, the ready
-//! line, and the drain on shutdown.
+//! Serving a node's gRPC service with health and reflection on a bound listener (the gRPC
+//! server every part shares, `pd_tls::GrpcServer`: reflection lists this node's service, not
+//! the other role's or the router's), the ready line, and the drain on shutdown.
 
 use std::future::Future;
 use std::io::Write;
@@ -12,7 +13,6 @@ use anyhow::Context;
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tonic::service::Routes;
-use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
@@ -187,24 +187,29 @@ impl NodeServer {
             also_idle,
             tls,
         } = self;
-        let (mut health, health_service) = tonic_health::server::health_reporter();
+        // Streams per connection: every request the node may hold (the router's calls share
+        // one connection) plus room for control calls (Info, Abort, ReleaseKv), so a full
+        // node answers RESOURCE_EXHAUSTED instead of leaving calls queued in HTTP/2.
+        let grpc_limits = pd_tls::GrpcLimits {
+            max_concurrent_streams: u32::try_from(
+                requests.capacity().saturating_add(CONTROL_STREAMS),
+            )
+            .unwrap_or(u32::MAX),
+            ..pd_tls::GrpcLimits::default()
+        };
+        // With mTLS: UNAUTHENTICATED to callers without a cluster certificate.
+        let (grpc, mut health) = pd_tls::GrpcServer::new(
+            routes,
+            pd_tls::Api {
+                service: service_name,
+                descriptor_set: pd_proto::FILE_DESCRIPTOR_SET,
+            },
+            grpc_limits,
+            tls.requires_client_certs(),
+        )
+        .context("building the gRPC server")?;
         let serving = Arc::new(AtomicBool::new(false));
         set_status(&health, &serving, service_name, ServingStatus::Serving).await;
-        let reflection = || {
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        };
-        let reflection_v1 = reflection()
-            .build_v1()
-            .context("building the reflection service")?;
-        let reflection_v1alpha = reflection()
-            .build_v1alpha()
-            .context("building the reflection service")?;
-        let routes = routes
-            .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha);
 
         let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics_listener = pd_tls::Listener::new(metrics_listener, tls.metrics.clone())
@@ -222,26 +227,9 @@ impl NodeServer {
         let incoming =
             pd_tls::Listener::new(listener, tls.grpc.clone()).context("the gRPC listener")?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        // Streams per connection: every request the node may hold (the router's calls share
-        // one connection) plus room for control calls (Info, Abort, ReleaseKv), so a full
-        // node answers RESOURCE_EXHAUSTED instead of leaving calls queued in HTTP/2.
-        let grpc_limits = pd_tls::GrpcLimits {
-            max_concurrent_streams: u32::try_from(
-                requests.capacity().saturating_add(CONTROL_STREAMS),
-            )
-            .unwrap_or(u32::MAX),
-            ..pd_tls::GrpcLimits::default()
-        };
-        let mut server = tokio::spawn(
-            grpc_limits
-                .apply(Server::builder())
-                // With mTLS: UNAUTHENTICATED to callers without a cluster certificate.
-                .layer(pd_tls::ClusterOnlyLayer::new(tls.requires_client_certs()))
-                .add_routes(routes)
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stop_rx.await;
-                }),
-        );
+        let mut server = tokio::spawn(grpc.serve(incoming, async {
+            let _ = stop_rx.await;
+        }));
 
         // An engine that fails makes the node NOT_SERVING (gRPC health and /health) before
         // any of its open requests hears of the failure: the engine thread runs this before

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+use pd_router::metrics::ids::name;
 use prometheus_parse::{Scrape, Value};
 use serde::Serialize;
 
@@ -152,8 +153,8 @@ impl Snapshot {
                 Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => *v,
                 Value::Histogram(buckets) => {
                     let target = match sample.metric.as_str() {
-                        "pd_router_time_to_first_token_seconds" => &mut s.ttft,
-                        "pd_router_inter_token_latency_seconds" => &mut s.itl,
+                        name::TIME_TO_FIRST_TOKEN_SECONDS => &mut s.ttft,
+                        name::INTER_TOKEN_LATENCY_SECONDS => &mut s.itl,
                         _ => continue,
                     };
                     add_buckets(target, buckets);
@@ -164,7 +165,7 @@ impl Snapshot {
             let node = || (label("role"), label("node"));
             let cache = label("cache");
             match sample.metric.as_str() {
-                "pd_router_prefix_cache_queries_total" | "pd_router_prefix_cache_hits_total" => {
+                name::PREFIX_CACHE_QUERIES_TOTAL | name::PREFIX_CACHE_HITS_TOTAL => {
                     seen = true;
                     let stats = s.nodes.entry(node()).or_default();
                     let pair = if cache == "external" {
@@ -172,32 +173,26 @@ impl Snapshot {
                     } else {
                         &mut stats.local
                     };
-                    if sample.metric.ends_with("hits_total") {
+                    if sample.metric == name::PREFIX_CACHE_HITS_TOTAL {
                         pair.hits += value;
                     } else {
                         pair.queries += value;
                     }
                 }
-                "pd_router_prompt_tokens_total" => {
+                name::PROMPT_TOKENS_TOTAL => {
                     s.nodes.entry(node()).or_default().prompt_tokens += value
                 }
-                "pd_router_generation_tokens_total" => {
+                name::GENERATION_TOKENS_TOTAL => {
                     s.nodes.entry(node()).or_default().generation_tokens += value
                 }
-                "pd_router_node_up" => s.nodes.entry(node()).or_default().up = Some(value > 0.0),
-                "pd_router_node_requests_running" => {
-                    s.nodes.entry(node()).or_default().running = value
-                }
-                "pd_router_node_requests_waiting" => {
-                    s.nodes.entry(node()).or_default().waiting = value
-                }
-                "pd_router_node_kv_cache_usage_ratio" => {
+                name::NODE_UP => s.nodes.entry(node()).or_default().up = Some(value > 0.0),
+                name::NODE_REQUESTS_RUNNING => s.nodes.entry(node()).or_default().running = value,
+                name::NODE_REQUESTS_WAITING => s.nodes.entry(node()).or_default().waiting = value,
+                name::NODE_KV_CACHE_USAGE_RATIO => {
                     s.nodes.entry(node()).or_default().kv_usage = value
                 }
-                "pd_router_requests_total" => {
-                    *s.outcomes.entry(label("outcome")).or_default() += value
-                }
-                "pd_router_requests_in_flight" => s.in_flight += value,
+                name::REQUESTS_TOTAL => *s.outcomes.entry(label("outcome")).or_default() += value,
+                name::REQUESTS_IN_FLIGHT => s.in_flight += value,
                 _ => {}
             }
         }

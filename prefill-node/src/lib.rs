@@ -19,7 +19,8 @@
 //! - `RdmaConnect`: a decode node connects an RDMA queue pair to this node's (endpoint
 //!   exchange). With `--kv-transport rdma|auto` and a device, every lease's blocks are also
 //!   registered for one-sided RDMA reads and the `KvHandle` carries the offer
-//!   (`pd_transport::rdma`); the TCP export server runs in every mode.
+//!   (`pd_transport::rdma`; this node's side in rdma.rs); the TCP export server runs in every
+//!   mode.
 //! - `Abort`, `Info`.
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with decode-node
@@ -27,6 +28,7 @@
 //! expire, so that decode nodes can finish pulling (leases.rs).
 
 mod leases;
+mod rdma;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,8 +40,8 @@ use clap::Parser;
 use pd_engine::generate::validate_prompt;
 use pd_engine::sampling::{GuideCache, PromptLogprob, SampledToken};
 use pd_engine::serve::{
-    EngineHandle, EngineRequest, EngineThread, Finished, LeaseSecret, RequestError, RequestEvent,
-    RequestId, Role,
+    EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
+    Role,
 };
 use pd_node::args::parse_seconds;
 use pd_node::requests::{engine_gone, engine_status};
@@ -47,7 +49,7 @@ use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_server::{PrefillService, PrefillServiceServer};
-use pd_transport::rdma::{RdmaError, RdmaExporter};
+use pd_transport::rdma::RdmaExporter;
 use pd_transport::{ExportConfig, KvExportServer};
 use tonic::{Request, Response, Status};
 
@@ -148,46 +150,6 @@ struct PrefillNodeService {
 }
 
 impl PrefillNodeService {
-    /// Register a new lease's blocks for RDMA reads: the `KvHandle.rdma` offer, or empty
-    /// (decode nodes then pull over TCP) when this node runs without RDMA or registering
-    /// failed.
-    async fn offer_rdma(
-        &self,
-        lease_id: u64,
-        secret: LeaseSecret,
-        num_blocks: usize,
-        deadline: Instant,
-    ) -> Vec<u8> {
-        let Some(rdma) = &self.rdma else {
-            return Vec::new();
-        };
-        let (rdma, engine) = (Arc::clone(rdma), self.engine().clone());
-        let published = tokio::task::spawn_blocking(move || {
-            let lease = engine.lease_blocks(lease_id, &secret);
-            let blocks = lease
-                .filter(|kv| kv.num_blocks() == num_blocks)
-                .ok_or_else(|| {
-                    RdmaError::Unavailable(format!("lease {lease_id} is gone before registration"))
-                })?;
-            rdma.publish(lease_id, &blocks, deadline)
-        })
-        .await;
-        match published {
-            Ok(Ok((offer, mode))) => {
-                self.metrics.transfers().record_rdma_offer(mode);
-                offer
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(lease_id, error = %e, "RDMA registration failed; this lease moves over TCP");
-                Vec::new()
-            }
-            Err(e) => {
-                tracing::warn!(lease_id, error = %e, "RDMA registration task failed; this lease moves over TCP");
-                Vec::new()
-            }
-        }
-    }
-
     fn engine(&self) -> &EngineHandle {
         self.requests.engine()
     }
@@ -381,42 +343,9 @@ impl PrefillService for PrefillNodeService {
         &self,
         request: Request<pb::RdmaConnectRequest>,
     ) -> Result<Response<pb::RdmaConnectResponse>, Status> {
-        let req = request.into_inner();
-        // Only a holder of a live lease gets a queue pair; an unknown id and a wrong secret
-        // get the same answer, and nothing about this node's layout.
-        let secret = convert::lease_secret("lease_secret", &req.lease_secret)?;
-        if self.engine().lease_blocks(req.lease_id, &secret).is_none() {
-            return Err(Status::permission_denied(
-                "RdmaConnect needs a live lease of this node (its id and secret)",
-            ));
-        }
-        let theirs: pd_transport::LayoutFingerprint = req
-            .layout_fingerprint
-            .parse()
-            .map_err(|e| Status::invalid_argument(format!("layout_fingerprint: {e}")))?;
-        if theirs != self.facts.fingerprint {
-            return Err(Status::failed_precondition(format!(
-                "KV layout mismatch: the decode node has layout fingerprint {theirs}, this \
-                 prefill node {}; no RDMA connection between different layouts",
-                self.facts.fingerprint
-            )));
-        }
-        let Some(rdma) = &self.rdma else {
-            return Err(Status::failed_precondition(
-                "this prefill node runs without RDMA (--kv-transport tcp, or auto without a \
-                 usable device); pull its KV over TCP",
-            ));
-        };
-        let rdma = Arc::clone(rdma);
-        // Creating and connecting a queue pair is a few blocking verbs calls.
-        let answer = tokio::task::spawn_blocking(move || rdma.accept(&req.endpoint))
+        self.connect_rdma(request.into_inner())
             .await
-            .map_err(|e| Status::internal(format!("RDMA connect task failed: {e}")))?;
-        match answer {
-            Ok(endpoint) => Ok(Response::new(pb::RdmaConnectResponse { endpoint })),
-            Err(e @ RdmaError::Endpoint(_)) => Err(Status::invalid_argument(e.to_string())),
-            Err(e) => Err(Status::unavailable(format!("RDMA connect failed: {e}"))),
-        }
+            .map(Response::new)
     }
 }
 
@@ -495,7 +424,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
             let exporter = RdmaExporter::new(device, connect_addr.to_string())?
                 .with_host_kv(handle.host_kv_memory().cloned());
             let exporter = Arc::new(exporter);
-            spawn_rdma_sweeper(Arc::downgrade(&exporter));
+            rdma::spawn_rdma_sweeper(Arc::downgrade(&exporter));
             Some(exporter)
         }
         None => None,
@@ -538,25 +467,6 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         export,
         engine,
     })
-}
-
-/// Retire expired leases' RDMA offers every second, so that an idle node does not keep
-/// their memory (a staged copy, or the lease's KV blocks) held; ends once the exporter is
-/// gone.
-fn spawn_rdma_sweeper(exporter: std::sync::Weak<RdmaExporter>) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        loop {
-            tick.tick().await;
-            let Some(exporter) = exporter.upgrade() else {
-                return;
-            };
-            let n = exporter.retire_expired(Instant::now());
-            if n > 0 {
-                tracing::debug!(expired = n, "RDMA regions of expired leases deregistered");
-            }
-        }
-    });
 }
 
 impl PrefillNode {

@@ -16,8 +16,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pd_router::openai::parse::coder::Schemas;
-use pd_router::openai::parse::{AnswerParser, Parsed};
+use pd_router::parse::coder::Schemas;
+use pd_router::parse::{AnswerParser, Parsed};
 
 /// Answer lengths, in 4-byte pieces.
 const PIECES: [usize; 2] = [10_000, 100_000];

@@ -158,7 +158,7 @@ struct Waiting<'a>(&'a Admission);
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.queued.fetch_sub(1, Ordering::AcqRel);
-        self.0.metrics.model.queued.dec();
+        self.0.metrics.model.queued.decrement(1.0);
     }
 }
 
@@ -225,7 +225,7 @@ impl Admission {
                 max_queue,
             });
         }
-        self.metrics.model.queued.inc();
+        self.metrics.model.queued.increment(1.0);
         let waiting = Waiting(self);
         let timeout = self.limits.queue_timeout;
         let slot = tokio::time::timeout(timeout, slots.clone().acquire_owned()).await;

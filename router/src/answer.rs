@@ -15,8 +15,8 @@ use pd_proto::pb;
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
 
-use crate::openai::parse::AnswerParser;
-use crate::openai::parse::coder::Schemas;
+use crate::parse::AnswerParser;
+use crate::parse::coder::Schemas;
 use crate::validation::ValidationError;
 
 /// A response stream of the gRPC API.

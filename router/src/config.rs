@@ -11,7 +11,7 @@ mod failure;
 
 pub use self::failure::FailureArgs;
 use crate::discovery::DnsTarget;
-pub use crate::openai::parse::{ReasoningParser, ToolCallParser};
+pub use crate::parse::{ReasoningParser, ToolCallParser};
 use crate::registry::NodeRole;
 
 /// Which prefill node a request goes to (decode nodes are always chosen by load).

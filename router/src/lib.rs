@@ -17,6 +17,7 @@
 //!
 //! The same requests are served over HTTP in OpenAI's shape ([`openai`]: completions and
 //! chat completions, streamed as server-sent events), through the same service.
+//! Chat answers are read for reasoning and tool calls by one parser on both APIs ([`parse`]).
 //!
 //! The library is what the `router` binary runs, and what tests embed:
 //! [`serve`]`(config, listener, shutdown)`.
@@ -36,6 +37,7 @@ mod flow;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
+pub mod parse;
 pub mod policy;
 pub mod registry;
 pub mod retry;

@@ -1,6 +1,7 @@
-//! Serving: `pd.v1.Generation`, `grpc.health.v1.Health` and server reflection on one listener,
-//! `/metrics` on another and the OpenAI-compatible HTTP API on a third (both optional), health checks of the nodes in the background, graceful
-//! shutdown.
+//! Serving: `pd.v1.Generation`, `grpc.health.v1.Health` and server reflection on one listener
+//! (the gRPC server every part shares, `pd_tls::GrpcServer`), `/metrics` on another and the
+//! OpenAI-compatible HTTP API on a third (both optional), health checks of the nodes in the
+//! background, graceful shutdown.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,6 +15,7 @@ use tokio::task::JoinSet;
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::NamedService;
+use tonic::service::Routes;
 use tonic::{Code, Status};
 use tonic_health::ServingStatus;
 
@@ -33,7 +35,10 @@ use crate::tenant::Tenancy;
 use crate::validation::{ModelMeta, Validator};
 
 /// The health service names the router reports: the whole server (`""`) and the API.
-const HEALTH_SERVICES: [&str; 2] = ["", "pd.v1.Generation"];
+const HEALTH_SERVICES: [&str; 2] = ["", GENERATION];
+
+/// The full gRPC name of the router's API.
+const GENERATION: &str = pd_proto::pb::generation_server::SERVICE_NAME;
 
 /// A router ready to serve: model metadata loaded, nodes registered (not yet checked).
 #[derive(Debug)]
@@ -307,7 +312,31 @@ impl Router {
             ));
         }
 
-        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let metered = MeteredGeneration::new(
+            GenerationService::new(shared.clone()),
+            shared.metrics.clone(),
+        );
+        // With --api-keys every call needs a key; the interceptor puts its tenant in the
+        // request's extensions (without keys: nothing checked, no tenant, `default`).
+        let generation = OversizeIsResourceExhausted(
+            shared.auth.grpc(Admitted::new(
+                GenerationServer::new(ChoicesGeneration::new(metered.clone()))
+                    .max_decoding_message_size(config.max_message_bytes),
+                shared.admission.clone(),
+            )),
+        );
+        // With --tls-client-ca: UNAUTHENTICATED to callers without a client certificate the
+        // CA signed (health stays open).
+        let (grpc, reporter) = pd_tls::GrpcServer::new(
+            Routes::new(generation),
+            pd_tls::Api {
+                service: GENERATION,
+                descriptor_set: pd_proto::FILE_DESCRIPTOR_SET,
+            },
+            config.grpc_limits,
+            config.tls.requires_client_certs(),
+        )
+        .map_err(|e| RouterError::Internal(e.to_string()))?;
         for name in HEALTH_SERVICES {
             reporter
                 .set_service_status(name, ServingStatus::NotServing)
@@ -337,22 +366,6 @@ impl Router {
             });
         }
 
-        let reflection = || {
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        };
-        let reflection_v1 = reflection()
-            .build_v1()
-            .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
-        let reflection_v1alpha = reflection()
-            .build_v1alpha()
-            .map_err(|e| RouterError::Internal(format!("server reflection: {e}")))?;
-
-        let metered = MeteredGeneration::new(
-            GenerationService::new(shared.clone()),
-            shared.metrics.clone(),
-        );
         // The HTTP API stops taking requests with the gRPC API and drains on its own.
         let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
         // With --tls-client-ca the HTTP API closes connections without a client certificate
@@ -380,16 +393,6 @@ impl Router {
                 }
             })
         });
-        // With --api-keys every call needs a key; the interceptor puts its tenant in the
-        // request's extensions (without keys: nothing checked, no tenant, `default`).
-        let generation = OversizeIsResourceExhausted(
-            shared.auth.grpc(Admitted::new(
-                GenerationServer::new(ChoicesGeneration::new(metered))
-                    .max_decoding_message_size(config.max_message_bytes),
-                shared.admission.clone(),
-            )),
-        );
-
         let addr = listener.local_addr().ok();
         tracing::info!(?addr, model = %shared.model.name, policy = shared.policy.name(),
             api_keys = shared.auth.is_on(), shared_prefix_cache = shared.tenancy.shared_prefix_cache,
@@ -405,23 +408,10 @@ impl Router {
                     .await;
             }
         };
-        // `tcp_nodelay` on the builder does not reach sockets from our own listener: the
-        // listener sets it on each accepted connection, or small stream messages wait for
-        // delayed ACKs (~40 ms). TLS handshakes run off its accept loop.
-        let requires_client_certs = config.tls.requires_client_certs();
+        // The listener sets TCP_NODELAY on each accepted connection, or small stream messages
+        // wait for delayed ACKs (~40 ms); TLS handshakes run off its accept loop.
         let incoming = pd_tls::Listener::new(listener, tls.grpc.clone()).map_err(listener_error)?;
-        let result = config
-            .grpc_limits
-            .apply(tonic::transport::Server::builder())
-            // With --tls-client-ca: UNAUTHENTICATED to callers without a client certificate
-            // the CA signed (health stays open).
-            .layer(pd_tls::ClusterOnlyLayer::new(requires_client_certs))
-            .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(generation)
-            .serve_with_incoming_shutdown(incoming, drain)
-            .await;
+        let result = grpc.serve(incoming, drain).await;
         if let Some(http) = http {
             let _ = http.await;
         }

@@ -14,11 +14,13 @@
 //! - [`GrpcLimits`], [`HttpLimits`] and [`serve_http`]: the connection limits of every
 //!   server (concurrent streams, keepalive and connection age for gRPC; a header timeout and
 //!   a connection cap for the HTTP/1.1 servers, which `serve_http` runs from a [`Listener`]).
+//! - [`GrpcServer`]: the one gRPC server of every part (its API, health, reflection listing
+//!   only that API, under [`GrpcLimits`] and [`ClusterOnlyLayer`]).
 //! - [`check_exposure`]: the refusal to listen beyond loopback without the role's security.
 //! - [`certs`]: generating a cluster CA and member certificates (`pdctl certs`).
 //!
-//! rustls with the `ring` provider only. Nothing here knows about gRPC services, KV or
-//! models.
+//! rustls with the `ring` provider only. Nothing here knows about the cluster's gRPC services
+//! (a part names its own and hands over their descriptors), KV or models.
 
 mod args;
 mod auth;
@@ -27,6 +29,7 @@ mod client;
 mod conn;
 mod error;
 mod exposure;
+mod grpc;
 mod limits;
 mod material;
 mod reload;
@@ -38,6 +41,7 @@ pub use client::{ClientTls, Connector, dial, scheme};
 pub use conn::{Conn, PeerInfo};
 pub use error::TlsError;
 pub use exposure::{Exposure, check_exposure, is_loopback};
+pub use grpc::{Api, GrpcServer, ReflectionError};
 pub use limits::{GrpcLimits, HttpLimits, serve_http};
 pub use reload::DEFAULT_CHECK_INTERVAL;
 pub use rustls_pki_types::ServerName;

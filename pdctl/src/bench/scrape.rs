@@ -10,11 +10,11 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
 
-const HITS: &str = "pd_router_prefix_cache_hits_total";
-const QUERIES: &str = "pd_router_prefix_cache_queries_total";
-const KV_BYTES: &str = "pd_router_kv_transfer_bytes_total";
-const KV_SECONDS_SUM: &str = "pd_router_kv_transfer_seconds_sum";
-const KV_SECONDS_COUNT: &str = "pd_router_kv_transfer_seconds_count";
+use pd_router::metrics::ids::name;
+
+const HITS: &str = name::PREFIX_CACHE_HITS_TOTAL;
+const QUERIES: &str = name::PREFIX_CACHE_QUERIES_TOTAL;
+const KV_BYTES: &str = name::KV_TRANSFER_BYTES_TOTAL;
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -273,10 +273,14 @@ pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
             _ => continue,
         };
         if sample.labels.get("role") == Some("decode") {
-            match sample.metric.as_str() {
-                KV_BYTES => counters.kv.bytes += value,
-                KV_SECONDS_SUM => counters.kv.seconds += value,
-                KV_SECONDS_COUNT => counters.kv.transfers += value,
+            // The transfer seconds are a summary: its samples are the family's name with
+            // `_sum` and `_count`.
+            let summary = (sample.metric.strip_prefix(name::KV_TRANSFER_SECONDS))
+                .and_then(|rest| rest.strip_prefix('_'));
+            match (sample.metric.as_str(), summary) {
+                (KV_BYTES, _) => counters.kv.bytes += value,
+                (_, Some("sum")) => counters.kv.seconds += value,
+                (_, Some("count")) => counters.kv.transfers += value,
                 _ => {}
             }
         }

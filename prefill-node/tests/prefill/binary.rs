@@ -73,6 +73,10 @@ async fn the_binary_prints_its_ready_line_serves_health_and_exits_0_on_sigterm()
     for s in ["pd.v1.PrefillService", "grpc.health.v1.Health"] {
         assert!(services.iter().any(|x| x == s), "{s} in {services:?}");
     }
+    // Only what this binary serves: not the router's API, nor the other role's.
+    for s in ["pd.v1.Generation", "pd.v1.DecodeService"] {
+        assert!(!services.iter().any(|x| x == s), "{s} not in {services:?}");
+    }
     // A health watch stays open across the shutdown: it must not hold the exit up.
     let mut watch = health
         .watch(HealthCheckRequest {

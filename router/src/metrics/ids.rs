@@ -22,6 +22,42 @@ pub mod label {
     pub const RESULT: &str = "result";
 }
 
+/// The exposed family names, for readers of the router's `/metrics` (`pdctl`) to match
+/// on; a counter's carries its `_total` suffix.
+pub mod name {
+    pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "pd_router_prefix_cache_queries_total";
+    pub const PREFIX_CACHE_HITS_TOTAL: &str = "pd_router_prefix_cache_hits_total";
+    pub const PROMPT_TOKENS_TOTAL: &str = "pd_router_prompt_tokens_total";
+    pub const GENERATION_TOKENS_TOTAL: &str = "pd_router_generation_tokens_total";
+    pub const NODE_PREEMPTIONS_TOTAL: &str = "pd_router_node_preemptions_total";
+    pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "pd_router_time_to_first_token_seconds";
+    pub const INTER_TOKEN_LATENCY_SECONDS: &str = "pd_router_inter_token_latency_seconds";
+    pub const REQUEST_DURATION_SECONDS: &str = "pd_router_request_duration_seconds";
+    pub const REQUESTS_TOTAL: &str = "pd_router_requests_total";
+    pub const REQUESTS_IN_FLIGHT: &str = "pd_router_requests_in_flight";
+    pub const NODE_UP: &str = "pd_router_node_up";
+    pub const NODE_REQUESTS_RUNNING: &str = "pd_router_node_requests_running";
+    pub const NODE_REQUESTS_WAITING: &str = "pd_router_node_requests_waiting";
+    pub const NODE_KV_CACHE_USAGE_RATIO: &str = "pd_router_node_kv_cache_usage_ratio";
+    pub const KV_TRANSFER_BYTES_TOTAL: &str = "pd_router_kv_transfer_bytes_total";
+    pub const KV_TRANSFER_FAILURES_TOTAL: &str = "pd_router_kv_transfer_failures_total";
+    pub const KV_TRANSFER_SECONDS: &str = "pd_router_kv_transfer_seconds";
+    pub const KV_LEASES_EXPIRED_TOTAL: &str = "pd_router_kv_leases_expired_total";
+    pub const NODE_RESTARTS_TOTAL: &str = "pd_router_node_restarts_total";
+    pub const TENANT_PROMPT_TOKENS_TOTAL: &str = "pd_router_tenant_prompt_tokens_total";
+    pub const TENANT_GENERATION_TOKENS_TOTAL: &str = "pd_router_tenant_generation_tokens_total";
+    pub const TENANT_REQUESTS_TOTAL: &str = "pd_router_tenant_requests_total";
+    pub const REQUESTS_REJECTED_TOTAL: &str = "pd_router_requests_rejected_total";
+    pub const REQUESTS_QUEUED: &str = "pd_router_requests_queued";
+    pub const RETRIES_TOTAL: &str = "pd_router_retries_total";
+    pub const RETRIES_DENIED_TOTAL: &str = "pd_router_retries_denied_total";
+    pub const NODE_CIRCUIT_STATE: &str = "pd_router_node_circuit_state";
+    pub const NODE_CIRCUIT_TRANSITIONS_TOTAL: &str = "pd_router_node_circuit_transitions_total";
+    pub const MIGRATIONS_TOTAL: &str = "pd_router_migrations_total";
+    pub const TENANT_REQUESTS_REJECTED_TOTAL: &str = "pd_router_tenant_requests_rejected_total";
+    pub const FILE_RELOADS_TOTAL: &str = "pd_router_file_reloads_total";
+}
+
 /// One metric family of the router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -96,37 +132,37 @@ impl Family {
     /// The exposed name (counters carry their `_total` suffix here).
     pub fn name(self) -> &'static str {
         match self {
-            Family::PrefixCacheQueries => "pd_router_prefix_cache_queries_total",
-            Family::PrefixCacheHits => "pd_router_prefix_cache_hits_total",
-            Family::PromptTokens => "pd_router_prompt_tokens_total",
-            Family::GenerationTokens => "pd_router_generation_tokens_total",
-            Family::NodePreemptions => "pd_router_node_preemptions_total",
-            Family::TimeToFirstToken => "pd_router_time_to_first_token_seconds",
-            Family::InterTokenLatency => "pd_router_inter_token_latency_seconds",
-            Family::RequestDuration => "pd_router_request_duration_seconds",
-            Family::Requests => "pd_router_requests_total",
-            Family::RequestsInFlight => "pd_router_requests_in_flight",
-            Family::NodeUp => "pd_router_node_up",
-            Family::NodeRequestsRunning => "pd_router_node_requests_running",
-            Family::NodeRequestsWaiting => "pd_router_node_requests_waiting",
-            Family::NodeKvCacheUsage => "pd_router_node_kv_cache_usage_ratio",
-            Family::KvTransferBytes => "pd_router_kv_transfer_bytes_total",
-            Family::KvTransferFailures => "pd_router_kv_transfer_failures_total",
-            Family::KvTransferSeconds => "pd_router_kv_transfer_seconds",
-            Family::KvLeasesExpired => "pd_router_kv_leases_expired_total",
-            Family::NodeRestarts => "pd_router_node_restarts_total",
-            Family::TenantPromptTokens => "pd_router_tenant_prompt_tokens_total",
-            Family::TenantGenerationTokens => "pd_router_tenant_generation_tokens_total",
-            Family::TenantRequests => "pd_router_tenant_requests_total",
-            Family::RequestsRejected => "pd_router_requests_rejected_total",
-            Family::RequestsQueued => "pd_router_requests_queued",
-            Family::Retries => "pd_router_retries_total",
-            Family::RetriesDenied => "pd_router_retries_denied_total",
-            Family::NodeCircuitState => "pd_router_node_circuit_state",
-            Family::NodeCircuitTransitions => "pd_router_node_circuit_transitions_total",
-            Family::Migrations => "pd_router_migrations_total",
-            Family::TenantRequestsRejected => "pd_router_tenant_requests_rejected_total",
-            Family::FileReloads => "pd_router_file_reloads_total",
+            Family::PrefixCacheQueries => name::PREFIX_CACHE_QUERIES_TOTAL,
+            Family::PrefixCacheHits => name::PREFIX_CACHE_HITS_TOTAL,
+            Family::PromptTokens => name::PROMPT_TOKENS_TOTAL,
+            Family::GenerationTokens => name::GENERATION_TOKENS_TOTAL,
+            Family::NodePreemptions => name::NODE_PREEMPTIONS_TOTAL,
+            Family::TimeToFirstToken => name::TIME_TO_FIRST_TOKEN_SECONDS,
+            Family::InterTokenLatency => name::INTER_TOKEN_LATENCY_SECONDS,
+            Family::RequestDuration => name::REQUEST_DURATION_SECONDS,
+            Family::Requests => name::REQUESTS_TOTAL,
+            Family::RequestsInFlight => name::REQUESTS_IN_FLIGHT,
+            Family::NodeUp => name::NODE_UP,
+            Family::NodeRequestsRunning => name::NODE_REQUESTS_RUNNING,
+            Family::NodeRequestsWaiting => name::NODE_REQUESTS_WAITING,
+            Family::NodeKvCacheUsage => name::NODE_KV_CACHE_USAGE_RATIO,
+            Family::KvTransferBytes => name::KV_TRANSFER_BYTES_TOTAL,
+            Family::KvTransferFailures => name::KV_TRANSFER_FAILURES_TOTAL,
+            Family::KvTransferSeconds => name::KV_TRANSFER_SECONDS,
+            Family::KvLeasesExpired => name::KV_LEASES_EXPIRED_TOTAL,
+            Family::NodeRestarts => name::NODE_RESTARTS_TOTAL,
+            Family::TenantPromptTokens => name::TENANT_PROMPT_TOKENS_TOTAL,
+            Family::TenantGenerationTokens => name::TENANT_GENERATION_TOKENS_TOTAL,
+            Family::TenantRequests => name::TENANT_REQUESTS_TOTAL,
+            Family::RequestsRejected => name::REQUESTS_REJECTED_TOTAL,
+            Family::RequestsQueued => name::REQUESTS_QUEUED,
+            Family::Retries => name::RETRIES_TOTAL,
+            Family::RetriesDenied => name::RETRIES_DENIED_TOTAL,
+            Family::NodeCircuitState => name::NODE_CIRCUIT_STATE,
+            Family::NodeCircuitTransitions => name::NODE_CIRCUIT_TRANSITIONS_TOTAL,
+            Family::Migrations => name::MIGRATIONS_TOTAL,
+            Family::TenantRequestsRejected => name::TENANT_REQUESTS_REJECTED_TOTAL,
+            Family::FileReloads => name::FILE_RELOADS_TOTAL,
         }
     }
 

@@ -20,10 +20,13 @@
 //!   transitions): counted where requests are retried, breakers read at scrape time
 //!   (`resilience`).
 //!
-//! Names and labels are typed ids in [`ids`]; `http` serves the text exposition (0.0.4);
-//! [`faults`] is a test-only hook that drops, repeats and reorders reports.
+//! Names and labels are typed ids in [`ids`]; the series live in the router's own
+//! `metrics-exporter-prometheus` recorder (`exporter`: one per router, not the process-global
+//! one); `http` serves the text exposition (0.0.4); [`faults`] is a test-only hook that drops,
+//! repeats and reorders reports.
 
 pub mod aggregate;
+mod exporter;
 pub mod faults;
 mod http;
 pub mod ids;
@@ -34,12 +37,11 @@ mod tenants;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use metrics::{Counter, Gauge, Histogram};
 use pd_proto::pb::CounterReport;
-use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType, Summary};
-use prometheus::{
-    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts, TextEncoder,
-};
 
 pub use self::aggregate::{Aggregator, Increments, NodeKey};
 pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
@@ -49,39 +51,40 @@ pub use self::ids::{
 };
 pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
+use self::exporter::{CounterVec, Exporter, GaugeVec, Kind};
 use self::ids::label;
 use crate::registry::{Node, Registry};
 
-/// Building the metric families failed (a bug: names and labels are fixed).
+/// Building the recorder failed (a bug: names and buckets are fixed).
 #[derive(Debug, thiserror::Error)]
 #[error("metrics: {0}")]
-pub struct MetricsError(#[from] prometheus::Error);
+pub struct MetricsError(#[from] metrics_exporter_prometheus::BuildError);
 
 /// Everything the router exports, and the aggregation state behind the node counters.
 #[derive(Debug)]
 pub struct RouterMetrics {
     model_name: String,
-    registry: prometheus::Registry,
-    queries: IntCounterVec,
-    hits: IntCounterVec,
-    prompt_tokens: IntCounterVec,
-    generation_tokens: IntCounterVec,
-    preemptions: IntCounterVec,
-    pub(crate) requests: IntCounterVec,
+    exporter: Arc<Exporter>,
+    queries: CounterVec,
+    hits: CounterVec,
+    prompt_tokens: CounterVec,
+    generation_tokens: CounterVec,
+    preemptions: CounterVec,
+    pub(crate) requests: CounterVec,
     /// Time to first token, inter-token latency, request duration and requests in flight of
     /// this router's one model, looked up once: a label lookup hashes the label values under
     /// a lock, and these are touched on every request and chunk.
     pub(crate) model: ModelSeries,
-    node_up: IntGaugeVec,
-    node_running: IntGaugeVec,
-    node_waiting: IntGaugeVec,
+    node_up: GaugeVec,
+    node_running: GaugeVec,
+    node_waiting: GaugeVec,
     node_kv_usage: GaugeVec,
-    kv_bytes: IntCounterVec,
-    kv_failures: IntCounterVec,
-    kv_leases_expired: IntCounterVec,
-    restarts: IntCounterVec,
+    kv_bytes: CounterVec,
+    kv_failures: CounterVec,
+    kv_leases_expired: CounterVec,
+    restarts: CounterVec,
     /// `pd_router_file_reloads_total{file,result}`.
-    file_reloads: IntCounterVec,
+    file_reloads: CounterVec,
     /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
     counting: Mutex<Counting>,
@@ -104,14 +107,14 @@ struct Counting {
 #[derive(Debug)]
 struct NodeCounters {
     /// By [`Cache::ALL`]'s order: local, external.
-    queries: [IntCounter; 2],
-    hits: [IntCounter; 2],
-    prompt_tokens: IntCounter,
-    generation_tokens: IntCounter,
-    preemptions: IntCounter,
-    kv_bytes: IntCounter,
-    kv_leases_expired: IntCounter,
-    restarts: IntCounter,
+    queries: [Counter; 2],
+    hits: [Counter; 2],
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    preemptions: Counter,
+    kv_bytes: Counter,
+    kv_leases_expired: Counter,
+    restarts: Counter,
 }
 
 /// The per-request series of the served model (see [`RouterMetrics::model`]).
@@ -120,31 +123,23 @@ pub(crate) struct ModelSeries {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub duration: Histogram,
-    pub in_flight: IntGauge,
+    pub in_flight: Gauge,
     /// Client requests waiting for an admission slot.
-    pub queued: IntGauge,
+    pub queued: Gauge,
     /// `pd_router_requests_rejected_total` by [`RejectReason::ALL`]'s order.
-    rejected: [IntCounter; 2],
+    rejected: [Counter; 2],
     /// `pd_router_requests_total` of each of [`Outcome::INITIAL`] (how nearly every request
     /// ends), in that order; see [`ModelSeries::ended`].
-    ended: [IntCounter; 3],
+    ended: [Counter; 3],
 }
 
 impl ModelSeries {
     /// The request counter of `outcome` if it is one of [`Outcome::INITIAL`] (held, no label
     /// lookup); errors are counted by label.
-    pub fn ended(&self, outcome: Outcome) -> Option<&IntCounter> {
+    pub fn ended(&self, outcome: Outcome) -> Option<&Counter> {
         let i = Outcome::INITIAL.iter().position(|o| *o == outcome)?;
         Some(&self.ended[i])
     }
-}
-
-fn opts(family: Family) -> Opts {
-    Opts::new(family.name(), family.help())
-}
-
-fn histogram(family: Family, buckets: &[f64]) -> HistogramOpts {
-    HistogramOpts::new(family.name(), family.help()).buckets(buckets.to_vec())
 }
 
 const NODE_LABELS: [&str; 2] = [label::NODE, label::ROLE];
@@ -155,39 +150,34 @@ impl RouterMetrics {
     /// The router's metrics for `model_name`, with the report fault hook when `faults` is
     /// given (tests only, see [`faults`]).
     pub fn new(model_name: &str, faults: Option<FaultSpec>) -> Result<Self, MetricsError> {
-        let registry = prometheus::Registry::new();
-        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
-            let c = IntCounterVec::new(opts(family), labels)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
+        let exporter = Exporter::new(&[
+            (Family::TimeToFirstToken, &ids::TTFT_BUCKETS[..]),
+            (Family::InterTokenLatency, &ids::ITL_BUCKETS[..]),
+            (Family::RequestDuration, &ids::DURATION_BUCKETS[..]),
+        ])?;
+        let counter = |family: Family, labels: &'static [&'static str]| {
+            CounterVec::new(&exporter, family, labels)
         };
-        let gauge = |family: Family, labels: &[&str]| -> Result<IntGaugeVec, MetricsError> {
-            let g = IntGaugeVec::new(opts(family), labels)?;
-            registry.register(Box::new(g.clone()))?;
-            Ok(g)
+        let gauge = |family: Family, labels: &'static [&'static str]| {
+            GaugeVec::new(&exporter, family, labels)
         };
-        let hist = |family: Family, buckets: &[f64]| -> Result<HistogramVec, MetricsError> {
-            let h = HistogramVec::new(histogram(family, buckets), &[label::MODEL_NAME])?;
-            registry.register(Box::new(h.clone()))?;
-            Ok(h)
+        let hist = |family: Family| -> Histogram {
+            exporter.describe(family, Kind::Histogram);
+            exporter.histogram(family, &[label::MODEL_NAME], &[model_name])
         };
-        let node_kv_usage = GaugeVec::new(opts(Family::NodeKvCacheUsage), &NODE_LABELS)?;
-        registry.register(Box::new(node_kv_usage.clone()))?;
-        let ttft = hist(Family::TimeToFirstToken, &ids::TTFT_BUCKETS)?;
-        let itl = hist(Family::InterTokenLatency, &ids::ITL_BUCKETS)?;
-        let duration = hist(Family::RequestDuration, &ids::DURATION_BUCKETS)?;
-        let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME])?;
+        let node_kv_usage = gauge(Family::NodeKvCacheUsage, &NODE_LABELS);
+        let in_flight = gauge(Family::RequestsInFlight, &[label::MODEL_NAME]);
         // Request series exist from the start, so rates are defined before any request.
-        let requests = counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME])?;
+        let requests = counter(Family::Requests, &[label::MODEL_NAME, label::OUTCOME]);
         let rejected = counter(
             Family::RequestsRejected,
             &[label::MODEL_NAME, label::REASON],
-        )?;
-        let queued = gauge(Family::RequestsQueued, &[label::MODEL_NAME])?;
+        );
+        let queued = gauge(Family::RequestsQueued, &[label::MODEL_NAME]);
         let model = ModelSeries {
-            ttft: ttft.with_label_values(&[model_name]),
-            itl: itl.with_label_values(&[model_name]),
-            duration: duration.with_label_values(&[model_name]),
+            ttft: hist(Family::TimeToFirstToken),
+            itl: hist(Family::InterTokenLatency),
+            duration: hist(Family::RequestDuration),
             in_flight: in_flight.with_label_values(&[model_name]),
             queued: queued.with_label_values(&[model_name]),
             rejected: RejectReason::ALL
@@ -196,31 +186,31 @@ impl RouterMetrics {
         };
         let metrics = Self {
             model_name: model_name.to_string(),
-            queries: counter(Family::PrefixCacheQueries, &CACHE_LABELS)?,
-            hits: counter(Family::PrefixCacheHits, &CACHE_LABELS)?,
-            prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS)?,
-            generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS)?,
-            preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS)?,
+            queries: counter(Family::PrefixCacheQueries, &CACHE_LABELS),
+            hits: counter(Family::PrefixCacheHits, &CACHE_LABELS),
+            prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS),
+            generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS),
+            preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS),
             requests,
             model,
-            node_up: gauge(Family::NodeUp, &NODE_LABELS)?,
-            node_running: gauge(Family::NodeRequestsRunning, &NODE_LABELS)?,
-            node_waiting: gauge(Family::NodeRequestsWaiting, &NODE_LABELS)?,
+            node_up: gauge(Family::NodeUp, &NODE_LABELS),
+            node_running: gauge(Family::NodeRequestsRunning, &NODE_LABELS),
+            node_waiting: gauge(Family::NodeRequestsWaiting, &NODE_LABELS),
             node_kv_usage,
-            kv_bytes: counter(Family::KvTransferBytes, &NODE_LABELS)?,
+            kv_bytes: counter(Family::KvTransferBytes, &NODE_LABELS),
             kv_failures: counter(
                 Family::KvTransferFailures,
                 &[label::NODE, label::ROLE, label::REASON],
-            )?,
-            kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS)?,
-            restarts: counter(Family::NodeRestarts, &NODE_LABELS)?,
-            file_reloads: counter(Family::FileReloads, &[label::FILE, label::RESULT])?,
+            ),
+            kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS),
+            restarts: counter(Family::NodeRestarts, &NODE_LABELS),
+            file_reloads: counter(Family::FileReloads, &[label::FILE, label::RESULT]),
             kv_seconds: Mutex::new(BTreeMap::new()),
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
-            tenants: tenants::TenantSeries::new(&registry)?,
-            resilience: resilience::ResilienceSeries::new(&registry)?,
-            registry,
+            tenants: tenants::TenantSeries::new(&exporter),
+            resilience: resilience::ResilienceSeries::new(&exporter),
+            exporter,
         };
         Ok(metrics)
     }
@@ -244,11 +234,11 @@ impl RouterMetrics {
             .iter()
             .position(|r| *r == reason)
             .unwrap_or_default();
-        self.model.rejected[i].inc();
+        self.model.rejected[i].increment(1);
         let outcome = Outcome::Error(tonic::Code::ResourceExhausted);
         (self.requests)
             .with_label_values(&[self.model_name.as_str(), outcome.as_str()])
-            .inc();
+            .increment(1);
         self.tenants.ended(tenant, outcome);
     }
 
@@ -260,14 +250,14 @@ impl RouterMetrics {
         let outcome = Outcome::Error(tonic::Code::ResourceExhausted);
         (self.requests)
             .with_label_values(&[self.model_name.as_str(), outcome.as_str()])
-            .inc();
+            .increment(1);
         self.tenants.ended(tenant, outcome);
     }
 
     /// Makes the reload series of `file` exist (at 0): the router watches it.
     pub fn add_watched_file(&self, file: WatchedFileKind) {
         for result in ReloadResult::ALL {
-            (self.file_reloads).with_label_values(&[file.as_str(), result.as_str()]);
+            (self.file_reloads).create(&[file.as_str(), result.as_str()]);
         }
     }
 
@@ -275,7 +265,7 @@ impl RouterMetrics {
     pub fn file_reloaded(&self, file: WatchedFileKind, result: ReloadResult) {
         (self.file_reloads)
             .with_label_values(&[file.as_str(), result.as_str()])
-            .inc();
+            .increment(1);
     }
 
     /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last
@@ -307,9 +297,9 @@ impl RouterMetrics {
             return;
         }
         let series = self.node_counters(&mut counting.series, node);
-        let add = |counter: &IntCounter, n: u64| {
+        let add = |counter: &Counter, n: u64| {
             if n > 0 {
-                counter.inc_by(n);
+                counter.increment(n);
             }
         };
         add(&series.queries[0], inc.prefix_cache_queries);
@@ -326,7 +316,7 @@ impl RouterMetrics {
         for (reason, n) in &inc.kv_transfer_failures {
             self.kv_failures
                 .with_label_values(&[addr, role, reason])
-                .inc_by(*n);
+                .increment(*n);
         }
         if inc.kv_transfers > 0 || inc.kv_transfer_seconds > 0.0 {
             let mut seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
@@ -352,7 +342,7 @@ impl RouterMetrics {
         let (role, addr, model) = (node.role.as_str(), node.addr.as_str(), &*self.model_name);
         let count = [role, addr, model];
         let kv = [addr, role];
-        let cache = |vec: &IntCounterVec, cache: Cache| {
+        let cache = |vec: &CounterVec, cache: Cache| {
             vec.with_label_values(&[cache.as_str(), role, addr, model])
         };
         NodeCounters {
@@ -378,14 +368,14 @@ impl RouterMetrics {
             let labels = [addr, role];
             self.node_up
                 .with_label_values(&labels)
-                .set(i64::from(node.is_up()));
+                .set(f64::from(u8::from(node.is_up())));
             let info = node.info().unwrap_or_default();
             self.node_running
                 .with_label_values(&labels)
-                .set(i64::from(info.num_running));
+                .set(f64::from(info.num_running));
             self.node_waiting
                 .with_label_values(&labels)
-                .set(i64::from(info.num_waiting));
+                .set(f64::from(info.num_waiting));
             let usage = if info.num_blocks > 0 {
                 1.0 - (info.free_blocks.min(info.num_blocks) as f64 / info.num_blocks as f64)
             } else {
@@ -405,44 +395,36 @@ impl RouterMetrics {
     pub fn render(&self, registry: &Registry) -> Result<String, MetricsError> {
         self.refresh_nodes(registry);
         self.resilience.refresh(registry);
-        let mut families = self.registry.gather();
-        families.push(self.kv_seconds_family());
-        families.sort_by(|a, b| a.name().cmp(b.name()));
-        let mut out = Vec::new();
-        TextEncoder::new().encode(&families, &mut out)?;
-        Ok(String::from_utf8_lossy(&out).into_owned())
+        let seconds = self.kv_seconds_family();
+        Ok(self.exporter.render(seconds.as_slice()))
     }
 
     /// `pd_router_kv_transfer_seconds{node,role}` as a summary without quantiles: the nodes
-    /// report a sum and a count, which is all the router can re-export exactly.
-    fn kv_seconds_family(&self) -> MetricFamily {
+    /// report a sum and a count, which is all the router can re-export exactly. The exporter
+    /// has no such type (its summaries carry quantiles), so the family is written here; none
+    /// before the router knows a node.
+    fn kv_seconds_family(&self) -> Option<String> {
         let seconds = self.kv_seconds.lock().unwrap_or_else(|e| e.into_inner());
-        let mut family = MetricFamily::default();
-        family.set_name(Family::KvTransferSeconds.name().to_string());
-        family.set_help(Family::KvTransferSeconds.help().to_string());
-        family.set_field_type(MetricType::SUMMARY);
-        let metrics = seconds
-            .iter()
-            .map(|(node, &(sum, count))| {
-                let pair = |name: &str, value: &str| {
-                    let mut p = LabelPair::default();
-                    p.set_name(name.to_string());
-                    p.set_value(value.to_string());
-                    p
-                };
-                let mut summary = Summary::default();
-                summary.set_sample_sum(sum);
-                summary.set_sample_count(count);
-                let mut metric = Metric::default();
-                metric.set_label(vec![
-                    pair(label::NODE, &node.addr),
-                    pair(label::ROLE, node.role.as_str()),
-                ]);
-                metric.set_summary(summary);
-                metric
-            })
-            .collect();
-        family.set_metric(metrics);
-        family
+        if seconds.is_empty() {
+            return None;
+        }
+        let family = Family::KvTransferSeconds;
+        let name = family.name();
+        let mut out = format!(
+            "# HELP {name} {}\n# TYPE {name} summary\n",
+            exporter::escape_help(family.help())
+        );
+        for (node, &(sum, count)) in seconds.iter() {
+            let labels = format!(
+                "{{{}=\"{}\",{}=\"{}\"}}",
+                label::NODE,
+                exporter::escape_label_value(&node.addr),
+                label::ROLE,
+                node.role.as_str(),
+            );
+            let _ = writeln!(out, "{name}_sum{labels} {sum}");
+            let _ = writeln!(out, "{name}_count{labels} {count}");
+        }
+        Some(out)
     }
 }

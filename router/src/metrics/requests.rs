@@ -150,7 +150,7 @@ impl RequestTimer {
         counts_prompt: bool,
         account: Option<Account>,
     ) -> Self {
-        metrics.model.in_flight.inc();
+        metrics.model.in_flight.increment(1.0);
         Self {
             metrics,
             tenant,
@@ -176,7 +176,7 @@ impl RequestTimer {
             match self.last_token {
                 None => {
                     let ttft = now.duration_since(self.arrival).as_secs_f64();
-                    self.metrics.model.ttft.observe(ttft);
+                    self.metrics.model.ttft.record(ttft);
                     // The other tokens of the first chunk came at the same moment.
                     self.observe_gaps(0.0, tokens - 1);
                 }
@@ -223,7 +223,7 @@ impl RequestTimer {
     fn observe_gaps(&self, gap: f64, n: usize) {
         let itl = &self.metrics.model.itl;
         for _ in 0..n {
-            itl.observe(gap);
+            itl.record(gap);
         }
     }
 
@@ -246,18 +246,18 @@ impl RequestTimer {
         }
         self.metrics.tenants.ended(&self.tenant, outcome);
         match self.metrics.model.ended(outcome) {
-            Some(counter) => counter.inc(),
+            Some(counter) => counter.increment(1),
             None => self
                 .metrics
                 .requests
                 .with_label_values(&[self.metrics.model_name(), outcome.as_str()])
-                .inc(),
+                .increment(1),
         }
         if timed {
             let seconds = self.arrival.elapsed().as_secs_f64();
-            self.metrics.model.duration.observe(seconds);
+            self.metrics.model.duration.record(seconds);
         }
-        self.metrics.model.in_flight.dec();
+        self.metrics.model.in_flight.decrement(1.0);
     }
 }
 

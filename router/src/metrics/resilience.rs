@@ -12,9 +12,11 @@
 //! - `pd_router_migrations_total`: live streams resumed on another decode node after theirs
 //!   failed (`--migration-limit`).
 
-use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry as Prometheus};
+use std::sync::Arc;
 
-use super::MetricsError;
+use metrics::Counter;
+
+use super::exporter::{CounterVec, Exporter, GaugeVec};
 use super::ids::{Family, label};
 use crate::registry::{BreakerState, NodeRole, Registry};
 use crate::retry::Denied;
@@ -22,63 +24,60 @@ use crate::retry::Denied;
 /// The retry and circuit breaker families.
 #[derive(Debug)]
 pub(crate) struct ResilienceSeries {
-    retries: IntCounterVec,
-    denied: IntCounterVec,
-    circuit_state: IntGaugeVec,
-    transitions: IntCounterVec,
-    migrations: IntCounter,
+    retries: CounterVec,
+    denied: CounterVec,
+    circuit_state: GaugeVec,
+    transitions: CounterVec,
+    migrations: Counter,
 }
 
 impl ResilienceSeries {
-    pub fn new(registry: &Prometheus) -> Result<Self, MetricsError> {
-        let opts = |family: Family| Opts::new(family.name(), family.help());
-        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
-            let c = IntCounterVec::new(opts(family), labels)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
+    pub fn new(exporter: &Arc<Exporter>) -> Self {
+        let counter = |family: Family, labels: &'static [&'static str]| {
+            CounterVec::new(exporter, family, labels)
         };
-        let circuit_state =
-            IntGaugeVec::new(opts(Family::NodeCircuitState), &[label::NODE, label::ROLE])?;
-        registry.register(Box::new(circuit_state.clone()))?;
-        let migrations = IntCounter::with_opts(opts(Family::Migrations))?;
-        registry.register(Box::new(migrations.clone()))?;
+        let circuit_state = GaugeVec::new(
+            exporter,
+            Family::NodeCircuitState,
+            &[label::NODE, label::ROLE],
+        );
         let series = Self {
-            migrations,
-            retries: counter(Family::Retries, &[label::ROLE])?,
-            denied: counter(Family::RetriesDenied, &[label::ROLE, label::REASON])?,
+            migrations: counter(Family::Migrations, &[]).with_label_values(&[]),
+            retries: counter(Family::Retries, &[label::ROLE]),
+            denied: counter(Family::RetriesDenied, &[label::ROLE, label::REASON]),
             circuit_state,
             transitions: counter(
                 Family::NodeCircuitTransitions,
                 &[label::NODE, label::ROLE, label::STATE],
-            )?,
+            ),
         };
         // Retry series exist from the start, so rates are defined before the first failure.
         for role in [NodeRole::Prefill, NodeRole::Decode] {
-            series.retries.with_label_values(&[role.as_str()]);
+            series.retries.create(&[role.as_str()]);
             for reason in [Denied::Budget, Denied::MaxRetries] {
-                series
-                    .denied
-                    .with_label_values(&[role.as_str(), denied_label(reason)]);
+                series.denied.create(&[role.as_str(), denied_label(reason)]);
             }
         }
-        Ok(series)
+        series
     }
 
     /// A stream goes on on another decode node.
     pub fn migrated(&self) {
-        self.migrations.inc();
+        self.migrations.increment(1);
     }
 
     /// A failed request of the `role` step goes to another node.
     pub fn retried(&self, role: NodeRole) {
-        self.retries.with_label_values(&[role.as_str()]).inc();
+        self.retries
+            .with_label_values(&[role.as_str()])
+            .increment(1);
     }
 
     /// A retryable failure of the `role` step was not retried.
     pub fn denied(&self, role: NodeRole, reason: Denied) {
         self.denied
             .with_label_values(&[role.as_str(), denied_label(reason)])
-            .inc();
+            .increment(1);
     }
 
     /// Every node's breaker state and transitions as of now.
@@ -90,16 +89,13 @@ impl ResilienceSeries {
             let state = breaker.state(now);
             self.circuit_state
                 .with_label_values(&[addr, role])
-                .set(state.gauge());
+                .set(state.gauge() as f64);
             for (to, count) in BreakerState::ALL.iter().zip(breaker.transitions()) {
-                let counter = self
-                    .transitions
-                    .with_label_values(&[addr, role, to.as_str()]);
-                // The breaker counts; the exported counter catches up (never goes back).
-                let behind = count.saturating_sub(counter.get());
-                if behind > 0 {
-                    counter.inc_by(behind);
-                }
+                // The breaker counts; the exported counter catches up (`absolute` keeps the
+                // larger value, so it never goes back).
+                (self.transitions)
+                    .with_label_values(&[addr, role, to.as_str()])
+                    .absolute(count);
             }
         }
     }

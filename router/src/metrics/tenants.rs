@@ -20,52 +20,51 @@
 //! end) counts in `requests_total` only. Series of the tenants of the keys file exist from
 //! the start (at 0); a tenant added to the file later appears with its first request.
 
-use pd_proto::pb;
-use prometheus::{IntCounterVec, Opts, Registry};
+use std::sync::Arc;
 
-use super::MetricsError;
+use pd_proto::pb;
+
+use super::exporter::{CounterVec, Exporter};
 use super::ids::{Family, LimitKind, Outcome, PromptSource, label};
 use crate::tenant::Tenant;
 
 /// The per-tenant families.
 #[derive(Debug)]
 pub(crate) struct TenantSeries {
-    prompt_tokens: IntCounterVec,
-    generation_tokens: IntCounterVec,
-    requests: IntCounterVec,
-    rejected: IntCounterVec,
+    prompt_tokens: CounterVec,
+    generation_tokens: CounterVec,
+    requests: CounterVec,
+    rejected: CounterVec,
 }
 
 impl TenantSeries {
-    pub fn new(registry: &Registry) -> Result<Self, MetricsError> {
-        let counter = |family: Family, labels: &[&str]| -> Result<IntCounterVec, MetricsError> {
-            let c = IntCounterVec::new(Opts::new(family.name(), family.help()), labels)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
+    pub fn new(exporter: &Arc<Exporter>) -> Self {
+        let counter = |family: Family, labels: &'static [&'static str]| {
+            CounterVec::new(exporter, family, labels)
         };
-        Ok(Self {
-            prompt_tokens: counter(Family::TenantPromptTokens, &[label::TENANT, label::SOURCE])?,
-            generation_tokens: counter(Family::TenantGenerationTokens, &[label::TENANT])?,
-            requests: counter(Family::TenantRequests, &[label::TENANT, label::OUTCOME])?,
+        Self {
+            prompt_tokens: counter(Family::TenantPromptTokens, &[label::TENANT, label::SOURCE]),
+            generation_tokens: counter(Family::TenantGenerationTokens, &[label::TENANT]),
+            requests: counter(Family::TenantRequests, &[label::TENANT, label::OUTCOME]),
             rejected: counter(
                 Family::TenantRequestsRejected,
                 &[label::TENANT, label::REASON],
-            )?,
-        })
+            ),
+        }
     }
 
     /// Makes `tenant`'s series exist, at 0 until its first request.
     pub fn add(&self, tenant: &Tenant) {
         let t = tenant.as_str();
         for source in PromptSource::ALL {
-            self.prompt_tokens.with_label_values(&[t, source.as_str()]);
+            self.prompt_tokens.create(&[t, source.as_str()]);
         }
-        self.generation_tokens.with_label_values(&[t]);
+        self.generation_tokens.create(&[t]);
         for outcome in Outcome::INITIAL {
-            self.requests.with_label_values(&[t, outcome.as_str()]);
+            self.requests.create(&[t, outcome.as_str()]);
         }
         for kind in LimitKind::ALL {
-            self.rejected.with_label_values(&[t, kind.as_str()]);
+            self.rejected.create(&[t, kind.as_str()]);
         }
     }
 
@@ -73,13 +72,14 @@ impl TenantSeries {
     pub fn limited(&self, tenant: &Tenant, kind: LimitKind) {
         (self.rejected)
             .with_label_values(&[tenant.as_str(), kind.as_str()])
-            .inc();
+            .increment(1);
     }
 
     /// The `usage` a request of `tenant` ended with; its prompt tokens only if `prompt`.
     pub fn usage(&self, tenant: &Tenant, usage: &pb::Usage, prompt: bool) {
         let t = tenant.as_str();
-        (self.generation_tokens.with_label_values(&[t])).inc_by(u64::from(usage.completion_tokens));
+        (self.generation_tokens.with_label_values(&[t]))
+            .increment(u64::from(usage.completion_tokens));
         if !prompt {
             return;
         }
@@ -89,7 +89,7 @@ impl TenantSeries {
             (PromptSource::LocalHit, usage.local_cached_tokens),
             (PromptSource::ExternalHit, usage.external_cached_tokens),
         ] {
-            (self.prompt_tokens.with_label_values(&[t, source.as_str()])).inc_by(u64::from(n));
+            (self.prompt_tokens.with_label_values(&[t, source.as_str()])).increment(u64::from(n));
         }
     }
 
@@ -98,6 +98,6 @@ impl TenantSeries {
         (self
             .requests
             .with_label_values(&[tenant.as_str(), outcome.as_str()]))
-        .inc();
+        .increment(1);
     }
 }

@@ -18,9 +18,9 @@
 //! carrying that object, followed by `data: [DONE]`.
 //!
 //! Chat answers are read for reasoning and tool calls when the router runs with
-//! `--reasoning-parser` / `--tool-call-parser` ([`parse`]). Not here: images and audio.
+//! `--reasoning-parser` / `--tool-call-parser` ([`crate::parse`], which the gRPC API shares).
+//! Not here: images and audio.
 
-pub mod parse;
 pub mod request;
 pub mod response;
 mod run;
@@ -60,15 +60,15 @@ impl Api {
     pub fn new(
         generation: MeteredGeneration,
         shared: Arc<Shared>,
-        reasoning: Option<parse::ReasoningParser>,
-        tools: Option<parse::ToolCallParser>,
+        reasoning: Option<crate::parse::ReasoningParser>,
+        tools: Option<crate::parse::ToolCallParser>,
     ) -> Self {
         Self {
             generation,
             shared,
             reasoning: reasoning.is_some(),
             tools: tools.is_some(),
-            coder: tools == Some(parse::ToolCallParser::Qwen3Coder),
+            coder: tools == Some(crate::parse::ToolCallParser::Qwen3Coder),
         }
     }
 

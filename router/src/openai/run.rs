@@ -16,13 +16,13 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::metadata::MetadataMap;
 
-use super::parse::coder::Schemas;
-use super::parse::{AnswerParser, Parsed, ToolCall};
 use super::request::{Body, Endpoint, Plan, Prompt};
 use super::response::{self, Header, Scored, UsageSum};
 use super::{Api, error, error_body, http_status, json_response};
 use crate::choices::ChoiceOf;
 use crate::choices::start::{Generations, start};
+use crate::parse::coder::Schemas;
+use crate::parse::{AnswerParser, Parsed, ToolCall};
 
 /// Stream events buffered between the request's task and the client's connection.
 const EVENT_BUFFER: usize = 16;

@@ -181,6 +181,10 @@ async fn reflection_lists_the_services() {
     for want in ["pd.v1.Generation", "grpc.health.v1.Health"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }
+    // Only what the router serves: not the nodes' services.
+    for other in ["pd.v1.PrefillService", "pd.v1.DecodeService"] {
+        assert!(!names.iter().any(|n| n == other), "{names:?}");
+    }
 }
 
 #[tokio::test]
