@@ -21,13 +21,19 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # Doc links that break (an item renamed, moved or made private) fail here, not in a reader's browser.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
-echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport)"
+echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport; test support: dev-only)"
 if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs|sideway|rdma-mummy-sys)( |$)'; then
     echo "pd-engine must not depend on tonic, cudarc or an RDMA crate (ibverbs, sideway)" >&2
     exit 1
 fi
 if cargo tree -p pd-router -e normal --prefix none | grep -E '^(pd-kernels|pd-transport)( |$)'; then
     echo "pd-router must not depend on pd-kernels or pd-transport" >&2
+    exit 1
+fi
+# The shared test support is dev-only: besides itself, only the test crate pd-tests (whose
+# soak binary reads /metrics with it) may reach it through normal dependencies.
+if cargo tree --workspace -e normal -i pd-test-support --prefix none | grep -vE '^(pd-test-support|pd-tests) '; then
+    echo "only pd-tests may depend on pd-test-support outside [dev-dependencies]" >&2
     exit 1
 fi
 

@@ -8,16 +8,10 @@ mod support;
 use std::time::Duration;
 
 use pd_proto::pb;
+use pd_test_support::greedy;
 use tonic::Code;
 
 use support::{decode_node, prefill_node, prompt};
-
-fn greedy() -> Option<pb::SamplingParams> {
-    Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    })
-}
 
 /// A listener that accepts connections and never answers on them.
 async fn silent_peer() -> std::net::SocketAddr {

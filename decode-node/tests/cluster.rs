@@ -13,16 +13,10 @@ use decode_node::DecodeArgs;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{EngineRequest, RequestEvent, RequestId, Role};
 use pd_proto::pb;
+use pd_test_support::greedy;
 use tonic::{Code, Status};
 
 use support::{Node, cache, decode_node, prefill_node, prompt};
-
-fn greedy() -> Option<pb::SamplingParams> {
-    Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    })
-}
 
 async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
     node.prefill()

@@ -3,10 +3,8 @@
 //! 127.0.0.1, ephemeral ports; the test plays the router). Exact token counts for a cold
 //! miss, a local hit on repeat, a prompt-logprobs request (no lookup), KV received by the
 //! decode node (external hits), transfer bytes and failures; the exposition read by a strict
-//! parser (`expo`), vLLM's labels and `le` spelling; the report in `Info` and in the
-//! responses equal to what `/metrics` shows; a distinct epoch per node.
-
-mod expo;
+//! parser (`Exposition::parse_strict`), vLLM's labels and `le` spelling; the report in
+//! `Info` and in the responses equal to what `/metrics` shows; a distinct epoch per node.
 
 #[allow(dead_code)]
 mod support;
@@ -16,7 +14,7 @@ use std::time::{Duration, Instant};
 use pd_proto::pb;
 use tonic::Code;
 
-use expo::Exposition;
+use pd_test_support::{Exposition, metrics};
 use support::{Node, decode_node, prefill_node, prompt};
 
 const MODEL: &str = "synthetic:tiny";
@@ -25,12 +23,16 @@ const BLOCK: usize = 16;
 impl Node {
     /// Scrape and parse strictly; the content type is checked on every scrape.
     async fn metrics(&self) -> Exposition {
-        let scrape = expo::scrape(self.ready.metrics_addr).await;
+        let scrape = metrics::fetch(&self.ready.metrics_addr.to_string())
+            .await
+            .expect("/metrics");
         assert_eq!(
             scrape.content_type,
             "text/plain; version=0.0.4; charset=utf-8"
         );
-        expo::parse(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
+        // A Content-Length, not a chunked body, and all of it arrived.
+        assert_eq!(scrape.content_length, Some(scrape.body.len()));
+        Exposition::parse_strict(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
     }
 
     /// Wait for a sample to reach `want`: the exporter counts a transfer once its last byte

@@ -9,7 +9,6 @@
 //! reads it (no failover), and the greedy tokens equal those of the same request moved over
 //! TCP.
 
-use std::path::Path;
 use std::time::Duration;
 
 use clap::Parser;
@@ -17,8 +16,8 @@ use decode_node::DecodeArgs;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_client::DecodeServiceClient;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use pd_test_support::{cache, metrics};
 use prefill_node::PrefillArgs;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
 fn device() -> Option<String> {
@@ -80,10 +79,7 @@ async fn pair(
 
 /// Prefill then decode `tokens`; the tokens and how the handle offered RDMA ([`offer_layout`]).
 async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<bool>) {
-    let greedy = Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    });
+    let greedy = pd_test_support::greedy();
     let mut prefill = PrefillServiceClient::connect(purl.to_string())
         .await
         .unwrap();
@@ -147,17 +143,8 @@ fn offer_layout(rdma: &[u8]) -> Option<bool> {
 
 /// The value of an unlabelled-by-reason sample of the decode node's `/metrics`.
 async fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+    let text = metrics::scrape(&addr.to_string()).await.expect("/metrics");
+    metrics::value(&text, name, &[]).unwrap_or_else(|| panic!("{name} not in /metrics"))
 }
 
 #[tokio::test(flavor = "multi_thread")]

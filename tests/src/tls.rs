@@ -147,9 +147,14 @@ pub async fn https_get(
 /// `GET https://HOST:PORT/metrics` (`addr` as HOST:PORT or as that URL) trusting `tls`'s CA:
 /// the exposition text.
 pub async fn scrape(addr: &str, tls: &ClientTls) -> anyhow::Result<String> {
-    let authority = addr.strip_prefix("https://").unwrap_or(addr);
-    let authority = authority.strip_suffix("/metrics").unwrap_or(authority);
-    let (status, body) = https_get(authority, tls, "/metrics").await?;
-    anyhow::ensure!(status == 200, "{authority}/metrics answered {status}");
-    Ok(body)
+    let authority = pd_test_support::metrics::authority(addr);
+    let (host, port) = authority
+        .rsplit_once(':')
+        .with_context(|| format!("{authority} is not HOST:PORT"))?;
+    let conn = pd_tls::dial(Some(tls), host, port.parse()?)
+        .await
+        .with_context(|| format!("connecting to {authority} over TLS"))?;
+    Ok(pd_test_support::metrics::fetch_over(conn, authority)
+        .await?
+        .body)
 }

@@ -2,7 +2,6 @@
 //! decode node started through their libraries on 127.0.0.1 with ephemeral ports, clients to
 //! them, and stopping them once every KV block is free again.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,12 +15,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-/// A cache shared by the tests of one file, so `synthetic:tiny` is written once.
-pub(crate) fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
-}
+pub(crate) use pd_test_support::{cache, prompt};
 
 /// A node running in this process.
 pub(crate) struct Node {
@@ -148,10 +142,4 @@ impl Node {
             .unwrap()
             .expect("clean stop");
     }
-}
-
-pub(crate) fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
-        .collect()
 }

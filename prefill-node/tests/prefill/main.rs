@@ -9,7 +9,6 @@ mod binary;
 mod requests;
 mod sealed;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -20,12 +19,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-/// A cache shared by the tests of this binary, so `synthetic:tiny` is written once.
-pub(crate) fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
-}
+pub(crate) use pd_test_support::{cache, greedy, prompt};
 
 /// A prefill node running in this process.
 pub(crate) struct Node {
@@ -107,19 +101,6 @@ pub(crate) async fn channel(addr: std::net::SocketAddr) -> Channel {
         .connect()
         .await
         .expect("connects")
-}
-
-pub(crate) fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
-        .collect()
-}
-
-fn greedy() -> Option<pb::SamplingParams> {
-    Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    })
 }
 
 /// The release of the lease `kv` names, with its secret (as the router sends it).

@@ -1,0 +1,39 @@
+//! What the workspace's tests share, so that each test says only what it checks: scraping
+//! and parsing `/metrics` ([`metrics`], [`exposition`]), the synthetic model cache
+//! ([`cache`]) and greedy sampling parameters ([`greedy`]).
+//!
+//! A dev-dependency only: no product crate depends on it (checked by `scripts/test.sh`).
+
+pub mod exposition;
+pub mod metrics;
+
+use std::path::Path;
+
+use pd_proto::pb;
+
+pub use exposition::Exposition;
+
+/// A synthetic model cache shared by the tests of one test binary, so `synthetic:tiny` is
+/// written once per binary rather than once per test (it lives until the process exits).
+pub fn cache() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
+        .path()
+}
+
+/// Greedy sampling (temperature 0): the only parameters under which two runs of the same
+/// prompt must produce the same tokens, which is what most tests compare.
+pub fn greedy() -> Option<pb::SamplingParams> {
+    Some(pb::SamplingParams {
+        temperature: Some(0.0),
+        ..Default::default()
+    })
+}
+
+/// `len` spread token ids (below 150,000, inside every test vocabulary) that differ by
+/// `salt`, so tests that must not share cached prefixes do not.
+pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 7919 + salt * 104_729 + 11) % 150_000)
+        .collect()
+}
