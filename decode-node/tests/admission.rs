@@ -2,16 +2,12 @@
 //! open, and refuses one more with RESOURCE_EXHAUSTED (the router then tries another node).
 //! A request is held open deterministically by a KV pull from a peer that never answers.
 
-#[allow(dead_code)]
-mod support;
-
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_test_support::greedy;
+use pd_test_support::node::{decode_node, prefill_node};
+use pd_test_support::{greedy, prompt};
 use tonic::Code;
-
-use support::{decode_node, prefill_node, prompt};
 
 /// A listener that accepts connections and never answers on them.
 async fn silent_peer() -> std::net::SocketAddr {

@@ -3,9 +3,6 @@
 //! in process through their libraries. Every test checks that all KV blocks came back on
 //! both nodes.
 
-#[allow(dead_code)]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -13,10 +10,9 @@ use decode_node::DecodeArgs;
 use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{EngineRequest, RequestEvent, RequestId, Role};
 use pd_proto::pb;
-use pd_test_support::greedy;
+use pd_test_support::node::{Node, decode_node, prefill_node};
+use pd_test_support::{cache, greedy, prompt};
 use tonic::{Code, Status};
-
-use support::{Node, cache, decode_node, prefill_node, prompt};
 
 async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
     node.prefill()

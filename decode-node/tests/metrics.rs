@@ -6,21 +6,24 @@
 //! parser (`Exposition::parse_strict`), vLLM's labels and `le` spelling; the report in
 //! `Info` and in the responses equal to what `/metrics` shows; a distinct epoch per node.
 
-#[allow(dead_code)]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use pd_proto::pb;
 use tonic::Code;
 
-use pd_test_support::{Exposition, metrics};
-use support::{Node, decode_node, prefill_node, prompt};
+use pd_test_support::node::{Node, decode_node, prefill_node};
+use pd_test_support::{Exposition, metrics, prompt};
 
 const MODEL: &str = "synthetic:tiny";
 const BLOCK: usize = 16;
 
-impl Node {
+/// A node's `/metrics`, as these tests read it.
+trait Scraped {
+    async fn metrics(&self) -> Exposition;
+    async fn eventually(&self, name: &str, labels: &[(&str, &str)], want: f64);
+}
+
+impl Scraped for Node {
     /// Scrape and parse strictly; the content type is checked on every scrape.
     async fn metrics(&self) -> Exposition {
         let scrape = metrics::fetch(&self.ready.metrics_addr.to_string())

@@ -1,11 +1,14 @@
 //! What the workspace's tests share, so that each test says only what it checks: scraping
 //! and parsing `/metrics` ([`metrics`], [`exposition`]), the synthetic model cache
-//! ([`cache`]) and greedy sampling parameters ([`greedy`]).
+//! ([`cache`]), greedy sampling parameters ([`greedy`]) and, with the feature `nodes`, prefill
+//! and decode nodes started in process (`node`).
 //!
 //! A dev-dependency only: no product crate depends on it (checked by `scripts/test.sh`).
 
 pub mod exposition;
 pub mod metrics;
+#[cfg(feature = "nodes")]
+pub mod node;
 
 use std::path::Path;
 

@@ -1,6 +1,9 @@
-//! What the in-process node tests share (`cluster.rs`, `metrics.rs`): a prefill and a
-//! decode node started through their libraries on 127.0.0.1 with ephemeral ports, clients to
-//! them, and stopping them once every KV block is free again.
+//! Prefill and decode nodes started in this process through their libraries on 127.0.0.1
+//! with ephemeral ports (real gRPC, real KV transport), clients to them, and stopping them
+//! cleanly once every KV block is free again.
+//!
+//! A node's tasks run on the runtime of the test that starts it, so a node lives within one
+//! `#[tokio::test]`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,19 +18,21 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-pub(crate) use pd_test_support::{cache, prompt};
+use crate::cache;
 
 /// A node running in this process.
-pub(crate) struct Node {
-    pub(crate) ready: pd_node::Ready,
-    pub(crate) stop: oneshot::Sender<()>,
-    pub(crate) task: JoinHandle<anyhow::Result<()>>,
+pub struct Node {
+    pub ready: pd_node::Ready,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<anyhow::Result<()>>,
     /// Decode nodes: KV-transfer counters.
-    pub(crate) transfers: Option<Arc<TransferStats>>,
+    pub transfers: Option<Arc<TransferStats>>,
 }
 
-pub(crate) async fn prefill_node(flags: &[&str]) -> Node {
-    let mut args = PrefillArgs::try_parse_from(["prefill-node"].iter().chain(flags)).unwrap();
+/// A prefill node with these command-line flags, its model cached in [`cache`].
+pub async fn prefill_node(flags: &[&str]) -> Node {
+    let mut args =
+        PrefillArgs::try_parse_from(["prefill-node"].iter().chain(flags)).expect("flags");
     args.node.synthetic_cache_dir = Some(cache().to_path_buf());
     let node = prefill_node::start(args)
         .await
@@ -45,8 +50,9 @@ pub(crate) async fn prefill_node(flags: &[&str]) -> Node {
     }
 }
 
-pub(crate) async fn decode_node(flags: &[&str]) -> Node {
-    let mut args = DecodeArgs::try_parse_from(["decode-node"].iter().chain(flags)).unwrap();
+/// A decode node with these command-line flags, its model cached in [`cache`].
+pub async fn decode_node(flags: &[&str]) -> Node {
+    let mut args = DecodeArgs::try_parse_from(["decode-node"].iter().chain(flags)).expect("flags");
     args.node.synthetic_cache_dir = Some(cache().to_path_buf());
     let node = decode_node::start(args).await.expect("decode node starts");
     let ready = node.ready().clone();
@@ -63,22 +69,35 @@ pub(crate) async fn decode_node(flags: &[&str]) -> Node {
     }
 }
 
+/// A gRPC channel to `addr`.
+pub async fn channel(addr: std::net::SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .expect("a URL")
+        .connect()
+        .await
+        .expect("connects")
+}
+
 impl Node {
-    pub(crate) fn url(&self) -> String {
+    pub fn url(&self) -> String {
         format!("http://{}", self.ready.grpc)
     }
 
-    pub(crate) async fn prefill(&self) -> PrefillServiceClient<Channel> {
-        PrefillServiceClient::connect(self.url()).await.unwrap()
+    pub async fn prefill(&self) -> PrefillServiceClient<Channel> {
+        PrefillServiceClient::connect(self.url())
+            .await
+            .expect("connects")
     }
 
-    pub(crate) async fn decode(&self) -> DecodeServiceClient<Channel> {
-        DecodeServiceClient::connect(self.url()).await.unwrap()
+    pub async fn decode(&self) -> DecodeServiceClient<Channel> {
+        DecodeServiceClient::connect(self.url())
+            .await
+            .expect("connects")
     }
 
     /// Tell this decode node it may pull KV from these addresses (what the router's registry
     /// does), the whole set.
-    pub(crate) async fn set_kv_peer_addrs(&self, addrs: &[String]) {
+    pub async fn set_kv_peer_addrs(&self, addrs: &[String]) {
         self.decode()
             .await
             .set_kv_peers(pb::SetKvPeersRequest {
@@ -89,7 +108,7 @@ impl Node {
     }
 
     /// Tell this decode node it may pull KV from these prefill nodes.
-    pub(crate) async fn set_kv_peers(&self, prefill: &[&Node]) {
+    pub async fn set_kv_peers(&self, prefill: &[&Node]) {
         let addrs: Vec<String> = prefill
             .iter()
             .map(|p| p.ready.kv.expect("a prefill node's KV address").to_string())
@@ -97,23 +116,29 @@ impl Node {
         self.set_kv_peer_addrs(&addrs).await;
     }
 
-    pub(crate) async fn info(&self) -> pb::NodeInfo {
+    pub async fn info(&self) -> pb::NodeInfo {
         let request = pb::InfoRequest {};
         if self.ready.role == "prefill" {
             self.prefill().await.info(request).await
         } else {
             self.decode().await.info(request).await
         }
-        .unwrap()
+        .expect("info")
         .into_inner()
     }
 
-    pub(crate) fn blocks_pulled(&self) -> u64 {
-        self.transfers.as_ref().unwrap().snapshot().blocks_pulled
+    /// Decode nodes: the KV blocks pulled so far.
+    pub fn blocks_pulled(&self) -> u64 {
+        self.transfers
+            .as_ref()
+            .expect("a decode node")
+            .snapshot()
+            .blocks_pulled
     }
 
-    /// Every KV block free and no request open (polled: counters publish after each step).
-    pub(crate) async fn assert_all_blocks_free(&self) {
+    /// Every KV block free and no request open (polled: counters publish after each step,
+    /// and leases are released or expire asynchronously).
+    pub async fn assert_all_blocks_free(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let info = self.info().await;
@@ -133,13 +158,26 @@ impl Node {
         }
     }
 
-    pub(crate) async fn stop(self) {
+    /// [`Node::assert_all_blocks_free`], then [`Node::shutdown`].
+    pub async fn stop(self) {
         self.assert_all_blocks_free().await;
+        self.shutdown().await;
+    }
+
+    /// Trigger the shutdown without waiting for it, to watch the node drain: its ready line
+    /// and its task, which ends when the node has stopped.
+    pub fn begin_shutdown(self) -> (pd_node::Ready, JoinHandle<anyhow::Result<()>>) {
+        self.stop.send(()).expect("the node is running");
+        (self.ready, self.task)
+    }
+
+    /// Trigger the shutdown and wait for the node to stop; it must stop cleanly.
+    pub async fn shutdown(self) {
         let _ = self.stop.send(());
         tokio::time::timeout(Duration::from_secs(30), self.task)
             .await
             .expect("the node stops")
-            .unwrap()
+            .expect("node task")
             .expect("clean stop");
     }
 }
