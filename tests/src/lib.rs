@@ -425,6 +425,42 @@ pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
         .context("the router")
 }
 
+// ---- clusters shared by the tests of one binary --------------------------------------------
+
+/// `pdctl up` processes to stop when this process exits: a cluster kept in a `static` (one
+/// that the tests of a binary share) is never dropped.
+static STOP_AT_EXIT: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Runs as the process exits (after the test harness is done): SIGTERM each registered
+/// `pdctl up` and wait for it, so that no cluster outlives its tests.
+extern "C" fn stop_registered_clusters() {
+    let pids = std::mem::take(&mut *STOP_AT_EXIT.lock().unwrap_or_else(|e| e.into_inner()));
+    for pid in pids {
+        // SAFETY: kill(2) and waitpid(2) on our own child's pid; a null status pointer is
+        // allowed.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+impl Cluster {
+    /// Stops this cluster when the process exits, for a cluster that is never dropped (one
+    /// in a `static`, shared by the tests of one binary).
+    pub fn stop_at_exit(&self) {
+        let mut pids = STOP_AT_EXIT.lock().unwrap_or_else(|e| e.into_inner());
+        if pids.is_empty() {
+            // SAFETY: registers a function without arguments that touches only its own
+            // statics; registering it more than once would only repeat harmless work.
+            unsafe {
+                libc::atexit(stop_registered_clusters);
+            }
+        }
+        pids.push(self.child.id());
+    }
+}
+
 // ---- metrics ------------------------------------------------------------------------------
 
 impl Cluster {
