@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use decode_node::DecodeArgs;
 use pd_engine::sampling::SamplingParams;
-use pd_engine::serve::{EngineRequest, RequestEvent, RequestId, Role};
+use pd_engine::serve::{EngineRequest, Role};
 use pd_proto::pb;
+use pd_test_support::engine as engines;
 use pd_test_support::node::{Node, decode_node, prefill_node};
 use pd_test_support::{cache, greedy, prompt};
 use tonic::{Code, Status};
@@ -144,34 +145,18 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            engine
-                .submit(EngineRequest {
-                    id: RequestId(format!("mixed-{i}")),
-                    prompt: p.clone(),
-                    params: SamplingParams {
-                        temperature: 0.0,
-                        max_tokens,
-                        ignore_eos: true,
-                        ..SamplingParams::default()
-                    },
-                    cache_salt: None,
-                    imported: None,
-                    lease_kv: false,
-                    guide: None,
-                    resumed: 0,
-                })
-                .unwrap();
-            let mut tokens = Vec::new();
-            while engine.has_work() {
-                for (_, event) in engine.step() {
-                    match event {
-                        RequestEvent::Token(t) => tokens.push(t.token_id),
-                        RequestEvent::Finished(_) | RequestEvent::PromptLogprobs(_) => {}
-                        RequestEvent::Failed(e) => panic!("{e}"),
-                    }
-                }
-            }
-            tokens
+            let request = engines::request(&format!("mixed-{i}"), p.clone(), max_tokens, false);
+            let greedy = SamplingParams {
+                temperature: 0.0,
+                ..request.params.clone()
+            };
+            engines::run(
+                &mut engine,
+                EngineRequest {
+                    params: greedy,
+                    ..request
+                },
+            )
         })
         .collect()
 }

@@ -1,10 +1,13 @@
 //! What the workspace's tests share, so that each test says only what it checks: scraping
 //! and parsing `/metrics` ([`metrics`], [`exposition`]), the synthetic model cache
 //! ([`cache`]), greedy sampling parameters ([`greedy`]) and, with the feature `nodes`, prefill
-//! and decode nodes started in process (`node`).
+//! and decode nodes started in process (`node`), and with `engine` tiny CPU engines
+//! (`engine`).
 //!
 //! A dev-dependency only: no product crate depends on it (checked by `scripts/test.sh`).
 
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod exposition;
 pub mod metrics;
 #[cfg(feature = "nodes")]
