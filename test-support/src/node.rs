@@ -5,6 +5,8 @@
 //! A node's tasks run on the runtime of the test that starts it, so a node lives within one
 //! `#[tokio::test]`.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,16 +40,7 @@ pub async fn prefill_node(flags: &[&str]) -> Node {
         .await
         .expect("prefill node starts");
     let ready = node.ready().clone();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
-        let _ = stopped.await;
-    }));
-    Node {
-        ready,
-        stop,
-        task,
-        transfers: None,
-    }
+    spawn(ready, None, |stopped| node.run(stopped))
 }
 
 /// A decode node with these command-line flags, its model cached in [`cache`].
@@ -57,10 +50,23 @@ pub async fn decode_node(flags: &[&str]) -> Node {
     let node = decode_node::start(args).await.expect("decode node starts");
     let ready = node.ready().clone();
     let transfers = Some(node.transfer_stats());
+    spawn(ready, transfers, |stopped| node.run(stopped))
+}
+
+/// Runs a started node (`run`, given the future that ends at [`Node::shutdown`]) on this
+/// runtime.
+fn spawn<F>(
+    ready: pd_node::Ready,
+    transfers: Option<Arc<TransferStats>>,
+    run: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> F,
+) -> Node
+where
+    F: Future<Output = anyhow::Result<()>> + Send + 'static,
+{
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(node.run(async {
+    let task = tokio::spawn(run(Box::pin(async {
         let _ = stopped.await;
-    }));
+    })));
     Node {
         ready,
         stop,

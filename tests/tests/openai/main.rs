@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use pd_proto::pb;
-use pd_tests::{Cluster, exposition, greedy, http_post};
+use pd_tests::{Cluster, all_blocks_free, client, exposition, greedy, http_post};
 use serde_json::Value;
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::transport::Channel;
@@ -46,13 +46,45 @@ impl Shared {
         }
     }
 
-    async fn turn(&'static self) -> (&'static Cluster, MutexGuard<'static, ()>) {
-        (&self.cluster, self.turn.lock().await)
+    async fn turn(&'static self) -> Turn {
+        let turn = self.turn.lock().await;
+        let cluster = &self.cluster;
+        Turn {
+            cluster,
+            base: cluster.openai(),
+            grpc: client(&cluster.router()).await,
+            lengths: outcomes(cluster, "length").await,
+            _turn: turn,
+        }
+    }
+}
+
+/// A test's turn on a shared cluster: the cluster, its OpenAI API's base URL, a gRPC client
+/// of its router, and how many requests had ended `length` when the turn began.
+struct Turn {
+    cluster: &'static Cluster,
+    base: String,
+    grpc: Grpc,
+    lengths: f64,
+    _turn: MutexGuard<'static, ()>,
+}
+
+impl Turn {
+    /// Exactly `lengths` requests ended `length` during the turn (each HTTP choice is one
+    /// request), and every block is free again.
+    async fn end(self, lengths: f64) {
+        assert_outcomes(self.cluster, "length", self.lengths, lengths).await;
+        self.end_free().await;
+    }
+
+    /// Every block free again (for tests that count no requests).
+    async fn end_free(self) {
+        all_blocks_free(self.cluster).await;
     }
 }
 
 /// One prefill and one decode node (disaggregated), and the router: this test's turn on it.
-async fn plain() -> (&'static Cluster, MutexGuard<'static, ()>) {
+async fn plain() -> Turn {
     static SHARED: OnceLock<Shared> = OnceLock::new();
     SHARED
         .get_or_init(|| {
@@ -64,7 +96,7 @@ async fn plain() -> (&'static Cluster, MutexGuard<'static, ()>) {
 
 /// Aggregated mode with the router reading reasoning (qwen3) and Hermes tool calls: this
 /// test's turn on it.
-async fn hermes() -> (&'static Cluster, MutexGuard<'static, ()>) {
+async fn hermes() -> Turn {
     static SHARED: OnceLock<Shared> = OnceLock::new();
     SHARED
         .get_or_init(|| Shared::start(|cache| parsing_cluster(cache, "hermes")))

@@ -3,23 +3,20 @@
 //! refuses; a client that hangs up is counted cancelled and frees its blocks at once.
 
 use http_body_util::BodyExt as _;
-use pd_tests::{all_blocks_free, client, greedy, http_open, spread_prompts};
+use pd_tests::{greedy, http_open, spread_prompts};
 use serde_json::{Value, json};
 
-use crate::{assert_outcomes, outcomes, plain, post_err};
+use crate::{outcomes, plain, post_err};
 
 /// Refusals: OpenAI's error object with the status of what went wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_words() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
-    let mut grpc = client(&cluster.router()).await;
-    let lengths = outcomes(cluster, "length").await;
+    let mut t = plain().await;
 
-    let (status, _) = post_err(&base, "/completions", json!("not an object")).await;
+    let (status, _) = post_err(&t.base, "/completions", json!("not an object")).await;
     assert_eq!(status, 400);
     let (status, message) = post_err(
-        &base,
+        &t.base,
         "/completions",
         json!({"prompt": "x", "temprature": 0.5}),
     )
@@ -27,7 +24,7 @@ async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_wo
     assert_eq!(status, 400);
     assert!(message.contains("temprature"), "{message}");
     let (status, message) = post_err(
-        &base,
+        &t.base,
         "/completions",
         json!({"messages": [{"role": "user", "content": "x"}]}),
     )
@@ -37,9 +34,15 @@ async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_wo
     // The same words as the gRPC API's for the same value.
     let mut bad = greedy(vec![1, 2, 3], 4);
     bad.sampling.as_mut().unwrap().temperature = Some(-1.0);
-    let grpc_message = grpc.generate(bad).await.unwrap_err().message().to_string();
+    let grpc_message = t
+        .grpc
+        .generate(bad)
+        .await
+        .unwrap_err()
+        .message()
+        .to_string();
     let (status, message) = post_err(
-        &base,
+        &t.base,
         "/completions",
         json!({"prompt": [1, 2, 3], "temperature": -1}),
     )
@@ -47,13 +50,13 @@ async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_wo
     assert_eq!((status, message), (400, grpc_message));
     let forced = json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
         "tools": [{"type": "function", "function": {"name": "f"}}]});
-    let (status, message) = post_err(&base, "/chat/completions", forced).await;
+    let (status, message) = post_err(&t.base, "/chat/completions", forced).await;
     assert_eq!(status, 400);
     assert!(message.contains("--tool-call-parser"), "{message}");
-    let (status, _) = post_err(&base, "/embeddings", json!({"input": "x"})).await;
+    let (status, _) = post_err(&t.base, "/embeddings", json!({"input": "x"})).await;
     assert_eq!(status, 404);
     let (status, message) = post_err(
-        &base,
+        &t.base,
         "/completions",
         json!({"prompt": "x", "model": "gpt-4"}),
     )
@@ -61,28 +64,26 @@ async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_wo
     assert_eq!(status, 404);
     assert!(message.contains("gpt-4"), "{message}");
     let huge = json!({"prompt": "a".repeat(5 << 20)});
-    let (status, _) = post_err(&base, "/completions", huge).await;
+    let (status, _) = post_err(&t.base, "/completions", huge).await;
     assert_eq!(status, 413);
-    let models = http_open("GET", &base, "/models", Vec::new())
+    let models = http_open("GET", &t.base, "/models", Vec::new())
         .await
         .unwrap();
     assert_eq!(models.status(), 200);
     let models: Value =
         serde_json::from_slice(&models.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(models["data"][0]["id"], "synthetic:tiny");
-    assert_outcomes(cluster, "length", lengths, 0.0).await;
-    all_blocks_free(cluster).await;
+    t.end(0.0).await;
 }
 
 /// Refused by the node, not the router (an automaton over the node's 1,024-state cap):
 /// streamed or not, the request's own status and OpenAI's error object, not a 200 stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_node_refuses_gets_its_own_status_streamed_or_not() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
+    let t = plain().await;
     for stream in [false, true] {
         let (status, message) = post_err(
-            &base,
+            &t.base,
             "/completions",
             json!({"prompt": "x", "guided_regex": "[ab]*a[ab]{10}", "stream": stream}),
         )
@@ -90,7 +91,7 @@ async fn a_request_a_node_refuses_gets_its_own_status_streamed_or_not() {
         assert_eq!(status, 400, "stream {stream}: {message}");
         assert!(message.contains("1024 states"), "{message}");
     }
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A client that hangs up mid-stream: the router counts it cancelled and every block on
@@ -99,19 +100,20 @@ async fn a_request_a_node_refuses_gets_its_own_status_streamed_or_not() {
 /// waiting for a whole response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_is_counted_cancelled_and_frees_every_block() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
-    let (lengths, cancelled) = (
-        outcomes(cluster, "length").await,
-        outcomes(cluster, "cancelled").await,
-    );
+    let t = plain().await;
+    let cancelled = outcomes(t.cluster, "cancelled").await;
     let long = json!({
         "prompt": spread_prompts(1, 30, 0, 5).remove(0),
         "max_tokens": 4000, "ignore_eos": true, "stream": true,
     });
-    let response = http_open("POST", &base, "/completions", long.to_string().into_bytes())
-        .await
-        .unwrap();
+    let response = http_open(
+        "POST",
+        &t.base,
+        "/completions",
+        long.to_string().into_bytes(),
+    )
+    .await
+    .unwrap();
     assert_eq!(response.status(), 200);
     let mut body = response.into_body();
     let first = body.frame().await.expect("a first event").unwrap();
@@ -126,7 +128,7 @@ async fn a_client_that_hangs_up_is_counted_cancelled_and_frees_every_block() {
         std::time::Duration::from_millis(500),
         http_open(
             "POST",
-            &base,
+            &t.base,
             "/completions",
             whole.to_string().into_bytes(),
         ),
@@ -134,7 +136,7 @@ async fn a_client_that_hangs_up_is_counted_cancelled_and_frees_every_block() {
     .await;
     assert!(waited.is_err(), "4,000 tokens came back within 0.5 s");
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
-    while outcomes(cluster, "cancelled").await - cancelled < 2.0 {
+    while outcomes(t.cluster, "cancelled").await - cancelled < 2.0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the hang-ups were never both counted"
@@ -142,6 +144,5 @@ async fn a_client_that_hangs_up_is_counted_cancelled_and_frees_every_block() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     // Neither long one ended `length`.
-    assert_outcomes(cluster, "length", lengths, 0.0).await;
-    all_blocks_free(cluster).await;
+    t.end(0.0).await;
 }

@@ -3,7 +3,7 @@
 //! that cannot be used is refused in the gRPC API's words.
 
 use pd_proto::pb;
-use pd_tests::{all_blocks_free, client, greedy};
+use pd_tests::greedy;
 use serde_json::{Value, json};
 
 use crate::{grpc_text, plain, post_err, post_ok, sampled};
@@ -13,8 +13,7 @@ use crate::{grpc_text, plain, post_err, post_ok, sampled};
 /// model closes its object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_json_object_is_guided_into_a_json_object() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
+    let t = plain().await;
     let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
     let [quote, brace] = ["\"", "}"].map(|t| tokenizer.encode(t).unwrap()[0].to_string());
     let mut objects = 0;
@@ -30,7 +29,7 @@ async fn any_json_object_is_guided_into_a_json_object() {
         let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 48,
             "temperature": 1, "seed": seed, "response_format": format,
             "logit_bias": {quote.clone(): 8, brace.clone(): 6}});
-        let whole = post_ok(&base, "/chat/completions", body).await;
+        let whole = post_ok(&t.base, "/chat/completions", body).await;
         let choice = &whole["choices"][0];
         let content = choice["message"]["content"].as_str().unwrap();
         if choice["finish_reason"] == "stop" {
@@ -42,14 +41,13 @@ async fn any_json_object_is_guided_into_a_json_object() {
         }
     }
     assert!(objects > 0, "no JSON object with members was closed");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A schema with a free-form part (pydantic's `dict[str, Any]`): guided, not refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schema_with_a_free_form_part_is_guided_not_refused() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
+    let t = plain().await;
     let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
     let [quote, brace] = ["\"", "}"].map(|t| tokenizer.encode(t).unwrap()[0].to_string());
     let schema = json!({"type": "object", "properties": {"meta": {"type": "object",
@@ -58,7 +56,7 @@ async fn a_schema_with_a_free_form_part_is_guided_not_refused() {
     for seed in 0..4 {
         let body = json!({"prompt": "x", "max_tokens": 48, "temperature": 1, "seed": seed,
             "guided_json": schema, "logit_bias": {quote.clone(): 8, brace.clone(): 6}});
-        let whole = post_ok(&base, "/completions", body).await;
+        let whole = post_ok(&t.base, "/completions", body).await;
         let choice = &whole["choices"][0];
         let text = choice["text"].as_str().unwrap();
         assert!(text.starts_with("{"), "seed {seed}: {text}");
@@ -70,16 +68,14 @@ async fn a_schema_with_a_free_form_part_is_guided_not_refused() {
         }
     }
     assert!(closed > 0, "no output of the free-form schema was closed");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A grammar (GBNF; nested parentheses, which no regex holds), over HTTP and gRPC alike:
 /// every output a prefix of a text it matches, a whole one where it stopped by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grammar_guides_http_and_grpc_alike_to_prefixes_of_what_it_matches() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
-    let mut grpc = client(&cluster.router()).await;
+    let mut t = plain().await;
     let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
     let grammar = "root ::= \"(\" inner \")\"\ninner ::= ([a-z] | \"(\" inner \")\")*";
     let close = tokenizer.encode(")").unwrap()[0];
@@ -106,7 +102,7 @@ async fn a_grammar_guides_http_and_grpc_alike_to_prefixes_of_what_it_matches() {
         let body = json!({"prompt": [1, 2, 3], "max_tokens": 40, "temperature": 1,
             "seed": seed, "structured_outputs": {"grammar": grammar},
             "logit_bias": {close.to_string(): 8}});
-        let whole = post_ok(&base, "/completions", body).await;
+        let whole = post_ok(&t.base, "/completions", body).await;
         let choice = &whole["choices"][0];
         let text = choice["text"].as_str().unwrap();
         let open = depth(text).unwrap_or_else(|| panic!("seed {seed}: {text:?}"));
@@ -121,21 +117,19 @@ async fn a_grammar_guides_http_and_grpc_alike_to_prefixes_of_what_it_matches() {
         sampling.structured_output = Some(pb::StructuredOutput {
             kind: Some(pb::structured_output::Kind::Grammar(grammar.into())),
         });
-        assert_eq!(grpc_text(&mut grpc, req).await, text, "seed {seed}");
+        assert_eq!(grpc_text(&mut t.grpc, req).await, text, "seed {seed}");
     }
     assert!(matched > 0, "no output of the grammar was closed");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A grammar that cannot be used: refused by the router with what is wrong, in the words
 /// the gRPC API uses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grammar_that_cannot_be_used_is_refused_in_the_grpc_api_s_words() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
-    let mut grpc = client(&cluster.router()).await;
+    let mut t = plain().await;
     let (status, message) = post_err(
-        &base,
+        &t.base,
         "/completions",
         json!({"prompt": "x", "guided_grammar": "root ::= \"a\" item"}),
     )
@@ -155,8 +149,8 @@ async fn a_grammar_that_cannot_be_used_is_refused_in_the_grpc_api_s_words() {
         }),
         ..Default::default()
     });
-    let status = grpc.generate(bad).await.unwrap_err();
+    let status = t.grpc.generate(bad).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert_eq!(status.message(), message);
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }

@@ -2,7 +2,6 @@
 //! it, "required" one or more calls the tools allow, "none" leaves the block as text; a call
 //! goes back with the conversation as the template writes it.
 
-use pd_tests::all_blocks_free;
 use serde_json::{Value, json};
 
 use crate::tools::{user, weather_request, weather_tools};
@@ -12,10 +11,9 @@ use crate::{hermes, post_err, post_ok};
 /// parameters accept (random weights: only the guide makes it a call).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_tool_choice_makes_the_answer_one_call_of_that_tool() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
-    forced_weather_call(&base, &user(), &weather_tools()).await;
-    all_blocks_free(cluster).await;
+    let t = hermes().await;
+    forced_weather_call(&t.base, &user(), &weather_tools()).await;
+    t.end_free().await;
 }
 
 /// tool_choice "required": one call or more, of any tool, free-form parameters too
@@ -23,8 +21,7 @@ async fn a_named_tool_choice_makes_the_answer_one_call_of_that_tool() {
 /// strings and objects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_choice_required_makes_one_call_or_more_of_the_tools() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let (user, tools) = (user(), weather_tools());
     let tokenizer = pd_engine::tokenizer::Tokenizer::qwen3().unwrap();
     let [quote, brace, end] =
@@ -39,7 +36,7 @@ async fn tool_choice_required_makes_one_call_or_more_of_the_tools() {
             "seed": seed, "tool_choice": "required",
             "logit_bias": {quote.clone(): 12, brace.clone(): 10, end.clone(): -2},
         });
-        let v = post_ok(&base, "/chat/completions", required).await;
+        let v = post_ok(&t.base, "/chat/completions", required).await;
         let choice = &v["choices"][0];
         // Every call read out is one the tools allow; the length cut may end the last one
         // inside its arguments.
@@ -69,18 +66,17 @@ async fn tool_choice_required_makes_one_call_or_more_of_the_tools() {
         finished > 0 && several > 0 && stored > 0,
         "{finished} {several} {stored}"
     );
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// tool_choice "none": the block stays text and the answer just stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_choice_none_leaves_the_block_as_text() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let request = weather_request();
     let mut none = request.clone();
     none["tool_choice"] = json!("none");
-    let v = post_ok(&base, "/chat/completions", none).await;
+    let v = post_ok(&t.base, "/chat/completions", none).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(
@@ -88,17 +84,16 @@ async fn tool_choice_none_leaves_the_block_as_text() {
         "{content}"
     );
     assert!(v["choices"][0]["message"].get("tool_calls").is_none());
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// The call goes back with the conversation: rendered as the template writes a call, so
 /// the prompt counts exactly the tokens of that text written as the assistant's content.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_goes_back_with_the_conversation_as_the_template_writes_it() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let (user, tools) = (user(), weather_tools());
-    let v = post_ok(&base, "/chat/completions", weather_request()).await;
+    let v = post_ok(&t.base, "/chat/completions", weather_request()).await;
     let message = &v["choices"][0]["message"];
     let call = &message["tool_calls"][0];
     let follow_up = |assistant: Value| {
@@ -109,19 +104,19 @@ async fn a_call_goes_back_with_the_conversation_as_the_template_writes_it() {
     };
     let mut returned = message.clone();
     returned["content"] = Value::Null;
-    let v = post_ok(&base, "/chat/completions", follow_up(returned)).await;
+    let v = post_ok(&t.base, "/chat/completions", follow_up(returned)).await;
     let written = json!({"role": "assistant", "content":
         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"});
-    let w = post_ok(&base, "/chat/completions", follow_up(written)).await;
+    let w = post_ok(&t.base, "/chat/completions", follow_up(written)).await;
     assert_eq!(
         v["usage"]["prompt_tokens"], w["usage"]["prompt_tokens"],
         "{v}\n{w}"
     );
     let bad = json!({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]});
-    let (status, message) = post_err(&base, "/chat/completions", follow_up(bad)).await;
+    let (status, message) = post_err(&t.base, "/chat/completions", follow_up(bad)).await;
     assert_eq!(status, 400);
     assert!(message.contains("tool_calls[0]"), "{message}");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A named `tool_choice` (`get_weather`, sampled): the answer is one call of it, with JSON

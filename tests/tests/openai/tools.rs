@@ -5,7 +5,7 @@
 
 use http_body_util::BodyExt as _;
 use pd_proto::pb;
-use pd_tests::{all_blocks_free, client, http_open, http_post, sse_data};
+use pd_tests::{http_open, http_post, sse_data};
 use serde_json::{Value, json};
 
 use crate::{grpc_text, hermes, outcomes, post_ok};
@@ -36,10 +36,9 @@ pub(crate) fn weather_request() -> Value {
 /// pieces, the call whole with its index, one finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_answer_is_read_for_reasoning_and_a_tool_call_whole_and_streamed() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let request = weather_request();
-    let v = post_ok(&base, "/chat/completions", request.clone()).await;
+    let v = post_ok(&t.base, "/chat/completions", request.clone()).await;
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
     let message = &choice["message"];
@@ -52,30 +51,30 @@ async fn a_chat_answer_is_read_for_reasoning_and_a_tool_call_whole_and_streamed(
     assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1);
 
     // Streamed: the same pieces, the call whole with its index, one finish.
-    let (text, (reasoning, content, calls, finishes)) = stream_chat(&base, &request).await;
+    let (text, (reasoning, content, calls, finishes)) = stream_chat(&t.base, &request).await;
     assert_eq!(reasoning, "The user wants weather.");
     assert_eq!(content, "Let me check.");
     assert_eq!(calls.len(), 1, "{text}");
     assert_eq!(calls[0]["index"], 0);
     assert_eq!(calls[0]["function"], call["function"]);
     assert_eq!(finishes, ["tool_calls"]);
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// The gRPC API reads the same answer the same way when the request asks (its own
 /// flags, not the router's): reasoning, content, and the call's pieces joined by index.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_reads_the_same_answer_when_the_request_asks() {
-    let (cluster, _turn) = hermes().await;
+    let mut t = hermes().await;
     let tools = weather_tools();
     let answer = ANSWER;
-    let mut grpc = client(&cluster.router()).await;
     let grpc_request = |parse: bool| pb::GenerateRequest {
         parse_reasoning: parse,
         parse_tool_calls: parse,
         ..weather_by_regex(&tools[0], answer, 120)
     };
-    let mut stream = grpc
+    let mut stream = t
+        .grpc
         .generate(grpc_request(true))
         .await
         .unwrap()
@@ -102,28 +101,27 @@ async fn grpc_reads_the_same_answer_when_the_request_asks() {
     assert!(heads[0].1.starts_with("call-"), "{heads:?}");
     assert_eq!(arguments, r#"{"city": "Paris"}"#);
     // Unasked: the text as the model wrote it.
-    let plain = grpc_text(&mut grpc, grpc_request(false)).await;
+    let plain = grpc_text(&mut t.grpc, grpc_request(false)).await;
     assert!(
         plain.starts_with("<think>") && plain.contains("</tool_call>"),
         "{plain}"
     );
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// The arguments stream as they are written: an answer cut off inside them (`length`)
 /// has the call with the arguments written so far, whole and streamed alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_cut_off_inside_its_arguments_has_what_was_written_whole_and_streamed() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let request = weather_request();
-    let v = post_ok(&base, "/chat/completions", request.clone()).await;
+    let v = post_ok(&t.base, "/chat/completions", request.clone()).await;
     let tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
     let mut cut_inside = 0;
     for max_tokens in tokens.saturating_sub(10)..tokens {
         let mut cut = request.clone();
         cut["max_tokens"] = json!(max_tokens);
-        let v = post_ok(&base, "/chat/completions", cut.clone()).await;
+        let v = post_ok(&t.base, "/chat/completions", cut.clone()).await;
         let choice = &v["choices"][0];
         assert_eq!(choice["finish_reason"], "length", "{v}");
         let calls = choice["message"]["tool_calls"]
@@ -131,7 +129,7 @@ async fn a_call_cut_off_inside_its_arguments_has_what_was_written_whole_and_stre
             .cloned()
             .unwrap_or_default();
         cut["stream"] = json!(true);
-        let (_, text) = http_post(&base, "/chat/completions", &cut).await.unwrap();
+        let (_, text) = http_post(&t.base, "/chat/completions", &cut).await.unwrap();
         let (_, streamed_content, streamed, _) = accumulate(&sse_data(&text));
         assert_eq!(
             streamed_content,
@@ -155,17 +153,16 @@ async fn a_call_cut_off_inside_its_arguments_has_what_was_written_whole_and_stre
         cut_inside += usize::from(!written.is_empty() && written != whole);
     }
     assert!(cut_inside > 0, "no cut fell inside the arguments");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// parallel_tool_calls: false keeps the first call of an answer that made two, whole and
 /// streamed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let (request, answer) = (weather_request(), ANSWER);
-    let v = post_ok(&base, "/chat/completions", request.clone()).await;
+    let v = post_ok(&t.base, "/chat/completions", request.clone()).await;
     let call = &v["choices"][0]["message"]["tool_calls"][0];
     let twice = format!(
         "{answer}\n{}",
@@ -173,7 +170,7 @@ async fn parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() {
     );
     let mut single = request.clone();
     single["guided_regex"] = json!(twice);
-    let v = post_ok(&base, "/chat/completions", single.clone()).await;
+    let v = post_ok(&t.base, "/chat/completions", single.clone()).await;
     assert_eq!(
         v["choices"][0]["message"]["tool_calls"]
             .as_array()
@@ -183,34 +180,33 @@ async fn parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() {
         "{v}"
     );
     single["parallel_tool_calls"] = json!(false);
-    let v = post_ok(&base, "/chat/completions", single.clone()).await;
+    let v = post_ok(&t.base, "/chat/completions", single.clone()).await;
     let message = &v["choices"][0]["message"];
     assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1, "{v}");
     assert_eq!(message["tool_calls"][0]["function"], call["function"]);
     assert_eq!(message["content"], "Let me check.");
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     single["stream"] = json!(true);
-    let (_, text) = http_post(&base, "/chat/completions", &single)
+    let (_, text) = http_post(&t.base, "/chat/completions", &single)
         .await
         .unwrap();
     let (_, _, calls, _) = accumulate(&sse_data(&text));
     assert_eq!(calls.len(), 1, "{text}");
     assert_eq!(calls[0]["function"], call["function"]);
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// Aggregated mode sends a prompt's logprobs on the last message: a streamed echo with
 /// logprobs still starts with the prompt's tokens and adds up to the whole response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_echo_streams_the_prompt_s_logprobs_and_adds_up_to_the_whole_response() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let echo = json!({"prompt": "Hello world, this is a test", "echo": true, "logprobs": 1,
         "max_tokens": 4, "temperature": 0, "ignore_eos": true});
-    let whole = post_ok(&base, "/completions", echo.clone()).await;
+    let whole = post_ok(&t.base, "/completions", echo.clone()).await;
     let mut streamed = echo.clone();
     streamed["stream"] = json!(true);
-    let (status, text) = http_post(&base, "/completions", &streamed).await.unwrap();
+    let (status, text) = http_post(&t.base, "/completions", &streamed).await.unwrap();
     assert_eq!(status, 200, "{text}");
     let (mut text_sum, mut tokens) = (String::new(), Vec::new());
     for e in sse_data(&text).iter().filter(|e| e.as_str() != "[DONE]") {
@@ -230,24 +226,23 @@ async fn an_echo_streams_the_prompt_s_logprobs_and_adds_up_to_the_whole_response
     assert_eq!(json!(tokens), choice["logprobs"]["tokens"]);
     let prompt_tokens = whole["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
     assert_eq!(tokens.len(), prompt_tokens + 4, "{whole}");
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// A client that hangs up while the parser holds an open tool call (nothing is sent for
 /// thousands of tokens) still cancels at once, not when the answer ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_while_a_call_is_open_cancels_at_once() {
-    let (cluster, _turn) = hermes().await;
-    let base = cluster.openai();
+    let t = hermes().await;
     let (user, tools) = (user(), weather_tools());
-    let cancelled = outcomes(cluster, "cancelled").await;
+    let cancelled = outcomes(t.cluster, "cancelled").await;
     let open_call = json!({
         "messages": [user], "tools": tools, "guided_regex": "<tool_call>[a-z]*",
         "max_tokens": 3000, "temperature": 0, "stream": true,
     });
     let response = http_open(
         "POST",
-        &base,
+        &t.base,
         "/chat/completions",
         open_call.to_string().into_bytes(),
     )
@@ -259,14 +254,14 @@ async fn a_client_that_hangs_up_while_a_call_is_open_cancels_at_once() {
     assert!(roles.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
     drop(body);
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    while outcomes(cluster, "cancelled").await - cancelled < 1.0 {
+    while outcomes(t.cluster, "cancelled").await - cancelled < 1.0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the hang-up was not noticed while the parser held the call"
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
 
 /// What a streamed chat choice adds up to: reasoning, content, tool calls (their parts joined

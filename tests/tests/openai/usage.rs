@@ -1,7 +1,7 @@
 //! `stream_options.continuous_usage_stats`: every chunk carries its choice's usage so far.
 
 use pd_proto::pb;
-use pd_tests::{all_blocks_free, client, greedy, http_post, spread_prompts};
+use pd_tests::{greedy, http_post, spread_prompts};
 use serde_json::{Value, json};
 
 use crate::{plain, stream_chunks};
@@ -13,8 +13,7 @@ use crate::{plain, stream_chunks};
 /// chunk of each choice carries the prompt's length these usages start from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() {
-    let (cluster, _turn) = plain().await;
-    let base = cluster.openai();
+    let mut t = plain().await;
     let mut prompts = spread_prompts(2, 21, 7, 91);
     let (a, b) = (prompts.remove(0), prompts.remove(0));
     let continuous = json!({"include_usage": true, "continuous_usage_stats": true});
@@ -51,7 +50,7 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
     // Completions: two prompts × n = 2, each choice's usage its own prompt's.
     let body = json!({"prompt": [a, b], "n": 2, "max_tokens": 6, "temperature": 0,
         "ignore_eos": true, "stream": true, "stream_options": continuous});
-    let (status, text) = http_post(&base, "/completions", &body).await.unwrap();
+    let (status, text) = http_post(&t.base, "/completions", &body).await.unwrap();
     assert_eq!(status, 200, "{text}");
     let chunks = stream_chunks(&text);
     let lens = [a.len() as u64, b.len() as u64];
@@ -65,7 +64,9 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
     let body = json!({"messages": [{"role": "user", "content": "Name a colour."}], "n": 2,
         "max_tokens": 5, "temperature": 0, "ignore_eos": true, "stream": true,
         "stream_options": continuous});
-    let (status, text) = http_post(&base, "/chat/completions", &body).await.unwrap();
+    let (status, text) = http_post(&t.base, "/chat/completions", &body)
+        .await
+        .unwrap();
     assert_eq!(status, 200, "{text}");
     let chunks = stream_chunks(&text);
     let prompt = chunks.last().unwrap()["usage"]["prompt_tokens"]
@@ -83,7 +84,6 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
     assert_eq!(check(&chunks, 5, &|_| prompt), [0, 1]);
 
     // Over gRPC the same conversation's first chunk says the same prompt length, at once.
-    let mut grpc = client(&cluster.router()).await;
     let mut chat = greedy(Vec::new(), 3);
     chat.input = Some(pb::generate_request::Input::Chat(pb::ChatInput {
         messages: vec![pb::ChatMessage {
@@ -93,7 +93,7 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
         }],
         ..Default::default()
     }));
-    let mut stream = grpc.generate(chat).await.unwrap().into_inner();
+    let mut stream = t.grpc.generate(chat).await.unwrap().into_inner();
     let mut chunks = Vec::new();
     while let Some(chunk) = stream.message().await.unwrap() {
         chunks.push(chunk);
@@ -126,7 +126,7 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
             body["max_tokens"] = json!(4);
             body["stream"] = json!(true);
             body["stream_options"] = options.clone();
-            let (status, text) = http_post(&base, path, &body).await.unwrap();
+            let (status, text) = http_post(&t.base, path, &body).await.unwrap();
             assert_eq!(status, 200, "{text}");
             let chunks = stream_chunks(&text);
             let with_choices: Vec<&Value> = chunks
@@ -145,5 +145,5 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
             );
         }
     }
-    all_blocks_free(cluster).await;
+    t.end_free().await;
 }
