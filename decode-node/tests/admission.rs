@@ -42,12 +42,7 @@ async fn a_full_node_refuses_with_resource_exhausted_and_takes_work_once_a_reque
     let r = p
         .prefill()
         .await
-        .prefill(pb::PrefillRequest {
-            request_id: "held".into(),
-            token_ids: tokens.clone(),
-            sampling: greedy(),
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request("held", tokens.clone()))
         .await
         .unwrap()
         .into_inner();

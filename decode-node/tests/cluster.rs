@@ -18,14 +18,7 @@ use tonic::{Code, Status};
 async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
     node.prefill()
         .await
-        .prefill(pb::PrefillRequest {
-            request_id: id.into(),
-            token_ids: tokens.to_vec(),
-            sampling: greedy(),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request(id, tokens.to_vec()))
         .await
         .expect("prefill")
         .into_inner()

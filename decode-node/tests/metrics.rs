@@ -68,12 +68,8 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::P
     node.prefill()
         .await
         .prefill(pb::PrefillRequest {
-            request_id: id.into(),
-            token_ids: tokens.to_vec(),
             sampling: sampling(logprobs.then_some(1)),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
+            ..pd_test_support::prefill_request(id, tokens.to_vec())
         })
         .await
         .expect("prefill")

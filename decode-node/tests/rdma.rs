@@ -81,14 +81,7 @@ async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<b
         .await
         .unwrap();
     let r = prefill
-        .prefill(pb::PrefillRequest {
-            request_id: "r".into(),
-            token_ids: tokens.to_vec(),
-            sampling: greedy.clone(),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request("r", tokens.to_vec()))
         .await
         .unwrap()
         .into_inner();

@@ -36,6 +36,19 @@ pub fn greedy() -> Option<pb::SamplingParams> {
     })
 }
 
+/// A greedy prefill of `token_ids` whose KV is leased for a decode node to pull (what the
+/// router sends a prefill node).
+pub fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillRequest {
+    pb::PrefillRequest {
+        request_id: id.into(),
+        token_ids,
+        sampling: greedy(),
+        cache_salt: None,
+        skip_kv_lease: false,
+        ..Default::default()
+    }
+}
+
 /// `len` spread token ids (below 150,000, inside every test vocabulary) that differ by
 /// `salt`, so tests that must not share cached prefixes do not.
 pub fn prompt(len: usize, salt: u32) -> Vec<u32> {

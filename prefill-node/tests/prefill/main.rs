@@ -13,23 +13,12 @@ mod sealed;
 use pd_proto::pb;
 
 pub(crate) use pd_test_support::node::{Node, channel, prefill_node};
-pub(crate) use pd_test_support::{cache, greedy, prompt};
+pub(crate) use pd_test_support::{cache, prefill_request, prompt};
 
 /// The release of the lease `kv` names, with its secret (as the router sends it).
 pub(crate) fn release_of(kv: &pb::KvHandle) -> pb::ReleaseKvRequest {
     pb::ReleaseKvRequest {
         lease_id: kv.lease_id,
         lease_secret: kv.lease_secret.clone(),
-    }
-}
-
-pub(crate) fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillRequest {
-    pb::PrefillRequest {
-        request_id: id.into(),
-        token_ids,
-        sampling: greedy(),
-        cache_salt: None,
-        skip_kv_lease: false,
-        ..Default::default()
     }
 }
