@@ -36,6 +36,22 @@ pub fn greedy() -> Option<pb::SamplingParams> {
     })
 }
 
+/// A conversation of `(role, content)` messages as the gRPC API takes it (no tools, the
+/// template's default thinking).
+pub fn chat_input(messages: &[(&str, &str)]) -> pb::ChatInput {
+    pb::ChatInput {
+        messages: messages
+            .iter()
+            .map(|(role, content)| pb::ChatMessage {
+                role: role.to_string(),
+                content: content.to_string(),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
 /// A greedy prefill of `token_ids` whose KV is leased for a decode node to pull (what the
 /// router sends a prefill node).
 pub fn prefill_request(id: &str, token_ids: Vec<u32>) -> pb::PrefillRequest {

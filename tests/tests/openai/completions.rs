@@ -115,17 +115,7 @@ async fn chat(base: &str) -> Value {
 async fn a_chat_completion_is_the_grpc_text_of_the_same_conversation() {
     let mut t = plain().await;
 
-    let wire = pb::ChatInput {
-        messages: MESSAGES
-            .iter()
-            .map(|(role, content)| pb::ChatMessage {
-                role: role.to_string(),
-                content: content.to_string(),
-                ..Default::default()
-            })
-            .collect(),
-        ..Default::default()
-    };
+    let wire = pd_test_support::chat_input(&MESSAGES);
     let mut chat_req = greedy(Vec::new(), 8);
     chat_req.input = Some(pb::generate_request::Input::Chat(wire));
     let want_chat = grpc_text(&mut t.grpc, chat_req).await;

@@ -331,13 +331,8 @@ pub(crate) fn accumulate(events: &[String]) -> (String, String, Vec<Value>, Vec<
 pub(crate) fn weather_by_regex(tool: &Value, answer: &str, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         input: Some(pb::generate_request::Input::Chat(pb::ChatInput {
-            messages: vec![pb::ChatMessage {
-                role: "user".into(),
-                content: "Weather in Paris?".into(),
-                ..Default::default()
-            }],
-            enable_thinking: None,
             tools: vec![tool.to_string()],
+            ..pd_test_support::chat_input(&[("user", "Weather in Paris?")])
         })),
         sampling: Some(pb::SamplingParams {
             temperature: Some(0.0),

@@ -85,14 +85,9 @@ async fn continuous_usage_stats_put_each_choice_s_usage_so_far_on_every_chunk() 
 
     // Over gRPC the same conversation's first chunk says the same prompt length, at once.
     let mut chat = greedy(Vec::new(), 3);
-    chat.input = Some(pb::generate_request::Input::Chat(pb::ChatInput {
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content: "Name a colour.".into(),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }));
+    chat.input = Some(pb::generate_request::Input::Chat(
+        pd_test_support::chat_input(&[("user", "Name a colour.")]),
+    ));
     let mut stream = t.grpc.generate(chat).await.unwrap().into_inner();
     let mut chunks = Vec::new();
     while let Some(chunk) = stream.message().await.unwrap() {
