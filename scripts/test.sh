@@ -41,6 +41,8 @@ echo "== cargo tests"
 # The cluster tests run the real binaries: build them first.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+# The #[ignore]d test that needs the corpus written above (PD_TOKENIZER_CORPUS).
+cargo test --locked -p pd-engine --test tokenizer_tiktoken -- --ignored
 # Disk is what a CI machine runs out of first (linking test binaries): say where it stands.
 echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1); $(df -h . | awk 'NR == 2 {print $4 " free on " $6}')"
 
