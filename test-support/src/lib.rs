@@ -4,7 +4,9 @@
 //! and decode nodes started in process (`node`), and with `engine` tiny CPU engines
 //! (`engine`).
 //!
-//! A dev-dependency only: no product crate depends on it (checked by `scripts/test.sh`).
+//! A dev-dependency of the product crates; the one crate that depends on it otherwise is
+//! pd-tests, itself only tests and the soak, which reads /metrics with it (checked by
+//! `scripts/test.sh`).
 
 #[cfg(feature = "engine")]
 pub mod engine;
@@ -27,8 +29,8 @@ pub fn cache() -> &'static Path {
         .path()
 }
 
-/// Greedy sampling (temperature 0): the only parameters under which two runs of the same
-/// prompt must produce the same tokens, which is what most tests compare.
+/// Greedy sampling (temperature 0): what most tests compare tokens under, since two runs of
+/// a prompt must then agree token for token.
 pub fn greedy() -> Option<pb::SamplingParams> {
     Some(pb::SamplingParams {
         temperature: Some(0.0),
