@@ -287,27 +287,30 @@ async fn counting_matrix(up_flags: &[&str]) {
     }
 }
 
-/// Parses `text` with Python's `prometheus_client` (the reference parser).
-fn python_parses(text: &str) {
+/// `program` with `args`, `text` on its stdin: what it answered.
+fn fed(program: &str, args: &[&str], text: &str) -> std::process::Output {
     use std::io::Write as _;
-    let mut child = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as f\n\
-             print(sum(1 for _ in f(sys.stdin.read())))",
-        ])
+    let mut child = std::process::Command::new(program)
+        .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("python3 runs");
+        .unwrap_or_else(|e| panic!("{program} runs: {e}"));
     child
         .stdin
         .take()
         .unwrap()
         .write_all(text.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Parses `text` with Python's `prometheus_client` (the reference parser).
+fn python_parses(text: &str) {
+    let script = "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as f\n\
+                  print(sum(1 for _ in f(sys.stdin.read())))";
+    let out = fed("python3", &["-c", script], text);
     assert!(
         out.status.success(),
         "prometheus_client cannot parse it: {}",
@@ -315,23 +318,10 @@ fn python_parses(text: &str) {
     );
 }
 
-/// `promtool check metrics` on `text`: clean (no lint).
+/// `promtool check metrics` on `text`: clean (no lint). Needs promtool on PATH
+/// (scripts/prometheus-check.sh installs it).
 fn promtool_clean(text: &str) {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool on PATH (scripts/prometheus-check.sh installs it)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = fed("promtool", &["check", "metrics"], text);
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

@@ -34,15 +34,19 @@ type Grpc = pb::generation_client::GenerationClient<Channel>;
 struct Shared {
     cluster: Cluster,
     turn: Mutex<()>,
+    /// The cluster's own model cache: two clusters starting at once never write one cache.
+    _cache: tempfile::TempDir,
 }
 
 impl Shared {
     fn start(up: impl FnOnce(&std::path::Path) -> Cluster) -> Self {
-        let cluster = up(pd_test_support::cache());
+        let cache = tempfile::tempdir().expect("tempdir");
+        let cluster = up(cache.path());
         cluster.stop_at_exit();
         Shared {
             cluster,
             turn: Mutex::new(()),
+            _cache: cache,
         }
     }
 
