@@ -71,19 +71,20 @@ run)
     # the reruns 90 / 60 / 60 s; the benchmark gets what is left of 470 s (at least 60) and
     # writes its results after each model; the diagnostics (c) and (d) run only if they fit.
     echo "== (a) conformance: CUDA vs CPU"
+    # The suite's tests are #[ignore]d (they need a GPU): --ignored runs them.
     set +e
-    PD_GPU_TESTS=1 timeout 180 "$bin/gpu_conformance" --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
+    timeout 180 "$bin/gpu_conformance" --ignored --test-threads=1 --nocapture 2>&1 | tee "$out/conformance.log"
     conformance=${PIPESTATUS[0]}
     if [ "$conformance" -ne 0 ]; then
         # Tell a tensor-core attention defect from any other: the same suite on the f32
         # attention kernel only (docs/cuda.md, PD_CUDA_ATTENTION).
         echo "== (a') conformance again with PD_CUDA_ATTENTION=f32"
-        PD_CUDA_ATTENTION=f32 PD_GPU_TESTS=1 timeout 90 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+        PD_CUDA_ATTENTION=f32 timeout 90 "$bin/gpu_conformance" --ignored --test-threads=1 --nocapture \
             2>&1 | tee "$out/conformance-f32-attention.log"
         echo "conformance with f32 attention only: exit ${PIPESTATUS[0]}"
         # And a Qwen3-MoE defect from any other: the MoE model routed on the host.
         echo "== (a') the Qwen3-MoE model again with PD_CUDA_MOE=host"
-        PD_CUDA_MOE=host PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+        PD_CUDA_MOE=host timeout 60 "$bin/gpu_conformance" --ignored --test-threads=1 --nocapture \
             tiny_moe 2>&1 | tee "$out/conformance-moe-host.log"
         echo "the MoE model routed on the host: exit ${PIPESTATUS[0]}"
     fi
@@ -91,14 +92,14 @@ run)
     # gemv16 kernel instead of cuBLAS (PD_CUDA_GEMV=kernel: the benchmark's "gemv kernel"
     # columns), so that its speed is only read off a kernel that computes the right thing.
     echo "== (a'') the qwen3-0.6b checks with PD_CUDA_GEMV=kernel"
-    PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 --nocapture \
+    PD_CUDA_GEMV=kernel timeout 60 "$bin/gpu_conformance" --ignored --test-threads=1 --nocapture \
         qwen3_0_6b decode_graphs small_batch 2>&1 | tee "$out/conformance-gemv-kernel.log"
     gemv=${PIPESTATUS[0]}
     # And once more with the GEMV kernels launched programmatically dependent on the kernel
     # before them (PD_CUDA_PDL=on: the benchmark's "+ PDL" column): a kernel that read its
     # input before its wait would race with its predecessor here, which no emulator shows.
     echo "== (a''') the same with PD_CUDA_PDL=on"
-    PD_CUDA_PDL=on PD_CUDA_GEMV=kernel PD_GPU_TESTS=1 timeout 60 "$bin/gpu_conformance" --test-threads=1 \
+    PD_CUDA_PDL=on PD_CUDA_GEMV=kernel timeout 60 "$bin/gpu_conformance" --ignored --test-threads=1 \
         --nocapture qwen3_0_6b decode_graphs norm_fused wide_rows 2>&1 | tee "$out/conformance-pdl.log"
     pdl=${PIPESTATUS[0]}
     echo "== (b) benchmark"
@@ -125,8 +126,8 @@ run)
             set -- $check
             tool="$1"
             shift
-            PD_GPU_TESTS=1 timeout 45 "$sanitizer" --tool "$tool" --print-limit 20 \
-                "$bin/gpu_conformance" --test-threads=1 "$@" >"$out/sanitizer-$tool.log" 2>&1
+            timeout 45 "$sanitizer" --tool "$tool" --print-limit 20 \
+                "$bin/gpu_conformance" --ignored --test-threads=1 "$@" >"$out/sanitizer-$tool.log" 2>&1
             echo "-- $tool over $*: exit $? ($out/sanitizer-$tool.log)"
             grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result|^=+ (Invalid|Error|Race)" \
                 "$out/sanitizer-$tool.log" | head -n 20

@@ -41,6 +41,9 @@ echo "== promtool: rules, rule unit tests"
 promtool check rules deploy/prometheus/*.rules.yml deploy/prometheus/*.alerts.yml
 promtool test rules deploy/prometheus/tests/*.yml
 
+echo "== the cluster tests that need promtool (#[ignore]d in cargo test: run with --ignored)"
+cargo test --locked -p pd-tests --test metrics -- --ignored
+
 work="$(mktemp -d)"
 pids=()
 cleanup() {

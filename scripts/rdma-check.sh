@@ -43,17 +43,18 @@ install_deps() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
 }
 
-# The tests gated on PD_TEST_RDMA_DEVICE: a prefill/decode pair, then the keystone through
+# The tests that need the device PD_TEST_RDMA_DEVICE names (#[ignore]d elsewhere, so run
+# with --ignored): a prefill/decode pair, then the keystone through
 # `pdctl up --kv-transport rdma` with 1 + 1 and 2 + 2 nodes.
 device_tests() {
     echo "== over RDMA on $PD_TEST_RDMA_DEVICE: a prefill/decode pair"
-    cargo test --locked --target-dir "$TARGET" -p decode-node --features rdma --test rdma
+    cargo test --locked --target-dir "$TARGET" -p decode-node --features rdma --test rdma -- --ignored
     echo "== over RDMA on $PD_TEST_RDMA_DEVICE: the keystone through pdctl up"
     # The keystone starts the binaries next to its own test executable: all of them, the
     # node binaries built with the feature (last, so that they are the ones left there).
     cargo build --locked --target-dir "$TARGET" --workspace --bins
     cargo build --locked --target-dir "$TARGET" -p prefill-node -p decode-node --features rdma
-    cargo test --locked --target-dir "$TARGET" -p pd-tests --test rdma
+    cargo test --locked --target-dir "$TARGET" -p pd-tests --test rdma -- --ignored
 }
 
 build_check() {

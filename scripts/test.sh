@@ -23,7 +23,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # Doc links that break (an item renamed, moved or made private) fail here, not in a reader's browser.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
-echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport)"
+echo "== dependency rules (engine: no gRPC/CUDA/RDMA crates; router: no kernels/transport; test support: dev-only)"
 if cargo tree -p pd-engine -e normal --prefix none | grep -E '^(tonic|cudarc|ibverbs|sideway|rdma-mummy-sys)( |$)'; then
     echo "pd-engine must not depend on tonic, cudarc or an RDMA crate (ibverbs, sideway)" >&2
     exit 1
@@ -32,11 +32,19 @@ if cargo tree -p pd-router -e normal --prefix none | grep -E '^(pd-kernels|pd-tr
     echo "pd-router must not depend on pd-kernels or pd-transport" >&2
     exit 1
 fi
+# The shared test support is dev-only: besides itself, only the test crate pd-tests (whose
+# soak binary reads /metrics with it) may reach it through normal dependencies.
+if cargo tree --workspace -e normal -i pd-test-support --prefix none | grep -vE '^(pd-test-support|pd-tests) '; then
+    echo "only pd-tests may depend on pd-test-support outside [dev-dependencies]" >&2
+    exit 1
+fi
 
 echo "== cargo tests"
 # The cluster tests run the real binaries: build them first.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+# The #[ignore]d test that needs the corpus written above (PD_TOKENIZER_CORPUS).
+cargo test --locked -p pd-engine --test tokenizer_tiktoken -- --ignored
 # Disk is what a CI machine runs out of first (linking test binaries): say where it stands.
 echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1); $(df -h . | awk 'NR == 2 {print $4 " free on " $6}')"
 

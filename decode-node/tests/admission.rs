@@ -2,22 +2,12 @@
 //! open, and refuses one more with RESOURCE_EXHAUSTED (the router then tries another node).
 //! A request is held open deterministically by a KV pull from a peer that never answers.
 
-#[allow(dead_code)]
-mod support;
-
 use std::time::Duration;
 
 use pd_proto::pb;
+use pd_test_support::node::{decode_node, prefill_node};
+use pd_test_support::{greedy, prompt};
 use tonic::Code;
-
-use support::{decode_node, prefill_node, prompt};
-
-fn greedy() -> Option<pb::SamplingParams> {
-    Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    })
-}
 
 /// A listener that accepts connections and never answers on them.
 async fn silent_peer() -> std::net::SocketAddr {
@@ -52,12 +42,7 @@ async fn a_full_node_refuses_with_resource_exhausted_and_takes_work_once_a_reque
     let r = p
         .prefill()
         .await
-        .prefill(pb::PrefillRequest {
-            request_id: "held".into(),
-            token_ids: tokens.clone(),
-            sampling: greedy(),
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request("held", tokens.clone()))
         .await
         .unwrap()
         .into_inner();

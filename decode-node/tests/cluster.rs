@@ -3,38 +3,22 @@
 //! in process through their libraries. Every test checks that all KV blocks came back on
 //! both nodes.
 
-#[allow(dead_code)]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use decode_node::DecodeArgs;
 use pd_engine::sampling::SamplingParams;
-use pd_engine::serve::{EngineRequest, RequestEvent, RequestId, Role};
+use pd_engine::serve::{EngineRequest, Role};
 use pd_proto::pb;
+use pd_test_support::engine as engines;
+use pd_test_support::node::{Node, decode_node, prefill_node};
+use pd_test_support::{cache, greedy, prompt};
 use tonic::{Code, Status};
-
-use support::{Node, cache, decode_node, prefill_node, prompt};
-
-fn greedy() -> Option<pb::SamplingParams> {
-    Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    })
-}
 
 async fn prefill(node: &Node, id: &str, tokens: &[u32]) -> pb::PrefillResponse {
     node.prefill()
         .await
-        .prefill(pb::PrefillRequest {
-            request_id: id.into(),
-            token_ids: tokens.to_vec(),
-            sampling: greedy(),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request(id, tokens.to_vec()))
         .await
         .expect("prefill")
         .into_inner()
@@ -154,34 +138,18 @@ fn mixed_engine_generate(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>>
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            engine
-                .submit(EngineRequest {
-                    id: RequestId(format!("mixed-{i}")),
-                    prompt: p.clone(),
-                    params: SamplingParams {
-                        temperature: 0.0,
-                        max_tokens,
-                        ignore_eos: true,
-                        ..SamplingParams::default()
-                    },
-                    cache_salt: None,
-                    imported: None,
-                    lease_kv: false,
-                    guide: None,
-                    resumed: 0,
-                })
-                .unwrap();
-            let mut tokens = Vec::new();
-            while engine.has_work() {
-                for (_, event) in engine.step() {
-                    match event {
-                        RequestEvent::Token(t) => tokens.push(t.token_id),
-                        RequestEvent::Finished(_) | RequestEvent::PromptLogprobs(_) => {}
-                        RequestEvent::Failed(e) => panic!("{e}"),
-                    }
-                }
-            }
-            tokens
+            let request = engines::request(&format!("mixed-{i}"), p.clone(), max_tokens, false);
+            let greedy = SamplingParams {
+                temperature: 0.0,
+                ..request.params.clone()
+            };
+            engines::run(
+                &mut engine,
+                EngineRequest {
+                    params: greedy,
+                    ..request
+                },
+            )
         })
         .collect()
 }

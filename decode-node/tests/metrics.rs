@@ -3,34 +3,39 @@
 //! 127.0.0.1, ephemeral ports; the test plays the router). Exact token counts for a cold
 //! miss, a local hit on repeat, a prompt-logprobs request (no lookup), KV received by the
 //! decode node (external hits), transfer bytes and failures; the exposition read by a strict
-//! parser (`expo`), vLLM's labels and `le` spelling; the report in `Info` and in the
-//! responses equal to what `/metrics` shows; a distinct epoch per node.
-
-mod expo;
-
-#[allow(dead_code)]
-mod support;
+//! parser (`Exposition::parse_strict`), vLLM's labels and `le` spelling; the report in
+//! `Info` and in the responses equal to what `/metrics` shows; a distinct epoch per node.
 
 use std::time::{Duration, Instant};
 
 use pd_proto::pb;
 use tonic::Code;
 
-use expo::Exposition;
-use support::{Node, decode_node, prefill_node, prompt};
+use pd_test_support::node::{Node, decode_node, prefill_node};
+use pd_test_support::{Exposition, metrics, prompt};
 
 const MODEL: &str = "synthetic:tiny";
 const BLOCK: usize = 16;
 
-impl Node {
+/// A node's `/metrics`, as these tests read it.
+trait Scraped {
+    async fn metrics(&self) -> Exposition;
+    async fn eventually(&self, name: &str, labels: &[(&str, &str)], want: f64);
+}
+
+impl Scraped for Node {
     /// Scrape and parse strictly; the content type is checked on every scrape.
     async fn metrics(&self) -> Exposition {
-        let scrape = expo::scrape(self.ready.metrics_addr).await;
+        let scrape = metrics::fetch(&self.ready.metrics_addr.to_string())
+            .await
+            .expect("/metrics");
         assert_eq!(
             scrape.content_type,
             "text/plain; version=0.0.4; charset=utf-8"
         );
-        expo::parse(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
+        // A Content-Length, not a chunked body, and all of it arrived.
+        assert_eq!(scrape.content_length, Some(scrape.body.len()));
+        Exposition::parse_strict(&scrape.body).unwrap_or_else(|e| panic!("{e}\n{}", scrape.body))
     }
 
     /// Wait for a sample to reach `want`: the exporter counts a transfer once its last byte
@@ -63,12 +68,8 @@ async fn prefill(node: &Node, id: &str, tokens: &[u32], logprobs: bool) -> pb::P
     node.prefill()
         .await
         .prefill(pb::PrefillRequest {
-            request_id: id.into(),
-            token_ids: tokens.to_vec(),
             sampling: sampling(logprobs.then_some(1)),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
+            ..pd_test_support::prefill_request(id, tokens.to_vec())
         })
         .await
         .expect("prefill")

@@ -1,15 +1,15 @@
 //! The prefill → decode path over RDMA, on a host with an RDMA device only: set
 //! `PD_TEST_RDMA_DEVICE` (e.g. `rxe0` after `rdma link add rxe0 type rxe netdev eth0`, or
-//! `mlx5_0`) and run `cargo test -p decode-node --features rdma --test rdma`. Without the
-//! variable every test here returns at once: the build machines have no RDMA device and
-//! their kernel has no Soft-RoCE, so this file has never run there (docs/transport.md).
+//! `mlx5_0`) and run `cargo test -p decode-node --features rdma --test rdma -- --ignored`
+//! (scripts/rdma-check.sh does). The test is `#[ignore]`d otherwise: the build machines have
+//! no RDMA device and their kernel has no Soft-RoCE, so this file has never run there
+//! (docs/transport.md).
 //!
 //! Checked: the prefill node offers the lease over RDMA where its KV lies (in place: the
 //! CPU backend's KV memory is registered; needs `ulimit -l` room for it), the decode node
 //! reads it (no failover), and the greedy tokens equal those of the same request moved over
 //! TCP.
 
-use std::path::Path;
 use std::time::Duration;
 
 use clap::Parser;
@@ -17,22 +17,18 @@ use decode_node::DecodeArgs;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_client::DecodeServiceClient;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
+use pd_test_support::{cache, metrics};
 use prefill_node::PrefillArgs;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
-fn device() -> Option<String> {
-    let dev = std::env::var("PD_TEST_RDMA_DEVICE").ok()?;
+/// The RDMA device the test uses (`PD_TEST_RDMA_DEVICE`, e.g. `rxe0`).
+fn device() -> String {
+    let dev = std::env::var("PD_TEST_RDMA_DEVICE")
+        .expect("PD_TEST_RDMA_DEVICE names the RDMA device to use");
     if !pd_transport::rdma::BUILT {
         panic!("PD_TEST_RDMA_DEVICE is set: run with --features rdma");
     }
-    Some(dev)
-}
-
-fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
+    dev
 }
 
 /// A prefill and a decode node in this process with `flags`; the stop senders and the
@@ -80,22 +76,12 @@ async fn pair(
 
 /// Prefill then decode `tokens`; the tokens and how the handle offered RDMA ([`offer_layout`]).
 async fn generate(purl: &str, durl: &str, tokens: &[u32]) -> (Vec<u32>, Option<bool>) {
-    let greedy = Some(pb::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    });
+    let greedy = pd_test_support::greedy();
     let mut prefill = PrefillServiceClient::connect(purl.to_string())
         .await
         .unwrap();
     let r = prefill
-        .prefill(pb::PrefillRequest {
-            request_id: "r".into(),
-            token_ids: tokens.to_vec(),
-            sampling: greedy.clone(),
-            cache_salt: None,
-            skip_kv_lease: false,
-            ..Default::default()
-        })
+        .prefill(pd_test_support::prefill_request("r", tokens.to_vec()))
         .await
         .unwrap()
         .into_inner();
@@ -147,25 +133,14 @@ fn offer_layout(rdma: &[u8]) -> Option<bool> {
 
 /// The value of an unlabelled-by-reason sample of the decode node's `/metrics`.
 async fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+    let text = metrics::scrape(&addr.to_string()).await.expect("/metrics");
+    metrics::value(&text, name, &[]).unwrap_or_else(|| panic!("{name} not in /metrics"))
 }
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs an RDMA device named by PD_TEST_RDMA_DEVICE: scripts/rdma-check.sh runs it"]
 async fn kv_moves_over_rdma_and_decodes_as_over_tcp() {
-    let Some(dev) = device() else {
-        eprintln!("PD_TEST_RDMA_DEVICE not set: skipped (no RDMA device on this host)");
-        return;
-    };
+    let dev = device();
     let tokens: Vec<u32> = (0..100u32).map(|i| (i * 7919 + 11) % 150_000).collect();
     let (purl, durl, metrics, stops) =
         pair(&["--kv-transport", "rdma", "--rdma-device", &dev]).await;

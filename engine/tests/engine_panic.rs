@@ -7,62 +7,28 @@
 //! Its own test binary: it sets the hook's environment variable before any engine starts,
 //! with no other test running in the process.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use pd_engine::ErrorKind;
 use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::config::ModelConfig;
-use pd_engine::executor::Executor;
-use pd_engine::model::Qwen3;
-use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::panic_hook::ENV;
-use pd_engine::serve::{
-    Engine, EngineConfig, EngineRequest, EngineThread, RequestEvent, RequestId, Role,
-};
-use pd_engine::weights::Checkpoint;
+use pd_engine::serve::{Engine, EngineRequest, EngineThread, RequestEvent, Role};
+use pd_test_support::engine as support;
 
 const POISON: [u32; 5] = [3, 1, 4, 1, 5];
 const WAIT: Duration = Duration::from_secs(60);
 
 fn engine() -> Engine<CpuBackend> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/tiny-gqa");
-    let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let backend = CpuBackend::new();
-    let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
-    let exec = Executor::new(backend, model, 4, 256).unwrap();
-    let config = EngineConfig {
-        role: Role::Mixed,
-        enable_prefix_caching: true,
-        hash_algo: Default::default(),
-        host_cache_blocks: 0,
-        max_num_batched_tokens: 256,
-        max_num_seqs: 16,
-        max_model_len: 512,
-        lease_timeout: Duration::from_secs(30),
-        seed: 0,
-    };
-    Engine::new(exec, config, vec![399], 400).unwrap()
+    support::engine(
+        support::executor(CpuBackend::new(), 4, 256),
+        support::config(Role::Mixed),
+    )
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
-    EngineRequest {
-        id: RequestId::from(id),
-        prompt,
-        params: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        cache_salt: None,
-        imported: None,
-        lease_kv: false,
-        guide: None,
-        resumed: 0,
-    }
+    support::request(id, prompt, max_tokens, false)
 }
 
 /// The request's terminal event (tokens before it skipped).
@@ -76,11 +42,11 @@ fn terminal(rx: &std::sync::mpsc::Receiver<RequestEvent>) -> RequestEvent {
 }
 
 #[test]
+#[cfg_attr(
+    not(debug_assertions),
+    ignore = "the panic hook is honoured only in builds with debug assertions"
+)]
 fn a_panic_in_a_command_fails_open_requests_after_the_failure_observers_ran() {
-    if !cfg!(debug_assertions) {
-        eprintln!("skipped: the panic hook is honoured only with debug assertions");
-        return;
-    }
     let poison = POISON.map(|t| t.to_string()).join(",");
     // SAFETY: no other thread of this test binary reads the environment now (one test, and
     // no engine started yet).

@@ -3,6 +3,8 @@
 //! refused with one clear line and a non-zero exit (never a panic).
 
 use std::path::Path;
+
+use pd_test_support::cache;
 use std::process::{Command, Output};
 
 fn pdctl(cache: &Path, args: &[&str]) -> Output {
@@ -12,13 +14,6 @@ fn pdctl(cache: &Path, args: &[&str]) -> Output {
         .env_remove("PD_MODEL")
         .output()
         .expect("pdctl runs")
-}
-
-/// A cache shared by the tests of this file, so `synthetic:tiny` is written once.
-fn cache() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir"))
-        .path()
 }
 
 fn json_of(out: &Output) -> serde_json::Value {

@@ -263,10 +263,7 @@ pub async fn client(addr: &str) -> GenerationClient<tonic::transport::Channel> {
 pub fn greedy(ids: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         input: Some(pb::generate_request::Input::TokenIds(pb::TokenIds { ids })),
-        sampling: Some(pb::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
+        sampling: pd_test_support::greedy(),
         max_tokens: Some(max_tokens),
         ignore_eos: true,
         ..Default::default()
@@ -428,6 +425,42 @@ pub async fn wait_serving(addr: &str) -> anyhow::Result<()> {
         .context("the router")
 }
 
+// ---- clusters shared by the tests of one binary --------------------------------------------
+
+/// `pdctl up` processes to stop when this process exits: a cluster kept in a `static` (one
+/// that the tests of a binary share) is never dropped.
+static STOP_AT_EXIT: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Runs as the process exits (after the test harness is done): SIGTERM each registered
+/// `pdctl up` and wait for it, so that no cluster outlives its tests.
+extern "C" fn stop_registered_clusters() {
+    let pids = std::mem::take(&mut *STOP_AT_EXIT.lock().unwrap_or_else(|e| e.into_inner()));
+    for pid in pids {
+        // SAFETY: kill(2) and waitpid(2) on our own child's pid; a null status pointer is
+        // allowed.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+impl Cluster {
+    /// Stops this cluster when the process exits, for a cluster that is never dropped (one
+    /// in a `static`, shared by the tests of one binary).
+    pub fn stop_at_exit(&self) {
+        let mut pids = STOP_AT_EXIT.lock().unwrap_or_else(|e| e.into_inner());
+        if pids.is_empty() {
+            // SAFETY: registers a function without arguments that touches only its own
+            // statics; registering it more than once would only repeat harmless work.
+            unsafe {
+                libc::atexit(stop_registered_clusters);
+            }
+        }
+        pids.push(self.child.id());
+    }
+}
+
 // ---- metrics ------------------------------------------------------------------------------
 
 impl Cluster {
@@ -499,118 +532,9 @@ pub fn metrics_addr(ready: &Value) -> String {
         .to_string()
 }
 
-/// `GET http://{addr}/metrics`: the exposition text.
-pub async fn scrape(addr: &str) -> anyhow::Result<String> {
-    use http_body_util::BodyExt as _;
-    let addr = metrics_authority(addr);
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    let request = hyper::Request::get("/metrics")
-        .header(hyper::header::HOST, addr)
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())?;
-    let response = sender.send_request(request).await?;
-    if !response.status().is_success() {
-        bail!("{addr}/metrics answered {}", response.status());
-    }
-    let body = response.into_body().collect().await?.to_bytes();
-    Ok(String::from_utf8(body.to_vec())?)
-}
-
-/// HOST:PORT of a metrics address given as HOST:PORT (a ready line's `metrics_addr`) or as
-/// the URL `pdctl up` prints (`http://HOST:PORT/metrics`).
-pub fn metrics_authority(addr: &str) -> &str {
-    let addr = addr.strip_prefix("http://").unwrap_or(addr);
-    addr.strip_suffix("/metrics").unwrap_or(addr)
-}
-
-/// One parsed `/metrics` page (with `prometheus-parse`): every sample as (name, labels,
-/// value); histogram buckets appear as `NAME_bucket` samples with an `le` label, `_sum` and
-/// `_count` as their own samples. `prometheus-parse` reads names as `\w+`, so the colon of
-/// vLLM's `vllm:` prefix is swapped for [`COLON`] while parsing and restored after.
-#[derive(Debug, Clone)]
-pub struct Exposition {
-    pub text: String,
-    samples: Vec<(String, std::collections::BTreeMap<String, String>, f64)>,
-}
-
-impl Exposition {
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        use prometheus_parse::Value as V;
-        let readable = text.replace("vllm:", &format!("vllm{COLON}"));
-        let scrape = prometheus_parse::Scrape::parse(readable.lines().map(|l| Ok(l.to_string())))
-            .context("parsing the exposition")?;
-        let mut samples = Vec::new();
-        for s in scrape.samples {
-            let metric = s.metric.replacen(&format!("vllm{COLON}"), "vllm:", 1);
-            let labels: std::collections::BTreeMap<String, String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            match s.value {
-                V::Counter(v) | V::Gauge(v) | V::Untyped(v) => samples.push((metric, labels, v)),
-                V::Histogram(buckets) => {
-                    for b in buckets {
-                        let mut labels = labels.clone();
-                        labels.insert("le".into(), b.less_than.to_string());
-                        samples.push((format!("{metric}_bucket"), labels, b.count));
-                    }
-                }
-                V::Summary(_) => {}
-            }
-        }
-        Ok(Self {
-            text: text.to_string(),
-            samples,
-        })
-    }
-
-    /// Sum of the samples named `name` whose labels include every `(label, value)` given.
-    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.samples
-            .iter()
-            .filter(|(n, l, _)| {
-                n == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| l.get(*k).is_some_and(|x| x == v))
-            })
-            .map(|(_, _, v)| v)
-            .sum()
-    }
-
-    /// Every sample: (name, labels, value).
-    pub fn samples(
-        &self,
-    ) -> impl Iterator<Item = (&str, &std::collections::BTreeMap<String, String>, f64)> {
-        self.samples.iter().map(|(n, l, v)| (n.as_str(), l, *v))
-    }
-
-    /// Whether any sample is named `name`.
-    pub fn has(&self, name: &str) -> bool {
-        self.samples.iter().any(|(n, _, _)| n == name)
-    }
-
-    /// The distinct values of `label` among the samples named `name`.
-    pub fn label_values(&self, name: &str, label: &str) -> Vec<String> {
-        let mut values: Vec<String> = self
-            .samples
-            .iter()
-            .filter(|(n, _, _)| n == name)
-            .filter_map(|(_, l, _)| l.get(label).cloned())
-            .collect();
-        values.sort();
-        values.dedup();
-        values
-    }
-}
-
-/// Stands for `:` in metric names while `prometheus-parse` reads them.
-pub const COLON: &str = "__colon__";
+// The `/metrics` scraper and parser are the workspace's shared ones.
+pub use pd_test_support::Exposition;
+pub use pd_test_support::metrics::{authority as metrics_authority, scrape};
 
 /// Scrapes and parses `addr`'s `/metrics`.
 pub async fn exposition(addr: &str) -> anyhow::Result<Exposition> {

@@ -119,6 +119,19 @@ pub async fn wait_serving(addr: &str, tls: Option<&ClientTls>) -> anyhow::Result
     }
 }
 
+/// A TLS connection to `authority` (HOST:PORT) trusting `tls`'s CA.
+async fn dial(
+    authority: &str,
+    tls: &ClientTls,
+) -> anyhow::Result<impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> {
+    let (host, port) = authority
+        .rsplit_once(':')
+        .with_context(|| format!("{authority} is not HOST:PORT"))?;
+    pd_tls::dial(Some(tls), host, port.parse()?)
+        .await
+        .with_context(|| format!("connecting to {authority} over TLS"))
+}
+
 /// `GET path` from `authority` (HOST:PORT) over HTTPS trusting `tls`'s CA: (status, body).
 pub async fn https_get(
     authority: &str,
@@ -126,12 +139,7 @@ pub async fn https_get(
     path: &str,
 ) -> anyhow::Result<(u16, String)> {
     use http_body_util::BodyExt as _;
-    let (host, port) = authority
-        .rsplit_once(':')
-        .with_context(|| format!("{authority} is not HOST:PORT"))?;
-    let conn = pd_tls::dial(Some(tls), host, port.parse()?)
-        .await
-        .with_context(|| format!("connecting to {authority} over TLS"))?;
+    let conn = dial(authority, tls).await?;
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(conn)).await?;
     tokio::spawn(connection);
@@ -147,9 +155,9 @@ pub async fn https_get(
 /// `GET https://HOST:PORT/metrics` (`addr` as HOST:PORT or as that URL) trusting `tls`'s CA:
 /// the exposition text.
 pub async fn scrape(addr: &str, tls: &ClientTls) -> anyhow::Result<String> {
-    let authority = addr.strip_prefix("https://").unwrap_or(addr);
-    let authority = authority.strip_suffix("/metrics").unwrap_or(authority);
-    let (status, body) = https_get(authority, tls, "/metrics").await?;
-    anyhow::ensure!(status == 200, "{authority}/metrics answered {status}");
-    Ok(body)
+    let authority = pd_test_support::metrics::authority(addr);
+    let conn = dial(authority, tls).await?;
+    Ok(pd_test_support::metrics::fetch_over(conn, authority)
+        .await?
+        .body)
 }

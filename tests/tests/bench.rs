@@ -3,7 +3,6 @@
 //! exactly its window; failed requests are counted when a node dies mid-run; `compare` reads
 //! two reports. Timeouts here only detect hangs; nothing asserts how fast anything is.
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -40,29 +39,9 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("report written")).expect("JSON")
 }
 
-/// The router's `/metrics` text (HTTP/1.0: the body ends when the connection closes) from
-/// its HOST:PORT (a ready line's `metrics_addr`) or its URL (`pdctl up`'s `router_metrics`).
-fn scrape(addr: &str) -> String {
-    let addr = pd_tests::metrics_authority(addr);
-    let mut s = std::net::TcpStream::connect(addr).expect("metrics port");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(
-        head.starts_with("HTTP/1.") && head.contains(" 200 "),
-        "{head}"
-    );
-    body.to_string()
-}
-
 /// Sum of `family` over every series carrying `label`.
 fn sum(text: &str, family: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(label))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum()
+    pd_test_support::metrics::sum(text, family, &[label])
 }
 
 /// (hits, queries) of one cache, all roles and nodes.
@@ -110,7 +89,7 @@ fn reports_agree_with_usage_and_with_the_router_counters_over_the_window() {
     let a = dir.path().join("a.json");
     let plots = dir.path().join("plots");
 
-    let before = scrape(&metrics);
+    let before = pd_test_support::metrics::scrape_blocking(&metrics).unwrap();
     let out = pdctl_bench(
         cache_dir.path(),
         &[
@@ -144,7 +123,7 @@ fn reports_agree_with_usage_and_with_the_router_counters_over_the_window() {
         ],
     );
     ok(&out);
-    let after = scrape(&metrics);
+    let after = pd_test_support::metrics::scrape_blocking(&metrics).unwrap();
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("Router local hit rate (window)"), "{table}");
 
@@ -379,14 +358,8 @@ async fn requests_failed_when_a_node_dies_mid_run_are_counted_by_code() {
         .unwrap();
     // Kill the decode node once the benchmark is under way: the first request has finished.
     let start = Instant::now();
-    let m = metrics.clone();
     loop {
-        let text = tokio::task::spawn_blocking({
-            let m = m.clone();
-            move || scrape(&m)
-        })
-        .await
-        .unwrap();
+        let text = pd_test_support::metrics::scrape(&metrics).await.unwrap();
         if sum(&text, "pd_router_requests_total", "outcome=\"length\"") >= 1.0 {
             break;
         }

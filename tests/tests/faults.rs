@@ -281,17 +281,10 @@ async fn prefill_node_killed_is_retried_on_the_other_and_used_again_after_restar
             .expect("served");
         assert_eq!(ids.len(), 2);
         let answer = direct
-            .prefill(pb::PrefillRequest {
-                request_id: format!("probe-{round}"),
-                token_ids: prompt,
-                sampling: Some(pb::SamplingParams {
-                    temperature: Some(0.0),
-                    ..Default::default()
-                }),
-                cache_salt: None,
-                skip_kv_lease: false,
-                ..Default::default()
-            })
+            .prefill(pd_test_support::prefill_request(
+                &format!("probe-{round}"),
+                prompt,
+            ))
             .await
             .unwrap()
             .into_inner();

@@ -287,27 +287,30 @@ async fn counting_matrix(up_flags: &[&str]) {
     }
 }
 
-/// Parses `text` with Python's `prometheus_client` (the reference parser).
-fn python_parses(text: &str) {
+/// `program` with `args`, `text` on its stdin: what it answered.
+fn fed(program: &str, args: &[&str], text: &str) -> std::process::Output {
     use std::io::Write as _;
-    let mut child = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as f\n\
-             print(sum(1 for _ in f(sys.stdin.read())))",
-        ])
+    let mut child = std::process::Command::new(program)
+        .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("python3 runs");
+        .unwrap_or_else(|e| panic!("{program} runs: {e}"));
     child
         .stdin
         .take()
         .unwrap()
         .write_all(text.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Parses `text` with Python's `prometheus_client` (the reference parser).
+fn python_parses(text: &str) {
+    let script = "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as f\n\
+                  print(sum(1 for _ in f(sys.stdin.read())))";
+    let out = fed("python3", &["-c", script], text);
     assert!(
         out.status.success(),
         "prometheus_client cannot parse it: {}",
@@ -315,27 +318,10 @@ fn python_parses(text: &str) {
     );
 }
 
-/// `promtool check metrics` on `text`: clean (no lint), or skipped with a message when
-/// promtool is not installed (CI installs Debian's prometheus package).
+/// `promtool check metrics` on `text`: clean (no lint). Needs promtool on PATH
+/// (scripts/prometheus-check.sh installs it).
 fn promtool_clean(text: &str) {
-    use std::io::Write as _;
-    let Ok(mut child) = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("promtool is not on PATH: `promtool check metrics` skipped");
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = fed("promtool", &["check", "metrics"], text);
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -345,6 +331,22 @@ fn promtool_clean(text: &str) {
         out.status.success() && said.trim().is_empty(),
         "promtool: {said}"
     );
+}
+
+/// The router's exposition after a request of each outcome (finished, refused) passes
+/// `promtool check metrics` without a lint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs promtool: scripts/prometheus-check.sh installs it and runs this"]
+async fn the_router_exposition_is_promtool_clean() {
+    let cache = tempfile::tempdir().unwrap();
+    let cluster = Cluster::up(cache.path(), &["--prefill", "1", "--decode", "1"]).unwrap();
+    let mut c = client(&cluster.router()).await;
+    collect(&mut c, greedy(prompt(3, 40), 3)).await.unwrap();
+    let mut bad = greedy(vec![1, 2, 3], 3);
+    bad.max_tokens = Some(0);
+    collect(&mut c, bad).await.expect_err("max_tokens 0");
+    let router = exposition(&cluster.router_metrics()).await.unwrap();
+    promtool_clean(&router.text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -419,7 +421,6 @@ async fn cache_disabled_counts_nothing_and_the_exposition_is_valid() {
         vec!["decode", "prefill"]
     );
     python_parses(&router.text);
-    promtool_clean(&router.text);
     for role in ["prefill", "decode"] {
         let node = exposition(&cluster.node_metrics(role)[0]).await.unwrap();
         assert!(node.has("vllm:prefix_cache_queries_total"), "{role}");

@@ -57,7 +57,8 @@ struct Watch {
 
 impl Watch {
     fn check(&mut self, e: &Exposition) {
-        for (name, labels, value) in e.samples() {
+        for sample in &e.samples {
+            let (name, labels, value) = (&sample.name, &sample.labels, sample.value);
             if !name.ends_with("_total") {
                 continue;
             }

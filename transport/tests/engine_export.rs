@@ -2,85 +2,41 @@
 //! `impl KvSource for EngineHandle`, a decode engine imports the pulled KV, and the greedy
 //! tokens equal one mixed engine's. Uses the engine's tiny transformers-golden checkpoint.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
-use pd_engine::executor::Executor;
 use pd_engine::kv::KvLayout;
 use pd_engine::kv::reservation::ImportReservation;
-use pd_engine::model::Qwen3;
-use pd_engine::sampling::SamplingParams;
 use pd_engine::serve::{
     Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, ImportedBlocks, ImportedKv,
-    KvLease, RequestEvent, RequestId, Role,
+    KvLease, RequestEvent, Role,
 };
-use pd_engine::weights::{Checkpoint, DType};
+use pd_engine::weights::DType;
+use pd_test_support::engine::{self as support, run};
 use pd_transport::{KvExportServer, KvPuller, LayoutFingerprint, PullRequest, TransportError};
 
 const BS: usize = 4;
 
-fn fixture() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures/golden/tiny-gqa")
-}
-
 /// An engine of `role` whose KV cache stores `kv`.
 fn engine(role: Role, kv: DType) -> (Engine<CpuBackend>, KvLayout) {
-    let dir = fixture();
-    let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let backend = CpuBackend::with_kv_dtype(kv);
-    let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
-    let exec = Executor::new(backend, model, BS, 64).unwrap();
+    let exec = support::executor(CpuBackend::with_kv_dtype(kv), BS, 64);
+    let mc = ModelConfig::from_file(&support::tiny_gqa().join("config.json")).unwrap();
     let layout = KvLayout::new(&mc, BS, kv).unwrap();
     assert_eq!(exec.layout(), &layout);
     let cfg = EngineConfig {
-        role,
-        enable_prefix_caching: true,
-        hash_algo: Default::default(),
-        host_cache_blocks: 0,
-        max_num_batched_tokens: 256,
-        max_num_seqs: 16,
-        max_model_len: 512,
         lease_timeout: Duration::from_secs(60),
-        seed: 0,
+        ..support::config(role)
     };
-    (Engine::new(exec, cfg, vec![399], 400).unwrap(), layout)
+    (support::engine(exec, cfg), layout)
 }
 
 fn request(id: &str, prompt: Vec<u32>, imported: Option<ImportedKv>) -> EngineRequest {
     EngineRequest {
-        id: RequestId::from(id),
-        prompt,
-        params: SamplingParams {
-            max_tokens: 8,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        cache_salt: None,
         imported,
-        lease_kv: true,
-        guide: None,
-        resumed: 0,
+        ..support::request(id, prompt, 8, true)
     }
-}
-
-/// Run one request on an engine to completion; its tokens.
-fn run(engine: &mut Engine<CpuBackend>, r: EngineRequest) -> Vec<u32> {
-    engine.submit(r).unwrap();
-    let mut tokens = Vec::new();
-    while engine.has_work() {
-        for (_, event) in engine.step() {
-            match event {
-                RequestEvent::Token(t) => tokens.push(t.token_id),
-                RequestEvent::Finished(_) | RequestEvent::PromptLogprobs(_) => {}
-                RequestEvent::Failed(e) => panic!("{e}"),
-            }
-        }
-    }
-    tokens
 }
 
 /// A prefill engine thread behind a real export server, and the lease of one prefill of

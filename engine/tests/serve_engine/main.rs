@@ -11,35 +11,19 @@ mod scheduling;
 mod stopping;
 
 use std::collections::HashMap;
-use std::path::Path;
-use std::time::Duration;
 
 use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::config::ModelConfig;
 use pd_engine::executor::Executor;
-use pd_engine::model::Qwen3;
-use pd_engine::sampling::{PromptLogprob, SamplingParams};
+use pd_engine::sampling::PromptLogprob;
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineCounters, EngineRequest, Finished, RequestEvent, RequestId, Role,
+    Engine, EngineConfig, EngineCounters, EngineRequest, Finished, RequestEvent, Role,
 };
-use pd_engine::weights::Checkpoint;
+use pd_test_support::engine as support;
 
 const BS: usize = 4;
-/// Ids the engines' tokenizer knows (the model's vocabulary is larger).
-const VOCAB_LIMIT: usize = 400;
 
 fn config() -> EngineConfig {
-    EngineConfig {
-        role: Role::Mixed,
-        enable_prefix_caching: true,
-        hash_algo: Default::default(),
-        host_cache_blocks: 0,
-        max_num_batched_tokens: 256,
-        max_num_seqs: 16,
-        max_model_len: 512,
-        lease_timeout: Duration::from_secs(30),
-        seed: 0,
-    }
+    support::config(Role::Mixed)
 }
 
 fn engine(num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
@@ -47,8 +31,7 @@ fn engine(num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
 }
 
 fn engine_on(backend: CpuBackend, num_blocks: usize, cfg: EngineConfig) -> Engine<CpuBackend> {
-    let exec = executor_on(backend, num_blocks);
-    Engine::new(exec, cfg, vec![399], VOCAB_LIMIT).unwrap()
+    support::engine(executor_on(backend, num_blocks), cfg)
 }
 
 fn executor(num_blocks: usize) -> Executor<CpuBackend> {
@@ -56,11 +39,7 @@ fn executor(num_blocks: usize) -> Executor<CpuBackend> {
 }
 
 fn executor_on(backend: CpuBackend, num_blocks: usize) -> Executor<CpuBackend> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/tiny-gqa");
-    let mc = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let model = Qwen3::load(&backend, &ckpt, &mc, &mut |_, _| {}).unwrap();
-    Executor::new(backend, model, BS, num_blocks).unwrap()
+    support::executor(backend, BS, num_blocks)
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -70,20 +49,7 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
-    EngineRequest {
-        id: RequestId::from(id),
-        prompt,
-        params: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        cache_salt: None,
-        imported: None,
-        lease_kv: true,
-        guide: None,
-        resumed: 0,
-    }
+    support::request(id, prompt, max_tokens, true)
 }
 
 #[derive(Debug, Default, Clone)]

@@ -7,7 +7,7 @@ use pd_engine::kv::block_buffers::BlockBuffers;
 use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
 
-use super::{BLOCK, enabled, files};
+use super::{BLOCK, files};
 
 /// A block's worth of seeded bytes, different for every `seed`.
 pub(crate) fn pattern(seed: usize, len: usize) -> Vec<u8> {
@@ -27,10 +27,8 @@ pub(crate) fn pattern(seed: usize, len: usize) -> Vec<u8> {
 /// written and reads back byte for byte in any order, repeats included, and agrees with
 /// the one-block calls.
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn kv_blocks_move_in_batches_byte_for_byte() {
-    if !enabled("kv_blocks_move_in_batches_byte_for_byte") {
-        return;
-    }
     let files = files("synthetic:qwen3-0.6b");
     let n = 40;
     for dtype in [DType::BF16, DType::F32] {
@@ -73,10 +71,8 @@ fn kv_blocks_move_in_batches_byte_for_byte() {
 /// returned from another thread (an exporter's), and lent again to the next lease instead of
 /// pinning more.
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn leases_land_in_reused_page_locked_buffers() {
-    if !enabled("leases_land_in_reused_page_locked_buffers") {
-        return;
-    }
     let n = 40;
     let (gpu, mut kv, bytes) = bf16_kv(n);
     let sources: Vec<Vec<u8>> = (0..n).map(|b| pattern(100 + b, bytes)).collect();
@@ -121,10 +117,8 @@ fn leases_land_in_reused_page_locked_buffers() {
 /// refilled for the next batch as soon as `write_blocks` returns: a copy still reading it
 /// then would land the next batch's bytes in this batch's blocks.
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes() {
-    if !enabled("blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes") {
-        return;
-    }
     let (n, batches) = (36, 3);
     let (gpu, mut kv, bytes) = bf16_kv(n * batches);
     let mut buffer = gpu.host_buffer(n * bytes);
@@ -156,10 +150,8 @@ fn blocks_written_from_a_refilled_page_locked_buffer_keep_their_bytes() {
 /// thread, not the engine's: they are page-locked, their blocks land where `write_blocks` puts
 /// them, and given back they serve the next import without pinning more.
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn imports_arrive_in_page_locked_buffers_lent_on_another_thread() {
-    if !enabled("imports_arrive_in_page_locked_buffers_lent_on_another_thread") {
-        return;
-    }
     let n = 40;
     let (gpu, mut kv, bytes) = bf16_kv(n);
     let buffers = BlockBuffers::with_allocator(bytes, 1 << 30, gpu.host_allocator());

@@ -13,7 +13,7 @@ use pd_engine::weights::{Checkpoint, DType};
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::CudaTensor;
 
-use super::{BLOCK, enabled, executor, files, graphs_match_eager, narrow, unit};
+use super::{BLOCK, executor, files, graphs_match_eager, narrow, unit};
 
 const HIDDEN: usize = 256;
 const INTER: usize = 64;
@@ -180,10 +180,8 @@ fn run(
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn device_routing_matches_the_cpu() {
-    if !enabled("device_routing_matches_the_cpu") {
-        return;
-    }
     let gpu = CudaBackend::open(0, 0.3).expect("cuda:0");
     let cpu = CpuBackend::new();
     // (dtype, tolerance against the CPU, against the GPU's host path)
@@ -224,10 +222,8 @@ fn device_routing_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn router_ties_go_to_the_lower_expert_on_the_device() {
-    if !enabled("router_ties_go_to_the_lower_expert_on_the_device") {
-        return;
-    }
     // A router of zeros: every expert has probability 1/16; the host takes experts 0..4.
     let gpu = CudaBackend::open(0, 0.3).expect("cuda:0");
     let cpu = CpuBackend::new();
@@ -245,21 +241,18 @@ fn router_ties_go_to_the_lower_expert_on_the_device() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn moe_decode_graphs_match_eager_decode() {
-    if enabled("moe_decode_graphs_match_eager_decode") {
-        // Every sparse layer routed inside the graph: captured, not an eager fallback.
-        graphs_match_eager("synthetic:tiny-moe", [9, 14, 19], 4);
-    }
+    // Every sparse layer routed inside the graph: captured, not an eager fallback.
+    graphs_match_eager("synthetic:tiny-moe", [9, 14, 19], 4);
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn moe_decode_graphs_turn_off_when_routed_on_the_host() {
     use pd_engine::backend::graph::DecodeGraphs;
     use pd_engine::executor::ExecItem;
 
-    if !enabled("moe_decode_graphs_turn_off_when_routed_on_the_host") {
-        return;
-    }
     // PD_CUDA_MOE=host: no capture is tried (it could not record the host's routing): the
     // steps run eagerly, with eager decode's launches and logits.
     let files = files("synthetic:tiny-moe");

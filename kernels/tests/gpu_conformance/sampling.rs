@@ -7,7 +7,7 @@ use pd_engine::executor::ExecItem;
 use pd_kernels::CudaBackend;
 use pd_kernels::cuda::CudaTensor;
 
-use super::{enabled, executor, files, unit};
+use super::{executor, files, unit};
 
 /// Logits rows that exercise the sampler's edge cases: spread, peaked, heavily tied (ties at
 /// the k-th place), NaN / -inf holes, ±0 ties, all -inf, and a +inf.
@@ -70,13 +70,11 @@ fn close(a: f32, b: f32) -> bool {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
     use pd_engine::sampling::device::edit;
     use pd_engine::sampling::{DeviceSampleRow, DeviceSampling, Reshape, TokenEdit};
 
-    if !enabled("sampling_on_the_device_chooses_the_cpu_backends_tokens") {
-        return;
-    }
     let vocab = VOCAB;
     let (rows, cpu_logits, gpu, gpu_logits) = edge_case_logits();
     let mut s = 7u64;
@@ -222,12 +220,10 @@ fn sampling_on_the_device_chooses_the_cpu_backends_tokens() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn prompt_logprobs_on_the_device_equal_the_cpu_backends() {
     use pd_engine::sampling::{PromptLogprob, PromptLogprobRow};
 
-    if !enabled("prompt_logprobs_on_the_device_equal_the_cpu_backends") {
-        return;
-    }
     let vocab = VOCAB;
     let (rows, cpu_logits, gpu, gpu_logits) = edge_case_logits();
     // Next tokens: ordinary ids, the hot spots of the rows (the peak, a NaN and a -inf hole,
@@ -281,13 +277,11 @@ fn prompt_logprobs_on_the_device_equal_the_cpu_backends() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device: scripts/gpu-check.sh (or pd-cuda-emu, scripts/cuda-check.sh) runs it"]
 fn executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits() {
     use pd_engine::executor::{ItemWants, NextToken, PromptScoring, StepOutput};
     use pd_engine::sampling::{PromptLogprob, Sampler, SamplingParams, prompt_logprobs};
 
-    if !enabled("executor_sampling_on_the_device_equals_host_sampling_of_the_same_logits") {
-        return;
-    }
     let files = files("synthetic:tiny");
     let params = [
         SamplingParams::default(),

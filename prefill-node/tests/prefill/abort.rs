@@ -9,7 +9,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use crate::{Node, channel, prefill_request, prompt};
+use crate::{Node, channel, prefill_node, prefill_request, prompt};
 
 /// Wait until the node runs or queues a request.
 async fn wait_busy(node: &Node) {
@@ -27,13 +27,13 @@ async fn wait_busy(node: &Node) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_duplicate_ids_and_cancelled_calls_free_every_block() {
     // Small steps make a long prompt's prefill take hundreds of steps.
-    let node = Node::start(&["--max-num-batched-tokens", "4"]).await;
+    let node = prefill_node(&["--max-num-batched-tokens", "4"]).await;
     let slow = prompt(3000, 4);
 
     // Abort by id; the id is in use meanwhile.
-    let mut client = node.client().await;
+    let mut client = node.prefill().await;
     let call = tokio::spawn({
-        let mut client = node.client().await;
+        let mut client = node.prefill().await;
         let slow = slow.clone();
         async move { client.prefill(prefill_request("slow", slow)).await }
     });
@@ -57,7 +57,7 @@ async fn abort_duplicate_ids_and_cancelled_calls_free_every_block() {
     node.assert_all_blocks_free().await;
 
     // A call the client gives up on aborts the engine request.
-    let mut impatient = node.client().await;
+    let mut impatient = node.prefill().await;
     // Well under the prefill's time: its 750 steps of 4 tokens took about 300 ms on AVX-512.
     let gave_up = tokio::time::timeout(
         Duration::from_millis(40),
@@ -86,16 +86,16 @@ async fn abort_duplicate_ids_and_cancelled_calls_free_every_block() {
         .await
         .unwrap();
     node.assert_all_blocks_free().await;
-    node.stop().await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
-    let node = Node::start(&["--max-num-batched-tokens", "4", "--drain-timeout", "20"]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&["--max-num-batched-tokens", "4", "--drain-timeout", "20"]).await;
+    let mut client = node.prefill().await;
     let mut health = HealthClient::new(channel(node.ready.grpc).await);
     let call = tokio::spawn({
-        let mut client = node.client().await;
+        let mut client = node.prefill().await;
         async move {
             client
                 .prefill(prefill_request("in-flight", prompt(600, 5)))
@@ -103,13 +103,7 @@ async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
         }
     });
     wait_busy(&node).await;
-    let Node {
-        ready,
-        mut stop,
-        task,
-        ..
-    } = node;
-    stop.take().unwrap().send(()).unwrap();
+    let (ready, task) = node.begin_shutdown();
     // Draining: NOT_SERVING, new work refused, other calls still answered.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -170,9 +164,9 @@ async fn shutdown_drains_refuses_new_work_and_waits_for_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_timeout_aborts_what_is_left() {
-    let node = Node::start(&["--max-num-batched-tokens", "2", "--drain-timeout", "0.2"]).await;
+    let node = prefill_node(&["--max-num-batched-tokens", "2", "--drain-timeout", "0.2"]).await;
     let call = tokio::spawn({
-        let mut client = node.client().await;
+        let mut client = node.prefill().await;
         async move {
             client
                 .prefill(prefill_request("too-slow", prompt(4000, 6)))
@@ -181,7 +175,7 @@ async fn the_drain_timeout_aborts_what_is_left() {
     });
     wait_busy(&node).await;
     let started = Instant::now();
-    node.stop().await;
+    node.shutdown().await;
     assert!(started.elapsed() < Duration::from_secs(10));
     let e = call.await.unwrap().expect_err("aborted by the drain");
     assert_eq!(e.code(), Code::Aborted, "{e:?}");

@@ -4,12 +4,12 @@
 use pd_proto::pb;
 use tonic::Code;
 
-use crate::{Node, prefill_request, prompt};
+use crate::{prefill_node, prefill_request, prompt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_request() {
-    let node = Node::start(&[]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&[]).await;
+    let mut client = node.prefill().await;
     let tokens = prompt(37, 1);
     let r = client
         .prefill(prefill_request("a", tokens.clone()))
@@ -114,13 +114,13 @@ async fn prefill_answers_the_first_token_usage_and_a_kv_handle_released_on_reque
     );
 
     node.assert_all_blocks_free().await;
-    node.stop().await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_never_pulled_expires_and_its_blocks_come_back() {
-    let node = Node::start(&["--kv-lease-timeout", "0.3"]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&["--kv-lease-timeout", "0.3"]).await;
+    let mut client = node.prefill().await;
     let r = client
         .prefill(prefill_request("never-pulled", prompt(50, 3)))
         .await
@@ -139,13 +139,13 @@ async fn a_lease_never_pulled_expires_and_its_blocks_come_back() {
         .unwrap()
         .into_inner();
     assert!(!late.released, "the lease expired already");
-    node.stop().await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_with_invalid_argument_and_an_actionable_message() {
-    let node = Node::start(&["--max-model-len", "64"]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&["--max-model-len", "64"]).await;
+    let mut client = node.prefill().await;
     let mut cases: Vec<(pb::PrefillRequest, &str)> = vec![
         (prefill_request("", prompt(4, 0)), "request_id"),
         (prefill_request("empty", vec![]), "empty"),
@@ -190,13 +190,13 @@ async fn bad_input_is_refused_with_invalid_argument_and_an_actionable_message() 
         .into_inner();
     assert!(!unknown.aborted, "no such request");
     node.assert_all_blocks_free().await;
-    node.stop().await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_tokens_keeps_the_first_token_off_the_stop_ids_and_eos() {
-    let node = Node::start(&[]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&[]).await;
+    let mut client = node.prefill().await;
     let tokens = prompt(20, 3);
     let mut first = async |id: &str, min_tokens: u32, stop: Vec<u32>| {
         let mut r = prefill_request(id, tokens.clone());
@@ -216,5 +216,5 @@ async fn min_tokens_keeps_the_first_token_off_the_stop_ids_and_eos() {
         "the greedy choice is a stop id: the next best comes"
     );
     node.assert_all_blocks_free().await;
-    node.stop().await;
+    node.shutdown().await;
 }

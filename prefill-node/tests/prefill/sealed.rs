@@ -15,7 +15,7 @@ use pd_transport::wire::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::{Node, prefill_request, prompt, release_of};
+use crate::{prefill_node, prefill_request, prompt, release_of};
 
 /// Every byte the export server sends back to one raw pull request (it is read until the
 /// server has answered and the socket is closed from our side).
@@ -52,8 +52,8 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_pulls_without_the_lease_secret_get_no_kv_and_no_layout() {
-    let node = Node::start(&[]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&[]).await;
+    let mut client = node.prefill().await;
     let kv_addr = node.ready.kv.expect("a KV address");
     let fingerprint: LayoutFingerprint = node.ready.fingerprint.parse().unwrap();
 
@@ -162,13 +162,13 @@ async fn raw_pulls_without_the_lease_secret_get_no_kv_and_no_layout() {
         export_refusals.get("lease_gone").copied().unwrap_or(0) >= refusals.len() as u64,
         "refused pulls are counted as lease_gone: {export_refusals:?}"
     );
-    node.stop().await;
+    node.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_with_a_wrong_secret_leaves_the_blocks_leased() {
-    let node = Node::start(&[]).await;
-    let mut client = node.client().await;
+    let node = prefill_node(&[]).await;
+    let mut client = node.prefill().await;
     let r = client
         .prefill(prefill_request("held", prompt(40, 40)))
         .await
@@ -197,5 +197,5 @@ async fn a_release_with_a_wrong_secret_leaves_the_blocks_leased() {
     assert!(answer.released, "the right secret releases the lease");
     let _: pb::ReleaseKvResponse = answer;
     node.assert_all_blocks_free().await;
-    node.stop().await;
+    node.shutdown().await;
 }

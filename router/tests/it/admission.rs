@@ -1,11 +1,11 @@
 //! Overload: admission control (`--max-inflight`, `--max-queue`, `--queue-timeout`) over gRPC
 //! and HTTP, nodes that refuse for want of room, and the HTTP header timeout.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use pd_proto::pb;
 use pd_router::admission::AdmissionLimits;
+use pd_test_support::metrics::value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tonic::Code;
 
@@ -23,18 +23,6 @@ fn request(id: &str) -> pb::GenerateRequest {
     let mut req = text_request("tell me a story");
     req.request_id = Some(id.into());
     req
-}
-
-/// The router's `/metrics` text.
-async fn scrape(addr: SocketAddr) -> String {
-    http_request(addr, "GET", "/metrics", &[], "").await.1
-}
-
-/// The value of the one series of `family` whose labels contain `labels`.
-fn value(text: &str, family: &str, labels: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(family) && l.contains(labels))
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 #[tokio::test]
@@ -92,23 +80,23 @@ async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_s
     let (chunks, error) = collect(&mut client, request("d")).await.unwrap();
     assert!(error.is_none() && !chunks.is_empty(), "{error:?}");
 
-    let text = scrape(router.metrics).await;
+    let text = router.metrics_text().await;
     let rejected = value(
         &text,
         "pd_router_requests_rejected_total",
-        r#"reason="queue_full""#,
+        &[r#"reason="queue_full""#],
     );
     assert_eq!(rejected, Some(2.0), "{text}");
     let outcome = value(
         &text,
         "pd_router_requests_total",
-        r#"outcome="resource_exhausted""#,
+        &[r#"outcome="resource_exhausted""#],
     );
     assert_eq!(outcome, Some(2.0), "{text}");
     let tenant = value(
         &text,
         "pd_router_tenant_requests_total",
-        r#"outcome="resource_exhausted""#,
+        &[r#"outcome="resource_exhausted""#],
     );
     assert_eq!(tenant, Some(2.0), "{text}");
 }
@@ -142,8 +130,8 @@ async fn a_queued_request_runs_when_a_slot_frees_and_one_past_the_queue_timeout_
         tokio::spawn(async move { collect(&mut client, request("c")).await })
     };
     for _ in 0..500 {
-        let text = scrape(router.metrics).await;
-        if value(&text, "pd_router_requests_queued", "") == Some(1.0) {
+        let text = router.metrics_text().await;
+        if value(&text, "pd_router_requests_queued", &[]) == Some(1.0) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -189,11 +177,11 @@ async fn a_request_that_waits_past_the_queue_timeout_is_refused() {
     let refused = client.generate(request("b")).await.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(refused.message().contains("queue timeout"), "{refused:?}");
-    let text = scrape(router.metrics).await;
+    let text = router.metrics_text().await;
     let rejected = value(
         &text,
         "pd_router_requests_rejected_total",
-        r#"reason="queue_timeout""#,
+        &[r#"reason="queue_timeout""#],
     );
     assert_eq!(rejected, Some(1.0), "{text}");
     assert_eq!(p.state.prefill_count(), 1);

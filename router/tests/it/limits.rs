@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use pd_proto::pb;
+use pd_test_support::metrics::value;
 use tonic::Code;
 
 use crate::fake::*;
@@ -55,20 +56,6 @@ async fn run(router: &RouterUnderTest, key: Option<&str>) -> Result<pb::Usage, t
         usage = chunk.usage.or(usage);
     }
     Ok(usage.expect("the last chunk carries usage"))
-}
-
-async fn scrape(router: &RouterUnderTest) -> String {
-    http_request(router.metrics, "GET", "/metrics", &[], "")
-        .await
-        .1
-}
-
-/// The value of the one series of `family` whose labels contain every one of `labels`.
-fn value(text: &str, family: &str, labels: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 /// The `Retry-After` of an HTTP response's head, in seconds.
@@ -127,7 +114,7 @@ async fn computed_prompt_tokens_exhaust_a_tenant_that_cached_ones_do_not() {
         assert_eq!((usage.prompt_tokens, usage.cached_tokens), (100, 96));
     }
 
-    let text = scrape(&router).await;
+    let text = router.metrics_text().await;
     let rejected = "pd_router_tenant_requests_rejected_total";
     let of = |tenant: &str, reason: &str| {
         let (t, r) = (
@@ -196,7 +183,7 @@ async fn over_requests_per_second_grpc_is_resource_exhausted_and_http_is_429() {
     assert!((900..=1000).contains(&hint), "{hint}");
     assert!(response.contains("requests per second"), "{response}");
 
-    let text = scrape(&router).await;
+    let text = router.metrics_text().await;
     assert_eq!(
         value(
             &text,
@@ -286,7 +273,7 @@ async fn a_changed_limits_file_is_picked_up_and_a_bad_one_keeps_the_limits() {
     // A bad version: refused and counted; the limits in use stay.
     rewrite(&limits, "default requests_per_second=lots\n");
     let refused_reloads = || async {
-        let text = scrape(&router).await;
+        let text = router.metrics_text().await;
         value(
             &text,
             "pd_router_file_reloads_total",
@@ -316,7 +303,7 @@ async fn a_changed_limits_file_is_picked_up_and_a_bad_one_keeps_the_limits() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     assert!(passed, "the new limits were never used");
-    let text = scrape(&router).await;
+    let text = router.metrics_text().await;
     assert_eq!(
         value(
             &text,

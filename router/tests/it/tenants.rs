@@ -538,7 +538,7 @@ async fn per_tenant_metrics_equal_the_sums_of_their_usage() {
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
     let router = RouterUnderTest::start(keyed(config(&[&p], &[&d]), &path)).await;
-    let (_, before) = http_request(router.metrics, "GET", "/metrics", &[], "").await;
+    let before = router.metrics_text().await;
     // Every tenant of the file is there from the start, at 0.
     for t in ["a", "b", "c"] {
         let at_zero = before.lines().any(|l| {
@@ -588,7 +588,7 @@ async fn per_tenant_metrics_equal_the_sums_of_their_usage() {
     let mut bad = text_request("x");
     bad.max_tokens = Some(0);
     assert!(generate_as(&router, Some(KEY_B), bad).await.is_err());
-    let (_, text) = http_request(router.metrics, "GET", "/metrics", &[], "").await;
+    let text = router.metrics_text().await;
     for (tenant, s) in &sums {
         let t = [("tenant", *tenant)];
         let by = |source: &str| {

@@ -28,16 +28,8 @@ fn sampling(s: pb::SamplingParams) -> pb::GenerateRequest {
 fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
     pb::GenerateRequest {
         input: Some(Input::Chat(pb::ChatInput {
-            messages: messages
-                .iter()
-                .map(|(role, content)| pb::ChatMessage {
-                    role: role.to_string(),
-                    content: content.to_string(),
-                    ..Default::default()
-                })
-                .collect(),
             enable_thinking: Some(false),
-            tools: Vec::new(),
+            ..pd_test_support::chat_input(messages)
         })),
         max_tokens: Some(8),
         ..Default::default()

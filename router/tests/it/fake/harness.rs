@@ -91,9 +91,9 @@ impl RouterUnderTest {
 
     /// The router's `/metrics` text.
     pub async fn metrics_text(&self) -> String {
-        http_request(self.metrics, "GET", "/metrics", &[], "")
+        pd_test_support::metrics::scrape(&self.metrics.to_string())
             .await
-            .1
+            .expect("the router's /metrics")
     }
 
     pub fn client(&self) -> GenerationClient<Channel> {

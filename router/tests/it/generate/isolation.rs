@@ -3,28 +3,15 @@
 //! failing are skipped by their circuit breakers, which show on `/metrics` and close again
 //! after a successful probe.
 
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use pd_router::PolicyKind;
 use pd_router::registry::BreakerConfig;
+use pd_test_support::metrics::value;
 use tonic::Code;
 
 use crate::fake::*;
-
-/// The router's `/metrics` text.
-async fn scrape(addr: SocketAddr) -> String {
-    http_request(addr, "GET", "/metrics", &[], "").await.1
-}
-
-/// The value of the one series of `family` whose labels contain every one of `labels`.
-fn value(text: &str, family: &str, labels: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-}
 
 async fn all_up(router: &RouterUnderTest) {
     eventually("all nodes up", || {
@@ -55,7 +42,7 @@ async fn an_engine_panic_on_a_prefill_node_is_internal_and_not_retried() {
     // One node saw it; the other was never tried.
     assert_eq!(p0.state.prefill_count() + p1.state.prefill_count(), 1);
     assert_eq!(d.state.decode_count(), 0);
-    let text = scrape(router.metrics).await;
+    let text = router.metrics_text().await;
     assert_eq!(
         value(&text, "pd_router_retries_total", &["role=\"prefill\""]),
         Some(0.0)
@@ -116,7 +103,7 @@ async fn a_failing_node_s_breaker_opens_and_requests_skip_it() {
         2,
         "an open breaker's node got requests"
     );
-    let text = scrape(router.metrics).await;
+    let text = router.metrics_text().await;
     let p0_addr = format!("node=\"{}\"", p0.address());
     let p1_addr = format!("node=\"{}\"", p1.address());
     assert_eq!(
@@ -174,7 +161,7 @@ async fn after_its_cooldown_a_successful_probe_closes_the_breaker() {
     loop {
         let (_, error) = collect(&mut client, text_request("z")).await.unwrap();
         assert!(error.is_none(), "{error:?}");
-        let text = scrape(router.metrics).await;
+        let text = router.metrics_text().await;
         if transitions(&text, "closed") >= 1.0 {
             assert_eq!(transitions(&text, "open"), 1.0);
             assert_eq!(transitions(&text, "half_open"), 1.0);

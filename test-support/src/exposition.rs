@@ -1,12 +1,12 @@
-//! A strict reader of the Prometheus text format 0.0.4, for the metrics tests, and a tiny
-//! HTTP/1.1 GET to scrape with. Strict: every sample belongs to the family whose `# TYPE`
-//! came last, names and labels are well formed, no series repeats, histogram buckets are
-//! cumulative in increasing `le` order and end with `+Inf` equal to `_count`.
+//! Reading the Prometheus text format 0.0.4 into samples tests can query. Two readings of one
+//! grammar: [`Exposition::parse_strict`], for the tests of the exposition itself, refuses
+//! what Prometheus would (every sample belongs to the family whose `# TYPE` came last, right
+//! after its `# HELP`; names and labels well formed; no series twice; histogram buckets
+//! cumulative in increasing `le` order, ending with `+Inf` equal to `_count`), and
+//! [`Exposition::parse`], for tests that only read values, keeps every well-formed sample and
+//! passes over comments. Names are read as written, `vllm:` colons included.
 
 use std::collections::{BTreeMap, HashSet};
-use std::net::SocketAddr;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// One family's declared facts.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,51 +26,24 @@ pub struct Sample {
     pub value: f64,
 }
 
-#[derive(Debug, Default)]
+impl Sample {
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One parsed `/metrics` page. Histogram buckets are `NAME_bucket` samples with their `le`
+/// label as written; `_sum` and `_count` are samples of their own.
+#[derive(Debug, Clone, Default)]
 pub struct Exposition {
+    /// The page as scraped, for failure messages.
+    pub text: String,
+    /// Declared families (strict parsing only).
     pub families: BTreeMap<String, FamilyInfo>,
     pub samples: Vec<Sample>,
-}
-
-/// What a scrape returned.
-#[derive(Debug)]
-pub struct Scrape {
-    pub content_type: String,
-    pub body: String,
-}
-
-/// `GET /metrics` over a fresh connection.
-pub async fn scrape(addr: SocketAddr) -> Scrape {
-    let mut conn = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connects to /metrics");
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).await.unwrap();
-    let raw = String::from_utf8(raw).expect("UTF-8 response");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a full HTTP response");
-    let mut lines = head.lines();
-    let status = lines.next().unwrap();
-    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
-    let mut content_type = String::new();
-    let mut length = None;
-    for line in lines {
-        let (k, v) = line.split_once(':').expect("header line");
-        match k.to_ascii_lowercase().as_str() {
-            "content-type" => content_type = v.trim().to_string(),
-            "content-length" => length = Some(v.trim().parse::<usize>().unwrap()),
-            "transfer-encoding" => panic!("unexpected transfer encoding {v}"),
-            _ => {}
-        }
-    }
-    let length = length.expect("a Content-Length");
-    assert_eq!(body.len(), length, "the whole body arrived");
-    Scrape {
-        content_type,
-        body: body.to_string(),
-    }
 }
 
 fn is_metric_name(s: &str) -> bool {
@@ -149,15 +122,24 @@ fn family_of(sample: &str, family: &str, kind: &str) -> bool {
     }
 }
 
-pub fn parse(text: &str) -> Result<Exposition, String> {
-    if !text.ends_with('\n') {
+fn read(text: &str, strict: bool) -> Result<Exposition, String> {
+    if strict && !text.ends_with('\n') {
         return Err("the exposition must end with a newline".into());
     }
-    let mut exp = Exposition::default();
+    let mut exp = Exposition {
+        text: text.to_string(),
+        ..Exposition::default()
+    };
     let mut current: Option<(String, String)> = None;
     let mut pending_help: Option<(String, String)> = None;
     let mut series = HashSet::new();
     for line in text.lines() {
+        if !strict {
+            if !line.starts_with('#') && !line.trim().is_empty() {
+                exp.samples.push(sample(line)?.1);
+            }
+            continue;
+        }
         if let Some(rest) = line.strip_prefix("# HELP ") {
             let (name, help) = rest.split_once(' ').ok_or("HELP without text")?;
             if !is_metric_name(name) || exp.families.contains_key(name) {
@@ -187,17 +169,8 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
         } else if line.starts_with('#') || line.is_empty() {
             return Err(format!("unexpected line {line:?}"));
         } else {
-            let (series_part, value) = line.rsplit_once(' ').ok_or("sample without value")?;
-            let (name, labels) = match series_part.split_once('{') {
-                Some((name, labels)) => (
-                    name,
-                    parse_labels(labels.strip_suffix('}').ok_or("unclosed labels")?)?,
-                ),
-                None => (series_part, vec![]),
-            };
-            if !is_metric_name(name) {
-                return Err(format!("bad metric name {name:?}"));
-            }
+            let (series_part, sample) = sample(line)?;
+            let name = sample.name.as_str();
             let Some((family, kind)) = &current else {
                 return Err(format!("sample {name} before any TYPE"));
             };
@@ -209,18 +182,47 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
             if !series.insert(series_part.to_string()) {
                 return Err(format!("series {series_part} repeated"));
             }
-            exp.samples.push(Sample {
-                name: name.to_string(),
-                labels,
-                value: parse_value(value)?,
-            });
+            exp.samples.push(sample);
         }
     }
     exp.check_histograms()?;
     Ok(exp)
 }
 
+/// One sample line: its series part as written (name and labels) and the sample.
+fn sample(line: &str) -> Result<(&str, Sample), String> {
+    let (series_part, value) = line.rsplit_once(' ').ok_or("sample without value")?;
+    let (name, labels) = match series_part.split_once('{') {
+        Some((name, labels)) => (
+            name,
+            parse_labels(labels.strip_suffix('}').ok_or("unclosed labels")?)?,
+        ),
+        None => (series_part, vec![]),
+    };
+    if !is_metric_name(name) {
+        return Err(format!("bad metric name {name:?}"));
+    }
+    Ok((
+        series_part,
+        Sample {
+            name: name.to_string(),
+            labels,
+            value: parse_value(value)?,
+        },
+    ))
+}
+
 impl Exposition {
+    /// Every well-formed sample of `text`; comments and blank lines pass.
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        read(text, false).map_err(anyhow::Error::msg)
+    }
+
+    /// `text` read as strictly as Prometheus would (see the module's header).
+    pub fn parse_strict(text: &str) -> anyhow::Result<Self> {
+        read(text, true).map_err(anyhow::Error::msg)
+    }
+
     fn check_histograms(&self) -> Result<(), String> {
         for (family, info) in &self.families {
             if info.kind != "histogram" {
@@ -284,21 +286,43 @@ impl Exposition {
             .map(|s| s.label("le").unwrap().to_string())
             .collect()
     }
-}
 
-impl Sample {
-    pub fn label(&self, name: &str) -> Option<&str> {
-        self.labels
+    /// Sum of the samples named `name` whose labels include every `(label, value)` given.
+    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels).map(|s| s.value).sum()
+    }
+
+    /// Whether any sample is named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.samples.iter().any(|s| s.name == name)
+    }
+
+    /// The distinct values of `label` among the samples named `name`.
+    pub fn label_values(&self, name: &str, label: &str) -> Vec<String> {
+        let mut values: Vec<String> = self
+            .matching(name, &[])
+            .filter_map(|s| s.label(label).map(str::to_string))
+            .collect();
+        values.sort();
+        values.dedup();
+        values
+    }
+
+    fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = &'a Sample> {
+        self.samples
             .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+            .filter(move |s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(*v)))
     }
 }
 
 #[test]
-fn the_parser_refuses_what_prometheus_would() {
+fn the_strict_reading_refuses_what_prometheus_would() {
     let ok = "# HELP a_total x\n# TYPE a_total counter\na_total{k=\"v\\\"\"} 1.0\n";
-    assert!(parse(ok).is_ok());
+    assert!(Exposition::parse_strict(ok).is_ok());
     for bad in [
         "a_total 1.0\n",
         "# HELP a_total x\n# TYPE a_total counter\nb_total 1.0\n",
@@ -308,6 +332,16 @@ fn the_parser_refuses_what_prometheus_would() {
         "# HELP h x\n# TYPE h histogram\nh_bucket{le=\"1.0\"} 2.0\nh_bucket{le=\"+Inf\"} 1.0\nh_count 1.0\n",
         "# HELP a_total x\n# TYPE a_total counter\na_total 1.0",
     ] {
-        assert!(parse(bad).is_err(), "{bad}");
+        assert!(Exposition::parse_strict(bad).is_err(), "{bad}");
     }
+}
+
+#[test]
+fn the_lenient_reading_sums_by_label_and_keeps_vllm_names() {
+    let text = "# TYPE vllm:x counter\nvllm:x_total{a=\"1\",b=\"2\"} 3\nvllm:x_total{a=\"1\"} 4\n";
+    let e = Exposition::parse(text).unwrap();
+    assert_eq!(e.sum("vllm:x_total", &[("a", "1")]), 7.0);
+    assert_eq!(e.sum("vllm:x_total", &[("b", "2")]), 3.0);
+    assert!(e.has("vllm:x_total"));
+    assert_eq!(e.label_values("vllm:x_total", "a"), ["1"]);
 }

@@ -1,0 +1,148 @@
+//! Refusals and hang-ups over HTTP: OpenAI's error object with the status of what went wrong
+//! (in the gRPC API's words where both refuse the same value), whether the router or a node
+//! refuses; a client that hangs up is counted cancelled and frees its blocks at once.
+
+use http_body_util::BodyExt as _;
+use pd_tests::{greedy, http_open, spread_prompts};
+use serde_json::{Value, json};
+
+use crate::{outcomes, plain, post_err};
+
+/// Refusals: OpenAI's error object with the status of what went wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_are_refused_with_openai_s_error_object_and_the_grpc_api_s_words() {
+    let mut t = plain().await;
+
+    let (status, _) = post_err(&t.base, "/completions", json!("not an object")).await;
+    assert_eq!(status, 400);
+    let (status, message) = post_err(
+        &t.base,
+        "/completions",
+        json!({"prompt": "x", "temprature": 0.5}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(message.contains("temprature"), "{message}");
+    let (status, message) = post_err(
+        &t.base,
+        "/completions",
+        json!({"messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(message.contains("/v1/chat/completions"), "{message}");
+    // The same words as the gRPC API's for the same value.
+    let mut bad = greedy(vec![1, 2, 3], 4);
+    bad.sampling.as_mut().unwrap().temperature = Some(-1.0);
+    let grpc_message = t
+        .grpc
+        .generate(bad)
+        .await
+        .unwrap_err()
+        .message()
+        .to_string();
+    let (status, message) = post_err(
+        &t.base,
+        "/completions",
+        json!({"prompt": [1, 2, 3], "temperature": -1}),
+    )
+    .await;
+    assert_eq!((status, message), (400, grpc_message));
+    let forced = json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f"}}]});
+    let (status, message) = post_err(&t.base, "/chat/completions", forced).await;
+    assert_eq!(status, 400);
+    assert!(message.contains("--tool-call-parser"), "{message}");
+    let (status, _) = post_err(&t.base, "/embeddings", json!({"input": "x"})).await;
+    assert_eq!(status, 404);
+    let (status, message) = post_err(
+        &t.base,
+        "/completions",
+        json!({"prompt": "x", "model": "gpt-4"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(message.contains("gpt-4"), "{message}");
+    let huge = json!({"prompt": "a".repeat(5 << 20)});
+    let (status, _) = post_err(&t.base, "/completions", huge).await;
+    assert_eq!(status, 413);
+    let models = http_open("GET", &t.base, "/models", Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    let models: Value =
+        serde_json::from_slice(&models.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(models["data"][0]["id"], "synthetic:tiny");
+    t.end(0.0).await;
+}
+
+/// Refused by the node, not the router (an automaton over the node's 1,024-state cap):
+/// streamed or not, the request's own status and OpenAI's error object, not a 200 stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_node_refuses_gets_its_own_status_streamed_or_not() {
+    let t = plain().await;
+    for stream in [false, true] {
+        let (status, message) = post_err(
+            &t.base,
+            "/completions",
+            json!({"prompt": "x", "guided_regex": "[ab]*a[ab]{10}", "stream": stream}),
+        )
+        .await;
+        assert_eq!(status, 400, "stream {stream}: {message}");
+        assert!(message.contains("1024 states"), "{message}");
+    }
+    t.end_free().await;
+}
+
+/// A client that hangs up mid-stream: the router counts it cancelled and every block on
+/// the nodes is free again, long before its 4,000 tokens could have been generated (a
+/// generation left running would end `length` instead). The same for one that hangs up while
+/// waiting for a whole response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_is_counted_cancelled_and_frees_every_block() {
+    let t = plain().await;
+    let cancelled = outcomes(t.cluster, "cancelled").await;
+    let long = json!({
+        "prompt": spread_prompts(1, 30, 0, 5).remove(0),
+        "max_tokens": 4000, "ignore_eos": true, "stream": true,
+    });
+    let response = http_open(
+        "POST",
+        &t.base,
+        "/completions",
+        long.to_string().into_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a first event").unwrap();
+    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
+    drop(body);
+    // And one that hangs up while waiting for a whole response.
+    let whole = json!({
+        "prompt": spread_prompts(1, 30, 0, 6).remove(0),
+        "max_tokens": 4000, "ignore_eos": true,
+    });
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        http_open(
+            "POST",
+            &t.base,
+            "/completions",
+            whole.to_string().into_bytes(),
+        ),
+    )
+    .await;
+    assert!(waited.is_err(), "4,000 tokens came back within 0.5 s");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while outcomes(t.cluster, "cancelled").await - cancelled < 2.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hang-ups were never both counted"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // Neither long one ended `length`.
+    t.end(0.0).await;
+}
