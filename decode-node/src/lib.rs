@@ -40,10 +40,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use pd_engine::generate::validate_prompt;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
 use pd_engine::sampling::GuideCache;
+use pd_engine::generate::validate_prompt;
 use pd_engine::serve::{
     EngineRequest, EngineThread, ImportedBlocks, ImportedKv, LeaseSecret, RequestId, Role,
 };
@@ -500,7 +500,7 @@ impl DecodeService for DecodeNodeService {
         Ok(Response::new(pd_node::info::node_info(
             &self.facts,
             &self.requests,
-            pb::Role::Decode,
+            Role::Decode,
             None,
             &self.metrics,
         )))
@@ -566,7 +566,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     let requests = Requests::new(engine.handle(), args.node.max_open_requests());
     let stats = Arc::new(TransferStats::default());
     let ready = Ready {
-        role: "decode",
+        role: Role::Decode,
         grpc,
         kv: None,
         metrics_addr,

@@ -1,5 +1,5 @@
 //! Prefill leases: the prompt's KV blocks kept for a decode node after a prefill request
-//! ends, lent to the exporter through the [`LeaseStore`] (pinned in place on host memory,
+//! ends, lent to the exporter through the [`LeaseStore`] (held in place on host memory,
 //! copied from a GPU), released by the decode node or expired after `lease_timeout` (a
 //! released lease's blocks return to the pool once no transfer reads them); and the buffers
 //! imported KV arrives in (the other end of a transfer).
@@ -132,10 +132,10 @@ impl<B: Backend> Engine<B> {
         let (keep, rest) = blocks.split_at(prompt_blocks.min(blocks.len()));
         self.free_blocks(rest);
         let kv = match self.host_kv.clone() {
-            // Host memory: the lease pins the blocks where they lie, nothing is copied.
+            // Host memory: the lease holds the blocks in place, nothing is copied.
             // SAFETY: the engine writes no block a lease holds, and frees them only once the
             // lease is released and no reader shares it (`reap_released_leases`).
-            Some(memory) => unsafe { LeasedKv::pinned(memory, keep.to_vec()) },
+            Some(memory) => unsafe { LeasedKv::in_place(memory, keep.to_vec()) },
             // Device memory: one copy of the whole lease (the backend moves it in batches,
             // not block by block) into memory the backend lends (page-locked on a GPU).
             None => {
