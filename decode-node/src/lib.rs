@@ -43,7 +43,7 @@ use clap::Parser;
 use pd_engine::kv::host_buffer::HostBuffer;
 use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
 use pd_engine::sampling::GuideCache;
-use pd_engine::generate::validate_prompt;
+use pd_engine::serve::validate_prompt;
 use pd_engine::serve::{
     EngineRequest, EngineThread, ImportedBlocks, ImportedKv, LeaseSecret, RequestId, Role,
 };

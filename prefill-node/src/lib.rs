@@ -36,7 +36,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use clap::Parser;
 use pd_engine::sampling::{GuideCache, PromptLogprob, SampledToken};
-use pd_engine::generate::validate_prompt;
+use pd_engine::serve::validate_prompt;
 use pd_engine::serve::{
     EngineHandle, EngineRequest, EngineThread, Finished, LeaseSecret, RequestError, RequestEvent,
     RequestId, Role,

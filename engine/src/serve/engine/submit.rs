@@ -10,7 +10,7 @@ use crate::error::ErrorKind;
 use crate::kv::hash::BlockHasher;
 use crate::sampling::{Sampler, StopChecker};
 use crate::serve::config::Role;
-use crate::generate::validate_prompt;
+use crate::serve::prompt::validate_prompt;
 use crate::serve::request::{EngineRequest, RequestError};
 
 use super::Engine;
