@@ -1,11 +1,12 @@
-//! A direct runner: the model executor with a plain block allocator and a multi-sequence
+//! A direct runner: the model executor with the block pool and a multi-sequence
 //! forward step, for benchmarks and numerical tests that drive the model without a
 //! scheduler (serving goes through [`crate::serve`]).
 
 use crate::backend::{Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::executor::{ExecItem, Executor};
-use crate::kv::{BlockAllocator, BlockTable, KvLayout};
+use crate::kv::pool::BlockPool;
+use crate::kv::{BlockTable, KvLayout};
 use crate::model::Qwen3;
 
 /// One sequence's state in the runner: its tokens and the blocks that hold their KV.
@@ -37,10 +38,11 @@ pub struct StepItem<'a> {
     pub all_logits: bool,
 }
 
-/// A model with its KV cache and a plain block allocator, for direct (unscheduled) use.
+/// A model with its KV cache and a block pool, for direct (unscheduled) use. It never
+/// registers a block in the prefix cache, so to it the pool is a plain free list.
 pub struct Runner<B: Backend> {
     executor: Executor<B>,
-    allocator: BlockAllocator,
+    pool: BlockPool,
     max_model_len: usize,
 }
 
@@ -48,7 +50,7 @@ impl<B: Backend> std::fmt::Debug for Runner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runner")
             .field("executor", &self.executor)
-            .field("free_blocks", &self.allocator.num_free())
+            .field("free_blocks", &self.pool.num_free())
             .finish_non_exhaustive()
     }
 }
@@ -64,7 +66,7 @@ impl<B: Backend> Runner<B> {
         let max_model_len = model.config().max_position_embeddings;
         Ok(Self {
             executor: Executor::new(backend, model, block_size, num_blocks)?,
-            allocator: BlockAllocator::new(num_blocks),
+            pool: BlockPool::new(num_blocks),
             max_model_len,
         })
     }
@@ -94,16 +96,16 @@ impl<B: Backend> Runner<B> {
     }
 
     pub fn free_blocks(&self) -> usize {
-        self.allocator.num_free()
+        self.pool.num_free()
     }
 
     pub fn total_blocks(&self) -> usize {
-        self.allocator.total()
+        self.pool.num_blocks()
     }
 
     /// Return a sequence's blocks.
     pub fn release(&mut self, seq: &mut Sequence) {
-        self.allocator.release(&mut seq.table);
+        release(&mut self.pool, &mut seq.table);
         seq.computed = 0;
     }
 
@@ -133,12 +135,12 @@ impl<B: Backend> Runner<B> {
         let before: Vec<usize> = items.iter().map(|i| i.seq.table.blocks.len()).collect();
         for idx in 0..items.len() {
             let end = items[idx].seq.computed + items[idx].count;
-            if let Err(e) = self.allocator.grow(&mut items[idx].seq.table, end, bs) {
+            if let Err(e) = grow(&mut self.pool, &mut items[idx].seq.table, end, bs) {
                 for (item, &n) in items.iter_mut().zip(&before).take(idx) {
                     let mut extra = BlockTable {
                         blocks: item.seq.table.blocks.split_off(n),
                     };
-                    self.allocator.release(&mut extra);
+                    release(&mut self.pool, &mut extra);
                 }
                 return Err(e);
             }
@@ -158,5 +160,52 @@ impl<B: Backend> Runner<B> {
             item.seq.computed += item.count;
         }
         Ok(out)
+    }
+}
+
+/// Grow `table` so it covers `tokens` tokens, or fail without allocating anything.
+fn grow(
+    pool: &mut BlockPool,
+    table: &mut BlockTable,
+    tokens: usize,
+    block_size: usize,
+) -> Result<(), EngineError> {
+    let need = tokens
+        .div_ceil(block_size)
+        .saturating_sub(table.blocks.len());
+    let allocation = pool.allocate(need).map_err(|_| {
+        EngineError::OutOfBlocks(format!(
+            "{tokens} tokens need {need} more blocks of {block_size}, {} free",
+            pool.num_free()
+        ))
+    })?;
+    table.blocks.extend(allocation.blocks);
+    Ok(())
+}
+
+/// Return every block of `table` to the pool.
+fn release(pool: &mut BlockPool, table: &mut BlockTable) {
+    pool.free(&table.blocks)
+        .expect("pool invariant: the runner frees only the blocks its tables hold");
+    table.blocks.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grow_is_all_or_nothing_and_release_returns_everything() {
+        let mut pool = BlockPool::new(4);
+        let mut t = BlockTable::default();
+        grow(&mut pool, &mut t, 17, 16).unwrap();
+        assert_eq!(t.blocks.len(), 2);
+        assert!(grow(&mut pool, &mut t, 16 * 7, 16).is_err());
+        assert_eq!(t.blocks.len(), 2, "a failed grow allocates nothing");
+        grow(&mut pool, &mut t, 64, 16).unwrap();
+        assert_eq!(pool.num_free(), 0);
+        release(&mut pool, &mut t);
+        assert_eq!(pool.num_free(), 4);
+        assert!(t.blocks.is_empty());
     }
 }
