@@ -40,9 +40,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use pd_engine::generate::validate_prompt;
 use pd_engine::sampling::GuideCache;
-use pd_engine::serve::{EngineRequest, EngineThread, LeaseSecret, RequestId, Role};
+use pd_engine::serve::{EngineRequest, EngineThread, LeaseSecret, RequestId, Role, validate_prompt};
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
@@ -251,7 +250,7 @@ impl DecodeService for DecodeNodeService {
         Ok(Response::new(pd_node::info::node_info(
             &self.facts,
             &self.requests,
-            pb::Role::Decode,
+            Role::Decode,
             None,
             &self.metrics,
         )))
@@ -317,7 +316,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
     let requests = Requests::new(engine.handle(), args.node.max_open_requests());
     let stats = Arc::new(TransferStats::default());
     let ready = Ready {
-        role: "decode",
+        role: Role::Decode,
         grpc,
         kv: None,
         metrics_addr,

@@ -1,12 +1,12 @@
-//! A direct runner: the model executor with a plain block allocator and a multi-sequence
+//! A direct runner: the model executor with the block pool and a multi-sequence
 //! forward step, for benchmarks and numerical tests that drive the model without a
-//! scheduler (serving goes through [`crate::serve`]). Also the prompt checks every entry
-//! point shares.
+//! scheduler (serving goes through [`crate::serve`]).
 
 use crate::backend::{Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::executor::{ExecItem, Executor};
-use crate::kv::{BlockAllocator, BlockTable, KvLayout};
+use crate::kv::pool::BlockPool;
+use crate::kv::{BlockTable, KvLayout};
 use crate::model::Qwen3;
 
 /// One sequence's state in the runner: its tokens and the blocks that hold their KV.
@@ -38,10 +38,11 @@ pub struct StepItem<'a> {
     pub all_logits: bool,
 }
 
-/// A model with its KV cache and a plain block allocator, for direct (unscheduled) use.
+/// A model with its KV cache and a block pool, for direct (unscheduled) use. It never
+/// registers a block in the prefix cache, so to it the pool is a plain free list.
 pub struct Runner<B: Backend> {
     executor: Executor<B>,
-    allocator: BlockAllocator,
+    pool: BlockPool,
     max_model_len: usize,
 }
 
@@ -49,7 +50,7 @@ impl<B: Backend> std::fmt::Debug for Runner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runner")
             .field("executor", &self.executor)
-            .field("free_blocks", &self.allocator.num_free())
+            .field("free_blocks", &self.pool.num_free())
             .finish_non_exhaustive()
     }
 }
@@ -65,7 +66,7 @@ impl<B: Backend> Runner<B> {
         let max_model_len = model.config().max_position_embeddings;
         Ok(Self {
             executor: Executor::new(backend, model, block_size, num_blocks)?,
-            allocator: BlockAllocator::new(num_blocks),
+            pool: BlockPool::new(num_blocks),
             max_model_len,
         })
     }
@@ -95,16 +96,16 @@ impl<B: Backend> Runner<B> {
     }
 
     pub fn free_blocks(&self) -> usize {
-        self.allocator.num_free()
+        self.pool.num_free()
     }
 
     pub fn total_blocks(&self) -> usize {
-        self.allocator.total()
+        self.pool.num_blocks()
     }
 
     /// Return a sequence's blocks.
     pub fn release(&mut self, seq: &mut Sequence) {
-        self.allocator.release(&mut seq.table);
+        release(&mut self.pool, &mut seq.table);
         seq.computed = 0;
     }
 
@@ -134,12 +135,12 @@ impl<B: Backend> Runner<B> {
         let before: Vec<usize> = items.iter().map(|i| i.seq.table.blocks.len()).collect();
         for idx in 0..items.len() {
             let end = items[idx].seq.computed + items[idx].count;
-            if let Err(e) = self.allocator.grow(&mut items[idx].seq.table, end, bs) {
+            if let Err(e) = grow(&mut self.pool, &mut items[idx].seq.table, end, bs) {
                 for (item, &n) in items.iter_mut().zip(&before).take(idx) {
                     let mut extra = BlockTable {
                         blocks: item.seq.table.blocks.split_off(n),
                     };
-                    self.allocator.release(&mut extra);
+                    release(&mut self.pool, &mut extra);
                 }
                 return Err(e);
             }
@@ -162,58 +163,31 @@ impl<B: Backend> Runner<B> {
     }
 }
 
-/// vLLM's `truncate_prompt_tokens`: keep only the last `keep` tokens of `prompt` (left
-/// truncation, after any chat template), `keep` in `1..=max_model_len`. A shorter prompt is
-/// kept whole.
-pub fn truncate_prompt(
-    prompt: &mut Vec<u32>,
-    keep: u32,
-    max_model_len: usize,
+/// Grow `table` so it covers `tokens` tokens, or fail without allocating anything.
+fn grow(
+    pool: &mut BlockPool,
+    table: &mut BlockTable,
+    tokens: usize,
+    block_size: usize,
 ) -> Result<(), EngineError> {
-    if keep == 0 || keep as usize > max_model_len {
-        return Err(EngineError::InvalidRequest(format!(
-            "truncate_prompt_tokens must be between 1 and the model's context of \
-             {max_model_len} tokens, got {keep}"
-        )));
-    }
-    let excess = prompt.len().saturating_sub(keep as usize);
-    prompt.drain(..excess);
+    let need = tokens
+        .div_ceil(block_size)
+        .saturating_sub(table.blocks.len());
+    let allocation = pool.allocate(need).map_err(|_| {
+        EngineError::OutOfBlocks(format!(
+            "{tokens} tokens need {need} more blocks of {block_size}, {} free",
+            pool.num_free()
+        ))
+    })?;
+    table.blocks.extend(allocation.blocks);
     Ok(())
 }
 
-/// The prompt checks every entry point shares: non-empty, ids inside the vocabulary, and
-/// room in the context for the prompt plus `max_tokens`.
-pub fn validate_prompt(
-    prompt: &[u32],
-    vocab_size: usize,
-    max_model_len: usize,
-    max_tokens: u32,
-) -> Result<(), EngineError> {
-    if prompt.is_empty() {
-        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
-    }
-    if let Some((i, id)) = prompt
-        .iter()
-        .enumerate()
-        .find(|(_, id)| **id as usize >= vocab_size)
-    {
-        return Err(EngineError::InvalidRequest(format!(
-            "token id {id} at position {i} is outside the vocabulary (size {vocab_size})"
-        )));
-    }
-    if prompt.len() >= max_model_len {
-        return Err(EngineError::InvalidRequest(format!(
-            "the prompt has {} tokens; the model's context is {max_model_len} tokens",
-            prompt.len()
-        )));
-    }
-    if prompt.len() + max_tokens as usize > max_model_len {
-        return Err(EngineError::InvalidRequest(format!(
-            "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {max_model_len} tokens",
-            prompt.len()
-        )));
-    }
-    Ok(())
+/// Return every block of `table` to the pool.
+fn release(pool: &mut BlockPool, table: &mut BlockTable) {
+    pool.free(&table.blocks)
+        .expect("pool invariant: the runner frees only the blocks its tables hold");
+    table.blocks.clear();
 }
 
 #[cfg(test)]
@@ -221,18 +195,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn truncation_keeps_the_last_tokens_within_the_context() {
-        let mut p: Vec<u32> = (0..10).collect();
-        truncate_prompt(&mut p, 4, 16).unwrap();
-        assert_eq!(p, [6, 7, 8, 9]);
-        truncate_prompt(&mut p, 16, 16).unwrap();
-        assert_eq!(p, [6, 7, 8, 9], "a shorter prompt stays whole");
-        for bad in [0, 17] {
-            let e = truncate_prompt(&mut p, bad, 16).unwrap_err().to_string();
-            assert!(
-                e.contains("truncate_prompt_tokens must be between 1 and"),
-                "{e}"
-            );
-        }
+    fn grow_is_all_or_nothing_and_release_returns_everything() {
+        let mut pool = BlockPool::new(4);
+        let mut t = BlockTable::default();
+        grow(&mut pool, &mut t, 17, 16).unwrap();
+        assert_eq!(t.blocks.len(), 2);
+        assert!(grow(&mut pool, &mut t, 16 * 7, 16).is_err());
+        assert_eq!(t.blocks.len(), 2, "a failed grow allocates nothing");
+        grow(&mut pool, &mut t, 64, 16).unwrap();
+        assert_eq!(pool.num_free(), 0);
+        release(&mut pool, &mut t);
+        assert_eq!(pool.num_free(), 4);
+        assert!(t.blocks.is_empty());
     }
 }

@@ -7,7 +7,7 @@ pub enum CudaError {
         "--device cuda:{ordinal} needs a build with CUDA support, but this binary was built \
          without the `cuda` feature (rebuild with `--features cuda`, or use --device cpu)"
     )]
-    NotCompiled { ordinal: usize },
+    NotBuilt { ordinal: usize },
     #[error(
         "--device cuda:{ordinal}: no NVIDIA driver found (libcuda.so could not be loaded); \
          run on a machine with an NVIDIA GPU and driver, or use --device cpu"

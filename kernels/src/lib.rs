@@ -6,7 +6,7 @@
 //! (`src/cuda/*.cu`) compiled with NVRTC at start-up for the device's compute capability.
 //!
 //! Without the feature, [`CudaBackend`] is a type with no values whose [`CudaBackend::open`]
-//! returns [`CudaError::NotCompiled`]: callers select a device without any `cfg` of their own,
+//! returns [`CudaError::NotBuilt`]: callers select a device without any `cfg` of their own,
 //! and asking for CUDA in a CPU-only build fails at start with one clear sentence.
 
 mod error;
@@ -19,14 +19,13 @@ pub mod cuda;
 pub use cuda::CudaBackend;
 
 #[cfg(not(feature = "cuda"))]
-mod unavailable;
+mod absent;
 #[cfg(not(feature = "cuda"))]
-pub use unavailable::CudaBackend;
+pub use absent::CudaBackend;
 
 /// Oldest compute capability the backend runs on (Ampere: bf16 tensor cores).
 pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
 
-/// Whether this build carries the CUDA backend.
-pub const fn cuda_compiled() -> bool {
-    cfg!(feature = "cuda")
-}
+/// Whether this build has the CUDA backend (spelled as `pd_transport::rdma::BUILT`, with
+/// the stand-in of a build without it in `absent.rs`, as there).
+pub const BUILT: bool = cfg!(feature = "cuda");

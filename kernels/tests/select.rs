@@ -15,7 +15,7 @@ fn open_error(ordinal: usize) -> CudaError {
 #[test]
 fn a_build_without_cuda_says_how_to_get_it() {
     let e = open_error(1);
-    assert!(matches!(e, CudaError::NotCompiled { ordinal: 1 }), "{e:?}");
+    assert!(matches!(e, CudaError::NotBuilt { ordinal: 1 }), "{e:?}");
     let text = e.to_string();
     assert!(
         text.starts_with("--device cuda:1 needs a build with CUDA support"),
@@ -48,10 +48,10 @@ fn memory_utilization_outside_the_unit_interval_is_refused() {
         Ok(_) => panic!("opened"),
         Err(e) => e,
     };
-    if pd_kernels::cuda_compiled() {
+    if pd_kernels::BUILT {
         assert!(matches!(e, CudaError::BadMemoryUtilization(_)), "{e:?}");
         assert!(e.to_string().contains("(0, 1]"));
     } else {
-        assert!(matches!(e, CudaError::NotCompiled { .. }), "{e:?}");
+        assert!(matches!(e, CudaError::NotBuilt { .. }), "{e:?}");
     }
 }

@@ -117,7 +117,7 @@ pub fn effective_config(
     let tls = crate::tls::checked_settings(node).map_err(|e| format!("{e:#}"))?;
     check_tls_files(&tls, &mut notes)?;
     let config = json!({
-        "role": match role { Role::Prefill => "prefill", Role::Decode => "decode", Role::Mixed => "mixed" },
+        "role": role.as_str(),
         "model": model,
         "host": node.host,
         "port": node.port,

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 
+use pd_engine::serve::Role;
 use pd_proto::pb;
 
 use crate::metrics::NodeMetrics;
@@ -20,7 +21,7 @@ pub fn free_blocks(facts: &ModelFacts, requests: &Requests) -> usize {
 pub fn node_info(
     facts: &ModelFacts,
     requests: &Requests,
-    role: pb::Role,
+    role: Role,
     kv_addr: Option<SocketAddr>,
     metrics: &NodeMetrics,
 ) -> pb::NodeInfo {
@@ -28,7 +29,7 @@ pub fn node_info(
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
     pb::NodeInfo {
         model: facts.served_name.clone(),
-        role: role as i32,
+        role: pd_proto::convert::wire_role(role) as i32,
         layout_fingerprint: facts.fingerprint.to_string(),
         block_size: n(facts.block_size()),
         num_blocks: facts.num_blocks as u64,

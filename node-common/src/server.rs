@@ -16,6 +16,8 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use pd_engine::serve::Role;
+
 use crate::metrics::NodeMetrics;
 use crate::requests::Requests;
 
@@ -30,8 +32,8 @@ const CONTROL_STREAMS: usize = 256;
 /// The one JSON line a node prints on stdout once it serves (`pdctl up` reads it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Ready {
-    /// `prefill` or `decode`.
-    pub role: &'static str,
+    /// `prefill` or `decode` on the line.
+    pub role: Role,
     /// The gRPC server's address.
     pub grpc: SocketAddr,
     /// The KV export server's address (prefill nodes).
@@ -57,7 +59,7 @@ impl Ready {
         writeln!(out, "{}", self.line()).context("writing the ready line")?;
         out.flush().context("writing the ready line")?;
         tracing::info!(
-            role = self.role,
+            role = self.role.as_str(),
             grpc = %self.grpc,
             kv = %self.kv.map(|a| a.to_string()).unwrap_or_default(),
             metrics = %self.metrics_addr,

@@ -13,13 +13,13 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use pd_engine::cli::EngineArgs;
-use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{
     FinishReason, Guide, GuideCache, PromptLogprob, SampledToken, SamplingParams, StopReason,
     StructuredOutput, TokenLogprob, bad_words_token_ids,
 };
 use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
+use pd_engine::serve::{truncate_prompt, validate_prompt};
 use pd_engine::text::TextStream;
 use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool};
 use serde_json::json;

@@ -37,8 +37,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::Parser;
-use pd_engine::generate::validate_prompt;
 use pd_engine::sampling::{GuideCache, PromptLogprob, SampledToken};
+use pd_engine::serve::validate_prompt;
 use pd_engine::serve::{
     EngineHandle, EngineRequest, EngineThread, Finished, RequestError, RequestEvent, RequestId,
     Role,
@@ -333,7 +333,7 @@ impl PrefillService for PrefillNodeService {
         Ok(Response::new(pd_node::info::node_info(
             &self.facts,
             &self.requests,
-            pb::Role::Prefill,
+            Role::Prefill,
             Some(self.kv_addr),
             &self.metrics,
         )))
@@ -432,7 +432,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
     let requests = Requests::new(handle, args.node.max_open_requests());
     let leases = Arc::new(Leases::default());
     let ready = Ready {
-        role: "prefill",
+        role: Role::Prefill,
         grpc,
         kv: Some(kv_addr),
         metrics_addr,

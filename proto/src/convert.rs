@@ -5,7 +5,7 @@ use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, StructuredOutput,
     TokenLogprob,
 };
-use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret, Usage};
+use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret, Role, Usage};
 use tonic::{Code, Status};
 
 use crate::pb;
@@ -24,6 +24,26 @@ pub fn status(kind: ErrorKind, message: impl Into<String>) -> Status {
         }
     };
     Status::new(code, message)
+}
+
+/// A role on the wire (`NodeInfo.role`). The wire has no value for [`Role::Mixed`]: no node
+/// reports one (a decode node reports `Decode`, though its engine is mixed), so it goes out
+/// as `ROLE_UNSPECIFIED`, the value the router does not check.
+pub fn wire_role(r: Role) -> pb::Role {
+    match r {
+        Role::Prefill => pb::Role::Prefill,
+        Role::Decode => pb::Role::Decode,
+        Role::Mixed => pb::Role::Unspecified,
+    }
+}
+
+/// A role from the wire; `None` for `ROLE_UNSPECIFIED` (a node that does not say).
+pub fn role(r: pb::Role) -> Option<Role> {
+    match r {
+        pb::Role::Prefill => Some(Role::Prefill),
+        pb::Role::Decode => Some(Role::Decode),
+        pb::Role::Unspecified => None,
+    }
 }
 
 /// A lease secret from the wire (`KvHandle.lease_secret`, `ReleaseKvRequest.lease_secret`):

@@ -12,7 +12,7 @@ mod failure;
 pub use self::failure::FailureArgs;
 use crate::discovery::DnsTarget;
 pub use crate::parse::{ReasoningParser, ToolCallParser};
-use crate::registry::NodeRole;
+use crate::registry::Role;
 
 /// Which prefill node a request goes to (decode nodes are always chosen by load).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -469,11 +469,11 @@ impl RouterArgs {
 }
 
 fn prefill_dns(text: &str) -> Result<DnsTarget, String> {
-    DnsTarget::parse(NodeRole::Prefill, text)
+    DnsTarget::parse(Role::Prefill, text)
 }
 
 fn decode_dns(text: &str) -> Result<DnsTarget, String> {
-    DnsTarget::parse(NodeRole::Decode, text)
+    DnsTarget::parse(Role::Decode, text)
 }
 
 /// `250ms`, `30s`, `5m`, `1h`, or a bare number of seconds (fractions allowed: `0.5`).

@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::registry::{NodeRole, Registry};
+use crate::registry::{Registry, Role};
 
 /// Consecutive failed lookups after which a name's nodes are taken out of routing.
 pub const FAILED_LOOKUPS_TO_EMPTY: u32 = 3;
@@ -23,14 +23,14 @@ pub const FAILED_LOOKUPS_TO_EMPTY: u32 = 3;
 /// One `--prefill-dns` / `--decode-dns` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DnsTarget {
-    pub role: NodeRole,
+    pub role: Role,
     pub host: String,
     pub port: u16,
 }
 
 impl DnsTarget {
     /// `NAME:PORT`, e.g. `pd-prefill:50051` or `pd-decode.pd.svc.cluster.local:50051`.
-    pub fn parse(role: NodeRole, text: &str) -> Result<Self, String> {
+    pub fn parse(role: Role, text: &str) -> Result<Self, String> {
         let text = text.trim();
         let (host, port) = text
             .rsplit_once(':')
@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn targets_parse_and_refuse_with_the_flag_named() {
-        let t = DnsTarget::parse(NodeRole::Prefill, "pd-prefill.pd.svc:50051").unwrap();
+        let t = DnsTarget::parse(Role::Prefill, "pd-prefill.pd.svc:50051").unwrap();
         assert_eq!((t.host.as_str(), t.port), ("pd-prefill.pd.svc", 50051));
         for bad in [
             "pd-prefill",
@@ -178,7 +178,7 @@ mod tests {
             ":50051",
             "a b:1",
         ] {
-            let e = DnsTarget::parse(NodeRole::Decode, bad).unwrap_err();
+            let e = DnsTarget::parse(Role::Decode, bad).unwrap_err();
             assert!(e.contains("--decode-dns"), "{bad}: {e}");
         }
     }

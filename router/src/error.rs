@@ -5,7 +5,7 @@ use pd_engine::EngineError;
 use pd_proto::failure::FailureCause;
 use tonic::{Code, Status};
 
-use crate::registry::NodeRole;
+use crate::registry::Role;
 use crate::validation::ValidationError;
 
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +20,7 @@ pub enum RouterError {
     },
     #[error("invalid {role} node address `{addr}`: {message}")]
     BadAddress {
-        role: NodeRole,
+        role: Role,
         addr: String,
         message: String,
     },
@@ -30,7 +30,7 @@ pub enum RouterError {
     )]
     NoNodes,
     #[error("no healthy {role} node ({detail}); retry once the router's health reports SERVING")]
-    NoHealthyNode { role: NodeRole, detail: String },
+    NoHealthyNode { role: Role, detail: String },
     #[error(
         "no healthy prefill node shares a KV layout (fingerprint, block size and KV cache type) \
          with a healthy decode node: {detail}"
@@ -83,7 +83,7 @@ impl From<RouterError> for Status {
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{role} node {addr}: {what}")]
 pub struct NodeError {
-    pub role: NodeRole,
+    pub role: Role,
     pub addr: String,
     pub what: NodeFailure,
 }
@@ -237,7 +237,7 @@ mod tests {
 
     fn failure(what: NodeFailure) -> NodeError {
         NodeError {
-            role: NodeRole::Decode,
+            role: Role::Decode,
             addr: "127.0.0.1:1".into(),
             what,
         }

@@ -82,7 +82,7 @@ use self::decode::Handoff;
 use self::release::{Held, Lease, abort_prefill};
 use self::retry::settle_failure;
 use crate::error::{NodeError, NodeFailure};
-use crate::registry::{Node, NodeRole};
+use crate::registry::{Node, Role};
 use crate::service::{InflightEntry, Shared};
 use crate::validation::ValidRequest;
 
@@ -273,7 +273,7 @@ impl Job {
             text,
             &mut chunk,
             std::slice::from_ref(&first),
-            NodeRole::Prefill,
+            Role::Prefill,
         )? {
             return Ok(self.finish(chunk, reason));
         }
@@ -369,7 +369,7 @@ impl Job {
         text: &mut TextStream<'_>,
         chunk: &mut pb::GenerateResponse,
         tokens: &[pb::Logprob],
-        from: NodeRole,
+        from: Role,
     ) -> Result<Option<(FinishReason, bool)>, End> {
         let logprobs = self.req.wants_logprobs();
         for (i, token) in tokens.iter().enumerate() {
@@ -497,7 +497,7 @@ impl Job {
                 Err(_) => NodeFailure::Timeout(timeout),
             };
             let error = NodeError {
-                role: NodeRole::Prefill,
+                role: Role::Prefill,
                 addr: node.addr.clone(),
                 what,
             };

@@ -52,7 +52,10 @@ use crate::metrics::RouterMetrics;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
 use node::PushedPeers;
-pub use node::{InflightGuard, Layout, Node, NodeHealth, NodeRole};
+pub use node::{InflightGuard, Layout, Node, NodeHealth};
+/// A node's role: the workspace's one role type (the router registers `Prefill` and
+/// `Decode` nodes; `Mixed` is an engine setting no node reports).
+pub use pd_engine::serve::Role;
 
 /// Largest node message the router decodes (prompt logprobs of a long prompt are large).
 pub const NODE_MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -124,8 +127,8 @@ impl Registry {
         };
         let all = prefill
             .iter()
-            .map(|a| (NodeRole::Prefill, a))
-            .chain(decode.iter().map(|a| (NodeRole::Decode, a)));
+            .map(|a| (Role::Prefill, a))
+            .chain(decode.iter().map(|a| (Role::Decode, a)));
         for (role, addr) in all {
             let node = registry.make_node(role, addr, false)?;
             registry.write_nodes().push(node);
@@ -151,7 +154,7 @@ impl Registry {
 
     fn make_node(
         &self,
-        role: NodeRole,
+        role: Role,
         addr: &str,
         discovered: bool,
     ) -> Result<Arc<Node>, RouterError> {
@@ -198,7 +201,7 @@ impl Registry {
     }
 
     /// A snapshot of the nodes of one role.
-    pub fn role(&self, role: NodeRole) -> Vec<Arc<Node>> {
+    pub fn role(&self, role: Role) -> Vec<Arc<Node>> {
         self.nodes()
             .into_iter()
             .filter(|n| n.role == role)
@@ -209,7 +212,7 @@ impl Registry {
     /// starts its health checks; it is routed to once a check finds it up.
     pub fn add_discovered(
         self: &Arc<Self>,
-        role: NodeRole,
+        role: Role,
         addr: &str,
         interval: Duration,
         timeout: Duration,
@@ -234,7 +237,7 @@ impl Registry {
     }
 
     /// Removes a node that left DNS: no new request goes to it; those on it finish.
-    pub fn remove_discovered(&self, role: NodeRole, addr: &str) {
+    pub fn remove_discovered(&self, role: Role, addr: &str) {
         let mut nodes = self.write_nodes();
         nodes.retain(|n| {
             let gone = n.discovered && n.role == role && n.addr == addr;
@@ -295,23 +298,25 @@ impl Registry {
         let mut request = tonic::Request::new(pb::InfoRequest {});
         request.set_timeout(timeout);
         let call = async {
+            // The router registers prefill and decode nodes only; a mixed engine would be
+            // reached as a decode node (a decode node's engine is mixed).
             match node.role {
-                NodeRole::Prefill => node.prefill_client().info(request).await,
-                NodeRole::Decode => node.decode_client().info(request).await,
+                Role::Prefill => node.prefill_client().info(request).await,
+                Role::Decode | Role::Mixed => node.decode_client().info(request).await,
             }
         };
         let outcome = match tokio::time::timeout(timeout, call).await {
             Ok(Ok(response)) => Ok(response.into_inner()),
             Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => Err(format!(
                 "it does not serve pd.v1.{}Service: is it a {} node, given as --{}?",
-                if node.role == NodeRole::Prefill {
+                if node.role == Role::Prefill {
                     "Prefill"
                 } else {
                     "Decode"
                 },
                 match node.role {
-                    NodeRole::Prefill => NodeRole::Decode,
-                    NodeRole::Decode => NodeRole::Prefill,
+                    Role::Prefill => Role::Decode,
+                    Role::Decode | Role::Mixed => Role::Prefill,
                 },
                 node.role,
             )),
@@ -326,7 +331,7 @@ impl Registry {
             self.metrics.observe_report(node, info.counters.as_ref());
         }
         match (node.role, outcome) {
-            (NodeRole::Decode, Ok(info)) => {
+            (Role::Decode, Ok(info)) => {
                 // Serialized with prefill nodes' records: the set pushed here includes every
                 // prefill node recorded before, and one recorded later pushes to this node.
                 let _peers = self.peers_lock.lock().await;
@@ -336,7 +341,7 @@ impl Registry {
                     .map(|()| info);
                 node.record(outcome, &self.model, self.hash_algo);
             }
-            (NodeRole::Prefill, Ok(info)) => {
+            (Role::Prefill, Ok(info)) => {
                 // Every decode node learns a new prefill KV address before any request can
                 // take this node (it is routed to once recorded up).
                 let _peers = self.peers_lock.lock().await;
@@ -358,7 +363,7 @@ impl Registry {
     /// without duplicates. Empty in aggregated mode.
     fn kv_peer_set(&self, update: Option<(&Node, &pb::NodeInfo)>) -> Vec<String> {
         let mut addrs: Vec<String> = self
-            .role(NodeRole::Prefill)
+            .role(Role::Prefill)
             .iter()
             .filter_map(|n| match update {
                 Some((u, info)) if u.id == n.id => Some(info.kv_transport_addr.clone()),
@@ -415,7 +420,7 @@ impl Registry {
     /// get it with their first good health check.
     async fn push_peers_to_all(&self, want: &[String], timeout: Duration) {
         let mut pushes = JoinSet::new();
-        for node in self.role(NodeRole::Decode) {
+        for node in self.role(Role::Decode) {
             let Some(pushed) = node.pushed_peers() else {
                 continue;
             };
@@ -444,7 +449,7 @@ impl Registry {
         // layout, which is exactly when there are prefill candidates.
         let (serving, unpaired) = if self.aggregated() {
             (
-                self.role(NodeRole::Decode).iter().any(|n| n.is_routable()),
+                self.role(Role::Decode).iter().any(|n| n.is_routable()),
                 None,
             )
         } else {
@@ -485,7 +490,7 @@ impl Registry {
     /// Up prefill nodes (not in `exclude`) that have an up decode node of the same layout,
     /// in registry order.
     pub fn prefill_candidates(&self, exclude: &[usize]) -> Result<Vec<Arc<Node>>, RouterError> {
-        let all_prefill = self.role(NodeRole::Prefill);
+        let all_prefill = self.role(Role::Prefill);
         let prefill: Vec<&Arc<Node>> = all_prefill
             .iter()
             .filter(|n| !exclude.contains(&n.id))
@@ -497,17 +502,17 @@ impl Registry {
             .collect();
         if up_prefill.is_empty() {
             return Err(RouterError::NoHealthyNode {
-                role: NodeRole::Prefill,
+                role: Role::Prefill,
                 detail: describe(prefill.iter().copied(), exclude),
             });
         }
-        let all_decode = self.role(NodeRole::Decode);
+        let all_decode = self.role(Role::Decode);
         let decode: Vec<&Arc<Node>> = all_decode.iter().collect();
         let up_decode: Vec<&Arc<Node>> =
             decode.iter().copied().filter(|n| n.is_routable()).collect();
         if up_decode.is_empty() {
             return Err(RouterError::NoHealthyNode {
-                role: NodeRole::Decode,
+                role: Role::Decode,
                 detail: describe(decode.iter().copied(), &[]),
             });
         }
@@ -535,7 +540,7 @@ impl Registry {
             .collect();
         if known.is_empty() {
             return Err(RouterError::NoHealthyNode {
-                role: NodeRole::Decode,
+                role: Role::Decode,
                 detail: "no up decode node has been told about the up prefill nodes' KV \
                          addresses yet (SetKvPeers)"
                     .into(),
@@ -552,7 +557,7 @@ impl Registry {
         kv: Option<(&Layout, &str)>,
         exclude: &[usize],
     ) -> Result<Vec<Arc<Node>>, RouterError> {
-        let all_decode = self.role(NodeRole::Decode);
+        let all_decode = self.role(Role::Decode);
         let decode: Vec<&Arc<Node>> = all_decode
             .iter()
             .filter(|n| !exclude.contains(&n.id))
@@ -560,7 +565,7 @@ impl Registry {
         let up: Vec<&Arc<Node>> = decode.iter().copied().filter(|n| n.is_routable()).collect();
         if up.is_empty() {
             return Err(RouterError::NoHealthyNode {
-                role: NodeRole::Decode,
+                role: Role::Decode,
                 detail: describe(decode.iter().copied(), exclude),
             });
         }
@@ -589,7 +594,7 @@ impl Registry {
             .collect();
         if knowing.is_empty() {
             return Err(RouterError::NoHealthyNode {
-                role: NodeRole::Decode,
+                role: Role::Decode,
                 detail: format!(
                     "no up decode node has been told about the prefill KV address {kv_addr} \
                      yet (SetKvPeers)"

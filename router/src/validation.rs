@@ -31,9 +31,9 @@
 //! whichever node it lands on.
 
 use pd_engine::EngineError;
-use pd_engine::generate::{truncate_prompt, validate_prompt};
 use pd_engine::model::ModelFiles;
 use pd_engine::sampling::{MAX_BAD_WORDS, SamplingError, SamplingParams, bad_words_token_ids};
+use pd_engine::serve::{truncate_prompt, validate_prompt};
 use pd_engine::tokenizer::{
     ChatMessage, ChatRole, ChatTemplateOptions, ChatTool, ChatToolCall, MAX_CHAT_TOOLS,
     MAX_TOOL_CALLS, Tokenizer,

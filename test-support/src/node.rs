@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use decode_node::{DecodeArgs, TransferStats};
+use pd_engine::serve::Role;
 use pd_proto::pb;
 use pd_proto::pb::decode_service_client::DecodeServiceClient;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
@@ -124,7 +125,7 @@ impl Node {
 
     pub async fn info(&self) -> pb::NodeInfo {
         let request = pb::InfoRequest {};
-        if self.ready.role == "prefill" {
+        if self.ready.role == Role::Prefill {
             self.prefill().await.info(request).await
         } else {
             self.decode().await.info(request).await

@@ -117,7 +117,7 @@ async fn serve(f: HashMap<String, String>) -> Result<()> {
                 .into());
         }
         // SAFETY: nothing else references the freshly allocated memory; it stays unwritten.
-        let kv = unsafe { LeasedKv::pinned(memory, (0..count as u32).collect()) };
+        let kv = unsafe { LeasedKv::in_place(memory, (0..count as u32).collect()) };
         (exporter, kv)
     } else {
         let blocks: Vec<Vec<u8>> = (0..count)

@@ -3,7 +3,7 @@
 //! while sending); the importer reads each block straight into its buffer, or in place into
 //! the KV memory reserved for it, hashing it as it arrives, and compares.
 
-use pd_engine::kv::checksum::BlockHasher;
+use pd_engine::kv::checksum::BlockChecksummer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::TransportError;
@@ -16,7 +16,7 @@ use crate::wire::{
 const PIECE: usize = 256 << 10;
 
 /// Write one block as a DATA chunk: header, the block's bytes (given in one piece or
-/// several, in order: a block pinned in KV memory lies in one piece per layer's K and V),
+/// several, in order: a block held in place in KV memory lies in one piece per layer's K and V),
 /// the block's checksum.
 pub(crate) async fn write_block<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -106,7 +106,7 @@ impl BlockReader {
         }
         self.next_chunk(r).await?;
         let index = self.id.first_block + self.done;
-        let mut hasher = BlockHasher::new(index);
+        let mut hasher = BlockChecksummer::new(index);
         for segment in segments.iter_mut() {
             for piece in segment.chunks_mut(PIECE) {
                 self.read_exact(r, piece).await?;

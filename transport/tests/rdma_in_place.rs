@@ -1,4 +1,4 @@
-//! RDMA in place at both ends, without a device: a lease pinned in a prefill node's host KV
+//! RDMA in place at both ends, without a device: a lease held in place in a prefill node's host KV
 //! memory is offered where it lies (a strided offer of regions registered for this lease
 //! alone, through its wire encoding); the READs
 //! a decode node plans and scatters for it are executed here byte by byte, as a NIC would,
@@ -39,7 +39,7 @@ fn pattern(i: usize) -> Vec<u8> {
 }
 
 /// A prefill node's KV memory of `capacity` blocks holding the lease's blocks at `places`,
-/// the lease pinned there, and its offer as a decode node decodes it.
+/// the lease held in place there, and its offer as a decode node decodes it.
 fn exporter(capacity: usize, places: &[u32]) -> (Arc<LeasedKv>, RdmaOffer) {
     let memory = HostKvMemory::allocate(capacity, BLOCK_BYTES, PIECES).expect("layout");
     // The node's KV gets its bytes the way an import writes them.
@@ -55,9 +55,9 @@ fn exporter(capacity: usize, places: &[u32]) -> (Arc<LeasedKv>, RdmaOffer) {
     }
     drop(fill);
     // SAFETY: nothing writes this memory any more while the lease lives.
-    let kv = Arc::new(unsafe { LeasedKv::pinned(memory.clone(), places.to_vec()) });
+    let kv = Arc::new(unsafe { LeasedKv::in_place(memory.clone(), places.to_vec()) });
     // What the exporter registers: the lease's blocks alone (here, made-up rkeys).
-    let regions = LeaseRegions::of(&kv).expect("a pinned lease");
+    let regions = LeaseRegions::of(&kv).expect("a lease held in place");
     let rkeys: Vec<u32> = (0..regions.ranges.len() as u32).map(|k| 500 + k).collect();
     let offer = regions
         .offer(fabric(), "10.0.0.1:50051".into(), &kv, &rkeys)

@@ -26,9 +26,9 @@ pub fn block_checksum(index: u64, bytes: &[u8]) -> u64 {
 
 /// The same checksum, computed over bytes that arrive in pieces.
 #[derive(Clone)]
-pub struct BlockHasher(XxHash3_64);
+pub struct BlockChecksummer(XxHash3_64);
 
-impl BlockHasher {
+impl BlockChecksummer {
     pub fn new(index: u64) -> Self {
         Self(XxHash3_64::with_seed(block_seed(index)))
     }
@@ -42,9 +42,9 @@ impl BlockHasher {
     }
 }
 
-impl std::fmt::Debug for BlockHasher {
+impl std::fmt::Debug for BlockChecksummer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BlockHasher")
+        f.write_str("BlockChecksummer")
     }
 }
 
@@ -57,7 +57,7 @@ mod tests {
         // Past 240 bytes XXH3 takes its long-input (SIMD) path; cover both.
         for n in [100usize, 10_000, 300_000] {
             let data: Vec<u8> = (0..n as u32).map(|i| (i * 31 % 251) as u8).collect();
-            let mut h = BlockHasher::new(3);
+            let mut h = BlockChecksummer::new(3);
             for part in data.chunks(777) {
                 h.update(part);
             }

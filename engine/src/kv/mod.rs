@@ -2,7 +2,9 @@
 //!
 //! KV lives in fixed-size blocks of `block_size` tokens; a sequence's block table maps its
 //! logical blocks to physical ones. This module owns the layout description (which also
-//! yields the fingerprint two nodes compare before moving KV) and a free-list allocator.
+//! yields the fingerprint two nodes compare before moving KV) and the block table; blocks
+//! are handed out by the one block pool ([`pool`]), for the serving engine and the direct
+//! runner alike.
 //! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]).
 
 use crate::config::ModelConfig;
@@ -66,80 +68,8 @@ impl KvLayout {
     }
 }
 
-/// A free-list allocator of physical block ids. Blocks are handed out and returned whole;
-/// the caller keeps each request's blocks in a [`BlockTable`] and returns them on every path.
-#[derive(Debug)]
-pub struct BlockAllocator {
-    free: Vec<u32>,
-    total: usize,
-}
-
-impl BlockAllocator {
-    pub fn new(total: usize) -> Self {
-        Self {
-            free: (0..total as u32).rev().collect(),
-            total,
-        }
-    }
-
-    pub fn num_free(&self) -> usize {
-        self.free.len()
-    }
-
-    pub fn total(&self) -> usize {
-        self.total
-    }
-
-    /// Grow `table` so it covers `tokens` tokens, or fail without allocating anything.
-    pub fn grow(
-        &mut self,
-        table: &mut BlockTable,
-        tokens: usize,
-        block_size: usize,
-    ) -> Result<(), EngineError> {
-        let need = tokens
-            .div_ceil(block_size)
-            .saturating_sub(table.blocks.len());
-        if need > self.free.len() {
-            return Err(EngineError::OutOfBlocks(format!(
-                "{tokens} tokens need {need} more blocks of {block_size}, {} free",
-                self.free.len()
-            )));
-        }
-        for _ in 0..need {
-            table.blocks.push(self.free.pop().expect("checked above"));
-        }
-        Ok(())
-    }
-
-    /// Return every block of `table`.
-    pub fn release(&mut self, table: &mut BlockTable) {
-        self.free.append(&mut table.blocks);
-    }
-}
-
 /// The physical blocks of one sequence, in logical order.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct BlockTable {
     pub blocks: Vec<u32>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grow_is_all_or_nothing_and_release_returns_everything() {
-        let mut a = BlockAllocator::new(4);
-        let mut t = BlockTable::default();
-        a.grow(&mut t, 17, 16).unwrap();
-        assert_eq!(t.blocks.len(), 2);
-        assert!(a.grow(&mut t, 16 * 7, 16).is_err());
-        assert_eq!(t.blocks.len(), 2, "a failed grow allocates nothing");
-        a.grow(&mut t, 64, 16).unwrap();
-        assert_eq!(a.num_free(), 0);
-        a.release(&mut t);
-        assert_eq!(a.num_free(), 4);
-        assert!(t.blocks.is_empty());
-    }
 }

@@ -15,7 +15,7 @@ use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::checksum::BlockHasher;
+use super::checksum::BlockChecksummer;
 use super::host_buffer::HostBuffer;
 use super::reservation::{Landing, ReservedBlocks};
 pub use super::reservation::{ReleaseFn, ReservationId};
@@ -293,7 +293,7 @@ impl KvReservation {
     /// The transfer checksum of pulled block `i` as it is now, for the prompt block index
     /// `lease_index` ([`super::checksum::block_checksum`] over the segments in order).
     pub fn block_checksum(&self, i: usize, lease_index: u64) -> u64 {
-        let mut h = BlockHasher::new(lease_index);
+        let mut h = BlockChecksummer::new(lease_index);
         for s in &self.blocks[i] {
             // SAFETY: as in `block_mut`; reading through `&self` while no `&mut` slice of
             // this reservation is alive (the borrow checker sees to that).

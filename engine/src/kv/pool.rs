@@ -2,6 +2,9 @@
 //! [`BlockHash`] to the block that holds that content, and free blocks kept in LRU order so
 //! that cached content survives until the memory is needed.
 //!
+//! It is the one block allocator: the direct runner ([`crate::generate::Runner`]) takes and
+//! returns blocks here too, and since it never registers one, to it this is a free list.
+//!
 //! # States of a block
 //!
 //! | refcount | hash      | where                  | meaning                                      |

@@ -7,15 +7,41 @@ use crate::error::ErrorKind;
 
 use super::request::RequestError;
 
-/// What a node does with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a node, or its engine, does with a request: the one role type of the workspace
+/// (engine settings, node labels, the router's registry). The wire's `pd.v1.Role` is
+/// converted to and from it in `pd-proto` only; labels and logs use [`Role::as_str`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
-    /// Prefill and decode in one engine.
+    /// Prefill and decode in one engine (`pdctl run`, and a decode node's engine, which
+    /// also computes prompts in the router's aggregated mode).
     Mixed,
     /// Prefill only: stop after the first token and keep the KV blocks under a lease.
     Prefill,
     /// Decode only: every request brings its prompt's KV ([`super::ImportedKv`]).
     Decode,
+}
+
+impl Role {
+    /// The label value (`role` of metrics, the ready line, logs, command-line flags).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Mixed => "mixed",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl serde::Serialize for Role {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
 }
 
 /// Engine settings (the nodes' and `pdctl run`'s flags).

@@ -367,141 +367,166 @@ fn fail(thread: &ThreadState, what: &str, streams: HashMap<RequestId, Sender<Req
     }
 }
 
+/// The open requests' event streams, by request.
+type Streams = HashMap<RequestId, Sender<RequestEvent>>;
+
+/// Commands and steps until shutdown or until every sender is gone.
 fn serve<B: Backend>(
     engine: &mut Engine<B>,
     rx: &Receiver<Command>,
     thread: &ThreadState,
-    streams: &mut HashMap<RequestId, Sender<RequestEvent>>,
+    streams: &mut Streams,
 ) {
-    let ThreadState {
-        counters,
-        observer,
-        on_step,
-        panic_hook,
-        ..
-    } = thread;
-    let observe = |event: &RequestEvent| {
-        if let RequestEvent::Finished(finished) = event {
-            observer(finished);
-        }
-    };
-    let publish = |engine: &Engine<B>| {
-        if let Ok(mut c) = counters.lock() {
-            *c = engine.counters();
-        }
-    };
-    loop {
-        // Wait for work when idle; otherwise take whatever commands are queued.
-        let first = if engine.has_work() {
-            match rx.try_recv() {
-                Ok(cmd) => Some(cmd),
-                Err(mpsc::TryRecvError::Empty) => None,
-                Err(mpsc::TryRecvError::Disconnected) => break,
-            }
-        } else {
-            match rx.recv_timeout(IDLE_TICK) {
-                Ok(cmd) => Some(cmd),
-                Err(RecvTimeoutError::Timeout) => {
-                    engine.expire_leases(Instant::now());
-                    publish(engine);
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
-        };
+    while let Some(first) = first_command(engine, rx, thread) {
         let mut shutdown = false;
         for cmd in first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            match cmd {
-                Command::Submit(req, tx) => {
-                    let id = req.id.clone();
-                    // Open before the engine sees it: if taking it panics, it is failed
-                    // with the others.
-                    streams.insert(id.clone(), tx);
-                    if let Some(hook) = panic_hook {
-                        hook.check(&req.prompt);
-                    }
-                    if let Err(e) = engine.submit(*req)
-                        && let Some(tx) = streams.remove(&id)
-                    {
-                        let _ = tx.send(RequestEvent::Failed(e));
-                    }
-                }
-                Command::Abort(id) => {
-                    if let Some(event) = engine.abort(&id) {
-                        observe(&event);
-                        publish(engine);
-                        if let Some(tx) = streams.remove(&id) {
-                            let _ = tx.send(event);
-                        }
-                    }
-                }
-                Command::ReleaseLease(lease, secret, reply) => {
-                    let released = engine.release_lease(lease, &secret);
-                    publish(engine);
-                    let _ = reply.send(released);
-                }
-                Command::CachedPrefix(tokens, salt, reply) => {
-                    let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
-                }
-                Command::Reserve(tokens, salt, reply, back) => {
-                    let release: ReleaseFn = Arc::new(move |id| {
-                        let _ = back.send(Command::ReleaseReservation(id));
-                    });
-                    let reservation = engine.reserve_import(&tokens, salt.as_deref(), release);
-                    publish(engine);
-                    if let Err(mpsc::SendError(Some(r))) = reply.send(reservation) {
-                        // The caller went away: the reservation's drop gives the blocks back.
-                        drop(r);
-                    }
-                }
-                Command::ReleaseReservation(id) => {
-                    if engine.release_reservation(id) {
-                        publish(engine);
-                    }
-                }
-                Command::Shutdown => shutdown = true,
-            }
+            shutdown |= handle(engine, cmd, thread, streams);
         }
         if shutdown {
             for (id, tx) in streams.drain() {
                 if let Some(event) = engine.abort(&id) {
-                    observe(&event);
+                    observe(thread, &event);
                     let _ = tx.send(event);
                 }
             }
             break;
         }
         if !engine.has_work() {
-            publish(engine);
+            publish(thread, engine);
             continue;
         }
-        let steps_before = engine.model_steps();
-        let events = engine.step();
-        if engine.model_steps() != steps_before {
-            on_step(&engine.last_step());
+        step(engine, thread, streams);
+    }
+}
+
+/// The first command of a round: a queued one (if any) while the engine has work, else
+/// the next one within [`IDLE_TICK`] (expiring leases when none came). `None` once every
+/// sender is gone.
+fn first_command<B: Backend>(
+    engine: &mut Engine<B>,
+    rx: &Receiver<Command>,
+    thread: &ThreadState,
+) -> Option<Option<Command>> {
+    if engine.has_work() {
+        return match rx.try_recv() {
+            Ok(cmd) => Some(Some(cmd)),
+            Err(mpsc::TryRecvError::Empty) => Some(None),
+            Err(mpsc::TryRecvError::Disconnected) => None,
+        };
+    }
+    match rx.recv_timeout(IDLE_TICK) {
+        Ok(cmd) => Some(Some(cmd)),
+        Err(RecvTimeoutError::Timeout) => {
+            engine.expire_leases(Instant::now());
+            publish(thread, engine);
+            Some(None)
         }
-        // Observe, then publish, then deliver: a caller that sees its request end and then
-        // asks for the counters must see that end reflected (blocks, leases), and counters
-        // that show an end come with its timings.
-        events.iter().for_each(|(_, event)| observe(event));
-        publish(engine);
-        for (id, event) in events {
-            let terminal = event.is_terminal();
-            let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
-            if terminal {
-                streams.remove(&id);
-            } else if delivered == Some(false) {
-                // The caller dropped its receiver: nobody wants the rest.
-                streams.remove(&id);
-                if let Some(end) = engine.abort(&id) {
-                    observe(&end);
+        Err(RecvTimeoutError::Disconnected) => None,
+    }
+}
+
+/// A finished request's event goes to the finished observer.
+fn observe(thread: &ThreadState, event: &RequestEvent) {
+    if let RequestEvent::Finished(finished) = event {
+        (thread.observer)(finished);
+    }
+}
+
+/// The engine's counters, as callers read them.
+fn publish<B: Backend>(thread: &ThreadState, engine: &Engine<B>) {
+    if let Ok(mut c) = thread.counters.lock() {
+        *c = engine.counters();
+    }
+}
+
+/// One command; true for [`Command::Shutdown`].
+fn handle<B: Backend>(
+    engine: &mut Engine<B>,
+    cmd: Command,
+    thread: &ThreadState,
+    streams: &mut Streams,
+) -> bool {
+    match cmd {
+        Command::Submit(req, tx) => {
+            let id = req.id.clone();
+            // Open before the engine sees it: if taking it panics, it is failed with the
+            // others.
+            streams.insert(id.clone(), tx);
+            if let Some(hook) = &thread.panic_hook {
+                hook.check(&req.prompt);
+            }
+            if let Err(e) = engine.submit(*req)
+                && let Some(tx) = streams.remove(&id)
+            {
+                let _ = tx.send(RequestEvent::Failed(e));
+            }
+        }
+        Command::Abort(id) => {
+            if let Some(event) = engine.abort(&id) {
+                observe(thread, &event);
+                publish(thread, engine);
+                if let Some(tx) = streams.remove(&id) {
+                    let _ = tx.send(event);
                 }
             }
         }
-        // Aborts of dropped streams above changed the counters again.
-        publish(engine);
+        Command::ReleaseLease(lease, secret, reply) => {
+            let released = engine.release_lease(lease, &secret);
+            publish(thread, engine);
+            let _ = reply.send(released);
+        }
+        Command::CachedPrefix(tokens, salt, reply) => {
+            let _ = reply.send(engine.cached_prefix_blocks(&tokens, salt.as_deref()));
+        }
+        Command::Reserve(tokens, salt, reply, back) => {
+            let release: ReleaseFn = Arc::new(move |id| {
+                let _ = back.send(Command::ReleaseReservation(id));
+            });
+            let reservation = engine.reserve_import(&tokens, salt.as_deref(), release);
+            publish(thread, engine);
+            if let Err(mpsc::SendError(Some(r))) = reply.send(reservation) {
+                // The caller went away: the reservation's drop gives the blocks back.
+                drop(r);
+            }
+        }
+        Command::ReleaseReservation(id) => {
+            if engine.release_reservation(id) {
+                publish(thread, engine);
+            }
+        }
+        Command::Shutdown => return true,
     }
+    false
+}
+
+/// One engine step and the delivery of its events.
+fn step<B: Backend>(engine: &mut Engine<B>, thread: &ThreadState, streams: &mut Streams) {
+    let steps_before = engine.model_steps();
+    let events = engine.step();
+    if engine.model_steps() != steps_before {
+        (thread.on_step)(&engine.last_step());
+    }
+    // Observe, then publish, then deliver: a caller that sees its request end and then
+    // asks for the counters must see that end reflected (blocks, leases), and counters
+    // that show an end come with its timings.
+    events.iter().for_each(|(_, event)| observe(thread, event));
+    publish(thread, engine);
+    for (id, event) in events {
+        let terminal = event.is_terminal();
+        let delivered = streams.get(&id).map(|tx| tx.send(event).is_ok());
+        if terminal {
+            streams.remove(&id);
+        } else if delivered == Some(false) {
+            // The caller dropped its receiver: nobody wants the rest.
+            streams.remove(&id);
+            if let Some(end) = engine.abort(&id) {
+                observe(thread, &end);
+            }
+        }
+    }
+    // Aborts of dropped streams above changed the counters again.
+    publish(thread, engine);
 }

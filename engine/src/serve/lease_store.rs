@@ -3,7 +3,7 @@
 //! A prefill lease's blocks are served from here to decode nodes by the export side of the
 //! transport; reading through the engine thread instead would wait for the step in
 //! progress (seconds for a long prefill chunk) and the pull would miss its deadline. Where
-//! KV storage is host memory (the CPU backend) the lease **pins** its blocks where they lie:
+//! KV storage is host memory (the CPU backend) the lease **holds its blocks in place**:
 //! nothing is copied, the engine writes no leased block, and it frees a released lease's
 //! blocks only once every reader has dropped the lease (a transfer in progress finishes its
 //! batch). Elsewhere (a GPU) the blocks are **copied** out of KV storage when the lease is
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::kv::checksum::{BlockHasher, block_checksum};
+use crate::kv::checksum::{BlockChecksummer, block_checksum};
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::HostKvMemory;
 use crate::serve::lease_secret::LeaseSecret;
@@ -36,8 +36,9 @@ enum LeaseData {
         bytes: HostBuffer,
         block_bytes: usize,
     },
-    /// The blocks where they lie in host KV memory, in lease order.
-    Pinned {
+    /// The blocks where they lie in host KV memory, in lease order. "In place", not
+    /// "pinned": pinned memory means page-locked memory in this project (`pd-kernels`).
+    InPlace {
         memory: HostKvMemory,
         blocks: Vec<u32>,
     },
@@ -86,18 +87,18 @@ impl LeasedKv {
         Self::copied(Box::new(blocks.concat()), block_bytes)
     }
 
-    /// Physical `blocks` of `memory` pinned where they lie, with their checksums (hashed on
+    /// Physical `blocks` of `memory` held in place where they lie, with their checksums (hashed on
     /// the rayon pool).
     ///
     /// # Safety
     /// Nobody may write the blocks while this value lives, nor free them while it is shared:
     /// readers (the exporters) read them without a lock (see the module documentation).
-    pub unsafe fn pinned(memory: HostKvMemory, blocks: Vec<u32>) -> Self {
+    pub unsafe fn in_place(memory: HostKvMemory, blocks: Vec<u32>) -> Self {
         let checksums = blocks
             .par_iter()
             .enumerate()
             .map(|(i, &b)| {
-                let mut h = BlockHasher::new(i as u64);
+                let mut h = BlockChecksummer::new(i as u64);
                 // SAFETY: a leased block, unwritten while the lease exists (module docs).
                 for piece in unsafe { memory.block_slices(b) } {
                     h.update(piece);
@@ -106,26 +107,26 @@ impl LeasedKv {
             })
             .collect();
         Self {
-            data: LeaseData::Pinned { memory, blocks },
+            data: LeaseData::InPlace { memory, blocks },
             checksums,
         }
     }
 
-    /// The host KV memory the blocks are pinned in and where each lies in it (lease order),
+    /// The host KV memory the blocks lie in and where each lies in it (lease order),
     /// or `None` for copied blocks: for transports that read them where they lie.
-    pub fn pinned_blocks(&self) -> Option<(&HostKvMemory, &[u32])> {
+    pub fn in_place_blocks(&self) -> Option<(&HostKvMemory, &[u32])> {
         match &self.data {
             LeaseData::Copied { .. } => None,
-            LeaseData::Pinned { memory, blocks } => Some((memory, blocks)),
+            LeaseData::InPlace { memory, blocks } => Some((memory, blocks)),
         }
     }
 
     /// A copied lease's blocks, one after another in one buffer (`block_bytes` each), or
-    /// `None` for pinned blocks: for transports that register the copy as it is.
+    /// `None` for blocks held in place: for transports that register the copy as it is.
     pub fn copied_bytes(&self) -> Option<&[u8]> {
         match &self.data {
             LeaseData::Copied { bytes, .. } => Some(bytes.as_bytes()),
-            LeaseData::Pinned { .. } => None,
+            LeaseData::InPlace { .. } => None,
         }
     }
 
@@ -136,7 +137,7 @@ impl LeasedKv {
                 .len()
                 .checked_div(*block_bytes)
                 .unwrap_or(0),
-            LeaseData::Pinned { blocks, .. } => blocks.len(),
+            LeaseData::InPlace { blocks, .. } => blocks.len(),
         }
     }
 
@@ -144,11 +145,11 @@ impl LeasedKv {
     pub fn block_bytes(&self) -> usize {
         match &self.data {
             LeaseData::Copied { block_bytes, .. } => *block_bytes,
-            LeaseData::Pinned { memory, .. } => memory.block_bytes(),
+            LeaseData::InPlace { memory, .. } => memory.block_bytes(),
         }
     }
 
-    /// Block `i`'s bytes in transfer layout, in one piece (a copy) or several (pinned: one
+    /// Block `i`'s bytes in transfer layout, in one piece (a copy) or several (in place: one
     /// per layer's K and V), in order.
     pub fn block_pieces(&self, i: usize) -> Vec<&[u8]> {
         match &self.data {
@@ -156,7 +157,7 @@ impl LeasedKv {
                 vec![&bytes.as_bytes()[i * block_bytes..(i + 1) * block_bytes]]
             }
             // SAFETY: a leased block, unwritten while this value lives (module docs).
-            LeaseData::Pinned { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },
+            LeaseData::InPlace { memory, blocks } => unsafe { memory.block_slices(blocks[i]) },
         }
     }
 

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod lease_secret;
 pub mod lease_store;
 pub mod panic_hook;
+pub mod prompt;
 pub mod request;
 
 pub use config::{EngineConfig, Role};
@@ -16,6 +17,7 @@ pub use driver::{EngineHandle, EngineThread, FailureObserver, FinishedObserver, 
 pub use engine::{Engine, StepStats};
 pub use lease_secret::{LEASE_SECRET_LEN, LeaseSecret};
 pub use lease_store::{LeaseStore, LeasedKv};
+pub use prompt::{truncate_prompt, validate_prompt};
 pub use request::{
     EngineRequest, Finished, ImportedBlocks, ImportedKv, KvLease, RequestError, RequestEvent,
     RequestId, RequestTimings, Usage,

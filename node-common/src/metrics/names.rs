@@ -8,7 +8,6 @@
 //! them in the text format. The `pd_node_*` families are this project's own.
 
 use pd_engine::sampling::FinishReason;
-use pd_engine::serve::Role;
 
 /// A family's Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,15 +333,6 @@ pub fn finished_reason(reason: FinishReason) -> &'static str {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Abort => "abort",
-    }
-}
-
-/// The `role` label value of a node's engine.
-pub fn role(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-        Role::Mixed => "mixed",
     }
 }
 

@@ -11,9 +11,7 @@ use pd_transport::{TRANSFER_SECONDS_BUCKETS, TransferCounts, TransferStats};
 
 use super::encode::{Labels, TextEncoder};
 use super::histogram::{HistogramSnapshot, RequestHistograms};
-use super::names::{
-    self, ENGINE_INDEX, FINISH_REASONS, Family, PromptSource, finished_reason, label,
-};
+use super::names::{ENGINE_INDEX, FINISH_REASONS, Family, PromptSource, finished_reason, label};
 use super::report::{Epoch, counter_report, requests_finished};
 use crate::model::ModelFacts;
 
@@ -82,7 +80,7 @@ impl NodeMetrics {
             engine: self.engine.counters(),
             transfers: self.transfers.snapshot(),
         };
-        let role = names::role(self.role);
+        let role = self.role.as_str();
         let vllm: [(&str, &str); 3] = [
             (label::MODEL_NAME, &self.model_name),
             (label::ENGINE, ENGINE_INDEX),

@@ -14,7 +14,7 @@ use super::release::{CONTROL_TIMEOUT, Lease, abort_decode, release_kv};
 use super::retry::settle_failure;
 use super::{End, Job};
 use crate::error::{NodeError, NodeFailure};
-use crate::registry::{Layout, Node, NodeRole, Permit};
+use crate::registry::{Layout, Node, Permit, Role};
 
 /// How a decode attempt failed.
 pub(super) enum DecodeEnd {
@@ -255,7 +255,7 @@ impl Job {
         let timeout = self.shared.node_timeout;
         let node_error = |what: NodeFailure, streamed: bool| DecodeEnd::Node {
             error: NodeError {
-                role: NodeRole::Decode,
+                role: Role::Decode,
                 addr: node.addr.clone(),
                 what,
             },
@@ -311,7 +311,7 @@ impl Job {
             // first token.
             chunk.prompt_logprobs = std::mem::take(&mut message.prompt_logprobs);
             let ours = self
-                .feed(text, &mut chunk, &message.tokens, NodeRole::Decode)
+                .feed(text, &mut chunk, &message.tokens, Role::Decode)
                 .map_err(DecodeEnd::End)?;
             let theirs = engine_finish_reason(message.finish_reason());
             let mut last = (theirs.is_some()).then_some(message);

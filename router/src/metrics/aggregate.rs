@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use pd_proto::pb::CounterReport;
 
-use crate::registry::NodeRole;
+use crate::registry::Role;
 
 /// Epochs remembered per node (the current one and the ones before it).
 pub const KEPT_EPOCHS: usize = 8;
@@ -53,7 +53,7 @@ const MAX_REASON_LEN: usize = 64;
 /// A node as the router names it: its role and its address from the command line.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct NodeKey {
-    pub role: NodeRole,
+    pub role: Role,
     pub addr: String,
 }
 
@@ -225,7 +225,7 @@ mod tests {
 
     fn key(addr: &str) -> NodeKey {
         NodeKey {
-            role: NodeRole::Prefill,
+            role: Role::Prefill,
             addr: addr.into(),
         }
     }

@@ -131,7 +131,7 @@ impl ReportFaults {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::NodeRole;
+    use crate::registry::Role;
 
     #[test]
     fn specs_parse_and_bad_ones_are_refused() {
@@ -154,7 +154,7 @@ mod tests {
     #[test]
     fn faults_drop_repeat_and_reorder() {
         let node = NodeKey {
-            role: NodeRole::Decode,
+            role: Role::Decode,
             addr: "n:1".into(),
         };
         let r = |q| CounterReport {

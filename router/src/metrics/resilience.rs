@@ -18,7 +18,7 @@ use metrics::Counter;
 
 use super::exporter::{CounterVec, Exporter, GaugeVec};
 use super::ids::{Family, label};
-use crate::registry::{BreakerState, NodeRole, Registry};
+use crate::registry::{BreakerState, Registry, Role};
 use crate::retry::Denied;
 
 /// The retry and circuit breaker families.
@@ -52,7 +52,7 @@ impl ResilienceSeries {
             ),
         };
         // Retry series exist from the start, so rates are defined before the first failure.
-        for role in [NodeRole::Prefill, NodeRole::Decode] {
+        for role in [Role::Prefill, Role::Decode] {
             series.retries.create(&[role.as_str()]);
             for reason in [Denied::Budget, Denied::MaxRetries] {
                 series.denied.create(&[role.as_str(), denied_label(reason)]);
@@ -67,14 +67,14 @@ impl ResilienceSeries {
     }
 
     /// A failed request of the `role` step goes to another node.
-    pub fn retried(&self, role: NodeRole) {
+    pub fn retried(&self, role: Role) {
         self.retries
             .with_label_values(&[role.as_str()])
             .increment(1);
     }
 
     /// A retryable failure of the `role` step was not retried.
-    pub fn denied(&self, role: NodeRole, reason: Denied) {
+    pub fn denied(&self, role: Role, reason: Denied) {
         self.denied
             .with_label_values(&[role.as_str(), denied_label(reason)])
             .increment(1);

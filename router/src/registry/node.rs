@@ -12,37 +12,10 @@ use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use tonic::transport::Channel;
 
 use pd_engine::kv::hash::HashAlgo;
+use pd_engine::serve::Role;
 
 use super::NODE_MAX_MESSAGE_BYTES;
 use super::breaker::{Breaker, Permit};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NodeRole {
-    Prefill,
-    Decode,
-}
-
-impl NodeRole {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            NodeRole::Prefill => "prefill",
-            NodeRole::Decode => "decode",
-        }
-    }
-
-    fn wire(self) -> pb::Role {
-        match self {
-            NodeRole::Prefill => pb::Role::Prefill,
-            NodeRole::Decode => pb::Role::Decode,
-        }
-    }
-}
-
-impl fmt::Display for NodeRole {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// What the router currently believes about a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +54,7 @@ struct NodeState {
 pub struct Node {
     /// Unique within the registry (prefill and decode nodes share the numbering).
     pub id: usize,
-    pub role: NodeRole,
+    pub role: Role,
     pub addr: String,
     channel: Channel,
     state: Mutex<NodeState>,
@@ -111,7 +84,7 @@ pub(super) struct PushedPeers {
 impl Node {
     pub(super) fn new(
         id: usize,
-        role: NodeRole,
+        role: Role,
         addr: String,
         channel: Channel,
         discovered: bool,
@@ -278,8 +251,7 @@ impl Node {
                 ))
             }
             Ok(info)
-                if !matches!(info.role(), pb::Role::Unspecified)
-                    && info.role() != self.role.wire() =>
+                if pd_proto::convert::role(info.role()).is_some_and(|role| role != self.role) =>
             {
                 NodeHealth::Down(format!(
                     "it reports role {:?} but was given as --{}",

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use pd_router::discovery::DnsTarget;
-use pd_router::registry::NodeRole;
+use pd_router::registry::Role;
 
 use crate::fake::*;
 
@@ -13,8 +13,8 @@ fn dns_config(prefill: &FakeNode, decode: &FakeNode) -> pd_router::RouterConfig 
     let target = |role, node: &FakeNode| {
         DnsTarget::parse(role, &format!("localhost:{}", node.addr.port())).unwrap()
     };
-    cfg.prefill_dns = vec![target(NodeRole::Prefill, prefill)];
-    cfg.decode_dns = vec![target(NodeRole::Decode, decode)];
+    cfg.prefill_dns = vec![target(Role::Prefill, prefill)];
+    cfg.decode_dns = vec![target(Role::Decode, decode)];
     cfg.dns_interval = Duration::from_millis(100);
     cfg
 }
@@ -39,7 +39,7 @@ async fn nodes_behind_a_name_are_found_and_one_leaving_is_drained_without_failin
     let registry = router.registry.clone();
     registry
         .add_discovered(
-            NodeRole::Decode,
+            Role::Decode,
             &d2.address(),
             Duration::from_millis(50),
             Duration::from_millis(500),
@@ -63,7 +63,7 @@ async fn nodes_behind_a_name_are_found_and_one_leaving_is_drained_without_failin
                 .map(|(_, error)| error)
         });
         if i == 8 {
-            registry.remove_discovered(NodeRole::Decode, &d1.address());
+            registry.remove_discovered(Role::Decode, &d1.address());
         }
     }
     while let Some(done) = running.join_next().await {

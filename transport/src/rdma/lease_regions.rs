@@ -1,6 +1,6 @@
 //! Which memory an in-place RDMA offer exposes: exactly one lease's blocks.
 //!
-//! A lease pinned in a prefill node's host KV memory is read where it lies. The KV memory is
+//! A lease held in place in a prefill node's host KV memory is read where it lies. The KV memory is
 //! a few segments (one per layer's K and V), and a block's piece in segment `j` is the
 //! `stride` bytes at `place * stride` of it. Registering whole segments would give every
 //! holder of one offer's rkeys read access to all of the node's KV (other tenants' prompts
@@ -32,7 +32,7 @@ pub fn block_runs(places: &[u32]) -> Vec<BlockRun> {
     runs
 }
 
-/// The memory one pinned lease's in-place offer registers: for each segment `j` and run
+/// The memory one in-place lease's in-place offer registers: for each segment `j` and run
 /// `r`, `ranges[j * runs.len() + r]` = (address, length) of the run's pieces in that
 /// segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,11 +46,11 @@ pub struct LeaseRegions {
 }
 
 impl LeaseRegions {
-    /// The ranges of `kv`'s blocks in the host KV memory it is pinned in; `None` for a
+    /// The ranges of `kv`'s blocks in the host KV memory it lies in; `None` for a
     /// copied lease, a lease whose places lie outside the memory, or one so scattered that
     /// its offer would name more than [`MAX_OFFER_REGIONS`] regions (it is staged then).
     pub fn of(kv: &LeasedKv) -> Option<Self> {
-        let (memory, places) = kv.pinned_blocks()?;
+        let (memory, places) = kv.in_place_blocks()?;
         let segments: Vec<(u64, u64)> = memory
             .regions()
             .iter()

@@ -102,7 +102,8 @@ use pd_engine::serve::LeaseSecret;
 
 use crate::LayoutFingerprint;
 
-/// Whether this build has the RDMA backend.
+/// Whether this build has the RDMA backend (the types of a build without it are in
+/// `absent.rs`; `pd_kernels::BUILT` says the same of the CUDA backend).
 pub const BUILT: bool = cfg!(feature = "rdma");
 
 /// `--rdma-device`, `--rdma-port`, `--rdma-gid-index` and the read tuning.

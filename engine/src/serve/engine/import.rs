@@ -57,7 +57,9 @@ impl<B: Backend> Engine<B> {
                 }
             }
             ImportedBlocks::Placed(r) => {
-                if r.first_block() != imp.first_block || !self.reservations.contains_key(&r.id()) {
+                if r.first_block() != imp.first_block
+                    || !self.handoff.reservations.contains_key(&r.id())
+                {
                     return Err(invalid(format!(
                         "imported KV placed in reservation {:?} (from block {}), which this \
                          engine does not hold for blocks {}..",
@@ -167,7 +169,7 @@ impl<B: Backend> Engine<B> {
         else {
             unreachable!("called for placed imports only");
         };
-        let reserved = self.reservations.remove(&r.admit())?;
+        let reserved = self.handoff.reservations.remove(&r.admit())?;
         let local = reserved.cached.len();
         for (j, &block) in reserved.fresh.iter().enumerate() {
             if let Some(&hash) = hashes.get(local + j) {
@@ -218,7 +220,7 @@ impl<B: Backend> Engine<B> {
                 self.register(block, hash);
             }
         }
-        self.import_buffers.give_all(buffers);
+        self.handoff.import_buffers.give_all(buffers);
         blocks.extend(fresh);
         Placement::Held(blocks, local)
     }

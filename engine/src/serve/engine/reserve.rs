@@ -60,9 +60,8 @@ impl<B: Backend> Engine<B> {
             self.free_blocks(&cached);
             return None;
         };
-        let id = ReservationId(self.next_reservation);
-        self.next_reservation += 1;
-        let reservation = match (&self.host_kv, &self.block_writer) {
+        let id = self.handoff.next_reservation_id();
+        let reservation = match (&self.handoff.host_kv, &self.handoff.block_writer) {
             (Some(memory), _) => ImportReservation::Host(KvReservation::new(
                 id,
                 local,
@@ -80,19 +79,21 @@ impl<B: Backend> Engine<B> {
             )),
             (None, None) => unreachable!("can_reserve checked"),
         };
-        self.reservations.insert(id, Reserved { cached, fresh });
+        self.handoff
+            .reservations
+            .insert(id, Reserved { cached, fresh });
         Some(reservation)
     }
 
     /// Whether [`Self::reserve_import`] can reserve at all: KV storage in host memory
     /// (pulls land in place) or a backend that writes blocks from other threads.
     pub fn can_reserve(&self) -> bool {
-        self.host_kv.is_some() || self.block_writer.is_some()
+        self.handoff.can_reserve()
     }
 
     /// Give back a reservation's blocks; false if it is not held (admitted or released).
     pub fn release_reservation(&mut self, id: ReservationId) -> bool {
-        match self.reservations.remove(&id) {
+        match self.handoff.reservations.remove(&id) {
             Some(r) => {
                 self.free_blocks(&[r.cached, r.fresh].concat());
                 true
@@ -104,6 +105,6 @@ impl<B: Backend> Engine<B> {
     /// Reservations held (a node with none outstanding after its requests ended leaks
     /// nothing).
     pub fn reservations_held(&self) -> usize {
-        self.reservations.len()
+        self.handoff.reservations.len()
     }
 }

@@ -303,7 +303,7 @@ async fn decode_nodes_are_told_the_prefill_kv_peers_before_they_are_routed_to() 
         !d.state.kv_peers.lock().unwrap().is_empty()
     })
     .await;
-    let decode = router.registry.role(pd_router::registry::NodeRole::Decode);
+    let decode = router.registry.role(pd_router::registry::Role::Decode);
     eventually("the decode node is up", || decode[0].is_up()).await;
     assert_eq!(
         d.state.kv_peers.lock().unwrap()[0],

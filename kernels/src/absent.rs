@@ -1,5 +1,5 @@
 //! The CUDA backend in a build without the `cuda` feature: a type with no values. Its
-//! [`CudaBackend::open`] always fails with [`CudaError::NotCompiled`], so no value of it ever
+//! [`CudaBackend::open`] always fails with [`CudaError::NotBuilt`], so no value of it ever
 //! exists and its [`Backend`] methods can never run (each is an empty `match`). It lets the
 //! node binaries and `pdctl` pick a device with one `match`, with no `cfg` of their own.
 
@@ -20,13 +20,13 @@ pub enum CudaBackend {}
 pub enum Never {}
 
 impl CudaBackend {
-    /// Always [`CudaError::NotCompiled`]: this binary was built without the `cuda` feature.
+    /// Always [`CudaError::NotBuilt`]: this binary was built without the `cuda` feature.
     pub fn open(ordinal: usize, gpu_memory_utilization: f64) -> Result<Self, CudaError> {
         let _ = gpu_memory_utilization;
-        Err(CudaError::NotCompiled { ordinal })
+        Err(CudaError::NotBuilt { ordinal })
     }
 
-    /// Always [`CudaError::NotCompiled`], as [`CudaBackend::open`].
+    /// Always [`CudaError::NotBuilt`], as [`CudaBackend::open`].
     pub fn open_with(
         ordinal: usize,
         gpu_memory_utilization: f64,
