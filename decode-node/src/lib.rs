@@ -41,7 +41,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use pd_engine::sampling::GuideCache;
-use pd_engine::serve::{EngineRequest, EngineThread, LeaseSecret, RequestId, Role, validate_prompt};
+use pd_engine::serve::{
+    EngineRequest, EngineThread, LeaseSecret, RequestId, Role, validate_prompt,
+};
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
