@@ -176,6 +176,12 @@ impl EngineHandle {
     /// Submit a request; its events (exactly one terminal) arrive on the returned channel.
     pub fn submit(&self, req: EngineRequest) -> Receiver<RequestEvent> {
         let (tx, rx) = mpsc::channel();
+        // A failed engine may not have dropped its receiver yet: a command queued now would
+        // be dropped with it, and the caller would see a closed stream instead of the error.
+        if !self.is_healthy() {
+            let _ = tx.send(RequestEvent::Failed(unavailable()));
+            return rx;
+        }
         if let Err(mpsc::SendError(Command::Submit(_, tx))) =
             self.tx.send(Command::Submit(Box::new(req), tx))
         {
@@ -337,6 +343,13 @@ fn run<B: Backend>(mut engine: Engine<B>, rx: Receiver<Command>, thread: ThreadS
         fail(&thread, &panic_message(&*panic), streams);
     }
     thread.healthy.store(false, Ordering::Release);
+    // Submissions queued before callers could see the engine unhealthy get the error, not
+    // a closed stream.
+    for cmd in rx.try_iter() {
+        if let Command::Submit(_, tx) = cmd {
+            let _ = tx.send(RequestEvent::Failed(unavailable()));
+        }
+    }
 }
 
 /// After a panic on the engine thread: unhealthy, then the failure observers (the node turns
