@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The shipped dashboard and Prometheus rules against a real Prometheus scraping a live local
-# cluster under load (issue 5, "A real Prometheus"). Needs the workspace binaries built
+# cluster under load (docs/metrics.md). Needs the workspace binaries built
 # (target/debug). Installs Debian's `prometheus` package when promtool/prometheus are missing
 # (binaries only: the system service is never started; this script runs its own Prometheus on
 # a free 127.0.0.1 port with a temporary data directory) and a few pinned Python packages.
