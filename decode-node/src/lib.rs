@@ -364,6 +364,11 @@ impl DecodeNode {
         Arc::clone(&self.stats)
     }
 
+    /// The requests this node holds open (also those still pulling their KV).
+    pub fn requests(&self) -> Arc<Requests> {
+        Arc::clone(&self.server.requests)
+    }
+
     /// Serve until `shutdown` resolves, drain, then stop the engine.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
         let DecodeNode { server, engine, .. } = self;

@@ -67,19 +67,18 @@ async fn a_full_node_refuses_with_resource_exhausted_and_takes_work_once_a_reque
         held.push(tokio::spawn(async move { client.decode(req).await }));
     }
     // Wait until the node holds both (a third is refused only then).
-    let mut client = d.decode().await;
-    let mut refused = None;
-    for _ in 0..500 {
-        match client.decode(aggregated("third", &tokens)).await {
-            Err(e) if e.code() == Code::ResourceExhausted => {
-                refused = Some(e);
-                break;
-            }
-            Ok(stream) => drop(stream),
-            Err(e) => panic!("unexpected {e:?}"),
+    for _ in 0..1000 {
+        if d.open_requests() == 2 {
+            break;
+        }
+        if let Some(i) = held.iter().position(|h| h.is_finished()) {
+            let ended = held.remove(i).await.unwrap().map(|_| "a stream");
+            panic!("a held request ended before the node was full: {ended:?}");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let mut client = d.decode().await;
+    let refused = client.decode(aggregated("third", &tokens)).await.err();
     let refused = refused.expect("a third request is refused while two are open");
     assert!(refused.message().contains("--max-waiting"), "{refused:?}");
     assert!(held.iter().all(|h| !h.is_finished()));

@@ -30,6 +30,8 @@ pub struct Node {
     task: JoinHandle<anyhow::Result<()>>,
     /// Decode nodes: KV-transfer counters.
     pub transfers: Option<Arc<TransferStats>>,
+    /// Decode nodes: the requests held open.
+    requests: Option<Arc<pd_node::Requests>>,
 }
 
 /// A prefill node with these command-line flags, its model cached in [`cache`].
@@ -51,7 +53,10 @@ pub async fn decode_node(flags: &[&str]) -> Node {
     let node = decode_node::start(args).await.expect("decode node starts");
     let ready = node.ready().clone();
     let transfers = Some(node.transfer_stats());
-    spawn(ready, transfers, |stopped| node.run(stopped))
+    let requests = Some(node.requests());
+    let mut node = spawn(ready, transfers, |stopped| node.run(stopped));
+    node.requests = requests;
+    node
 }
 
 /// Runs a started node (`run`, given the future that ends at [`Node::shutdown`]) on this
@@ -73,6 +78,7 @@ where
         stop,
         task,
         transfers,
+        requests: None,
     }
 }
 
@@ -132,6 +138,11 @@ impl Node {
         }
         .expect("info")
         .into_inner()
+    }
+
+    /// Decode nodes: how many requests are open (running, waiting, or still pulling KV).
+    pub fn open_requests(&self) -> usize {
+        self.requests.as_ref().expect("a decode node").len()
     }
 
     /// Decode nodes: the KV blocks pulled so far.
