@@ -269,6 +269,18 @@ impl DecodeService for DecodeNodeService {
             num_peers: u32::try_from(n).unwrap_or(u32::MAX),
         }))
     }
+
+    type CacheEventsStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>,
+    >;
+
+    async fn cache_events(
+        &self,
+        _request: Request<pb::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        // PENDING(cache-events): replaced by the engine's event stream in this session.
+        Err(Status::unimplemented("cache events are not served yet"))
+    }
 }
 
 /// A started decode node: model loaded, engine running, listener bound; not serving until

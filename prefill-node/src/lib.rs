@@ -347,6 +347,18 @@ impl PrefillService for PrefillNodeService {
             .await
             .map(Response::new)
     }
+
+    type CacheEventsStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>,
+    >;
+
+    async fn cache_events(
+        &self,
+        _request: Request<pb::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        // PENDING(cache-events): replaced by the engine's event stream in this session.
+        Err(Status::unimplemented("cache events are not served yet"))
+    }
 }
 
 /// A started prefill node: model loaded, engine running, listeners bound; not serving until

@@ -135,6 +135,18 @@ impl PrefillService for Fake {
             "the fake prefill node has no RDMA",
         ))
     }
+
+    type CacheEventsStream =
+        Pin<Box<dyn Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>>;
+
+    /// The fake nodes publish no cache events (as a node of an older release): the router
+    /// routes on its own guess.
+    async fn cache_events(
+        &self,
+        _request: Request<pb::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        Err(Status::unimplemented("the fake node has no cache events"))
+    }
 }
 
 /// A decode stream that notes when the router drops it before its end.
@@ -259,6 +271,18 @@ impl DecodeService for Fake {
         let num_peers = addrs.len() as u32;
         self.0.kv_peers.lock().unwrap().push(addrs);
         Ok(Response::new(pb::SetKvPeersResponse { num_peers }))
+    }
+
+    type CacheEventsStream =
+        Pin<Box<dyn Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>>;
+
+    /// The fake nodes publish no cache events (as a node of an older release): the router
+    /// routes on its own guess.
+    async fn cache_events(
+        &self,
+        _request: Request<pb::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        Err(Status::unimplemented("the fake node has no cache events"))
     }
 }
 
