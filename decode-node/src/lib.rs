@@ -24,6 +24,7 @@
 //!   UNAVAILABLE. The handle's lease secret goes with every pull (a malformed one is
 //!   INVALID_ARGUMENT).
 //! - `Abort`, `Info`.
+//! - `CacheEvents`: what enters and leaves this node's prefix cache (`pd_node::cache_events`).
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with prefill-node
 //! (crate `pd-node`); the response stream is [`DecodeStream`] (stream.rs).
@@ -44,6 +45,7 @@ use pd_engine::sampling::GuideCache;
 use pd_engine::serve::{
     EngineRequest, EngineThread, LeaseSecret, RequestId, Role, validate_prompt,
 };
+use pd_node::cache_events::CacheEvents;
 use pd_node::requests::forward_events;
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
@@ -85,6 +87,8 @@ struct DecodeNodeService {
     guides: Arc<GuideCache>,
     /// The prefill nodes this node may pull from (`SetKvPeers`).
     peers: Arc<KvPeers>,
+    /// `CacheEvents` streams.
+    cache_events: CacheEvents,
 }
 
 impl DecodeNodeService {
@@ -270,16 +274,13 @@ impl DecodeService for DecodeNodeService {
         }))
     }
 
-    type CacheEventsStream = std::pin::Pin<
-        Box<dyn tokio_stream::Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>,
-    >;
+    type CacheEventsStream = pd_node::cache_events::CacheEventsStream;
 
     async fn cache_events(
         &self,
         _request: Request<pb::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        // PENDING(cache-events): replaced by the engine's event stream in this session.
-        Err(Status::unimplemented("cache events are not served yet"))
+        self.cache_events.subscribe().map(Response::new)
     }
 }
 
@@ -345,6 +346,7 @@ pub async fn start(args: DecodeArgs) -> anyhow::Result<DecodeNode> {
         metrics: Arc::clone(&metrics),
         guides: started.guides,
         peers: Arc::default(),
+        cache_events: CacheEvents::new(Arc::clone(&requests)),
     };
     let server = NodeServer {
         listener,

@@ -137,14 +137,22 @@ fn prefix(m: &Exposition) -> (f64, f64, f64, f64) {
     )
 }
 
-/// Prompt tokens by source: (local_compute, local_cache_hit, external_kv_transfer).
+/// Prompt tokens by source: (local_compute, local_cache_hit, external_kv_transfer); the
+/// host tier's `external_host_cache_hit` is checked to be 0 (decode nodes here run without
+/// one), and the sources to sum to `vllm:prompt_tokens_total`.
 fn by_source(m: &Exposition) -> (f64, f64, f64) {
     let v = |s| m.value("vllm:prompt_tokens_by_source_total", &[("source", s)]);
-    (
+    assert_eq!(v("external_host_cache_hit"), 0.0);
+    let split = (
         v("local_compute"),
         v("local_cache_hit"),
         v("external_kv_transfer"),
-    )
+    );
+    assert_eq!(
+        split.0 + split.1 + split.2,
+        m.value("vllm:prompt_tokens_total", &[])
+    );
+    split
 }
 
 fn finished(m: &Exposition) -> f64 {
@@ -167,6 +175,23 @@ fn assert_report_matches(r: &pb::CounterReport, m: &Exposition) {
         prefix(m)
     );
     assert_eq!(n(r.prompt_tokens), m.value("vllm:prompt_tokens_total", &[]));
+    // External hits by source: they sum to the external hits, and each equals the prompt
+    // tokens of its source (both are counted from the same lookup).
+    assert_eq!(
+        r.external_prefix_cache_hits_host + r.external_prefix_cache_hits_peer,
+        r.external_prefix_cache_hits
+    );
+    let source = |s| m.value("vllm:prompt_tokens_by_source_total", &[("source", s)]);
+    assert_eq!(
+        (
+            n(r.external_prefix_cache_hits_host),
+            n(r.external_prefix_cache_hits_peer)
+        ),
+        (
+            source("external_host_cache_hit"),
+            source("external_kv_transfer")
+        )
+    );
     assert_eq!(
         n(r.generation_tokens),
         m.value("vllm:generation_tokens_total", &[])
@@ -439,6 +464,14 @@ async fn decode_node_counts_received_kv_as_external_hits_and_transfers_on_both_n
         generated as f64
     );
     assert_eq!(report.external_prefix_cache_hits, 40);
+    assert_eq!(
+        (
+            report.external_prefix_cache_hits_host,
+            report.external_prefix_cache_hits_peer
+        ),
+        (0, 40),
+        "the prompt's KV came from the prefill node: a peer"
+    );
     assert_eq!(report.generation_tokens, 3);
     assert_eq!(m.value("vllm:inter_token_latency_seconds_count", &[]), 2.0);
     // Three steps of one token each; the request's 3 tokens sampled here of its 4 (the

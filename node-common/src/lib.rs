@@ -15,6 +15,8 @@
 //! - [`tls`]: the `--tls-*` flags: TLS on every listener, mTLS between the parts (callers
 //!   without a cluster certificate get UNAUTHENTICATED; health stays open), and the refusal
 //!   to listen beyond loopback without mTLS unless `--insecure`.
+//! - [`cache_events`]: the `CacheEvents` RPC of both roles (the engine's prefix-cache feed,
+//!   a bounded number of subscribers, the end on drain).
 //! - [`server`]: gRPC on a bound listener (port 0 works) with `grpc.health.v1` and server
 //!   reflection, the ready line, and the drain on SIGTERM / Ctrl-C.
 //!
@@ -23,6 +25,7 @@
 //! work finishes within `--drain-timeout`, the rest is aborted, exit 0.
 
 pub mod args;
+pub mod cache_events;
 pub mod check;
 pub mod guide;
 pub mod info;

@@ -269,6 +269,8 @@ impl Choice {
                 "cached_tokens": usage.cached_tokens,
                 "local_cached_tokens": usage.local_cached_tokens,
                 "external_cached_tokens": usage.external_cached_tokens,
+                "external_host_cached_tokens": usage.external_host_cached_tokens,
+                "external_peer_cached_tokens": usage.external_peer_cached_tokens,
             },
             "logprobs": args.sampling.logprobs.map(|_| self.logprobs.iter().map(lp).collect::<Vec<_>>()),
             "prompt_logprobs": args.sampling.prompt_logprobs.map(|_| self.prompt_logprobs.iter().map(lp).collect::<Vec<_>>()),

@@ -18,7 +18,9 @@ use pd_engine::sampling::{
     FinishReason, Guide, GuideCache, PromptLogprob, SampledToken, SamplingParams, StopReason,
     StructuredOutput, TokenLogprob, bad_words_token_ids,
 };
-use pd_engine::serve::{EngineHandle, EngineRequest, RequestEvent, RequestId, Role, Usage};
+use pd_engine::serve::{
+    EngineHandle, EngineRequest, RequestEvent, RequestId, Role, TierKind, Usage,
+};
 use pd_engine::serve::{truncate_prompt, validate_prompt};
 use pd_engine::text::TextStream;
 use pd_engine::tokenizer::{ChatMessage, ChatRole, ChatTemplateOptions, ChatTool};
@@ -503,6 +505,8 @@ fn to_json(o: &Outcome) -> serde_json::Value {
             "cached_tokens": u.cached_tokens(),
             "local_cached_tokens": u.local_cached_tokens,
             "external_cached_tokens": u.external_cached_tokens,
+            "external_host_cached_tokens": u.external_cached_by_source[TierKind::Host],
+            "external_peer_cached_tokens": u.external_cached_by_source[TierKind::Peer],
         },
         "logprobs": o.logprobs.as_ref().map(|lps| lps.iter().map(|s| json!({
                 "token_id": s.token_id,

@@ -22,6 +22,7 @@
 //!   (`pd_transport::rdma`; this node's side in rdma.rs); the TCP export server runs in every
 //!   mode.
 //! - `Abort`, `Info`.
+//! - `CacheEvents`: what enters and leaves this node's prefix cache (`pd_node::cache_events`).
 //!
 //! Start-up, health, reflection, the ready line and draining are shared with decode-node
 //! (crate `pd-node`). The drain also waits for leases handed out to be released or to
@@ -44,6 +45,7 @@ use pd_engine::serve::{
     Role,
 };
 use pd_node::args::parse_seconds;
+use pd_node::cache_events::CacheEvents;
 use pd_node::requests::{engine_gone, engine_status};
 use pd_node::{ModelFacts, NodeArgs, NodeMetrics, NodeServer, Ready, Requests};
 use pd_proto::convert;
@@ -147,6 +149,8 @@ struct PrefillNodeService {
     /// Leases registered for RDMA reads (`--kv-transport rdma|auto` with a device).
     rdma: Option<Arc<RdmaExporter>>,
     guides: Arc<GuideCache>,
+    /// `CacheEvents` streams.
+    cache_events: CacheEvents,
 }
 
 impl PrefillNodeService {
@@ -348,16 +352,13 @@ impl PrefillService for PrefillNodeService {
             .map(Response::new)
     }
 
-    type CacheEventsStream = std::pin::Pin<
-        Box<dyn tokio_stream::Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>,
-    >;
+    type CacheEventsStream = pd_node::cache_events::CacheEventsStream;
 
     async fn cache_events(
         &self,
         _request: Request<pb::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        // PENDING(cache-events): replaced by the engine's event stream in this session.
-        Err(Status::unimplemented("cache events are not served yet"))
+        self.cache_events.subscribe().map(Response::new)
     }
 }
 
@@ -460,6 +461,7 @@ pub async fn start(args: PrefillArgs) -> anyhow::Result<PrefillNode> {
         metrics: Arc::clone(&metrics),
         rdma,
         guides: started.guides,
+        cache_events: CacheEvents::new(Arc::clone(&requests)),
     };
     let server = NodeServer {
         listener,

@@ -5,7 +5,7 @@ use pd_engine::sampling::{
     FinishReason, PromptLogprob, SampledToken, SamplingParams, StopReason, StructuredOutput,
     TokenLogprob,
 };
-use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret, Role, Usage};
+use pd_engine::serve::{LEASE_SECRET_LEN, LeaseSecret, Role, TierKind, Usage};
 use tonic::{Code, Status};
 
 use crate::pb;
@@ -202,6 +202,8 @@ pub fn usage(u: &Usage) -> pb::Usage {
         cached_tokens: n(u.cached_tokens()),
         local_cached_tokens: n(u.local_cached_tokens),
         external_cached_tokens: n(u.external_cached_tokens),
+        external_host_cached_tokens: n(u.external_cached_by_source[TierKind::Host]),
+        external_peer_cached_tokens: n(u.external_cached_by_source[TierKind::Peer]),
     }
 }
 

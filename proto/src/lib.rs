@@ -4,6 +4,7 @@
 //!
 //! Does not own: serving (the router and node binaries), text (the router).
 
+pub mod cache_events;
 pub mod convert;
 pub mod failure;
 pub mod health;

@@ -12,58 +12,20 @@
 //! Memory is bounded per node by the capacity the node reports in its snapshot (device
 //! blocks plus host blocks), and over all nodes by `max_blocks`: a node that would pass
 //! either bound is dropped out of sync rather than grown. Block hashes are the engines' own
-//! ([`pd_engine::kv::hash`]), so one prompt hashed once per block size is compared as is.
+//! ([`pd_engine::kv::hash`]), so one prompt hashed once per block size is compared as is;
+//! the events are the engines' own vocabulary ([`pd_engine::kv::events`]).
 //!
-//! Not here: subscribing to the nodes' streams (the registry's job), the routing decision
-//! (the policy's).
+//! [`SharedIndex`] is the one index of a router: the subscriptions write it, the policy reads
+//! it, each for one short synchronous step under its lock.
+//!
+//! Not here: subscribing to the nodes' streams ([`crate::registry`]'s feed), the routing
+//! decision (the policy's).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
 
+pub use pd_engine::kv::events::{CacheEvent, EventBatch, Snapshot, Tier};
 use pd_engine::kv::hash::BlockHash;
-
-/// Where a cached block lives on its node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Tier {
-    /// In the KV blocks the model reads: a hit costs nothing.
-    Device,
-    /// In the node's host-memory tier: a hit costs a copy back to the device.
-    Host,
-}
-
-/// One change a node reports.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CacheEvent {
-    /// Blocks that entered `tier` (computed and registered, spilled to the host tier,
-    /// restored from it, or received from a peer).
-    Stored { tier: Tier, hashes: Vec<BlockHash> },
-    /// Blocks that left `tier` (evicted, spilled out of the device, dropped from the host).
-    Removed { tier: Tier, hashes: Vec<BlockHash> },
-    /// Everything in every tier left (the cache was reset).
-    Cleared,
-}
-
-/// A node's whole cache at one point of its event stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Snapshot {
-    /// Changes when the node's process restarts: events of another epoch are stale.
-    pub epoch: u64,
-    /// The sequence number of the last change the snapshot includes.
-    pub seq: u64,
-    /// The most blocks the node can hold in each tier (bounds what the index keeps for it).
-    pub device_capacity: usize,
-    pub host_capacity: usize,
-    pub device: Vec<BlockHash>,
-    pub host: Vec<BlockHash>,
-}
-
-/// A batch of changes following a snapshot: `first_seq` is the sequence number of the
-/// first event, the rest follow one by one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EventBatch {
-    pub epoch: u64,
-    pub first_seq: u64,
-    pub events: Vec<CacheEvent>,
-}
 
 /// How many leading blocks of a prompt a node holds, split by the tier it would take each
 /// from: `device` leading blocks on the device, then `host` more restorable from the host
@@ -78,6 +40,18 @@ impl TierMatch {
     /// Blocks found in any tier.
     pub fn blocks(&self) -> usize {
         self.device + self.host
+    }
+
+    /// The prompt tokens a node would reuse from this match for a prompt of `prompt_len`
+    /// tokens in blocks of `block_size`, as `(device, host)`: whole blocks, capped the way the
+    /// engine caps its lookup (`(prompt_len - 1) / block_size` blocks: the last prompt token
+    /// is always computed), the device run first.
+    pub fn tokens(&self, block_size: usize, prompt_len: usize) -> (u64, u64) {
+        let usable = prompt_len.saturating_sub(1) / block_size.max(1);
+        let device = self.device.min(usable);
+        let host = self.blocks().min(usable) - device;
+        let bs = block_size as u64;
+        (device as u64 * bs, host as u64 * bs)
     }
 }
 
@@ -176,16 +150,14 @@ impl<N: Copy + Eq + std::hash::Hash> CacheIndex<N> {
         Ok(())
     }
 
-    /// Apply a batch of changes. Events of an older epoch are ignored; events already in the
-    /// snapshot (lower sequence numbers) are skipped; a gap, another epoch without a
-    /// snapshot, or a breach of capacity drops the node out of sync until its next snapshot.
+    /// Apply a batch of changes. Events already in the snapshot (lower sequence numbers) are
+    /// skipped; a gap, another epoch (epochs are random per node process, so another one is
+    /// another process whatever its value) or a breach of capacity drops the node out of sync
+    /// until its next snapshot.
     pub fn apply_events(&mut self, node: N, batch: EventBatch) -> Result<(), OutOfSync> {
         let Some(view) = self.nodes.get_mut(&node) else {
             return Err(OutOfSync::NoSnapshot);
         };
-        if batch.epoch < view.epoch {
-            return Ok(());
-        }
         if !view.in_sync || batch.epoch != view.epoch {
             self.total -= view.len();
             view.drop_out();
@@ -249,6 +221,17 @@ impl<N: Copy + Eq + std::hash::Hash> CacheIndex<N> {
         }
     }
 
+    /// What `node`'s view holds, device blocks then host blocks (each in no particular
+    /// order); `None` when it is not in sync. What checks of the index against a node's own
+    /// snapshot read.
+    pub fn view(&self, node: N) -> Option<(Vec<BlockHash>, Vec<BlockHash>)> {
+        let v = self.nodes.get(&node).filter(|v| v.in_sync)?;
+        Some((
+            v.device.iter().copied().collect(),
+            v.host.iter().copied().collect(),
+        ))
+    }
+
     /// The leading blocks of `hashes` (a prompt's block hashes with `node`'s block size) that
     /// `node` holds: its device run, then the blocks it would restore from its host tier.
     /// `None` while the node's view is out of sync.
@@ -263,6 +246,54 @@ impl<N: Copy + Eq + std::hash::Hash> CacheIndex<N> {
             .take_while(|h| view.host.contains(h) || view.device.contains(h))
             .count();
         Some(TierMatch { device, host })
+    }
+}
+
+/// The router's one index over every node, keyed by the registry's node id, behind a lock
+/// that is held for one synchronous step at a time (never across an await): routing never
+/// waits on a node's stream.
+#[derive(Debug)]
+pub struct SharedIndex {
+    inner: Mutex<CacheIndex<usize>>,
+}
+
+impl SharedIndex {
+    /// An empty index of at most `max_blocks` block entries (`--cache-index-blocks`).
+    pub fn new(max_blocks: usize) -> Self {
+        Self {
+            inner: Mutex::new(CacheIndex::new(max_blocks)),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CacheIndex<usize>> {
+        // Every method leaves the index consistent before it returns: a panic elsewhere
+        // cannot leave it torn.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`CacheIndex::lookup`].
+    pub fn lookup(&self, node: usize, hashes: &[BlockHash]) -> Option<TierMatch> {
+        self.lock().lookup(node, hashes)
+    }
+
+    /// [`CacheIndex::view`].
+    pub fn view(&self, node: usize) -> Option<(Vec<BlockHash>, Vec<BlockHash>)> {
+        self.lock().view(node)
+    }
+
+    /// [`CacheIndex::in_sync`].
+    pub fn in_sync(&self, node: usize) -> bool {
+        self.lock().in_sync(node)
+    }
+
+    /// [`CacheIndex::total_blocks`].
+    pub fn total_blocks(&self) -> usize {
+        self.lock().total_blocks()
+    }
+
+    /// One change of the index under its lock.
+    pub fn update<R>(&self, f: impl FnOnce(&mut CacheIndex<usize>) -> R) -> R {
+        f(&mut self.lock())
     }
 }
 
@@ -282,6 +313,7 @@ mod tests {
         Snapshot {
             epoch,
             seq: 10,
+            block_size: 16,
             device_capacity: 8,
             host_capacity: 8,
             device,
@@ -338,6 +370,21 @@ mod tests {
     }
 
     #[test]
+    fn predicted_tokens_are_whole_blocks_short_of_the_last_prompt_token() {
+        let m = TierMatch { device: 2, host: 3 };
+        // 100 tokens in blocks of 16: 6 usable blocks; all 5 matched count.
+        assert_eq!(m.tokens(16, 100), (32, 48));
+        // 65 tokens: 4 usable blocks (the 65th token is computed): device 2, host 2.
+        assert_eq!(m.tokens(16, 65), (32, 32));
+        // 64 tokens: 3 usable blocks (the last token of block 4 must be computed).
+        assert_eq!(m.tokens(16, 64), (32, 16));
+        // 17 tokens: one block, from the device.
+        assert_eq!(m.tokens(16, 17), (16, 0));
+        assert_eq!(m.tokens(16, 1), (0, 0));
+        assert_eq!(TierMatch::default().tokens(16, 0), (0, 0));
+    }
+
+    #[test]
     fn replayed_events_are_skipped_and_a_gap_drops_the_node_until_its_next_snapshot() {
         let mut ix = CacheIndex::new(100);
         ix.apply_snapshot(7u32, snapshot(1, hs(0..2), vec![]))
@@ -370,24 +417,25 @@ mod tests {
     }
 
     #[test]
-    fn a_restarted_node_is_stale_until_its_new_snapshot_and_old_epochs_are_ignored() {
+    fn a_batch_of_another_epoch_leaves_the_view_out_of_sync_until_a_new_snapshot() {
         let mut ix = CacheIndex::new(100);
         ix.apply_snapshot(1u32, snapshot(5, hs(0..3), vec![]))
             .unwrap();
-        // A late batch of the previous process changes nothing.
-        let old = CacheEvent::Cleared;
-        ix.apply_events(1, batch(4, 1, vec![old])).unwrap();
-        assert_eq!(ix.lookup(1, &hs(0..3)).unwrap().device, 3);
-        // The new process's events before its snapshot: out of sync, not mixed in.
-        let new = CacheEvent::Stored {
-            tier: Tier::Device,
-            hashes: vec![h(50)],
-        };
-        assert_eq!(
-            ix.apply_events(1, batch(6, 1, vec![new])),
-            Err(OutOfSync::NoSnapshot)
-        );
-        assert_eq!(ix.lookup(1, &hs(0..3)), None);
+        // Another process's events (a lower epoch as well as a higher one: epochs are
+        // random): not mixed in, and the view is no longer trusted.
+        for epoch in [4, 6] {
+            let new = CacheEvent::Stored {
+                tier: Tier::Device,
+                hashes: vec![h(50)],
+            };
+            assert_eq!(
+                ix.apply_events(1, batch(epoch, 1, vec![new])),
+                Err(OutOfSync::NoSnapshot)
+            );
+            assert_eq!(ix.lookup(1, &hs(0..3)), None);
+            assert_eq!(ix.total_blocks(), 0);
+            ix.apply_snapshot(1, snapshot(5, hs(0..3), vec![])).unwrap();
+        }
         ix.apply_snapshot(1, snapshot(6, vec![], vec![])).unwrap();
         assert_eq!(ix.lookup(1, &hs(0..3)).unwrap(), TierMatch::default());
     }

@@ -14,7 +14,7 @@ use crate::discovery::DnsTarget;
 pub use crate::parse::{ReasoningParser, ToolCallParser};
 use crate::registry::Role;
 
-/// Which prefill node a request goes to (decode nodes are always chosen by load).
+/// Which prefill node a request goes to (decode nodes: see [`crate::policy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PolicyKind {
     /// Each request to the next healthy prefill node in turn.
@@ -24,6 +24,16 @@ pub enum PolicyKind {
     /// The prefill node most likely to hold the prompt's prefix in its cache, balanced by load
     /// (see [`crate::policy::PrefixAware`]).
     PrefixAware,
+}
+
+/// Whether the router follows the nodes' cache events (`--cache-events`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CacheEventsMode {
+    /// Subscribe to every node's `CacheEvents` and route on what the caches hold.
+    On,
+    /// Subscribe to none: the prefix-aware policy routes on its own guess alone (to compare
+    /// the two, or to spare the nodes the streams).
+    Off,
 }
 
 /// `--request-timeout`'s default: long enough for any generation the router's defaults
@@ -71,8 +81,13 @@ pub struct RouterConfig {
     pub breaker: crate::registry::BreakerConfig,
     /// `--migration-limit`: moves of one live stream to another decode node.
     pub migration_limit: u32,
-    /// Block hashes remembered per prefill node by the prefix-aware policy (an LRU set).
+    /// Block hashes remembered per node by the prefix-aware policy's own guess (an LRU set),
+    /// used for a node whose cache events are not in sync.
     pub prefix_index_blocks: usize,
+    /// Block entries the cache index (every node's cache events) holds over all nodes.
+    pub cache_index_blocks: usize,
+    /// `--cache-events`: whether the cache index is fed at all.
+    pub cache_events: CacheEventsMode,
     /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
     /// `PD_ROUTER_REPORT_FAULTS`, see [`crate::metrics::faults`]).
     pub report_faults: Option<crate::metrics::FaultSpec>,
@@ -122,6 +137,8 @@ impl RouterConfig {
             breaker: crate::registry::BreakerConfig::default(),
             migration_limit: 2,
             prefix_index_blocks: 65_536,
+            cache_index_blocks: crate::registry::DEFAULT_CACHE_INDEX_BLOCKS,
+            cache_events: CacheEventsMode::On,
             report_faults: None,
             reasoning_parser: None,
             tool_call_parser: None,
@@ -319,10 +336,22 @@ pub struct RouterArgs {
     #[arg(long, env = "PD_POLICY", value_enum, default_value_t = PolicyKind::PrefixAware, help_heading = "Routing")]
     pub policy: PolicyKind,
 
-    /// Block hashes the prefix-aware policy remembers per prefill node (least recently used
-    /// ones are forgotten first).
+    /// Block hashes the prefix-aware policy's own guess remembers per node (least recently
+    /// used ones are forgotten first); the guess scores a node whose cache events are not in
+    /// sync.
     #[arg(long, env = "PD_PREFIX_INDEX_BLOCKS", default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Routing")]
     pub prefix_index_blocks: u64,
+
+    /// Block entries the cache index (what every node's cache events say it holds) keeps over
+    /// all nodes, about 20 bytes each; a node whose snapshot would pass it is routed to on the
+    /// policy's guess instead.
+    #[arg(long, env = "PD_CACHE_INDEX_BLOCKS", default_value_t = crate::registry::DEFAULT_CACHE_INDEX_BLOCKS as u64, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Routing")]
+    pub cache_index_blocks: u64,
+
+    /// Follow every node's cache events (`on`) or none (`off`: the prefix-aware policy routes
+    /// on its own guess alone, and no prediction is counted).
+    #[arg(long, env = "PD_CACHE_EVENTS", value_enum, default_value_t = CacheEventsMode::On, help_heading = "Routing")]
+    pub cache_events: CacheEventsMode,
 
     /// Largest max_tokens a request may ask for; an unset max_tokens is
     /// min(this, context length − prompt length).
@@ -457,6 +486,8 @@ impl RouterArgs {
             breaker: self.failure.breaker(),
             migration_limit: self.failure.migration_limit,
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
+            cache_index_blocks: usize::try_from(self.cache_index_blocks).unwrap_or(usize::MAX),
+            cache_events: self.cache_events,
             report_faults: crate::metrics::FaultSpec::from_env()?,
             api_keys: self.api_keys.clone(),
             shared_prefix_cache: self.shared_prefix_cache,

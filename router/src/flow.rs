@@ -15,8 +15,10 @@
 //!   already ends the request, the KV lease is released and no decode node is involved; a
 //!   request with `max_tokens` 1 asks the prefill node for no lease at all
 //!   (`PrefillRequest.skip_kv_lease`).
-//! - **Decode** on the least loaded decode node of the prompt KV's layout, with the KV handle
-//!   and the request's whole `max_tokens` (the decode node counts the first token itself).
+//! - **Decode** on a decode node of the prompt KV's layout (the least loaded or, with the
+//!   prefix-aware policy, the one holding the prompt's earlier KV: [`crate::policy`]), with
+//!   the KV handle and the request's whole `max_tokens` (the decode node counts the first
+//!   token itself).
 //!   The lease is released on the stream's first message, or when the request ends. A decode
 //!   node that fails before its first message is replaced (as prefill nodes are) by another
 //!   compatible one with the same handle (the lease is still held and the client has only
@@ -337,6 +339,8 @@ impl Job {
             cached_tokens: local.saturating_add(external),
             local_cached_tokens: local,
             external_cached_tokens: external,
+            external_host_cached_tokens: self.compute_usage.external_host_cached_tokens,
+            external_peer_cached_tokens: self.compute_usage.external_peer_cached_tokens,
         });
         chunk
     }
@@ -418,6 +422,12 @@ impl Job {
                 }
             };
             let node = self.shared.pick_by_policy(&self.req, &candidates);
+            // What the cache index expects the node to reuse (a resumed stream's prompt is
+            // longer: not compared).
+            let predicted = match resume {
+                None => self.shared.predict(&self.req, &node),
+                Some(_) => None,
+            };
             let Some(permit) = node.begin() else {
                 // Its breaker's one probe went to another request meanwhile.
                 excluded.push(node.id);
@@ -480,11 +490,15 @@ impl Job {
                     match (response.first_token, response.kv) {
                         (Some(first), kv) if kv.is_some() || skipped => {
                             permit.succeeded();
+                            let usage = response.usage.unwrap_or_default();
+                            if let Some(predicted) = predicted {
+                                (self.shared.metrics.prediction).observe(&node, predicted, &usage);
+                            }
                             return Ok(Prefilled {
                                 node,
                                 first,
                                 kv,
-                                usage: response.usage.unwrap_or_default(),
+                                usage,
                                 prompt_logprobs: response.prompt_logprobs,
                             });
                         }

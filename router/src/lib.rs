@@ -1,9 +1,10 @@
 //! pd-router: the client-facing gRPC service of the PD cluster.
 //!
 //! A client's `pd.v1.Generation` request is validated into a typed request
-//! ([`validation`]), tokenized (chat template for chat input), routed to a prefill node by a
-//! [`policy`] and to a decode node by load, among the nodes the [`registry`] knows to be up
-//! and KV-compatible; the router then streams the decode node's tokens back as text
+//! ([`validation`]), tokenized (chat template for chat input), routed to a prefill node and a
+//! decode node by a [`policy`] (by what the nodes' caches hold, as their cache events tell the
+//! [`cache_index`], and by load), among the nodes the [`registry`] knows to be up and
+//! KV-compatible; the router then streams the decode node's tokens back as text
 //! (`flow`: incremental detokenization, stop strings, usage, cancellation and retries).
 //! A request a node failed is retried elsewhere within limits ([`retry`]: backoff, budget),
 //! never after an engine panic; nodes that keep failing are skipped for a while (their
@@ -47,7 +48,7 @@ pub mod tenant;
 pub mod validation;
 mod watched;
 
-pub use config::{PolicyKind, RouterArgs, RouterConfig};
+pub use config::{CacheEventsMode, PolicyKind, RouterArgs, RouterConfig};
 pub use error::{NodeError, RouterError};
 pub use metrics::RouterMetrics;
 pub use server::{Router, serve};

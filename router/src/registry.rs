@@ -34,8 +34,14 @@
 //! finds it up; a node that leaves DNS is removed from the list at once (its health task
 //! stops), while requests already on it keep their `Arc<Node>` and finish. Readers take a
 //! snapshot of the list ([`Registry::nodes`]).
+//!
+//! **Cache events**: next to its health checks, every node has one `CacheEvents`
+//! subscription (`feed`) on its own channel, feeding the router's one cache index
+//! ([`Registry::cache_index`], bounded by `--cache-index-blocks`) that the prefix-aware
+//! policy reads; a node that leaves the registry leaves the index.
 
 mod breaker;
+mod feed;
 mod node;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,6 +53,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tonic::transport::Endpoint;
 
+use crate::cache_index::SharedIndex;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 
@@ -59,6 +66,9 @@ pub use pd_engine::serve::Role;
 
 /// Largest node message the router decodes (prompt logprobs of a long prompt are large).
 pub const NODE_MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Block entries the cache index holds over all nodes unless `--cache-index-blocks` says.
+pub const DEFAULT_CACHE_INDEX_BLOCKS: usize = 2 << 20;
 
 /// How long opening a connection to a node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -94,6 +104,10 @@ pub struct Registry {
     /// Held while a health check pushes KV peers or records a prefill node (see the module
     /// documentation, "KV peers").
     peers_lock: tokio::sync::Mutex<()>,
+    /// What every node's prefix cache holds, as its cache events say (see the module doc).
+    cache_index: Arc<SharedIndex>,
+    /// Whether each node's cache events are followed (`--cache-events`).
+    follow_cache_events: bool,
 }
 
 impl Registry {
@@ -124,6 +138,8 @@ impl Registry {
             metrics,
             tls,
             peers_lock: tokio::sync::Mutex::new(()),
+            cache_index: Arc::new(SharedIndex::new(DEFAULT_CACHE_INDEX_BLOCKS)),
+            follow_cache_events: true,
         };
         let all = prefill
             .iter()
@@ -140,6 +156,24 @@ impl Registry {
     pub fn with_hash_algo(mut self, algo: pd_engine::kv::hash::HashAlgo) -> Self {
         self.hash_algo = algo;
         self
+    }
+
+    /// The cache index holds at most `max_blocks` block entries over all nodes
+    /// (`--cache-index-blocks`).
+    pub fn with_cache_index_blocks(mut self, max_blocks: usize) -> Self {
+        self.cache_index = Arc::new(SharedIndex::new(max_blocks));
+        self
+    }
+
+    /// Follow the nodes' cache events (`true`, the default) or none (`--cache-events off`).
+    pub fn with_cache_events(mut self, follow: bool) -> Self {
+        self.follow_cache_events = follow;
+        self
+    }
+
+    /// What every node's prefix cache holds, as its cache events say (keyed by node id).
+    pub fn cache_index(&self) -> &Arc<SharedIndex> {
+        &self.cache_index
     }
 
     /// Every node's circuit breaker, of the nodes given so far and of those added later,
@@ -229,6 +263,13 @@ impl Registry {
         let runtime = self.tasks.lock().unwrap_or_else(|e| e.into_inner()).clone();
         match runtime {
             Some(runtime) => {
+                if self.follow_cache_events {
+                    runtime.spawn(feed::follow(
+                        node.clone(),
+                        self.cache_index.clone(),
+                        self.metrics.clone(),
+                    ));
+                }
                 runtime.spawn(Self::health_loop(self.clone(), node, interval, timeout));
             }
             None => tracing::warn!(%addr, "no runtime for health checks yet; node stays unchecked"),
@@ -243,6 +284,9 @@ impl Registry {
             let gone = n.discovered && n.role == role && n.addr == addr;
             if gone {
                 n.removed.store(true, Ordering::Relaxed);
+                // Its subscription ends on its own and removes it again (after a message it
+                // may have been applying).
+                self.cache_index.update(|ix| ix.remove(n.id));
             }
             !gone
         });
@@ -261,8 +305,8 @@ impl Registry {
         self.serving.subscribe()
     }
 
-    /// Starts one health-check task per node in `tasks` (they stop when it is dropped);
-    /// nodes added later get theirs on the same runtime.
+    /// Starts one health-check task and one cache-events subscription per node in `tasks`
+    /// (they stop when it is dropped); nodes added later get theirs on the same runtime.
     pub fn spawn_health_checks(
         self: &Arc<Self>,
         interval: Duration,
@@ -272,6 +316,13 @@ impl Registry {
         *self.tasks.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(tokio::runtime::Handle::current());
         for node in self.nodes() {
+            if self.follow_cache_events {
+                tasks.spawn(feed::follow(
+                    node.clone(),
+                    self.cache_index.clone(),
+                    self.metrics.clone(),
+                ));
+            }
             tasks.spawn(Self::health_loop(self.clone(), node, interval, timeout));
         }
     }

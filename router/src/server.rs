@@ -28,7 +28,7 @@ use crate::error::RouterError;
 use crate::limits::TenantLimits;
 use crate::metrics::{self, MeteredGeneration, RouterMetrics};
 use crate::openai;
-use crate::policy::{self, LeastLoaded};
+use crate::policy;
 use crate::registry::{DnsRoles, Registry};
 use crate::service::{GenerationService, IdGen, InflightTable, Shared};
 use crate::tenant::Tenancy;
@@ -114,8 +114,11 @@ impl Router {
                 node_tls(&config.tls)?,
             )?
             .with_hash_algo(config.prefix_caching_hash_algo)
-            .with_breaker(config.breaker),
+            .with_breaker(config.breaker)
+            .with_cache_index_blocks(config.cache_index_blocks)
+            .with_cache_events(config.cache_events == crate::config::CacheEventsMode::On),
         );
+        let cache_index = registry.cache_index().clone();
         let auth = match &config.api_keys {
             Some(path) => Auth::from_file(path)?,
             None => Auth::open(),
@@ -154,8 +157,14 @@ impl Router {
                 config.policy,
                 config.prefix_index_blocks,
                 config.prefix_caching_hash_algo,
+                cache_index.clone(),
             ),
-            decode_policy: LeastLoaded::default(),
+            decode_policy: policy::build_decode(
+                config.policy,
+                config.prefix_caching_hash_algo,
+                cache_index,
+            ),
+            hash_algo: config.prefix_caching_hash_algo,
             inflight: Arc::new(InflightTable::default()),
             ids: IdGen::new(),
             node_timeout: config.node_timeout,

@@ -18,7 +18,8 @@ use crate::flow;
 /// One message of a `Generate` stream.
 type ChunkResult = Result<pb::GenerateResponse, Status>;
 use crate::auth::Auth;
-use crate::policy::{Candidate, LeastLoaded, RouteInput, RoutingPolicy};
+use crate::metrics::Predicted;
+use crate::policy::{Candidate, RouteInput, RoutingPolicy};
 use crate::registry::{Node, Registry};
 use crate::tenant::{Tenancy, Tenant};
 use crate::validation::{ModelMeta, ValidRequest, ValidationError, Validator};
@@ -37,7 +38,10 @@ pub(crate) struct Shared {
     pub registry: Arc<Registry>,
     pub metrics: Arc<crate::metrics::RouterMetrics>,
     pub policy: Box<dyn RoutingPolicy>,
-    pub decode_policy: LeastLoaded,
+    /// Decode nodes in the cluster ([`crate::policy::build_decode`]).
+    pub decode_policy: Box<dyn RoutingPolicy>,
+    /// The nodes' (and the router's) `--prefix-caching-hash-algo`.
+    pub hash_algo: pd_engine::kv::hash::HashAlgo,
     pub inflight: Arc<InflightTable>,
     pub ids: IdGen,
     pub node_timeout: Duration,
@@ -83,7 +87,31 @@ impl Shared {
         nodes[index].clone()
     }
 
-    /// The least loaded of `nodes` (never empty).
+    /// What the cache index predicts `node` reuses of `req`'s prompt, per tier; `None` while
+    /// the node's cache events are not in sync (the policy guessed).
+    pub fn predict(&self, req: &ValidRequest, node: &Node) -> Option<Predicted> {
+        let block_size = node
+            .layout()
+            .map_or(DEFAULT_BLOCK_SIZE, |l| l.block_size as usize)
+            .max(1);
+        let index = self.registry.cache_index();
+        if !index.in_sync(node.id) {
+            // Spares the hashing when there is nothing to look up.
+            return None;
+        }
+        let hashes = pd_engine::kv::hash::block_hashes_with(
+            &req.prompt,
+            block_size,
+            req.cache_salt.as_deref(),
+            self.hash_algo,
+        );
+        let m = index.lookup(node.id, &hashes)?;
+        let (device, host) = m.tokens(block_size, req.prompt.len());
+        Some(Predicted { device, host })
+    }
+
+    /// The decode node of a request in the cluster among `nodes` (never empty): by the
+    /// decode policy (least loaded, or the one holding the prompt's earlier KV).
     pub fn pick_decode(&self, req: &ValidRequest, nodes: &[Arc<Node>]) -> Arc<Node> {
         let input = RouteInput {
             tokens: &req.prompt,

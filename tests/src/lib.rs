@@ -612,6 +612,51 @@ impl Counts {
     }
 }
 
+/// A node's prefix-cache hits by tier, in tokens: its device cache (local hits), its
+/// host-memory tier and other nodes (its external hits by source).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TierHits {
+    pub device: f64,
+    pub host: f64,
+    pub peer: f64,
+}
+
+impl TierHits {
+    /// What a node's own `/metrics` says: its local hits, and its prompt tokens by external
+    /// source (each external hit is one prompt token of its source).
+    pub fn of_node(e: &Exposition) -> TierHits {
+        let source = |s: &str| e.sum("vllm:prompt_tokens_by_source_total", &[("source", s)]);
+        TierHits {
+            device: e.sum("vllm:prefix_cache_hits_total", &[]),
+            host: source("external_host_cache_hit"),
+            peer: source("external_kv_transfer"),
+        }
+    }
+
+    /// What the router says about that node (`pd_router_prefix_cache_hits_by_tier_total`).
+    pub fn of_router(e: &Exposition, role: &str, node: &str) -> TierHits {
+        let tier = |t: &str| {
+            e.sum(
+                "pd_router_prefix_cache_hits_by_tier_total",
+                &[("tier", t), ("role", role), ("node", node)],
+            )
+        };
+        TierHits {
+            device: tier("device"),
+            host: tier("host"),
+            peer: tier("peer"),
+        }
+    }
+
+    pub fn minus(&self, o: &TierHits) -> TierHits {
+        TierHits {
+            device: self.device - o.device,
+            host: self.host - o.host,
+            peer: self.peer - o.peer,
+        }
+    }
+}
+
 /// The router's OpenAI-compatible API (`openai` in `pdctl up`'s ready line: `http://HOST:PORT/v1`).
 impl Cluster {
     pub fn openai(&self) -> String {

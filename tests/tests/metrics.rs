@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, Counts, Exposition, client, collect, collect_as, exposition, greedy, pdctl, with_key,
+    Cluster, Counts, Exposition, TierHits, client, collect, collect_as, exposition, greedy, pdctl,
+    with_key,
 };
 
 const BLOCK: f64 = 16.0;
@@ -29,6 +30,8 @@ fn prompt(seed: u32, len: u32) -> Vec<u32> {
 struct View {
     prefill: Counts,
     decode: Counts,
+    /// Hits by tier of the prefill and the decode node (the router's equal the nodes').
+    tiers: [TierHits; 2],
     router: Exposition,
 }
 
@@ -41,26 +44,38 @@ async fn settled(cluster: &Cluster) -> View {
             .await
             .expect("router /metrics");
         let mut nodes = Vec::new();
+        let mut tiers = Vec::new();
         let mut agree = true;
         for role in ["prefill", "decode"] {
             let addr = &cluster.nodes(role)[0];
-            let own = Counts::of_node(
-                &cluster
-                    .exposition(&cluster.node_metrics(role)[0])
-                    .await
-                    .expect("node /metrics"),
+            let node = cluster
+                .exposition(&cluster.node_metrics(role)[0])
+                .await
+                .expect("node /metrics");
+            let own = (Counts::of_node(&node), TierHits::of_node(&node));
+            let seen = (
+                Counts::of_router(&router, role, addr),
+                TierHits::of_router(&router, role, addr),
             );
-            let seen = Counts::of_router(&router, role, addr);
             agree &= own == seen;
             if tokio::time::Instant::now() > deadline {
                 panic!("the router's counters of {role} {addr} are {seen:?}, the node's {own:?}");
             }
-            nodes.push(own);
+            // The node's own books: device = local hits, host + peer = external hits.
+            assert_eq!(own.1.device, own.0.hits, "{role}: {own:?}");
+            assert_eq!(
+                own.1.host + own.1.peer,
+                own.0.external_hits,
+                "{role}: {own:?}"
+            );
+            nodes.push(own.0);
+            tiers.push(own.1);
         }
         if agree {
             return View {
                 prefill: nodes[0],
                 decode: nodes[1],
+                tiers: [tiers[0], tiers[1]],
                 router,
             };
         }
@@ -68,12 +83,24 @@ async fn settled(cluster: &Cluster) -> View {
     }
 }
 
+type Client = pb::generation_client::GenerationClient<tonic::transport::Channel>;
+
 /// Runs `req` to its end and returns its usage and the counters it added on each node.
 async fn run(
     cluster: &Cluster,
-    c: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    c: &mut Client,
     req: pb::GenerateRequest,
 ) -> (pb::Usage, Counts, Counts) {
+    let (usage, prefill, decode, _) = run_by_tier(cluster, c, req).await;
+    (usage, prefill, decode)
+}
+
+/// [`run`], with the hits by tier the request added on the prefill and the decode node.
+async fn run_by_tier(
+    cluster: &Cluster,
+    c: &mut Client,
+    req: pb::GenerateRequest,
+) -> (pb::Usage, Counts, Counts, [TierHits; 2]) {
     let before = settled(cluster).await;
     let (_, last) = collect_as(c, req, cluster.api_key())
         .await
@@ -97,7 +124,26 @@ async fn run(
         usage.cached_tokens,
         usage.local_cached_tokens + usage.external_cached_tokens
     );
-    (usage, prefill, after.decode.minus(&before.decode))
+    // The split by source: what the prefill node counted for this request, per tier, and
+    // summing to the external hits; with the computed tokens, to the prompt.
+    let tiers = [
+        after.tiers[0].minus(&before.tiers[0]),
+        after.tiers[1].minus(&before.tiers[1]),
+    ];
+    let (host, peer) = (
+        usage.external_host_cached_tokens,
+        usage.external_peer_cached_tokens,
+    );
+    assert_eq!(
+        (f64::from(host), f64::from(peer)),
+        (tiers[0].host, tiers[0].peer),
+        "{usage:?}"
+    );
+    assert_eq!(host + peer, usage.external_cached_tokens, "{usage:?}");
+    assert!(usage.local_cached_tokens + host + peer <= usage.prompt_tokens);
+    assert_eq!(f64::from(usage.prompt_tokens), prefill.prompt_tokens);
+    let decode = after.decode.minus(&before.decode);
+    (usage, prefill, decode, tiers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,7 +224,7 @@ async fn counting_matrix(up_flags: &[&str]) {
     for seed in 10..16 {
         run(&cluster, &mut c, greedy(prompt(seed, 200), 4)).await;
     }
-    let (usage, pre, dec) = run(&cluster, &mut c, greedy(p1.clone(), 4)).await;
+    let (usage, pre, dec, tiers) = run_by_tier(&cluster, &mut c, greedy(p1.clone(), 4)).await;
     assert_eq!(
         pre.prefix(),
         (40.0, 0.0, 40.0, 2.0 * BLOCK),
@@ -188,6 +234,30 @@ async fn counting_matrix(up_flags: &[&str]) {
     assert_eq!(
         (usage.local_cached_tokens, usage.external_cached_tokens),
         (0, 32)
+    );
+    // By tier: the prefill node's external hits are its host tier's; the decode node's are
+    // the KV it received from the prefill node (a peer).
+    assert_eq!(
+        (
+            usage.external_host_cached_tokens,
+            usage.external_peer_cached_tokens
+        ),
+        (32, 0)
+    );
+    assert_eq!(
+        tiers,
+        [
+            TierHits {
+                device: 0.0,
+                host: 2.0 * BLOCK,
+                peer: 0.0
+            },
+            TierHits {
+                device: 0.0,
+                host: 0.0,
+                peer: 40.0
+            }
+        ]
     );
 
     // Aborted right after its lookup, before any token (a 600-token prompt prefilled 32

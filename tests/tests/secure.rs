@@ -77,10 +77,22 @@ async fn pdctl_up_secure_serves_one_engine_s_tokens_to_its_key_and_counts_exactl
     let node = channel(&cluster.nodes("prefill")[0], Some(&grpc))
         .await
         .unwrap();
-    let info = pb::prefill_service_client::PrefillServiceClient::new(node)
+    let info = pb::prefill_service_client::PrefillServiceClient::new(node.clone())
         .info(pb::InfoRequest {})
         .await;
     assert_eq!(info.unwrap_err().code(), tonic::Code::Unauthenticated);
+    // Nor read what a node's cache holds (its cache events), prefill or decode.
+    let events = pb::prefill_service_client::PrefillServiceClient::new(node)
+        .cache_events(pb::CacheEventsRequest {})
+        .await;
+    assert_eq!(events.unwrap_err().code(), tonic::Code::Unauthenticated);
+    let decode = channel(&cluster.nodes("decode")[0], Some(&grpc))
+        .await
+        .unwrap();
+    let events = pb::decode_service_client::DecodeServiceClient::new(decode)
+        .cache_events(pb::CacheEventsRequest {})
+        .await;
+    assert_eq!(events.unwrap_err().code(), tonic::Code::Unauthenticated);
 
     // The keystone: with the key, every prompt gets one engine's greedy tokens.
     let before = prefill_counters(&cluster).await;

@@ -10,7 +10,9 @@
 use std::collections::HashMap;
 use std::fmt;
 
+use super::events::{CacheEvent, Tier};
 use super::hash::BlockHash;
+use super::journal::CacheJournal;
 use super::pool::LruList;
 use super::tier::{ExternalTier, TierError, TierKind};
 
@@ -25,6 +27,8 @@ pub struct HostTier {
     lru: LruList,
     /// Slots never used yet (taken before evicting anything).
     unused: Vec<u32>,
+    /// Hashes entering and leaving the tier, while someone subscribes to them.
+    journal: CacheJournal,
 }
 
 impl HostTier {
@@ -43,6 +47,7 @@ impl HostTier {
             slot_hash: vec![BlockHash(0); capacity],
             lru: LruList::new(capacity),
             unused: (0..capacity as u32).rev().collect(),
+            journal: CacheJournal::new(Tier::Host),
         }
     }
 
@@ -74,6 +79,22 @@ impl HostTier {
             .iter()
             .map(|s| self.slot_hash[s as usize])
             .collect()
+    }
+
+    /// Every hash held, in no particular order (O(len)): what a cache snapshot lists.
+    pub fn hashes(&self) -> Vec<BlockHash> {
+        self.slots.keys().copied().collect()
+    }
+
+    /// Record the hashes that enter and leave the tier from now on (or stop, dropping what
+    /// was not drained); off at first ([`CacheJournal`]).
+    pub fn record_changes(&mut self, on: bool) {
+        self.journal.set_enabled(on);
+    }
+
+    /// Move the changes recorded since the last call, oldest first, to the end of `out`.
+    pub fn drain_changes(&mut self, out: &mut Vec<CacheEvent>) {
+        self.journal.drain_into(out);
     }
 
     fn slot(&self, s: u32) -> std::ops::Range<usize> {
@@ -140,6 +161,7 @@ impl ExternalTier for HostTier {
                     .expect("a full tier has occupied slots");
                 let old = self.slot_hash[s as usize];
                 self.slots.remove(&old);
+                self.journal.removed(old);
                 s
             }
         };
@@ -147,6 +169,7 @@ impl ExternalTier for HostTier {
         self.arena[range].copy_from_slice(data);
         self.slot_hash[s as usize] = hash;
         self.slots.insert(hash, s);
+        self.journal.stored(hash);
         self.lru.push_back(s);
     }
 }

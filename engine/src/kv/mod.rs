@@ -13,9 +13,11 @@ use crate::weights::DType;
 
 pub mod block_buffers;
 pub mod checksum;
+pub mod events;
 pub mod hash;
 pub mod host_buffer;
 pub mod host_tier;
+pub mod journal;
 pub mod placement;
 pub mod pool;
 pub mod reservation;

@@ -47,7 +47,9 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::fmt;
 
+use super::events::{CacheEvent, Tier};
 use super::hash::BlockHash;
+use super::journal::CacheJournal;
 
 /// "No block" in the intrusive lists.
 const NIL: u32 = u32::MAX;
@@ -216,6 +218,8 @@ pub struct BlockPool {
     /// Free blocks with a hash, least recently freed (or touched) at the front; evicted in
     /// that order once `free_uncached` is empty.
     evictable: LruList,
+    /// Hashes entering and leaving `cached`, while someone subscribes to them.
+    journal: CacheJournal,
 }
 
 impl BlockPool {
@@ -235,6 +239,7 @@ impl BlockPool {
             cached: HashMap::new(),
             free_uncached,
             evictable: LruList::new(num_blocks),
+            journal: CacheJournal::new(Tier::Device),
         }
     }
 
@@ -343,6 +348,7 @@ impl BlockPool {
                         .expect("evictable blocks are registered");
                     let removed = self.cached.remove(&h);
                     debug_assert_eq!(removed, Some(b));
+                    self.journal.removed(h);
                     evicted.push((b, h));
                     b
                 }
@@ -386,6 +392,7 @@ impl BlockPool {
             Entry::Vacant(e) => {
                 e.insert(block);
                 self.hash[i] = Some(hash);
+                self.journal.stored(hash);
                 Ok(Registration::New)
             }
         }
@@ -439,6 +446,23 @@ impl BlockPool {
             }
         }
         n
+    }
+
+    /// Every hash cached on the device, in no particular order (O(cached)): what a cache
+    /// snapshot lists.
+    pub fn cached_hashes(&self) -> Vec<BlockHash> {
+        self.cached.keys().copied().collect()
+    }
+
+    /// Record the hashes that enter and leave the device tier from now on (or stop, dropping
+    /// what was not drained); off at first ([`CacheJournal`]).
+    pub fn record_changes(&mut self, on: bool) {
+        self.journal.set_enabled(on);
+    }
+
+    /// Move the changes recorded since the last call, oldest first, to the end of `out`.
+    pub fn drain_changes(&mut self, out: &mut Vec<CacheEvent>) {
+        self.journal.drain_into(out);
     }
 
     /// Evictable blocks from the next to be evicted to the last (O(evictable); for tests and

@@ -21,6 +21,12 @@ pub enum TierKind {
 }
 
 impl TierKind {
+    /// Every tier, in a fixed order: the index of each in [`crate::serve::PerTier`]. A new
+    /// tier (a disk tier) is one variant and its entry here; every `match` on the kind then
+    /// shows where its names (metrics, wire) are missing.
+    pub const ALL: [TierKind; 2] = [TierKind::Host, TierKind::Peer];
+    pub const COUNT: usize = Self::ALL.len();
+
     pub fn as_str(self) -> &'static str {
         match self {
             TierKind::Host => "host",

@@ -5,10 +5,14 @@
 //! cache is disabled or the request needs prompt logprobs, so nothing is counted). Units are
 //! tokens. Hits are whole blocks and never cover the last prompt token. Local hits come from
 //! the device tier; external queries are what the local lookup left, external hits what was
-//! restored from another tier. A preempted request re-admitted later is not counted again,
+//! restored from another tier, split by tier (host, peer: `super::external::PerTier`) so that
+//! per request `computed + local + host + peer == prompt tokens`. A preempted request re-admitted later is not counted again,
 //! and an aborted request keeps its counts. Counters only ever grow: whoever reports them
 //! across a process boundary converts totals into deltas in one place (the router:
 //! `router/src/metrics/aggregate.rs`).
+
+use super::external::PerTier;
+use crate::kv::tier::TierKind;
 
 /// The result of a request's one prefix lookup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -19,12 +23,16 @@ pub struct PrefixOutcome {
     pub local_hits: usize,
     /// Tokens left after the local lookup (`queries - local_hits`).
     pub external_queries: usize,
-    /// Tokens restored from another tier.
+    /// Tokens restored from another tier: the sum of `external_by_source`.
     pub external_hits: usize,
+    /// `external_hits` by where the KV came from.
+    pub external_by_source: PerTier<usize>,
 }
 
 impl PrefixOutcome {
-    pub fn new(prompt_tokens: usize, local_hits: usize, external_hits: usize) -> Self {
+    /// `external` holds the external hits of each source; their sum is `external_hits`.
+    pub fn new(prompt_tokens: usize, local_hits: usize, external: PerTier<usize>) -> Self {
+        let external_hits = external.total();
         // Hits never exceed the prompt; a local lookup never covers the last prompt token
         // (the engine caps it), while KV received from a prefill node may cover the whole
         // prompt on a decode node.
@@ -37,7 +45,13 @@ impl PrefixOutcome {
             local_hits,
             external_queries: prompt_tokens - local_hits,
             external_hits,
+            external_by_source: external,
         }
+    }
+
+    /// Prompt tokens whose KV this node computed: neither local nor external hits.
+    pub fn computed(&self) -> usize {
+        self.queries - self.local_hits - self.external_hits
     }
 }
 
@@ -48,10 +62,14 @@ pub struct EngineCounters {
     pub prefix_cache_hits: u64,
     pub external_prefix_cache_queries: u64,
     pub external_prefix_cache_hits: u64,
+    /// `external_prefix_cache_hits` by source; they sum to it.
+    pub external_prefix_cache_hits_by_source: PerTier<u64>,
     /// Prompt tokens by source, counted once per request at its first admission.
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_local_cache: u64,
+    /// The sum of `prompt_tokens_external_by_source`.
     pub prompt_tokens_external: u64,
+    pub prompt_tokens_external_by_source: PerTier<u64>,
     pub generation_tokens: u64,
     pub requests_finished_stop: u64,
     pub requests_finished_length: u64,
@@ -86,13 +104,23 @@ impl EngineCounters {
                 self.prefix_cache_hits += o.local_hits as u64;
                 self.external_prefix_cache_queries += o.external_queries as u64;
                 self.external_prefix_cache_hits += o.external_hits as u64;
-                (o.local_hits, o.external_hits)
+                (o.local_hits, o.external_by_source)
             }
-            None => (0, 0),
+            None => (0, PerTier::default()),
         };
+        for (source, hits) in external.iter() {
+            let hits = hits as u64;
+            self.external_prefix_cache_hits_by_source[source] += hits;
+            self.prompt_tokens_external_by_source[source] += hits;
+        }
         self.prompt_tokens_local_cache += local as u64;
-        self.prompt_tokens_external += external as u64;
-        self.prompt_tokens_computed += (prompt_tokens - local - external) as u64;
+        self.prompt_tokens_external += external.total() as u64;
+        self.prompt_tokens_computed += (prompt_tokens - local - external.total()) as u64;
+    }
+
+    /// Prompt tokens of one external source (see `prompt_tokens_external_by_source`).
+    pub fn prompt_tokens_from(&self, source: TierKind) -> u64 {
+        self.prompt_tokens_external_by_source[source]
     }
 
     pub fn prompt_tokens(&self) -> u64 {
@@ -115,7 +143,14 @@ mod tests {
     #[test]
     fn external_queries_are_what_local_left() {
         let mut c = EngineCounters::default();
-        c.on_admitted(40, Some(&PrefixOutcome::new(40, 16, 16)));
+        c.on_admitted(
+            40,
+            Some(&PrefixOutcome::new(
+                40,
+                16,
+                PerTier::only(TierKind::Host, 16),
+            )),
+        );
         assert_eq!(
             (
                 c.prefix_cache_queries,
@@ -132,6 +167,40 @@ mod tests {
                 c.prompt_tokens_computed
             ),
             (16, 16, 8)
+        );
+    }
+
+    #[test]
+    fn external_hits_split_by_source_sum_to_the_external_total() {
+        let mut c = EngineCounters::default();
+        c.on_admitted(
+            40,
+            Some(&PrefixOutcome::new(
+                40,
+                16,
+                PerTier::only(TierKind::Host, 16),
+            )),
+        );
+        // A decode node's import: 16 local, the rest received from the prefill node.
+        let mut peer = PerTier::default();
+        peer[TierKind::Peer] = 24;
+        let o = PrefixOutcome::new(40, 16, peer);
+        assert_eq!(o.computed(), 0);
+        c.on_admitted(40, Some(&o));
+        let by = c.external_prefix_cache_hits_by_source;
+        assert_eq!((by[TierKind::Host], by[TierKind::Peer]), (16, 24));
+        assert_eq!(by.total(), c.external_prefix_cache_hits);
+        assert_eq!(
+            c.prompt_tokens_external_by_source.total(),
+            c.prompt_tokens_external
+        );
+        assert_eq!(c.prompt_tokens_from(TierKind::Peer), 24);
+        assert_eq!(
+            c.prompt_tokens_computed
+                + c.prompt_tokens_local_cache
+                + c.prompt_tokens_from(TierKind::Host)
+                + c.prompt_tokens_from(TierKind::Peer),
+            80
         );
     }
 }

@@ -8,7 +8,8 @@
 //! fail at once with an INTERNAL error that is not a panic's. An optional
 //! [`FinishedObserver`] sees every request's end on the engine thread (the node's latency
 //! histograms), including requests nobody listens to any more, and a [`StepObserver`]
-//! every step.
+//! every step. The prefix cache's changes are published here too, after each round of
+//! commands and each step ([`super::cache_feed`]).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -25,6 +26,7 @@ use crate::kv::host_buffer::HostBuffer;
 use crate::kv::placement::HostKvMemory;
 use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
+use super::cache_feed::{CacheEventStream, CacheFeed, CacheUpdate};
 use super::counters::EngineCounters;
 use super::engine::{Engine, StepStats};
 use super::lease_secret::LeaseSecret;
@@ -80,6 +82,8 @@ enum Command {
         Sender<Command>,
     ),
     ReleaseReservation(ReservationId),
+    /// A new cache-events subscriber: its channel and the flag set when it falls behind.
+    SubscribeCache(mpsc::SyncSender<CacheUpdate>, Arc<AtomicBool>),
     Shutdown,
 }
 
@@ -307,6 +311,22 @@ impl EngineHandle {
         }
     }
 
+    /// Subscribe to the prefix cache's changes: a snapshot of both tiers, then a batch of
+    /// changes per step that made any ([`super::cache_feed`]). At most `buffer` messages
+    /// (at least 1) wait unread; one more and the subscription ends with
+    /// [`super::FeedEnded::Lagged`]. It ends with [`super::FeedEnded::EngineStopped`] when
+    /// the engine stops (at once if it has).
+    pub fn subscribe_cache_events(&self, buffer: usize) -> CacheEventStream {
+        let (tx, rx) = mpsc::sync_channel(buffer.max(1));
+        let lagged = Arc::new(AtomicBool::new(false));
+        let stream = CacheEventStream::new(rx, Arc::clone(&lagged));
+        // Not sent to a failed engine: dropping `tx` ends the stream at once.
+        if self.is_healthy() {
+            let _ = self.tx.send(Command::SubscribeCache(tx, lagged));
+        }
+        stream
+    }
+
     /// The engine's counters as of its last step.
     pub fn counters(&self) -> EngineCounters {
         self.counters.lock().map(|c| c.clone()).unwrap_or_default()
@@ -336,8 +356,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// loop ends it through [`fail`].
 fn run<B: Backend>(mut engine: Engine<B>, rx: Receiver<Command>, thread: ThreadState) {
     let mut streams: HashMap<RequestId, Sender<RequestEvent>> = HashMap::new();
+    // Dropped with the thread: every subscription then ends.
+    let mut feed = CacheFeed::new();
     let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        serve(&mut engine, &rx, &thread, &mut streams)
+        serve(&mut engine, &rx, &thread, &mut streams, &mut feed)
     }));
     if let Err(panic) = served {
         fail(&thread, &panic_message(&*panic), streams);
@@ -389,6 +411,7 @@ fn serve<B: Backend>(
     rx: &Receiver<Command>,
     thread: &ThreadState,
     streams: &mut Streams,
+    feed: &mut CacheFeed,
 ) {
     while let Some(first) = first_command(engine, rx, thread) {
         let mut shutdown = false;
@@ -396,8 +419,10 @@ fn serve<B: Backend>(
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            shutdown |= handle(engine, cmd, thread, streams);
+            shutdown |= handle(engine, cmd, thread, streams, feed);
         }
+        // Commands change the cache too (a reservation's allocation evicts blocks).
+        feed.publish(engine);
         if shutdown {
             for (id, tx) in streams.drain() {
                 if let Some(event) = engine.abort(&id) {
@@ -412,6 +437,7 @@ fn serve<B: Backend>(
             continue;
         }
         step(engine, thread, streams);
+        feed.publish(engine);
     }
 }
 
@@ -461,6 +487,7 @@ fn handle<B: Backend>(
     cmd: Command,
     thread: &ThreadState,
     streams: &mut Streams,
+    feed: &mut CacheFeed,
 ) -> bool {
     match cmd {
         Command::Submit(req, tx) => {
@@ -510,6 +537,7 @@ fn handle<B: Backend>(
                 publish(thread, engine);
             }
         }
+        Command::SubscribeCache(tx, lagged) => feed.subscribe(engine, tx, lagged),
         Command::Shutdown => return true,
     }
     false

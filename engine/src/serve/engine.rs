@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::executor::Executor;
+use crate::kv::events::{CacheEvent, Tier};
+use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::host_tier::HostTier;
 use crate::kv::pool::BlockPool;
@@ -165,6 +167,39 @@ impl<B: Backend> Engine<B> {
 
     pub fn num_blocks(&self) -> usize {
         self.executor.num_blocks()
+    }
+
+    /// Every block hash `tier` of the prefix cache holds now, in no particular order.
+    pub fn cached_hashes(&self, tier: Tier) -> Vec<BlockHash> {
+        match tier {
+            Tier::Device => self.pool.cached_hashes(),
+            Tier::Host => self.host.hashes(),
+        }
+    }
+
+    /// The most blocks `tier` can hold (the host tier: `host_cache_blocks`, 0 when off).
+    pub fn cache_capacity(&self, tier: Tier) -> usize {
+        match tier {
+            Tier::Device => self.pool.num_blocks(),
+            Tier::Host => self.host.capacity(),
+        }
+    }
+
+    /// Record which hashes enter and leave each tier from now on, for
+    /// [`Self::drain_cache_changes`] (or stop, dropping what was not drained). Off at first:
+    /// an engine nobody subscribes to records nothing.
+    pub fn record_cache_changes(&mut self, on: bool) {
+        self.pool.record_changes(on);
+        self.host.record_changes(on);
+    }
+
+    /// The changes recorded since the last call: the device tier's in order, then the host
+    /// tier's in order (each tier's set follows from its own changes alone).
+    pub fn drain_cache_changes(&mut self) -> Vec<CacheEvent> {
+        let mut out = Vec::new();
+        self.pool.drain_changes(&mut out);
+        self.host.drain_changes(&mut out);
+        out
     }
 
     /// End a request now. Returns its terminal event, or `None` if it is not open.

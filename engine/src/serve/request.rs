@@ -9,6 +9,7 @@ use crate::kv::hash::BlockHash;
 use crate::kv::host_buffer::HostBuffer;
 use crate::kv::reservation::ReservedBlocks;
 use crate::sampling::{FinishReason, Guide, PromptLogprob, SampledToken, SamplingParams};
+use crate::serve::external::PerTier;
 use crate::serve::lease_secret::LeaseSecret;
 
 /// A request's id, unique among the engine's open requests (the router's request id).
@@ -107,8 +108,12 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens found in this node's device cache.
     pub local_cached_tokens: usize,
-    /// Prompt tokens restored from another tier (host memory, a peer).
+    /// Prompt tokens restored from another tier (host memory, a peer): the sum of
+    /// `external_cached_by_source`.
     pub external_cached_tokens: usize,
+    /// `external_cached_tokens` by where the KV came from. Per request,
+    /// `prompt_tokens = computed + local_cached_tokens + Σ external_cached_by_source`.
+    pub external_cached_by_source: PerTier<usize>,
 }
 
 impl Usage {

@@ -11,10 +11,10 @@ use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
 use pd_engine::kv::placement::{KvReservation, ReleaseFn, ReservationId};
 use pd_engine::kv::reservation::{ImportReservation, Landing};
 use pd_engine::serve::{
-    Engine, EngineConfig, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, Role,
+    Engine, EngineConfig, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, Role, TierKind,
 };
 
-use crate::{all_free, config, engine, prompt, req, run_one};
+use crate::{all_free, config, engine, prompt, req, run_one, usage_split};
 
 #[test]
 fn prefill_role_leases_the_prompt_blocks_until_released_or_expired() {
@@ -162,6 +162,8 @@ fn prefill_then_decode(placed: bool) {
         (usage.local_cached_tokens, usage.external_cached_tokens),
         (0, 23)
     );
+    // All of it received from the prefill node: a peer, none from the host tier.
+    assert_eq!(usage_split(&usage), (0, 0, 23));
     let c = decode.counters();
     assert_eq!(
         (
@@ -179,6 +181,8 @@ fn prefill_then_decode(placed: bool) {
         (usage.local_cached_tokens, usage.external_cached_tokens),
         (20, 3)
     );
+    assert_eq!(usage_split(&usage), (20, 0, 3));
+    assert_eq!(usage.prompt_tokens, 23, "local + peer is the whole prompt");
     let c = decode.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (46, 20));
     assert_eq!(
@@ -187,6 +191,16 @@ fn prefill_then_decode(placed: bool) {
             c.external_prefix_cache_hits
         ),
         (26, 26)
+    );
+    let by = c.external_prefix_cache_hits_by_source;
+    assert_eq!((by[TierKind::Host], by[TierKind::Peer]), (0, 26));
+    assert_eq!(
+        (
+            c.prompt_tokens_computed,
+            c.prompt_tokens_local_cache,
+            c.prompt_tokens_from(TierKind::Peer)
+        ),
+        (0, 20, 26)
     );
     all_free(&prefill);
     all_free(&decode);

@@ -5,6 +5,7 @@
 //! One test binary: the tests are grouped by concept in the modules below; the engine
 //! builders, request helpers and bookkeeping checks they share live here.
 
+mod cache_events;
 mod disaggregation;
 mod prefix_cache;
 mod scheduling;
@@ -95,6 +96,29 @@ fn check_counters(c: &EngineCounters) {
     assert!(c.prefix_cache_hits <= c.prefix_cache_queries);
     assert!(c.external_prefix_cache_hits <= c.external_prefix_cache_queries);
     assert!(c.external_prefix_cache_queries <= c.prefix_cache_queries);
+    // External hits split by source, summing to the external total.
+    assert_eq!(
+        c.external_prefix_cache_hits_by_source.total(),
+        c.external_prefix_cache_hits
+    );
+    assert_eq!(
+        c.prompt_tokens_external_by_source.total(),
+        c.prompt_tokens_external
+    );
+}
+
+/// A finished request's usage balances: computed + local + host + peer = prompt tokens, and
+/// host + peer = external. Returns (local, host, peer).
+fn usage_split(u: &pd_engine::serve::Usage) -> (usize, usize, usize) {
+    use pd_engine::serve::TierKind;
+    let by = u.external_cached_by_source;
+    let (host, peer) = (by[TierKind::Host], by[TierKind::Peer]);
+    assert_eq!(host + peer, u.external_cached_tokens, "{u:?}");
+    assert!(
+        u.local_cached_tokens + host + peer <= u.prompt_tokens,
+        "{u:?}"
+    );
+    (u.local_cached_tokens, host, peer)
 }
 
 fn all_free(engine: &Engine<CpuBackend>) {

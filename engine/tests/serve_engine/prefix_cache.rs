@@ -3,10 +3,12 @@
 
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::sampling::FinishReason;
-use pd_engine::serve::{RequestEvent, RequestId};
+use pd_engine::serve::{RequestEvent, RequestId, TierKind};
 use pd_engine::weights::DType;
 
-use crate::{all_free, check_counters, config, engine, engine_on, prompt, req, run_one};
+use crate::{
+    all_free, check_counters, config, engine, engine_on, prompt, req, run_one, usage_split,
+};
 
 #[test]
 fn cold_miss_then_local_hits_of_whole_blocks_below_the_last_token() {
@@ -140,11 +142,26 @@ fn evicted_blocks_come_back(kv_dtype: DType) {
     let usage = again.finished.unwrap().usage;
     assert_eq!(usage.local_cached_tokens + usage.external_cached_tokens, 16);
     assert!(usage.external_cached_tokens > 0, "{kv_dtype:?}: {usage:?}");
+    // The external hits are all the host tier's; the prompt is computed + local + host.
+    let (local, host, peer) = usage_split(&usage);
+    assert_eq!((host, peer), (usage.external_cached_tokens, 0));
+    assert_eq!(20 - (local + host), 4, "the last block is computed");
     let c = e.counters();
     assert_eq!(
         c.external_prefix_cache_hits as usize,
         usage.external_cached_tokens
     );
+    let by = c.external_prefix_cache_hits_by_source;
+    assert_eq!((by[TierKind::Host] as usize, by[TierKind::Peer]), (host, 0));
+    assert_eq!(c.prompt_tokens_from(TierKind::Host) as usize, host);
+    assert_eq!(
+        c.prompt_tokens_computed
+            + c.prompt_tokens_local_cache
+            + c.prompt_tokens_from(TierKind::Host)
+            + c.prompt_tokens_from(TierKind::Peer),
+        c.prompt_tokens()
+    );
+    assert_eq!(c.prompt_tokens(), 20 + 40 + 20);
     // External queries: every prompt token the local lookups left.
     assert_eq!(
         c.external_prefix_cache_queries,

@@ -8,6 +8,7 @@
 //! them in the text format. The `pd_node_*` families are this project's own.
 
 use pd_engine::sampling::FinishReason;
+use pd_engine::serve::TierKind;
 
 /// A family's Prometheus type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,29 +295,36 @@ impl Family {
     }
 }
 
-/// The `source` values of `vllm:prompt_tokens_by_source_total`.
+/// The `source` values of `vllm:prompt_tokens_by_source_total`: vLLM's three, with the
+/// external part split by where the KV came from. vLLM has no value of its own for a host
+/// tier (it counts restores from its CPU offload as `external_kv_transfer`), so host-tier
+/// restores get `external_host_cache_hit`; the values still sum to the prompt tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PromptSource {
     /// Computed on this node.
     LocalCompute,
     /// Found in this node's device cache.
     LocalCacheHit,
-    /// Restored from the host tier or received from the prefill node.
-    ExternalKvTransfer,
+    /// Found outside the device cache, by where it came from.
+    External(TierKind),
 }
 
 impl PromptSource {
-    pub const ALL: [PromptSource; 3] = [
+    /// Every value, in exposition order (vLLM's three first).
+    pub const ALL: [PromptSource; 2 + TierKind::COUNT] = [
         Self::LocalCompute,
         Self::LocalCacheHit,
-        Self::ExternalKvTransfer,
+        Self::External(TierKind::Peer),
+        Self::External(TierKind::Host),
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::LocalCompute => "local_compute",
             Self::LocalCacheHit => "local_cache_hit",
-            Self::ExternalKvTransfer => "external_kv_transfer",
+            // vLLM's value for KV received through its KV connector.
+            Self::External(TierKind::Peer) => "external_kv_transfer",
+            Self::External(TierKind::Host) => "external_host_cache_hit",
         }
     }
 }
@@ -366,6 +374,16 @@ mod tests {
             if f.kind() == MetricType::Counter {
                 assert!(f.name().ends_with("_total"), "{}", f.name());
             }
+        }
+    }
+
+    #[test]
+    fn prompt_sources_list_every_external_source_once() {
+        let names: std::collections::HashSet<_> =
+            PromptSource::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(names.len(), PromptSource::ALL.len());
+        for source in TierKind::ALL {
+            assert!(PromptSource::ALL.contains(&PromptSource::External(source)));
         }
     }
 }

@@ -179,7 +179,7 @@ fn values(
                 let n = match s {
                     PromptSource::LocalCompute => c.prompt_tokens_computed,
                     PromptSource::LocalCacheHit => c.prompt_tokens_local_cache,
-                    PromptSource::ExternalKvTransfer => c.prompt_tokens_external,
+                    PromptSource::External(source) => c.prompt_tokens_from(source),
                 };
                 (vec![(label::SOURCE, s.as_str())], n as f64)
             })

@@ -4,7 +4,7 @@
 //! `NodeInfo.counters`, `PrefillResponse.counters` and the last `DecodeResponse.counters`.
 
 use pd_engine::sampling::FinishReason;
-use pd_engine::serve::EngineCounters;
+use pd_engine::serve::{EngineCounters, TierKind};
 use pd_proto::pb;
 use pd_transport::TransferCounts;
 
@@ -61,6 +61,10 @@ pub fn counter_report(
         prefix_cache_hits: engine.prefix_cache_hits,
         external_prefix_cache_queries: engine.external_prefix_cache_queries,
         external_prefix_cache_hits: engine.external_prefix_cache_hits,
+        external_prefix_cache_hits_host: engine.external_prefix_cache_hits_by_source
+            [TierKind::Host],
+        external_prefix_cache_hits_peer: engine.external_prefix_cache_hits_by_source
+            [TierKind::Peer],
         prompt_tokens: engine.prompt_tokens(),
         generation_tokens: engine.generation_tokens,
         preemptions: engine.preemptions,
@@ -80,6 +84,7 @@ pub fn counter_report(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pd_engine::serve::PerTier;
 
     #[test]
     fn epochs_are_nonzero_float_exact_and_differ() {
@@ -99,6 +104,11 @@ mod tests {
             prefix_cache_hits: 16,
             external_prefix_cache_queries: 24,
             external_prefix_cache_hits: 8,
+            external_prefix_cache_hits_by_source: {
+                let mut by = PerTier::only(TierKind::Host, 3);
+                by[TierKind::Peer] = 5;
+                by
+            },
             prompt_tokens_computed: 16,
             prompt_tokens_local_cache: 16,
             prompt_tokens_external: 8,
@@ -122,6 +132,13 @@ mod tests {
                 r.external_prefix_cache_hits
             ),
             (24, 8)
+        );
+        assert_eq!(
+            (
+                r.external_prefix_cache_hits_host,
+                r.external_prefix_cache_hits_peer
+            ),
+            (3, 5)
         );
         assert_eq!(
             (r.prompt_tokens, r.generation_tokens, r.preemptions),

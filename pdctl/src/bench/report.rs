@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::args::Slo;
 use super::client::RequestRecord;
 use super::driver::{CounterSample, RunOutput};
-use super::scrape::{CacheCounters, CacheTier, HitsQueries, KvTransfers};
+use super::scrape::{CacheCounters, CacheTier, HitsQueries, KvTransfers, Prediction};
 use super::stats::Distribution;
 
 pub const SCHEMA: &str = "pdctl-bench";
@@ -159,6 +159,28 @@ impl From<KvTransfers> for KvTransferWindow {
     }
 }
 
+/// How well the router's cache index predicted the nodes' prefix hits over the benchmark's
+/// window (`pd_router_prefix_{predicted,delivered}_tokens_total`, all nodes and roles, the
+/// tiers the index predicts: device and host; a peer's KV is a transfer, not a prediction).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PredictionWindow {
+    pub predicted_tokens: f64,
+    pub delivered_tokens: f64,
+    /// predicted / delivered (1: the router routed on what the caches held); None when no
+    /// request of the window had a prediction.
+    pub ratio: Option<f64>,
+}
+
+impl From<Prediction> for PredictionWindow {
+    fn from(p: Prediction) -> Self {
+        Self {
+            predicted_tokens: p.predicted,
+            delivered_tokens: p.delivered,
+            ratio: p.ratio(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TimelinePoint {
     /// End of the bucket, seconds into the window.
@@ -208,6 +230,9 @@ pub struct Report {
     /// Absent in reports of older pdctl versions, and without `--router-metrics`.
     #[serde(default)]
     pub router_kv_transfer: Option<KvTransferWindow>,
+    /// Absent in reports of older pdctl versions, and without `--router-metrics`.
+    #[serde(default)]
+    pub router_prefix_prediction: Option<PredictionWindow>,
     pub timeline: Vec<TimelinePoint>,
     pub router_timeline: Vec<RouterPoint>,
     pub requests: Vec<RequestRow>,
@@ -404,6 +429,10 @@ pub fn build(
         (Some((before, after)), Some(_)) => Some(after.since(before).kv.into()),
         _ => None,
     };
+    let router_prefix_prediction = match (&out.counters, metrics_url) {
+        (Some((before, after)), Some(_)) => Some(after.since(before).prediction.into()),
+        _ => None,
+    };
     let mut records: Vec<&RequestRecord> = out.records.iter().collect();
     records.sort_by_key(|r| (r.start, r.session, r.turn));
     Report {
@@ -419,6 +448,7 @@ pub fn build(
         config,
         router_prefix_cache,
         router_kv_transfer,
+        router_prefix_prediction,
         timeline: timeline(out),
         router_timeline: router_timeline(&out.samples),
         requests: records.into_iter().map(row).collect(),
@@ -528,6 +558,18 @@ pub fn table(report: &Report) -> String {
             }
         }
         None => line("Router hit rates:", "n/a (no --router-metrics)".into()),
+    }
+    if let Some(p) = &report.router_prefix_prediction {
+        line(
+            "Prefix predicted / delivered (window):",
+            match p.ratio {
+                Some(r) => format!(
+                    "{r:.2} ({:.0}/{:.0} tokens)",
+                    p.predicted_tokens, p.delivered_tokens
+                ),
+                None => "n/a (no request routed on cache events)".into(),
+            },
+        );
     }
     if let Some(kv) = &report.router_kv_transfer {
         line(

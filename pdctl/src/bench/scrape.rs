@@ -1,8 +1,10 @@
 //! The router's `/metrics`, read over plain HTTP and parsed with `prometheus-parse`: the
 //! prefix-cache counters `pd_router_prefix_cache_{hits,queries}_total{cache,role,node,...}`
 //! summed per (role, cache), the decode nodes' KV transfers
-//! (`pd_router_kv_transfer_bytes_total`, `pd_router_kv_transfer_seconds_{sum,count}`), and
-//! their change over a window.
+//! (`pd_router_kv_transfer_bytes_total`, `pd_router_kv_transfer_seconds_{sum,count}`), the
+//! cache index's predicted and delivered prefix tokens
+//! (`pd_router_prefix_{predicted,delivered}_tokens_total`, summed over nodes, roles and
+//! tiers), and their change over a window.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +17,8 @@ use pd_router::metrics::ids::name;
 const HITS: &str = name::PREFIX_CACHE_HITS_TOTAL;
 const QUERIES: &str = name::PREFIX_CACHE_QUERIES_TOTAL;
 const KV_BYTES: &str = name::KV_TRANSFER_BYTES_TOTAL;
+const PREDICTED: &str = name::PREFIX_PREDICTED_TOKENS_TOTAL;
+const DELIVERED: &str = name::PREFIX_DELIVERED_TOKENS_TOTAL;
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +62,22 @@ impl CacheTier {
 pub struct CacheCounters {
     pub by_role: BTreeMap<(String, CacheTier), HitsQueries>,
     pub kv: KvTransfers,
+    pub prediction: Prediction,
+}
+
+/// Prompt tokens the router's cache index predicted the chosen nodes would reuse, and what
+/// those nodes' usage says they reused, for the same requests (docs/routing.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Prediction {
+    pub predicted: f64,
+    pub delivered: f64,
+}
+
+impl Prediction {
+    /// predicted / delivered; None when nothing was delivered.
+    pub fn ratio(&self) -> Option<f64> {
+        (self.delivered > 0.0).then(|| self.predicted / self.delivered)
+    }
 }
 
 /// KV pulled by the decode nodes (the receiving side: prefill nodes report the same bytes as
@@ -125,7 +145,16 @@ impl CacheCounters {
             transfers: d(now.transfers, then.transfers),
             seconds: d(now.seconds, then.seconds),
         };
-        CacheCounters { by_role, kv }
+        let (now, then) = (self.prediction, before.prediction);
+        let prediction = Prediction {
+            predicted: d(now.predicted, then.predicted),
+            delivered: d(now.delivered, then.delivered),
+        };
+        CacheCounters {
+            by_role,
+            kv,
+            prediction,
+        }
     }
 }
 
@@ -284,6 +313,15 @@ pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
                 _ => {}
             }
         }
+        match sample.metric.as_str() {
+            PREDICTED => counters.prediction.predicted += value,
+            // Peer hits are KV another node sent, not a cache the index could predict: the
+            // ratio compares the tiers it predicts (device, host).
+            DELIVERED if sample.labels.get("tier") != Some("peer") => {
+                counters.prediction.delivered += value
+            }
+            _ => {}
+        }
         let is_hits = sample.metric == HITS;
         if !is_hits && sample.metric != QUERIES {
             continue;
@@ -342,6 +380,12 @@ pd_router_kv_transfer_bytes_total{role=\"prefill\",node=\"a:1\",model_name=\"m\"
 pd_router_kv_transfer_seconds_bucket{role=\"decode\",node=\"c:3\",model_name=\"m\",le=\"+Inf\"} 2
 pd_router_kv_transfer_seconds_sum{role=\"decode\",node=\"c:3\",model_name=\"m\"} 0.5
 pd_router_kv_transfer_seconds_count{role=\"decode\",node=\"c:3\",model_name=\"m\"} 2
+# TYPE pd_router_prefix_predicted_tokens_total counter
+pd_router_prefix_predicted_tokens_total{node=\"a:1\",role=\"prefill\",tier=\"device\"} 96
+pd_router_prefix_predicted_tokens_total{node=\"a:1\",role=\"prefill\",tier=\"host\"} 32
+# TYPE pd_router_prefix_delivered_tokens_total counter
+pd_router_prefix_delivered_tokens_total{node=\"a:1\",role=\"prefill\",tier=\"device\"} 64
+pd_router_prefix_delivered_tokens_total{node=\"a:1\",role=\"prefill\",tier=\"peer\"} 500
 ";
 
     #[test]
@@ -384,6 +428,23 @@ pd_router_kv_transfer_seconds_count{role=\"decode\",node=\"c:3\",model_name=\"m\
         );
         assert_eq!(d.total(CacheTier::External).queries, 0.0);
         assert_eq!(d.total(CacheTier::External).rate(), None);
+    }
+
+    #[test]
+    fn predicted_and_delivered_sum_over_the_predicted_tiers_and_subtract_over_a_window() {
+        let now = parse_cache_counters(TEXT).unwrap();
+        assert_eq!(
+            now.prediction,
+            Prediction {
+                predicted: 128.0,
+                // The peer's 500 are a transfer, not a cache the index predicts.
+                delivered: 64.0
+            }
+        );
+        assert_eq!(now.prediction.ratio(), Some(2.0));
+        let before = parse_cache_counters(&TEXT.replace("} 96", "} 64")).unwrap();
+        assert_eq!(now.since(&before).prediction.predicted, 32.0);
+        assert_eq!(now.since(&now).prediction.ratio(), None);
     }
 
     #[test]

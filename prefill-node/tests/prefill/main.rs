@@ -7,6 +7,7 @@
 
 mod abort;
 mod binary;
+mod cache_events;
 mod requests;
 mod sealed;
 

@@ -14,6 +14,7 @@ use super::release::{CONTROL_TIMEOUT, Lease, abort_decode, release_kv};
 use super::retry::settle_failure;
 use super::{End, Job};
 use crate::error::{NodeError, NodeFailure};
+use crate::metrics::Predicted;
 use crate::registry::{Layout, Node, Permit, Role};
 
 /// How a decode attempt failed.
@@ -228,6 +229,12 @@ impl Job {
         // Tokens already sent that the node takes as output: all of them in aggregated mode,
         // all but the last (its first token) with a KV handle. None on a first attempt.
         let resumed = self.output.len() - usize::from(handoff.is_some() && !self.output.is_empty());
+        // What the cache index expects the node to reuse of the prompt (a resumed stream's
+        // prompt is longer: not compared).
+        let predicted = match resumed {
+            0 => self.shared.predict(&self.req, node),
+            _ => None,
+        };
         let mut sampling = wire_sampling(params);
         if resumed > 0 {
             // Scored on the stream's first attempt already.
@@ -330,8 +337,10 @@ impl Job {
                             self.shared.metrics.clone(),
                             node.clone(),
                             stream,
+                            predicted,
                         ));
                     }
+                    observe_prediction(&self.shared.metrics, node, predicted, last.as_ref());
                     self.take_compute_usage(handoff, last);
                     return Ok(self.finish(chunk, reason));
                 }
@@ -339,6 +348,7 @@ impl Job {
                     // The node ended it (context length, its own abort): flush held-back text.
                     chunk.text.push_str(&text.flush());
                     self.held.decoding = None;
+                    observe_prediction(&self.shared.metrics, node, predicted, last.as_ref());
                     self.take_compute_usage(handoff, last);
                     return Ok(self.finish(chunk, reason));
                 }
@@ -394,6 +404,12 @@ impl Job {
             usage.local_cached_tokens = usage.local_cached_tokens.min(prompt);
             usage.external_cached_tokens =
                 (usage.external_cached_tokens).min(prompt - usage.local_cached_tokens);
+            // The split by source keeps summing to the external hits: the host tier's
+            // restore continues the device prefix, so it is kept first.
+            let external = usage.external_cached_tokens;
+            usage.external_host_cached_tokens = usage.external_host_cached_tokens.min(external);
+            usage.external_peer_cached_tokens = (usage.external_peer_cached_tokens)
+                .min(external - usage.external_host_cached_tokens);
         }
         self.compute_usage = usage;
     }
@@ -408,18 +424,33 @@ fn kv_layout(h: &Handoff) -> (Layout, &str) {
     (layout, h.kv.addr.as_str())
 }
 
+/// Counts what the index predicted `node` would reuse next to what its last message's usage
+/// says it reused ([`crate::metrics`]' predictions), when there was a prediction and a usage.
+fn observe_prediction(
+    metrics: &crate::metrics::RouterMetrics,
+    node: &Node,
+    predicted: Option<Predicted>,
+    last: Option<&pb::DecodeResponse>,
+) {
+    if let (Some(predicted), Some(usage)) = (predicted, last.and_then(|m| m.usage.as_ref())) {
+        metrics.prediction.observe(node, predicted, usage);
+    }
+}
+
 /// Reads a decode stream the client no longer needs up to its last message (at most
-/// [`CONTROL_TIMEOUT`]) so the node's final counter report reaches the metrics at once
-/// rather than with the next `Info` poll.
+/// [`CONTROL_TIMEOUT`]) so the node's final counter report (and its usage, next to the
+/// index's prediction) reaches the metrics at once rather than with the next `Info` poll.
 async fn observe_last_report(
     metrics: Arc<crate::metrics::RouterMetrics>,
     node: Arc<Node>,
     mut stream: tonic::Streaming<pb::DecodeResponse>,
+    predicted: Option<Predicted>,
 ) {
     let last = async {
         while let Ok(Some(message)) = stream.message().await {
             metrics.observe_report(&node, message.counters.as_ref());
             if message.finish_reason() != pb::FinishReason::Unspecified {
+                observe_prediction(&metrics, &node, predicted, Some(&message));
                 return;
             }
         }

@@ -77,6 +77,10 @@ pub struct Increments {
     pub prefix_cache_hits: u64,
     pub external_prefix_cache_queries: u64,
     pub external_prefix_cache_hits: u64,
+    /// `external_prefix_cache_hits` by source (each raised on its own mark, like every
+    /// counter: from a node that splits, they sum to the external hits).
+    pub external_prefix_cache_hits_host: u64,
+    pub external_prefix_cache_hits_peer: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -103,6 +107,8 @@ struct Marks {
     prefix_cache_hits: u64,
     external_prefix_cache_queries: u64,
     external_prefix_cache_hits: u64,
+    external_prefix_cache_hits_host: u64,
+    external_prefix_cache_hits_peer: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
     preemptions: u64,
@@ -141,6 +147,14 @@ impl Marks {
         out.external_prefix_cache_hits = raise(
             &mut self.external_prefix_cache_hits,
             r.external_prefix_cache_hits,
+        );
+        out.external_prefix_cache_hits_host = raise(
+            &mut self.external_prefix_cache_hits_host,
+            r.external_prefix_cache_hits_host,
+        );
+        out.external_prefix_cache_hits_peer = raise(
+            &mut self.external_prefix_cache_hits_peer,
+            r.external_prefix_cache_hits_peer,
         );
         out.prompt_tokens = raise(&mut self.prompt_tokens, r.prompt_tokens);
         out.generation_tokens = raise(&mut self.generation_tokens, r.generation_tokens);
@@ -315,6 +329,10 @@ mod tests {
             total.prefix_cache_hits += local;
             total.external_prefix_cache_queries += prompt - local;
             total.external_prefix_cache_hits += external;
+            // Some of it from the host tier, the rest from a peer (a decode node's import).
+            let host = (external / 16).div_ceil(2) * 16;
+            total.external_prefix_cache_hits_host += host;
+            total.external_prefix_cache_hits_peer += external - host;
             total.prompt_tokens += prompt;
             total.generation_tokens += 1;
             total.kv_transfer_seconds_sum += 0.125;
@@ -393,6 +411,8 @@ mod tests {
                 totals.prefix_cache_hits += inc.prefix_cache_hits;
                 totals.external_prefix_cache_queries += inc.external_prefix_cache_queries;
                 totals.external_prefix_cache_hits += inc.external_prefix_cache_hits;
+                totals.external_prefix_cache_hits_host += inc.external_prefix_cache_hits_host;
+                totals.external_prefix_cache_hits_peer += inc.external_prefix_cache_hits_peer;
                 totals.prompt_tokens += inc.prompt_tokens;
                 totals.generation_tokens += inc.generation_tokens;
                 totals.kv_transfer_seconds += inc.kv_transfer_seconds;
@@ -418,6 +438,19 @@ mod tests {
             prop_assert_eq!(
                 totals.external_prefix_cache_hits,
                 expect(|r| r.external_prefix_cache_hits)
+            );
+            prop_assert_eq!(
+                totals.external_prefix_cache_hits_host,
+                expect(|r| r.external_prefix_cache_hits_host)
+            );
+            prop_assert_eq!(
+                totals.external_prefix_cache_hits_peer,
+                expect(|r| r.external_prefix_cache_hits_peer)
+            );
+            // Each report's split sums to its external hits, so the totals' does too.
+            prop_assert_eq!(
+                totals.external_prefix_cache_hits_host + totals.external_prefix_cache_hits_peer,
+                totals.external_prefix_cache_hits
             );
             prop_assert_eq!(totals.prompt_tokens, expect(|r| r.prompt_tokens));
             prop_assert_eq!(totals.generation_tokens, expect(|r| r.generation_tokens));

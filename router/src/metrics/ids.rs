@@ -10,6 +10,7 @@ use tonic::Code;
 /// Label names (the label *values* come from typed sources: node addresses, roles, enums).
 pub mod label {
     pub const CACHE: &str = "cache";
+    pub const TIER: &str = "tier";
     pub const ROLE: &str = "role";
     pub const NODE: &str = "node";
     pub const MODEL_NAME: &str = "model_name";
@@ -27,6 +28,7 @@ pub mod label {
 pub mod name {
     pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "pd_router_prefix_cache_queries_total";
     pub const PREFIX_CACHE_HITS_TOTAL: &str = "pd_router_prefix_cache_hits_total";
+    pub const PREFIX_CACHE_HITS_BY_TIER_TOTAL: &str = "pd_router_prefix_cache_hits_by_tier_total";
     pub const PROMPT_TOKENS_TOTAL: &str = "pd_router_prompt_tokens_total";
     pub const GENERATION_TOKENS_TOTAL: &str = "pd_router_generation_tokens_total";
     pub const NODE_PREEMPTIONS_TOTAL: &str = "pd_router_node_preemptions_total";
@@ -56,6 +58,9 @@ pub mod name {
     pub const MIGRATIONS_TOTAL: &str = "pd_router_migrations_total";
     pub const TENANT_REQUESTS_REJECTED_TOTAL: &str = "pd_router_tenant_requests_rejected_total";
     pub const FILE_RELOADS_TOTAL: &str = "pd_router_file_reloads_total";
+    pub const PREFIX_PREDICTED_TOKENS_TOTAL: &str = "pd_router_prefix_predicted_tokens_total";
+    pub const CACHE_EVENTS_LOST_TOTAL: &str = "pd_router_cache_events_lost_total";
+    pub const PREFIX_DELIVERED_TOKENS_TOTAL: &str = "pd_router_prefix_delivered_tokens_total";
 }
 
 /// One metric family of the router.
@@ -63,6 +68,7 @@ pub mod name {
 pub enum Family {
     PrefixCacheQueries,
     PrefixCacheHits,
+    PrefixCacheHitsByTier,
     PromptTokens,
     GenerationTokens,
     NodePreemptions,
@@ -92,12 +98,16 @@ pub enum Family {
     Migrations,
     TenantRequestsRejected,
     FileReloads,
+    PrefixPredictedTokens,
+    PrefixDeliveredTokens,
+    CacheEventsLost,
 }
 
 impl Family {
-    pub const ALL: [Family; 31] = [
+    pub const ALL: [Family; 35] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
+        Family::PrefixCacheHitsByTier,
         Family::PromptTokens,
         Family::GenerationTokens,
         Family::NodePreemptions,
@@ -127,6 +137,9 @@ impl Family {
         Family::Migrations,
         Family::TenantRequestsRejected,
         Family::FileReloads,
+        Family::PrefixPredictedTokens,
+        Family::PrefixDeliveredTokens,
+        Family::CacheEventsLost,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -134,6 +147,7 @@ impl Family {
         match self {
             Family::PrefixCacheQueries => name::PREFIX_CACHE_QUERIES_TOTAL,
             Family::PrefixCacheHits => name::PREFIX_CACHE_HITS_TOTAL,
+            Family::PrefixCacheHitsByTier => name::PREFIX_CACHE_HITS_BY_TIER_TOTAL,
             Family::PromptTokens => name::PROMPT_TOKENS_TOTAL,
             Family::GenerationTokens => name::GENERATION_TOKENS_TOTAL,
             Family::NodePreemptions => name::NODE_PREEMPTIONS_TOTAL,
@@ -163,6 +177,9 @@ impl Family {
             Family::Migrations => name::MIGRATIONS_TOTAL,
             Family::TenantRequestsRejected => name::TENANT_REQUESTS_REJECTED_TOTAL,
             Family::FileReloads => name::FILE_RELOADS_TOTAL,
+            Family::PrefixPredictedTokens => name::PREFIX_PREDICTED_TOKENS_TOTAL,
+            Family::PrefixDeliveredTokens => name::PREFIX_DELIVERED_TOKENS_TOTAL,
+            Family::CacheEventsLost => name::CACHE_EVENTS_LOST_TOTAL,
         }
     }
 
@@ -175,6 +192,11 @@ impl Family {
             Family::PrefixCacheHits => {
                 "Prompt tokens found by those lookups (cache=local: device tier; \
                  cache=external: restored from the host tier or received from a prefill node)."
+            }
+            Family::PrefixCacheHitsByTier => {
+                "The same hits by the tier they came from (tier=device: cache=local; \
+                 tier=host: restored from the node's host-memory tier; tier=peer: received \
+                 from another node), from the nodes' counters; host + peer = cache=external."
             }
             Family::PromptTokens => "Prompt tokens a node processed, from its counters.",
             Family::GenerationTokens => "Tokens a node generated, from its counters.",
@@ -268,6 +290,22 @@ impl Family {
                 "Reads of a changed configuration file (file=api_keys, tenant_limits) by \
                  result: loaded, or refused (the file is not valid; what was in use stays)."
             }
+            Family::PrefixPredictedTokens => {
+                "Prompt tokens the cache index predicted the chosen node would reuse, by tier \
+                 (device, host), for requests routed while the node's cache events were in \
+                 sync: whole blocks, short of the last prompt token."
+            }
+            Family::PrefixDeliveredTokens => {
+                "Prompt tokens the chosen node reported reused in its usage, by tier (device: \
+                 local_cached_tokens; host and peer: external_host_cached_tokens, \
+                 external_peer_cached_tokens), for the same requests as \
+                 pd_router_prefix_predicted_tokens_total."
+            }
+            Family::CacheEventsLost => {
+                "Times a node's cache events, once in sync, stopped being followed, by reason \
+                 (broken, malformed, gap, epoch, over_capacity): the router routes to the node \
+                 on its own guess until it resubscribes and applies a new snapshot."
+            }
         }
     }
 }
@@ -288,6 +326,31 @@ impl Cache {
         match self {
             Cache::Local => "local",
             Cache::External => "external",
+        }
+    }
+}
+
+/// Which tier of a node a predicted or delivered prefix hit is in (the `tier` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HitTier {
+    /// The node's device cache (local hits).
+    Device,
+    /// Restored from the node's host-memory tier.
+    Host,
+    /// Received from another node (delivered only: the index predicts no peer hits).
+    Peer,
+}
+
+impl HitTier {
+    pub const ALL: [HitTier; 3] = [HitTier::Device, HitTier::Host, HitTier::Peer];
+    /// The tiers the cache index predicts.
+    pub const PREDICTED: [HitTier; 2] = [HitTier::Device, HitTier::Host];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HitTier::Device => "device",
+            HitTier::Host => "host",
+            HitTier::Peer => "peer",
         }
     }
 }
@@ -388,6 +451,42 @@ impl WatchedFileKind {
         match self {
             WatchedFileKind::ApiKeys => "api_keys",
             WatchedFileKind::TenantLimits => "tenant_limits",
+        }
+    }
+}
+
+/// Why the router stopped following a node's cache events, as the `reason` label of
+/// `pd_router_cache_events_lost_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LostReason {
+    /// The stream failed or the node ended it (a restart, a drain, the network).
+    Broken,
+    /// A message no node could have sent.
+    Malformed,
+    /// A change number skipped or repeated out of order.
+    Gap,
+    /// Changes of another epoch (another process of the node) or before any snapshot.
+    Epoch,
+    /// More blocks than the node's stated capacity or than `--cache-index-blocks` allows.
+    OverCapacity,
+}
+
+impl LostReason {
+    pub const ALL: [LostReason; 5] = [
+        LostReason::Broken,
+        LostReason::Malformed,
+        LostReason::Gap,
+        LostReason::Epoch,
+        LostReason::OverCapacity,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LostReason::Broken => "broken",
+            LostReason::Malformed => "malformed",
+            LostReason::Gap => "gap",
+            LostReason::Epoch => "epoch",
+            LostReason::OverCapacity => "over_capacity",
         }
     }
 }

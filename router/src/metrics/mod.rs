@@ -19,6 +19,9 @@
 //! - **Failure handling** (retries, retries denied, each node's circuit breaker state and
 //!   transitions): counted where requests are retried, breakers read at scrape time
 //!   (`resilience`).
+//! - **Prefix predictions** (what the cache index predicted the chosen node would reuse, by
+//!   tier, next to what the node's usage says it reused, for the same requests): counted
+//!   where the request's node answers (`prediction`).
 //!
 //! Names and labels are typed ids in [`ids`]; the series live in the router's own
 //! `metrics-exporter-prometheus` recorder (`exporter`: one per router, not the process-global
@@ -30,6 +33,7 @@ mod exporter;
 pub mod faults;
 mod http;
 pub mod ids;
+mod prediction;
 mod requests;
 mod resilience;
 mod tenants;
@@ -47,8 +51,10 @@ pub use self::aggregate::{Aggregator, Increments, NodeKey};
 pub use self::faults::{FaultSpec, FaultSpecError, ReportFaults};
 pub use self::http::serve as serve_http;
 pub use self::ids::{
-    Cache, Family, LimitKind, Outcome, PromptSource, RejectReason, ReloadResult, WatchedFileKind,
+    Cache, Family, HitTier, LimitKind, LostReason, Outcome, PromptSource, RejectReason,
+    ReloadResult, WatchedFileKind,
 };
+pub use self::prediction::Predicted;
 pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
 use self::exporter::{CounterVec, Exporter, GaugeVec, Kind};
@@ -67,6 +73,7 @@ pub struct RouterMetrics {
     exporter: Arc<Exporter>,
     queries: CounterVec,
     hits: CounterVec,
+    hits_by_tier: CounterVec,
     prompt_tokens: CounterVec,
     generation_tokens: CounterVec,
     preemptions: CounterVec,
@@ -83,6 +90,8 @@ pub struct RouterMetrics {
     kv_failures: CounterVec,
     kv_leases_expired: CounterVec,
     restarts: CounterVec,
+    /// `pd_router_cache_events_lost_total{node,role,reason}`.
+    cache_events_lost: CounterVec,
     /// `pd_router_file_reloads_total{file,result}`.
     file_reloads: CounterVec,
     /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
@@ -93,6 +102,8 @@ pub struct RouterMetrics {
     pub(crate) tenants: tenants::TenantSeries,
     /// Retries and circuit breakers.
     pub(crate) resilience: resilience::ResilienceSeries,
+    /// Predicted and delivered prefix-cache tokens.
+    pub(crate) prediction: prediction::PredictionSeries,
 }
 
 /// The aggregator and the series it raises, under one lock.
@@ -109,6 +120,8 @@ struct NodeCounters {
     /// By [`Cache::ALL`]'s order: local, external.
     queries: [Counter; 2],
     hits: [Counter; 2],
+    /// By [`HitTier::ALL`]'s order: device, host, peer.
+    hits_by_tier: [Counter; 3],
     prompt_tokens: Counter,
     generation_tokens: Counter,
     preemptions: Counter,
@@ -145,6 +158,7 @@ impl ModelSeries {
 const NODE_LABELS: [&str; 2] = [label::NODE, label::ROLE];
 const NODE_COUNT_LABELS: [&str; 3] = [label::ROLE, label::NODE, label::MODEL_NAME];
 const CACHE_LABELS: [&str; 4] = [label::CACHE, label::ROLE, label::NODE, label::MODEL_NAME];
+const TIER_LABELS: [&str; 4] = [label::TIER, label::ROLE, label::NODE, label::MODEL_NAME];
 
 impl RouterMetrics {
     /// The router's metrics for `model_name`, with the report fault hook when `faults` is
@@ -188,6 +202,7 @@ impl RouterMetrics {
             model_name: model_name.to_string(),
             queries: counter(Family::PrefixCacheQueries, &CACHE_LABELS),
             hits: counter(Family::PrefixCacheHits, &CACHE_LABELS),
+            hits_by_tier: counter(Family::PrefixCacheHitsByTier, &TIER_LABELS),
             prompt_tokens: counter(Family::PromptTokens, &NODE_COUNT_LABELS),
             generation_tokens: counter(Family::GenerationTokens, &NODE_COUNT_LABELS),
             preemptions: counter(Family::NodePreemptions, &NODE_COUNT_LABELS),
@@ -204,12 +219,17 @@ impl RouterMetrics {
             ),
             kv_leases_expired: counter(Family::KvLeasesExpired, &NODE_LABELS),
             restarts: counter(Family::NodeRestarts, &NODE_LABELS),
+            cache_events_lost: counter(
+                Family::CacheEventsLost,
+                &[label::NODE, label::ROLE, label::REASON],
+            ),
             file_reloads: counter(Family::FileReloads, &[label::FILE, label::RESULT]),
             kv_seconds: Mutex::new(BTreeMap::new()),
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
             tenants: tenants::TenantSeries::new(&exporter),
             resilience: resilience::ResilienceSeries::new(&exporter),
+            prediction: prediction::PredictionSeries::new(&exporter),
             exporter,
         };
         Ok(metrics)
@@ -268,6 +288,13 @@ impl RouterMetrics {
             .increment(1);
     }
 
+    /// The router stopped following `node`'s cache events, which were in sync.
+    pub fn cache_events_lost(&self, node: &Node, reason: LostReason) {
+        self.cache_events_lost
+            .with_label_values(&[node.addr.as_str(), node.role.as_str(), reason.as_str()])
+            .increment(1);
+    }
+
     /// One counter report of `node` (an `Info` answer, a `PrefillResponse`, the last
     /// `DecodeResponse`); `None` (a node that sends none) is ignored.
     pub fn observe_report(&self, node: &Node, report: Option<&CounterReport>) {
@@ -306,6 +333,14 @@ impl RouterMetrics {
         add(&series.hits[0], inc.prefix_cache_hits);
         add(&series.queries[1], inc.external_prefix_cache_queries);
         add(&series.hits[1], inc.external_prefix_cache_hits);
+        for (tier, counter) in HitTier::ALL.into_iter().zip(&series.hits_by_tier) {
+            let n = match tier {
+                HitTier::Device => inc.prefix_cache_hits,
+                HitTier::Host => inc.external_prefix_cache_hits_host,
+                HitTier::Peer => inc.external_prefix_cache_hits_peer,
+            };
+            add(counter, n);
+        }
         add(&series.prompt_tokens, inc.prompt_tokens);
         add(&series.generation_tokens, inc.generation_tokens);
         add(&series.preemptions, inc.preemptions);
@@ -348,6 +383,8 @@ impl RouterMetrics {
         NodeCounters {
             queries: Cache::ALL.map(|c| cache(&self.queries, c)),
             hits: Cache::ALL.map(|c| cache(&self.hits, c)),
+            hits_by_tier: HitTier::ALL
+                .map(|t| (self.hits_by_tier).with_label_values(&[t.as_str(), role, addr, model])),
             prompt_tokens: self.prompt_tokens.with_label_values(&count),
             generation_tokens: self.generation_tokens.with_label_values(&count),
             preemptions: self.preemptions.with_label_values(&count),
@@ -395,6 +432,7 @@ impl RouterMetrics {
     pub fn render(&self, registry: &Registry) -> Result<String, MetricsError> {
         self.refresh_nodes(registry);
         self.resilience.refresh(registry);
+        self.prediction.refresh(registry);
         let seconds = self.kv_seconds_family();
         Ok(self.exporter.render(seconds.as_slice()))
     }

@@ -168,6 +168,9 @@ pub struct UsageSum {
     pub cached_tokens: u64,
     pub local_cached_tokens: u64,
     pub external_cached_tokens: u64,
+    /// `external_cached_tokens` by source: the node's host-memory tier, another node.
+    pub external_host_cached_tokens: u64,
+    pub external_peer_cached_tokens: u64,
 }
 
 impl UsageSum {
@@ -178,6 +181,8 @@ impl UsageSum {
             self.cached_tokens += u64::from(usage.cached_tokens);
             self.local_cached_tokens += u64::from(usage.local_cached_tokens);
             self.external_cached_tokens += u64::from(usage.external_cached_tokens);
+            self.external_host_cached_tokens += u64::from(usage.external_host_cached_tokens);
+            self.external_peer_cached_tokens += u64::from(usage.external_peer_cached_tokens);
         }
         self.completion_tokens += u64::from(usage.completion_tokens);
     }
@@ -191,6 +196,8 @@ impl UsageSum {
                 "cached_tokens": self.cached_tokens,
                 "local_cached_tokens": self.local_cached_tokens,
                 "external_cached_tokens": self.external_cached_tokens,
+                "external_host_cached_tokens": self.external_host_cached_tokens,
+                "external_peer_cached_tokens": self.external_peer_cached_tokens,
             },
         })
     }
@@ -331,6 +338,7 @@ mod tests {
             cached_tokens: 8,
             local_cached_tokens: 8,
             external_cached_tokens: 0,
+            ..Default::default()
         };
         sum.add(&u, true);
         sum.add(&u, false);
@@ -339,6 +347,36 @@ mod tests {
         assert_eq!(v["completion_tokens"], 8);
         assert_eq!(v["total_tokens"], 18);
         assert_eq!(v["prompt_tokens_details"]["cached_tokens"], 8);
+    }
+
+    #[test]
+    fn usage_details_split_external_hits_by_source() {
+        let mut sum = UsageSum::default();
+        let u = pb::Usage {
+            prompt_tokens: 100,
+            completion_tokens: 1,
+            cached_tokens: 80,
+            local_cached_tokens: 32,
+            external_cached_tokens: 48,
+            external_host_cached_tokens: 16,
+            external_peer_cached_tokens: 32,
+        };
+        sum.add(&u, true);
+        sum.add(&u, false);
+        let d = &sum.to_json()["prompt_tokens_details"];
+        assert_eq!(
+            (
+                &d["external_host_cached_tokens"],
+                &d["external_peer_cached_tokens"]
+            ),
+            (&json!(16), &json!(32))
+        );
+        assert_eq!(
+            d["local_cached_tokens"].as_u64().unwrap()
+                + d["external_host_cached_tokens"].as_u64().unwrap()
+                + d["external_peer_cached_tokens"].as_u64().unwrap(),
+            d["cached_tokens"].as_u64().unwrap()
+        );
     }
 
     #[test]

@@ -79,6 +79,8 @@ async fn streams_the_prefill_token_then_the_decode_tokens() {
             cached_tokens: LOCAL_CACHED + EXTERNAL_CACHED,
             local_cached_tokens: LOCAL_CACHED,
             external_cached_tokens: EXTERNAL_CACHED,
+            external_host_cached_tokens: EXTERNAL_CACHED,
+            external_peer_cached_tokens: 0,
         })
     );
 

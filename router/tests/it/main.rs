@@ -2,10 +2,13 @@
 
 mod admission;
 mod binary;
+mod cache_events;
+mod cache_index_live;
 mod discovery;
 mod fake;
 mod generate;
 mod health;
 mod limits;
 mod tenants;
+mod tiers;
 mod validation;

@@ -9,7 +9,9 @@ use crate::backend::Backend;
 use crate::error::ErrorKind;
 use crate::kv::hash::BlockHash;
 use crate::kv::reservation::Landing;
+use crate::kv::tier::TierKind;
 use crate::serve::counters::PrefixOutcome;
+use crate::serve::external::PerTier;
 use crate::serve::request::{EngineRequest, ImportedBlocks, ImportedKv, RequestError, RequestId};
 
 use super::Engine;
@@ -150,8 +152,11 @@ impl<B: Backend> Engine<B> {
         let seq = self.seqs.get_mut(id).expect("exists");
         seq.admitted = true;
         seq.first_scheduled = Some(now);
-        seq.outcome =
-            lookup.then(|| PrefixOutcome::new(prompt_len, local * bs, prompt_len - local * bs));
+        // What the local lookup left was received from the prefill node: a peer.
+        seq.outcome = lookup.then(|| {
+            let received = PerTier::only(TierKind::Peer, prompt_len - local * bs);
+            PrefixOutcome::new(prompt_len, local * bs, received)
+        });
         self.counters.on_admitted(prompt_len, seq.outcome.as_ref());
         Some(Some(n))
     }

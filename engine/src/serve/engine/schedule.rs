@@ -13,6 +13,7 @@ use crate::backend::Backend;
 use crate::kv::hash::BlockHash;
 use crate::kv::tier::ExternalTier;
 use crate::serve::counters::PrefixOutcome;
+use crate::serve::external::PerTier;
 use crate::serve::request::RequestId;
 
 use super::Engine;
@@ -136,12 +137,16 @@ impl<B: Backend> Engine<B> {
             self.free_blocks(&blocks);
             return None;
         }
+        // The restored blocks' external hits count for the tier they came from.
+        let restored_from = self.host.kind();
         let seq = self.seqs.get_mut(id).expect("exists");
         if !seq.admitted {
             seq.admitted = true;
             seq.first_scheduled = Some(now);
-            seq.outcome =
-                lookup.then(|| PrefixOutcome::new(seq.prompt_len, local * bs, restored * bs));
+            seq.outcome = lookup.then(|| {
+                let restored = PerTier::only(restored_from, restored * bs);
+                PrefixOutcome::new(seq.prompt_len, local * bs, restored)
+            });
             self.counters
                 .on_admitted(seq.prompt_len, seq.outcome.as_ref());
         }

@@ -70,13 +70,14 @@ impl Seq {
     pub(super) fn usage(&self) -> Usage {
         let (local, external) = self
             .outcome
-            .map(|o| (o.local_hits, o.external_hits))
-            .unwrap_or((0, 0));
+            .map(|o| (o.local_hits, o.external_by_source))
+            .unwrap_or_default();
         Usage {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.tokens.len() - self.prompt_len,
             local_cached_tokens: local,
-            external_cached_tokens: external,
+            external_cached_tokens: external.total(),
+            external_cached_by_source: external,
         }
     }
 

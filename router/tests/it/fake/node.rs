@@ -23,6 +23,28 @@ use crate::fake::{End, FakeState};
 #[derive(Debug, Clone)]
 struct Fake(Arc<FakeState>);
 
+type CacheEventsStreamOf =
+    Pin<Box<dyn Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>>;
+
+impl FakeState {
+    /// A `CacheEvents` answer: UNIMPLEMENTED unless the test scripted the node's cache events
+    /// ([`FakeState::cache_events`]), else those messages and whatever is published later.
+    fn cache_events_stream(&self) -> Result<Response<CacheEventsStreamOf>, Status> {
+        let Some(first) = self.cache_events.lock().unwrap().clone() else {
+            return Err(Status::unimplemented("the fake node has no cache events"));
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        for m in first {
+            let _ = tx.send(Ok(m));
+        }
+        self.cache_streams.lock().unwrap().push(tx);
+        self.cache_subscriptions.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+}
+
 fn logprob(token_id: u32) -> pb::Logprob {
     pb::Logprob {
         token_id,
@@ -55,6 +77,7 @@ impl PrefillService for Fake {
         }
         let n = req.token_ids.len() as u32;
         let (local, external) = self.0.cached_for(&req.request_id);
+        let host = self.0.host_cached.load(Ordering::SeqCst).min(external);
         let lease_id = self.0.next_lease.fetch_add(1, Ordering::SeqCst);
         self.0.leases.lock().unwrap().push(lease_id);
         let block_size = self.0.block_size.load(Ordering::SeqCst);
@@ -70,6 +93,8 @@ impl PrefillService for Fake {
                 cached_tokens: local + external,
                 local_cached_tokens: local,
                 external_cached_tokens: external,
+                external_host_cached_tokens: host,
+                external_peer_cached_tokens: external - host,
             }),
             kv: Some(pb::KvHandle {
                 addr: "127.0.0.1:9".into(),
@@ -88,7 +113,7 @@ impl PrefillService for Fake {
             } else {
                 vec![]
             },
-            counters: None,
+            counters: self.0.counters.lock().unwrap().clone(),
         }))
     }
 
@@ -136,16 +161,13 @@ impl PrefillService for Fake {
         ))
     }
 
-    type CacheEventsStream =
-        Pin<Box<dyn Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>>;
+    type CacheEventsStream = CacheEventsStreamOf;
 
-    /// The fake nodes publish no cache events (as a node of an older release): the router
-    /// routes on its own guess.
     async fn cache_events(
         &self,
         _request: Request<pb::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Err(Status::unimplemented("the fake node has no cache events"))
+        self.0.cache_events_stream()
     }
 }
 
@@ -211,6 +233,8 @@ impl DecodeService for Fake {
                         cached_tokens: 999,
                         local_cached_tokens: 500,
                         external_cached_tokens: 499,
+                        external_host_cached_tokens: 0,
+                        external_peer_cached_tokens: 499,
                     }),
                     counters: None,
                     prompt_logprobs: vec![],
@@ -273,16 +297,13 @@ impl DecodeService for Fake {
         Ok(Response::new(pb::SetKvPeersResponse { num_peers }))
     }
 
-    type CacheEventsStream =
-        Pin<Box<dyn Stream<Item = Result<pb::CacheEventsMessage, Status>> + Send>>;
+    type CacheEventsStream = CacheEventsStreamOf;
 
-    /// The fake nodes publish no cache events (as a node of an older release): the router
-    /// routes on its own guess.
     async fn cache_events(
         &self,
         _request: Request<pb::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Err(Status::unimplemented("the fake node has no cache events"))
+        self.0.cache_events_stream()
     }
 }
 

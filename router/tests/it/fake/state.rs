@@ -7,7 +7,11 @@ use std::time::Duration;
 
 use pd_proto::failure::FailureCause;
 use pd_proto::pb;
+use tokio::sync::mpsc;
 use tonic::{Code, Status};
+
+/// One open `CacheEvents` stream of a fake node.
+pub(crate) type CacheEventsTx = mpsc::UnboundedSender<Result<pb::CacheEventsMessage, Status>>;
 
 pub const FINGERPRINT: &str = "f00dcafe";
 pub const LOCAL_CACHED: u32 = 16;
@@ -90,6 +94,20 @@ pub struct FakeState {
     /// request id's part between `@` and `/`); others get [`LOCAL_CACHED`] and
     /// [`EXTERNAL_CACHED`].
     pub cached_by_tenant: Mutex<Vec<(String, (u32, u32))>>,
+    /// Of a Prefill's external cached tokens, those reported as restored from the host tier
+    /// (`Usage.external_host_cached_tokens`, at most the external ones; the rest come from a
+    /// peer). All of them unless set: a prefill node's external hits are its host tier's.
+    pub host_cached: AtomicU32,
+    /// `CacheEvents`: `None` answers UNIMPLEMENTED (a node of an older release); `Some`:
+    /// every subscription gets these messages first, then what
+    /// [`FakeState::publish_cache_events`] sends, until [`FakeState::end_cache_streams`].
+    pub cache_events: Mutex<Option<Vec<pb::CacheEventsMessage>>>,
+    pub(crate) cache_streams: Mutex<Vec<CacheEventsTx>>,
+    /// `CacheEvents` calls answered with a stream.
+    pub cache_subscriptions: AtomicUsize,
+    /// The counter report the node sends (in `Info` and, on a prefill node, in every
+    /// `PrefillResponse`); none when unset, as a node that does not count.
+    pub counters: Mutex<Option<pb::CounterReport>>,
 }
 
 impl FakeState {
@@ -122,6 +140,11 @@ impl FakeState {
             fail_kv_peers: AtomicUsize::new(0),
             streams_cancelled: AtomicUsize::new(0),
             cached_by_tenant: Mutex::default(),
+            host_cached: AtomicU32::new(u32::MAX),
+            cache_events: Mutex::default(),
+            cache_streams: Mutex::default(),
+            cache_subscriptions: AtomicUsize::new(0),
+            counters: Mutex::default(),
         })
     }
 
@@ -139,7 +162,7 @@ impl FakeState {
             vocab_size: 151_936,
             max_model_len: self.max_model_len.load(Ordering::SeqCst),
             healthy: !self.unhealthy.load(Ordering::SeqCst),
-            counters: None,
+            counters: self.counters.lock().unwrap().clone(),
             kv_cache_dtype: self.kv_cache_dtype.lock().unwrap().clone(),
             prefix_caching_hash_algo: self.hash_algo.lock().unwrap().clone(),
         }
@@ -182,6 +205,21 @@ impl FakeState {
             Some(i) => by_id.remove(i).1,
             None => self.script.lock().unwrap().clone(),
         }
+    }
+
+    /// Sends `message` on every open `CacheEvents` stream.
+    pub fn publish_cache_events(&self, message: pb::CacheEventsMessage) {
+        let streams = self.cache_streams.lock().unwrap();
+        for tx in streams.iter() {
+            let _ = tx.send(Ok(message.clone()));
+        }
+    }
+
+    /// Ends every open `CacheEvents` stream (as a node whose stream broke); later
+    /// subscriptions get `then` (`None`: UNIMPLEMENTED).
+    pub fn end_cache_streams(&self, then: Option<Vec<pb::CacheEventsMessage>>) {
+        *self.cache_events.lock().unwrap() = then;
+        self.cache_streams.lock().unwrap().clear();
     }
 
     pub fn prefill_count(&self) -> usize {
