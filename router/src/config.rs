@@ -88,6 +88,8 @@ pub struct RouterConfig {
     pub cache_index_blocks: usize,
     /// `--cache-events`: whether the cache index is fed at all.
     pub cache_events: CacheEventsMode,
+    /// `--disagg`: where prompts are computed.
+    pub disagg: crate::disagg::DisaggMode,
     /// TEST-ONLY: drop / repeat / reorder the nodes' counter reports (from
     /// `PD_ROUTER_REPORT_FAULTS`, see [`crate::metrics::faults`]).
     pub report_faults: Option<crate::metrics::FaultSpec>,
@@ -139,6 +141,7 @@ impl RouterConfig {
             prefix_index_blocks: 65_536,
             cache_index_blocks: crate::registry::DEFAULT_CACHE_INDEX_BLOCKS,
             cache_events: CacheEventsMode::On,
+            disagg: crate::disagg::DisaggMode::Always,
             report_faults: None,
             reasoning_parser: None,
             tool_call_parser: None,
@@ -353,6 +356,14 @@ pub struct RouterArgs {
     #[arg(long, env = "PD_CACHE_EVENTS", value_enum, default_value_t = CacheEventsMode::On, help_heading = "Routing")]
     pub cache_events: CacheEventsMode,
 
+    /// Where prompts are computed: `always` on a prefill node (the KV then moves to the
+    /// decode node), `never` (the decode node computes them itself), or `auto`: per request,
+    /// whichever path the router's online measurements (each node's prefill rate, each
+    /// pair's transfer rate, what is queued, what each cache holds) say reaches the second
+    /// token sooner, counting the delay a local prefill puts on the decode node's streams.
+    #[arg(long, env = "PD_DISAGG", value_enum, default_value_t = crate::disagg::DisaggMode::Always, help_heading = "Routing")]
+    pub disagg: crate::disagg::DisaggMode,
+
     /// Largest max_tokens a request may ask for; an unset max_tokens is
     /// min(this, context length − prompt length).
     #[arg(long, env = "PD_MAX_TOKENS_CAP", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Requests")]
@@ -488,6 +499,7 @@ impl RouterArgs {
             prefix_index_blocks: usize::try_from(self.prefix_index_blocks).unwrap_or(usize::MAX),
             cache_index_blocks: usize::try_from(self.cache_index_blocks).unwrap_or(usize::MAX),
             cache_events: self.cache_events,
+            disagg: self.disagg,
             report_faults: crate::metrics::FaultSpec::from_env()?,
             api_keys: self.api_keys.clone(),
             shared_prefix_cache: self.shared_prefix_cache,

@@ -67,6 +67,7 @@
 mod decode;
 mod release;
 mod retry;
+mod route;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -83,6 +84,8 @@ use tonic::Status;
 use self::decode::Handoff;
 use self::release::{Held, Lease, abort_prefill};
 use self::retry::settle_failure;
+use self::route::{Preferred, hit_tokens};
+use crate::disagg::Path;
 use crate::error::{NodeError, NodeFailure};
 use crate::registry::{Node, Role};
 use crate::service::{InflightEntry, Shared};
@@ -171,6 +174,8 @@ struct Job {
     migrations: u32,
     /// The request's first chunk went out (or is going: it carries `prompt_tokens`).
     started: bool,
+    /// The nodes the disaggregation decision settled on.
+    preferred: Preferred,
 }
 
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
@@ -206,6 +211,7 @@ pub(crate) async fn run(
         output: Vec::new(),
         migrations: 0,
         started: false,
+        preferred: Preferred::default(),
     };
     let outcome = job.drive(&mut text).await;
     let last = match outcome {
@@ -254,7 +260,8 @@ impl Job {
         if self.watch.aborted() {
             return Err(End::Aborted);
         }
-        if self.shared.registry.aggregated() {
+        // Aggregated mode (no prefill nodes), or a prompt the decode node computes itself.
+        if self.shared.registry.aggregated() || self.route() == Path::Local {
             return self.decode(text, None).await;
         }
         let Prefilled {
@@ -421,13 +428,22 @@ impl Job {
                     }));
                 }
             };
-            let node = self.shared.pick_by_policy(&self.req, &candidates);
+            let node = match Preferred::take(&mut self.preferred.prefill, &candidates) {
+                Some(node) => node,
+                None => self.shared.pick_by_policy(&self.req, &candidates),
+            };
             // What the cache index expects the node to reuse (a resumed stream's prompt is
             // longer: not compared).
             let predicted = match resume {
                 None => self.shared.predict(&self.req, &node),
                 Some(_) => None,
             };
+            // `--disagg auto` learns the node's prefill rate from first prefills.
+            let queued = (resume.is_none() && self.shared.disagg.measuring()).then(|| {
+                let computed =
+                    u64::from(self.prompt_tokens()).saturating_sub(hit_tokens(predicted));
+                self.shared.disagg.costs.queue(node.id, computed)
+            });
             let Some(permit) = node.begin() else {
                 // Its breaker's one probe went to another request meanwhile.
                 excluded.push(node.id);
@@ -474,11 +490,13 @@ impl Job {
             let load = node.track();
             let mut client = node.prefill_client();
             let timeout = self.shared.node_timeout;
+            let sent = Instant::now();
             let result = self
                 .watch
                 .run(tokio::time::timeout(timeout, client.prefill(request)))
                 .await?;
             drop(load);
+            let elapsed = sent.elapsed();
             let what = match result {
                 Ok(Ok(response)) => {
                     self.held.prefilling = None;
@@ -493,6 +511,20 @@ impl Job {
                             let usage = response.usage.unwrap_or_default();
                             if let Some(predicted) = predicted {
                                 (self.shared.metrics.prediction).observe(&node, predicted, &usage);
+                            }
+                            if let Some(queued) = queued {
+                                let cached = u64::from(usage.local_cached_tokens)
+                                    + u64::from(usage.external_cached_tokens);
+                                let computed =
+                                    u64::from(self.prompt_tokens()).saturating_sub(cached);
+                                let block_bytes = kv.as_ref().map_or(0, |k| k.block_bytes);
+                                self.measured_prefill(
+                                    &node,
+                                    computed,
+                                    queued.ahead,
+                                    elapsed,
+                                    block_bytes,
+                                );
                             }
                             return Ok(Prefilled {
                                 node,

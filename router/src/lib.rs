@@ -32,6 +32,7 @@ pub mod auth;
 pub mod cache_index;
 mod choices;
 pub mod config;
+pub mod disagg;
 pub mod discovery;
 pub mod error;
 mod flow;

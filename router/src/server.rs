@@ -124,6 +124,7 @@ impl Router {
             None => Auth::open(),
         };
         metrics.add_tenants(&auth.tenants());
+        metrics.add_disagg_mode(config.disagg);
         let limits = match &config.tenant_limits {
             Some(path) => Some(Arc::new(TenantLimits::from_file(
                 path,
@@ -165,6 +166,7 @@ impl Router {
                 cache_index,
             ),
             hash_algo: config.prefix_caching_hash_algo,
+            disagg: crate::disagg::Disagg::new(config.disagg),
             inflight: Arc::new(InflightTable::default()),
             ids: IdGen::new(),
             node_timeout: config.node_timeout,

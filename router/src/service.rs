@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     pub decode_policy: Box<dyn RoutingPolicy>,
     /// The nodes' (and the router's) `--prefix-caching-hash-algo`.
     pub hash_algo: pd_engine::kv::hash::HashAlgo,
+    /// `--disagg` and the measurements it decides with.
+    pub disagg: crate::disagg::Disagg,
     pub inflight: Arc<InflightTable>,
     pub ids: IdGen,
     pub node_timeout: Duration,

@@ -12,6 +12,7 @@ use tonic::Status;
 
 use super::release::{CONTROL_TIMEOUT, Lease, abort_decode, release_kv};
 use super::retry::settle_failure;
+use super::route::{Preferred, hit_tokens};
 use super::{End, Job};
 use crate::error::{NodeError, NodeFailure};
 use crate::metrics::Predicted;
@@ -64,10 +65,12 @@ impl Job {
                     return Err(self.failed(code, message));
                 }
             };
-            let node = match &handoff {
-                Some(_) => self.shared.pick_decode(&self.req, &candidates),
+            let preferred = Preferred::take(&mut self.preferred.decode, &candidates);
+            let node = match (preferred, &handoff) {
+                (Some(node), _) => node,
+                (None, Some(_)) => self.shared.pick_decode(&self.req, &candidates),
                 // The decode node computes the prompt: the policy's prefix affinity applies.
-                None => self.shared.pick_by_policy(&self.req, &candidates),
+                (None, None) => self.shared.pick_by_policy(&self.req, &candidates),
             };
             let Some(permit) = node.begin() else {
                 // Its breaker's one probe went to another request meanwhile.
@@ -257,6 +260,16 @@ impl Job {
         }
         self.held.decoding = Some((node.clone(), node_request_id));
         tracing::debug!(request_id = %self.req.request_id, node = %node.addr, "decode");
+        // `--disagg auto` learns from first attempts: the decode node's own prefill rate, or
+        // the transfer rate from the prefill node holding the lease; and every stream's steps.
+        let measuring = self.shared.disagg.measuring();
+        let mut queued = (measuring && resumed == 0 && handoff.is_none()).then(|| {
+            let computed = u64::from(self.prompt_tokens()).saturating_sub(hit_tokens(predicted));
+            self.shared.disagg.costs.queue(node.id, computed)
+        });
+        let pulled_from = self.held.lease.as_ref().map(|(n, _)| n.clone());
+        let sent = tokio::time::Instant::now();
+        let mut last_message = sent;
         let _load = node.track();
         let mut client = node.decode_client();
         let timeout = self.shared.node_timeout;
@@ -301,6 +314,19 @@ impl Job {
                 Err(_) => return Err(node_error(NodeFailure::Timeout(timeout), streamed)),
             };
             (self.shared.metrics).observe_report(node, message.counters.as_ref());
+            if measuring {
+                let now = tokio::time::Instant::now();
+                if !streamed && resumed == 0 {
+                    let kv = handoff.map(|h| &h.kv);
+                    let from_kv = pulled_from.as_deref().zip(kv);
+                    let ahead = queued.take().map_or(0, |q| q.ahead);
+                    self.measured_first_message(node, from_kv, predicted, ahead, now - sent);
+                } else if streamed && !message.tokens.is_empty() {
+                    let gap = (now - last_message).as_secs_f64() / message.tokens.len() as f64;
+                    self.shared.disagg.costs.stepped(node.id, gap);
+                }
+                last_message = now;
+            }
             if !streamed {
                 streamed = true;
                 // The node serves: its breaker hears so (a later failure of this stream

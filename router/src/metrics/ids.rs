@@ -21,6 +21,7 @@ pub mod label {
     pub const STATE: &str = "state";
     pub const FILE: &str = "file";
     pub const RESULT: &str = "result";
+    pub const PATH: &str = "path";
 }
 
 /// The exposed family names, for readers of the router's `/metrics` (`pdctl`) to match
@@ -61,6 +62,7 @@ pub mod name {
     pub const PREFIX_PREDICTED_TOKENS_TOTAL: &str = "pd_router_prefix_predicted_tokens_total";
     pub const CACHE_EVENTS_LOST_TOTAL: &str = "pd_router_cache_events_lost_total";
     pub const PREFIX_DELIVERED_TOKENS_TOTAL: &str = "pd_router_prefix_delivered_tokens_total";
+    pub const DISAGG_DECISIONS_TOTAL: &str = "pd_router_disagg_decisions_total";
 }
 
 /// One metric family of the router.
@@ -101,10 +103,11 @@ pub enum Family {
     PrefixPredictedTokens,
     PrefixDeliveredTokens,
     CacheEventsLost,
+    DisaggDecisions,
 }
 
 impl Family {
-    pub const ALL: [Family; 35] = [
+    pub const ALL: [Family; 36] = [
         Family::PrefixCacheQueries,
         Family::PrefixCacheHits,
         Family::PrefixCacheHitsByTier,
@@ -140,6 +143,7 @@ impl Family {
         Family::PrefixPredictedTokens,
         Family::PrefixDeliveredTokens,
         Family::CacheEventsLost,
+        Family::DisaggDecisions,
     ];
 
     /// The exposed name (counters carry their `_total` suffix here).
@@ -180,6 +184,7 @@ impl Family {
             Family::PrefixPredictedTokens => name::PREFIX_PREDICTED_TOKENS_TOTAL,
             Family::PrefixDeliveredTokens => name::PREFIX_DELIVERED_TOKENS_TOTAL,
             Family::CacheEventsLost => name::CACHE_EVENTS_LOST_TOTAL,
+            Family::DisaggDecisions => name::DISAGG_DECISIONS_TOTAL,
         }
     }
 
@@ -305,6 +310,12 @@ impl Family {
                 "Times a node's cache events, once in sync, stopped being followed, by reason \
                  (broken, malformed, gap, epoch, over_capacity): the router routes to the node \
                  on its own guess until it resubscribes and applies a new snapshot."
+            }
+            Family::DisaggDecisions => {
+                "Where requests' prompts were computed (path=remote: on a prefill node, the KV \
+                 then moved; path=local: on the decode node), by reason (setting: --disagg \
+                 always or never; estimated_cost: auto's cheaper estimate; no_prefill_node; \
+                 no_decode_node; unmeasured: auto before any prefill was measured)."
             }
         }
     }

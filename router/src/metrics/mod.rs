@@ -59,6 +59,7 @@ pub(crate) use self::requests::{MeteredGeneration, PromptCountedElsewhere};
 
 use self::exporter::{CounterVec, Exporter, GaugeVec, Kind};
 use self::ids::label;
+use crate::disagg::{DisaggMode, Path, Reason};
 use crate::registry::{Node, Registry};
 
 /// Building the recorder failed (a bug: names and buckets are fixed).
@@ -94,6 +95,8 @@ pub struct RouterMetrics {
     cache_events_lost: CounterVec,
     /// `pd_router_file_reloads_total{file,result}`.
     file_reloads: CounterVec,
+    /// `pd_router_disagg_decisions_total{path,reason}`.
+    disagg: CounterVec,
     /// `pd_router_kv_transfer_seconds` per node: (sum of seconds, count).
     kv_seconds: Mutex<BTreeMap<NodeKey, (f64, u64)>>,
     counting: Mutex<Counting>,
@@ -224,6 +227,7 @@ impl RouterMetrics {
                 &[label::NODE, label::ROLE, label::REASON],
             ),
             file_reloads: counter(Family::FileReloads, &[label::FILE, label::RESULT]),
+            disagg: counter(Family::DisaggDecisions, &[label::PATH, label::REASON]),
             kv_seconds: Mutex::new(BTreeMap::new()),
             counting: Mutex::new(Counting::default()),
             faults: faults.map(ReportFaults::new),
@@ -285,6 +289,32 @@ impl RouterMetrics {
     pub fn file_reloaded(&self, file: WatchedFileKind, result: ReloadResult) {
         (self.file_reloads)
             .with_label_values(&[file.as_str(), result.as_str()])
+            .increment(1);
+    }
+
+    /// Makes the decision series `mode` can raise exist (at 0), so rates are defined from the
+    /// start.
+    pub fn add_disagg_mode(&self, mode: DisaggMode) {
+        let series: &[(Path, Reason)] = match mode {
+            DisaggMode::Always => &[(Path::Remote, Reason::Setting)],
+            DisaggMode::Never => &[(Path::Local, Reason::Setting)],
+            DisaggMode::Auto => &[
+                (Path::Remote, Reason::EstimatedCost),
+                (Path::Local, Reason::EstimatedCost),
+                (Path::Local, Reason::NoPrefillNode),
+                (Path::Remote, Reason::NoDecodeNode),
+                (Path::Remote, Reason::Unmeasured),
+            ],
+        };
+        for (path, reason) in series {
+            self.disagg.create(&[path.as_str(), reason.as_str()]);
+        }
+    }
+
+    /// One request's prompt goes `path` for `reason`.
+    pub fn disagg_decided(&self, path: Path, reason: Reason) {
+        self.disagg
+            .with_label_values(&[path.as_str(), reason.as_str()])
             .increment(1);
     }
 

@@ -1,0 +1,255 @@
+//! What the router has measured of its nodes, for the disaggregation decision: each prefill
+//! node's prefill time by tokens computed, each decode node's time to compute a prompt itself,
+//! each (prefill, decode) pair's KV transfer time by bytes, each decode node's time per decode
+//! step, and the prefill work the router has queued on each node right now. All of it is
+//! learnt from requests as they are served ([`Fit`]); nothing is configured. Not here: the
+//! decision itself ([`super::Disagg`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::fit::Fit;
+
+/// Weight of the newest decode-step sample.
+const STEP_DECAY: f64 = 0.1;
+
+/// Node ids are the registry's (`Node::id`).
+type NodeId = usize;
+
+#[derive(Debug, Default)]
+struct State {
+    /// Prefill nodes: seconds of a `Prefill` call by tokens computed (its own and those the
+    /// router had queued on the node when it was sent).
+    prefill: HashMap<NodeId, Fit>,
+    /// Decode nodes computing a prompt themselves: seconds to the first message by tokens
+    /// computed (likewise).
+    local: HashMap<NodeId, Fit>,
+    /// (prefill node, decode node): seconds from `Decode` to its first message by KV bytes the
+    /// decode node pulled.
+    transfer: HashMap<(NodeId, NodeId), Fit>,
+    /// Decode nodes: seconds between two messages of a stream.
+    step: HashMap<NodeId, f64>,
+    /// Prefill nodes: bytes of one KV block (from their handles).
+    block_bytes: HashMap<NodeId, u64>,
+    /// Prompt tokens the router has sent to each node to compute and not heard back about.
+    queued: HashMap<NodeId, u64>,
+}
+
+/// The measurements, shared by every request of a router.
+#[derive(Debug, Default)]
+pub struct Costs {
+    state: Arc<Mutex<State>>,
+}
+
+/// Prompt tokens counted as queued on a node until dropped.
+#[derive(Debug)]
+pub struct Queued {
+    state: Arc<Mutex<State>>,
+    node: NodeId,
+    tokens: u64,
+    /// Tokens that were queued on the node before these.
+    pub ahead: u64,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let mut state = lock(&self.state);
+        if let Some(q) = state.queued.get_mut(&self.node) {
+            *q = q.saturating_sub(self.tokens);
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Costs {
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Counts `tokens` to compute as queued on `node` until the guard is dropped.
+    pub fn queue(&self, node: NodeId, tokens: u64) -> Queued {
+        let mut state = self.state();
+        let q = state.queued.entry(node).or_default();
+        let ahead = *q;
+        *q += tokens;
+        Queued {
+            state: self.state.clone(),
+            node,
+            tokens,
+            ahead,
+        }
+    }
+
+    /// Prompt tokens queued on `node` now.
+    pub fn queued(&self, node: NodeId) -> u64 {
+        self.state().queued.get(&node).copied().unwrap_or(0)
+    }
+
+    /// A `Prefill` on `node` computed `tokens` (with those queued ahead of it) in `seconds`.
+    pub fn prefilled(&self, node: NodeId, tokens: u64, seconds: f64) {
+        (self.state().prefill.entry(node).or_default()).add(tokens as f64, seconds);
+    }
+
+    /// Decode node `node` computed `tokens` of a prompt itself (with those queued ahead of
+    /// it) and sent its first message after `seconds`.
+    pub fn computed_locally(&self, node: NodeId, tokens: u64, seconds: f64) {
+        (self.state().local.entry(node).or_default()).add(tokens as f64, seconds);
+    }
+
+    /// Decode node `decode` pulled `bytes` of KV from `prefill` and sent its first message
+    /// after `seconds`.
+    pub fn transferred(&self, prefill: NodeId, decode: NodeId, bytes: u64, seconds: f64) {
+        (self.state().transfer.entry((prefill, decode)).or_default()).add(bytes as f64, seconds);
+    }
+
+    /// One gap of `seconds` between two messages of a stream on decode node `node`.
+    pub fn stepped(&self, node: NodeId, seconds: f64) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let mut state = self.state();
+        let step = state.step.entry(node).or_insert(seconds);
+        *step = *step * (1.0 - STEP_DECAY) + seconds * STEP_DECAY;
+    }
+
+    /// A KV handle of `node` said one block is `bytes`.
+    pub fn saw_block_bytes(&self, node: NodeId, bytes: u64) {
+        self.state().block_bytes.insert(node, bytes);
+    }
+
+    /// Seconds for prefill node `node` to compute `tokens` after those queued on it; from the
+    /// other prefill nodes' measurements while it has none. `None` before any prefill was
+    /// measured.
+    pub fn remote_prefill(&self, node: NodeId, tokens: u64) -> Option<f64> {
+        let state = self.state();
+        let units = (tokens + state.queued.get(&node).copied().unwrap_or(0)) as f64;
+        match state.prefill.get(&node).and_then(|f| f.predict(units)) {
+            Some(s) => Some(s),
+            None => mean(state.prefill.values().filter_map(|f| f.predict(units))),
+        }
+    }
+
+    /// Seconds for decode node `node` to compute `tokens` itself after those queued on it and
+    /// send its first message; from the prefill nodes' measurements (the same engine) while
+    /// it has none of its own.
+    pub fn local_prefill(&self, node: NodeId, tokens: u64) -> Option<f64> {
+        let state = self.state();
+        let units = (tokens + state.queued.get(&node).copied().unwrap_or(0)) as f64;
+        match state.local.get(&node).and_then(|f| f.predict(units)) {
+            Some(s) => Some(s),
+            None => mean(state.prefill.values().filter_map(|f| f.predict(units))),
+        }
+    }
+
+    /// Seconds of compute alone (no fixed part, nothing queued) for decode node `node` to
+    /// compute `tokens`: how long its running streams wait for a local prefill.
+    pub fn local_compute(&self, node: NodeId, tokens: u64) -> f64 {
+        let state = self.state();
+        let per_token = state
+            .local
+            .get(&node)
+            .and_then(Fit::line)
+            .map(|(_, per)| per)
+            .or_else(|| mean(state.prefill.values().filter_map(|f| f.line().map(|l| l.1))));
+        per_token.unwrap_or(0.0) * tokens as f64
+    }
+
+    /// Seconds from `Decode` to the first message when decode node `decode` pulls `blocks`
+    /// blocks from `prefill`; from other pairs' measurements while this pair has none, and 0
+    /// before any transfer was measured.
+    pub fn transfer(&self, prefill: NodeId, decode: NodeId, blocks: u64) -> f64 {
+        let state = self.state();
+        let bytes = blocks * state.block_bytes.get(&prefill).copied().unwrap_or(0);
+        let units = bytes as f64;
+        state
+            .transfer
+            .get(&(prefill, decode))
+            .and_then(|f| f.predict(units))
+            .or_else(|| mean(state.transfer.values().filter_map(|f| f.predict(units))))
+            .unwrap_or(0.0)
+    }
+
+    /// Bytes of `blocks` KV blocks of `prefill` (0 before its first handle was seen).
+    pub fn bytes_of(&self, prefill: NodeId, blocks: u64) -> u64 {
+        blocks * self.state().block_bytes.get(&prefill).copied().unwrap_or(0)
+    }
+
+    /// Seconds per decode step on `node` (0 before its first stream).
+    pub fn step(&self, node: NodeId) -> f64 {
+        self.state().step.get(&node).copied().unwrap_or(0.0)
+    }
+
+    /// Whether any prefill was measured (the decision has a basis).
+    pub fn measured(&self) -> bool {
+        self.state().prefill.values().any(|f| f.samples() > 0)
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / f64::from(n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queued_work_is_counted_until_its_guard_drops() {
+        let costs = Costs::default();
+        let a = costs.queue(1, 100);
+        let b = costs.queue(1, 50);
+        assert_eq!((a.ahead, b.ahead), (0, 100));
+        assert_eq!(costs.queued(1), 150);
+        drop(a);
+        assert_eq!(costs.queued(1), 50);
+        drop(b);
+        assert_eq!(costs.queued(1), 0);
+    }
+
+    #[test]
+    fn a_decode_node_without_measurements_borrows_the_prefill_nodes_rate() {
+        let costs = Costs::default();
+        assert_eq!(costs.local_prefill(7, 100), None);
+        for tokens in [10, 100, 300] {
+            costs.prefilled(1, tokens, 0.001 * tokens as f64);
+        }
+        let borrowed = costs.local_prefill(7, 100).unwrap();
+        assert!((borrowed - 0.1).abs() < 1e-9, "{borrowed}");
+        for tokens in [10, 100, 300] {
+            costs.computed_locally(7, tokens, 0.002 * tokens as f64);
+        }
+        let own = costs.local_prefill(7, 100).unwrap();
+        assert!((own - 0.2).abs() < 1e-9, "{own}");
+    }
+
+    #[test]
+    fn queued_tokens_make_a_node_slower() {
+        let costs = Costs::default();
+        for tokens in [10, 100, 300] {
+            costs.prefilled(1, tokens, 0.001 * tokens as f64);
+        }
+        let idle = costs.remote_prefill(1, 100).unwrap();
+        let _busy = costs.queue(1, 400);
+        let queued = costs.remote_prefill(1, 100).unwrap();
+        assert!(queued > idle * 4.0, "{idle} {queued}");
+    }
+
+    #[test]
+    fn transfers_scale_with_the_blocks_pulled() {
+        let costs = Costs::default();
+        assert_eq!(costs.transfer(1, 2, 10), 0.0);
+        costs.saw_block_bytes(1, 1000);
+        for blocks in [1u64, 10, 40] {
+            costs.transferred(1, 2, blocks * 1000, 0.001 + 0.0001 * blocks as f64);
+        }
+        let few = costs.transfer(1, 2, 2);
+        let many = costs.transfer(1, 2, 20);
+        assert!(many > few, "{few} {many}");
+        // Another pair borrows this one's measurements.
+        assert_eq!(costs.transfer(1, 3, 20), many);
+    }
+}
