@@ -181,6 +181,32 @@ impl From<Prediction> for PredictionWindow {
     }
 }
 
+/// Where the router computed the window's prompts (`pd_router_disagg_decisions_total`):
+/// requests by path (remote: a prefill node, the KV then moved; local: the decode node) and
+/// by `path/reason`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DisaggWindow {
+    pub remote: f64,
+    pub local: f64,
+    pub by_reason: BTreeMap<String, f64>,
+}
+
+impl From<&BTreeMap<(String, String), f64>> for DisaggWindow {
+    fn from(decisions: &BTreeMap<(String, String), f64>) -> Self {
+        let mut w = DisaggWindow::default();
+        for ((path, reason), n) in decisions {
+            match path.as_str() {
+                "local" => w.local += n,
+                _ => w.remote += n,
+            }
+            if *n > 0.0 {
+                w.by_reason.insert(format!("{path}/{reason}"), *n);
+            }
+        }
+        w
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TimelinePoint {
     /// End of the bucket, seconds into the window.
@@ -233,6 +259,9 @@ pub struct Report {
     /// Absent in reports of older pdctl versions, and without `--router-metrics`.
     #[serde(default)]
     pub router_prefix_prediction: Option<PredictionWindow>,
+    /// Absent in reports of older pdctl versions, and without `--router-metrics`.
+    #[serde(default)]
+    pub router_disagg: Option<DisaggWindow>,
     pub timeline: Vec<TimelinePoint>,
     pub router_timeline: Vec<RouterPoint>,
     pub requests: Vec<RequestRow>,
@@ -433,6 +462,10 @@ pub fn build(
         (Some((before, after)), Some(_)) => Some(after.since(before).prediction.into()),
         _ => None,
     };
+    let router_disagg = match (&out.counters, metrics_url) {
+        (Some((before, after)), Some(_)) => Some((&after.since(before).decisions).into()),
+        _ => None,
+    };
     let mut records: Vec<&RequestRecord> = out.records.iter().collect();
     records.sort_by_key(|r| (r.start, r.session, r.turn));
     Report {
@@ -449,6 +482,7 @@ pub fn build(
         router_prefix_cache,
         router_kv_transfer,
         router_prefix_prediction,
+        router_disagg,
         timeline: timeline(out),
         router_timeline: router_timeline(&out.samples),
         requests: records.into_iter().map(row).collect(),
@@ -569,6 +603,15 @@ pub fn table(report: &Report) -> String {
                 ),
                 None => "n/a (no request routed on cache events)".into(),
             },
+        );
+    }
+    if let Some(d) = &report.router_disagg {
+        let reasons: Vec<String> = (d.by_reason.iter())
+            .map(|(k, n)| format!("{k} {n:.0}"))
+            .collect();
+        line(
+            "Prompts computed remote / local:",
+            format!("{:.0} / {:.0} ({})", d.remote, d.local, reasons.join(", ")),
         );
     }
     if let Some(kv) = &report.router_kv_transfer {

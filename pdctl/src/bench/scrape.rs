@@ -4,7 +4,8 @@
 //! (`pd_router_kv_transfer_bytes_total`, `pd_router_kv_transfer_seconds_{sum,count}`), the
 //! cache index's predicted and delivered prefix tokens
 //! (`pd_router_prefix_{predicted,delivered}_tokens_total`, summed over nodes, roles and
-//! tiers), and their change over a window.
+//! tiers), the router's disaggregation decisions (`pd_router_disagg_decisions_total` by path
+//! and reason), and their change over a window.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -19,6 +20,7 @@ const QUERIES: &str = name::PREFIX_CACHE_QUERIES_TOTAL;
 const KV_BYTES: &str = name::KV_TRANSFER_BYTES_TOTAL;
 const PREDICTED: &str = name::PREFIX_PREDICTED_TOKENS_TOTAL;
 const DELIVERED: &str = name::PREFIX_DELIVERED_TOKENS_TOTAL;
+const DECISIONS: &str = name::DISAGG_DECISIONS_TOTAL;
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +65,8 @@ pub struct CacheCounters {
     pub by_role: BTreeMap<(String, CacheTier), HitsQueries>,
     pub kv: KvTransfers,
     pub prediction: Prediction,
+    /// Requests by (path, reason) of the router's disaggregation decision.
+    pub decisions: BTreeMap<(String, String), f64>,
 }
 
 /// Prompt tokens the router's cache index predicted the chosen nodes would reuse, and what
@@ -150,10 +154,19 @@ impl CacheCounters {
             predicted: d(now.predicted, then.predicted),
             delivered: d(now.delivered, then.delivered),
         };
+        let decisions = self
+            .decisions
+            .iter()
+            .map(|(k, now)| {
+                let then = before.decisions.get(k).copied().unwrap_or_default();
+                (k.clone(), d(*now, then))
+            })
+            .collect();
         CacheCounters {
             by_role,
             kv,
             prediction,
+            decisions,
         }
     }
 }
@@ -319,6 +332,15 @@ pub fn parse_cache_counters(text: &str) -> Result<CacheCounters, ParseFailure> {
             // ratio compares the tiers it predicts (device, host).
             DELIVERED if sample.labels.get("tier") != Some("peer") => {
                 counters.prediction.delivered += value
+            }
+            DECISIONS => {
+                if let (Some(path), Some(reason)) =
+                    (sample.labels.get("path"), sample.labels.get("reason"))
+                {
+                    *(counters.decisions)
+                        .entry((path.to_string(), reason.to_string()))
+                        .or_default() += value;
+                }
             }
             _ => {}
         }
