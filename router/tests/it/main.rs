@@ -4,6 +4,7 @@ mod admission;
 mod binary;
 mod cache_events;
 mod cache_index_live;
+mod disagg;
 mod discovery;
 mod fake;
 mod generate;
