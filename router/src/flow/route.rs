@@ -75,38 +75,31 @@ impl Job {
             return Decision::fixed(Path::Local, Reason::NoPrefillNode);
         };
         let prefill = self.shared.pick_by_policy(&self.req, &prefills);
-        let decode = self.shared.pick_decode(&self.req, &decodes);
+        // The decode node a local prefill would run on, as `never` (and aggregated mode)
+        // chooses it: the prompt-computing policy, cache affinity balanced by load. The
+        // remote path is priced towards the same node, so the two differ only in where the
+        // prompt is computed.
+        let decode = self.shared.pick_by_policy(&self.req, &decodes);
         let prompt = self.req.prompt.len() as u64;
-        let hits = |node: &Node| hit_tokens(self.shared.predict(&self.req, node));
-        let decode_blocks = |node: &Node| {
-            let bs = block_size(node);
-            prompt.div_ceil(bs).saturating_sub(hits(node) / bs)
-        };
+        let decode_hits = hit_tokens(self.shared.predict(&self.req, &decode));
+        let bs = block_size(&decode);
         let remote = RemoteOption {
             prefill: prefill.id,
             decode: decode.id,
-            prefill_hits: hits(&prefill),
-            pulled_blocks: decode_blocks(&decode),
+            prefill_hits: hit_tokens(self.shared.predict(&self.req, &prefill)),
+            pulled_blocks: prompt.div_ceil(bs).saturating_sub(decode_hits / bs),
             moves_kv: !self.ends_with_first_token(),
         };
-        let locals: Vec<LocalOption> = decodes
-            .iter()
-            .map(|d| LocalOption {
-                decode: d.id,
-                hits: hits(d),
-                streams: d.inflight(),
-            })
-            .collect();
-        let decision = self.shared.disagg.decide(prompt, &remote, &locals);
-        match decision.path {
-            Path::Remote => {
-                self.preferred.prefill = Some(prefill);
-                self.preferred.decode = Some(decode);
-            }
-            Path::Local => {
-                self.preferred.decode = decision.local.map(|i| decodes[i].clone());
-            }
+        let local = LocalOption {
+            decode: decode.id,
+            hits: decode_hits,
+            streams: decode.inflight(),
+        };
+        let decision = self.shared.disagg.decide(prompt, &remote, &[local]);
+        if decision.path == Path::Remote {
+            self.preferred.prefill = Some(prefill);
         }
+        self.preferred.decode = Some(decode);
         decision
     }
 
