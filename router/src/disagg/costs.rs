@@ -1,7 +1,9 @@
 //! What the router has measured of its nodes, for the disaggregation decision: each prefill
 //! node's prefill time by tokens computed, each decode node's time to compute a prompt itself,
 //! each (prefill, decode) pair's KV transfer time by bytes, each decode node's time per decode
-//! step, and the prefill work the router has queued on each node right now. All of it is
+//! step (alone, while it computes a prompt itself, and while prompts are computed elsewhere:
+//! how much each kind of prefill slows its streams), and the prefill work the router has
+//! queued on each node right now. All of it is
 //! learnt from requests as they are served ([`Fit`]); nothing is configured. Not here: the
 //! decision itself ([`super::Disagg`]).
 
@@ -27,12 +29,62 @@ struct State {
     /// (prefill node, decode node): seconds from `Decode` to its first message by KV bytes the
     /// decode node pulled.
     transfer: HashMap<(NodeId, NodeId), Fit>,
-    /// Decode nodes: seconds between two messages of a stream.
-    step: HashMap<NodeId, f64>,
+    /// Decode nodes: seconds between two messages of a stream, by what was being computed
+    /// meanwhile.
+    step: HashMap<NodeId, Steps>,
     /// Prefill nodes: bytes of one KV block (from their handles).
     block_bytes: HashMap<NodeId, u64>,
     /// Prompt tokens the router has sent to each node to compute and not heard back about.
     queued: HashMap<NodeId, u64>,
+}
+
+/// What the router had queued while a decode step was measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Busy {
+    /// No prompt was being computed anywhere.
+    Quiet,
+    /// The decode node itself was computing a prompt.
+    Here,
+    /// Only other nodes were computing prompts.
+    Elsewhere,
+}
+
+/// A decode node's step time by [`Busy`] (EWMAs; `None` before a sample).
+#[derive(Debug, Clone, Copy, Default)]
+struct Steps {
+    quiet: Option<f64>,
+    here: Option<f64>,
+    elsewhere: Option<f64>,
+}
+
+impl Steps {
+    fn slot(&mut self, busy: Busy) -> &mut Option<f64> {
+        match busy {
+            Busy::Quiet => &mut self.quiet,
+            Busy::Here => &mut self.here,
+            Busy::Elsewhere => &mut self.elsewhere,
+        }
+    }
+
+    /// The step time whatever was going on (the quiet one first).
+    fn any(&self) -> Option<f64> {
+        self.quiet.or(self.elsewhere).or(self.here)
+    }
+
+    /// The fraction of a step that `busy` adds: 1 - quiet / busy, within [0, 1]; `None`
+    /// until both were measured.
+    fn slowdown(&self, busy: Busy) -> Option<f64> {
+        let quiet = self.quiet?;
+        let busy = match busy {
+            Busy::Quiet => return Some(0.0),
+            Busy::Here => self.here?,
+            Busy::Elsewhere => self.elsewhere?,
+        };
+        if busy <= 0.0 {
+            return Some(0.0);
+        }
+        Some((1.0 - quiet / busy).clamp(0.0, 1.0))
+    }
 }
 
 /// The measurements, shared by every request of a router.
@@ -105,14 +157,31 @@ impl Costs {
         (self.state().transfer.entry((prefill, decode)).or_default()).add(bytes as f64, seconds);
     }
 
-    /// One gap of `seconds` between two messages of a stream on decode node `node`.
+    /// One gap of `seconds` between two messages of a stream on decode node `node`, filed by
+    /// what the router had queued at its end.
     pub fn stepped(&self, node: NodeId, seconds: f64) {
         if !seconds.is_finite() || seconds < 0.0 {
             return;
         }
         let mut state = self.state();
-        let step = state.step.entry(node).or_insert(seconds);
-        *step = *step * (1.0 - STEP_DECAY) + seconds * STEP_DECAY;
+        let busy = if state.queued.get(&node).is_some_and(|q| *q > 0) {
+            Busy::Here
+        } else if state.queued.values().any(|q| *q > 0) {
+            Busy::Elsewhere
+        } else {
+            Busy::Quiet
+        };
+        let slot = state.step.entry(node).or_default().slot(busy);
+        *slot = Some(match *slot {
+            Some(step) => step * (1.0 - STEP_DECAY) + seconds * STEP_DECAY,
+            None => seconds,
+        });
+    }
+
+    /// The fraction by which a prompt computed `busy` (on the decode node itself, or
+    /// elsewhere) slows decode node `node`'s steps, as measured; `None` until it was.
+    pub fn slowdown(&self, node: NodeId, busy: Busy) -> Option<f64> {
+        self.state().step.get(&node).and_then(|s| s.slowdown(busy))
     }
 
     /// A KV handle of `node` said one block is `bytes`.
@@ -142,6 +211,17 @@ impl Costs {
             Some(s) => Some(s),
             None => mean(state.prefill.values().filter_map(|f| f.predict(units))),
         }
+    }
+
+    /// Seconds of compute alone (no fixed part, nothing queued) for prefill node `node` to
+    /// compute `tokens` (from the other prefill nodes' rate while it has none).
+    pub fn remote_compute(&self, node: NodeId, tokens: u64) -> f64 {
+        let state = self.state();
+        let per_token = (state.prefill.get(&node))
+            .and_then(Fit::line)
+            .map(|(_, per)| per)
+            .or_else(|| mean(state.prefill.values().filter_map(|f| f.line().map(|l| l.1))));
+        per_token.unwrap_or(0.0) * tokens as f64
     }
 
     /// Seconds of compute alone (no fixed part, nothing queued) for decode node `node` to
@@ -179,7 +259,9 @@ impl Costs {
 
     /// Seconds per decode step on `node` (0 before its first stream).
     pub fn step(&self, node: NodeId) -> f64 {
-        self.state().step.get(&node).copied().unwrap_or(0.0)
+        (self.state().step.get(&node))
+            .and_then(Steps::any)
+            .unwrap_or(0.0)
     }
 
     /// Whether any prefill was measured (the decision has a basis).
@@ -236,6 +318,23 @@ mod tests {
         let _busy = costs.queue(1, 400);
         let queued = costs.remote_prefill(1, 100).unwrap();
         assert!(queued > idle * 4.0, "{idle} {queued}");
+    }
+
+    #[test]
+    fn steps_are_filed_by_what_was_being_computed() {
+        let costs = Costs::default();
+        assert_eq!(costs.slowdown(2, Busy::Here), None);
+        costs.stepped(2, 0.010);
+        let here = costs.queue(2, 100);
+        costs.stepped(2, 0.040);
+        drop(here);
+        let elsewhere = costs.queue(1, 100);
+        costs.stepped(2, 0.0125);
+        drop(elsewhere);
+        assert_eq!(costs.slowdown(2, Busy::Quiet), Some(0.0));
+        assert!((costs.slowdown(2, Busy::Here).unwrap() - 0.75).abs() < 1e-9);
+        assert!((costs.slowdown(2, Busy::Elsewhere).unwrap() - 0.2).abs() < 1e-9);
+        assert_eq!(costs.step(2), 0.010);
     }
 
     #[test]

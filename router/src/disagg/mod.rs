@@ -7,14 +7,22 @@
 //!
 //! - remote = the prefill node's time to compute the tokens its cache lacks (after the work
 //!   the router has queued on it) + the time from `Decode` to the decode node's first message
-//!   when it pulls the blocks it lacks from that prefill node (transfer, import and one step);
+//!   when it pulls the blocks it lacks from that prefill node (transfer, import and one step)
+//!   + the delay that computation puts on the decode node's running streams;
 //! - local = the decode node's time to compute the tokens its own cache lacks (after the
-//!   prompts queued on it) + one decode step + the time its running streams wait for that
-//!   computation (compute seconds × streams the router has on the node).
+//!   prompts queued on it) + one decode step + the delay that computation puts on its running
+//!   streams.
 //!
-//! Each decode node is priced for the local path (the one that holds most of a conversation
-//! is usually the cheapest); the remote path uses the prefill and decode nodes the policies
-//! choose. A decode node that has never computed a prompt is priced at the prefill nodes'
+//! A delay on the streams is compute seconds × streams the router has on the decode node ×
+//! the fraction by which such a computation was measured to slow that node's steps (its step
+//! time while it computed a prompt itself, or while only other nodes did, against its step
+//! time while nothing was computed). Until measured, a prompt computed on the decode node
+//! stalls its streams (fraction 1, as on a GPU) and one computed elsewhere does not (0:
+//! separate hardware); on hardware the nodes share, both are learnt as they happen.
+//!
+//! Both paths are priced towards one decode node: the one the prompt-computing policy
+//! chooses (as `never` places a request), so that they differ only in where the prompt is
+//! computed. A decode node that has never computed a prompt is priced at the prefill nodes'
 //! rate (the same engine). Before any prefill was measured the remote path is taken
 //! (`unmeasured`); without a prefill node to use, `auto` computes locally rather than fail.
 //!
@@ -24,7 +32,7 @@
 mod costs;
 mod fit;
 
-pub use costs::{Costs, Queued};
+pub use costs::{Busy, Costs, Queued};
 
 use clap::ValueEnum;
 
@@ -116,6 +124,8 @@ pub struct RemoteOption {
     pub pulled_blocks: u64,
     /// Whether a decode node continues at all (false: the first token ends the request).
     pub moves_kv: bool,
+    /// Streams the router has on the decode node.
+    pub streams: u64,
 }
 
 /// The local path on one decode node.
@@ -179,7 +189,11 @@ impl Disagg {
             true => self.costs.transfer(o.prefill, o.decode, o.pulled_blocks),
             false => 0.0,
         };
-        Some(prefill + transfer)
+        let slowdown = (self.costs)
+            .slowdown(o.decode, Busy::Elsewhere)
+            .unwrap_or(0.0);
+        let delay = self.costs.remote_compute(o.prefill, compute) * o.streams as f64 * slowdown;
+        Some(prefill + transfer + delay)
     }
 
     /// Seconds to the second token on the local path, plus the delay it puts on the node's
@@ -187,7 +201,8 @@ impl Disagg {
     pub fn local_seconds(&self, prompt: u64, o: &LocalOption) -> Option<f64> {
         let compute = prompt.saturating_sub(o.hits).max(1);
         let own = self.costs.local_prefill(o.decode, compute)? + self.costs.step(o.decode);
-        let delay = self.costs.local_compute(o.decode, compute) * o.streams as f64;
+        let slowdown = self.costs.slowdown(o.decode, Busy::Here).unwrap_or(1.0);
+        let delay = self.costs.local_compute(o.decode, compute) * o.streams as f64 * slowdown;
         Some(own + delay)
     }
 
@@ -247,6 +262,7 @@ mod tests {
             prefill_hits,
             pulled_blocks,
             moves_kv: true,
+            streams: 0,
         }
     }
 
@@ -314,6 +330,31 @@ mod tests {
         };
         assert_eq!(d.decide(1024, &remote(0, 32), &[idle]).path, Path::Local);
         assert_eq!(d.decide(1024, &remote(0, 32), &[busy]).path, Path::Remote);
+    }
+
+    #[test]
+    fn a_measured_slowdown_replaces_the_assumed_stall() {
+        let d = measured();
+        let busy = LocalOption {
+            decode: 10,
+            hits: 512,
+            streams: 16,
+        };
+        let remote = RemoteOption {
+            streams: 16,
+            ..remote(0, 32)
+        };
+        // Assumed: computing on the decode node stalls its 16 streams; elsewhere does not.
+        assert_eq!(d.decide(1024, &remote, &[busy]).path, Path::Remote);
+        // Measured on shared hardware: both slow the node's steps by a fifth.
+        d.costs.stepped(10, 0.008);
+        let here = d.costs.queue(10, 1);
+        d.costs.stepped(10, 0.010);
+        drop(here);
+        let elsewhere = d.costs.queue(0, 1);
+        d.costs.stepped(10, 0.010);
+        drop(elsewhere);
+        assert_eq!(d.decide(1024, &remote, &[busy]).path, Path::Local);
     }
 
     #[test]

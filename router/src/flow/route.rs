@@ -89,6 +89,7 @@ impl Job {
             prefill_hits: hit_tokens(self.shared.predict(&self.req, &prefill)),
             pulled_blocks: prompt.div_ceil(bs).saturating_sub(decode_hits / bs),
             moves_kv: !self.ends_with_first_token(),
+            streams: decode.inflight(),
         };
         let local = LocalOption {
             decode: decode.id,
