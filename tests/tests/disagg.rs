@@ -54,8 +54,13 @@ fn decisions(page: &Exposition, path: &str) -> f64 {
     page.sum(DECISIONS, &[("path", path)])
 }
 
-/// One request, checked; returns its tokens and the path its prompt took.
-async fn checked(cluster: &Cluster, ids: Vec<u32>, max_tokens: u32) -> (Vec<u32>, &'static str) {
+/// One request, checked; returns its tokens, the path its prompt took and what it added to
+/// the decode node's counters.
+async fn checked(
+    cluster: &Cluster,
+    ids: Vec<u32>,
+    max_tokens: u32,
+) -> (Vec<u32>, &'static str, Counts) {
     let (before, before_page) = settled(cluster).await;
     let mut client = cluster.client().await;
     let (tokens, last) = collect_as(&mut client, greedy(ids.clone(), max_tokens), None)
@@ -108,28 +113,30 @@ async fn checked(cluster: &Cluster, ids: Vec<u32>, max_tokens: u32) -> (Vec<u32>
         f64::from(prompt_tokens),
         "{path}: the whole prompt looked up"
     );
-    (tokens, path)
+    (tokens, path, decode)
 }
 
-/// The same conversation and requests under `setting`; returns each request's path.
+/// The same conversation and requests under `setting`; returns each request's path and what
+/// it added to the decode node's counters.
 async fn scenario(
     cache: &Path,
     setting: &str,
     reference: &[(Vec<u32>, u32, Vec<u32>)],
-) -> Vec<&'static str> {
+) -> (Vec<&'static str>, Vec<Counts>) {
     let cluster = Cluster::up_with_env(
         cache,
         &["--", "--block-size", "16"],
         &[("PD_DISAGG", setting)],
     )
     .expect("cluster up");
-    let mut paths = Vec::new();
+    let (mut paths, mut decode) = (Vec::new(), Vec::new());
     for (ids, max_tokens, want) in reference {
-        let (tokens, path) = checked(&cluster, ids.clone(), *max_tokens).await;
+        let (tokens, path, counts) = checked(&cluster, ids.clone(), *max_tokens).await;
         assert_eq!(&tokens, want, "{setting}: the output equals pdctl run's");
         paths.push(path);
+        decode.push(counts);
     }
-    paths
+    (paths, decode)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,11 +167,17 @@ async fn every_disagg_setting_counts_exactly_and_matches_pdctl_run() {
         })
         .collect();
 
-    let always = scenario(cache.path(), "always", &reference).await;
+    let (always, decode) = scenario(cache.path(), "always", &reference).await;
     assert!(always.iter().all(|p| *p == "remote"), "{always:?}");
-    let never = scenario(cache.path(), "never", &reference).await;
+    // The next turn on the decode node holding the first: it finds the first turn's blocks
+    // (at least its prompt's 12 full blocks) and pulls only the rest.
+    let next = decode[5];
+    let next_len = reference[5].0.len() as f64;
+    assert!(next.hits >= 192.0, "{next:?}");
+    assert_eq!(next.hits + next.external_hits, next_len, "{next:?}");
+    let (never, _) = scenario(cache.path(), "never", &reference).await;
     assert!(never.iter().all(|p| *p == "local"), "{never:?}");
-    let auto = scenario(cache.path(), "auto", &reference).await;
+    let (auto, _) = scenario(cache.path(), "auto", &reference).await;
     assert_eq!(auto[0], "remote", "nothing measured yet: {auto:?}");
     assert_eq!(
         auto[5], "local",
