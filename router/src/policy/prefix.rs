@@ -132,25 +132,33 @@ impl RoutingPolicy for PrefixAware {
     fn choose(&self, input: &RouteInput<'_>, candidates: &[Candidate]) -> usize {
         let mut hashes = Hashes::new(input, self.algo);
         let mut guesses = self.guesses.lock().unwrap_or_else(|e| e.into_inner());
-        let scores: Vec<usize> = candidates
+        // Per candidate: what its cache events say it holds (None: not in sync), and what the
+        // guess says (the node computed those blocks recently: taken for device blocks).
+        let (reported, guessed): (Vec<Option<usize>>, Vec<usize>) = candidates
             .iter()
             .map(|c| {
                 let hashes = hashes.of(c.block_size);
                 let reported = self.index.as_ref().and_then(|ix| ix.lookup(c.node, hashes));
-                match reported {
-                    Some(m) => score(m),
-                    // The guess knows no tiers: the node computed those blocks recently, so
-                    // they are taken for device blocks.
-                    None => guesses
-                        .get(&c.node)
-                        .filter(|g| g.epoch == c.epoch)
-                        .map_or(0, |g| {
-                            score(TierMatch {
-                                device: g.matched(hashes),
-                                host: 0,
-                            })
-                        }),
-                }
+                let guessed = guesses
+                    .get(&c.node)
+                    .filter(|g| g.epoch == c.epoch)
+                    .map_or(0, |g| {
+                        score(TierMatch {
+                            device: g.matched(hashes),
+                            host: 0,
+                        })
+                    });
+                (reported.map(score), guessed)
+            })
+            .unzip();
+        // A prompt that no node is reported to hold any of (evicted everywhere, or new) goes
+        // where the guess says it went last, so that each prefix keeps returning to one node
+        // rather than spreading over all of them and evicting more (load still balances).
+        let nothing_held = reported.iter().all(|r| r.is_none_or(|s| s == 0));
+        let scores: Vec<usize> = (reported.iter().zip(&guessed))
+            .map(|(r, g)| match r {
+                Some(s) if !nothing_held => *s,
+                _ => *g,
             })
             .collect();
         let pick = decide(&self.balance, candidates, &scores);
@@ -317,6 +325,25 @@ mod tests {
         let mut restarted = c[0];
         restarted.epoch += 1;
         assert_eq!(p.guessed_blocks(&input(&doc), &restarted), 0);
+    }
+
+    #[test]
+    fn a_prompt_no_node_holds_returns_to_the_node_that_last_computed_it() {
+        let doc: Vec<u32> = (0..64).collect();
+        // Both nodes in sync and holding nothing (the prompt was evicted everywhere).
+        let ix = index(&[(vec![], vec![]), (vec![], vec![])]);
+        let p = PrefixAware::new(1000).with_index(ix);
+        let c = cands(&[0, 0]);
+        let home = p.choose(&input(&doc), &c);
+        let other: Vec<u32> = (1000..1064).collect();
+        assert_ne!(
+            p.choose(&input(&other), &c),
+            home,
+            "cold prompts take turns"
+        );
+        for _ in 0..3 {
+            assert_eq!(p.choose(&input(&doc), &c), home, "not spread by turns");
+        }
     }
 
     #[test]
