@@ -13,7 +13,10 @@
 //!   - otherwise (no stream yet, a broken or lagging stream, a node too old to publish one)
 //!     the router's own guess: an LRU set, per node, of the block hashes of the prompts it
 //!     sent there (bounded by `--prefix-index-blocks`), its leading matches counted as device
-//!     blocks (`2 × matched`).
+//!     blocks (`2 × matched`);
+//!   - when no candidate's events report any of the prompt (new, or evicted everywhere), the
+//!     guess scores every candidate, so the prompt returns to the node that last computed it
+//!     rather than spreading over the nodes.
 //!
 //!   Then, with `best` the highest score:
 //!   1. `best == 0`: least loaded (equal loads take turns).
