@@ -176,6 +176,8 @@ struct Job {
     started: bool,
     /// The nodes the disaggregation decision settled on.
     preferred: Preferred,
+    /// The cache index's predictions for the prompt, by node id ([`Job::predict`]).
+    predictions: Vec<(usize, Option<crate::metrics::Predicted>)>,
 }
 
 /// Runs one request to its end and releases what it held. The in-flight entry is dropped
@@ -212,6 +214,7 @@ pub(crate) async fn run(
         migrations: 0,
         started: false,
         preferred: Preferred::default(),
+        predictions: Vec::new(),
     };
     let outcome = job.drive(&mut text).await;
     let last = match outcome {
@@ -435,7 +438,7 @@ impl Job {
             // What the cache index expects the node to reuse (a resumed stream's prompt is
             // longer: not compared).
             let predicted = match resume {
-                None => self.shared.predict(&self.req, &node),
+                None => self.predict(&node),
                 Some(_) => None,
             };
             // `--disagg auto` learns the node's prefill rate from first prefills.

@@ -27,9 +27,6 @@ use crate::validation::{ModelMeta, ValidRequest, ValidationError, Validator};
 /// Chunks buffered per request between the request task and the client.
 const STREAM_BUFFER: usize = 16;
 
-/// Block size assumed for a node that has not reported one (the engines' default).
-const DEFAULT_BLOCK_SIZE: usize = 16;
-
 /// What every request of one router shares.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -69,10 +66,7 @@ impl Shared {
             .map(|n| Candidate {
                 node: n.id,
                 load: n.load(),
-                block_size: n
-                    .layout()
-                    .map_or(DEFAULT_BLOCK_SIZE, |l| l.block_size as usize)
-                    .max(1),
+                block_size: n.block_size(),
                 epoch: n.epoch(),
             })
             .collect()
@@ -92,10 +86,7 @@ impl Shared {
     /// What the cache index predicts `node` reuses of `req`'s prompt, per tier; `None` while
     /// the node's cache events are not in sync (the policy guessed).
     pub fn predict(&self, req: &ValidRequest, node: &Node) -> Option<Predicted> {
-        let block_size = node
-            .layout()
-            .map_or(DEFAULT_BLOCK_SIZE, |l| l.block_size as usize)
-            .max(1);
+        let block_size = node.block_size();
         let index = self.registry.cache_index();
         if !index.in_sync(node.id) {
             // Spares the hashing when there is nothing to look up.

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::Path;
 use super::fit::Fit;
 
 /// Weight of the newest decode-step sample.
@@ -112,6 +113,16 @@ impl Drop for Queued {
     }
 }
 
+impl State {
+    /// The prefill fits of `path`'s nodes.
+    fn fits(&self, path: Path) -> &HashMap<NodeId, Fit> {
+        match path {
+            Path::Remote => &self.prefill,
+            Path::Local => &self.local,
+        }
+    }
+}
+
 fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -189,52 +200,27 @@ impl Costs {
         self.state().block_bytes.insert(node, bytes);
     }
 
-    /// Seconds for prefill node `node` to compute `tokens` after those queued on it; from the
-    /// other prefill nodes' measurements while it has none. `None` before any prefill was
-    /// measured.
-    pub fn remote_prefill(&self, node: NodeId, tokens: u64) -> Option<f64> {
+    /// Seconds for `node` to compute `tokens` after those queued on it and answer (a
+    /// prefill node's `Prefill` for [`Path::Remote`], a decode node's first message for
+    /// [`Path::Local`]); from the prefill nodes' measurements (the same engine) while it has
+    /// none of its own. `None` before any prefill was measured.
+    pub fn prefill(&self, path: Path, node: NodeId, tokens: u64) -> Option<f64> {
         let state = self.state();
         let units = (tokens + state.queued.get(&node).copied().unwrap_or(0)) as f64;
-        match state.prefill.get(&node).and_then(|f| f.predict(units)) {
-            Some(s) => Some(s),
-            None => mean(state.prefill.values().filter_map(|f| f.predict(units))),
-        }
+        (state.fits(path).get(&node))
+            .and_then(|f| f.predict(units))
+            .or_else(|| mean(state.prefill.values().filter_map(|f| f.predict(units))))
     }
 
-    /// Seconds for decode node `node` to compute `tokens` itself after those queued on it and
-    /// send its first message; from the prefill nodes' measurements (the same engine) while
-    /// it has none of its own.
-    pub fn local_prefill(&self, node: NodeId, tokens: u64) -> Option<f64> {
+    /// Seconds of compute alone (no fixed part, nothing queued) for `node` to compute
+    /// `tokens` on `path`: how long a node's streams wait for it, at most.
+    pub fn compute(&self, path: Path, node: NodeId, tokens: u64) -> f64 {
         let state = self.state();
-        let units = (tokens + state.queued.get(&node).copied().unwrap_or(0)) as f64;
-        match state.local.get(&node).and_then(|f| f.predict(units)) {
-            Some(s) => Some(s),
-            None => mean(state.prefill.values().filter_map(|f| f.predict(units))),
-        }
-    }
-
-    /// Seconds of compute alone (no fixed part, nothing queued) for prefill node `node` to
-    /// compute `tokens` (from the other prefill nodes' rate while it has none).
-    pub fn remote_compute(&self, node: NodeId, tokens: u64) -> f64 {
-        let state = self.state();
-        let per_token = (state.prefill.get(&node))
-            .and_then(Fit::line)
-            .map(|(_, per)| per)
-            .or_else(|| mean(state.prefill.values().filter_map(|f| f.line().map(|l| l.1))));
-        per_token.unwrap_or(0.0) * tokens as f64
-    }
-
-    /// Seconds of compute alone (no fixed part, nothing queued) for decode node `node` to
-    /// compute `tokens`: how long its running streams wait for a local prefill.
-    pub fn local_compute(&self, node: NodeId, tokens: u64) -> f64 {
-        let state = self.state();
-        let per_token = state
-            .local
-            .get(&node)
-            .and_then(Fit::line)
-            .map(|(_, per)| per)
-            .or_else(|| mean(state.prefill.values().filter_map(|f| f.line().map(|l| l.1))));
-        per_token.unwrap_or(0.0) * tokens as f64
+        let per_token = |f: &Fit| f.line().map(|(_, per)| per);
+        let per = (state.fits(path).get(&node))
+            .and_then(per_token)
+            .or_else(|| mean(state.prefill.values().filter_map(per_token)));
+        per.unwrap_or(0.0) * tokens as f64
     }
 
     /// Seconds from `Decode` to the first message when decode node `decode` pulls `blocks`
@@ -252,21 +238,11 @@ impl Costs {
             .unwrap_or(0.0)
     }
 
-    /// Bytes of `blocks` KV blocks of `prefill` (0 before its first handle was seen).
-    pub fn bytes_of(&self, prefill: NodeId, blocks: u64) -> u64 {
-        blocks * self.state().block_bytes.get(&prefill).copied().unwrap_or(0)
-    }
-
     /// Seconds per decode step on `node` (0 before its first stream).
     pub fn step(&self, node: NodeId) -> f64 {
         (self.state().step.get(&node))
             .and_then(Steps::any)
             .unwrap_or(0.0)
-    }
-
-    /// Whether any prefill was measured (the decision has a basis).
-    pub fn measured(&self) -> bool {
-        self.state().prefill.values().any(|f| f.samples() > 0)
     }
 }
 
@@ -295,16 +271,16 @@ mod tests {
     #[test]
     fn a_decode_node_without_measurements_borrows_the_prefill_nodes_rate() {
         let costs = Costs::default();
-        assert_eq!(costs.local_prefill(7, 100), None);
+        assert_eq!(costs.prefill(Path::Local, 7, 100), None);
         for tokens in [10, 100, 300] {
             costs.prefilled(1, tokens, 0.001 * tokens as f64);
         }
-        let borrowed = costs.local_prefill(7, 100).unwrap();
+        let borrowed = costs.prefill(Path::Local, 7, 100).unwrap();
         assert!((borrowed - 0.1).abs() < 1e-9, "{borrowed}");
         for tokens in [10, 100, 300] {
             costs.computed_locally(7, tokens, 0.002 * tokens as f64);
         }
-        let own = costs.local_prefill(7, 100).unwrap();
+        let own = costs.prefill(Path::Local, 7, 100).unwrap();
         assert!((own - 0.2).abs() < 1e-9, "{own}");
     }
 
@@ -314,9 +290,9 @@ mod tests {
         for tokens in [10, 100, 300] {
             costs.prefilled(1, tokens, 0.001 * tokens as f64);
         }
-        let idle = costs.remote_prefill(1, 100).unwrap();
+        let idle = costs.prefill(Path::Remote, 1, 100).unwrap();
         let _busy = costs.queue(1, 400);
-        let queued = costs.remote_prefill(1, 100).unwrap();
+        let queued = costs.prefill(Path::Remote, 1, 100).unwrap();
         assert!(queued > idle * 4.0, "{idle} {queued}");
     }
 

@@ -39,6 +39,7 @@ impl Fit {
     }
 
     /// Measurements so far.
+    #[cfg(test)]
     pub fn samples(&self) -> u64 {
         self.samples
     }

@@ -184,7 +184,7 @@ impl Disagg {
     /// Seconds to the second token on the remote path; `None` while unmeasured.
     pub fn remote_seconds(&self, prompt: u64, o: &RemoteOption) -> Option<f64> {
         let compute = prompt.saturating_sub(o.prefill_hits).max(1);
-        let prefill = self.costs.remote_prefill(o.prefill, compute)?;
+        let prefill = self.costs.prefill(Path::Remote, o.prefill, compute)?;
         let transfer = match o.moves_kv {
             true => self.costs.transfer(o.prefill, o.decode, o.pulled_blocks),
             false => 0.0,
@@ -192,7 +192,8 @@ impl Disagg {
         let slowdown = (self.costs)
             .slowdown(o.decode, Busy::Elsewhere)
             .unwrap_or(0.0);
-        let delay = self.costs.remote_compute(o.prefill, compute) * o.streams as f64 * slowdown;
+        let delay =
+            self.costs.compute(Path::Remote, o.prefill, compute) * o.streams as f64 * slowdown;
         Some(prefill + transfer + delay)
     }
 
@@ -200,9 +201,10 @@ impl Disagg {
     /// running streams; `None` while unmeasured.
     pub fn local_seconds(&self, prompt: u64, o: &LocalOption) -> Option<f64> {
         let compute = prompt.saturating_sub(o.hits).max(1);
-        let own = self.costs.local_prefill(o.decode, compute)? + self.costs.step(o.decode);
+        let own = self.costs.prefill(Path::Local, o.decode, compute)? + self.costs.step(o.decode);
         let slowdown = self.costs.slowdown(o.decode, Busy::Here).unwrap_or(1.0);
-        let delay = self.costs.local_compute(o.decode, compute) * o.streams as f64 * slowdown;
+        let delay =
+            self.costs.compute(Path::Local, o.decode, compute) * o.streams as f64 * slowdown;
         Some(own + delay)
     }
 

@@ -226,7 +226,6 @@ impl Job {
         handoff: Option<&Handoff>,
         permit: &mut Option<Permit>,
     ) -> Result<pb::GenerateResponse, DecodeEnd> {
-        let params = &self.req.params;
         let node_request_id =
             (self.shared.ids).node_request_id(&self.req.tenant, &self.req.request_id);
         // Tokens already sent that the node takes as output: all of them in aggregated mode,
@@ -235,9 +234,10 @@ impl Job {
         // What the cache index expects the node to reuse of the prompt (a resumed stream's
         // prompt is longer: not compared).
         let predicted = match resumed {
-            0 => self.shared.predict(&self.req, node),
+            0 => self.predict(node),
             _ => None,
         };
+        let params = &self.req.params;
         let mut sampling = wire_sampling(params);
         if resumed > 0 {
             // Scored on the stream's first attempt already.

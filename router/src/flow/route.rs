@@ -12,9 +12,6 @@ use crate::registry::Node;
 
 use super::Job;
 
-/// Block size assumed for a node that has not reported one (the engines' default).
-const DEFAULT_BLOCK_SIZE: u64 = 16;
-
 /// The nodes a decision settled on, taken by the steps that send work to nodes.
 #[derive(Debug, Default)]
 pub(super) struct Preferred {
@@ -32,9 +29,7 @@ impl Preferred {
 }
 
 fn block_size(node: &Node) -> u64 {
-    node.layout()
-        .map_or(DEFAULT_BLOCK_SIZE, |l| u64::from(l.block_size))
-        .max(1)
+    node.block_size() as u64
 }
 
 /// The prompt tokens the cache index says `predicted` covers (none without a prediction).
@@ -43,6 +38,17 @@ pub(super) fn hit_tokens(predicted: Option<Predicted>) -> u64 {
 }
 
 impl Job {
+    /// What the cache index predicts `node` reuses of the prompt, looked up once per node and
+    /// request (the decision and the steps after it ask for the same nodes).
+    pub(super) fn predict(&mut self, node: &Node) -> Option<Predicted> {
+        if let Some((_, p)) = self.predictions.iter().find(|(id, _)| *id == node.id) {
+            return *p;
+        }
+        let p = self.shared.predict(&self.req, node);
+        self.predictions.push((node.id, p));
+        p
+    }
+
     /// Decides where the prompt is computed, counts and logs the decision, and leaves the
     /// chosen nodes in `self.preferred`.
     pub(super) fn route(&mut self) -> Path {
@@ -81,12 +87,12 @@ impl Job {
         // prompt is computed.
         let decode = self.shared.pick_by_policy(&self.req, &decodes);
         let prompt = self.req.prompt.len() as u64;
-        let decode_hits = hit_tokens(self.shared.predict(&self.req, &decode));
+        let decode_hits = hit_tokens(self.predict(&decode));
         let bs = block_size(&decode);
         let remote = RemoteOption {
             prefill: prefill.id,
             decode: decode.id,
-            prefill_hits: hit_tokens(self.shared.predict(&self.req, &prefill)),
+            prefill_hits: hit_tokens(self.predict(&prefill)),
             pulled_blocks: prompt.div_ceil(bs).saturating_sub(decode_hits / bs),
             moves_kv: !self.ends_with_first_token(),
             streams: decode.inflight(),

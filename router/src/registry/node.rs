@@ -49,6 +49,9 @@ struct NodeState {
     info: Option<pb::NodeInfo>,
 }
 
+/// Block size assumed for a node that has not reported one (the engines' default).
+const DEFAULT_BLOCK_SIZE: usize = 16;
+
 /// One node: its address, channel, last known state and the router's in-flight count.
 #[derive(Debug)]
 pub struct Node {
@@ -183,6 +186,12 @@ impl Node {
             fingerprint: i.layout_fingerprint.clone(),
             block_size: i.block_size,
         })
+    }
+
+    /// Tokens per KV block from the last good `Info`, else the engines' default (16); never 0.
+    pub fn block_size(&self) -> usize {
+        let reported = self.state().info.as_ref().map(|i| i.block_size as usize);
+        reported.filter(|b| *b > 0).unwrap_or(DEFAULT_BLOCK_SIZE)
     }
 
     /// The KV cache's element type from the last good `Info` (part of the fingerprint;
