@@ -1,9 +1,9 @@
 //! What the router has measured of its nodes, for the disaggregation decision: each prefill
 //! node's prefill time by tokens computed, each decode node's time to compute a prompt itself,
 //! each (prefill, decode) pair's KV transfer time by bytes, each decode node's time per decode
-//! step (alone, while it computes a prompt itself, and while prompts are computed elsewhere:
-//! how much each kind of prefill slows its streams), and the prefill work the router has
-//! queued on each node right now. All of it is
+//! step (alone, while it computes a prompt itself, while it pulls KV, and while other nodes
+//! compute or pull: how much each kind of work slows its streams), and the prefill work and
+//! KV pulls the router has in flight on each node right now. All of it is
 //! learnt from requests as they are served ([`Fit`]); nothing is configured. Not here: the
 //! decision itself ([`super::Disagg`]).
 
@@ -37,16 +37,21 @@ struct State {
     block_bytes: HashMap<NodeId, u64>,
     /// Prompt tokens the router has sent to each node to compute and not heard back about.
     queued: HashMap<NodeId, u64>,
+    /// Decode nodes: KV pulls the router started (a `Decode` with a handle) whose first
+    /// message has not come yet.
+    pulling: HashMap<NodeId, u64>,
 }
 
-/// What the router had queued while a decode step was measured.
+/// What the router had in flight while a decode step was measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Busy {
-    /// No prompt was being computed anywhere.
+    /// No prompt was being computed and no KV pulled anywhere.
     Quiet,
     /// The decode node itself was computing a prompt.
     Here,
-    /// Only other nodes were computing prompts.
+    /// The decode node itself was pulling KV (and computing no prompt).
+    Pulling,
+    /// Only other nodes were computing prompts or pulling KV.
     Elsewhere,
 }
 
@@ -55,6 +60,7 @@ pub enum Busy {
 struct Steps {
     quiet: Option<f64>,
     here: Option<f64>,
+    pulling: Option<f64>,
     elsewhere: Option<f64>,
 }
 
@@ -63,13 +69,14 @@ impl Steps {
         match busy {
             Busy::Quiet => &mut self.quiet,
             Busy::Here => &mut self.here,
+            Busy::Pulling => &mut self.pulling,
             Busy::Elsewhere => &mut self.elsewhere,
         }
     }
 
     /// The step time whatever was going on (the quiet one first).
     fn any(&self) -> Option<f64> {
-        self.quiet.or(self.elsewhere).or(self.here)
+        self.quiet.or(self.elsewhere).or(self.pulling).or(self.here)
     }
 
     /// The fraction of a step that `busy` adds: 1 - quiet / busy, within [0, 1]; `None`
@@ -79,6 +86,7 @@ impl Steps {
         let busy = match busy {
             Busy::Quiet => return Some(0.0),
             Busy::Here => self.here?,
+            Busy::Pulling => self.pulling?,
             Busy::Elsewhere => self.elsewhere?,
         };
         if busy <= 0.0 {
@@ -109,6 +117,22 @@ impl Drop for Queued {
         let mut state = lock(&self.state);
         if let Some(q) = state.queued.get_mut(&self.node) {
             *q = q.saturating_sub(self.tokens);
+        }
+    }
+}
+
+/// A KV pull counted as in flight on a decode node until dropped.
+#[derive(Debug)]
+pub struct Pulling {
+    state: Arc<Mutex<State>>,
+    node: NodeId,
+}
+
+impl Drop for Pulling {
+    fn drop(&mut self) {
+        let mut state = lock(&self.state);
+        if let Some(p) = state.pulling.get_mut(&self.node) {
+            *p = p.saturating_sub(1);
         }
     }
 }
@@ -146,6 +170,15 @@ impl Costs {
         }
     }
 
+    /// Counts a KV pull as in flight on decode node `node` until the guard is dropped.
+    pub fn pull(&self, node: NodeId) -> Pulling {
+        *self.state().pulling.entry(node).or_default() += 1;
+        Pulling {
+            state: self.state.clone(),
+            node,
+        }
+    }
+
     /// Prompt tokens queued on `node` now.
     pub fn queued(&self, node: NodeId) -> u64 {
         self.state().queued.get(&node).copied().unwrap_or(0)
@@ -169,15 +202,19 @@ impl Costs {
     }
 
     /// One gap of `seconds` between two messages of a stream on decode node `node`, filed by
-    /// what the router had queued at its end.
+    /// what the router had in flight at its end.
     pub fn stepped(&self, node: NodeId, seconds: f64) {
         if !seconds.is_finite() || seconds < 0.0 {
             return;
         }
         let mut state = self.state();
-        let busy = if state.queued.get(&node).is_some_and(|q| *q > 0) {
+        let busy_on = |map: &HashMap<NodeId, u64>, n: NodeId| map.get(&n).is_some_and(|v| *v > 0);
+        let busy_anywhere = |map: &HashMap<NodeId, u64>| map.values().any(|v| *v > 0);
+        let busy = if busy_on(&state.queued, node) {
             Busy::Here
-        } else if state.queued.values().any(|q| *q > 0) {
+        } else if busy_on(&state.pulling, node) {
+            Busy::Pulling
+        } else if busy_anywhere(&state.queued) || busy_anywhere(&state.pulling) {
             Busy::Elsewhere
         } else {
             Busy::Quiet
@@ -189,8 +226,9 @@ impl Costs {
         });
     }
 
-    /// The fraction by which a prompt computed `busy` (on the decode node itself, or
-    /// elsewhere) slows decode node `node`'s steps, as measured; `None` until it was.
+    /// The fraction by which `busy` (a prompt computed on the decode node itself, a KV pull
+    /// into it, work elsewhere) slows decode node `node`'s steps, as measured; `None` until
+    /// it was.
     pub fn slowdown(&self, node: NodeId, busy: Busy) -> Option<f64> {
         self.state().step.get(&node).and_then(|s| s.slowdown(busy))
     }
@@ -311,6 +349,23 @@ mod tests {
         assert!((costs.slowdown(2, Busy::Here).unwrap() - 0.75).abs() < 1e-9);
         assert!((costs.slowdown(2, Busy::Elsewhere).unwrap() - 0.2).abs() < 1e-9);
         assert_eq!(costs.step(2), 0.010);
+    }
+
+    #[test]
+    fn steps_during_a_pull_are_filed_apart_from_quiet_ones() {
+        let costs = Costs::default();
+        costs.stepped(2, 0.010);
+        let pull = costs.pull(2);
+        costs.stepped(2, 0.020);
+        // A pull into another node is work elsewhere for node 3.
+        costs.stepped(3, 0.030);
+        drop(pull);
+        costs.stepped(3, 0.015);
+        assert!((costs.slowdown(2, Busy::Pulling).unwrap() - 0.5).abs() < 1e-9);
+        assert!((costs.slowdown(3, Busy::Elsewhere).unwrap() - 0.5).abs() < 1e-9);
+        // The quiet step time is untouched by the steps taken during the pull.
+        assert_eq!(costs.step(2), 0.010);
+        assert_eq!(costs.slowdown(2, Busy::Here), None);
     }
 
     #[test]

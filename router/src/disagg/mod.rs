@@ -8,17 +8,18 @@
 //! - remote = the prefill node's time to compute the tokens its cache lacks (after the work
 //!   the router has queued on it) + the time from `Decode` to the decode node's first message
 //!   when it pulls the blocks it lacks from that prefill node (transfer, import and one step)
-//!   + the delay that computation puts on the decode node's running streams;
+//!   + the delay that computation and that pull put on the decode node's running streams;
 //! - local = the decode node's time to compute the tokens its own cache lacks (after the
 //!   prompts queued on it) + one decode step + the delay that computation puts on its running
 //!   streams.
 //!
-//! A delay on the streams is compute seconds × streams the router has on the decode node ×
-//! the fraction by which such a computation was measured to slow that node's steps (its step
-//! time while it computed a prompt itself, or while only other nodes did, against its step
-//! time while nothing was computed). Until measured, a prompt computed on the decode node
-//! stalls its streams (fraction 1, as on a GPU) and one computed elsewhere does not (0:
-//! separate hardware); on hardware the nodes share, both are learnt as they happen.
+//! A delay on the streams is seconds of work × streams the router has on the decode node ×
+//! the fraction by which such work was measured to slow that node's steps: its step time while
+//! it computed a prompt itself, while it pulled KV, or while only other nodes computed or
+//! pulled, against its step time while nothing was in flight. Until measured, a prompt
+//! computed on the decode node stalls its streams (fraction 1, as on a GPU), and a prompt
+//! computed elsewhere or a pull does not (0: separate hardware, a DMA engine); on hardware the
+//! nodes share, all of it is learnt as it happens.
 //!
 //! Both paths are priced towards one decode node: the one the prompt-computing policy
 //! chooses (as `never` places a request), so that they differ only in where the prompt is
@@ -32,7 +33,7 @@
 mod costs;
 mod fit;
 
-pub use costs::{Busy, Costs, Queued};
+pub use costs::{Busy, Costs, Pulling, Queued};
 
 use clap::ValueEnum;
 
@@ -189,12 +190,13 @@ impl Disagg {
             true => self.costs.transfer(o.prefill, o.decode, o.pulled_blocks),
             false => 0.0,
         };
-        let slowdown = (self.costs)
-            .slowdown(o.decode, Busy::Elsewhere)
-            .unwrap_or(0.0);
-        let delay =
-            self.costs.compute(Path::Remote, o.prefill, compute) * o.streams as f64 * slowdown;
-        Some(prefill + transfer + delay)
+        let slowdown = |busy| self.costs.slowdown(o.decode, busy).unwrap_or(0.0);
+        // The streams wait for what the prompt's compute elsewhere and the pull into their
+        // node take from them (both nothing until measured: separate hardware).
+        let stalled = self.costs.compute(Path::Remote, o.prefill, compute)
+            * slowdown(Busy::Elsewhere)
+            + transfer * slowdown(Busy::Pulling);
+        Some(prefill + transfer + stalled * o.streams as f64)
     }
 
     /// Seconds to the second token on the local path, plus the delay it puts on the node's
@@ -357,6 +359,33 @@ mod tests {
         d.costs.stepped(10, 0.010);
         drop(elsewhere);
         assert_eq!(d.decide(1024, &remote, &[busy]).path, Path::Local);
+    }
+
+    #[test]
+    fn a_pull_measured_to_slow_the_streams_counts_against_the_remote_path() {
+        let d = measured();
+        let cold = LocalOption {
+            decode: 10,
+            hits: 0,
+            streams: 16,
+        };
+        let remote = RemoteOption {
+            streams: 16,
+            ..remote(1008, 64)
+        };
+        d.costs.stepped(10, 0.008);
+        let here = d.costs.queue(10, 1);
+        d.costs.stepped(10, 0.010);
+        drop(here);
+        // Until a pull is seen to slow the node, the warm prefill node wins.
+        assert_eq!(d.decide(1024, &remote, &[cold]).path, Path::Remote);
+        // Pulls measured to halve the node's step rate: 16 streams wait for half the
+        // transfer, dearer than computing the whole prompt here.
+        let pull = d.costs.pull(10);
+        d.costs.stepped(10, 0.016);
+        drop(pull);
+        let decision = d.decide(1024, &remote, &[cold]);
+        assert_eq!(decision.path, Path::Local, "{decision:?}");
     }
 
     #[test]

@@ -267,6 +267,9 @@ impl Job {
             let computed = u64::from(self.prompt_tokens()).saturating_sub(hit_tokens(predicted));
             self.shared.disagg.costs.queue(node.id, computed)
         });
+        // A pull in flight slows the node's other streams: their steps are filed apart.
+        let mut pulling = (measuring && resumed == 0 && handoff.is_some())
+            .then(|| self.shared.disagg.costs.pull(node.id));
         let pulled_from = self.held.lease.as_ref().map(|(n, _)| n.clone());
         let sent = tokio::time::Instant::now();
         let mut last_message = sent;
@@ -320,6 +323,7 @@ impl Job {
                     let kv = handoff.map(|h| &h.kv);
                     let from_kv = pulled_from.as_deref().zip(kv);
                     let ahead = queued.take().map_or(0, |q| q.ahead);
+                    drop(pulling.take());
                     self.measured_first_message(node, from_kv, predicted, ahead, now - sent);
                 } else if streamed && !message.tokens.is_empty() {
                     let gap = (now - last_message).as_secs_f64() / message.tokens.len() as f64;
