@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 pub use cache::GuideCache;
 use free::{FreeJson, FreeState};
 use grammar::{Grammar, GrammarGuide, GrammarState};
-pub use grammar::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_ELEMENTS, MAX_GRAMMAR_STACKS};
+pub use grammar::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_ELEMENTS, MAX_GRAMMAR_STACKS, MAX_WALK_WORK};
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
 use trie::Masks;
 pub use vocabulary::GuideVocabulary;
@@ -485,6 +485,14 @@ impl Guide {
             (GuideKind::Grammar(guide, masks), Walk::Grammar(Some(state))) => {
                 let walker = std::cell::RefCell::new(guide.walker());
                 let mask = masks.allowed(state, |s, b| walker.borrow_mut().step(s, b), None);
+                if walker.borrow().exhausted() {
+                    // Once per state: what the walk could not afford stays refused.
+                    tracing::warn!(
+                        budget = MAX_WALK_WORK,
+                        "a grammar too ambiguous to follow within the walk budget: this \
+                         state's tokens were cut short"
+                    );
+                }
                 if !walker.borrow().is_match(state) && !mask.is_empty() {
                     return Some(mask);
                 }

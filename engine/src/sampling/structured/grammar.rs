@@ -25,7 +25,7 @@ use regex_syntax::utf8::Utf8Sequences;
 use self::parse::{Item, RuleDef};
 use super::StructuredError;
 pub(crate) use stacks::{GrammarGuide, GrammarState};
-pub use stacks::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_STACKS};
+pub use stacks::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_STACKS, MAX_WALK_WORK};
 
 /// Most elements a grammar may lower to, its repetitions unrolled (`"ab"{3}` is six bytes).
 pub const MAX_GRAMMAR_ELEMENTS: usize = 1 << 16;

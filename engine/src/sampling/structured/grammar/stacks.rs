@@ -24,6 +24,14 @@ pub const MAX_GRAMMAR_DEPTH: usize = 256;
 /// Most stacks one state may hold (an ambiguous grammar reads one text in many ways at
 /// once); a byte that would make more is refused.
 pub const MAX_GRAMMAR_STACKS: usize = 1024;
+/// Most expansions (a stack entry taken from the work list) one walk may spend on steps not
+/// computed before: a mask's walk over the vocabulary, or one token's bytes. An ambiguous
+/// grammar can need millions for one byte (its stacks multiply before the stack cap refuses
+/// them), so past the budget every step the walk still needs is refused, and kept refused:
+/// the grammar's masks are cut short there, the same way each time, instead of holding the
+/// engine for seconds. Tens of milliseconds of one core; the JSON grammar's masks over
+/// Qwen3's vocabulary spend a few thousand.
+pub const MAX_WALK_WORK: usize = 1 << 18;
 /// Most nodes and stack entries one grammar interns over its life (tens of bytes each with
 /// their maps; sampling eight JSON objects over Qwen3's vocabulary interns about 2,000);
 /// past it, bytes that would need new ones are refused.
@@ -59,7 +67,8 @@ impl GrammarGuide {
                 .iter()
                 .map(|&start| (start, EMPTY)),
         );
-        let start = stacks.settle(&grammar).ok_or_else(|| {
+        let mut budget = MAX_WALK_WORK;
+        let start = stacks.settle(&grammar, &mut budget).ok_or_else(|| {
             StructuredError::Grammar("the rule `root` cannot start within the limits".into())
         })?;
         Ok(Self {
@@ -74,11 +83,16 @@ impl GrammarGuide {
     }
 
     /// The stacks, locked: a mask's walk steps hundreds of thousands of times, so it locks
-    /// once for all of them.
+    /// once for all of them. The walk may spend [`MAX_WALK_WORK`].
     pub(crate) fn walker(&self) -> Walker<'_> {
+        self.walker_with_budget(MAX_WALK_WORK)
+    }
+
+    pub(crate) fn walker_with_budget(&self, budget: usize) -> Walker<'_> {
         Walker {
             grammar: &self.grammar,
             stacks: self.stacks.lock().unwrap_or_else(PoisonError::into_inner),
+            budget,
         }
     }
 }
@@ -87,12 +101,27 @@ impl GrammarGuide {
 pub(crate) struct Walker<'a> {
     grammar: &'a Grammar,
     stacks: MutexGuard<'a, Stacks>,
+    /// Expansions this walk may still spend.
+    budget: usize,
 }
 
 impl Walker<'_> {
-    /// The state after `byte`, or `None` where the grammar refuses it.
+    /// The state after `byte`, or `None` where the grammar refuses it (or where this walk's
+    /// budget ran out before the step was known: refused from then on).
     pub(crate) fn step(&mut self, state: GrammarState, byte: u8) -> Option<GrammarState> {
-        self.stacks.step(self.grammar, state, byte)
+        self.stacks
+            .step(self.grammar, state, byte, &mut self.budget)
+    }
+
+    /// Expansions this walk may still spend.
+    #[cfg(test)]
+    pub(crate) fn budget_left(&self) -> usize {
+        self.budget
+    }
+
+    /// Whether this walk ran out of budget (some step was refused for it).
+    pub(crate) fn exhausted(&self) -> bool {
+        self.budget == 0
     }
 
     /// The text that led to `state` is whole.
@@ -126,7 +155,13 @@ struct Stacks {
 }
 
 impl Stacks {
-    fn step(&mut self, grammar: &Grammar, state: GrammarState, byte: u8) -> Option<GrammarState> {
+    fn step(
+        &mut self,
+        grammar: &Grammar,
+        state: GrammarState,
+        byte: u8,
+        budget: &mut usize,
+    ) -> Option<GrammarState> {
         if let Some(&next) = self.next.get(&(state.0, byte)) {
             return (next != EMPTY).then_some(GrammarState(next));
         }
@@ -139,7 +174,7 @@ impl Stacks {
                 self.todo.push((node.pos + 1, node.below));
             }
         }
-        let next = self.settle(grammar);
+        let next = self.settle(grammar, budget);
         if self.interned <= MAX_INTERNED {
             self.next
                 .insert((state.0, byte), next.map_or(EMPTY, |s| s.0));
@@ -148,12 +183,18 @@ impl Stacks {
     }
 
     /// Expands `todo` until every stack's top is a byte set, and interns the set of them
-    /// (`None` when there is none and no stack emptied, or past a limit).
-    fn settle(&mut self, grammar: &Grammar) -> Option<GrammarState> {
+    /// (`None` when there is none and no stack emptied, or past a limit: `budget` spent
+    /// included).
+    fn settle(&mut self, grammar: &Grammar, budget: &mut usize) -> Option<GrammarState> {
         self.seen.clear();
         self.tops.clear();
         let mut emptied = false;
         while let Some((pos, below)) = self.todo.pop() {
+            if *budget == 0 {
+                self.todo.clear();
+                return None;
+            }
+            *budget -= 1;
             if !self.seen.insert((pos, below)) {
                 continue;
             }

@@ -201,3 +201,46 @@ fn errors_say_what_and_where() {
     let deep = format!("root ::= {}\"a\"{}", "(".repeat(100), ")".repeat(100));
     assert!(error(&deep).contains("nest more than 64 deep"));
 }
+
+/// An ambiguous grammar (found by fuzzing: `fuzz/findings/gbnf_grammar-slow-ambiguous`) whose
+/// expansions grow by half again with every `+5`.
+const AMBIGUOUS: &str = "root ::= expr\nexpr ::=| term ((\"+\" |root \"[-\") *term)+*\n\
+                         term ::= num | \"(\" expr \")\"\nnum ::= [5-|9]+\n";
+
+#[test]
+fn a_walk_spends_at_most_its_budget_and_what_it_could_not_afford_stays_refused() {
+    let text = b"5+5+5+5+5+5+5+5";
+    // With the whole budget the text is alive, for some thousands of expansions.
+    let rich = guide(AMBIGUOUS);
+    let mut walker = rich.walker();
+    assert!(walk(&mut walker, rich.start(), text).is_some());
+    let spent = MAX_WALK_WORK - walker.budget_left();
+    assert!((5_000..MAX_WALK_WORK).contains(&spent), "{spent}");
+    drop(walker);
+
+    // A walk that can afford a third of that is refused on the way, having spent no more
+    // than its budget...
+    let poor = guide(AMBIGUOUS);
+    let mut walker = poor.walker_with_budget(spent / 3);
+    let mut state = poor.start();
+    let mut refused_at = None;
+    for (i, &b) in text.iter().enumerate() {
+        match walker.step(state, b) {
+            Some(next) => state = next,
+            None => {
+                refused_at = Some(i);
+                break;
+            }
+        }
+    }
+    assert!(walker.exhausted());
+    let refused_at = refused_at.expect("refused within the text");
+    assert!(refused_at > 2, "it got some way first: {refused_at}");
+    drop(walker);
+    // ... and the step it could not afford stays refused for every later walk, so masks and
+    // walks agree whenever they are computed.
+    let mut walker = poor.walker();
+    let before = walk(&mut walker, poor.start(), &text[..refused_at]).expect("alive before");
+    assert_eq!(walker.step(before, text[refused_at]), None);
+    assert!(!walker.exhausted());
+}
