@@ -29,9 +29,9 @@ pub const MAX_GRAMMAR_STACKS: usize = 1024;
 /// grammar can need millions for one byte (its stacks multiply before the stack cap refuses
 /// them), so past the budget every step the walk still needs is refused, and kept refused:
 /// the grammar's masks are cut short there, the same way each time, instead of holding the
-/// engine for seconds. Tens of milliseconds of one core; the JSON grammar's masks over
-/// Qwen3's vocabulary spend a few thousand.
-pub const MAX_WALK_WORK: usize = 1 << 18;
+/// engine for seconds. A few milliseconds of one core; the JSON grammar's masks over
+/// Qwen3's vocabulary spend up to about 8,000.
+pub const MAX_WALK_WORK: usize = 1 << 16;
 /// Most nodes and stack entries one grammar interns over its life (tens of bytes each with
 /// their maps; sampling eight JSON objects over Qwen3's vocabulary interns about 2,000);
 /// past it, bytes that would need new ones are refused.
