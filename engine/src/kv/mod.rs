@@ -1,27 +1,25 @@
-//! Paged KV cache layout and block allocation.
+//! The paged KV cache, by concept (each folder's `mod.rs` says what it owns):
 //!
-//! KV lives in fixed-size blocks of `block_size` tokens; a sequence's block table maps its
-//! logical blocks to physical ones. This module owns the layout description (which also
-//! yields the fingerprint two nodes compare before moving KV) and the block table; blocks
-//! are handed out by the one block pool ([`pool`]), for the serving engine and the direct
-//! runner alike.
-//! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]).
+//! - **Layout** (here): [`KvLayout`], the shape and type every block shares (which also
+//!   yields the fingerprint two nodes compare before moving KV), and [`BlockTable`], a
+//!   sequence's blocks in logical order.
+//! - **Block pool** ([`pool`]): the one allocator of physical blocks, reference counts and
+//!   LRU free lists, for the serving engine and the direct runner alike.
+//! - **Prefix cache** ([`prefix`]): block hashing, the device tier's hash map, the host tier,
+//!   and the events and journal that tell the router what each tier holds.
+//! - **Handoff** ([`handoff`]): KV moving between nodes as the engine sees it: leases and
+//!   their secrets, checksums, reservations and in-place placement, host buffers.
+//!
+//! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]); the
+//! scheduling and accounting around these pieces to [`crate::serve`].
 
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::weights::DType;
 
-pub mod block_buffers;
-pub mod checksum;
-pub mod events;
-pub mod hash;
-pub mod host_buffer;
-pub mod host_tier;
-pub mod journal;
-pub mod placement;
+pub mod handoff;
 pub mod pool;
-pub mod reservation;
-pub mod tier;
+pub mod prefix;
 
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
