@@ -1,17 +1,12 @@
-//! The paged KV cache, by concept (each folder's `mod.rs` says what it owns):
+//! The paged KV cache. The map, one concept per folder (each `mod.rs` says what it owns):
 //!
-//! - **Layout** (here): [`KvLayout`], the shape and type every block shares (which also
-//!   yields the fingerprint two nodes compare before moving KV), and [`BlockTable`], a
-//!   sequence's blocks in logical order.
-//! - **Block pool** ([`pool`]): the one allocator of physical blocks, reference counts and
-//!   LRU free lists, for the serving engine and the direct runner alike.
-//! - **Prefix cache** ([`prefix`]): block hashing, the device tier's hash map, the host tier,
-//!   and the events and journal that tell the router what each tier holds.
-//! - **Handoff** ([`handoff`]): KV moving between nodes as the engine sees it: leases and
-//!   their secrets, checksums, reservations and in-place placement, host buffers.
+//! - layout (this file): [`KvLayout`] (block shape and stored type), [`BlockTable`];
+//! - [`pool`] (`kv/pool/`): the one block allocator: reference counts, LRU free lists;
+//! - [`prefix`] (`kv/prefix/`): the prefix cache: block hashes, device and host tiers, events;
+//! - [`handoff`] (`kv/handoff/`): KV between nodes: leases, checksums, reservations, buffers.
 //!
-//! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]); the
-//! scheduling and accounting around these pieces to [`crate::serve`].
+//! Not here: the KV storage (the backend's, [`crate::backend::Backend::KvStorage`]), the
+//! scheduling and accounting around these pieces ([`crate::serve`]), the wire (pd-transport).
 
 use crate::config::ModelConfig;
 use crate::error::EngineError;

@@ -11,8 +11,8 @@
 //! reader finds nothing. Every read presents the lease's secret ([`LeaseSecret`]): a wrong
 //! secret finds nothing, exactly as an unknown id does. Each block's transfer checksum
 //! ([`super::checksum`]) is computed here, once, when the lease is made: the exporter sends
-//! it, and no transport hashes on the sending side. Not here: what is leased and when a lease ends (the engine), nor serving
-//! it over the wire (pd-transport's export side).
+//! it, and no transport hashes on the sending side. Not here: what is leased and when a lease
+//! ends (the engine), nor serving it over the wire (pd-transport's export side).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
