@@ -13,7 +13,11 @@
 #    scraping every metrics address of `pdctl up`'s ready line;
 # 4. load with shared prefixes, an abort and a bad request (tools/prometheus/load.py);
 # 5. every PromQL expression of deploy/grafana/*.json and deploy/prometheus/*.yml through
-#    /api/v1/query (tools/prometheus/check_live.py).
+#    /api/v1/query (tools/prometheus/check_live.py);
+# 6. the nodes' encoder against metrics-exporter-prometheus (docs/metrics.md, "Encoders"): the
+#    nodes' /metrics recorded during the load, the same series rendered by the exporter
+#    (node-common/examples/exporter_twin.rs), both replayed to real Prometheus instances and
+#    every dashboard, rule and vLLM dashboard expression compared (tools/prometheus/encoders.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,11 +100,22 @@ url="http://127.0.0.1:$port"
 python3 tools/prometheus/check_live.py wait-scraped --prometheus "$url" --targets "$TARGETS" \
     || { cat "$work/prometheus.log" >&2; exit 1; }
 
-echo "== load"
+echo "== load (the nodes' /metrics recorded meanwhile for step 6)"
+encoders="$work/encoders"
+mkdir -p "$encoders"
+# shellcheck disable=SC2086 # NODE_METRICS is a list of addresses
+python3 tools/prometheus/encoders.py record --node-metrics $NODE_METRICS \
+    --out "$encoders/nodes" --stop-file "$encoders/stop" &
+pids+=($!)
 python3 tools/prometheus/load.py "$ROUTER_GRPC"
 # Let the router apply the last counter reports (Info poll), Prometheus scrape them and
 # evaluate the rules on them.
 sleep 4
+touch "$encoders/stop"
 
 echo "== every dashboard and rule expression through Prometheus"
 python3 tools/prometheus/check_live.py queries --prometheus "$url" --model "$model"
+
+echo "== the nodes' encoder against metrics-exporter-prometheus (docs/metrics.md)"
+cargo run --quiet --locked -p pd-node --example exporter_twin -- "$encoders/nodes" "$encoders/exporter"
+python3 tools/prometheus/encoders.py compare --a "$encoders/nodes" --b "$encoders/exporter"

@@ -7,8 +7,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pd_engine::kv::host_buffer::HostBuffer;
-use pd_engine::kv::reservation::{DeviceReservation, ImportReservation, Landing, ReservedBlocks};
+use pd_engine::kv::handoff::host_buffer::HostBuffer;
+use pd_engine::kv::handoff::reservation::{
+    DeviceReservation, ImportReservation, Landing, ReservedBlocks,
+};
 use pd_engine::serve::{EngineRequest, ImportedBlocks, ImportedKv, LeaseSecret};
 use pd_proto::pb;
 use pd_transport::{PathUsed, PullRequest};

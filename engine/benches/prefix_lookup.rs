@@ -14,10 +14,10 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::hash::{BlockHash, BlockHasher, block_hashes};
-use pd_engine::kv::host_tier::HostTier;
 use pd_engine::kv::pool::BlockPool;
-use pd_engine::kv::tier::ExternalTier;
+use pd_engine::kv::prefix::hash::{BlockHash, BlockHasher, block_hashes};
+use pd_engine::kv::prefix::host_tier::HostTier;
+use pd_engine::kv::prefix::tier::ExternalTier;
 
 const BLOCK_SIZE: usize = 16;
 const PROMPT_TOKENS: usize = 32 * 1024;

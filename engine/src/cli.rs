@@ -14,7 +14,7 @@ use crate::backend::graph::DecodeGraphs;
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::executor::Executor;
-use crate::kv::hash::HashAlgo;
+use crate::kv::prefix::hash::HashAlgo;
 use crate::kv::{DEFAULT_BLOCK_SIZE, KvLayout};
 use crate::model::{ModelFiles, Qwen3};
 use crate::serve::{Engine, EngineConfig, Role};

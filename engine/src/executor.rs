@@ -7,7 +7,7 @@ use crate::backend::graph::{DecodeGraphStep, DecodeGraphs, is_pure_decode};
 use crate::backend::{AttentionMeta, Backend, HostMatrix, SeqAttention};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
-use crate::kv::host_buffer::{HostAllocator, HostBuffer};
+use crate::kv::handoff::host_buffer::{HostAllocator, HostBuffer};
 use crate::model::Qwen3;
 use crate::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, SamplePlan};
 
@@ -337,13 +337,13 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Where KV storage lies in host memory (`None` on a GPU): imports land there in place.
-    pub fn host_kv_memory(&self) -> Option<crate::kv::placement::HostKvMemory> {
+    pub fn host_kv_memory(&self) -> Option<crate::kv::handoff::placement::HostKvMemory> {
         self.backend.host_kv_memory(&self.kv)
     }
 
     /// [`Backend::block_writer`]: imported blocks written into KV storage from other
     /// threads (a GPU's copy stream).
-    pub fn block_writer(&self) -> Option<crate::kv::reservation::BlockWriter> {
+    pub fn block_writer(&self) -> Option<crate::kv::handoff::reservation::BlockWriter> {
         self.backend.block_writer(&self.kv)
     }
 }

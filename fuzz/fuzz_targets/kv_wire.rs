@@ -14,7 +14,7 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use libfuzzer_sys::fuzz_target;
-use pd_engine::kv::checksum::block_checksum;
+use pd_engine::kv::handoff::checksum::block_checksum;
 use pd_engine::serve::LeaseSecret;
 use pd_transport::wire::{
     CHUNK_HEADER_LEN, ChunkHeader, ChunkKind, FRAME_HEADER_LEN, FrameHeader, FrameKind,

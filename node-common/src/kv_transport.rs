@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pd_engine::kv::placement::HostKvMemory;
+use pd_engine::kv::handoff::placement::HostKvMemory;
 use pd_engine::serve::LeaseSecret;
 use pd_proto::pb;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;

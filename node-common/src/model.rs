@@ -120,7 +120,7 @@ pub struct ModelFacts {
     /// Blocks of the prefix cache's host-memory tier (`--host-cache-blocks`).
     pub host_cache_blocks: usize,
     /// The prefix cache's block hash (`--prefix-caching-hash-algo`), reported in `Info`.
-    pub hash_algo: pd_engine::kv::hash::HashAlgo,
+    pub hash_algo: pd_engine::kv::prefix::hash::HashAlgo,
 }
 
 impl ModelFacts {

@@ -3,8 +3,8 @@
 //! A message a node could not have sent (a hash list whose length is not a multiple of 16,
 //! an unspecified tier or change) is refused whole, so a subscriber never applies half of it.
 
-use pd_engine::kv::events::{CacheEvent, EventBatch, Snapshot, Tier};
-use pd_engine::kv::hash::BlockHash;
+use pd_engine::kv::prefix::events::{CacheEvent, EventBatch, Snapshot, Tier};
+use pd_engine::kv::prefix::hash::BlockHash;
 
 use crate::pb;
 

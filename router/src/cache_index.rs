@@ -12,8 +12,8 @@
 //! Memory is bounded per node by the capacity the node reports in its snapshot (device
 //! blocks plus host blocks), and over all nodes by `max_blocks`: a node that would pass
 //! either bound is dropped out of sync rather than grown. Block hashes are the engines' own
-//! ([`pd_engine::kv::hash`]), so one prompt hashed once per block size is compared as is;
-//! the events are the engines' own vocabulary ([`pd_engine::kv::events`]).
+//! ([`pd_engine::kv::prefix::hash`]), so one prompt hashed once per block size is compared as is;
+//! the events are the engines' own vocabulary ([`pd_engine::kv::prefix::events`]).
 //!
 //! [`SharedIndex`] is the one index of a router: the subscriptions write it, the policy reads
 //! it, each for one short synchronous step under its lock.
@@ -24,8 +24,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
-pub use pd_engine::kv::events::{CacheEvent, EventBatch, Snapshot, Tier};
-use pd_engine::kv::hash::BlockHash;
+pub use pd_engine::kv::prefix::events::{CacheEvent, EventBatch, Snapshot, Tier};
+use pd_engine::kv::prefix::hash::BlockHash;
 
 /// How many leading blocks of a prompt a node holds, split by the tier it would take each
 /// from: `device` leading blocks on the device, then `host` more restorable from the host

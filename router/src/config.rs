@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-pub use pd_engine::kv::hash::HashAlgo;
+pub use pd_engine::kv::prefix::hash::HashAlgo;
 
 mod failure;
 

@@ -4,7 +4,7 @@
 //! - [`LeastLoaded`]: the candidate with the least load; equal loads take turns.
 //! - [`PrefixAware`] (the default): the candidate most likely to hold the prompt's prefix in
 //!   its prefix cache, balanced by load. Each candidate gets a **score** from the prompt's
-//!   leading blocks (the engines' own hash, [`pd_engine::kv::hash::block_hashes`], the
+//!   leading blocks (the engines' own hash, [`pd_engine::kv::prefix::hash::block_hashes`], the
 //!   request's cache salt applied, the node's block size), in half blocks:
 //!   - while the node's cache events are in sync ([`crate::cache_index`]: the node's own
 //!     report of what its device and host tiers hold), `2 × device + host`: the leading
@@ -50,7 +50,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pd_engine::kv::hash::HashAlgo;
+use pd_engine::kv::prefix::hash::HashAlgo;
 
 pub use self::prefix::{DecodeAffinity, PrefixAware};
 use crate::cache_index::SharedIndex;

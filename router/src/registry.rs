@@ -91,7 +91,7 @@ pub struct Registry {
     tasks: Mutex<Option<tokio::runtime::Handle>>,
     model: String,
     /// The router's `--prefix-caching-hash-algo`: a node that hashes otherwise is down.
-    hash_algo: pd_engine::kv::hash::HashAlgo,
+    hash_algo: pd_engine::kv::prefix::hash::HashAlgo,
     /// Every node's circuit breaker settings (`--circuit-breaker-*`).
     breaker: BreakerConfig,
     serving: watch::Sender<bool>,
@@ -153,7 +153,7 @@ impl Registry {
     }
 
     /// Routes only to nodes whose prefix cache hashes blocks with `algo` (XXH3 unless set).
-    pub fn with_hash_algo(mut self, algo: pd_engine::kv::hash::HashAlgo) -> Self {
+    pub fn with_hash_algo(mut self, algo: pd_engine::kv::prefix::hash::HashAlgo) -> Self {
         self.hash_algo = algo;
         self
     }

@@ -38,7 +38,7 @@ pub(crate) struct Shared {
     /// Decode nodes in the cluster ([`crate::policy::build_decode`]).
     pub decode_policy: Box<dyn RoutingPolicy>,
     /// The nodes' (and the router's) `--prefix-caching-hash-algo`.
-    pub hash_algo: pd_engine::kv::hash::HashAlgo,
+    pub hash_algo: pd_engine::kv::prefix::hash::HashAlgo,
     /// `--disagg` and the measurements it decides with.
     pub disagg: crate::disagg::Disagg,
     pub inflight: Arc<InflightTable>,
@@ -92,7 +92,7 @@ impl Shared {
             // Spares the hashing when there is nothing to look up.
             return None;
         }
-        let hashes = pd_engine::kv::hash::block_hashes_with(
+        let hashes = pd_engine::kv::prefix::hash::block_hashes_with(
             &req.prompt,
             block_size,
             req.cache_salt.as_deref(),

@@ -99,7 +99,7 @@ impl Tenancy {
     /// where [`SALT_DOMAIN`] is the 30 ASCII bytes `pd-router/tenant-cache-salt/v1` and
     /// `salt_bytes` is the byte `0x00` without a client salt, else `0x01`, the salt's length
     /// in bytes as a u64 LE, then its UTF-8 bytes (the engines' own encoding of a salt,
-    /// `pd_engine::kv::hash`). Two tenants never get the same salt, nor does a tenant with and
+    /// `pd_engine::kv::prefix::hash`). Two tenants never get the same salt, nor does a tenant with and
     /// without a client salt.
     pub fn cache_salt(&self, tenant: &Tenant, client: Option<String>) -> Option<String> {
         if !self.keys || self.shared_prefix_cache {

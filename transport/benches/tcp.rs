@@ -39,10 +39,10 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::checksum::block_checksum;
-use pd_engine::kv::host_buffer::HostBuffer;
-use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::checksum::block_checksum;
+use pd_engine::kv::handoff::host_buffer::HostBuffer;
+use pd_engine::kv::handoff::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::{
     ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,

@@ -28,8 +28,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::{
     BoxFuture, RdmaConfig, RdmaConnector, RdmaDevice, RdmaExporter, RdmaOffer, RdmaReader,

@@ -3,7 +3,7 @@
 //! while sending); the importer reads each block straight into its buffer, or in place into
 //! the KV memory reserved for it, hashing it as it arrives, and compares.
 
-use pd_engine::kv::checksum::BlockChecksummer;
+use pd_engine::kv::handoff::checksum::BlockChecksummer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::TransportError;
@@ -207,7 +207,7 @@ pub(crate) fn status_error(status: Status, message: String, id: PullIdentity) ->
 
 #[cfg(test)]
 mod tests {
-    use pd_engine::kv::checksum::block_checksum;
+    use pd_engine::kv::handoff::checksum::block_checksum;
 
     use super::*;
 

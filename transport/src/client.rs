@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
-use pd_engine::kv::placement::KvReservation;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::host_buffer::{HostBuffer, heap_buffer};
+use pd_engine::kv::handoff::placement::KvReservation;
 use pd_engine::serve::LeaseSecret;
 use pd_tls::{ClientTls, Conn};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufStream};

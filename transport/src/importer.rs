@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::host_buffer::HostBuffer;
-use pd_engine::kv::placement::KvReservation;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::host_buffer::HostBuffer;
+use pd_engine::kv::handoff::placement::KvReservation;
 
 use crate::client::{KvPuller, PullRequest, check_reservation};
 use crate::error::TransportError;

@@ -36,7 +36,7 @@
 //! - Checks on every pull: the exporter refuses a wrong fingerprint before sending any KV
 //!   (once the lease is authenticated);
 //!   the importer verifies the echoed fingerprint, lease, block range, block length, every
-//!   chunk length and every block's xxh3-64 checksum (`pd_engine::kv::checksum`), and a
+//!   chunk length and every block's xxh3-64 checksum (`pd_engine::kv::handoff::checksum`), and a
 //!   short stream is a
 //!   [`TransportError::Length`]. Failures are typed ([`TransportError`]) with a stable
 //!   metric label ([`TransportError::reason`], a [`FailureReason`]).

@@ -19,7 +19,7 @@
 //!   kind u32 | status u32 | len u64
 //!   kind 1 DATA:  len = block_bytes = chunk_bytes bytes of the block, then its checksum
 //!                 (u64): xxh3-64 of those bytes with seed BLOCK_SEED + the block's index in
-//!                 the lease (wrapping; `pd_engine::kv::checksum`), so a block delivered
+//!                 the lease (wrapping; `pd_engine::kv::handoff::checksum`), so a block delivered
 //!                 in the wrong place fails too. The same checksum the RDMA offer carries;
 //!                 computed once when the lease is made.
 //!   kind 2 ABORT: the exporter cannot finish (the lease expired mid-transfer, ...): status

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pd_engine::backend::cpu::CpuBackend;
 use pd_engine::config::ModelConfig;
 use pd_engine::kv::KvLayout;
-use pd_engine::kv::reservation::ImportReservation;
+use pd_engine::kv::handoff::reservation::ImportReservation;
 use pd_engine::serve::{
     Engine, EngineConfig, EngineHandle, EngineRequest, EngineThread, ImportedBlocks, ImportedKv,
     KvLease, RequestEvent, Role,

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::host_buffer::HostBuffer;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::host_buffer::HostBuffer;
 use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::rdma::{
     BoxFuture, Fabric, LinkLayer, OfferLayout, RdmaError, RdmaOffer, RemoteRegion, block_checksum,

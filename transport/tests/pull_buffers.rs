@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::host_buffer::heap_buffer;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::host_buffer::heap_buffer;
 use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::{
     ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,

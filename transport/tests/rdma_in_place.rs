@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use pd_engine::kv::placement::{HostKvMemory, KvReservation, ReservationId};
+use pd_engine::kv::handoff::placement::{HostKvMemory, KvReservation, ReservationId};
 use pd_engine::serve::LeasedKv;
 use pd_transport::rdma::scatter::{LocalSpan, ScatterRead, scatter_reads};
 use pd_transport::rdma::{Fabric, LeaseRegions, LinkLayer, OfferLayout, RdmaOffer, plan_reads};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::host_buffer::HostBuffer;
+use pd_engine::kv::handoff::host_buffer::HostBuffer;
 use pd_engine::serve::{LeaseSecret, LeasedKv};
 use pd_transport::wire::{
     FRAME_HEADER_LEN, FrameHeader, PULL_RESPONSE_BODY_LEN, PullRequestFrame, PullResponseFrame,

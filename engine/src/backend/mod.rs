@@ -15,7 +15,7 @@ pub mod moe;
 
 use crate::error::EngineError;
 use crate::kv::KvLayout;
-use crate::kv::host_buffer::{HostAllocator, HostBuffer, heap_allocator};
+use crate::kv::handoff::host_buffer::{HostAllocator, HostBuffer, heap_allocator};
 use crate::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use crate::weights::TensorView;
 use graph::DecodeGraphStep;
@@ -438,7 +438,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Where KV storage lies in host memory, block by block in [`Backend::read_block`]'s
     /// layout, so that imported KV can land in place; `None` (the default) when it is not
     /// host memory (a GPU's), and imports are copied in with [`Backend::write_block`].
-    fn host_kv_memory(&self, kv: &Self::KvStorage) -> Option<crate::kv::placement::HostKvMemory> {
+    fn host_kv_memory(
+        &self,
+        kv: &Self::KvStorage,
+    ) -> Option<crate::kv::handoff::placement::HostKvMemory> {
         let _ = kv;
         None
     }
@@ -446,12 +449,15 @@ pub trait Backend: Send + Sync + 'static {
     /// A way to write blocks into `kv` from other threads while the engine keeps stepping
     /// (a GPU's copy stream): a decode node's puller copies an import into the blocks the
     /// engine reserved for it as soon as it arrives, so admission copies nothing on the
-    /// engine thread. Each [`crate::kv::reservation::BlockWrite`] it makes is ordered after
+    /// engine thread. Each [`crate::kv::handoff::reservation::BlockWrite`] it makes is ordered after
     /// the device work queued when it was made, and writes only blocks the engine handed
     /// out exclusively. `None` (the default): imports that do not land in host memory are
     /// copied in with [`Backend::write_blocks`] at admission. Called once, on the engine
     /// thread, and only where [`Backend::host_kv_memory`] is `None`.
-    fn block_writer(&self, kv: &Self::KvStorage) -> Option<crate::kv::reservation::BlockWriter> {
+    fn block_writer(
+        &self,
+        kv: &Self::KvStorage,
+    ) -> Option<crate::kv::handoff::reservation::BlockWriter> {
         let _ = kv;
         None
     }

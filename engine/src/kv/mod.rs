@@ -1,27 +1,20 @@
-//! Paged KV cache layout and block allocation.
+//! The paged KV cache. The map, one concept per folder (each `mod.rs` says what it owns):
 //!
-//! KV lives in fixed-size blocks of `block_size` tokens; a sequence's block table maps its
-//! logical blocks to physical ones. This module owns the layout description (which also
-//! yields the fingerprint two nodes compare before moving KV) and the block table; blocks
-//! are handed out by the one block pool ([`pool`]), for the serving engine and the direct
-//! runner alike.
-//! The storage itself belongs to the backend ([`crate::backend::Backend::KvStorage`]).
+//! - layout (this file): [`KvLayout`] (block shape and stored type), [`BlockTable`];
+//! - [`pool`] (`kv/pool/`): the one block allocator: reference counts, LRU free lists;
+//! - [`prefix`] (`kv/prefix/`): the prefix cache: block hashes, device and host tiers, events;
+//! - [`handoff`] (`kv/handoff/`): KV between nodes: leases, checksums, reservations, buffers.
+//!
+//! Not here: the KV storage (the backend's, [`crate::backend::Backend::KvStorage`]), the
+//! scheduling and accounting around these pieces ([`crate::serve`]), the wire (pd-transport).
 
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::weights::DType;
 
-pub mod block_buffers;
-pub mod checksum;
-pub mod events;
-pub mod hash;
-pub mod host_buffer;
-pub mod host_tier;
-pub mod journal;
-pub mod placement;
+pub mod handoff;
 pub mod pool;
-pub mod reservation;
-pub mod tier;
+pub mod prefix;
 
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 

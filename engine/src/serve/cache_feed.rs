@@ -7,7 +7,7 @@
 //! Each subscriber has a bounded channel. One whose channel is full (it fell behind) is
 //! dropped rather than waited for or buffered without bound: its [`CacheEventStream`] ends
 //! with [`FeedEnded::Lagged`] and it subscribes again for a fresh snapshot. While nobody
-//! subscribes, the tiers record nothing ([`crate::kv::journal`]).
+//! subscribes, the tiers record nothing ([`crate::kv::prefix::journal`]).
 //!
 //! Not here: where changes are recorded (the tiers), serving the feed over gRPC (the nodes).
 
@@ -17,7 +17,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::kv::events::{EventBatch, Snapshot, Tier};
+use crate::kv::prefix::events::{EventBatch, Snapshot, Tier};
 
 use super::engine::Engine;
 

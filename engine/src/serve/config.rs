@@ -50,7 +50,7 @@ pub struct EngineConfig {
     pub role: Role,
     pub enable_prefix_caching: bool,
     /// The block hash function of the prefix cache (`--prefix-caching-hash-algo`).
-    pub hash_algo: crate::kv::hash::HashAlgo,
+    pub hash_algo: crate::kv::prefix::hash::HashAlgo,
     /// Blocks in the host tier (0 disables it).
     pub host_cache_blocks: usize,
     /// Token budget of one step (prefill chunks + decode tokens).

@@ -12,7 +12,7 @@
 //! `router/src/metrics/aggregate.rs`).
 
 use super::external::PerTier;
-use crate::kv::tier::TierKind;
+use crate::kv::prefix::tier::TierKind;
 
 /// The result of a request's one prefix lookup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

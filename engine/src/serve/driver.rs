@@ -21,16 +21,16 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
-use crate::kv::block_buffers::BlockBuffers;
-use crate::kv::host_buffer::HostBuffer;
-use crate::kv::placement::HostKvMemory;
-use crate::kv::reservation::{ImportReservation, ReleaseFn, ReservationId};
+use crate::kv::handoff::block_buffers::BlockBuffers;
+use crate::kv::handoff::host_buffer::HostBuffer;
+use crate::kv::handoff::lease_secret::LeaseSecret;
+use crate::kv::handoff::lease_store::{LeaseStore, LeasedKv};
+use crate::kv::handoff::placement::HostKvMemory;
+use crate::kv::handoff::reservation::{ImportReservation, ReleaseFn, ReservationId};
 
 use super::cache_feed::{CacheEventStream, CacheFeed, CacheUpdate};
 use super::counters::EngineCounters;
 use super::engine::{Engine, StepStats};
-use super::lease_secret::LeaseSecret;
-use super::lease_store::{LeaseStore, LeasedKv};
 use super::panic_hook::PanicHook;
 use super::request::{
     EngineRequest, Finished, ImportedBlocks, RequestError, RequestEvent, RequestId,

@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::executor::Executor;
-use crate::kv::events::{CacheEvent, Tier};
-use crate::kv::hash::BlockHash;
-use crate::kv::host_buffer::HostBuffer;
-use crate::kv::host_tier::HostTier;
+use crate::kv::handoff::host_buffer::HostBuffer;
 use crate::kv::pool::BlockPool;
+use crate::kv::prefix::events::{CacheEvent, Tier};
+use crate::kv::prefix::hash::BlockHash;
+use crate::kv::prefix::host_tier::HostTier;
 use crate::sampling::FinishReason;
 
 mod blocks;

@@ -9,7 +9,7 @@
 
 use std::ops::{Index, IndexMut};
 
-use crate::kv::tier::TierKind;
+use crate::kv::prefix::tier::TierKind;
 
 /// One value per [`TierKind`], indexed by the kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

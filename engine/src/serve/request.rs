@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::ErrorKind;
-use crate::kv::hash::BlockHash;
-use crate::kv::host_buffer::HostBuffer;
-use crate::kv::reservation::ReservedBlocks;
+use crate::kv::handoff::host_buffer::HostBuffer;
+use crate::kv::handoff::lease_secret::LeaseSecret;
+use crate::kv::handoff::reservation::ReservedBlocks;
+use crate::kv::prefix::hash::BlockHash;
 use crate::sampling::{FinishReason, Guide, PromptLogprob, SampledToken, SamplingParams};
 use crate::serve::external::PerTier;
-use crate::serve::lease_secret::LeaseSecret;
 
 /// A request's id, unique among the engine's open requests (the router's request id).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -144,7 +144,7 @@ pub struct RequestTimings {
 /// released or expired.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvLease {
-    /// Random and nonzero ([`crate::serve::lease_secret::random_lease_id`]).
+    /// Random and nonzero ([`crate::kv::handoff::lease_secret::random_lease_id`]).
     pub lease_id: u64,
     /// What every reader and the releaser must present with the id.
     pub secret: LeaseSecret,

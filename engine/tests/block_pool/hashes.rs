@@ -1,6 +1,6 @@
 //! Block hashes: the incremental `BlockHasher` agrees with one-shot `block_hashes`.
 
-use pd_engine::kv::hash::{BlockHasher, block_hashes};
+use pd_engine::kv::prefix::hash::{BlockHasher, block_hashes};
 use proptest::prelude::*;
 
 proptest! {

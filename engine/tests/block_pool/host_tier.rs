@@ -1,10 +1,10 @@
 //! The host tier: spilling evicted pool blocks and fetching them back, LRU eviction,
 //! capacity zero, and use through the `ExternalTier` trait.
 
-use pd_engine::kv::hash::block_hashes;
-use pd_engine::kv::host_tier::HostTier;
 use pd_engine::kv::pool::BlockPool;
-use pd_engine::kv::tier::{ExternalTier, TierError, TierKind};
+use pd_engine::kv::prefix::hash::block_hashes;
+use pd_engine::kv::prefix::host_tier::HostTier;
+use pd_engine::kv::prefix::tier::{ExternalTier, TierError, TierKind};
 
 use crate::{cached_blocks, h};
 

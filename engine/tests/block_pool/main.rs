@@ -14,8 +14,8 @@ mod host_tier;
 mod pool;
 mod sim;
 
-use pd_engine::kv::hash::BlockHash;
 use pd_engine::kv::pool::{BlockPool, Registration};
+use pd_engine::kv::prefix::hash::BlockHash;
 
 fn h(i: u128) -> BlockHash {
     BlockHash(i)

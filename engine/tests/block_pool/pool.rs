@@ -1,8 +1,8 @@
 //! `BlockPool` edge cases: eviction order, sharing cached blocks, duplicate registration,
 //! double free, all-or-nothing allocation and `touch`.
 
-use pd_engine::kv::hash::{BlockHash, block_hashes};
 use pd_engine::kv::pool::{BlockPool, PoolError, Registration};
+use pd_engine::kv::prefix::hash::{BlockHash, block_hashes};
 
 use crate::{cached_blocks, h};
 

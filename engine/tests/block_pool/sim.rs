@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use pd_engine::kv::hash::{BlockHash, BlockHasher, block_hashes};
-use pd_engine::kv::host_tier::HostTier;
 use pd_engine::kv::pool::{BlockPool, PoolError, Registration};
-use pd_engine::kv::tier::ExternalTier;
+use pd_engine::kv::prefix::hash::{BlockHash, BlockHasher, block_hashes};
+use pd_engine::kv::prefix::host_tier::HostTier;
+use pd_engine::kv::prefix::tier::ExternalTier;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestRunner};

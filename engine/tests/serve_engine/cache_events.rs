@@ -6,8 +6,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use pd_engine::kv::events::{CacheEvent, EventBatch, Snapshot, Tier};
-use pd_engine::kv::hash::BlockHash;
+use pd_engine::kv::prefix::events::{CacheEvent, EventBatch, Snapshot, Tier};
+use pd_engine::kv::prefix::hash::BlockHash;
 use pd_engine::serve::{
     CacheEventStream, CacheUpdate, EngineHandle, EngineThread, FeedEnded, RequestEvent,
 };

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use pd_engine::ErrorKind;
 use pd_engine::backend::cpu::CpuBackend;
-use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
-use pd_engine::kv::placement::{KvReservation, ReleaseFn, ReservationId};
-use pd_engine::kv::reservation::{ImportReservation, Landing};
+use pd_engine::kv::handoff::host_buffer::{HostBuffer, heap_buffer};
+use pd_engine::kv::handoff::placement::{KvReservation, ReleaseFn, ReservationId};
+use pd_engine::kv::handoff::reservation::{ImportReservation, Landing};
 use pd_engine::serve::{
     Engine, EngineConfig, EngineThread, ImportedBlocks, ImportedKv, RequestEvent, Role, TierKind,
 };

@@ -2,7 +2,7 @@
 
 use cudarc::driver::CudaSlice;
 use pd_engine::executor::Executor;
-use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
 use pd_kernels::CudaBackend;
 use serde_json::{Value, json};
 

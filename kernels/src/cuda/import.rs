@@ -15,7 +15,7 @@ use cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
     PushKernelArg, sys,
 };
-use pd_engine::kv::reservation::{BlockWrite, BlockWriter};
+use pd_engine::kv::handoff::reservation::{BlockWrite, BlockWriter};
 
 use super::blocks::{MAX_GRID_Z, queue_copies_in, transfer_block_bytes};
 use super::tensor::CudaKvStorage;

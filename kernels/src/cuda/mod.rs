@@ -48,8 +48,8 @@ use pd_engine::backend::moe::{Expert, NormMoe};
 use pd_engine::backend::{AttentionMeta, Backend, HostMatrix, NormMlp, QkNormRope};
 use pd_engine::error::EngineError;
 use pd_engine::kv::KvLayout;
-use pd_engine::kv::host_buffer::HostAllocator;
-use pd_engine::kv::reservation::BlockWriter;
+use pd_engine::kv::handoff::host_buffer::HostAllocator;
+use pd_engine::kv::handoff::reservation::BlockWriter;
 use pd_engine::sampling::{DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow};
 use pd_engine::weights::{DType, TensorView};
 

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{CudaContext, PinnedHostSlice};
-use pd_engine::kv::host_buffer::{HostBuffer, HostBytes, heap_buffer};
+use pd_engine::kv::handoff::host_buffer::{HostBuffer, HostBytes, heap_buffer};
 
 /// Most page-locked bytes lent and kept together.
 pub const PINNED_BUDGET: usize = 4 << 30;

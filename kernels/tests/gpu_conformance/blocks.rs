@@ -3,7 +3,7 @@
 
 use pd_engine::backend::Backend;
 use pd_engine::kv::KvLayout;
-use pd_engine::kv::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
 use pd_engine::weights::DType;
 use pd_kernels::CudaBackend;
 

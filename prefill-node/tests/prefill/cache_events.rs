@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::events::{CacheEvent, Tier};
-use pd_engine::kv::hash::{BlockHash, HashAlgo, block_hashes_with};
+use pd_engine::kv::prefix::events::{CacheEvent, Tier};
+use pd_engine::kv::prefix::hash::{BlockHash, HashAlgo, block_hashes_with};
 use pd_node::cache_events::MAX_SUBSCRIBERS;
 use pd_proto::cache_events::{CacheMessage, message};
 use pd_proto::pb;

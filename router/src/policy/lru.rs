@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use pd_engine::kv::hash::BlockHash;
+use pd_engine::kv::prefix::hash::BlockHash;
 
 /// A bounded set of block hashes with least-recently-used eviction.
 #[derive(Debug)]
@@ -57,7 +57,7 @@ impl PrefixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pd_engine::kv::hash::block_hashes;
+    use pd_engine::kv::prefix::hash::block_hashes;
 
     #[test]
     fn prefix_index_is_bounded_and_forgets_tails_first() {

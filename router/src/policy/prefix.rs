@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use pd_engine::kv::hash::{BlockHash, HashAlgo, block_hashes_with};
+use pd_engine::kv::prefix::hash::{BlockHash, HashAlgo, block_hashes_with};
 
 use super::lru::PrefixIndex;
 use super::{BALANCE_ABS, BALANCE_REL, Candidate, LeastLoaded, RouteInput, RoutingPolicy};
@@ -221,7 +221,7 @@ mod tests {
     use super::*;
     use crate::cache_index::{Snapshot, Tier};
     use crate::policy::tests::{cands, input};
-    use pd_engine::kv::events::{CacheEvent, EventBatch};
+    use pd_engine::kv::prefix::events::{CacheEvent, EventBatch};
 
     fn hashes(tokens: &[u32]) -> Vec<BlockHash> {
         block_hashes_with(tokens, 4, None, HashAlgo::default())

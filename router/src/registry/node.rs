@@ -11,7 +11,7 @@ use pd_proto::pb::decode_service_client::DecodeServiceClient;
 use pd_proto::pb::prefill_service_client::PrefillServiceClient;
 use tonic::transport::Channel;
 
-use pd_engine::kv::hash::HashAlgo;
+use pd_engine::kv::prefix::hash::HashAlgo;
 use pd_engine::serve::Role;
 
 use super::NODE_MAX_MESSAGE_BYTES;

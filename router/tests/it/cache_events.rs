@@ -2,8 +2,8 @@
 //! fake nodes), the fallback to the router's own guess when a stream breaks, and the
 //! predicted-versus-delivered counters.
 
-use pd_engine::kv::events::{CacheEvent, EventBatch, Snapshot, Tier};
-use pd_engine::kv::hash::{BlockHash, block_hashes};
+use pd_engine::kv::prefix::events::{CacheEvent, EventBatch, Snapshot, Tier};
+use pd_engine::kv::prefix::hash::{BlockHash, block_hashes};
 use pd_proto::cache_events::{wire_batch, wire_snapshot};
 use pd_proto::pb;
 use pd_router::cache_index::TierMatch;

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use pd_engine::kv::hash::BlockHash;
+use pd_engine::kv::prefix::hash::BlockHash;
 use pd_proto::cache_events::{CacheMessage, message};
 use pd_proto::pb;
 use pd_router::RouterConfig;

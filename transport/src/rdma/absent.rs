@@ -36,7 +36,10 @@ impl RdmaExporter {
         match device.0 {}
     }
 
-    pub fn with_host_kv(self, _memory: Option<pd_engine::kv::placement::HostKvMemory>) -> Self {
+    pub fn with_host_kv(
+        self,
+        _memory: Option<pd_engine::kv::handoff::placement::HostKvMemory>,
+    ) -> Self {
         match self.0 {}
     }
 
@@ -84,7 +87,10 @@ impl RdmaReader {
         match device.0 {}
     }
 
-    pub fn with_host_kv(self, _memory: Option<pd_engine::kv::placement::HostKvMemory>) -> Self {
+    pub fn with_host_kv(
+        self,
+        _memory: Option<pd_engine::kv::handoff::placement::HostKvMemory>,
+    ) -> Self {
         match self.0 {}
     }
 
@@ -102,9 +108,10 @@ impl crate::importer::OneSidedReader for RdmaReader {
         &'a self,
         _offer: &'a RdmaOffer,
         _req: PullRequest,
-        _buffers: Option<&'a pd_engine::kv::block_buffers::BlockBuffers>,
+        _buffers: Option<&'a pd_engine::kv::handoff::block_buffers::BlockBuffers>,
         _deadline: Instant,
-    ) -> BoxFuture<'a, Result<Vec<pd_engine::kv::host_buffer::HostBuffer>, RdmaError>> {
+    ) -> BoxFuture<'a, Result<Vec<pd_engine::kv::handoff::host_buffer::HostBuffer>, RdmaError>>
+    {
         match self.0 {}
     }
 }

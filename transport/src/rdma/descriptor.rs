@@ -48,7 +48,7 @@
 use super::endpoint::{EndpointError, Fabric, LinkLayer};
 
 /// The per-block checksum TCP sends too, computed when the lease is made.
-pub use pd_engine::kv::checksum::{BLOCK_SEED, block_checksum};
+pub use pd_engine::kv::handoff::checksum::{BLOCK_SEED, block_checksum};
 
 /// Most blocks one offer may describe (a 1 M-token prompt in blocks of 16 tokens is 65,536).
 pub const MAX_OFFER_BLOCKS: u32 = 1 << 20;

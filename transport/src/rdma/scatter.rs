@@ -8,7 +8,7 @@
 //!
 //! Pure and compiled in every build (tested here without a device). It does not register
 //! memory or post anything (`verbs`), and it does not decide where blocks lie (the engine's
-//! [`pd_engine::kv::placement`]).
+//! [`pd_engine::kv::handoff::placement`]).
 
 use super::plan::ReadOp;
 

@@ -1,7 +1,7 @@
 //! The CPU backend's KV memory: one fixed allocation per layer's K or V that never moves and
 //! is read and written only through ranges, never as a whole slice. That is what lets a block
 //! reserved for an import be filled from another thread (a KV transfer landing in place,
-//! [`crate::kv::placement`]) while the engine computes on other blocks of the same arena.
+//! [`crate::kv::handoff::placement`]) while the engine computes on other blocks of the same arena.
 
 use std::ops::Range;
 use std::ptr::NonNull;

@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use crate::backend::{AttentionMeta, Backend, HostMatrix};
 use crate::error::EngineError;
 use crate::kv::KvLayout;
-use crate::kv::placement::{HostKvMemory, HostSegment};
+use crate::kv::handoff::placement::{HostKvMemory, HostSegment};
 use crate::sampling::device::sample_row_within;
 use crate::sampling::{
     DeviceSample, DeviceSampleRow, PromptLogprob, PromptLogprobRow, prompt_logprobs_within,

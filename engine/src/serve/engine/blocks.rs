@@ -4,9 +4,9 @@
 
 use crate::backend::Backend;
 use crate::executor::Executor;
-use crate::kv::hash::BlockHash;
-use crate::kv::host_buffer::HostBuffer;
-use crate::kv::tier::ExternalTier;
+use crate::kv::handoff::host_buffer::HostBuffer;
+use crate::kv::prefix::hash::BlockHash;
+use crate::kv::prefix::tier::ExternalTier;
 use crate::serve::request::RequestId;
 
 use super::Engine;

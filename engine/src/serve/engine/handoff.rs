@@ -11,11 +11,11 @@ use std::collections::HashMap;
 
 use crate::backend::Backend;
 use crate::executor::Executor;
-use crate::kv::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
-use crate::kv::placement::{HostKvMemory, ReservationId};
-use crate::kv::reservation::BlockWriter;
+use crate::kv::handoff::block_buffers::{BlockBuffers, DEFAULT_SPARE_BYTES};
+use crate::kv::handoff::lease_store::LeaseStore;
+use crate::kv::handoff::placement::{HostKvMemory, ReservationId};
+use crate::kv::handoff::reservation::BlockWriter;
 use crate::serve::config::Role;
-use crate::serve::lease_store::LeaseStore;
 
 use super::leases::Lease;
 use super::reserve::Reserved;

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
-use crate::kv::hash::BlockHash;
-use crate::kv::reservation::Landing;
-use crate::kv::tier::TierKind;
+use crate::kv::handoff::reservation::Landing;
+use crate::kv::prefix::hash::BlockHash;
+use crate::kv::prefix::tier::TierKind;
 use crate::serve::counters::PrefixOutcome;
 use crate::serve::external::PerTier;
 use crate::serve::request::{EngineRequest, ImportedBlocks, ImportedKv, RequestError, RequestId};
@@ -89,7 +89,8 @@ impl<B: Backend> Engine<B> {
             return 0;
         }
         let bs = self.block_size();
-        let hashes = crate::kv::hash::block_hashes_with(tokens, bs, salt, self.config.hash_algo);
+        let hashes =
+            crate::kv::prefix::hash::block_hashes_with(tokens, bs, salt, self.config.hash_algo);
         // Never the block holding the last token (a prefill node computes it).
         let usable = (tokens.len() - 1) / bs;
         self.pool.cached_prefix(&hashes[..usable.min(hashes.len())])

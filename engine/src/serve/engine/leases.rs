@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::kv::block_buffers::BlockBuffers;
-use crate::kv::placement::HostKvMemory;
-use crate::serve::lease_secret::{LeaseSecret, random_lease_id};
-use crate::serve::lease_store::{LeaseStore, LeasedKv};
+use crate::kv::handoff::block_buffers::BlockBuffers;
+use crate::kv::handoff::lease_secret::{LeaseSecret, random_lease_id};
+use crate::kv::handoff::lease_store::{LeaseStore, LeasedKv};
+use crate::kv::handoff::placement::HostKvMemory;
 use crate::serve::request::KvLease;
 
 use super::Engine;

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::backend::Backend;
 use crate::executor::{ItemOutput, StepOutput};
-use crate::kv::hash::BlockHash;
+use crate::kv::prefix::hash::BlockHash;
 use crate::sampling::{FinishReason, SampledToken};
 use crate::serve::config::Role;
 use crate::serve::request::{RequestEvent, RequestId};

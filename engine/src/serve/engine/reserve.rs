@@ -5,9 +5,11 @@
 //! release (the pull failed, the request ended first): never both, never neither.
 
 use crate::backend::Backend;
-use crate::kv::hash::block_hashes_with;
-use crate::kv::placement::KvReservation;
-use crate::kv::reservation::{DeviceReservation, ImportReservation, ReleaseFn, ReservationId};
+use crate::kv::handoff::placement::KvReservation;
+use crate::kv::handoff::reservation::{
+    DeviceReservation, ImportReservation, ReleaseFn, ReservationId,
+};
+use crate::kv::prefix::hash::block_hashes_with;
 
 use super::Engine;
 

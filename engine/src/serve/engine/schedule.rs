@@ -10,8 +10,8 @@
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::kv::hash::BlockHash;
-use crate::kv::tier::ExternalTier;
+use crate::kv::prefix::hash::BlockHash;
+use crate::kv::prefix::tier::ExternalTier;
 use crate::serve::counters::PrefixOutcome;
 use crate::serve::external::PerTier;
 use crate::serve::request::RequestId;

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::executor::PromptScoring;
-use crate::kv::hash::BlockHasher;
+use crate::kv::prefix::hash::BlockHasher;
 use crate::sampling::{PromptLogprob, Sampler, StopChecker};
 use crate::serve::counters::PrefixOutcome;
 use crate::serve::request::{EngineRequest, ImportedKv, RequestTimings, Usage};

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::ErrorKind;
-use crate::kv::hash::BlockHasher;
+use crate::kv::prefix::hash::BlockHasher;
 use crate::sampling::{Sampler, StopChecker};
 use crate::serve::config::Role;
 use crate::serve::prompt::validate_prompt;

@@ -18,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use pd_engine::kv::placement::HostKvMemory;
+use pd_engine::kv::handoff::placement::HostKvMemory;
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 

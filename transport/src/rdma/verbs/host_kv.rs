@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use pd_engine::kv::placement::{HostKvMemory, KvReservation};
+use pd_engine::kv::handoff::placement::{HostKvMemory, KvReservation};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 

@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use pd_engine::kv::block_buffers::BlockBuffers;
-use pd_engine::kv::host_buffer::{HostBuffer, heap_buffer};
-use pd_engine::kv::placement::{HostKvMemory, KvReservation};
+use pd_engine::kv::handoff::block_buffers::BlockBuffers;
+use pd_engine::kv::handoff::host_buffer::{HostBuffer, heap_buffer};
+use pd_engine::kv::handoff::placement::{HostKvMemory, KvReservation};
 
 use super::device::RdmaDevice;
 use super::host_kv::HostKvRegistration;

@@ -315,7 +315,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::kv::checksum::block_checksum;
+    use crate::kv::handoff::checksum::block_checksum;
 
     /// Host memory of 3 regions × 4 blocks × 8 bytes, owned by a `Vec` kept alive.
     fn memory() -> (HostKvMemory, Arc<Mutex<Vec<u8>>>) {

@@ -6,6 +6,8 @@
 //! the arena is full. A fetched block stays (and becomes most recently used): the device copy
 //! made from it may be evicted again later. Capacity 0 disables the tier: lookups find
 //! nothing and offers are dropped.
+//! Not here: what is spilled or restored and when (the engine's scheduler), and how the
+//! restored bytes reach KV storage (the backend).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -13,8 +15,8 @@ use std::fmt;
 use super::events::{CacheEvent, Tier};
 use super::hash::BlockHash;
 use super::journal::CacheJournal;
-use super::pool::LruList;
 use super::tier::{ExternalTier, TierError, TierKind};
+use crate::kv::pool::lru::LruList;
 
 pub struct HostTier {
     block_bytes: usize,

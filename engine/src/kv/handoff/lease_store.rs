@@ -9,19 +9,20 @@
 //! batch). Elsewhere (a GPU) the blocks are **copied** out of KV storage when the lease is
 //! made. An entry lives exactly as long as the lease: removed at release or expiry, so a late
 //! reader finds nothing. Every read presents the lease's secret ([`LeaseSecret`]): a wrong
-//! secret finds nothing, exactly as an unknown id does. Each block's transfer checksum ([`crate::kv::checksum`]) is computed
-//! here, once, when the lease is made: the exporter sends it, and no transport hashes on the
-//! sending side.
+//! secret finds nothing, exactly as an unknown id does. Each block's transfer checksum
+//! ([`super::checksum`]) is computed here, once, when the lease is made: the exporter sends
+//! it, and no transport hashes on the sending side. Not here: what is leased and when a lease
+//! ends (the engine), nor serving it over the wire (pd-transport's export side).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::kv::checksum::{BlockChecksummer, block_checksum};
-use crate::kv::host_buffer::HostBuffer;
-use crate::kv::placement::HostKvMemory;
-use crate::serve::lease_secret::LeaseSecret;
+use crate::kv::handoff::checksum::{BlockChecksummer, block_checksum};
+use crate::kv::handoff::host_buffer::HostBuffer;
+use crate::kv::handoff::lease_secret::LeaseSecret;
+use crate::kv::handoff::placement::HostKvMemory;
 
 /// Compared against when the id is unknown, so that an unknown id and a wrong secret take
 /// the same steps.

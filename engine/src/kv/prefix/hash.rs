@@ -65,6 +65,9 @@
 //! [`block_hashes`] hashes a whole prompt; [`BlockHasher`] does the same incrementally, as a
 //! sequence grows token by token during decode, with the same results. Both use XXH3;
 //! [`block_hashes_with`] and [`BlockHasher::with_algo`] take the algorithm.
+//!
+//! Only the hash lives here: which tier holds a hash is the tiers' ([`super::device`],
+//! [`super::host_tier`]), and the router's index of every node's hashes is the router's.
 
 use std::fmt;
 use std::str::FromStr;

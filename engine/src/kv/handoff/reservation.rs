@@ -272,7 +272,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::kv::host_buffer::heap_buffer;
+    use crate::kv::handoff::host_buffer::heap_buffer;
 
     type Log = Arc<Mutex<Vec<String>>>;
 

@@ -1,6 +1,9 @@
-//! The device tier of the prefix cache: physical KV blocks with reference counts, a map from
-//! [`BlockHash`] to the block that holds that content, and free blocks kept in LRU order so
-//! that cached content survives until the memory is needed.
+//! The block pool: physical KV blocks with reference counts, and free blocks kept in LRU
+//! order (`lru.rs`) so that cached content survives until the memory is needed. It keeps the
+//! device tier of the prefix cache ([`crate::kv::prefix::device`]: which block holds which
+//! [`BlockHash`]) in step with those counts; the map itself and its journal live there.
+//! Not here: the KV memory (the backend's), the host tier and hashing ([`crate::kv::prefix`]),
+//! blocks set aside for an import ([`crate::kv::handoff`]).
 //!
 //! It is the one block allocator: the direct runner ([`crate::generate::Runner`]) takes and
 //! returns blocks here too, and since it never registers one, to it this is a free list.
@@ -43,118 +46,15 @@
 //! Every operation is O(1) per block (hash-map operations and an intrusive doubly-linked list
 //! over block ids); only [`BlockPool::check_invariants`] scans the pool.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+pub(crate) mod lru;
+
 use std::fmt;
 
-use super::events::{CacheEvent, Tier};
-use super::hash::BlockHash;
-use super::journal::CacheJournal;
-
-/// "No block" in the intrusive lists.
-const NIL: u32 = u32::MAX;
-
-/// An intrusive doubly-linked list over ids `0..n`: O(1) push at the back, pop at the front,
-/// and removal of any member. The front is the least recently pushed id.
-#[derive(Clone)]
-pub(crate) struct LruList {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    linked: Vec<bool>,
-    head: u32,
-    tail: u32,
-    len: usize,
-}
-
-impl LruList {
-    pub(crate) fn new(n: usize) -> Self {
-        assert!(n < NIL as usize, "at most {} ids", NIL - 1);
-        Self {
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            linked: vec![false; n],
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn contains(&self, id: u32) -> bool {
-        self.linked[id as usize]
-    }
-
-    /// Append `id` (must not be in the list) as the most recent member.
-    pub(crate) fn push_back(&mut self, id: u32) {
-        let i = id as usize;
-        debug_assert!(!self.linked[i], "id {id} is already in the list");
-        self.linked[i] = true;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = id;
-        } else {
-            self.next[self.tail as usize] = id;
-        }
-        self.tail = id;
-        self.len += 1;
-    }
-
-    /// Remove `id` (must be in the list).
-    pub(crate) fn remove(&mut self, id: u32) {
-        let i = id as usize;
-        debug_assert!(self.linked[i], "id {id} is not in the list");
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.linked[i] = false;
-        self.len -= 1;
-    }
-
-    /// Move `id` (must be in the list) to the back (most recent).
-    pub(crate) fn move_to_back(&mut self, id: u32) {
-        if self.tail != id {
-            self.remove(id);
-            self.push_back(id);
-        }
-    }
-
-    /// Remove and return the least recent member.
-    pub(crate) fn pop_front(&mut self) -> Option<u32> {
-        let id = self.head;
-        if id == NIL {
-            return None;
-        }
-        self.remove(id);
-        Some(id)
-    }
-
-    /// Members from least to most recent.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let mut at = self.head;
-        std::iter::from_fn(move || {
-            if at == NIL {
-                return None;
-            }
-            let id = at;
-            at = self.next[id as usize];
-            Some(id)
-        })
-    }
-}
+use crate::kv::prefix::device::DeviceIndex;
+pub use crate::kv::prefix::device::Registration;
+use crate::kv::prefix::events::CacheEvent;
+use crate::kv::prefix::hash::BlockHash;
+use lru::LruList;
 
 /// Misuse of a [`BlockPool`]; the call that returns one changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -192,34 +92,18 @@ pub struct Allocation {
     pub evicted: Vec<(u32, BlockHash)>,
 }
 
-/// What [`BlockPool::register`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Registration {
-    /// The block is now the cached copy of the hash.
-    New,
-    /// The block was already registered with this hash; nothing changed.
-    AlreadyRegistered,
-    /// Another block already holds this hash (two requests computed the same block at the
-    /// same time). The existing mapping is kept and this block stays unregistered: the caller
-    /// keeps using it, and when freed it goes back as an uncached free block.
-    Duplicate { existing: u32 },
-}
-
 /// Physical KV blocks, their reference counts and the device tier of the prefix cache.
 /// See the module doc for the states of a block and how to use it.
 #[derive(Clone)]
 pub struct BlockPool {
     refcount: Vec<u32>,
-    hash: Vec<Option<BlockHash>>,
-    /// `hash → block` for every registered block (in use or evictable).
-    cached: HashMap<BlockHash, u32>,
+    /// The device tier's `hash ↔ block` map and its journal (the prefix cache's part).
+    index: DeviceIndex,
     /// Free blocks without a hash, least recently freed at the front; used first.
     free_uncached: LruList,
     /// Free blocks with a hash, least recently freed (or touched) at the front; evicted in
     /// that order once `free_uncached` is empty.
     evictable: LruList,
-    /// Hashes entering and leaving `cached`, while someone subscribes to them.
-    journal: CacheJournal,
 }
 
 impl BlockPool {
@@ -235,11 +119,9 @@ impl BlockPool {
         }
         Self {
             refcount: vec![0; num_blocks],
-            hash: vec![None; num_blocks],
-            cached: HashMap::new(),
+            index: DeviceIndex::new(num_blocks),
             free_uncached,
             evictable: LruList::new(num_blocks),
-            journal: CacheJournal::new(Tier::Device),
         }
     }
 
@@ -265,7 +147,7 @@ impl BlockPool {
 
     /// Registered blocks, in use or evictable: the device tier's size in blocks.
     pub fn num_cached(&self) -> usize {
-        self.cached.len()
+        self.index.len()
     }
 
     /// Fraction of blocks with reference count > 0, in [0, 1] (vLLM's `kv_cache_usage_perc`:
@@ -285,21 +167,18 @@ impl BlockPool {
 
     /// The hash `block` is registered with, if any.
     pub fn block_hash(&self, block: u32) -> Option<BlockHash> {
-        self.hash.get(block as usize).copied().flatten()
+        self.index.block_hash(block)
     }
 
     /// The block that holds `hash` on the device, if any.
     pub fn lookup(&self, hash: BlockHash) -> Option<u32> {
-        self.cached.get(&hash).copied()
+        self.index.lookup(hash)
     }
 
     /// How many leading `hashes` are cached on the device. No side effects (not even on the
     /// LRU order).
     pub fn cached_prefix(&self, hashes: &[BlockHash]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.cached.contains_key(h))
-            .count()
+        self.index.cached_prefix(hashes)
     }
 
     /// Take one reference on the cached block of each of `hashes` (normally the first
@@ -310,8 +189,8 @@ impl BlockPool {
     pub fn acquire_cached(&mut self, hashes: &[BlockHash]) -> Result<Vec<u32>, PoolError> {
         let mut blocks = Vec::with_capacity(hashes.len());
         for (index, &hash) in hashes.iter().enumerate() {
-            match self.cached.get(&hash) {
-                Some(&b) => blocks.push(b),
+            match self.index.lookup(hash) {
+                Some(b) => blocks.push(b),
                 None => return Err(PoolError::NotCached { index, hash }),
             }
         }
@@ -343,12 +222,7 @@ impl BlockPool {
                 Some(b) => b,
                 None => {
                     let b = self.evictable.pop_front().expect("counted in num_free");
-                    let h = self.hash[b as usize]
-                        .take()
-                        .expect("evictable blocks are registered");
-                    let removed = self.cached.remove(&h);
-                    debug_assert_eq!(removed, Some(b));
-                    self.journal.removed(h);
+                    let h = self.index.evict(b);
                     evicted.push((b, h));
                     b
                 }
@@ -376,26 +250,13 @@ impl BlockPool {
         if self.refcount[i] == 0 {
             return Err(PoolError::NotInUse { block });
         }
-        match self.hash[i] {
-            Some(h) if h == hash => return Ok(Registration::AlreadyRegistered),
-            Some(registered) => {
-                return Err(PoolError::HashConflict {
-                    block,
-                    registered,
-                    new: hash,
-                });
-            }
-            None => {}
-        }
-        match self.cached.entry(hash) {
-            Entry::Occupied(e) => Ok(Registration::Duplicate { existing: *e.get() }),
-            Entry::Vacant(e) => {
-                e.insert(block);
-                self.hash[i] = Some(hash);
-                self.journal.stored(hash);
-                Ok(Registration::New)
-            }
-        }
+        self.index
+            .insert(block, hash)
+            .map_err(|registered| PoolError::HashConflict {
+                block,
+                registered,
+                new: hash,
+            })
     }
 
     /// Drop one reference on each of `blocks`, given in the sequence's logical order (a block
@@ -439,8 +300,8 @@ impl BlockPool {
     /// prefix from being evicted first.
     pub fn touch(&mut self, hashes: &[BlockHash]) -> usize {
         let n = self.cached_prefix(hashes);
-        for h in hashes[..n].iter().rev() {
-            let b = self.cached[h];
+        for &h in hashes[..n].iter().rev() {
+            let b = self.index.lookup(h).expect("within the cached prefix");
             if self.evictable.contains(b) {
                 self.evictable.move_to_back(b);
             }
@@ -451,18 +312,19 @@ impl BlockPool {
     /// Every hash cached on the device, in no particular order (O(cached)): what a cache
     /// snapshot lists.
     pub fn cached_hashes(&self) -> Vec<BlockHash> {
-        self.cached.keys().copied().collect()
+        self.index.hashes()
     }
 
     /// Record the hashes that enter and leave the device tier from now on (or stop, dropping
-    /// what was not drained); off at first ([`CacheJournal`]).
+    /// what was not drained); off at first
+    /// ([`CacheJournal`](crate::kv::prefix::journal::CacheJournal)).
     pub fn record_changes(&mut self, on: bool) {
-        self.journal.set_enabled(on);
+        self.index.record_changes(on);
     }
 
     /// Move the changes recorded since the last call, oldest first, to the end of `out`.
     pub fn drain_changes(&mut self, out: &mut Vec<CacheEvent>) {
-        self.journal.drain_into(out);
+        self.index.drain_changes(out);
     }
 
     /// Evictable blocks from the next to be evicted to the last (O(evictable); for tests and
@@ -475,10 +337,9 @@ impl BlockPool {
     /// says (see the module doc) and the map and the blocks agree. For tests and debugging.
     pub fn check_invariants(&self) -> Result<(), String> {
         let n = self.num_blocks();
-        let mut listed = 0;
         for b in 0..n as u32 {
             let i = b as usize;
-            let (rc, hash) = (self.refcount[i], self.hash[i]);
+            let (rc, hash) = (self.refcount[i], self.index.block_hash(b));
             let in_free = self.free_uncached.contains(b);
             let in_evictable = self.evictable.contains(b);
             let ok = match (rc, hash) {
@@ -492,22 +353,8 @@ impl BlockPool {
                      in evictable list {in_evictable}"
                 ));
             }
-            if let Some(h) = hash {
-                listed += 1;
-                if self.cached.get(&h) != Some(&b) {
-                    return Err(format!(
-                        "block {b} has hash {h} but the map says {:?}",
-                        self.cached.get(&h)
-                    ));
-                }
-            }
         }
-        if listed != self.cached.len() {
-            return Err(format!(
-                "{} hashes in the map, {listed} registered blocks",
-                self.cached.len()
-            ));
-        }
+        self.index.check_invariants()?;
         let walked = self.free_uncached.iter().count() + self.evictable.iter().count();
         if walked != self.num_free() {
             return Err(format!(
@@ -520,7 +367,7 @@ impl BlockPool {
 
     fn park(&mut self, b: u32) {
         // A block listed twice in one `free` reaches 0 once but is seen twice here.
-        if self.hash[b as usize].is_some() {
+        if self.index.is_registered(b) {
             if !self.evictable.contains(b) {
                 self.evictable.push_back(b);
             }
@@ -556,27 +403,6 @@ impl fmt::Debug for BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lru_list_orders_and_removes() {
-        let mut l = LruList::new(5);
-        for id in [3, 1, 4, 0] {
-            l.push_back(id);
-        }
-        assert_eq!(l.iter().collect::<Vec<_>>(), [3, 1, 4, 0]);
-        l.remove(1);
-        l.remove(0);
-        assert_eq!(l.iter().collect::<Vec<_>>(), [3, 4]);
-        l.move_to_back(3);
-        assert_eq!(l.iter().collect::<Vec<_>>(), [4, 3]);
-        assert!(l.contains(3) && !l.contains(1));
-        assert_eq!(l.pop_front(), Some(4));
-        assert_eq!(l.pop_front(), Some(3));
-        assert_eq!(l.pop_front(), None);
-        assert_eq!(l.len(), 0);
-        l.push_back(2);
-        assert_eq!(l.iter().collect::<Vec<_>>(), [2]);
-    }
 
     #[test]
     fn fresh_pool_hands_out_ids_in_order() {

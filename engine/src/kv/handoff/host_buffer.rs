@@ -1,5 +1,5 @@
 //! Host memory that KV blocks are copied into out of a device's KV storage: a GPU prefill
-//! node's lease ([`crate::serve::lease_store::LeasedKv`]). Plain heap memory, or memory the
+//! node's lease ([`crate::kv::handoff::lease_store::LeasedKv`]). Plain heap memory, or memory the
 //! backend lends ([`crate::backend::Backend::host_buffer`]: page-locked on a GPU, so that the
 //! copy runs at the link's speed instead of through the driver's bounce buffer; it goes back
 //! to the backend's pool when dropped). Does not decide what is copied (the engine) nor how

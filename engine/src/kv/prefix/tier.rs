@@ -8,6 +8,8 @@
 //! stores it); the tier does not interpret it.
 //! Content is addressed by [`BlockHash`], so it is immutable: a hash always names the same
 //! data, and offering a hash a tier already holds changes nothing but its recency.
+//! Not here: the device tier ([`super::device`], kept by the block pool) and the accounting
+//! of hits (`crate::serve`).
 
 use std::fmt;
 

@@ -1,9 +1,9 @@
 //! The integrity checksum of one KV block as it travels between nodes: XXH3-64 of the
 //! block's bytes in the transfer layout ([`crate::backend::Backend::read_block`], each
-//! value as the KV cache stores it, little-endian), seeded with the block's index within its lease, so a block delivered in
-//! the wrong place fails too.
+//! value as the KV cache stores it, little-endian), seeded with the block's index within its
+//! lease, so a block delivered in the wrong place fails too.
 //!
-//! Computed once, when a prefill lease is made ([`crate::serve::LeaseStore`]); both
+//! Computed once, when a prefill lease is made ([`super::lease_store`]); both
 //! transports send it with the block and the receiver recomputes it over what arrived. Only
 //! the function and its seed live here; framing belongs to the transport.
 
