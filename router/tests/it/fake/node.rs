@@ -43,6 +43,18 @@ impl FakeState {
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         )))
     }
+
+    /// An `Abort` answer, the same for either role: notes the request id and says it aborted.
+    fn abort_answer(
+        &self,
+        request: Request<pb::NodeAbortRequest>,
+    ) -> Result<Response<pb::NodeAbortResponse>, Status> {
+        self.aborted
+            .lock()
+            .unwrap()
+            .push(request.into_inner().request_id);
+        Ok(Response::new(pb::NodeAbortResponse { aborted: true }))
+    }
 }
 
 fn logprob(token_id: u32) -> pb::Logprob {
@@ -137,12 +149,7 @@ impl PrefillService for Fake {
         &self,
         request: Request<pb::NodeAbortRequest>,
     ) -> Result<Response<pb::NodeAbortResponse>, Status> {
-        self.0
-            .aborted
-            .lock()
-            .unwrap()
-            .push(request.into_inner().request_id);
-        Ok(Response::new(pb::NodeAbortResponse { aborted: true }))
+        self.0.abort_answer(request)
     }
 
     async fn info(
@@ -264,12 +271,7 @@ impl DecodeService for Fake {
         &self,
         request: Request<pb::NodeAbortRequest>,
     ) -> Result<Response<pb::NodeAbortResponse>, Status> {
-        self.0
-            .aborted
-            .lock()
-            .unwrap()
-            .push(request.into_inner().request_id);
-        Ok(Response::new(pb::NodeAbortResponse { aborted: true }))
+        self.0.abort_answer(request)
     }
 
     async fn info(
