@@ -25,6 +25,25 @@ fn request(id: &str) -> pb::GenerateRequest {
     req
 }
 
+/// A router with `admission` over a prefill node and a decode node that sends one token and
+/// then hangs, so that each request holds its slot until it is aborted or dropped:
+/// `(p, d, router)`.
+async fn each_request_holds_its_slot(
+    admission: AdmissionLimits,
+) -> (FakeNode, FakeNode, RouterUnderTest) {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    *d.state.script.lock().unwrap() = Script {
+        messages: vec![vec![101]],
+        end: End::Hang,
+        ..Default::default()
+    };
+    let mut cfg = config(&[&p], &[&d]);
+    cfg.admission = admission;
+    let router = RouterUnderTest::start(cfg).await;
+    (p, d, router)
+}
+
 #[tokio::test]
 async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_stream() {
     let p = FakeNode::prefill().await;
@@ -103,16 +122,7 @@ async fn past_max_inflight_with_no_queue_a_request_is_refused_while_the_others_s
 
 #[tokio::test]
 async fn a_queued_request_runs_when_a_slot_frees_and_one_past_the_queue_timeout_is_refused() {
-    let p = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    *d.state.script.lock().unwrap() = Script {
-        messages: vec![vec![101]],
-        end: End::Hang,
-        ..Default::default()
-    };
-    let mut cfg = config(&[&p], &[&d]);
-    cfg.admission = limits(2, 1, Duration::from_secs(60));
-    let router = RouterUnderTest::start(cfg).await;
+    let (p, d, router) = each_request_holds_its_slot(limits(2, 1, Duration::from_secs(60))).await;
     let mut client = router.client();
     let mut a = client.generate(request("a")).await.unwrap().into_inner();
     let mut b = client.generate(request("b")).await.unwrap().into_inner();
@@ -161,16 +171,8 @@ async fn a_queued_request_runs_when_a_slot_frees_and_one_past_the_queue_timeout_
 
 #[tokio::test]
 async fn a_request_that_waits_past_the_queue_timeout_is_refused() {
-    let p = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    *d.state.script.lock().unwrap() = Script {
-        messages: vec![vec![101]],
-        end: End::Hang,
-        ..Default::default()
-    };
-    let mut cfg = config(&[&p], &[&d]);
-    cfg.admission = limits(1, 4, Duration::from_millis(300));
-    let router = RouterUnderTest::start(cfg).await;
+    let (p, _d, router) =
+        each_request_holds_its_slot(limits(1, 4, Duration::from_millis(300))).await;
     let mut client = router.client();
     let mut a = client.generate(request("a")).await.unwrap().into_inner();
     assert!(a.message().await.unwrap().is_some());
