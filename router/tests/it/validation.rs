@@ -18,11 +18,18 @@ fn ids(ids: Vec<u32>) -> pb::GenerateRequest {
     }
 }
 
-fn sampling(s: pb::SamplingParams) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        sampling: Some(s),
-        ..text_request("Hello")
-    }
+/// `text_request("Hello")` with `edit` applied.
+fn hello(edit: impl FnOnce(&mut pb::GenerateRequest)) -> pb::GenerateRequest {
+    let mut req = text_request("Hello");
+    edit(&mut req);
+    req
+}
+
+/// `text_request("Hello")` with the sampling parameters that `edit` sets (the others default).
+fn sampling(edit: impl FnOnce(&mut pb::SamplingParams)) -> pb::GenerateRequest {
+    let mut s = pb::SamplingParams::default();
+    edit(&mut s);
+    hello(|r| r.sampling = Some(s))
 }
 
 fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
@@ -66,10 +73,7 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
     let f = |v: f32| Some(v);
     let cases: Vec<(pb::GenerateRequest, &str)> = vec![
         (
-            pb::GenerateRequest {
-                model: "qwen-huge".into(),
-                ..text_request("Hello")
-            },
+            hello(|r| r.model = "qwen-huge".into()),
             "unknown model `qwen-huge`",
         ),
         (
@@ -83,18 +87,9 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
         (ids(vec![]), "the prompt is empty"),
         (ids(vec![1; 4096]), "context is 4096 tokens"),
         (ids(vec![5, 151_936]), "outside the vocabulary"),
+        (hello(|r| r.max_tokens = Some(0)), "max_tokens must be >= 1"),
         (
-            pb::GenerateRequest {
-                max_tokens: Some(0),
-                ..text_request("Hello")
-            },
-            "max_tokens must be >= 1",
-        ),
-        (
-            pb::GenerateRequest {
-                max_tokens: Some(4097),
-                ..text_request("Hello")
-            },
+            hello(|r| r.max_tokens = Some(4097)),
             "max_tokens must be <= 4096",
         ),
         (
@@ -104,46 +99,13 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             },
             "exceeds the model's context",
         ),
+        (sampling(|s| s.temperature = f(-1.0)), "temperature"),
+        (sampling(|s| s.temperature = f(f32::NAN)), "temperature"),
+        (sampling(|s| s.top_p = f(0.0)), "top_p must be in (0, 1]"),
+        (sampling(|s| s.top_p = f(1.5)), "top_p"),
+        (sampling(|s| s.min_p = f(2.0)), "min_p"),
         (
-            sampling(pb::SamplingParams {
-                temperature: f(-1.0),
-                ..Default::default()
-            }),
-            "temperature",
-        ),
-        (
-            sampling(pb::SamplingParams {
-                temperature: f(f32::NAN),
-                ..Default::default()
-            }),
-            "temperature",
-        ),
-        (
-            sampling(pb::SamplingParams {
-                top_p: f(0.0),
-                ..Default::default()
-            }),
-            "top_p must be in (0, 1]",
-        ),
-        (
-            sampling(pb::SamplingParams {
-                top_p: f(1.5),
-                ..Default::default()
-            }),
-            "top_p",
-        ),
-        (
-            sampling(pb::SamplingParams {
-                min_p: f(2.0),
-                ..Default::default()
-            }),
-            "min_p",
-        ),
-        (
-            sampling(pb::SamplingParams {
-                repetition_penalty: f(0.0),
-                ..Default::default()
-            }),
+            sampling(|s| s.repetition_penalty = f(0.0)),
             "repetition_penalty",
         ),
         (
@@ -161,91 +123,55 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             "truncate_prompt_tokens must be between 1 and",
         ),
         (
-            sampling(pb::SamplingParams {
-                presence_penalty: f(2.5),
-                ..Default::default()
-            }),
+            sampling(|s| s.presence_penalty = f(2.5)),
             "presence_penalty must be in [-2, 2]",
         ),
         (
-            sampling(pb::SamplingParams {
-                frequency_penalty: f(f32::NAN),
-                ..Default::default()
-            }),
+            sampling(|s| s.frequency_penalty = f(f32::NAN)),
             "frequency_penalty",
         ),
         (
             pb::GenerateRequest {
                 max_tokens: Some(4),
-                ..sampling(pb::SamplingParams {
-                    min_tokens: Some(5),
-                    ..Default::default()
-                })
+                ..sampling(|s| s.min_tokens = Some(5))
             },
             "min_tokens must be <= max_tokens (4), got 5",
         ),
         (
-            sampling(pb::SamplingParams {
-                logit_bias: [(151_936, 1.0)].into_iter().collect(),
-                ..Default::default()
-            }),
+            sampling(|s| s.logit_bias = [(151_936, 1.0)].into_iter().collect()),
             "logit_bias names token 151936, out of range",
         ),
         (
-            sampling(pb::SamplingParams {
-                logit_bias: [(5, -101.0)].into_iter().collect(),
-                ..Default::default()
-            }),
+            sampling(|s| s.logit_bias = [(5, -101.0)].into_iter().collect()),
             "logit_bias[5] must be in [-100, 100]",
         ),
         (
-            sampling(pb::SamplingParams {
-                allowed_token_ids: vec![1, 151_936],
-                ..Default::default()
-            }),
+            sampling(|s| s.allowed_token_ids = vec![1, 151_936]),
             "allowed_token_ids[1] = 151936 is out of range",
         ),
         (
-            sampling(pb::SamplingParams {
-                logprobs: Some(21),
-                ..Default::default()
-            }),
+            sampling(|s| s.logprobs = Some(21)),
             "logprobs must be <= 20",
         ),
         (
-            sampling(pb::SamplingParams {
-                prompt_logprobs: Some(99),
-                ..Default::default()
-            }),
+            sampling(|s| s.prompt_logprobs = Some(99)),
             "prompt_logprobs",
         ),
         (
-            pb::GenerateRequest {
-                stop: vec!["".into()],
-                ..text_request("Hello")
-            },
+            hello(|r| r.stop = vec!["".into()]),
             "stop strings must be non-empty",
         ),
         (
-            pb::GenerateRequest {
-                stop: vec!["x".into(); 17],
-                ..text_request("Hello")
-            },
+            hello(|r| r.stop = vec!["x".into(); 17]),
             "at most 16 stop strings",
         ),
         (
-            pb::GenerateRequest {
-                stop_token_ids: vec![7, 200_000],
-                ..text_request("Hello")
-            },
+            hello(|r| r.stop_token_ids = vec![7, 200_000]),
             "stop_token_ids[1] = 200000",
         ),
         (chat(&[]), "`chat.messages` is empty"),
         (
-            pb::GenerateRequest {
-                bad_words: vec!["x".into(); 129],
-                ..text_request("Hello")
-            },
+            hello(|r| r.bad_words = vec!["x".into(); 129]),
             "at most 128 bad words",
         ),
         (
@@ -265,10 +191,7 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             "chat.messages[1].role is `wizard`",
         ),
         (
-            pb::GenerateRequest {
-                request_id: Some(String::new()),
-                ..text_request("Hello")
-            },
+            hello(|r| r.request_id = Some(String::new())),
             "request_id must be",
         ),
         (busy.clone(), "request_id `busy` is already in flight"),
@@ -281,10 +204,7 @@ async fn every_bad_input_is_invalid_argument_and_reaches_no_node() {
             "tool_call_format 7 is not a ToolCallFormat",
         ),
         (
-            pb::GenerateRequest {
-                tool_call_format: pb::ToolCallFormat::Qwen3Coder as i32,
-                ..text_request("Hello")
-            },
+            hello(|r| r.tool_call_format = pb::ToolCallFormat::Qwen3Coder as i32),
             "tool_call_format is set but parse_tool_calls is not",
         ),
     ];
