@@ -13,10 +13,35 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use pd_proto::pb;
+use pd_router::{PolicyKind, RouterConfig};
 
 use crate::fake::*;
 
 const IM_END: u32 = 151_645;
+
+/// Waits until the router sees every node up.
+async fn all_up(router: &RouterUnderTest) {
+    eventually("all nodes up", || {
+        router.registry.nodes().iter().all(|n| n.is_up())
+    })
+    .await;
+}
+
+/// Two prefill nodes taken in turn (round robin) and one decode node, behind a router started
+/// with `edit` applied to its config, once it sees every node up: `(p0, p1, d, router)`.
+async fn two_prefills_in_turn(
+    edit: impl FnOnce(&mut RouterConfig),
+) -> (FakeNode, FakeNode, FakeNode, RouterUnderTest) {
+    let p0 = FakeNode::prefill().await;
+    let p1 = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    let mut cfg = config(&[&p0, &p1], &[&d]);
+    cfg.policy = PolicyKind::RoundRobin;
+    edit(&mut cfg);
+    let router = RouterUnderTest::start(cfg).await;
+    all_up(&router).await;
+    (p0, p1, d, router)
+}
 
 #[tokio::test]
 async fn streams_the_prefill_token_then_the_decode_tokens() {

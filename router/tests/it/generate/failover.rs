@@ -6,23 +6,34 @@
 
 use std::sync::atomic::Ordering::SeqCst;
 
-use pd_router::PolicyKind;
 use tonic::Code;
 
+use super::{all_up, two_prefills_in_turn};
 use crate::fake::*;
+
+/// A prefill node and two decode nodes, `d1` the busier so that `d0` is tried first, behind a
+/// router that sees every node up with its load: `(p, d0, d1, router)`.
+async fn d0_tried_first() -> (FakeNode, FakeNode, FakeNode, RouterUnderTest) {
+    let p = FakeNode::prefill().await;
+    let d0 = FakeNode::decode().await;
+    let d1 = FakeNode::decode().await;
+    d1.state.load.store(3, SeqCst);
+    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
+    eventually("all nodes up with their load", || {
+        router
+            .registry
+            .nodes()
+            .iter()
+            .all(|n| n.is_up() && n.info().is_some())
+            && router.registry.nodes()[2].load() == 3
+    })
+    .await;
+    (p, d0, d1, router)
+}
 
 #[tokio::test]
 async fn a_failed_prefill_is_retried_once_on_another_node() {
-    let p0 = FakeNode::prefill().await;
-    let p1 = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    let mut cfg = config(&[&p0, &p1], &[&d]);
-    cfg.policy = PolicyKind::RoundRobin;
-    let router = RouterUnderTest::start(cfg).await;
-    eventually("all nodes up", || {
-        router.registry.nodes().iter().all(|n| n.is_up())
-    })
-    .await;
+    let (p0, p1, d, router) = two_prefills_in_turn(|_| {}).await;
     p0.state.fail_next.store(1, SeqCst);
     let mut client = router.client();
     let (chunks, error) = collect(&mut client, text_request("retry me"))
@@ -99,11 +110,7 @@ async fn a_decode_failure_after_tokens_is_unavailable() {
 
 #[tokio::test]
 async fn a_decode_failure_after_tokens_moves_the_stream_to_another_decode_node() {
-    let p = FakeNode::prefill().await;
-    let d0 = FakeNode::decode().await;
-    let d1 = FakeNode::decode().await;
-    // d0 is the least loaded, so it is tried first.
-    d1.state.load.store(3, SeqCst);
+    let (p, d0, d1, router) = d0_tried_first().await;
     *d0.state.script.lock().unwrap() = Script {
         messages: vec![vec![101], vec![102]],
         end: End::Fail(Code::Unavailable),
@@ -113,16 +120,6 @@ async fn a_decode_failure_after_tokens_moves_the_stream_to_another_decode_node()
         messages: vec![vec![103], vec![104]],
         ..Default::default()
     };
-    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
-    eventually("all nodes up with their load", || {
-        router
-            .registry
-            .nodes()
-            .iter()
-            .all(|n| n.is_up() && n.info().is_some())
-            && router.registry.nodes()[2].load() == 3
-    })
-    .await;
     let mut client = router.client();
     let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
     assert!(error.is_none(), "{error:?}");
@@ -215,21 +212,7 @@ async fn a_kv_pull_failure_after_the_first_token_prefills_again_on_the_same_deco
 
 #[tokio::test]
 async fn a_decode_node_failing_before_its_first_token_is_replaced() {
-    let p = FakeNode::prefill().await;
-    let d0 = FakeNode::decode().await;
-    let d1 = FakeNode::decode().await;
-    // d0 is the least loaded, so it is tried first.
-    d1.state.load.store(3, SeqCst);
-    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
-    eventually("all nodes up with their load", || {
-        router
-            .registry
-            .nodes()
-            .iter()
-            .all(|n| n.is_up() && n.info().is_some())
-            && router.registry.nodes()[2].load() == 3
-    })
-    .await;
+    let (p, d0, d1, router) = d0_tried_first().await;
     d0.state.fail_next.store(1, SeqCst);
     let mut client = router.client();
     let (chunks, error) = collect(&mut client, text_request("x")).await.unwrap();
@@ -249,10 +232,7 @@ async fn prefix_aware_routing_follows_the_prompt_and_yields_to_load() {
     let p1 = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
     let router = RouterUnderTest::start(config(&[&p0, &p1], &[&d])).await;
-    eventually("all nodes up", || {
-        router.registry.nodes().iter().all(|n| n.is_up())
-    })
-    .await;
+    all_up(&router).await;
     let mut client = router.client();
     let doc = "The history of the city begins with a small settlement by the river. ".repeat(8);
     let (_, e) = collect(&mut client, text_request(&doc)).await.unwrap();
@@ -340,20 +320,7 @@ async fn aggregated_mode_tells_decode_nodes_they_have_no_kv_peers() {
 
 #[tokio::test]
 async fn a_decode_node_refusing_the_prefill_address_fails_the_request_without_retry() {
-    let p = FakeNode::prefill().await;
-    let d0 = FakeNode::decode().await;
-    let d1 = FakeNode::decode().await;
-    d1.state.load.store(3, SeqCst);
-    let router = RouterUnderTest::start(config(&[&p], &[&d0, &d1])).await;
-    eventually("all nodes up with their load", || {
-        router
-            .registry
-            .nodes()
-            .iter()
-            .all(|n| n.is_up() && n.info().is_some())
-            && router.registry.nodes()[2].load() == 3
-    })
-    .await;
+    let (p, d0, d1, router) = d0_tried_first().await;
     *d0.state.fail_code.lock().unwrap() = Code::PermissionDenied;
     d0.state.fail_next.store(1, SeqCst);
     let mut client = router.client();

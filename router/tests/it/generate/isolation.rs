@@ -6,29 +6,16 @@
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use pd_router::PolicyKind;
 use pd_router::registry::BreakerConfig;
 use pd_test_support::metrics::value;
 use tonic::Code;
 
+use super::{all_up, two_prefills_in_turn};
 use crate::fake::*;
-
-async fn all_up(router: &RouterUnderTest) {
-    eventually("all nodes up", || {
-        router.registry.nodes().iter().all(|n| n.is_up())
-    })
-    .await;
-}
 
 #[tokio::test]
 async fn an_engine_panic_on_a_prefill_node_is_internal_and_not_retried() {
-    let p0 = FakeNode::prefill().await;
-    let p1 = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    let mut cfg = config(&[&p0, &p1], &[&d]);
-    cfg.policy = PolicyKind::RoundRobin;
-    let router = RouterUnderTest::start(cfg).await;
-    all_up(&router).await;
+    let (p0, p1, d, router) = two_prefills_in_turn(|_| {}).await;
     for p in [&p0, &p1] {
         p.state.fail_as_panic.store(true, SeqCst);
         p.state.fail_next.store(1, SeqCst);
@@ -70,18 +57,14 @@ async fn an_engine_panic_on_a_decode_node_is_internal_and_not_retried() {
 
 #[tokio::test]
 async fn a_failing_node_s_breaker_opens_and_requests_skip_it() {
-    let p0 = FakeNode::prefill().await;
-    let p1 = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    let mut cfg = config(&[&p0, &p1], &[&d]);
-    cfg.policy = PolicyKind::RoundRobin;
-    cfg.breaker = BreakerConfig {
-        failures: 2,
-        // Longer than the test: once open, it stays open.
-        cooldown: Duration::from_secs(600),
-    };
-    let router = RouterUnderTest::start(cfg).await;
-    all_up(&router).await;
+    let (p0, p1, _d, router) = two_prefills_in_turn(|cfg| {
+        cfg.breaker = BreakerConfig {
+            failures: 2,
+            // Longer than the test: once open, it stays open.
+            cooldown: Duration::from_secs(600),
+        }
+    })
+    .await;
     // p0 answers every request INTERNAL (its Info stays healthy): each failure is retried on
     // p1, until p0's breaker opens after its second.
     *p0.state.fail_code.lock().unwrap() = Code::Internal;
@@ -131,17 +114,13 @@ async fn a_failing_node_s_breaker_opens_and_requests_skip_it() {
 
 #[tokio::test]
 async fn after_its_cooldown_a_successful_probe_closes_the_breaker() {
-    let p0 = FakeNode::prefill().await;
-    let p1 = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    let mut cfg = config(&[&p0, &p1], &[&d]);
-    cfg.policy = PolicyKind::RoundRobin;
-    cfg.breaker = BreakerConfig {
-        failures: 1,
-        cooldown: Duration::from_millis(100),
-    };
-    let router = RouterUnderTest::start(cfg).await;
-    all_up(&router).await;
+    let (p0, _p1, _d, router) = two_prefills_in_turn(|cfg| {
+        cfg.breaker = BreakerConfig {
+            failures: 1,
+            cooldown: Duration::from_millis(100),
+        }
+    })
+    .await;
     *p0.state.fail_code.lock().unwrap() = Code::Internal;
     p0.state.fail_next.store(1, SeqCst);
     let mut client = router.client();
