@@ -27,6 +27,15 @@ async fn all_up(router: &RouterUnderTest) {
     .await;
 }
 
+/// Waits until the decode node `d` is told to abort the first request it saw.
+async fn decode_aborted(d: &FakeNode) {
+    let decode_id = d.state.decodes.lock().unwrap()[0].request_id.clone();
+    eventually("the decode node is aborted", || {
+        d.state.aborted() == [decode_id.clone()]
+    })
+    .await;
+}
+
 /// Two prefill nodes taken in turn (round robin) and one decode node, behind a router started
 /// with `edit` applied to its config, once it sees every node up: `(p0, p1, d, router)`.
 async fn two_prefills_in_turn(
@@ -261,11 +270,7 @@ async fn a_stop_string_ends_the_request_and_aborts_the_decode_node() {
     );
     assert!(all_ids(&chunks).len() < ids.len(), "ended early");
 
-    let decode_id = d.state.decodes.lock().unwrap()[0].request_id.clone();
-    eventually("the decode node is aborted", || {
-        d.state.aborted() == [decode_id.clone()]
-    })
-    .await;
+    decode_aborted(&d).await;
     eventually("the decode stream is dropped", || {
         d.state.streams_cancelled.load(SeqCst) == 1
     })

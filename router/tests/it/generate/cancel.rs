@@ -9,6 +9,7 @@ use pd_proto::pb::generation_client::GenerationClient;
 use tonic::Code;
 use tonic::transport::Channel;
 
+use super::decode_aborted;
 use crate::fake::*;
 
 pub(super) fn abort_request(id: &str) -> pb::AbortRequest {
@@ -30,8 +31,9 @@ pub(super) async fn assert_leaves_flight(client: &mut GenerationClient<Channel>,
     panic!("request {id} is still in flight");
 }
 
-#[tokio::test]
-async fn a_client_that_goes_away_aborts_downstream() {
+/// A router over a prefill node and a decode node that sends two tokens and then hangs (its
+/// stream ends only when the router drops it): `(p, d, router)`.
+async fn hanging_decode() -> (FakeNode, FakeNode, RouterUnderTest) {
     let p = FakeNode::prefill().await;
     let d = FakeNode::decode().await;
     *d.state.script.lock().unwrap() = Script {
@@ -40,6 +42,30 @@ async fn a_client_that_goes_away_aborts_downstream() {
         ..Default::default()
     };
     let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    (p, d, router)
+}
+
+/// A router over a prefill node that takes 30 s to answer and a decode node: `(p, d, router)`.
+async fn slow_prefill() -> (FakeNode, FakeNode, RouterUnderTest) {
+    let p = FakeNode::prefill().await;
+    let d = FakeNode::decode().await;
+    *p.state.prefill_delay.lock().unwrap() = Duration::from_secs(30);
+    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    (p, d, router)
+}
+
+/// Waits until the prefill node `p` is told to abort the first request it saw.
+async fn prefill_aborted(p: &FakeNode) {
+    let prefill_id = p.state.prefills.lock().unwrap()[0].request_id.clone();
+    eventually("the prefill node is aborted", || {
+        p.state.aborted() == [prefill_id.clone()]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_aborts_downstream() {
+    let (p, d, router) = hanging_decode().await;
     let mut client = router.client();
     let mut req = text_request("tell me a long story");
     req.request_id = Some("going-away".into());
@@ -49,11 +75,7 @@ async fn a_client_that_goes_away_aborts_downstream() {
     }
     drop(stream);
 
-    let decode_id = d.state.decodes.lock().unwrap()[0].request_id.clone();
-    eventually("the decode node is aborted", || {
-        d.state.aborted() == [decode_id.clone()]
-    })
-    .await;
+    decode_aborted(&d).await;
     eventually("the decode stream is dropped", || {
         d.state.streams_cancelled.load(SeqCst) == 1
     })
@@ -64,14 +86,7 @@ async fn a_client_that_goes_away_aborts_downstream() {
 
 #[tokio::test]
 async fn abort_ends_the_stream_with_finish_reason_abort() {
-    let p = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    *d.state.script.lock().unwrap() = Script {
-        messages: vec![vec![101], vec![102]],
-        end: End::Hang,
-        ..Default::default()
-    };
-    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let (p, d, router) = hanging_decode().await;
     let mut client = router.client();
     assert!(
         !client
@@ -95,11 +110,7 @@ async fn abort_ends_the_stream_with_finish_reason_abort() {
     assert_eq!(last.usage.unwrap().completion_tokens, 3);
     assert!(stream.message().await.unwrap().is_none());
 
-    let decode_id = d.state.decodes.lock().unwrap()[0].request_id.clone();
-    eventually("the decode node is aborted", || {
-        d.state.aborted() == [decode_id.clone()]
-    })
-    .await;
+    decode_aborted(&d).await;
     eventually("the lease is released", || p.state.released().len() == 1).await;
     assert!(
         !client
@@ -113,10 +124,7 @@ async fn abort_ends_the_stream_with_finish_reason_abort() {
 
 #[tokio::test]
 async fn abort_while_prefilling_aborts_the_prefill_node() {
-    let p = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    *p.state.prefill_delay.lock().unwrap() = Duration::from_secs(30);
-    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let (p, d, router) = slow_prefill().await;
     let mut client = router.client();
     let mut req = text_request("slow");
     req.request_id = Some("slow".into());
@@ -136,20 +144,13 @@ async fn abort_while_prefilling_aborts_the_prefill_node() {
     assert_eq!(chunks.len(), 1);
     assert_eq!(chunks[0].finish_reason(), pb::FinishReason::Abort);
     assert_eq!(chunks[0].usage.unwrap().completion_tokens, 0);
-    let prefill_id = p.state.prefills.lock().unwrap()[0].request_id.clone();
-    eventually("the prefill node is aborted", || {
-        p.state.aborted() == [prefill_id.clone()]
-    })
-    .await;
+    prefill_aborted(&p).await;
     assert_eq!(d.state.decode_count(), 0);
 }
 
 #[tokio::test]
 async fn a_client_that_goes_away_while_prefilling_aborts_the_prefill_node() {
-    let p = FakeNode::prefill().await;
-    let d = FakeNode::decode().await;
-    *p.state.prefill_delay.lock().unwrap() = Duration::from_secs(30);
-    let router = RouterUnderTest::start(config(&[&p], &[&d])).await;
+    let (p, d, router) = slow_prefill().await;
     let mut client = router.client();
     let mut req = text_request("slow");
     req.request_id = Some("impatient".into());
@@ -158,11 +159,7 @@ async fn a_client_that_goes_away_while_prefilling_aborts_the_prefill_node() {
     let call = tokio::spawn(async move { c.generate(req).await.map(|_| ()) });
     eventually("the prefill started", || p.state.prefill_count() == 1).await;
     call.abort();
-    let prefill_id = p.state.prefills.lock().unwrap()[0].request_id.clone();
-    eventually("the prefill node is aborted", || {
-        p.state.aborted() == [prefill_id.clone()]
-    })
-    .await;
+    prefill_aborted(&p).await;
     assert_eq!(d.state.decode_count(), 0);
     assert_leaves_flight(&mut client, "impatient").await;
 }
