@@ -4,6 +4,8 @@
 //! (no RDMA hardware on the build machines): one that always fails, and one that executes
 //! the read plan against in-process memory, to check the RDMA path's accounting.
 
+mod support;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,35 +13,22 @@ use std::time::{Duration, Instant};
 
 use pd_engine::kv::handoff::block_buffers::BlockBuffers;
 use pd_engine::kv::handoff::host_buffer::HostBuffer;
-use pd_engine::serve::{LeaseSecret, LeasedKv};
+use pd_engine::serve::LeaseSecret;
 use pd_transport::rdma::{
     BoxFuture, Fabric, LinkLayer, OfferLayout, RdmaError, RdmaOffer, RemoteRegion, block_checksum,
     plan_reads,
 };
 use pd_transport::{
-    FailureReason, KvExportServer, KvImporter, KvSource, LayoutFingerprint, OneSidedReader,
-    PathUsed, PullRequest, SharedBlocks, TransportError,
+    FailureReason, KvExportServer, KvImporter, LayoutFingerprint, OneSidedReader, PathUsed,
+    PullRequest, TransportError,
 };
+
+use crate::support::OneLease;
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x0123_4567_89ab_cdef);
 const LEASE: u64 = 9;
 /// Bytes per block.
 const BLOCK_BYTES: usize = 4096;
-
-struct Mem(Arc<LeasedKv>);
-
-impl KvSource for Mem {
-    fn read_blocks(
-        &self,
-        lease_id: u64,
-        _secret: &LeaseSecret,
-        first: usize,
-        count: usize,
-    ) -> Option<SharedBlocks> {
-        (lease_id == LEASE).then_some(())?;
-        SharedBlocks::new(Arc::clone(&self.0), first, count)
-    }
-}
 
 fn blocks(n: usize) -> Vec<Vec<u8>> {
     (0..n)
@@ -161,7 +150,7 @@ async fn server(n: usize) -> (KvExportServer, std::net::SocketAddr, Vec<Vec<u8>>
     let (server, addr) = KvExportServer::bind(
         "127.0.0.1:0".parse().unwrap(),
         FP,
-        Arc::new(Mem(Arc::new(LeasedKv::new(data.clone())))),
+        OneLease::new(LEASE, None, data.clone()),
     )
     .await
     .unwrap();

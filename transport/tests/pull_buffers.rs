@@ -3,36 +3,22 @@
 //! (milliseconds per block while the pool is cold); on a runtime thread it would stall every
 //! other stream that thread serves.
 
+mod support;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::handoff::block_buffers::BlockBuffers;
 use pd_engine::kv::handoff::host_buffer::heap_buffer;
-use pd_engine::serve::{LeaseSecret, LeasedKv};
-use pd_transport::{
-    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
-};
+use pd_engine::serve::LeaseSecret;
+use pd_transport::{ExportConfig, KvExportServer, KvPuller, LayoutFingerprint, PullRequest};
+
+use crate::support::OneLease;
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x5eed_f1a7_0000_0002);
 const LEASE: u64 = 7;
 const BLOCK: usize = 4096;
-
-struct OneLease(Arc<LeasedKv>);
-
-impl KvSource for OneLease {
-    fn read_blocks(
-        &self,
-        lease_id: u64,
-        _secret: &LeaseSecret,
-        first: usize,
-        count: usize,
-    ) -> Option<SharedBlocks> {
-        (lease_id == LEASE)
-            .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
-            .flatten()
-    }
-}
 
 fn blocks(n: usize) -> Vec<Vec<u8>> {
     (0..n).map(|i| vec![i as u8 + 1; BLOCK]).collect()
@@ -55,7 +41,7 @@ fn pull(count: usize) -> PullRequest {
 #[tokio::test(flavor = "current_thread")]
 async fn new_buffers_are_allocated_off_the_runtime_thread() {
     let exported = blocks(5);
-    let source = Arc::new(OneLease(Arc::new(LeasedKv::new(exported.clone()))));
+    let source = OneLease::new(LEASE, None, exported.clone());
     let (server, addr) = KvExportServer::bind_with(
         "127.0.0.1:0".parse().unwrap(),
         FP,

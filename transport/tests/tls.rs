@@ -2,40 +2,25 @@
 //! a TLS client without a cluster certificate and a plaintext client are closed before any
 //! byte of KV or of the layout (fingerprint, block size) reaches them.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_engine::serve::{LeaseSecret, LeasedKv};
+use pd_engine::serve::LeaseSecret;
 use pd_tls::certs::{ClusterCa, write_file};
 use pd_tls::{Alpn, ClientTls, Identity, ServerTls, TlsSettings, dial};
 use pd_transport::wire::PullRequestFrame;
-use pd_transport::{
-    ExportConfig, KvExportServer, KvPuller, KvSource, LayoutFingerprint, PullRequest, SharedBlocks,
-};
+use pd_transport::{ExportConfig, KvExportServer, KvPuller, LayoutFingerprint, PullRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::OneLease;
 
 const FP: LayoutFingerprint = LayoutFingerprint(0x7e57_0000_0000_0042);
 const LEASE: u64 = 7;
 const SECRET: LeaseSecret = LeaseSecret::from_bytes(*b"tls test secret!");
 const BLOCK: usize = 4096;
-
-struct OneLease(Arc<LeasedKv>);
-
-impl KvSource for OneLease {
-    fn read_blocks(
-        &self,
-        lease_id: u64,
-        secret: &LeaseSecret,
-        first: usize,
-        count: usize,
-    ) -> Option<SharedBlocks> {
-        (lease_id == LEASE && secret.matches(&SECRET))
-            .then(|| SharedBlocks::new(Arc::clone(&self.0), first, count))
-            .flatten()
-    }
-}
 
 struct Certs {
     _dir: tempfile::TempDir,
@@ -79,7 +64,7 @@ async fn mtls_server(c: &Certs) -> (KvExportServer, SocketAddr) {
         ..ExportConfig::default()
     };
     let blocks = (0..4u8).map(|i| vec![i; BLOCK]).collect();
-    let source = Arc::new(OneLease(Arc::new(LeasedKv::new(blocks))));
+    let source = OneLease::new(LEASE, Some(SECRET), blocks);
     KvExportServer::bind_with("127.0.0.1:0".parse().unwrap(), FP, source, config)
         .await
         .unwrap()
