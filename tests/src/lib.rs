@@ -51,6 +51,23 @@ impl Cluster {
         Self::up_with_env(cache, args, &[])
     }
 
+    /// `pdctl up --prefill PREFILL --decode 1` with chunked prefill: the engines compute long
+    /// prompts in pieces of 7 tokens (`--max-num-batched-tokens 7`).
+    pub fn up_chunked(cache: &Path, prefill: &str) -> anyhow::Result<Self> {
+        Self::up(
+            cache,
+            &[
+                "--prefill",
+                prefill,
+                "--decode",
+                "1",
+                "--",
+                "--max-num-batched-tokens",
+                "7",
+            ],
+        )
+    }
+
     /// [`Cluster::up`] with these environment variables set for every process it starts
     /// (e.g. `PD_*` router settings that `pdctl up` has no flag for).
     pub fn up_with_env(cache: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
@@ -230,6 +247,27 @@ pub fn token_ids(v: &Value) -> Vec<u32> {
 /// [`reference_run`]'s tokens.
 pub fn reference_tokens(cache: &Path, ids: &[u32], max_tokens: u32) -> Vec<u32> {
     token_ids(&reference_run(cache, ids, max_tokens))
+}
+
+/// Streams each of `prompts` greedily, `max_tokens` tokens, and asserts that the tokens are
+/// one mixed engine's ([`reference_tokens`]) and that the usage counts the prompt and them.
+pub async fn assert_each_equals_reference(
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    cache: &Path,
+    prompts: Vec<Vec<u32>>,
+    max_tokens: u32,
+) {
+    for ids in prompts {
+        let want = reference_tokens(cache, &ids, max_tokens);
+        let (got, last) = collect(client, greedy(ids.clone(), max_tokens))
+            .await
+            .unwrap();
+        assert_eq!(got, want, "prompt of {} tokens", ids.len());
+        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+        let usage = last.usage.unwrap();
+        assert_eq!(usage.prompt_tokens as usize, ids.len());
+        assert_eq!(usage.completion_tokens, max_tokens);
+    }
 }
 
 /// Waits (10 s at most) until every node of `cluster` has all its KV blocks free and runs

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, client, collect, greedy, node_info, reference_run, spread_prompts, token_ids,
+    Cluster, assert_each_equals_reference, client, collect, greedy, node_info, reference_run,
+    spread_prompts, token_ids,
 };
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
@@ -18,30 +19,10 @@ fn prompts() -> Vec<Vec<u32>> {
 async fn aggregated_mode_equals_one_mixed_engine_and_reports_the_decode_nodes_cache() {
     let cache = tempfile::tempdir().unwrap();
     // Chunked prefill on the decode node too: prompts are computed in pieces of 7 tokens.
-    let cluster = Cluster::up(
-        cache.path(),
-        &[
-            "--prefill",
-            "0",
-            "--decode",
-            "1",
-            "--",
-            "--max-num-batched-tokens",
-            "7",
-        ],
-    )
-    .unwrap();
+    let cluster = Cluster::up_chunked(cache.path(), "0").unwrap();
     assert!(cluster.nodes("prefill").is_empty());
     let mut c = client(&cluster.router()).await;
-    for ids in prompts() {
-        let want = token_ids(&reference_run(cache.path(), &ids, 10));
-        let (got, last) = collect(&mut c, greedy(ids.clone(), 10)).await.unwrap();
-        assert_eq!(got, want, "prompt of {} tokens", ids.len());
-        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
-        let usage = last.usage.unwrap();
-        assert_eq!(usage.prompt_tokens as usize, ids.len());
-        assert_eq!(usage.completion_tokens, 10);
-    }
+    assert_each_equals_reference(&mut c, cache.path(), prompts(), 10).await;
 
     // The longest prompt again: the decode node's own cache saved its whole blocks.
     let long = prompts().pop().unwrap();

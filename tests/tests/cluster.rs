@@ -2,8 +2,9 @@
 
 use pd_proto::pb;
 use pd_tests::{
-    Cluster, all_blocks_free, client, collect, exposition, greedy, json_of, node_info, pdctl,
-    reference_run_on, reference_run_with, reference_tokens, spread_prompts, token_ids,
+    Cluster, all_blocks_free, assert_each_equals_reference, client, collect, exposition, greedy,
+    json_of, node_info, pdctl, reference_run_on, reference_run_with, reference_tokens,
+    spread_prompts, token_ids,
 };
 
 /// Prompts of several lengths (some spanning many 16-token blocks).
@@ -15,29 +16,9 @@ fn prompts() -> Vec<Vec<u32>> {
 async fn keystone_pd_equals_one_mixed_engine_and_accounts_exactly() {
     let cache = tempfile::tempdir().unwrap();
     // Chunked prefill on: the prefill node computes long prompts in pieces of 7 tokens.
-    let cluster = Cluster::up(
-        cache.path(),
-        &[
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--",
-            "--max-num-batched-tokens",
-            "7",
-        ],
-    )
-    .unwrap();
+    let cluster = Cluster::up_chunked(cache.path(), "1").unwrap();
     let mut c = client(&cluster.router()).await;
-    for ids in prompts() {
-        let want = reference_tokens(cache.path(), &ids, 12);
-        let (got, last) = collect(&mut c, greedy(ids.clone(), 12)).await.unwrap();
-        assert_eq!(got, want, "prompt of {} tokens", ids.len());
-        assert_eq!(last.finish_reason(), pb::FinishReason::Length);
-        let usage = last.usage.unwrap();
-        assert_eq!(usage.prompt_tokens as usize, ids.len());
-        assert_eq!(usage.completion_tokens, 12);
-    }
+    assert_each_equals_reference(&mut c, cache.path(), prompts(), 12).await;
     // The same long prompt again: the prefill node reuses its cached blocks (local), and
     // the client's cached tokens are exactly that saving.
     let long = prompts().pop().unwrap();
