@@ -21,8 +21,10 @@
 //!
 //! A secure router (TLS to its client, which presents an API key, and mTLS to its own prefill
 //! and decode nodes, started beside the cluster with certificates and a key made here) is
-//! timed in the same rounds too: the ratio of its p50 to the plaintext router's is the cost of
-//! TLS and key checks on the request path.
+//! timed in the same rounds too, beside its plaintext twin (the same router over nodes of its
+//! own, without TLS or keys): the ratio of the secure router's p50 to the twin's is the cost of
+//! TLS and key checks on the request path. (Against the cluster's router it also pays for
+//! nodes that serve one target in six where the cluster's serve four and stay warmer.)
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p pd-tests --bench router_overhead`
 
@@ -255,8 +257,7 @@ async fn bench() {
     let tls_decode = start_tls_node("decode-node");
     let mut tls_router_args = vec!["--model".to_string(), "synthetic:tiny".into()];
     // TLS to clients (who have no cluster certificate), mTLS to the nodes.
-    tls_router_args.extend(member[..4].iter().cloned());
-    tls_router_args.extend(member[6..].iter().cloned());
+    tls_router_args.extend(tls.identity_flags());
     // And an API key from a keys file, as a client of an exposed router presents it.
     let keys_dir = tempfile::tempdir().expect("a temporary directory");
     let keys_file = keys_dir.path().join("api-keys");
@@ -276,6 +277,31 @@ async fn bench() {
     pd_tests::tls::wait_serving(&tls_router.addr(), Some(&client_tls))
         .await
         .expect("TLS router serving");
+    // Its plaintext twin: the same router and nodes, started the same way, without TLS or
+    // keys. The TLS router's nodes serve only its requests, where the cluster's nodes serve
+    // four targets' (and stay warmer for it): the twin is the like-for-like baseline.
+    let start_twin_node = |bin: &str| {
+        Process::start(bin, cache.path(), &["--model", "synthetic:tiny"]).expect("twin node")
+    };
+    let twin_prefill = start_twin_node("prefill-node");
+    let twin_decode = start_twin_node("decode-node");
+    let (twin_prefill_addr, twin_decode_addr) = (twin_prefill.addr(), twin_decode.addr());
+    let twin_router = Process::start(
+        "router",
+        cache.path(),
+        &[
+            "--model",
+            "synthetic:tiny",
+            "--prefill",
+            &twin_prefill_addr,
+            "--decode",
+            &twin_decode_addr,
+        ],
+    )
+    .expect("twin router");
+    wait_serving(&twin_router.addr())
+        .await
+        .expect("twin router serving");
     let (_forwarder, forwarder_addr) = ForwarderProcess::start(&prefill_addr);
     // Every client connects once every process has started: a client connected before the
     // benchmark started more processes measured 40-160 us slower at p50 than another
@@ -300,6 +326,7 @@ async fn bench() {
             .await
             .expect("TLS router"),
     );
+    let mut via_twin = client(&twin_router.addr()).await;
     let mut prefill =
         pb::prefill_service_client::PrefillServiceClient::connect(format!("http://{prefill_addr}"))
             .await
@@ -307,10 +334,11 @@ async fn bench() {
     let prompt: Vec<u32> = (1..9).collect();
     // Target 0 is the node itself, 1 the bare forwarder, 2 this build's router over HTTP,
     // 3 the same router over gRPC, 4.. the baseline routers, the last this build's router
-    // with TLS. Each round times every target once, in a fresh random order: what a request
-    // follows then weighs on all targets alike.
+    // with TLS, the very last its plaintext twin. Each round times every target once, in a
+    // fresh random order: what a request follows then weighs on all targets alike.
     let tls_target = 3 + routers.len();
-    let targets = tls_target + 1;
+    let twin_target = tls_target + 1;
+    let targets = twin_target + 1;
     let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(n); targets];
     let mut order: Vec<usize> = (0..targets).collect();
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
@@ -322,6 +350,7 @@ async fn bench() {
                 1 => through(&mut forwarder, &prompt).await,
                 2 => through_http(&mut http, &prompt).await,
                 r if r == tls_target => through_with_key(&mut via_tls, &prompt, api_key).await,
+                r if r == twin_target => through(&mut via_twin, &prompt).await,
                 r => through(&mut routers[r - 3].1, &prompt).await,
             };
             if i >= 20 {
@@ -332,6 +361,7 @@ async fn bench() {
     let mut via_forwarder = std::mem::take(&mut times[1]);
     let mut direct = std::mem::take(&mut times[0]);
     let mut via_http = std::mem::take(&mut times[2]);
+    let mut via_twin_router = times.pop().expect("the plaintext twin's times");
     let mut via_tls_router = times.pop().expect("the TLS router's times");
     for ((_, _, v), t) in routers.iter_mut().zip(times.into_iter().skip(3)) {
         *v = t;
@@ -368,10 +398,16 @@ async fn bench() {
         us(percentile(&mut via_router, 0.5)) - us(percentile(&mut via_forwarder, 0.5))
     );
     report("through TLS + API key", &mut via_tls_router);
+    report("through its plaintext twin", &mut via_twin_router);
     println!(
         "  TLS + API key over plaintext through the router: p50 {:.3}x (+{:.0} us)",
         us(percentile(&mut via_tls_router, 0.5)) / us(percentile(&mut via_router, 0.5)),
         us(percentile(&mut via_tls_router, 0.5)) - us(percentile(&mut via_router, 0.5))
+    );
+    println!(
+        "  TLS + API key over its plaintext twin (nodes of their own alike): p50 {:.3}x (+{:.0} us)",
+        us(percentile(&mut via_tls_router, 0.5)) / us(percentile(&mut via_twin_router, 0.5)),
+        us(percentile(&mut via_tls_router, 0.5)) - us(percentile(&mut via_twin_router, 0.5))
     );
     for (bin, (_, _, times)) in baseline_bins.iter().zip(routers.iter_mut().skip(1)) {
         report(&format!("through {bin}"), times);
