@@ -102,42 +102,43 @@ pub struct Costs {
     state: Arc<Mutex<State>>,
 }
 
-/// Prompt tokens counted as queued on a node until dropped.
+/// What the router counts as in flight on a node.
+#[derive(Debug, Clone, Copy)]
+enum Work {
+    /// Prompt tokens sent to compute.
+    Prompt,
+    /// KV pulls into a decode node.
+    Pull,
+}
+
+/// Work counted as in flight on a node until dropped.
 #[derive(Debug)]
-pub struct Queued {
+pub struct InFlight {
     state: Arc<Mutex<State>>,
+    work: Work,
     node: NodeId,
-    tokens: u64,
-    /// Tokens that were queued on the node before these.
+    amount: u64,
+    /// What was in flight on the node before this (prompt tokens queued ahead).
     pub ahead: u64,
 }
 
-impl Drop for Queued {
+impl Drop for InFlight {
     fn drop(&mut self) {
         let mut state = lock(&self.state);
-        if let Some(q) = state.queued.get_mut(&self.node) {
-            *q = q.saturating_sub(self.tokens);
-        }
-    }
-}
-
-/// A KV pull counted as in flight on a decode node until dropped.
-#[derive(Debug)]
-pub struct Pulling {
-    state: Arc<Mutex<State>>,
-    node: NodeId,
-}
-
-impl Drop for Pulling {
-    fn drop(&mut self) {
-        let mut state = lock(&self.state);
-        if let Some(p) = state.pulling.get_mut(&self.node) {
-            *p = p.saturating_sub(1);
+        if let Some(n) = state.in_flight(self.work).get_mut(&self.node) {
+            *n = n.saturating_sub(self.amount);
         }
     }
 }
 
 impl State {
+    fn in_flight(&mut self, work: Work) -> &mut HashMap<NodeId, u64> {
+        match work {
+            Work::Prompt => &mut self.queued,
+            Work::Pull => &mut self.pulling,
+        }
+    }
+
     /// The prefill fits of `path`'s nodes.
     fn fits(&self, path: Path) -> &HashMap<NodeId, Fit> {
         match path {
@@ -156,27 +157,28 @@ impl Costs {
         lock(&self.state)
     }
 
-    /// Counts `tokens` to compute as queued on `node` until the guard is dropped.
-    pub fn queue(&self, node: NodeId, tokens: u64) -> Queued {
+    fn hold(&self, work: Work, node: NodeId, amount: u64) -> InFlight {
         let mut state = self.state();
-        let q = state.queued.entry(node).or_default();
-        let ahead = *q;
-        *q += tokens;
-        Queued {
+        let n = state.in_flight(work).entry(node).or_default();
+        let ahead = *n;
+        *n += amount;
+        InFlight {
             state: self.state.clone(),
+            work,
             node,
-            tokens,
+            amount,
             ahead,
         }
     }
 
+    /// Counts `tokens` to compute as queued on `node` until the guard is dropped.
+    pub fn queue(&self, node: NodeId, tokens: u64) -> InFlight {
+        self.hold(Work::Prompt, node, tokens)
+    }
+
     /// Counts a KV pull as in flight on decode node `node` until the guard is dropped.
-    pub fn pull(&self, node: NodeId) -> Pulling {
-        *self.state().pulling.entry(node).or_default() += 1;
-        Pulling {
-            state: self.state.clone(),
-            node,
-        }
+    pub fn pull(&self, node: NodeId) -> InFlight {
+        self.hold(Work::Pull, node, 1)
     }
 
     /// Prompt tokens queued on `node` now.

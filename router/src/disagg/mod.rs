@@ -33,7 +33,7 @@
 mod costs;
 mod fit;
 
-pub use costs::{Busy, Costs, Pulling, Queued};
+pub use costs::{Busy, Costs, InFlight};
 
 use clap::ValueEnum;
 
@@ -270,6 +270,13 @@ mod tests {
         }
     }
 
+    /// Decode node 10 stepped in `quiet` seconds alone and in `here` while computing a prompt.
+    fn quiet_and_busy_steps(d: &Disagg, quiet: f64, here: f64) {
+        d.costs.stepped(10, quiet);
+        let _computing = d.costs.queue(10, 1);
+        d.costs.stepped(10, here);
+    }
+
     #[test]
     fn nothing_measured_keeps_the_remote_path() {
         let d = Disagg::new(DisaggMode::Auto);
@@ -351,10 +358,7 @@ mod tests {
         // Assumed: computing on the decode node stalls its 16 streams; elsewhere does not.
         assert_eq!(d.decide(1024, &remote, &[busy]).path, Path::Remote);
         // Measured on shared hardware: both slow the node's steps by a fifth.
-        d.costs.stepped(10, 0.008);
-        let here = d.costs.queue(10, 1);
-        d.costs.stepped(10, 0.010);
-        drop(here);
+        quiet_and_busy_steps(&d, 0.008, 0.010);
         let elsewhere = d.costs.queue(0, 1);
         d.costs.stepped(10, 0.010);
         drop(elsewhere);
@@ -373,10 +377,7 @@ mod tests {
             streams: 16,
             ..remote(1008, 64)
         };
-        d.costs.stepped(10, 0.008);
-        let here = d.costs.queue(10, 1);
-        d.costs.stepped(10, 0.010);
-        drop(here);
+        quiet_and_busy_steps(&d, 0.008, 0.010);
         // Until a pull is seen to slow the node, the warm prefill node wins.
         assert_eq!(d.decide(1024, &remote, &[cold]).path, Path::Remote);
         // Pulls measured to halve the node's step rate: 16 streams wait for half the
