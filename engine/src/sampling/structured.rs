@@ -22,6 +22,7 @@ mod cache;
 mod free;
 mod grammar;
 mod json;
+mod pattern;
 mod trie;
 mod vocabulary;
 
@@ -67,7 +68,8 @@ pub enum StructuredOutput {
     /// The output text is exactly one of these strings.
     Choice(Vec<String>),
     /// The output text is JSON accepted by this JSON schema (the subset outlines supports:
-    /// types, properties, required, enum, const, arrays, nesting, `$ref` within the schema).
+    /// types, properties, required, enum, const, arrays, nesting, `$ref` within the schema,
+    /// string `pattern`s matched against the whole value).
     JsonSchema(String),
     /// The output text is one JSON object, any (OpenAI's `json_object`): nothing before its
     /// `{` or after its `}`, whitespace runs of at most [`MAX_JSON_WHITESPACE_RUN`] bytes,
@@ -194,6 +196,9 @@ impl StructuredOutput {
             }
             Self::JsonSchema(schema) => {
                 check_len("JSON schema", schema.len())?;
+                // Patterns rewritten to speak of the string's JSON text (`pattern`).
+                let rewritten = pattern::rewrite(schema)?;
+                let schema = rewritten.as_deref().unwrap_or(schema);
                 // Free-form parts marked (`free`): the guide reads them with the JSON grammar.
                 let marked = free::mark(schema);
                 outlines_core::json_schema::regex_from_str(
