@@ -18,6 +18,7 @@
 //! (a large schema over Qwen3's 151k tokens), so nodes compile off their async threads and
 //! keep compiled guides in a [`GuideCache`].
 
+mod anchors;
 mod cache;
 mod free;
 mod grammar;
@@ -214,9 +215,18 @@ impl StructuredOutput {
         if free::has_marks(&regex) {
             free::bytes_regex(&regex)?;
         }
-        regex_syntax::Parser::new()
+        let hir = regex_syntax::Parser::new()
             .parse(&regex)
             .map_err(|e| StructuredError::Regex(regex_error(&e)))?;
+        if let Some(why) = anchors::inner_anchor(&hir) {
+            return Err(StructuredError::Regex(format!("the expression {why}")));
+        }
+        // Anchors at the ends say what the guide does anyway, and its automaton (a start that
+        // looks behind) could not be built with them: they are left out.
+        let stripped = anchors::strip_ends(&hir);
+        if stripped != hir {
+            return Ok(stripped.to_string());
+        }
         Ok(regex)
     }
 }

@@ -12,7 +12,7 @@
 
 use std::collections::HashSet;
 
-use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Hir, HirKind, Look};
+use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Hir, HirKind};
 use serde_json::Value;
 
 use super::StructuredError;
@@ -58,27 +58,8 @@ pub(super) fn json_text_regex(pattern: &str) -> Result<String, StructuredError> 
         .build()
         .parse(pattern)
         .map_err(|e| refuse(format!("does not parse: {}", super::regex_error(&e))))?;
-    let escaped = escape(&strip_ends(hir)).map_err(refuse)?;
+    let escaped = escape(&super::anchors::strip_ends(&hir)).map_err(refuse)?;
     Ok(format!("(?:{escaped})"))
-}
-
-/// `hir` without a `^` (`\A`) first and a `$` (`\z`) last: a pattern matches the whole value.
-fn strip_ends(hir: Hir) -> Hir {
-    let is_look = |h: &Hir, look: Look| matches!(h.kind(), HirKind::Look(l) if *l == look);
-    match hir.kind() {
-        HirKind::Look(Look::Start | Look::End) => Hir::empty(),
-        HirKind::Concat(parts) => {
-            let mut parts = parts.clone();
-            if parts.first().is_some_and(|h| is_look(h, Look::Start)) {
-                parts.remove(0);
-            }
-            if parts.last().is_some_and(|h| is_look(h, Look::End)) {
-                parts.pop();
-            }
-            Hir::concat(parts)
-        }
-        _ => hir,
-    }
 }
 
 /// `hir` over JSON string text: each character as JSON writes it inside quotes.

@@ -132,6 +132,17 @@ fn bad_specifications_are_refused_with_what_is_wrong() {
     // Parses, but no token spells a "z".
     let e = Guide::compile(&StructuredOutput::Regex("z".into()), &vocabulary()).unwrap_err();
     assert!(matches!(e, StructuredError::Vocabulary(_)), "{e}");
+    // An anchor inside can never hold (before, this failed on the vocabulary, which was not
+    // what was wrong); anchors at the ends are the whole match anyway.
+    let e = StructuredOutput::Regex("1$0".into())
+        .validate()
+        .unwrap_err();
+    assert!(matches!(e, StructuredError::Regex(_)), "{e}");
+    assert!(e.to_string().contains("can never match"), "{e}");
+    assert_eq!(
+        walk(StructuredOutput::Regex("^1|^0$".into()), &[]),
+        vec![0, 1]
+    );
 }
 
 #[test]
