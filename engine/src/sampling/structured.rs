@@ -24,6 +24,7 @@ mod free;
 mod grammar;
 mod json;
 mod pattern;
+mod states;
 mod trie;
 mod vocabulary;
 
@@ -37,6 +38,7 @@ use free::{FreeJson, FreeState};
 use grammar::{Grammar, GrammarGuide, GrammarState};
 pub use grammar::{MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_ELEMENTS, MAX_GRAMMAR_STACKS, MAX_WALK_WORK};
 pub use json::{MAX_DEPTH as MAX_JSON_DEPTH, MAX_WHITESPACE_RUN as MAX_JSON_WHITESPACE_RUN};
+use states::check_states;
 use trie::Masks;
 pub use vocabulary::GuideVocabulary;
 
@@ -49,16 +51,6 @@ pub const MAX_CHOICES: usize = 256;
 /// bounded repetition of an alternation multiplies states (`[ab]*a[ab]{10}` has 4,097): the
 /// cap keeps one request from holding a node's compile thread for minutes.
 pub const MAX_GUIDE_STATES: usize = 1024;
-/// Memory the regex's determinization may use before it is refused (its own cap, before the
-/// states are counted).
-const DFA_BUILD_LIMIT: usize = 32 << 20;
-/// Largest DFA built to count its states: room for four times [`MAX_GUIDE_STATES`] states of
-/// the widest stride (512 transitions of 4 bytes), so that an expression far past the cap is
-/// refused once its DFA outgrows this, not after determinizing 32 MiB of it (seconds of a
-/// node's compile thread for some schemas). Built whole, unanchored start included, as the
-/// index builds its own: an expression small anchored but huge unanchored (`a[ab]{24}`)
-/// would hold the index's build for minutes.
-const DFA_SIZE_LIMIT: usize = 4 * MAX_GUIDE_STATES * 512 * 4;
 
 /// What the output must look like.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,56 +260,6 @@ fn any_object_value(schema: &serde_json::Value) -> bool {
             }
             _ => false,
         })
-}
-
-/// Refuses a regex whose automaton has more than [`MAX_GUIDE_STATES`] states (counted over
-/// bytes from the anchored start, as the index walks it), before the costly index is built.
-fn check_states(regex: &str) -> Result<(), StructuredError> {
-    use regex_automata::Anchored;
-    use regex_automata::dfa::{Automaton, dense};
-    let too_complex = || {
-        StructuredError::TooComplex(format!(
-            "the expression's automaton has more than {MAX_GUIDE_STATES} states (a bounded \
-             repetition such as {{20}} of an alternation multiplies them); simplify it"
-        ))
-    };
-    let dfa = dense::Builder::new()
-        .configure(
-            dense::Config::new()
-                .determinize_size_limit(Some(DFA_BUILD_LIMIT))
-                .dfa_size_limit(Some(DFA_SIZE_LIMIT)),
-        )
-        .build(regex)
-        .map_err(|_| too_complex())?;
-    let start = dfa
-        .universal_start_state(Anchored::Yes)
-        .ok_or_else(|| StructuredError::Regex("the expression has no single start".into()))?;
-    if !within_state_cap(&dfa, start) {
-        return Err(too_complex());
-    }
-    Ok(())
-}
-
-/// At most [`MAX_GUIDE_STATES`] states of `dfa` are reachable from `start` (over all bytes).
-fn within_state_cap(
-    dfa: &regex_automata::dfa::dense::DFA<Vec<u32>>,
-    start: regex_automata::util::primitives::StateID,
-) -> bool {
-    use regex_automata::dfa::Automaton;
-    let mut seen = std::collections::HashSet::from([start]);
-    let mut todo = vec![start];
-    while let Some(state) = todo.pop() {
-        for byte in 0..=255u8 {
-            let next = dfa.next_state(state, byte);
-            if !dfa.is_dead_state(next) && !dfa.is_quit_state(next) && seen.insert(next) {
-                if seen.len() > MAX_GUIDE_STATES {
-                    return false;
-                }
-                todo.push(next);
-            }
-        }
-    }
-    true
 }
 
 /// A regex error on one line (regex-syntax draws the pattern and a caret over several): what

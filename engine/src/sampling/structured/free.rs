@@ -258,7 +258,7 @@ impl FreeJson {
                 "the schema's automaton has more than {MAX_GUIDE_STATES} states; simplify it"
             ))
         };
-        let limit = Some(super::DFA_BUILD_LIMIT);
+        let limit = Some(super::states::DFA_BUILD_LIMIT);
         let dfa = dense::Builder::new()
             .syntax(syntax::Config::new().utf8(false))
             .thompson(thompson::Config::new().utf8(false))
@@ -274,7 +274,7 @@ impl FreeJson {
         let start = dfa.universal_start_state(Anchored::Yes).ok_or_else(|| {
             StructuredError::Regex("the schema's regex has no single start".into())
         })?;
-        if !super::within_state_cap(&dfa, start) {
+        if !super::states::within_state_cap(&dfa, start) {
             return Err(too_complex());
         }
         Ok(Self { dfa, start })
