@@ -28,40 +28,44 @@ const LAZY_CACHE_BYTES: usize = 32 << 20;
 /// At most [`MAX_GUIDE_STATES`] states are reachable from the anchored start of `regex`,
 /// determinized lazily, state by state, and stopped as soon as the cap is passed: a regex far
 /// past the cap is refused in milliseconds, where building its whole DFA first (below) took
-/// seconds. `Ok(false)` past the cap or when the count would need more memory than allowed.
-fn anchored_within_cap(regex: &str) -> Result<bool, hybrid::BuildError> {
-    let dfa = hybrid::dfa::DFA::builder()
+/// seconds. False past the cap, when the count would need more memory than allowed, or when
+/// the lazy DFA cannot be built (as the whole one then could not be either).
+fn anchored_within_cap(regex: &str) -> bool {
+    let Ok(dfa) = hybrid::dfa::DFA::builder()
         .configure(
             hybrid::dfa::Config::new()
                 .cache_capacity(LAZY_CACHE_BYTES)
                 .minimum_cache_clear_count(Some(0)),
         )
-        .build(regex)?;
+        .build(regex)
+    else {
+        return false;
+    };
     let mut cache = dfa.create_cache();
     let Ok(start) = dfa.start_state(&mut cache, &start::Config::new().anchored(Anchored::Yes))
     else {
-        return Ok(false);
+        return false;
     };
     let mut seen = std::collections::HashSet::from([start]);
     let mut todo = vec![start];
     while let Some(state) = todo.pop() {
         for byte in 0..=255u8 {
             let Ok(next) = dfa.next_state(&mut cache, state, byte) else {
-                return Ok(false);
+                return false;
             };
             // A cleared cache has forgotten the states counted so far.
             if cache.clear_count() > 0 {
-                return Ok(false);
+                return false;
             }
             if !next.is_dead() && !next.is_quit() && seen.insert(next) {
                 if seen.len() > MAX_GUIDE_STATES {
-                    return Ok(false);
+                    return false;
                 }
                 todo.push(next);
             }
         }
     }
-    Ok(true)
+    true
 }
 
 /// Refuses a regex whose automaton has more than [`MAX_GUIDE_STATES`] states (counted over
@@ -73,7 +77,7 @@ pub(super) fn check_states(regex: &str) -> Result<(), StructuredError> {
              repetition such as {{20}} of an alternation multiplies them); simplify it"
         ))
     };
-    if !anchored_within_cap(regex).map_err(|_| too_complex())? {
+    if !anchored_within_cap(regex) {
         return Err(too_complex());
     }
     // Within the cap anchored, the whole DFA (unanchored start included, as the index builds
