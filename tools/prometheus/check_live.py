@@ -81,7 +81,13 @@ def api(prom, path, **params):
     try:
         body = json.loads(http_get(url))
     except urllib.error.HTTPError as e:
-        body = json.loads(e.read().decode())
+        # Prometheus answers API errors in JSON, but while it starts up (or behind a proxy)
+        # it may answer plain text such as "Service Unavailable": report that as a retryable error.
+        text = e.read().decode(errors="replace")
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise RuntimeError(f"HTTP {e.code} from {url}: {text.strip()[:200]}") from e
     if body.get("status") != "success":
         raise RuntimeError(f"{body.get('errorType')}: {body.get('error')}")
     return body["data"]
