@@ -366,7 +366,7 @@ macro_rules! stream_kernels {
 
 // 32 zmm registers, but groups of at most 4 activation rows × 4 weight rows (16 accumulators):
 // each activation vector then feeds 4 FMAs. Groups of 8 rows × 2 weight rows ran 16 rows at
-// half the FLOP rate or less (Zen 5): activation rows `k` floats apart do not stay in L1
+// 0.3–0.8 of this FLOP rate (Zen 5): activation rows `k` floats apart do not stay in L1
 // between blocks, and 8 × 2 loads twice as many of them per FMA (docs/benchmarks.md).
 #[cfg(target_arch = "x86_64")]
 stream_kernels!(k512, avx512, "avx512f", 4, [1 => 4, 2 => 4, 3 => 4, 4 => 4]);
